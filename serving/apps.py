@@ -1,0 +1,8 @@
+from django.apps import AppConfig
+
+
+class ServingConfig(AppConfig):
+    """The adapter registry and the inference gateway. `serving.engine` beside it is Django-free."""
+
+    name = "serving"
+    verbose_name = "Adapter registry and gateway"

@@ -1,0 +1,98 @@
+"""Tenants, their tiers (quotas), memberships and API keys."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class Tier(models.Model):
+    """A service level: the quotas and priority every tenant on it shares."""
+
+    name = models.SlugField(max_length=32, unique=True)
+    requests_per_minute = models.PositiveIntegerField()
+    tokens_per_minute = models.PositiveIntegerField()
+    max_tokens_per_request = models.PositiveIntegerField()
+    # Lower runs first, as in the engine's scheduler.
+    priority = models.PositiveSmallIntegerField()
+    max_concurrent_training_jobs = models.PositiveSmallIntegerField()
+    max_adapters = models.PositiveIntegerField()
+    # Over quota, may a request run on the base model instead of being refused with 429?
+    degradation_allowed = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["priority", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Tenant(models.Model):
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        SUSPENDED = "suspended", "Suspended"
+
+    slug = models.SlugField(max_length=63, unique=True)
+    name = models.CharField(max_length=200)
+    tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="tenants")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+    @property
+    def is_active(self) -> bool:
+        return self.status == self.Status.ACTIVE
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        MEMBER = "member", "Member"
+        VIEWER = "viewer", "Viewer"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "tenant"], name="membership_unique_user_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.tenant} ({self.role})"
+
+
+class ApiKey(models.Model):
+    """A tenant's API key. The secret is shown once; only its hash is kept."""
+
+    class Scope(models.TextChoices):
+        INFERENCE = "inference", "Inference"
+        MANAGE = "manage", "Manage"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    # The public part of `lp-<prefix>.<secret>`: how a presented key is found without scanning.
+    prefix = models.CharField(max_length=16, unique=True)
+    secret_hash = models.CharField(max_length=64)
+    scopes = models.JSONField(default=list)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"lp-{self.prefix}… ({self.name})"
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scopes

@@ -1,0 +1,90 @@
+"""Everything that changes tenants, memberships and API keys."""
+
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from django.utils.text import slugify
+
+from lora_platform.errors import Conflict, InvalidInput, NotFound
+from tenants.api_keys import generate_key, hash_secret
+from tenants.models import ApiKey, Membership, Tenant, Tier
+
+DEFAULT_SCOPES = [ApiKey.Scope.INFERENCE.value, ApiKey.Scope.MANAGE.value]
+
+
+def _tier_by_name(name: str) -> Tier:
+    tier = Tier.objects.filter(name=name).first()
+    if tier is None:
+        known = ", ".join(Tier.objects.values_list("name", flat=True)) or "none"
+        raise InvalidInput(f"Unknown tier '{name}'. Known tiers: {known}.", code="unknown_tier", param="tier")
+    return tier
+
+
+def api_key_create(*, tenant: Tenant, name: str, scopes: list[str] | None = None) -> tuple[ApiKey, str]:
+    """A new key for the tenant: (the row, the full key, which is never retrievable again)."""
+    scopes = list(DEFAULT_SCOPES if scopes is None else scopes)
+    unknown = sorted(set(scopes) - set(ApiKey.Scope.values))
+    if unknown:
+        raise InvalidInput(
+            f"Unknown scope(s) {', '.join(unknown)}; valid scopes are {', '.join(ApiKey.Scope.values)}.",
+            code="unknown_scope", param="scopes",
+        )
+    if not scopes:
+        raise InvalidInput("An API key needs at least one scope.", code="empty_scopes", param="scopes")
+    if not name.strip():
+        raise InvalidInput("An API key needs a name.", param="name")
+    full_key, parts = generate_key()
+    key = ApiKey.objects.create(
+        tenant=tenant, name=name.strip(), prefix=parts.prefix, secret_hash=hash_secret(parts.secret),
+        scopes=sorted(set(scopes)),
+    )
+    return key, full_key
+
+
+def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
+    """Revoking is idempotent: the first revocation time is kept."""
+    if api_key.revoked_at is None:
+        api_key.revoked_at = timezone.now()
+        api_key.save(update_fields=["revoked_at"])
+    return api_key
+
+
+@transaction.atomic
+def tenant_create(*, slug: str, tier_name: str, name: str | None = None,
+                  owner_email: str | None = None) -> tuple[Tenant, str]:
+    """A new tenant with its first API key (returned once), and its owner when an email is given."""
+    if slug != slugify(slug) or not slug:
+        raise InvalidInput(
+            f"Invalid tenant slug '{slug}': use lowercase letters, digits and hyphens.", param="slug"
+        )
+    tier = _tier_by_name(tier_name)
+    try:
+        with transaction.atomic():
+            tenant = Tenant.objects.create(slug=slug, name=name or slug, tier=tier)
+    except IntegrityError:
+        raise Conflict(f"A tenant with slug '{slug}' already exists.", code="duplicate_slug", param="slug")
+    if owner_email:
+        user_model = get_user_model()
+        user = user_model.objects.filter(email__iexact=owner_email).first()
+        if user is None:
+            user = user_model.objects.create_user(username=owner_email, email=owner_email)
+        Membership.objects.create(user=user, tenant=tenant, role=Membership.Role.OWNER)
+    _, full_key = api_key_create(tenant=tenant, name="default")
+    return tenant, full_key
+
+
+def tenant_set_status(*, slug: str, status: str) -> Tenant:
+    tenant = Tenant.objects.filter(slug=slug).first()
+    if tenant is None:
+        raise NotFound(f"No tenant with slug '{slug}'.")
+    if status not in Tenant.Status.values:
+        raise InvalidInput(f"Unknown status '{status}'.", param="status")
+    tenant.status = status
+    tenant.save(update_fields=["status"])
+    return tenant
+
+
+def tenant_suspend(*, slug: str) -> Tenant:
+    return tenant_set_status(slug=slug, status=Tenant.Status.SUSPENDED)
