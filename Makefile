@@ -1,0 +1,31 @@
+# The two commands: `make up` runs the platform on its embedded defaults, `make test` runs every test.
+# Both set themselves up on a fresh machine: virtualenv, packages, database, models.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-installs only when pyproject.toml changed since the last install.
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install test up migrate lint-imports
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+migrate: install
+	$(PY) manage.py migrate --noinput
+
+lint-imports: install
+	$(VENV)/bin/lint-imports
+
+test: lint-imports
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+up: migrate
+	$(PY) -m lora_platform.launcher
