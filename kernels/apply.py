@@ -1,0 +1,174 @@
+"""Public multi-LoRA entry points: argument checks and the choice of backend.
+
+``"triton"`` runs the Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+``"torch"`` runs the reference; ``"auto"`` (the default) picks Triton for CUDA tensors and the
+reference elsewhere. ``use_backend`` overrides the default for a block of code (tests run the
+engine or the kernels through the interpreter that way); a ``backend=`` argument overrides both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+
+from kernels.meta import LoRAMeta
+from kernels.reference import lora_apply_torch
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+MAX_SLICES = 3
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_backend: contextvars.ContextVar[str] = contextvars.ContextVar("kernels_backend", default="auto")
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[None]:
+    """Run the multi-LoRA ops of this block with ``backend`` unless a call names its own."""
+    _check_backend(backend)
+    token = _backend.set(backend)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def resolve_backend(device: torch.device, backend: Backend | None = None) -> str:
+    """The backend a call on ``device`` runs: ``"torch"`` or ``"triton"``."""
+    chosen = backend if backend is not None else _backend.get()
+    _check_backend(chosen)
+    if chosen == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return chosen
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    scaling: torch.Tensor,
+    meta: LoRAMeta,
+    *,
+    ranks: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> None:
+    """``y[t] += scaling[s_t] * B[s_t] @ (A[s_t] @ x[t])`` for every token ``t`` with slot
+    ``s_t >= 0``, in place.
+
+    ``y [T, N]``, ``x [T, K]``, ``A [S, R, K]``, ``B [S, N, R]`` of one dtype (fp32, bf16 or fp16),
+    ``scaling [S]`` float, ``meta`` prepared for this step's ``T`` slots. ``ranks [S]`` (int32,
+    optional): slot ``s`` uses only ``A[s, :ranks[s]]`` and ``B[s, :, :ranks[s]]`` and costs that
+    rank in the kernels; the padded rest must be zero. Rank 0 skips the slot.
+    """
+    lora_apply_sliced(y, x, (A,), (B,), scaling, meta, slice_offsets=(0,), ranks=ranks, backend=backend)
+
+
+def lora_apply_sliced(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    As: Sequence[torch.Tensor],
+    Bs: Sequence[torch.Tensor],
+    scaling: torch.Tensor,
+    meta: LoRAMeta,
+    slice_offsets: Sequence[int] | None = None,
+    *,
+    ranks: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> None:
+    """:func:`lora_apply` for a fused projection (q/k/v, gate/up) in one call.
+
+    Slice ``i`` has its own ``As[i] [S, R, K]`` and ``Bs[i] [S, N_i, R]`` and adds into columns
+    ``slice_offsets[i] : slice_offsets[i] + N_i`` of the packed ``y``; the default offsets pack the
+    slices back to back from column 0. At most three slices; all share ``x``, ``scaling`` and
+    ``ranks``.
+    """
+    As, Bs = tuple(As), tuple(Bs)
+    offsets = _check(y, x, As, Bs, scaling, meta, slice_offsets, ranks)
+    if resolve_backend(x.device, backend) == "torch":
+        lora_apply_torch(y, x, As, Bs, scaling, meta, offsets, ranks)
+        return
+    # Imported here: the Triton kernels are compiled (or, under TRITON_INTERPRET=1, interpreted)
+    # according to the environment at import time, and CPU-only users never need them.
+    from kernels.triton_lora import lora_apply_triton
+
+    lora_apply_triton(y, x, As, Bs, scaling, meta, offsets, ranks)
+
+
+def _check(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    As: tuple[torch.Tensor, ...],
+    Bs: tuple[torch.Tensor, ...],
+    scaling: torch.Tensor,
+    meta: LoRAMeta,
+    slice_offsets: Sequence[int] | None,
+    ranks: torch.Tensor | None,
+) -> tuple[int, ...]:
+    """Validate shapes, dtypes and devices on the host (no synchronisation); return the offsets."""
+    if not 1 <= len(As) <= MAX_SLICES or len(As) != len(Bs):
+        raise ValueError(f"need 1 to {MAX_SLICES} slices with as many A as B, got {len(As)} A and {len(Bs)} B")
+    if x.dim() != 2 or y.dim() != 2:
+        raise ValueError(f"x and y must be 2-D [T, K] and [T, N], got {tuple(x.shape)} and {tuple(y.shape)}")
+    num_tokens, hidden = x.shape
+    if y.shape[0] != num_tokens:
+        raise ValueError(f"x has {num_tokens} tokens but y has {y.shape[0]}")
+    if meta.num_tokens != num_tokens:
+        raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, x has {num_tokens}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
+    if meta.device != x.device:
+        raise ValueError(f"meta is on {meta.device}, x on {x.device}")
+    A0 = As[0]
+    if A0.dim() != 3:
+        raise ValueError(f"A must be [S, R, K], got shape {tuple(A0.shape)}")
+    num_slots, rank, _ = A0.shape
+    if num_slots < meta.max_slots:
+        raise ValueError(f"A has {num_slots} slots but meta allows slot ids up to {meta.max_slots - 1}")
+    for i, (A, B) in enumerate(zip(As, Bs)):
+        if A.shape != (num_slots, rank, hidden):
+            raise ValueError(f"A[{i}] must be [S={num_slots}, R={rank}, K={hidden}], got {tuple(A.shape)}")
+        if B.dim() != 3 or B.shape[0] != num_slots or B.shape[2] != rank:
+            raise ValueError(f"B[{i}] must be [S={num_slots}, N, R={rank}], got {tuple(B.shape)}")
+        for name, t in ((f"A[{i}]", A), (f"B[{i}]", B), ("y", y)):
+            if t.dtype != x.dtype:
+                raise TypeError(f"{name} is {t.dtype} but x is {x.dtype}: all must share one dtype")
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if scaling.shape != (num_slots,) or not scaling.dtype.is_floating_point:
+        raise ValueError(f"scaling must be a float tensor [S={num_slots}], got {scaling.dtype} {tuple(scaling.shape)}")
+    if scaling.device != x.device:
+        raise ValueError(f"scaling is on {scaling.device} but x is on {x.device}")
+    if ranks is not None:
+        if ranks.shape != (num_slots,) or ranks.dtype != torch.int32:
+            raise ValueError(f"ranks must be an int32 tensor [S={num_slots}], got {ranks.dtype} {tuple(ranks.shape)}")
+        if ranks.device != x.device:
+            raise ValueError(f"ranks is on {ranks.device} but x is on {x.device}")
+        if ranks.device.type == "cpu" and (int(ranks.min()) < 0 or int(ranks.max()) > rank):
+            raise ValueError(f"ranks must lie in [0, {rank}], got {ranks.tolist()}")
+    widths = [B.shape[1] for B in Bs]
+    if slice_offsets is None:
+        offsets = [sum(widths[:i]) for i in range(len(widths))]
+    else:
+        offsets = [int(o) for o in slice_offsets]
+        if len(offsets) != len(Bs):
+            raise ValueError(f"{len(Bs)} slices but {len(offsets)} slice_offsets")
+    for i, (offset, width) in enumerate(zip(offsets, widths)):
+        if offset < 0 or offset + width > y.shape[1]:
+            raise ValueError(
+                f"slice {i} (columns {offset}..{offset + width}) does not fit y's {y.shape[1]} columns"
+            )
+    spans = sorted(zip(offsets, widths))
+    for (offset, width), (next_offset, _) in zip(spans, spans[1:]):
+        if offset + width > next_offset:
+            raise ValueError(f"slices overlap: columns {offset}..{offset + width} and from {next_offset}")
+    return tuple(offsets)
