@@ -130,6 +130,10 @@ BASE_MODEL_NAME = os.environ.get("BASE_MODEL_NAME", BASE_MODEL_PATH.name)
 # Extra base-model names accepted on uploaded adapters (e.g. the hub id the base was copied from).
 BASE_MODEL_ALIASES = env_list("BASE_MODEL_ALIASES", [])
 MAX_LORA_RANK = env_int("MAX_LORA_RANK", 64)
+# An uploaded adapter's files, unpacked, may not exceed this (also bounds what an archive expands to).
+ADAPTER_MAX_BYTES = env_int("ADAPTER_MAX_BYTES", 1024 * 1024 * 1024)
+# Serving workers present this token to read the registry snapshot; empty disables that endpoint.
+REGISTRY_TOKEN = os.environ.get("REGISTRY_TOKEN", "")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -1,0 +1,154 @@
+"""The adapter registry: adapters, their versions, and the audit log of every deployment change.
+
+State rules live in serving.services; the constraints below are the part the database can hold by
+itself (one active and one canary version per adapter, weights within 0–1, a weight only on a
+canary), so even a buggy caller cannot store an impossible state.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+from tenants.models import Tenant
+from tenants.scoping import TenantScopedQuerySet
+
+ADAPTER_NAME_PATTERN = r"[a-z0-9](?:[a-z0-9_-]{0,61}[a-z0-9])?"
+
+
+class Adapter(models.Model):
+    """A tenant's named adapter (`support-bot`); what the `model` field of a request names."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapters")
+    name = models.CharField(max_length=63)
+    description = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["tenant__slug", "name"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="adapter_unique_name_per_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.name}"
+
+    @property
+    def storage_prefix(self) -> str:
+        return f"adapters/{self.tenant.slug}/{self.name}/"
+
+
+class AdapterVersion(models.Model):
+    """One immutable artifact of an adapter, and where it stands in the deployment lifecycle.
+
+    ready → (deploy) active → (replaced) deprecated; ready/deprecated → (canary start) canary →
+    (promote) active | (abort) deprecated; any version not served → archived, which is final.
+    """
+
+    TENANT_PATH = "adapter__tenant"
+
+    class Status(models.TextChoices):
+        READY = "ready", "Ready"
+        ACTIVE = "active", "Active"
+        CANARY = "canary", "Canary"
+        DEPRECATED = "deprecated", "Deprecated"
+        ARCHIVED = "archived", "Archived"
+
+    class Source(models.TextChoices):
+        TRAINING_JOB = "training_job", "Training job"
+        UPLOAD = "upload", "Upload"
+
+    adapter = models.ForeignKey(Adapter, on_delete=models.CASCADE, related_name="versions")
+    version = models.CharField(max_length=64)
+    # Where serving workers fetch the PEFT directory from (file://… or s3://…), ending in '/'.
+    artifact_uri = models.CharField(max_length=1024)
+    # sha256 of manifest.json, which holds every file's sha256: the artifact's content identity.
+    manifest_sha256 = models.CharField(max_length=64)
+    base_model = models.CharField(max_length=200)
+    rank = models.PositiveSmallIntegerField()
+    lora_alpha = models.FloatField()
+    target_modules = models.JSONField(default=list)
+    size_bytes = models.PositiveBigIntegerField()
+    source = models.CharField(max_length=16, choices=Source.choices)
+    source_id = models.CharField(max_length=64, blank=True, default="")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY)
+    # The canary's share of the adapter's traffic; None for every other status.
+    traffic_weight = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["adapter_id", "-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["adapter", "version"], name="adapter_version_unique_version"),
+            models.UniqueConstraint(
+                fields=["adapter"], condition=Q(status="active"), name="adapter_version_one_active"
+            ),
+            models.UniqueConstraint(
+                fields=["adapter"], condition=Q(status="canary"), name="adapter_version_one_canary"
+            ),
+            models.CheckConstraint(
+                condition=Q(traffic_weight__isnull=True) | Q(traffic_weight__gte=0.0, traffic_weight__lte=1.0),
+                name="adapter_version_weight_within_0_1",
+            ),
+            models.CheckConstraint(
+                condition=(Q(status="canary") & Q(traffic_weight__isnull=False))
+                | (~Q(status="canary") & Q(traffic_weight__isnull=True)),
+                name="adapter_version_weight_only_on_canary",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.qualified_name
+
+    @property
+    def qualified_name(self) -> str:
+        """`<tenant>/<adapter>@<version>`: how serving workers and the gateway name a version."""
+        return f"{self.adapter.tenant.slug}/{self.adapter.name}@{self.version}"
+
+    @property
+    def is_served(self) -> bool:
+        return self.status in (self.Status.ACTIVE, self.Status.CANARY)
+
+
+class DeploymentEvent(models.Model):
+    """The audit log: one row per state change of the registry, written in the same transaction.
+
+    Versions are kept by their text, and the adapter link may go null, so the record of what was
+    served survives the deletion of the adapter itself.
+    """
+
+    class Kind(models.TextChoices):
+        REGISTER = "register", "Version registered"
+        DEPLOY = "deploy", "Deploy"
+        CANARY_START = "canary_start", "Canary start"
+        CANARY_WEIGHT = "canary_weight", "Canary weight change"
+        PROMOTE = "promote", "Promote canary"
+        ROLLBACK = "rollback", "Rollback"
+        ABORT = "abort", "Abort canary"
+        ARCHIVE = "archive", "Archive"
+        DELETE = "delete", "Adapter deleted"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="deployment_events")
+    adapter = models.ForeignKey(Adapter, on_delete=models.SET_NULL, null=True, blank=True, related_name="events")
+    adapter_name = models.CharField(max_length=63)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    from_version = models.CharField(max_length=64, blank=True, default="")
+    to_version = models.CharField(max_length=64, blank=True, default="")
+    from_weight = models.FloatField(null=True, blank=True)
+    to_weight = models.FloatField(null=True, blank=True)
+    # Who: `api-key:<prefix>`, `user:<username>`, `admin:<username>`, `training-job:<id>`, `operator:<what>`.
+    actor = models.CharField(max_length=200)
+    reason = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["adapter", "-id"], name="deployment_event_by_adapter")]
+
+    def __str__(self) -> str:
+        change = " → ".join(part for part in (self.from_version, self.to_version) if part)
+        return f"{self.tenant.slug}/{self.adapter_name} {self.kind} {change}".strip()
