@@ -1,0 +1,63 @@
+"""Engine suites' fixtures: tiny base models per architecture and PEFT-saved adapters on them.
+
+Both are session-scoped and cached, so every suite shares one build per (arch, seed) and adapters
+cost one PEFT save each.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from serving.engine.tiny import ARCHS, build_tiny_model, save_random_peft_adapter
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`factory(arch="llama", seed=0)` → a tiny model directory, built once per session."""
+    built: dict[tuple[str, int], Path] = {}
+
+    def factory(arch: str = "llama", seed: int = 0) -> Path:
+        if (arch, seed) not in built:
+            out = tmp_path_factory.mktemp("models") / f"tiny-{arch}"
+            built[arch, seed] = build_tiny_model(out, arch=arch, seed=seed)
+        return built[arch, seed]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]) -> Path:
+    """A tiny model of each architecture in turn (tests using it run once per arch)."""
+    return tiny_model_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def make_adapter(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`make_adapter(base_dir, r=8, lora_alpha=16, target_modules=(…), seed=0)` → new PEFT dir."""
+    counter = itertools.count()
+
+    def make(
+        base_dir: Path,
+        *,
+        r: int = 8,
+        lora_alpha: float = 16,
+        target_modules: Sequence[str] = ("q_proj", "v_proj"),
+        seed: int = 0,
+        **kwargs: object,
+    ) -> Path:
+        out = tmp_path_factory.mktemp("adapters") / f"adapter-{next(counter)}"
+        return save_random_peft_adapter(
+            base_dir, out, r=r, lora_alpha=lora_alpha, target_modules=target_modules, seed=seed,
+            **kwargs,
+        )
+
+    return make
