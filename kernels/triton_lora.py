@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.meta import LoRAMeta
 
@@ -220,6 +221,11 @@ def _expand_kernel(
     tl.store(y_ptrs, (y_tile.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+# True when TRITON_INTERPRET=1 was set before this module was imported: the kernels then run on CPU
+# tensors through Triton's interpreter (tests), not compiled for a GPU.
+INTERPRETED = isinstance(_shrink_kernel, InterpretedFunction)
+
+
 @dataclass(frozen=True)
 class ShrinkConfig:
     block_m: int
@@ -296,7 +302,7 @@ def lora_apply_triton(
     rank = As[0].shape[1]
     # fp32 stays fp32 on the tensor cores too (no silent TF32): it is the accuracy path, not the fast one.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = x.dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
+    upcast = x.dtype == torch.bfloat16 and INTERPRETED
     A0 = As[0]
     if any(A.stride() != A0.stride() for A in As):
         raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
