@@ -1,7 +1,8 @@
 """Every API error is JSON in OpenAI's shape: {"error": {"message", "type", "code", "param"}}.
 
 Clients of the OpenAI API already parse this shape, so the management API uses it too; no API path
-ever answers with an HTML page (see also the JSON 404/500 handlers in urls.py).
+ever answers with an HTML page (errors raised outside DRF views are converted by
+lora_platform.middleware.ApiJsonErrorsMiddleware).
 """
 
 from __future__ import annotations

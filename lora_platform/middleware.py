@@ -1,7 +1,8 @@
-"""Refuses oversized API bodies up front, with a JSON 413, before any view reads them."""
+"""API middleware: oversized bodies refused up front (JSON 413), and no HTML error page under the API."""
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Callable
 
 from django.conf import settings
@@ -39,3 +40,43 @@ class BodySizeLimitMiddleware:
                     code="payload_too_large",
                 )
         return self.get_response(request)
+
+
+class ApiJsonErrorsMiddleware:
+    """Under /api/ and /v1/, every error response that is not JSON becomes an OpenAI-shaped one.
+
+    DRF views already answer errors in JSON (api_errors.openai_exception_handler), but some errors
+    happen outside them: an unknown path (404), a method a plain Django view does not allow (405), an
+    uncaught exception (500, an HTML debug page when DEBUG is on), a CSRF or host check (400/403).
+    Converting the finished response here catches all of them in one place, whatever DEBUG is; other
+    paths (admin, dashboard) keep Django's HTML pages.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if (
+            response.status_code < 400
+            or not request.path.startswith(API_PREFIXES)
+            or response.get("Content-Type", "").startswith("application/json")
+        ):
+            return response
+        status = response.status_code
+        headers = {name: response[name] for name in ("Allow", "Retry-After") if response.has_header(name)}
+        if status == 404:
+            return error_response(404, f"No route for {request.method} {request.path}.", code="not_found")
+        if status == 405:
+            allowed = f" Allowed: {headers['Allow']}." if "Allow" in headers else ""
+            return error_response(405, f"Method {request.method} is not allowed on {request.path}.{allowed}",
+                                  code="method_not_allowed", headers=headers)
+        if status >= 500:
+            return error_response(status, "Internal server error; the platform logged the details.",
+                                  code="internal_error", error_type="api_error", headers=headers)
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Request refused"
+        return error_response(status, f"{phrase}.", code=phrase.lower().replace(" ", "_").replace("-", "_"),
+                              headers=headers)

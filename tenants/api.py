@@ -58,7 +58,8 @@ class TenantView(APIView):
         return Response(TenantSerializer(request_tenant(request)).data)
 
 
-class ApiKeyViewSet(mixins.ListModelMixin, mixins.DestroyModelMixin, TenantScopedViewSet):
+class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
+                    TenantScopedViewSet):
     queryset = ApiKey.objects.all()
     serializer_class = ApiKeySerializer
 

@@ -4,3 +4,7 @@ from django.apps import AppConfig
 class TenantsConfig(AppConfig):
     name = "tenants"
     verbose_name = "Tenants, tiers and API keys"
+
+    def ready(self) -> None:
+        # Registers the OpenAPI descriptions of our authentication classes with drf-spectacular.
+        from tenants import schema  # noqa: F401

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.text import slugify
@@ -12,6 +14,9 @@ from tenants.api_keys import generate_key, hash_secret
 from tenants.models import ApiKey, Membership, Tenant, Tier
 
 DEFAULT_SCOPES = [ApiKey.Scope.INFERENCE.value, ApiKey.Scope.MANAGE.value]
+SLUG_MAX_LENGTH = Tenant._meta.get_field("slug").max_length
+NAME_MAX_LENGTH = Tenant._meta.get_field("name").max_length
+KEY_NAME_MAX_LENGTH = ApiKey._meta.get_field("name").max_length
 
 
 def _tier_by_name(name: str) -> Tier:
@@ -33,8 +38,8 @@ def api_key_create(*, tenant: Tenant, name: str, scopes: list[str] | None = None
         )
     if not scopes:
         raise InvalidInput("An API key needs at least one scope.", code="empty_scopes", param="scopes")
-    if not name.strip():
-        raise InvalidInput("An API key needs a name.", param="name")
+    if not name.strip() or len(name.strip()) > KEY_NAME_MAX_LENGTH:
+        raise InvalidInput(f"An API key needs a name of 1 to {KEY_NAME_MAX_LENGTH} characters.", param="name")
     full_key, parts = generate_key()
     key = ApiKey.objects.create(
         tenant=tenant, name=name.strip(), prefix=parts.prefix, secret_hash=hash_secret(parts.secret),
@@ -55,14 +60,23 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
 def tenant_create(*, slug: str, tier_name: str, name: str | None = None,
                   owner_email: str | None = None) -> tuple[Tenant, str]:
     """A new tenant with its first API key (returned once), and its owner when an email is given."""
-    if slug != slugify(slug) or not slug:
+    if slug != slugify(slug) or not slug or "_" in slug:
         raise InvalidInput(
             f"Invalid tenant slug '{slug}': use lowercase letters, digits and hyphens.", param="slug"
         )
+    if len(slug) > SLUG_MAX_LENGTH:
+        raise InvalidInput(f"Tenant slug '{slug}' is longer than {SLUG_MAX_LENGTH} characters.", param="slug")
+    if name is not None and not (0 < len(name.strip()) <= NAME_MAX_LENGTH):
+        raise InvalidInput(f"A tenant name must have 1 to {NAME_MAX_LENGTH} characters.", param="name")
+    if owner_email:
+        try:
+            validate_email(owner_email)
+        except ValidationError:
+            raise InvalidInput(f"'{owner_email}' is not an email address.", param="owner_email") from None
     tier = _tier_by_name(tier_name)
     try:
         with transaction.atomic():
-            tenant = Tenant.objects.create(slug=slug, name=name or slug, tier=tier)
+            tenant = Tenant.objects.create(slug=slug, name=(name or slug).strip(), tier=tier)
     except IntegrityError:
         raise Conflict(f"A tenant with slug '{slug}' already exists.", code="duplicate_slug", param="slug")
     if owner_email:
@@ -87,4 +101,9 @@ def tenant_set_status(*, slug: str, status: str) -> Tenant:
 
 
 def tenant_suspend(*, slug: str) -> Tenant:
+    """Refuses the tenant's keys and sessions (403) until it is activated again; nothing is deleted."""
     return tenant_set_status(slug=slug, status=Tenant.Status.SUSPENDED)
+
+
+def tenant_activate(*, slug: str) -> Tenant:
+    return tenant_set_status(slug=slug, status=Tenant.Status.ACTIVE)
