@@ -1,0 +1,269 @@
+"""The asyncio face of the engine, for the HTTP server: many concurrent callers, one engine thread.
+
+A background thread owns the ``LLMEngine`` and runs its steps back to back while there is work.
+Callers never touch the engine's state: every call becomes a command that the engine thread runs
+between two steps, and outputs travel back to each caller's event loop through its own queue.
+Adapter loads run on loader threads, so a load never pauses the steps of other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from serving.engine.config import EngineConfig
+from serving.engine.llm_engine import LLMEngine, PromptType
+from serving.engine.lora_request import LoRARequest
+from serving.engine.outputs import RequestOutput
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.stats import EngineStats, LoRAInfo
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How long the engine thread sleeps when idle before re-checking; commands and finished adapter
+# loads wake it at once, so this only bounds the delay after a missed wake-up.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step failed and took the request with it)."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self._wake = threading.Event()
+        self.engine = LLMEngine(config, on_load_done=self._wake.set)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs: Any) -> AsyncEngine:
+        """``AsyncEngine.from_args(PATH, max_loras=..., ...)``: any ``EngineConfig`` field."""
+        return cls(EngineConfig(model=model, **kwargs))
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self):  # -> PreTrainedTokenizerBase
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's cumulative outputs; the last one has ``finished=True``.
+
+        Raises ValueError for a bad prompt or a request id in use, AdapterError when its adapter
+        cannot be loaded. Leaving the loop early (a client disconnect) aborts the request.
+        """
+        self._check_alive()
+        encoded = self.engine.encode(prompt)
+        self.engine.validate(encoded[1], sampling_params)
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, stream)
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, sampling_params, lora_request, priority, encoded=encoded)
+            except Exception as exc:  # delivered to the caller, whose request it is
+                self._deliver(request_id, exc)
+
+        finished = False
+        self._submit(add)
+        try:
+            while True:
+                item = await stream.get()
+                # Outputs are cumulative: when the caller lags, only the newest one matters.
+                while not isinstance(item, Exception) and not item.finished and not stream.empty():
+                    item = stream.get_nowait()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise item.error
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with ``finish_reason="abort"``. Unknown ids are ignored."""
+
+        def abort() -> None:
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(request_id, output)
+
+        await self._call(abort)
+
+    # ---- adapters -------------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRAInfo:
+        """Load an adapter into the CPU cache under its name (off the decode path) and describe it.
+
+        Raises AdapterError with the reason (bad files, rank, modules, digest, base model), or when
+        the name is loaded with other content and ``load_inplace`` is False. With ``load_inplace``
+        the name is re-pointed at once: requests already running keep the old weights, every later
+        request gets the new ones."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[LoRAInfo] = loop.create_future()
+
+        def settle(setter: Callable[[], None]) -> None:
+            loop.call_soon_threadsafe(lambda: None if result.done() else setter())
+
+        def start() -> None:
+            try:
+                future = self.engine.add_lora(lora_request, load_inplace=load_inplace)
+            except Exception as exc:
+                settle(lambda: result.set_exception(exc))
+                return
+
+            def done(f: Any) -> None:  # runs on the engine thread, inside step()'s poll
+                error = f.exception()
+                if error is not None:
+                    settle(lambda: result.set_exception(error))
+                    return
+                info = next(i for i in self.engine.list_loras() if i.name == lora_request.lora_name)
+                settle(lambda: result.set_result(info))
+
+            future.add_done_callback(done)
+
+        self._submit(start)
+        return await result
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload ``name`` (AdapterNotFoundError if it is not loaded). Requests already using it
+        finish with it; its GPU slot and CPU copy are freed when the last one does."""
+        await self._call(lambda: self.engine.remove_lora(name))
+
+    async def list_loras(self) -> list[LoRAInfo]:
+        return await self._call(self.engine.list_loras)
+
+    async def get_stats(self) -> EngineStats:
+        """Queue depth, running sequences, KV use, slot and cache residency, load counters."""
+        return await self._call(self.engine.stats)
+
+    # ---- life cycle -----------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort every request (their streams end with ``"abort"``) and stop the engine thread."""
+        if not self._thread.is_alive():
+            return
+
+        def stop() -> None:
+            for request_id in self.engine.request_ids():
+                output = self.engine.abort_request(request_id)
+                if output is not None:
+                    self._deliver(request_id, output)
+            self._stopping = True
+
+        self._submit(stop)
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+                if self._stopping:
+                    return
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; failing its requests")
+                self._fail_all(exc)
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            if self.engine.last_step_tokens == 0:
+                self._wake.wait(_IDLE_WAIT_S)
+
+    def _fail_all(self, exc: Exception) -> None:
+        error = EngineDeadError(f"the engine step failed: {exc!r}")
+        for request_id in self.engine.request_ids():
+            try:
+                self.engine.abort_request(request_id)
+            finally:
+                self._deliver(request_id, error)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, stream = target
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's event loop is closed: nobody is listening any more
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between steps and return its result here."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                value = fn()
+            except Exception as exc:
+                loop.call_soon_threadsafe(lambda: None if result.done() else result.set_exception(exc))
+            else:
+                loop.call_soon_threadsafe(lambda: None if result.done() else result.set_result(value))
+
+        self._submit(command)
+        return await result
+
+    def _check_alive(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError("the engine is shut down")
+

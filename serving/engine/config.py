@@ -1,0 +1,116 @@
+"""Engine settings: one validated object that every part of the engine reads.
+
+Names and defaults follow vLLM's engine arguments where vLLM has them (``max_loras``,
+``max_cpu_loras``, ``max_lora_rank``, ``max_num_seqs``, ``max_num_batched_tokens``,
+``block_size``, ``gpu_memory_utilization``), so a vLLM user can carry flags over unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine is built from.
+
+    ``num_kv_blocks`` fixes the size of the paged KV cache; left ``None`` it is sized from
+    ``gpu_memory_utilization`` on CUDA and from ``cpu_kv_cache_bytes`` on CPU.
+    ``load_format="dummy"`` gives the base model small random weights instead of reading its
+    safetensors (vLLM's option of that name), for benchmarks of shapes whose weights are not at hand.
+    ``priority_aging_steps``: a waiting request gains one priority level (lower is served first)
+    per this many engine steps, so low-priority work is delayed, never starved.
+    """
+
+    model: str
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    load_format: str = "safetensors"
+    priority_aging_steps: int = 64
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model must be a local Hugging Face model directory; {self.model!r} is not a directory")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = max(self.max_loras, 1)
+        _require(self.max_loras >= 0, f"max_loras must be >= 0, got {self.max_loras}")
+        _require(
+            self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+        )
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(self.priority_aging_steps >= 1, f"priority_aging_steps must be >= 1, got {self.priority_aging_steps}")
+        _require(
+            self.dtype == "auto" or self.dtype in _DTYPES,
+            f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}",
+        )
+        _require(
+            self.load_format in ("safetensors", "dummy"),
+            f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}",
+        )
+        self.torch_device  # validates the device string early
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        return device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """bf16 on CUDA and fp32 on CPU unless asked otherwise."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

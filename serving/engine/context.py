@@ -1,0 +1,55 @@
+"""The per-step context: built once by the model runner before a forward, read by the layers.
+
+Attention reads where each token's keys and values go in the paged cache and which blocks each
+sequence's context sits in; LoRA layers read the step's adapter metadata (each token's slot,
+grouped once for all layers). Tokens are ordered decodes first (one per sequence), then each
+prefill chunk in turn. The context is thread-local: an engine's forward runs on one thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import LoRAMeta
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of new tokens: ``length`` tokens at ``start`` in the batch, after
+    ``num_computed`` tokens already in the cache (``block_table`` covers them all)."""
+
+    start: int
+    length: int
+    num_computed: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class StepContext:
+    slot_mapping: torch.Tensor
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    lora: LoRAMeta | None = None
+
+
+_local = threading.local()
+
+
+def set_context(context: StepContext) -> None:
+    _local.context = context
+
+
+def get_context() -> StepContext:
+    context = getattr(_local, "context", None)
+    if context is None:
+        raise RuntimeError("no step context is set: layers run only inside ModelRunner.execute")
+    return context
+
+
+def reset_context() -> None:
+    _local.context = None

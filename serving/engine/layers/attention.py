@@ -1,0 +1,92 @@
+"""Attention over the paged KV cache.
+
+Each step first writes the new tokens' keys and values into their cache slots (one indexed copy,
+graph-capturable), then attends:
+
+- decode tokens (one per sequence) in one batched call: every sequence's blocks are gathered
+  into a padded ``[B, L]`` context and a mask hides what lies past each sequence's length;
+- each prefill chunk on its own: a first chunk attends to its own keys causally (no gather), a
+  later chunk gathers its sequence's cached context and uses an offset causal mask.
+
+This is plain torch SDPA over gathered pages (correctness first, and the CPU path); a paged
+kernel can replace the two functions below without touching the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.engine.context import PrefillSpan, get_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        # [num_blocks, block_size, num_kv_heads, head_dim] each; views into the runner's cache.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` → ``[T, H*D]``."""
+        ctx = get_context()
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, ctx.slot_mapping, k)
+        flat_v.index_copy_(0, ctx.slot_mapping, v)
+        out = torch.empty_like(q)
+        if ctx.num_decode:
+            out[: ctx.num_decode] = self._decode(q[: ctx.num_decode], ctx.decode_block_tables, ctx.decode_context_lens)
+        for span in ctx.prefills:
+            rows = slice(span.start, span.start + span.length)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], span)
+        return out.view(q.shape[0], -1)
+
+    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """``[B, num_blocks]`` block tables → ``[B, Hkv, num_blocks*block_size, D]`` context."""
+        pages = cache[block_tables]  # [B, nb, bs, Hkv, D]
+        batch = block_tables.shape[0]
+        return pages.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _decode(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        keys = self._gather(self.k_cache, block_tables)
+        values = self._gather(self.v_cache, block_tables)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        lens = context_lens.unsqueeze(1)
+        mask = positions.unsqueeze(0) < lens
+        if self.sliding_window is not None:
+            mask &= positions.unsqueeze(0) >= lens - self.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        total = span.num_computed + span.length
+        window_bites = self.sliding_window is not None and total > self.sliding_window
+        if span.num_computed == 0 and not window_bites:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=self.scale, enable_gqa=True
+            )
+            return out.transpose(0, 1)
+        if span.num_computed == 0:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            table = span.block_table.unsqueeze(0)
+            keys = self._gather(self.k_cache, table)[0, :, :total]
+            values = self._gather(self.v_cache, table)[0, :, :total]
+        query_pos = torch.arange(span.num_computed, total, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(total, device=q.device).unsqueeze(0)
+        mask = key_pos <= query_pos
+        if self.sliding_window is not None:
+            mask &= key_pos > query_pos - self.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,197 @@
+"""Runs the model: loads the base weights once, owns the KV cache and the LoRA slot tensors, and
+executes one scheduled step (inputs → per-step context → forward → sampled tokens).
+
+The step's host-side preparation (token ids, positions, cache slots, block tables, each token's
+adapter slot) happens before the forward; the forward itself reads only device tensors from the
+context, so no host synchronisation happens inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+from kernels import LoRAMeta
+from serving.engine.config import EngineConfig
+from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
+from serving.engine.layers.lora_linear import MultiLoRALinear
+from serving.engine.lora_cache import Adapter
+from serving.engine.models.llama import LlamaForCausalLM
+from serving.engine.sampler import SampleResult, Sampler
+from serving.engine.sequence import Sequence
+
+
+@dataclass
+class StepResult:
+    """The sequences that produced a token this step (their prompt is complete), in row order."""
+
+    sampled: list[Sequence]
+    samples: SampleResult | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model = LlamaForCausalLM(
+            hf_config,
+            max_positions=max_model_len,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        with torch.no_grad():
+            if config.load_format == "dummy":
+                self._init_dummy_weights(config.seed)
+            else:
+                self.model.load_weights(_read_safetensors(Path(config.model)))
+        self.lora_modules: dict[tuple[int, str], MultiLoRALinear] = {}
+        self.lora_meta: LoRAMeta | None = None
+        if config.max_loras > 0:
+            self._init_lora(config)
+        self.num_kv_blocks = self._allocate_kv_cache(config)
+        self.sampler = Sampler(self.device)
+
+    # ---- set-up ---------------------------------------------------------------------------
+
+    def _init_dummy_weights(self, seed: int) -> None:
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        for name, param in self.model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.uniform_(-1e-2, 1e-2, generator=generator)
+
+    def _init_lora(self, config: EngineConfig) -> None:
+        self.lora_scaling = torch.zeros(config.max_loras, device=self.device, dtype=torch.float32)
+        self.lora_ranks = torch.zeros(config.max_loras, device=self.device, dtype=torch.int32)
+        for layer in self.model.lora_layers():
+            layer.lora_scaling = self.lora_scaling
+            layer.lora_ranks = self.lora_ranks
+            for name in layer.slice_names:
+                self.lora_modules[(layer.layer_idx, name)] = layer
+        self.lora_meta = LoRAMeta(config.max_num_batched_tokens, config.max_loras, self.device)
+
+    def _allocate_kv_cache(self, config: EngineConfig) -> int:
+        attn = self.model.attention_layers()
+        per_block = 2 * len(attn) * self.block_size * attn[0].num_kv_heads * attn[0].head_dim * self.dtype.itemsize
+        enough = config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * config.gpu_memory_utilization - (total - free)
+            num_blocks = min(enough, int(budget // per_block))
+        else:
+            num_blocks = min(enough, config.cpu_kv_cache_bytes // per_block)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one sequence of "
+                f"max_model_len={self.max_model_len} needs; raise num_kv_blocks (or the memory it is sized from) "
+                "or lower max_model_len"
+            )
+        shape = (2, len(attn), num_blocks, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
+        self.kv_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        for i, layer in enumerate(attn):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        return num_blocks
+
+    # ---- adapters -------------------------------------------------------------------------
+
+    def write_slot(self, slot: int, adapter: Adapter) -> None:
+        """Copy ``adapter`` into GPU slot ``slot`` of every LoRA layer (untargeted modules zeroed)."""
+        assert adapter.weights is not None
+        by_layer: dict[MultiLoRALinear, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer_idx, module), pair in adapter.weights.items():
+            layer = self.lora_modules.get((layer_idx, module))
+            if layer is None:
+                raise ValueError(f"adapter {adapter.digest[:12]} has weights for unknown module {module} of layer {layer_idx}")
+            by_layer.setdefault(layer, {})[module] = pair
+        with torch.no_grad():
+            for layer in self.model.lora_layers():
+                layer.set_slot(slot, by_layer.get(layer, {}))
+            self.lora_scaling[slot] = adapter.scaling
+            self.lora_ranks[slot] = adapter.rank
+
+    # ---- one step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
+        decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
+        prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        token_slots: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Sequence] = []
+        spans: list[tuple[int, int, Sequence]] = []
+        for seq, num in [*decodes, *prefills]:
+            start = seq.num_computed_tokens
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start : start + num])
+            positions.extend(range(start, start + num))
+            slot_mapping.extend(self._cache_slot(seq, p) for p in range(start, start + num))
+            token_slots.extend([seq.lora_slot] * num)
+            spans.append((row, num, seq))
+            if start + num == seq.num_tokens:
+                sample_rows.append(row + num - 1)
+                sampled.append(seq)
+
+        device = self.device
+        context = StepContext(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device))
+        if decodes:
+            widest = max(len(s.block_table) for s, _ in decodes)
+            tables = [s.block_table + [0] * (widest - len(s.block_table)) for s, _ in decodes]
+            context.num_decode = len(decodes)
+            context.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+            context.decode_context_lens = torch.tensor(
+                [s.num_computed_tokens + 1 for s, _ in decodes], dtype=torch.long, device=device
+            )
+        for row, num, seq in spans[len(decodes) :]:
+            table = torch.tensor(seq.block_table, dtype=torch.long, device=device) if seq.num_computed_tokens else None
+            context.prefills.append(PrefillSpan(row, num, seq.num_computed_tokens, table))
+        if self.lora_meta is not None and any(s >= 0 for s in token_slots):
+            context.lora = self.lora_meta.prepare(torch.tensor(token_slots, dtype=torch.int32, device=device))
+
+        set_context(context)
+        try:
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+            )
+        finally:
+            reset_context()
+        if not sampled:
+            return StepResult([], None)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+        samples = self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled])
+        return StepResult(sampled, samples)
+
+    def _cache_slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def _read_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model directory's safetensors files (a pickled checkpoint is refused)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in model_dir.glob("*.bin")) or sorted(p.name for p in model_dir.iterdir())
+        raise ValueError(
+            f"{model_dir} has no *.safetensors weights (found: {', '.join(found) or 'nothing'}); "
+            "pickled checkpoints are never loaded: convert them to safetensors"
+        )
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)

@@ -1,0 +1,1 @@
+"""Model architectures the engine runs (their forward passes over the paged KV cache)."""

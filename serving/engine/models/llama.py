@@ -1,0 +1,201 @@
+"""The Llama family forward (Llama, Qwen2, Mistral: one architecture with small differences):
+RMSNorm → attention with RoPE and grouped-query heads → RMSNorm → SwiGLU MLP, residuals around
+both. Qwen2 adds biases to q/k/v; Mistral (and Qwen2 optionally) uses a sliding window.
+
+q/k/v and gate/up are fused into one multi-LoRA projection each, so each step runs four matmuls
+per layer and four LoRA calls; checkpoint tensors are mapped onto the fused weights at load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from serving.engine.layers.attention import PagedAttention
+from serving.engine.layers.layernorm import RMSNorm
+from serving.engine.layers.lora_linear import MultiLoRALinear
+from serving.engine.layers.rotary import RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Adapter target modules this model serves (PEFT's names), and the fused projection of each.
+LORA_TARGETS = {
+    "q_proj": "self_attn.qkv_proj",
+    "k_proj": "self_attn.qkv_proj",
+    "v_proj": "self_attn.qkv_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_up_proj",
+    "up_proj": "mlp.gate_up_proj",
+    "down_proj": "mlp.down_proj",
+}
+_FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return window
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding, **lora: object) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MultiLoRALinear(
+            config.hidden_size,
+            [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)],
+            bias=qkv_bias,
+            layer_idx=layer_idx,
+            **lora,
+        )
+        self.o_proj = MultiLoRALinear(q_size, [("o_proj", config.hidden_size)], bias=o_bias, layer_idx=layer_idx, **lora)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, _sliding_window(config, layer_idx))
+        self.split = (q_size, kv_size, kv_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: object) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MultiLoRALinear(
+            config.hidden_size, [("gate_proj", size), ("up_proj", size)], bias=bias, layer_idx=layer_idx, **lora
+        )
+        self.down_proj = MultiLoRALinear(size, [("down_proj", config.hidden_size)], bias=bias, layer_idx=layer_idx, **lora)
+        self.act = ACT2FN[config.hidden_act]
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding, **lora: object) -> None:
+        super().__init__()
+        norm = dict(device=lora["device"], dtype=lora["dtype"])
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        self.self_attn = Attention(config, layer_idx, rotary, **lora)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        self.mlp = MLP(config, layer_idx, **lora)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_positions: int, **lora: object) -> None:
+        super().__init__()
+        device, dtype = lora["device"], lora["dtype"]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(config, head_dim, max_positions, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, **lora) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral with multi-LoRA projections and paged attention."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        max_positions: int,
+        max_loras: int,
+        max_lora_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {config.model_type!r} is not supported; the engine serves {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.config = config
+        lora = dict(max_loras=max_loras, max_lora_rank=max_lora_rank, device=device, dtype=dtype)
+        self.model = Backbone(config, max_positions, **lora)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return hidden @ weight.T
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def lora_layers(self) -> Iterator[MultiLoRALinear]:
+        for layer in self.model.layers:
+            yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the model; every weight must appear."""
+        params = dict(self.named_parameters())
+        expected = set(self.checkpoint_names())
+        for name, tensor in tensors:
+            if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if name not in expected:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.model_type} model")
+            dest = self._destination(name, params)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            expected.discard(name)
+        if expected:
+            raise ValueError(f"the checkpoint lacks {len(expected)} weights, e.g. {sorted(expected)[:3]}")
+
+    def checkpoint_names(self) -> Iterator[str]:
+        """The Hugging Face names of every weight this model takes from a checkpoint."""
+        for name, _ in self.named_parameters():
+            target, _, kind = name.rpartition(".")
+            if target.endswith(("qkv_proj", "gate_up_proj")):
+                layer: MultiLoRALinear = self.get_submodule(target)
+                block = target.rpartition(".")[0]
+                yield from (f"{block}.{module}.{kind}" for module in layer.slice_names)
+            else:
+                yield name
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
+        fused = _FUSED_NAME.match(name)
+        if not fused:
+            return params[name]
+        prefix, block, module, kind = fused.groups()
+        target = f"{prefix}{block}.{'qkv_proj' if block == 'self_attn' else 'gate_up_proj'}"
+        offset, width = self.get_submodule(target).slice_of(module)
+        return params[f"{target}.{kind}"][offset : offset + width]

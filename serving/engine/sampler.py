@@ -1,0 +1,102 @@
+"""Choosing each sequence's next token from its logits, for a whole batch at once.
+
+Greedy rows take the argmax. Sampled rows divide by their temperature, mask outside their top-k
+and top-p, and draw with the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which is
+a draw from ``p``. A request with a seed draws its ``q`` row from its own generator, so what it
+samples depends on its seed and its logits only, never on the rest of the batch.
+
+Log-probabilities come from the model's raw distribution (before temperature and filters), as in
+vLLM: the chosen token's, its rank, and the ``k`` most likely tokens when asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    """Host-side results: per row the token, and when asked its logprob, rank and top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    ranks: list[int] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+class Sampler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SampleResult:
+        logits = logits.float()
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, params, generators, greedy)
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if num_top is None:
+            return SampleResult(tokens.tolist(), None, None, None, None)
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
+        top = logp.topk(num_top, dim=-1) if num_top > 0 else None
+        return SampleResult(
+            tokens.tolist(),
+            chosen.tolist(),
+            ranks.tolist(),
+            top.indices.tolist() if top is not None else [[] for _ in params],
+            top.values.tolist() if top is not None else [[] for _ in params],
+        )
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+        scaled = logits / temperature.unsqueeze(1)
+        if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
+            scaled = self._filter(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        race = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            race[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                race[i].exponential_(generator=generator)
+        sampled = (probs / race).argmax(dim=-1)
+        greedy_rows = torch.tensor(greedy, device=device)
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Mask every token outside each row's top-k and top-p (nucleus) set with -inf."""
+        vocab = scaled.shape[1]
+        device = scaled.device
+        top_k = torch.tensor([p.top_k if p.top_k_enabled else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        position = torch.arange(vocab, device=device).unsqueeze(0)
+        outside = position >= top_k.unsqueeze(1)
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(outside, float("-inf")), dim=-1)
+        # A token is kept while the mass of the tokens before it is below top_p: the top token always is.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        outside |= mass_before >= top_p.unsqueeze(1)
+        masked = sorted_logits.masked_fill(outside, float("-inf"))
+        return torch.empty_like(scaled).scatter_(1, order, masked)

@@ -1,0 +1,214 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Every step, under a budget of ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences:
+
+1. running sequences that decode (one token each) go first, in priority order, so a long prompt
+   never stalls decoding;
+2. running sequences still in their prefill get the next chunk of their prompt;
+3. waiting sequences are admitted while budget, KV blocks and adapter slots allow.
+
+When the KV cache cannot hold a running sequence's next tokens, the lowest-priority running
+sequence is preempted by recompute: its blocks are freed and it waits again with its tokens, to be
+prefilled anew (vLLM's default). Nothing is admitted in a step that preempted.
+
+Waiting order: ``priority`` (lower first, vLLM's convention) improved by one level per
+``priority_aging_steps`` waited, so nothing starves; among equal levels, the adapter with the fewest
+running sequences goes first (fairness between adapters: a burst for one adapter does not queue
+everyone else behind it); then arrival. A request whose adapter is still loading waits without
+holding up the others; one that needs a slot while every slot is pinned waits for one, and once it
+has waited longer than an aging period, admissions stop until the slots drain so it gets one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from serving.engine.block_manager import BlockManager
+from serving.engine.config import EngineConfig
+from serving.engine.lora_cache import Adapter, LoRACache
+from serving.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's work: ``(sequence, number of tokens to compute)``, decodes first."""
+
+    scheduled: list[tuple[Sequence, int]]
+    preempted: list[Sequence]
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    peak_waiting: int = 0
+    slot_waits: int = 0
+    load_waits: int = 0
+
+
+@dataclass(order=True)
+class _Waiting:
+    key: int
+    order: int
+    seq: Sequence = field(compare=False)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora_cache: LoRACache | None) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.aging = config.priority_aging_steps
+        self.blocks = block_manager
+        self.lora_cache = lora_cache
+        self.running: list[Sequence] = []  # sorted by _key: the last one is preempted first
+        self._waiting: dict[str | None, list[_Waiting]] = {}
+        self._num_waiting = 0
+        self._running_per_group: dict[str | None, int] = {}
+        self._order = itertools.count()
+        self.step_count = 0
+        self.stats = SchedulerStats()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return self._num_waiting > 0 or bool(self.running)
+
+    def waiting(self) -> list[Sequence]:
+        return [w.seq for queue in self._waiting.values() for w in queue if not w.seq.is_finished]
+
+    def _key(self, seq: Sequence) -> int:
+        """Aging-invariant order: ``priority - waited/aging`` ranks like ``priority*aging + arrival``."""
+        return seq.priority * self.aging + seq.arrival_step
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.step_count
+        self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting.setdefault(seq.adapter_key, []), _Waiting(self._key(seq), next(self._order), seq))
+        self._num_waiting += 1
+        self.stats.peak_waiting = max(self.stats.peak_waiting, self._num_waiting)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take ``seq`` out (finished, aborted or failed) and free its blocks, slot and adapter ref."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._stop_running(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is skipped when it reaches the top
+        seq.status = SequenceStatus.FINISHED
+        if seq.adapter is not None and self.lora_cache is not None:
+            self.lora_cache.release(seq.adapter)
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.step_count
+        self.step_count += 1
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted: list[Sequence] = []
+
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq in scheduled:
+                    continue
+                if (seq.num_uncomputed_tokens == 1) != decoding:
+                    continue
+                num = min(seq.num_uncomputed_tokens, budget)
+                while not self.blocks.can_allocate(seq, num):
+                    victim = self.running[-1]
+                    budget += scheduled.pop(victim, 0)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                self.blocks.allocate(seq, num)
+                scheduled[seq] = num
+                budget -= num
+
+        if not preempted:
+            budget = self._admit(now, budget, scheduled)
+        return SchedulerOutput(list(scheduled.items()), preempted)
+
+    def _admit(self, now: int, budget: int, scheduled: dict[Sequence, int]) -> int:
+        blocked: set[str | None] = set()
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            head = self._best_head(now, blocked)
+            if head is None:
+                break
+            seq, group = head.seq, head.seq.adapter_key
+            slot = -1
+            if seq.adapter is not None and self.lora_cache is not None:
+                seq.adapter = self.lora_cache.resolved(seq.adapter)
+                if not self.lora_cache.ready(seq.adapter):
+                    self.stats.load_waits += 1
+                    blocked.add(group)
+                    continue
+                assert isinstance(seq.adapter, Adapter)
+                acquired = self.lora_cache.acquire_slot(seq.adapter)
+                if acquired is None:
+                    self.stats.slot_waits += 1
+                    if now - seq.arrival_step > self.aging:
+                        break  # let the pinned slots drain so this long-waiting request gets one
+                    blocked.add(group)
+                    continue
+                slot = acquired
+            num = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(seq, num):
+                if slot >= 0:
+                    self.lora_cache.release_slot(seq.adapter)  # type: ignore[union-attr, arg-type]
+                break
+            heapq.heappop(self._waiting[group])
+            self._num_waiting -= 1
+            seq.status = SequenceStatus.RUNNING
+            seq.lora_slot = slot
+            bisect.insort(self.running, seq, key=self._key)
+            self._running_per_group[group] = self._running_per_group.get(group, 0) + 1
+            self.blocks.allocate(seq, num)
+            scheduled[seq] = num
+            budget -= num
+        return budget
+
+    def _best_head(self, now: int, blocked: set[str | None]) -> _Waiting | None:
+        """The waiting request to admit next: aged priority level, then adapter fairness, then age."""
+        best, best_rank = None, None
+        for group, queue in list(self._waiting.items()):
+            while queue and queue[0].seq.is_finished:
+                heapq.heappop(queue)
+            if not queue:
+                del self._waiting[group]
+                continue
+            if group in blocked:
+                continue
+            head = queue[0]
+            rank = ((head.key - now) // self.aging, self._running_per_group.get(group, 0), head.key, head.order)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = head, rank
+        return best
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        group = seq.adapter_key
+        self._running_per_group[group] -= 1
+        self.blocks.free(seq)
+        if seq.lora_slot >= 0 and self.lora_cache is not None:
+            self.lora_cache.release_slot(seq.adapter)  # type: ignore[arg-type]
+        seq.lora_slot = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._stop_running(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._push_waiting(seq)

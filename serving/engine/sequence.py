@@ -1,0 +1,94 @@
+"""One request's state inside the engine: its tokens, how many of them the KV cache holds, its KV
+blocks, its adapter, and its output so far."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from serving.engine.lora_request import LoRARequest
+from serving.engine.outputs import Logprob
+from serving.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from serving.engine.detokenizer import IncrementalDetokenizer
+    from serving.engine.lora_cache import AdapterRef
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being served.
+
+    ``token_ids`` holds the prompt followed by the generated tokens. ``num_computed_tokens`` of
+    them have their keys and values in the KV cache; the rest are computed by the next steps (a
+    prefill in chunks, then one token per decode step). Preemption by recompute sets it back to
+    0 and frees the blocks: the tokens stay, and are prefilled again when the request resumes.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    lora_request: LoRARequest | None = None
+    adapter: AdapterRef | None = None
+    priority: int = 0
+    arrival_step: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    lora_slot: int = -1
+    output_text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: Exception | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def adapter_key(self) -> str | None:
+        """The scheduler's fairness group: the adapter's name, or None for the base model."""
+        return self.lora_request.lora_name if self.lora_request is not None else None
