@@ -1,0 +1,155 @@
+"""Registry queries: adapters and versions of a tenant, what is served, the workers' snapshot, and
+the resolution of a request's `model` to one version (for the gateway)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Max, QuerySet
+
+from lora_platform.errors import NotFound
+from serving.models import Adapter, AdapterVersion, DeploymentEvent
+from serving.versions import SEMVER_RE, SemVer, version_next_patch
+from tenants.models import Tenant
+
+SERVED_STATUSES = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)
+_ACTIVATIONS = (DeploymentEvent.Kind.DEPLOY, DeploymentEvent.Kind.PROMOTE, DeploymentEvent.Kind.ROLLBACK)
+
+
+def accepted_base_models() -> list[str]:
+    """The base-model names an adapter may name: the platform's base and the operator's aliases."""
+    return [settings.BASE_MODEL_NAME, *settings.BASE_MODEL_ALIASES]
+
+
+def adapter_get(*, tenant: Tenant, name: str) -> Adapter:
+    """The tenant's adapter of that name; another tenant's is as missing as a nonexistent one."""
+    adapter = Adapter.objects.for_tenant(tenant).select_related("tenant").filter(name=name).first()
+    if adapter is None:
+        raise NotFound(f"No adapter named '{name}'.", code="adapter_not_found", param="name")
+    return adapter
+
+
+def adapter_version_get(*, adapter: Adapter, version: str) -> AdapterVersion:
+    found = adapter.versions.select_related("adapter__tenant").filter(version=version).first()
+    if found is None:
+        raise NotFound(f"Adapter '{adapter.name}' has no version '{version}'.", code="version_not_found",
+                       param="version")
+    return found
+
+
+def versions_by_precedence(versions: QuerySet[AdapterVersion] | list[AdapterVersion]) -> list[AdapterVersion]:
+    """Newest semantic version first."""
+    return sorted(versions, key=lambda item: SemVer(item.version), reverse=True)
+
+
+def adapter_version_next(*, tenant: Tenant, adapter_name: str) -> str:
+    """The version a new release of the adapter should take (the next patch; 1.0.0 for the first)."""
+    existing = AdapterVersion.objects.for_tenant(tenant).filter(adapter__name=adapter_name)
+    return version_next_patch(existing.values_list("version", flat=True))
+
+
+def adapter_served(*, adapter: Adapter) -> tuple[AdapterVersion | None, AdapterVersion | None]:
+    """(active, canary) of the adapter, either may be None."""
+    served = {item.status: item for item in adapter.versions.select_related("adapter__tenant")
+              .filter(status__in=SERVED_STATUSES)}
+    return served.get(AdapterVersion.Status.ACTIVE), served.get(AdapterVersion.Status.CANARY)
+
+
+def served_weight(version: AdapterVersion, canary: AdapterVersion | None) -> float:
+    """The share of the adapter's traffic a served version receives."""
+    if version.status == AdapterVersion.Status.CANARY:
+        return float(version.traffic_weight)
+    return 1.0 - float(canary.traffic_weight) if canary is not None else 1.0
+
+
+def version_entry(version: AdapterVersion, *, weight: float | None) -> dict[str, Any]:
+    """How the snapshot and the deploy events describe one version to serving workers."""
+    return {
+        "name": version.qualified_name,
+        "tenant": version.adapter.tenant.slug,
+        "adapter": version.adapter.name,
+        "version": version.version,
+        "status": version.status,
+        "weight": weight,
+        "artifact_uri": version.artifact_uri,
+        "manifest_sha256": version.manifest_sha256,
+        "base_model": version.base_model,
+        "rank": version.rank,
+    }
+
+
+def adapter_served_entries(*, adapter: Adapter) -> list[dict[str, Any]]:
+    active, canary = adapter_served(adapter=adapter)
+    return [version_entry(item, weight=served_weight(item, canary)) for item in (active, canary) if item]
+
+
+def registry_snapshot() -> dict[str, Any]:
+    """Everything serving workers should keep resident: every active and canary version.
+
+    `revision` is the id of the newest audit event; a worker that saw events up to that id has
+    missed nothing. Suspended tenants' versions are left out, as their requests are refused.
+    """
+    revision = DeploymentEvent.objects.aggregate(last=Max("id"))["last"] or 0
+    served = (
+        AdapterVersion.objects.filter(status__in=SERVED_STATUSES, adapter__tenant__status=Tenant.Status.ACTIVE)
+        .select_related("adapter__tenant")
+        .order_by("adapter__tenant__slug", "adapter__name", "status")
+    )
+    canaries = {item.adapter_id: item for item in served if item.status == AdapterVersion.Status.CANARY}
+    return {
+        "revision": revision,
+        "base_model": settings.BASE_MODEL_NAME,
+        "adapters": [version_entry(item, weight=served_weight(item, canaries.get(item.adapter_id)))
+                     for item in served],
+    }
+
+
+def adapter_rollback_target(*, adapter: Adapter, active: AdapterVersion) -> str | None:
+    """The version a rollback from `active` returns to, by the audit log; None if there is none.
+
+    It is the version `active` replaced when it was last activated by a deploy or promote. A
+    rollback's own activation is skipped, so repeated rollbacks walk further back (v3 → v2 → v1)
+    instead of flipping between two versions.
+    """
+    activations = (
+        DeploymentEvent.objects.filter(adapter=adapter, kind__in=_ACTIVATIONS, to_version=active.version)
+        .exclude(kind=DeploymentEvent.Kind.ROLLBACK)
+        .order_by("-id")
+        .values_list("from_version", flat=True)
+    )
+    previous = activations.first()
+    return previous or None
+
+
+def adapter_events(*, adapter: Adapter) -> QuerySet[DeploymentEvent]:
+    return adapter.events.select_related("tenant").order_by("-id")
+
+
+def adapter_resolve(*, tenant: Tenant, model: str, rng: random.Random | None = None) -> AdapterVersion:
+    """The version that serves a request whose `model` is `name` or `name@version`, in `tenant`.
+
+    An unpinned name picks between the active version and the canary by the canary's weight; a
+    pinned version is served whatever its status, except archived. Unknown names, other tenants'
+    adapters and archived versions are all NotFound, so nothing leaks across tenants.
+    """
+    name, _, pinned = model.partition("@")
+    adapter = Adapter.objects.for_tenant(tenant).select_related("tenant").filter(name=name).first()
+    if adapter is None:
+        raise NotFound(f"The model '{model}' does not exist.", code="model_not_found", param="model")
+    if pinned:
+        if not SEMVER_RE.match(pinned):
+            raise NotFound(f"The model '{model}' does not exist.", code="model_not_found", param="model")
+        version = adapter.versions.filter(version=pinned).exclude(status=AdapterVersion.Status.ARCHIVED).first()
+        if version is None:
+            raise NotFound(f"The model '{model}' does not exist.", code="model_not_found", param="model")
+        version.adapter = adapter
+        return version
+    active, canary = adapter_served(adapter=adapter)
+    if active is None:
+        raise NotFound(f"The adapter '{name}' has no active version; deploy one first.",
+                       code="model_not_deployed", param="model")
+    if canary is not None and (rng or random).random() < canary.traffic_weight:
+        return canary
+    return active

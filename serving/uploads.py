@@ -1,0 +1,350 @@
+"""Validation of a tenant's uploaded PEFT adapter, before anything reaches storage or the database.
+
+An upload is `adapter_config.json` + `adapter_model.safetensors` as multipart files, or one
+`.zip` / `.tar.gz` holding them at its root. The files are unpacked into a private temporary
+directory (entry names checked first: nothing is written outside it, no links, no nested
+directories, a size cap that also bounds what a compressed archive expands to), then checked by
+the serving engine's own adapter validator, the same code that will later load it, so an adapter
+the registry accepts is one the engine can serve. Pickled weights (`.bin`, `.pt`, …) are refused
+by name and never opened.
+"""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+from django.conf import settings
+from django.core.files.uploadedfile import UploadedFile
+from transformers import AutoConfig, PretrainedConfig
+
+from lora_platform.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
+from lora_platform.storage import get_storage
+from serving.engine.adapter_loader import validate_adapter_dir
+from serving.engine.artifact import (
+    ADAPTER_CONFIG_NAME,
+    MANIFEST_NAME,
+    AdapterError,
+    adapter_digest,
+    base_config_sha256,
+    manifest_verify,
+    manifest_write,
+)
+from serving.selectors import accepted_base_models
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+REQUIRED_FILES = (ADAPTER_CONFIG_NAME, WEIGHTS_NAME)
+# PEFT's save_pretrained writes a model card; macOS archivers add their own metadata. Skipped.
+SKIPPED_FILES = frozenset({"README.md", ".DS_Store"})
+SKIPPED_DIRECTORY = "__MACOSX"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")
+_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StagedAdapter:
+    """A validated adapter in a local directory, ready for its manifest and publication."""
+
+    directory: Path
+    rank: int
+    lora_alpha: float
+    target_modules: list[str] | str
+    size_bytes: int
+
+
+@contextmanager
+def staged_upload(files: Sequence[UploadedFile]) -> Iterator[StagedAdapter]:
+    """Unpacks and validates an upload into a temporary directory, removed when the block ends.
+
+    InvalidInput (or PayloadTooLarge) names the first problem found; nothing is kept.
+    """
+    workspace = Path(tempfile.mkdtemp(prefix="loraplex-upload-"))
+    try:
+        directory = workspace / "adapter"
+        directory.mkdir()
+        _collect(files, directory)
+        yield _validate(directory)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class PublishedArtifact:
+    """What the registry records of an artifact verified in storage."""
+
+    rank: int
+    lora_alpha: float
+    target_modules: list[str] | str
+    size_bytes: int
+    manifest_sha256: str
+
+
+def manifest_write_for(staged: StagedAdapter, *, tenant: str, adapter: str, version: str) -> str:
+    """Writes manifest.json into the staged directory; returns its sha256 (the content digest)."""
+    manifest_write(
+        staged.directory, tenant=tenant, name=adapter, version=version, base_model_name=settings.BASE_MODEL_NAME,
+        base_config_sha256=base_config_sha256(Path(settings.BASE_MODEL_PATH)), source_kind="upload",
+        source_id=f"{tenant}/{adapter}@{version}",
+    )
+    return adapter_digest(staged.directory)
+
+
+def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version: str) -> PublishedArtifact:
+    """Checks an artifact already in storage (a training job's) as thoroughly as an upload.
+
+    It is copied to a temporary directory, every file is verified against manifest.json, the
+    manifest must name this tenant, adapter and version and the platform's base model, and the
+    engine's validator checks the adapter itself. InvalidInput names the first problem.
+    """
+    workspace = Path(tempfile.mkdtemp(prefix="loraplex-artifact-"))
+    try:
+        directory = workspace / "adapter"
+        try:
+            get_storage().download_prefix(prefix, directory)
+        except NotFound:
+            raise InvalidInput(f"No artifact is published at '{prefix}/'.", code="artifact_missing") from None
+        try:
+            manifest = manifest_verify(directory)
+        except AdapterError as error:
+            raise InvalidInput(f"The artifact at '{prefix}/' fails verification: {_plain(error, directory)}",
+                               code="artifact_corrupt") from None
+        expected = {"tenant": tenant, "name": adapter, "version": version}
+        named = manifest.get("adapter") if isinstance(manifest.get("adapter"), dict) else {}
+        if {key: named.get(key) for key in expected} != expected:
+            raise InvalidInput(f"The manifest at '{prefix}/' names {named}, not {expected}.", code="manifest_mismatch")
+        base = (manifest.get("base_model") or {}).get("name")
+        if base not in accepted_base_models():
+            raise InvalidInput(f"The artifact at '{prefix}/' was built for base model '{base}', but this platform "
+                               f"serves '{settings.BASE_MODEL_NAME}'.", code="base_model_mismatch")
+        staged = _validate(directory, check_config_base=False)
+        return PublishedArtifact(
+            rank=staged.rank, lora_alpha=staged.lora_alpha, target_modules=staged.target_modules,
+            size_bytes=sum(entry["bytes"] for entry in manifest["files"].values()),
+            manifest_sha256=adapter_digest(directory),
+        )
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+
+
+# --- collecting the files ---------------------------------------------------------------------
+
+
+class _Budget:
+    """Counts the bytes written for one upload and stops at ADAPTER_MAX_BYTES."""
+
+    def __init__(self) -> None:
+        self.limit = settings.ADAPTER_MAX_BYTES
+        self.used = 0
+
+    def copy(self, source: IO[bytes] | Iterator[bytes], target: Path) -> None:
+        chunks = source if not hasattr(source, "read") else iter(lambda: source.read(_CHUNK), b"")
+        with target.open("xb") as out:
+            for chunk in chunks:
+                self.used += len(chunk)
+                if self.used > self.limit:
+                    raise PayloadTooLarge(
+                        f"The adapter's files exceed the limit of {self.limit} bytes (ADAPTER_MAX_BYTES).",
+                        code="adapter_too_large",
+                    )
+                out.write(chunk)
+
+
+def _is_archive(name: str) -> bool:
+    return name.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def _collect(files: Sequence[UploadedFile], directory: Path) -> None:
+    if not files:
+        raise InvalidInput(
+            f"No files were uploaded: send {ADAPTER_CONFIG_NAME} and {WEIGHTS_NAME} as multipart files, "
+            "or one .zip/.tar.gz with them at its root.", code="no_files",
+        )
+    budget = _Budget()
+    if len(files) == 1 and _is_archive(files[0].name or ""):
+        upload = files[0]
+        if upload.name.lower().endswith(".zip"):
+            _unpack_zip(upload, directory, budget)
+        else:
+            _unpack_tar(upload, directory, budget)
+    else:
+        archives = [upload.name for upload in files if _is_archive(upload.name or "")]
+        if archives:
+            raise InvalidInput(f"An archive ({archives[0]}) must be the only file of its upload.",
+                               code="archive_not_alone")
+        for upload in files:
+            target = _target(upload.name or "", directory)
+            if target is not None:
+                budget.copy(upload.chunks(), target)
+    missing = [name for name in REQUIRED_FILES if not (directory / name).is_file()]
+    if missing:
+        raise InvalidInput(
+            f"The upload lacks {' and '.join(missing)}; a PEFT adapter needs {ADAPTER_CONFIG_NAME} and "
+            f"{WEIGHTS_NAME} (save it with save_pretrained(..., safe_serialization=True)).",
+            code="missing_files",
+        )
+
+
+def _target(name: str, directory: Path) -> Path | None:
+    """Where an accepted file goes; None for files that are skipped; InvalidInput otherwise."""
+    if name in SKIPPED_FILES:
+        return None
+    if name.lower().endswith(PICKLE_SUFFIXES):
+        raise InvalidInput(
+            f"'{name}' is a pickled PyTorch file; Loraplex never loads pickles. Save the adapter as "
+            f"safetensors ({WEIGHTS_NAME}) with save_pretrained(..., safe_serialization=True).",
+            code="pickle_refused",
+        )
+    if name not in REQUIRED_FILES:
+        raise InvalidInput(f"Unexpected file '{name}': an adapter upload holds only {' and '.join(REQUIRED_FILES)}.",
+                           code="unexpected_file")
+    target = directory / name
+    if target.exists():
+        raise InvalidInput(f"'{name}' was uploaded twice.", code="duplicate_file")
+    return target
+
+
+def _member_name(raw: str) -> str | None:
+    """The file name of an archive entry at the root; None for entries that are skipped.
+
+    Absolute paths, '..' segments and backslashes are refused before anything is read, so no entry
+    can land outside the upload's directory; so are files in subdirectories (the files belong at
+    the root).
+    """
+    if "\\" in raw or raw.startswith("/") or (len(raw) > 1 and raw[1] == ":"):
+        raise InvalidInput(f"The archive entry '{raw}' has an absolute or Windows path; refused.",
+                           code="unsafe_archive_path")
+    parts = [part for part in PurePosixPath(raw).parts if part != "."]
+    if ".." in parts:
+        raise InvalidInput(f"The archive entry '{raw}' points outside the archive ('..'); refused.",
+                           code="unsafe_archive_path")
+    if not parts or parts[0] == SKIPPED_DIRECTORY:
+        return None
+    if len(parts) > 1:
+        raise InvalidInput(
+            f"The archive entry '{raw}' is in a subdirectory; put {' and '.join(REQUIRED_FILES)} at the archive's "
+            "root (e.g. `cd my-adapter && zip ../my-adapter.zip *`).", code="archive_not_flat",
+        )
+    return parts[0]
+
+
+def _unpack_zip(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
+    try:
+        archive = zipfile.ZipFile(upload)
+    except (zipfile.BadZipFile, OSError):
+        raise InvalidInput(f"'{upload.name}' is not a valid zip archive.", code="invalid_archive") from None
+    with archive:
+        entries = archive.infolist()
+        for entry in entries:  # every name is checked before any byte is extracted
+            _member_name(entry.filename)
+        for entry in entries:
+            name = _member_name(entry.filename)
+            if name is None or entry.is_dir():
+                continue
+            if stat.S_ISLNK(entry.external_attr >> 16):
+                raise InvalidInput(f"The archive entry '{entry.filename}' is a symbolic link; refused.",
+                                   code="unsafe_archive_path")
+            target = _target(name, directory)
+            if target is None:
+                continue
+            try:
+                with archive.open(entry) as stream:
+                    budget.copy(stream, target)
+            except (zipfile.BadZipFile, RuntimeError, OSError, EOFError) as error:
+                raise InvalidInput(f"Could not unpack '{entry.filename}' from '{upload.name}': {error}.",
+                                   code="invalid_archive") from None
+
+
+def _unpack_tar(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
+    try:
+        archive = tarfile.open(fileobj=upload, mode="r:*")
+    except (tarfile.TarError, OSError, EOFError):
+        raise InvalidInput(f"'{upload.name}' is not a valid .tar.gz archive.", code="invalid_archive") from None
+    with archive:
+        try:
+            members = archive.getmembers()
+        except (tarfile.TarError, OSError, EOFError) as error:
+            raise InvalidInput(f"'{upload.name}' is not a valid .tar.gz archive: {error}.",
+                               code="invalid_archive") from None
+        for member in members:
+            _member_name(member.name)
+        for member in members:
+            name = _member_name(member.name)
+            if name is None or member.isdir():
+                continue
+            if not member.isfile():
+                raise InvalidInput(f"The archive entry '{member.name}' is a link or special file; only regular "
+                                   "files are accepted.", code="unsafe_archive_path")
+            target = _target(name, directory)
+            if target is None:
+                continue
+            stream = archive.extractfile(member)
+            try:
+                budget.copy(stream, target)
+            except (tarfile.TarError, OSError, EOFError) as error:
+                raise InvalidInput(f"Could not unpack '{member.name}' from '{upload.name}': {error}.",
+                                   code="invalid_archive") from None
+            finally:
+                stream.close()
+
+
+# --- validating the adapter -------------------------------------------------------------------
+
+
+def _validate(directory: Path, *, check_config_base: bool = True) -> StagedAdapter:
+    """The engine's checks of the adapter in `directory` against the platform's base model.
+
+    With `check_config_base`, the base model adapter_config.json names must be an accepted one
+    (the engine compares last path components). A training job's config names the local path it
+    loaded the base from, so for its artifacts the manifest's base model is checked instead.
+    """
+    try:
+        spec = validate_adapter_dir(
+            directory, base_config=_base_config(Path(settings.BASE_MODEL_PATH)),
+            max_lora_rank=settings.MAX_LORA_RANK,
+            base_model_name=accepted_base_models() if check_config_base else None,
+        )
+    except AdapterError as error:
+        raise InvalidInput(_plain(error, directory), code="invalid_adapter") from None
+    return StagedAdapter(
+        directory=directory, rank=spec.rank, lora_alpha=spec.lora_alpha, target_modules=sorted(spec.target_modules),
+        size_bytes=sum(path.stat().st_size for path in directory.iterdir() if path.name != MANIFEST_NAME),
+    )
+
+
+class BaseModelUnavailable(ServiceError):
+    """The platform's own base model is missing, so no adapter can be checked against it."""
+
+    status_code = 503
+    error_type = "api_error"
+    code = "base_model_unavailable"
+
+
+@lru_cache(maxsize=4)
+def _base_config_cached(path: Path, mtime_ns: int) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(path)
+
+
+def _base_config(path: Path) -> PretrainedConfig:
+    """The base model's transformers config (re-read when its config.json changes)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise BaseModelUnavailable(
+            f"The platform's base model is not available at {path} (BASE_MODEL_PATH), so adapters cannot be "
+            "checked against it; ask the operator to install it."
+        )
+    return _base_config_cached(path, config_file.stat().st_mtime_ns)
+
+
+def _plain(error: Exception, directory: Path) -> str:
+    """The engine's message without the server's temporary path, which means nothing to a tenant."""
+    return str(error).replace(f" in {directory}", "").replace(f"{directory}/", "").replace(str(directory), "the upload")
