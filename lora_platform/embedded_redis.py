@@ -29,3 +29,10 @@ def redis_url_from_env(var_dir: Path) -> str:
     url = f"unix://{_server.socket_file}"
     os.environ["REDIS_URL"] = url
     return url
+
+
+def celery_redis_url(redis_url: str) -> str:
+    """The same server as Celery spells it: redis-py's unix:///path is redis+socket:///path there."""
+    if redis_url.startswith("unix://"):
+        return "redis+socket://" + redis_url[len("unix://"):]
+    return redis_url

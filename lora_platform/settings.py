@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from lora_platform.embedded_redis import redis_url_from_env
+from lora_platform.embedded_redis import celery_redis_url, redis_url_from_env
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("LORAPLEX_VAR_DIR", BASE_DIR / "var"))
@@ -163,8 +163,8 @@ SPECTACULAR_SETTINGS = {
 
 # Celery: long training tasks must survive a worker that dies mid-task, so a task is acknowledged
 # only after it finishes, a lost worker puts it back on the queue, and a worker takes one at a time.
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
-CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", REDIS_URL)
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", celery_redis_url(REDIS_URL))
+CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", celery_redis_url(REDIS_URL))
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
