@@ -1,4 +1,4 @@
-"""The artifact contract: manifest.json built from a PEFT adapter, verified file by file, digests."""
+"""The artifact contract: manifest.json of a PEFT adapter, verified file by file; digests."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def test_digest_is_the_manifest_sha256_and_follows_any_change(artifact, tiny_lla
 def test_digest_without_manifest_is_sha256sum_of_the_sorted_files(peft_adapter, tmp_path):
     directory = Path(shutil.copytree(peft_adapter, tmp_path / "plain"))
     listing = "".join(
-        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(directory.iterdir())
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
+        for p in sorted(directory.iterdir())
     )
     digest = adapter_digest(directory)
     assert digest == hashlib.sha256(listing.encode()).hexdigest()
@@ -118,7 +119,8 @@ def _flip_last_byte(path: Path) -> None:
         (lambda d: (d / "adapter_model.bin").write_bytes(b"pickle"),
          r"adapter_model\.bin .* not listed in manifest\.json"),
         (lambda d: (d / MANIFEST_NAME).unlink(), r"manifest\.json is missing"),
-        (lambda d: (d / MANIFEST_NAME).write_text("{not json"), r"manifest\.json .* not valid JSON"),
+        (lambda d: (d / MANIFEST_NAME).write_text("{not json"),
+         r"manifest\.json .* not valid JSON"),
         (lambda d: _edit_manifest(d, format=2), r"format 2; this version reads format 1"),
         (lambda d: _edit_manifest(d, files=[]), r"no 'files' object"),
         (lambda d: _edit_manifest(d, files={"../x": {"sha256": "0", "bytes": 1}}),

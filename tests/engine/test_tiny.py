@@ -20,6 +20,7 @@ from serving.engine.tiny import (
     ARCHS,
     SPECIAL_TOKENS,
     build_tiny_model,
+    main,
     save_random_peft_adapter,
 )
 
@@ -58,15 +59,14 @@ def test_command_line_builds_the_same_model_in_another_process(tmp_path, tiny_mo
     assert digests(out) == digests(tiny_model_factory("qwen2"))
 
 
-def test_command_line_refuses_an_existing_directory(tmp_path):
+def test_command_line_refuses_an_existing_directory(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
-    result = subprocess.run(
-        [sys.executable, "-m", "serving.engine.tiny", str(tmp_path)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
 
-    assert result.returncode == 2
-    assert "already exists" in result.stderr and "--force" in result.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path)])
+
+    assert exit_info.value.code == 2
+    assert "already exists" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 

@@ -1,0 +1,443 @@
+"""Reading a PEFT LoRA adapter into CPU tensors, validated against the base model.
+
+An adapter is a directory in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`,
+optionally the artifact's `manifest.json`), given as a local path, a `file://` URI or an
+`s3://bucket/prefix` (downloaded with boto3, honouring `S3_ENDPOINT_URL` and the usual `AWS_*`
+variables). Only safetensors is read; a pickled `.bin` is refused without being opened.
+
+`validate_adapter_dir` checks everything that can be checked without reading the weights (the
+config, the manifest digests, the tensor names, dtypes and shapes from the safetensors header): the
+registry uses it on uploads. `load_adapter` does the same, then reads the tensors as fp32.
+
+Every problem raises `AdapterError` with a message naming it. Supported: LoRA (`peft_type`
+"LORA") on q/k/v/o/gate/up/down projections with one rank and alpha for all modules, optionally
+rsLoRA, and `layers_to_transform` (layers without tensors get no LoRA). Refused: DoRA, trained
+biases, `modules_to_save`, `rank_pattern`/`alpha_pattern`, `fan_in_fan_out`, trainable tokens.
+
+Base model check: when `base_model_name` is given, the config's `base_model_name_or_path` must
+name the same model, compared by last path component, case-insensitively
+(`/models/tiny-llama/` matches `tiny-llama`; `meta-llama/Llama-3-8B` matches `llama-3-8b`). A config
+that names no base is accepted: the shape check still guards against a wrong base.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import boto3
+import torch
+from botocore.exceptions import BotoCoreError, ClientError
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from serving.engine.artifact import (
+    ADAPTER_CONFIG_NAME,
+    MANIFEST_NAME,
+    AdapterError,
+    adapter_digest,
+    manifest_verify,
+    read_adapter_config,
+)
+
+__all__ = [
+    "SUPPORTED_MODULES",
+    "AdapterError",
+    "AdapterSpec",
+    "BaseShapes",
+    "LoadedAdapter",
+    "download_s3_prefix",
+    "load_adapter",
+    "validate_adapter_dir",
+]
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_DTYPE_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+                torch.float64: "F64"}
+_FLOAT_DTYPES = set(_DTYPE_CODES.values())
+# PEFT's save_pretrained names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+_LORA_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
+    r"\.lora_(?P<which>[AB])\.weight$"
+)
+_ANY_LORA_KEY = re.compile(r"(?:^|\.)(?P<module>\w+)\.lora_\w+")
+
+Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BaseShapes:
+    """What an adapter must fit: the layer count and each target module's (in, out) features."""
+
+    num_layers: int
+    modules: Mapping[str, tuple[int, int]]
+
+    @classmethod
+    def from_config(cls, config: Any) -> BaseShapes:
+        """From a transformers config of the Llama/Qwen2/Mistral families (or anything alike)."""
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        inter = config.intermediate_size
+        return cls(
+            num_layers=config.num_hidden_layers,
+            modules={
+                "q_proj": (hidden, heads * head_dim),
+                "k_proj": (hidden, kv_heads * head_dim),
+                "v_proj": (hidden, kv_heads * head_dim),
+                "o_proj": (heads * head_dim, hidden),
+                "gate_proj": (hidden, inter),
+                "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """An adapter's settings and layout, validated without reading its weights."""
+
+    rank: int
+    lora_alpha: float
+    scaling: float
+    use_rslora: bool
+    target_modules: frozenset[str]
+    layers: frozenset[int]
+    base_model_name_or_path: str | None
+    weights_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """An adapter in CPU memory: `weights[(layer, module)] = (A[r, in], B[out, r])`, fp32.
+
+    The LoRA output of a module is `scaling * (x @ A.T) @ B.T`. `digest` is the artifact's content
+    digest (serving.engine.artifact.adapter_digest); caches key adapters by it.
+    """
+
+    digest: str
+    rank: int
+    lora_alpha: float
+    scaling: float
+    target_modules: frozenset[str]
+    weights: Weights
+    nbytes: int
+    use_rslora: bool = False
+
+
+def validate_adapter_dir(
+    adapter_dir: Path,
+    *,
+    base_config: Any,
+    max_lora_rank: int,
+    base_model_name: str | Sequence[str] | None = None,
+) -> AdapterSpec:
+    """Check a local adapter directory against the base without reading its tensors.
+
+    `base_config` is a transformers config or a `BaseShapes`; `base_model_name` the accepted base
+    name(s) (module docstring). Verifies manifest.json when present. Raises AdapterError.
+    """
+    adapter_dir = Path(adapter_dir)
+    shapes = _shapes(base_config)
+    if not adapter_dir.is_dir():
+        raise AdapterError(f"adapter directory {adapter_dir} does not exist")
+    if (adapter_dir / MANIFEST_NAME).exists():
+        manifest_verify(adapter_dir)
+    config = read_adapter_config(adapter_dir)
+    rank, alpha, use_rslora, config_modules = _check_config(config, max_lora_rank)
+    base_name = config.get("base_model_name_or_path") or None
+    _check_base_model(base_name, base_model_name)
+    weights_path = _weights_path(adapter_dir)
+    try:
+        with safe_open(weights_path, framework="pt") as reader:
+            header = {name: reader.get_slice(name) for name in reader.keys()}
+            layout = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in header.items()}
+    except Exception as exc:  # safetensors raises its own error types for every malformed file
+        raise AdapterError(f"{WEIGHTS_NAME} is not a valid safetensors file: {exc}") from None
+    pairs = _check_layout(layout, rank=rank, shapes=shapes)
+    modules = frozenset(module for _, module in pairs)
+    if config_modules is not None and not modules <= config_modules:
+        raise AdapterError(
+            f"{WEIGHTS_NAME} has tensors for {', '.join(sorted(modules - config_modules))}, "
+            f"which {ADAPTER_CONFIG_NAME}'s target_modules does not name"
+        )
+    return AdapterSpec(
+        rank=rank,
+        lora_alpha=alpha,
+        scaling=alpha / math.sqrt(rank) if use_rslora else alpha / rank,
+        use_rslora=use_rslora,
+        target_modules=modules,
+        layers=frozenset(layer for layer, _ in pairs),
+        base_model_name_or_path=base_name,
+        weights_bytes=weights_path.stat().st_size,
+    )
+
+
+def load_adapter(
+    source: str | Path,
+    *,
+    base_config: Any,
+    max_lora_rank: int,
+    base_model_name: str | Sequence[str] | None = None,
+) -> LoadedAdapter:
+    """Validate (as `validate_adapter_dir`) and read an adapter into fp32 CPU tensors.
+
+    `source`: a local directory, `file://` URI or `s3://bucket/prefix`. Raises AdapterError.
+    """
+    with _local_copy(source) as adapter_dir:
+        spec = validate_adapter_dir(
+            adapter_dir,
+            base_config=base_config,
+            max_lora_rank=max_lora_rank,
+            base_model_name=base_model_name,
+        )
+        digest = adapter_digest(adapter_dir)
+        try:
+            tensors = load_file(adapter_dir / WEIGHTS_NAME, device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for every malformed file
+            raise AdapterError(f"{WEIGHTS_NAME} is not a valid safetensors file: {exc}") from None
+    shapes = _shapes(base_config)
+    # Checked again on what was read: the file may have changed since its header was validated.
+    layout = {name: (tuple(t.shape), _dtype_code(t.dtype)) for name, t in tensors.items()}
+    pairs = _check_layout(layout, rank=spec.rank, shapes=shapes)
+    weights: Weights = {}
+    for (layer, module), (a_name, b_name) in sorted(pairs.items()):
+        a = tensors[a_name].to(torch.float32).contiguous()
+        b = tensors[b_name].to(torch.float32).contiguous()
+        for name, tensor in ((a_name, a), (b_name, b)):
+            if not torch.isfinite(tensor).all():
+                raise AdapterError(f"tensor {name} contains NaN or infinite values")
+        weights[layer, module] = (a, b)
+    return LoadedAdapter(
+        digest=digest,
+        rank=spec.rank,
+        lora_alpha=spec.lora_alpha,
+        scaling=spec.scaling,
+        target_modules=spec.target_modules,
+        weights=weights,
+        nbytes=sum(a.nbytes + b.nbytes for a, b in weights.values()),
+        use_rslora=spec.use_rslora,
+    )
+
+
+def _shapes(base_config: Any) -> BaseShapes:
+    if isinstance(base_config, BaseShapes):
+        return base_config
+    return BaseShapes.from_config(base_config)
+
+
+def _check_config(
+    config: dict[str, Any], max_lora_rank: int
+) -> tuple[int, float, bool, frozenset[str] | None]:
+    """(rank, alpha, use_rslora, target modules or None for a regex); refuses what can't serve."""
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(
+            f"{ADAPTER_CONFIG_NAME} has peft_type {peft_type!r}; only LoRA adapters (\"LORA\") "
+            "are supported"
+        )
+    refusals = {
+        "use_dora": "DoRA adapters (use_dora) are not supported",
+        "modules_to_save": "modules_to_save is not supported: the adapter would replace whole "
+        f"modules ({config.get('modules_to_save')}) of the shared base model",
+        "rank_pattern": "rank_pattern is not supported: save the adapter with one rank for all "
+        "modules",
+        "alpha_pattern": "alpha_pattern is not supported: save the adapter with one lora_alpha "
+        "for all modules",
+        "fan_in_fan_out": "fan_in_fan_out is not supported (it is for GPT-2-style Conv1D layers)",
+        "lora_bias": "lora_bias is not supported: the adapter must not train biases",
+        "trainable_token_indices": "trainable_token_indices is not supported: the adapter would "
+        "change the shared embeddings",
+        "target_parameters": "target_parameters is not supported: only target_modules",
+    }
+    for key, message in refusals.items():
+        if config.get(key):
+            raise AdapterError(f"{ADAPTER_CONFIG_NAME}: {message}")
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise AdapterError(
+            f"{ADAPTER_CONFIG_NAME} has bias {bias!r}; only bias \"none\" is supported "
+            "(the adapter must not train biases of the shared base model)"
+        )
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"{ADAPTER_CONFIG_NAME} has r={rank!r}; it must be a positive integer")
+    if rank > max_lora_rank:
+        raise AdapterError(
+            f"adapter rank {rank} exceeds max_lora_rank {max_lora_rank}; retrain with r <= "
+            f"{max_lora_rank} or raise max_lora_rank"
+        )
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"{ADAPTER_CONFIG_NAME} has lora_alpha={alpha!r}; it must be a number")
+    target_modules = config.get("target_modules")
+    if isinstance(target_modules, str):
+        modules = None
+    elif isinstance(target_modules, list) and all(isinstance(m, str) for m in target_modules):
+        modules = frozenset(target_modules)
+        unsupported = sorted(modules - set(SUPPORTED_MODULES))
+        if unsupported:
+            raise AdapterError(
+                f"unsupported target module(s) {', '.join(unsupported)}; supported: "
+                f"{', '.join(SUPPORTED_MODULES)}"
+            )
+    else:
+        raise AdapterError(
+            f"{ADAPTER_CONFIG_NAME} has target_modules={target_modules!r}; it must be a list of "
+            "module names or a regex"
+        )
+    return rank, float(alpha), bool(config.get("use_rslora")), modules
+
+
+def _name_key(name: str) -> str:
+    return PurePosixPath(name.replace("\\", "/").rstrip("/")).name.lower()
+
+
+def _check_base_model(adapter_base: str | None, accepted: str | Sequence[str] | None) -> None:
+    if accepted is None or adapter_base is None:
+        return
+    names = [accepted] if isinstance(accepted, str) else list(accepted)
+    if _name_key(adapter_base) not in {_name_key(name) for name in names}:
+        raise AdapterError(
+            f"adapter was trained for base model {adapter_base!r}, but this engine serves "
+            f"{' or '.join(repr(name) for name in names)}"
+        )
+
+
+def _weights_path(adapter_dir: Path) -> Path:
+    path = adapter_dir / WEIGHTS_NAME
+    if path.is_file():
+        return path
+    pickled = sorted(p.name for p in adapter_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise AdapterError(
+            f"{', '.join(pickled)} is a pickled checkpoint, which is never loaded (unpickling can "
+            f"run code); save the adapter with safetensors ({WEIGHTS_NAME}, PEFT's default)"
+        )
+    raise AdapterError(f"{WEIGHTS_NAME} is missing in {adapter_dir}")
+
+
+def _dtype_code(dtype: torch.dtype) -> str:
+    return _DTYPE_CODES.get(dtype, str(dtype))
+
+
+def _check_layout(
+    layout: Mapping[str, tuple[tuple[int, ...], str]], *, rank: int, shapes: BaseShapes
+) -> dict[tuple[int, str], tuple[str, str]]:
+    """(layer, module) → (A name, B name), after checking every tensor's name, dtype and shape."""
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for name, (shape, dtype) in sorted(layout.items()):
+        match = _LORA_KEY.match(name)
+        if match is None or _PARENT.get(match["module"]) != match["parent"]:
+            loose = _ANY_LORA_KEY.search(name)
+            if loose is not None and loose["module"] not in SUPPORTED_MODULES:
+                raise AdapterError(
+                    f"unsupported target module {loose['module']} (tensor {name}); supported: "
+                    f"{', '.join(SUPPORTED_MODULES)}"
+                )
+            raise AdapterError(
+                f"unexpected tensor {name} in {WEIGHTS_NAME}; expected PEFT's "
+                "base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight"
+            )
+        layer, module, which = int(match["layer"]), match["module"], match["which"]
+        if layer >= shapes.num_layers:
+            raise AdapterError(
+                f"tensor {name} is for layer {layer}, but the base model has "
+                f"{shapes.num_layers} layers"
+            )
+        if dtype not in _FLOAT_DTYPES:
+            raise AdapterError(
+                f"tensor {name} has dtype {dtype}; LoRA weights must be floating point"
+            )
+        in_features, out_features = shapes.modules[module]
+        expected = (rank, in_features) if which == "A" else (out_features, rank)
+        if tuple(shape) != expected:
+            raise AdapterError(
+                f"tensor {name} has shape {tuple(shape)}, but the base model with r={rank} expects "
+                f"{expected}"
+            )
+        found.setdefault((layer, module), {})[which] = name
+    if not found:
+        raise AdapterError(f"{WEIGHTS_NAME} holds no LoRA weights")
+    for (layer, module), pair in found.items():
+        if set(pair) != {"A", "B"}:
+            missing = "B" if "A" in pair else "A"
+            present = "A" if missing == "B" else "B"
+            raise AdapterError(f"layer {layer} {module} has lora_{present} but no lora_{missing}")
+    return {key: (pair["A"], pair["B"]) for key, pair in found.items()}
+
+
+@contextmanager
+def _local_copy(source: str | Path) -> Iterator[Path]:
+    """The adapter as a local directory: the path itself, or a temporary download of s3://."""
+    text = str(source)
+    if text.startswith("s3://"):
+        with tempfile.TemporaryDirectory(prefix="loraplex-adapter-") as scratch:
+            yield download_s3_prefix(text, Path(scratch) / "adapter")
+        return
+    if text.startswith("file://"):
+        parsed = urlparse(text)
+        if parsed.netloc not in ("", "localhost"):
+            raise AdapterError(f"{text}: file:// URIs must name a local path")
+        yield Path(unquote(parsed.path))
+        return
+    if "://" in text:
+        raise AdapterError(f"unsupported adapter location {text}; use a path, file:// or s3://")
+    yield Path(source)
+
+
+def download_s3_prefix(uri: str, dest_dir: Path) -> Path:
+    """Download the objects under `s3://bucket/prefix/` into `dest_dir`, whole or not at all.
+
+    The objects are fetched into a sibling temporary directory that is renamed to `dest_dir`
+    (which must not exist). Artifacts are flat: a nested key is refused. Uses `S3_ENDPOINT_URL`
+    when set; credentials come from boto3's usual sources.
+    """
+    parsed = urlparse(uri)
+    bucket, prefix = parsed.netloc, parsed.path.strip("/")
+    if parsed.scheme != "s3" or not bucket:
+        raise AdapterError(f"{uri} is not an s3://bucket/prefix URI")
+    key_prefix = f"{prefix}/" if prefix else ""
+    dest_dir = Path(dest_dir)
+    if dest_dir.exists():
+        raise AdapterError(f"download target {dest_dir} already exists")
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest_dir.name}.", dir=dest_dir.parent))
+    try:
+        client = boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
+        count = 0
+        for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=key_prefix
+        ):
+            for item in page.get("Contents", []):
+                name = item["Key"][len(key_prefix):]
+                if "/" in name or name in ("", ".", ".."):
+                    raise AdapterError(
+                        f"s3://{bucket}/{item['Key']} is nested under {uri}; an adapter artifact "
+                        "is a flat directory"
+                    )
+                client.download_file(bucket, item["Key"], str(staging / name))
+                count += 1
+        if count == 0:
+            raise AdapterError(f"no adapter at {uri}: no objects under that prefix")
+        staging.chmod(0o755)
+        os.rename(staging, dest_dir)
+    except (BotoCoreError, ClientError) as exc:
+        raise AdapterError(f"cannot download the adapter at {uri}: {exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest_dir
