@@ -1,0 +1,66 @@
+"""The serving engine: one shared base model, hot-swappable LoRA slots, continuous batching.
+
+Public API (vLLM's shapes; stable)::
+
+    from serving.engine import LLM, SamplingParams, LoRARequest
+
+    llm = LLM(model=PATH, max_loras=4, max_cpu_loras=None, max_lora_rank=16, max_num_seqs=256,
+              max_num_batched_tokens=2048, dtype="auto", device="auto", **engine_config_fields)
+    llm.generate(prompts, SamplingParams(...), lora_request=LoRARequest(name, path) | [...] | None,
+                 *, priority=None) -> list[RequestOutput]
+    llm.chat(messages | [messages, ...], SamplingParams(...), lora_request=None) -> list[RequestOutput]
+
+    SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=None, max_tokens=16, stop=None,
+                   stop_token_ids=None, ignore_eos=False, include_stop_str_in_output=False,
+                   logprobs=None, skip_special_tokens=True)
+    LoRARequest(lora_name, lora_path) or LoRARequest(lora_name, lora_int_id, lora_path)
+
+    RequestOutput: request_id, prompt, prompt_token_ids, finished, lora_request, error,
+        outputs[0]: CompletionOutput(text, token_ids, finish_reason ("stop" | "length" | "abort"),
+                    stop_reason, cumulative_logprob, logprobs: list[dict[token_id, Logprob]] | None)
+
+The asyncio engine (for the HTTP server; one engine thread, any number of callers)::
+
+    engine = AsyncEngine(EngineConfig(model=PATH, ...))   # or AsyncEngine.from_args(PATH, ...)
+    async for out in engine.generate(prompt, sampling_params, request_id,
+                                     lora_request=None, priority=0):  # cumulative outputs
+        ...                       # raises ValueError (bad prompt / id in use) or AdapterError
+    await engine.abort(request_id)                       # the stream ends with "abort"
+    await engine.add_lora(LoRARequest(name, path), load_inplace=False) -> LoRAInfo
+    await engine.remove_lora(name)                       # AdapterNotFoundError if unknown
+    await engine.list_loras() -> list[LoRAInfo]
+    await engine.get_stats() -> EngineStats
+    engine.tokenizer, engine.model_name, engine.max_model_len, engine.is_running
+    engine.shutdown()
+
+Lower priority values are served first (vLLM's convention). Adapters are keyed by content digest;
+a name only points at one. Adapter problems raise ``AdapterError`` with a message naming them.
+"""
+
+from serving.engine.adapter_loader import AdapterError
+from serving.engine.async_engine import AsyncEngine, EngineDeadError
+from serving.engine.config import EngineConfig
+from serving.engine.llm import LLM
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.lora_cache import AdapterNotFoundError
+from serving.engine.lora_request import LoRARequest
+from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.stats import EngineStats, LoRAInfo
+
+__all__ = [
+    "LLM",
+    "AdapterError",
+    "AdapterNotFoundError",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStats",
+    "LLMEngine",
+    "LoRAInfo",
+    "LoRARequest",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]

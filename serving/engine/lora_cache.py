@@ -121,6 +121,9 @@ class LoRACache:
         self._other_loads: list[PendingLoad] = []  # re-reads, and adds beside a first load
         self._queued: list[PendingLoad] = []  # waiting for room in the CPU cache
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
+        # What reads an adapter from storage (runs on a loader thread). Tests wrap it to hold a
+        # load in flight while they watch the engine keep decoding.
+        self.load_fn: Callable[..., LoadedAdapter] = load_adapter
         self.stats = LoRACacheStats()
 
     # ---- requests -------------------------------------------------------------------------
@@ -310,7 +313,7 @@ class LoRACache:
     def _load(self, path: str) -> tuple[LoadedAdapter, Weights, float]:
         """Loader thread: read, validate and digest; convert to the model dtype for the slot copy."""
         start = time.perf_counter()
-        loaded = load_adapter(
+        loaded = self.load_fn(
             path,
             base_config=self._base_config,
             max_lora_rank=self.max_lora_rank,
