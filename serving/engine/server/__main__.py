@@ -1,0 +1,5 @@
+import sys
+
+from serving.engine.server.serve import main
+
+sys.exit(main())

@@ -1,0 +1,128 @@
+"""The HTTP routes of the serving worker (vLLM's OpenAI-compatible server, route for route)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from serving.engine import AdapterError, AdapterNotFoundError
+from serving.engine.server.adapters import Source
+from serving.engine.server.chat import create_chat_completion
+from serving.engine.server.completions import create_completion
+from serving.engine.server.errors import APIError, bad_request, error_response, install_error_handlers
+from serving.engine.server.generation import ClientDisconnected, Outcome
+from serving.engine.server.metrics import CONTENT_TYPE
+from serving.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
+from serving.engine.server.worker import State, Worker
+
+# nginx's code for "the client closed the request": nobody reads it, the access log does.
+_CLIENT_CLOSED = 499
+
+
+def build_app(worker: Worker) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await worker.start()
+        yield
+        await worker.stop()
+
+    app = FastAPI(title="Loraplex serving worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=_CLIENT_CLOSED)
+
+    if worker.args.api_key:
+        expected = f"Bearer {worker.args.api_key}".encode()
+
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            if request.url.path.startswith("/v1/"):
+                presented = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(presented, expected):
+                    return error_response(APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 once the model is loaded and the worker takes requests; 503 before and while draining."""
+        ready = worker.state is State.READY
+        return JSONResponse({"status": worker.state.value}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(worker.metrics.render(await worker.stats()), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        engine, adapters = worker.require_ready()
+        created = int(worker.started_at)
+        cards = [
+            ModelCard(id=name, created=created, root=worker.args.model, max_model_len=engine.max_model_len)
+            for name in worker.base_model_ids
+        ]
+        cards += [
+            ModelCard(id=name, created=created, root=served.info.path, parent=worker.base_model_id)
+            for name, served in sorted(adapters.all().items())
+        ]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _generate(create_completion, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _generate(create_chat_completion, body, request)
+
+    async def _generate(handler: Callable[..., Awaitable[Response]], body: CompletionRequest | ChatCompletionRequest,
+                        request: Request) -> Response:
+        outcome = Outcome(worker, body.model)
+        try:
+            return await handler(body, request, worker, outcome)
+        except BaseException as exc:
+            outcome.fail(exc)
+            raise
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict:
+        """Load into the CPU cache (a GPU slot is filled on first use); other requests keep running.
+        Same name, same content: 200. Same name, other content: 400 unless `load_inplace`."""
+        _, adapters = worker.require_ready()
+        try:
+            info = await adapters.load(body.lora_name, body.lora_path, load_inplace=body.load_inplace, source=Source.API)
+        except (AdapterError, ValueError) as exc:
+            raise bad_request(f"Cannot load adapter '{body.lora_name}': {exc}", param="lora_path") from exc
+        return {
+            "lora_name": info.name,
+            "lora_path": info.path,
+            "digest": info.digest,
+            "rank": info.rank,
+            "lora_alpha": info.lora_alpha,
+            "target_modules": list(info.target_modules),
+            "load_seconds": info.load_seconds,
+        }
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict:
+        """Unload; the slot and CPU copy are freed once the adapter's in-flight requests finish."""
+        _, adapters = worker.require_ready()
+        try:
+            await adapters.unload(body.lora_name)
+        except AdapterNotFoundError as exc:
+            raise APIError(404, f"No adapter named '{body.lora_name}' is loaded.", param="lora_name", code="model_not_found") from exc
+        return {"lora_name": body.lora_name, "unloaded": True}
+
+    return app

@@ -1,0 +1,133 @@
+"""`POST /v1/chat/completions`: messages through the tokenizer's chat template, a reply out, whole
+or streamed. The prompt is built exactly as the offline `LLM.chat` builds it, so the same
+conversation gives the same tokens through either."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from serving.engine.server.errors import bad_request
+from serving.engine.server.generation import (
+    Delta,
+    Generation,
+    Outcome,
+    check_supported,
+    resolve_model,
+    sampling_params,
+)
+from serving.engine.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+)
+from serving.engine.server.streaming import GenerationStream, sse
+from serving.engine.server.worker import Worker
+
+# OpenAI's `developer` role is what chat templates call `system`.
+_ROLE_ALIASES = {"developer": "system"}
+
+
+def chat_prompt_token_ids(worker: Worker, body: ChatCompletionRequest) -> list[int]:
+    engine, _ = worker.require_ready()
+    tokenizer = engine.tokenizer
+    try:
+        messages = [{"role": _ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in body.messages]
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # a template raises whatever its Jinja code raises
+        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, worker: Worker, outcome: Outcome) -> Response:
+    lora_request = resolve_model(worker, body.model)
+    check_supported(body)
+    engine, _ = worker.require_ready()
+    ids = chat_prompt_token_ids(worker, body)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, prompt_len=len(ids), max_model_len=engine.max_model_len, logprobs=top)
+    generation, first = await Generation.start(
+        worker, outcome, request, kind="chatcmpl", prompt_token_ids=ids, params=params,
+        lora_request=lora_request, priority=body.priority,
+    )
+    if body.stream:
+        return GenerationStream(_chunks(worker, generation, first, body), generation)
+    try:
+        deltas = [first, *await generation.rest(request)]
+    finally:
+        generation.close()
+    last = deltas[-1]
+    choice = ChatChoice(
+        message=ChatResponseMessage(content="".join(d.text for d in deltas)),
+        logprobs=_logprobs(worker, deltas, body.top_logprobs or 0) if body.logprobs else None,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
+    )
+    response = ChatCompletionResponse(
+        id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
+        usage=generation.usage.info(), prompt_token_ids=ids if body.return_token_ids else None,
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _chunks(worker: Worker, generation: Generation, first: Delta, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+    def chunk(choice: ChatChunkChoice | None, *, usage: bool, prompt_ids: bool = False) -> bytes:
+        return sse(ChatCompletionChunk(
+            id=generation.request_id, created=generation.created, model=body.model,
+            choices=[choice] if choice is not None else [],
+            usage=generation.usage.info() if usage else None,
+            prompt_token_ids=generation.prompt_token_ids if prompt_ids and body.return_token_ids else None,
+        ))
+
+    # OpenAI's first chunk carries the role and no content.
+    yield chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")), usage=usage_each, prompt_ids=True)
+    delta: Delta | None = first
+    while delta is not None:
+        if delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
+            yield chunk(ChatChunkChoice(
+                delta=ChatDelta(content=delta.text),
+                logprobs=_logprobs(worker, [delta], body.top_logprobs or 0) if body.logprobs else None,
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+                token_ids=delta.token_ids if body.return_token_ids else None,
+            ), usage=usage_each)
+        delta = await generation.next()
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk(None, usage=True)
+
+
+def _logprobs(worker: Worker, deltas: list[Delta], top: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs: per token, its logprob, its bytes and the `top` most likely tokens."""
+    decode = worker.require_ready()[0].tokenizer.decode
+    content = []
+    for delta in deltas:
+        for token_id, entry in zip(delta.token_ids, delta.logprobs or []):
+
+            def item(tid: int) -> ChatTopLogprob:
+                lp = entry[tid]
+                text = lp.decoded_token if lp.decoded_token is not None else decode([tid])
+                return ChatTopLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()))
+
+            chosen = item(token_id)
+            ranked = sorted(entry.items(), key=lambda pair: pair[1].rank)
+            top_k = [item(tid) for tid, lp in ranked if lp.rank <= top]
+            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top_k))
+    return ChatLogprobs(content=content)

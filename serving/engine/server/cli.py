@@ -1,0 +1,174 @@
+"""Command line of the serving worker. Flags carry vLLM's names (`vllm serve` users can copy their
+command over); flags vLLM does not have are the worker's own (registry sync, self-registration,
+admission bound, shutdown grace period).
+
+    python -m serving.engine.server --model PATH [--host 127.0.0.1] [--port 8100]
+        [--max-loras N] [--max-cpu-loras N] [--max-lora-rank R] [--lora-modules name=path …]
+        [--registry-url URL --registry-token T] [--api-key K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+
+
+@dataclass
+class ServerArgs:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    served_model_name: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_queued_requests: int = 1024
+    timeout_graceful_shutdown: float = 30.0
+    registry_url: str | None = None
+    registry_token: str | None = None
+    registry_reconcile_interval: float = 30.0
+    redis_url: str | None = None
+    worker_id: str | None = None
+    advertise_url: str | None = None
+    heartbeat_interval: float = 5.0
+    uvicorn_log_level: str = "info"
+
+    @property
+    def base_model_id(self) -> str:
+        """The base model's id in the API: the first served name, else the model path (as vLLM)."""
+        return self.served_model_name[0] if self.served_model_name else self.model
+
+    @property
+    def public_url(self) -> str:
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else socket.getfqdn()
+        return f"http://{host}:{self.port}"
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}:{self.port}"
+
+
+def _lora_module(text: str) -> LoRAModule:
+    """`name=path`, or vLLM's JSON form `{"name": …, "path": …}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return LoRAModule(name=str(spec["name"]), path=str(spec["path"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules JSON needs 'name' and 'path': {text!r}") from exc
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {text!r}")
+    return LoRAModule(name=name, path=path)
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m serving.engine.server",
+        description="Loraplex serving worker: one base model, many LoRA adapters, an OpenAI-compatible API.",
+    )
+    p.add_argument("--model", required=True, help="local Hugging Face model directory (nothing is downloaded)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument(
+        "--served-model-name", nargs="+", default=[], help="the base model's id(s) in the API (default: --model)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SERVING_WORKER_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SERVING_WORKER_API_KEY; unset: open)",
+    )
+    lora = p.add_argument_group("LoRA")
+    lora.add_argument("--max-loras", type=int, default=4, help="GPU adapter slots")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="CPU adapter cache size (default: --max-loras)")
+    lora.add_argument("--max-lora-rank", type=int, default=16)
+    lora.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH", help="adapters to load at start"
+    )
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=_positive(int), default=256)
+    engine.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048)
+    engine.add_argument("--max-model-len", type=_positive(int), default=None)
+    engine.add_argument("--block-size", type=_positive(int), default=16)
+    engine.add_argument(
+        "--num-gpu-blocks-override", type=_positive(int), default=None, help="KV-cache blocks (CPU too)"
+    )
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--device", default="auto")
+    engine.add_argument("--seed", type=int, default=0)
+    server = p.add_argument_group("server")
+    server.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests beyond --max-num-seqs that may wait; past that, 503 (0: no waiting at all)",
+    )
+    server.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    server.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    registry = p.add_argument_group("registry sync and self-registration")
+    registry.add_argument("--registry-url", default=None, help="the registry's internal snapshot endpoint")
+    registry.add_argument("--registry-token", default=os.environ.get("REGISTRY_TOKEN"), help="default: $REGISTRY_TOKEN")
+    registry.add_argument("--registry-reconcile-interval", type=_positive(float), default=30.0)
+    registry.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="deploy events and worker registration (default: $REDIS_URL; unset: neither)",
+    )
+    registry.add_argument("--worker-id", default=None, help="default: HOSTNAME:PORT")
+    registry.add_argument("--advertise-url", default=None, help="URL the gateway reaches this worker at")
+    registry.add_argument("--heartbeat-interval", type=_positive(float), default=5.0)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.registry_url and not ns.registry_token:
+        parser.error("--registry-url needs --registry-token (or $REGISTRY_TOKEN)")
+    if ns.max_queued_requests < 0:
+        parser.error(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
+    if ns.timeout_graceful_shutdown < 0:
+        parser.error(f"--timeout-graceful-shutdown must be >= 0, got {ns.timeout_graceful_shutdown}")
+    names = [m.name for m in ns.lora_modules]
+    if len(set(names)) != len(names):
+        parser.error(f"--lora-modules names must be unique, got {names}")
+    return ServerArgs(**vars(ns))

@@ -1,0 +1,118 @@
+"""`POST /v1/completions`: a prompt (text or token ids) in, a completion out, whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from serving.engine.server.errors import bad_request
+from serving.engine.server.generation import (
+    Delta,
+    Generation,
+    Outcome,
+    check_supported,
+    resolve_model,
+    sampling_params,
+)
+from serving.engine.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from serving.engine.server.streaming import GenerationStream, sse
+from serving.engine.server.worker import Worker
+
+
+def prompt_token_ids(worker: Worker, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    """One prompt's token ids; text is encoded as the offline API encodes it (with BOS)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"prompt holds {len(prompt)} prompts; this worker takes one prompt per request", param="prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        engine, _ = worker.require_ready()
+        return list(engine.tokenizer(prompt).input_ids)
+    return list(prompt)
+
+
+async def create_completion(body: CompletionRequest, request: Request, worker: Worker, outcome: Outcome) -> Response:
+    lora_request = resolve_model(worker, body.model)
+    check_supported(body)
+    engine, _ = worker.require_ready()
+    ids = prompt_token_ids(worker, body.prompt)
+    params = sampling_params(body, prompt_len=len(ids), max_model_len=engine.max_model_len, logprobs=body.logprobs)
+    generation, first = await Generation.start(
+        worker, outcome, request, kind="cmpl", prompt_token_ids=ids, params=params,
+        lora_request=lora_request, priority=body.priority,
+    )
+    if body.stream:
+        return GenerationStream(_chunks(worker, generation, first, body), generation)
+    try:
+        deltas = [first, *await generation.rest(request)]
+    finally:
+        generation.close()
+    text = "".join(d.text for d in deltas)
+    last = deltas[-1]
+    choice = CompletionChoice(
+        text=text,
+        logprobs=_logprobs(worker, deltas, offset=0, top=body.logprobs or 0) if body.logprobs is not None else None,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
+        prompt_token_ids=ids if body.return_token_ids else None,
+    )
+    response = CompletionResponse(
+        id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
+        usage=generation.usage.info(),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _chunks(worker: Worker, generation: Generation, first: Delta, body: CompletionRequest) -> AsyncIterator[bytes]:
+    usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    offset = 0
+    delta: Delta | None = first
+    sent_prompt_ids = False
+    while delta is not None:
+        if delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs is not None):
+            choice = CompletionChoice(
+                text=delta.text,
+                logprobs=_logprobs(worker, [delta], offset=offset, top=body.logprobs or 0) if body.logprobs is not None else None,
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+                token_ids=delta.token_ids if body.return_token_ids else None,
+                prompt_token_ids=generation.prompt_token_ids if body.return_token_ids and not sent_prompt_ids else None,
+            )
+            sent_prompt_ids = sent_prompt_ids or body.return_token_ids
+            yield sse(CompletionResponse(
+                id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
+                usage=generation.usage.info() if usage_each else None,
+            ))
+            offset += len(delta.text)
+        delta = await generation.next()
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse(CompletionResponse(
+            id=generation.request_id, created=generation.created, model=body.model, choices=[],
+            usage=generation.usage.info(),
+        ))
+
+
+def _logprobs(worker: Worker, deltas: list[Delta], *, offset: int, top: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs: the chosen tokens, their logprobs, the `top` most likely tokens
+    (and the chosen one) at each position, and each token's character offset in the completion."""
+    decode = worker.require_ready()[0].tokenizer.decode
+    result = CompletionLogprobs()
+    for delta in deltas:
+        for token_id, entry in zip(delta.token_ids, delta.logprobs or []):
+            texts = {tid: lp.decoded_token if lp.decoded_token is not None else decode([tid]) for tid, lp in entry.items()}
+            result.tokens.append(texts[token_id])
+            result.token_logprobs.append(entry[token_id].logprob)
+            result.text_offset.append(offset)
+            offset += len(texts[token_id])
+            result.top_logprobs.append({texts[tid]: lp.logprob for tid, lp in entry.items()} if top else None)
+    return result

@@ -1,0 +1,78 @@
+"""Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the status
+OpenAI's clients map to their exception classes (400 BadRequestError, 401 AuthenticationError,
+404 NotFoundError, 503 InternalServerError with retries)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to send to the client as it is: `message` is shown to the caller, so it says what
+    was wrong and, where it helps, what to do."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def bad_request(message: str, *, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist on this worker; GET /v1/models lists the served models.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(503, message, code="overloaded")
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.status, error.message, param=error.param, code=error.code), error.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app returns, its own or the framework's, leaves in the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        first_param = next((str(e["loc"][-1]) for e in exc.errors() if e.get("loc")), None)
+        return error_response(APIError(400, "; ".join(problems) or "invalid request body", param=first_param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)))

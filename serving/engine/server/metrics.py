@@ -1,0 +1,122 @@
+"""Prometheus metrics of one serving worker, in a registry of its own.
+
+Request metrics are observed by the HTTP layer as requests run; engine state (queue, running
+sequences, KV cache, adapter residency, adapter loads) is read from the engine at scrape time, so a
+scrape always shows the present and nothing has to be kept in sync. Names carry the `loraplex_`
+prefix; latency histograms have no adapter label (their cardinality would grow with every tenant),
+request and token counters do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from serving.engine import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Outcomes of a request, the `status` label of loraplex_requests_total.
+OK = "ok"
+ABORTED = "aborted"  # the client went away, or the worker shut down before it finished
+BAD_REQUEST = "bad_request"
+NOT_FOUND = "not_found"
+OVERLOADED = "overloaded"
+ERROR = "error"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "loraplex_requests",
+            "Finished HTTP generation requests by model (base id or adapter name) and outcome.",
+            ["model", "status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens", "Prompt tokens of admitted requests.", ["model"], registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "loraplex_generation_tokens", "Generated tokens.", ["model"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "From request arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "loraplex_inter_token_latency_seconds",
+            "Between consecutive generated tokens of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "loraplex_e2e_request_latency_seconds",
+            "From request arrival to its last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The exposition text, with engine state from `stats` (None while the model loads)."""
+        self._engine.stats = stats
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Engine state at scrape time; nothing while the model is still loading."""
+
+    stats: EngineStats | None = None
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        stats = self.stats
+        if stats is None:
+            return
+        yield GaugeMetricFamily("loraplex_num_requests_waiting", "Requests queued in the engine.", value=stats.num_waiting)
+        yield GaugeMetricFamily("loraplex_num_requests_running", "Sequences in the running batch.", value=stats.num_running)
+        yield GaugeMetricFamily(
+            "loraplex_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).", value=stats.kv_usage
+        )
+        yield GaugeMetricFamily(
+            "loraplex_kv_cache_blocks_used", "KV-cache blocks in use.", value=stats.kv_blocks_used
+        )
+        yield GaugeMetricFamily(
+            "loraplex_kv_cache_blocks_total", "KV-cache blocks in the cache.", value=stats.kv_blocks_total
+        )
+        resident = GaugeMetricFamily(
+            "loraplex_lora_resident",
+            "1 for each loaded adapter in each tier where it is resident (gpu: a slot, cpu: the CPU cache).",
+            labels=["adapter", "tier"],
+        )
+        for adapter in stats.adapters:
+            resident.add_metric([adapter.name, "gpu"], 0.0 if adapter.gpu_slot is None else 1.0)
+            resident.add_metric([adapter.name, "cpu"], 1.0 if adapter.in_cpu_cache else 0.0)
+        yield resident
+        yield GaugeMetricFamily("loraplex_lora_slots_total", "GPU adapter slots (max_loras).", value=stats.max_loras)
+        yield GaugeMetricFamily(
+            "loraplex_lora_slots_used",
+            "GPU adapter slots holding an adapter.",
+            value=sum(1 for slot in stats.gpu_slots if slot is not None),
+        )
+        loads = SummaryMetricFamily(
+            "loraplex_lora_load_seconds",
+            "Adapter reads from storage into the CPU cache (validation and digest included).",
+            count_value=stats.adapter_loads,
+            sum_value=stats.adapter_load_seconds_total,
+        )
+        yield loads
+        yield CounterMetricFamily(
+            "loraplex_lora_load_failures", "Adapter loads that failed.", value=stats.adapter_load_failures
+        )

@@ -1,0 +1,209 @@
+"""Keeping the registry's served versions loaded on this worker (docs/registry.md, the registry's
+side; docs/serving-worker.md, this one).
+
+Three inputs, one outcome: the snapshot (`GET <registry-url>`, every active and canary version)
+at start and every `--registry-reconcile-interval` seconds, and the deploy events on Redis
+(`loraplex:registry:events`) in between. Each served version is loaded under its qualified name
+`<tenant>/<adapter>@<version>` from its artifact URI; versions that stop being served are unloaded.
+Pub/sub delivers at most once, so a lost event only delays convergence until the next reconcile.
+
+Ordering: the snapshot carries `revision`, the id of the newest audit event it reflects. Changes
+are applied one at a time under a lock; an event whose id is not above the last applied revision
+is already reflected and skipped, and a snapshot older than an applied event is ignored (the next
+one will be newer), so a late snapshot never undoes a newer event.
+
+Only names that registry sync loaded itself are ever unloaded by it: adapters an operator loaded
+(`--lora-modules`, `/v1/load_lora_adapter`) are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+
+from serving.engine import AdapterError, AdapterNotFoundError
+from serving.engine.server.adapters import AdapterSet, Source
+
+log = logging.getLogger(__name__)
+
+EVENTS_CHANNEL = "loraplex:registry:events"
+# Parallel artifact fetches while applying a snapshot; the engine's loader threads bound the rest.
+_PARALLEL_LOADS = 4
+
+
+@dataclass(frozen=True)
+class ServedVersion:
+    name: str  # <tenant>/<adapter>@<version>
+    artifact_uri: str
+    manifest_sha256: str
+
+    @classmethod
+    def parse(cls, entry: dict[str, Any]) -> ServedVersion:
+        try:
+            return cls(str(entry["name"]), str(entry["artifact_uri"]), str(entry["manifest_sha256"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"registry entry without name, artifact_uri and manifest_sha256: {entry!r}") from exc
+
+
+@dataclass
+class SyncStats:
+    snapshots: int = 0
+    snapshot_failures: int = 0
+    events: int = 0
+    load_failures: int = 0
+    revision: int = 0
+
+
+class RegistrySync:
+    def __init__(
+        self,
+        adapters: AdapterSet,
+        *,
+        snapshot_url: str,
+        token: str,
+        redis_url: str | None,
+        reconcile_interval: float,
+    ) -> None:
+        self._adapters = adapters
+        self._snapshot_url = snapshot_url
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._redis_url = redis_url
+        self._interval = reconcile_interval
+        self._lock = asyncio.Lock()
+        self._reconcile_now = asyncio.Event()
+        self.stats = SyncStats()
+
+    async def run(self) -> None:
+        """Reconcile now and periodically, and follow deploy events, until cancelled."""
+        tasks = [asyncio.create_task(self._reconcile_loop(), name="registry-reconcile")]
+        if self._redis_url:
+            tasks.append(asyncio.create_task(self._follow_events(), name="registry-events"))
+        else:
+            log.warning("no Redis URL: deploy events are not followed; the registry is polled every %.0fs", self._interval)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- snapshot ------------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        async with httpx.AsyncClient(timeout=30.0, headers=self._headers) as client:
+            while True:
+                self._reconcile_now.clear()
+                try:
+                    await self.reconcile(client)
+                except (httpx.HTTPError, ValueError) as exc:
+                    self.stats.snapshot_failures += 1
+                    log.warning("registry snapshot from %s failed (retrying in %.0fs): %s", self._snapshot_url, self._interval, exc)
+                try:
+                    await asyncio.wait_for(self._reconcile_now.wait(), timeout=self._interval)
+                except TimeoutError:
+                    pass
+
+    async def reconcile(self, client: httpx.AsyncClient) -> None:
+        async with self._lock:
+            response = await client.get(self._snapshot_url)
+            if response.status_code != 200:
+                raise ValueError(f"HTTP {response.status_code}: {response.text[:300]}")
+            snapshot = response.json()
+            revision = int(snapshot.get("revision", 0))
+            if revision < self.stats.revision:
+                log.info("registry snapshot at revision %d is older than applied event %d; skipped", revision, self.stats.revision)
+                return
+            desired = [ServedVersion.parse(entry) for entry in snapshot.get("adapters", [])]
+            await self._apply(desired, stale=set(self._adapters.from_source(Source.REGISTRY)))
+            self.stats.revision = revision
+            self.stats.snapshots += 1
+
+    # ---- events --------------------------------------------------------------------------
+
+    async def _follow_events(self) -> None:
+        while True:
+            client = aioredis.Redis.from_url(self._redis_url)
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(EVENTS_CHANNEL)
+                    # Events published while unsubscribed are lost: catch up from the snapshot.
+                    self._reconcile_now.set()
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            await self._on_event(message["data"])
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("deploy events from Redis interrupted (resubscribing in 1s): %s", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await client.aclose()
+
+    async def _on_event(self, data: bytes | str) -> None:
+        try:
+            event = json.loads(data)
+            event_id = int(event["id"])
+            prefix = f"{event['tenant']}/{event['adapter']}@"
+            served = [ServedVersion.parse(entry) for entry in event.get("served", [])]
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring a malformed deploy event (%s): %.300r", exc, data)
+            return
+        async with self._lock:
+            if event_id <= self.stats.revision:
+                return
+            if event_id > self.stats.revision + 1:
+                # Ids of audit events we never saw: they may be lost, or just other transactions'.
+                self._reconcile_now.set()
+            self.stats.events += 1
+            # `served` is the adapter's complete served set: any other version of it goes.
+            mine = self._adapters.from_source(Source.REGISTRY)
+            await self._apply(served, stale={name for name in mine if name.startswith(prefix)})
+            self.stats.revision = event_id
+
+    # ---- applying ------------------------------------------------------------------------
+
+    async def _apply(self, desired: Iterable[ServedVersion], *, stale: set[str]) -> None:
+        """Load every desired version not loaded with its digest; unload `stale` names not desired."""
+        desired = list(desired)
+        keep = {version.name for version in desired}
+        for name in sorted(stale - keep):
+            try:
+                await self._adapters.unload(name)
+            except AdapterNotFoundError:
+                pass
+        missing = [v for v in desired if (s := self._adapters.get(v.name)) is None or s.info.digest != v.manifest_sha256]
+        gate = asyncio.Semaphore(_PARALLEL_LOADS)
+
+        async def load(version: ServedVersion) -> None:
+            async with gate:
+                await self._load(version)
+
+        await asyncio.gather(*(load(version) for version in missing))
+
+    async def _load(self, version: ServedVersion) -> None:
+        current = self._adapters.get(version.name)
+        if current is not None and current.source is not Source.REGISTRY:
+            log.warning("adapter %s was loaded by an operator; registry sync leaves it alone", version.name)
+            return
+        try:
+            info = await self._adapters.load(
+                version.name, version.artifact_uri, load_inplace=True, source=Source.REGISTRY
+            )
+        except (AdapterError, ValueError) as exc:
+            self.stats.load_failures += 1
+            log.error("registry version %s could not be loaded from %s: %s", version.name, version.artifact_uri, exc)
+            return
+        if info.digest != version.manifest_sha256:
+            # The artifact changed after the registry recorded it: serving it would serve content
+            # nobody reviewed. Unload it; the next reconcile retries.
+            self.stats.load_failures += 1
+            log.error(
+                "registry version %s: artifact %s has manifest sha256 %s, the registry recorded %s; not serving it",
+                version.name, version.artifact_uri, info.digest, version.manifest_sha256,
+            )
+            await self._adapters.unload(version.name)

@@ -1,0 +1,84 @@
+"""Running the worker under uvicorn, with the worker's own SIGTERM handling.
+
+uvicorn's default handler stops listening and waits for open connections; it knows nothing of the
+engine. Here SIGTERM (or Ctrl-C) first starts the worker's drain, so in-flight requests get the
+grace period and are then aborted cleanly (their responses still end properly), and the process
+exits with status 0 instead of re-raising the signal. A second Ctrl-C forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+
+import uvicorn
+
+from serving.engine.server.app import build_app
+from serving.engine.server.cli import ServerArgs, parse_args
+from serving.engine.server.worker import Worker
+
+# Beyond the drain's grace period, how long uvicorn waits for responses to finish before it
+# cancels them: only a response that ignores the abort would ever need it.
+_BACKSTOP_S = 5.0
+
+
+class _WorkerServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, worker: Worker) -> None:
+        super().__init__(config)
+        self.worker = worker
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+            return
+        logging.getLogger(__name__).info("%s received: shutting down", signal.Signals(sig).name)
+        self.worker.begin_drain()
+        self.should_exit = True
+
+    def request_stop(self) -> None:
+        self.should_exit = True
+
+
+def serve(args: ServerArgs) -> int:
+    """Run until SIGTERM; the exit status (0, or 1 when the worker could not start)."""
+    worker = Worker(args)
+    config = uvicorn.Config(
+        build_app(worker),
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown + _BACKSTOP_S,
+        lifespan="on",
+    )
+    server = _WorkerServer(config, worker)
+    worker.request_stop = server.request_stop
+    server.run()
+    return worker.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.uvicorn_log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return serve(args)
+    except ValueError as exc:  # a setting the engine refuses, before anything started
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

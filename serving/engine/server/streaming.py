@@ -1,0 +1,60 @@
+"""Server-sent events in OpenAI's framing: `data: <json>\\n\\n` per chunk and `data: [DONE]` last.
+
+A stream that fails after it started cannot change its status any more; it sends the error as one
+`data: {"error": …}` event before `[DONE]`, as vLLM does, so clients see why it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from serving.engine.server.errors import error_body
+from serving.engine.server.generation import Generation
+
+log = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict) -> bytes:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The chunks, then `[DONE]`; an error becomes an error event first."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        log.exception("stream failed")
+        yield sse(error_body(500, f"The stream failed: {exc}"))
+    yield DONE
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response that closes its generation however the response ends.
+
+    Starlette cancels a streaming response when the client disconnects; the body iterator may then
+    be left suspended and only finalised later. Closing here, synchronously, aborts the engine
+    request at once."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], generation: Generation) -> None:
+        super().__init__(
+            guarded(chunks),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.close()

@@ -1,0 +1,238 @@
+"""The serving worker's life: the engine loads in the background while the HTTP server already
+answers (`/health` says 503 until it is ready), requests are admitted against a bound, and on
+SIGTERM the worker drains: it stops taking work, gives in-flight requests the grace period, aborts
+what is left (their responses end properly, with `finish_reason: "abort"`), and leaves Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from enum import Enum
+from typing import Any
+
+from serving.engine import AsyncEngine, EngineConfig, EngineDeadError, EngineStats
+from serving.engine.server.adapters import AdapterSet, Source
+from serving.engine.server.cli import ServerArgs
+from serving.engine.server.errors import APIError, overloaded
+from serving.engine.server.metrics import ServerMetrics
+from serving.engine.server.registry_sync import RegistrySync
+from serving.engine.server.worker_registry import WorkerRegistration
+
+log = logging.getLogger(__name__)
+
+
+class State(str, Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+def engine_config(args: ServerArgs) -> EngineConfig:
+    """The engine's settings from the command line; raises ValueError naming a bad value."""
+    return EngineConfig(
+        model=args.model,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        base_model_name=args.base_model_id,
+    )
+
+
+class Worker:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.config = engine_config(args)
+        self.base_model_ids = list(args.served_model_name) or [args.model]
+        self.state = State.LOADING
+        self.engine: AsyncEngine | None = None
+        self.adapters: AdapterSet | None = None
+        self.metrics = ServerMetrics()
+        self.capacity = args.max_num_seqs + args.max_queued_requests
+        self.started_at = time.time()
+        self.exit_code = 0
+        # Set by the server: ends the process when the worker cannot start.
+        self.request_stop: Callable[[], None] = lambda: None
+        self._inflight: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.registration: WorkerRegistration | None = None
+        if args.redis_url:
+            self.registration = WorkerRegistration(
+                args.redis_url,
+                worker_id=args.resolved_worker_id,
+                interval=args.heartbeat_interval,
+                describe=self.describe,
+            )
+        self.sync: RegistrySync | None = None
+
+    @property
+    def base_model_id(self) -> str:
+        return self.base_model_ids[0]
+
+    # ---- start and stop ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Called once the HTTP server is up: load the engine in the background."""
+        self._spawn(self._boot(), "engine-boot")
+        if self.registration is not None:
+            self._spawn(self.registration.run(), "worker-heartbeat")
+
+    async def _boot(self) -> None:
+        try:
+            log.info("loading %s", self.args.model)
+            started = time.perf_counter()
+            self.engine = await asyncio.to_thread(AsyncEngine, self.config)
+            self.adapters = AdapterSet(self.engine, base_model_ids=self.base_model_ids, on_change=self._changed)
+            for module in self.args.lora_modules:
+                await self.adapters.load(module.name, module.path, load_inplace=False, source=Source.COMMAND_LINE)
+        except Exception:
+            log.exception("the worker could not start")
+            self.state = State.FAILED
+            self.exit_code = 1
+            self.request_stop()
+            return
+        if self.state is State.LOADING:
+            self.state = State.READY
+        log.info(
+            "ready in %.1fs: %s (max_model_len %d, %d adapter(s))",
+            time.perf_counter() - started, self.base_model_id, self.engine.max_model_len, len(self.args.lora_modules),
+        )
+        self._changed()
+        if self.args.registry_url:
+            self.sync = RegistrySync(
+                self.adapters,
+                snapshot_url=self.args.registry_url,
+                token=self.args.registry_token or "",
+                redis_url=self.args.redis_url,
+                reconcile_interval=self.args.registry_reconcile_interval,
+            )
+            self._spawn(self.sync.run(), "registry-sync")
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work, abort what is still running when the grace period ends."""
+        if self.state is State.DRAINING:
+            return
+        log.info("draining: %d request(s) in flight get %.1fs", len(self._inflight), self.args.timeout_graceful_shutdown)
+        self.state = State.DRAINING
+        self._changed()
+        self._spawn(self._abort_after(self.args.timeout_graceful_shutdown), "drain-deadline")
+
+    async def _abort_after(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._inflight and self.engine is not None:
+            log.warning("grace period over: aborting %d request(s)", len(self._inflight))
+            for request_id in list(self._inflight):
+                await self.engine.abort(request_id)
+
+    async def stop(self) -> None:
+        """After the HTTP server stopped: leave Redis, stop background work, stop the engine."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.registration is not None:
+            await self.registration.deregister()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _changed(self) -> None:
+        if self.registration is not None:
+            self.registration.poke()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def require_ready(self) -> tuple[AsyncEngine, AdapterSet]:
+        if self.state is State.READY and self.engine is not None and self.adapters is not None:
+            return self.engine, self.adapters
+        if self.state is State.DRAINING:
+            raise APIError(503, "The worker is shutting down; send the request to another worker.", code="draining")
+        if self.state is State.FAILED:
+            raise APIError(503, "The worker failed to start; see its log.", code="failed")
+        raise APIError(503, "The model is still loading; retry shortly.", code="loading")
+
+    def admit(self, request_id: str) -> None:
+        """Count a request in, or refuse it with 503 when the queue is over its bound."""
+        self.require_ready()
+        if len(self._inflight) >= self.capacity:
+            raise overloaded(
+                f"The worker is at capacity: {len(self._inflight)} requests in flight "
+                f"(max_num_seqs {self.args.max_num_seqs} + max_queued_requests {self.args.max_queued_requests}). "
+                "Retry later or on another worker."
+            )
+        self._inflight.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._inflight.discard(request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort without awaiting: usable where the caller is being cancelled (a disconnect)."""
+        if self.engine is not None:
+            self._spawn(self._abort(request_id), f"abort-{request_id}")
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)  # type: ignore[union-attr]
+        except EngineDeadError:
+            pass
+
+    # ---- state for /health, /metrics and Redis --------------------------------------------
+
+    async def stats(self) -> EngineStats | None:
+        if self.engine is None or not self.engine.is_running:
+            return None
+        return await self.engine.get_stats()
+
+    async def describe(self) -> dict:
+        """This worker's entry in Redis (the gateway routes by it; docs/serving-worker.md)."""
+        stats = await self.stats() if self.state is not State.FAILED else None
+        document: dict[str, Any] = {
+            "url": self.args.public_url,
+            "state": self.state.value,
+            "base_model": self.base_model_id,
+            "served_model_names": self.base_model_ids,
+            "max_loras": self.args.max_loras,
+            "max_cpu_loras": self.config.max_cpu_loras,
+            "max_lora_rank": self.args.max_lora_rank,
+            "max_num_seqs": self.args.max_num_seqs,
+            "max_model_len": self.engine.max_model_len if self.engine is not None else None,
+            "started_at": self.started_at,
+            "requests_in_flight": len(self._inflight),
+            "queue_depth": 0,
+            "running": 0,
+            "kv_cache_usage": 0.0,
+            "adapters": [],
+        }
+        if stats is not None:
+            document.update(
+                queue_depth=stats.num_waiting,
+                running=stats.num_running,
+                kv_cache_usage=stats.kv_usage,
+                adapters=[
+                    {
+                        "name": info.name,
+                        "digest": info.digest,
+                        "gpu": info.gpu_slot is not None,
+                        "cpu": info.in_cpu_cache,
+                    }
+                    for info in stats.adapters
+                ],
+            )
+        return document
