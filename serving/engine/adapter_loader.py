@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -144,7 +144,7 @@ def validate_adapter_dir(
     *,
     base_config: Any,
     max_lora_rank: int,
-    base_model_name: str | Sequence[str] | None = None,
+    base_model_name: str | Iterable[str] | None = None,
 ) -> AdapterSpec:
     """Check a local adapter directory against the base without reading its tensors.
 
@@ -192,7 +192,7 @@ def load_adapter(
     *,
     base_config: Any,
     max_lora_rank: int,
-    base_model_name: str | Sequence[str] | None = None,
+    base_model_name: str | Iterable[str] | None = None,
 ) -> LoadedAdapter:
     """Validate (as `validate_adapter_dir`) and read an adapter into fp32 CPU tensors.
 
@@ -307,7 +307,7 @@ def _name_key(name: str) -> str:
     return PurePosixPath(name.replace("\\", "/").rstrip("/")).name.lower()
 
 
-def _check_base_model(adapter_base: str | None, accepted: str | Sequence[str] | None) -> None:
+def _check_base_model(adapter_base: str | None, accepted: str | Iterable[str] | None) -> None:
     if accepted is None or adapter_base is None:
         return
     names = [accepted] if isinstance(accepted, str) else list(accepted)
