@@ -26,7 +26,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from lora_platform.errors import InvalidInput
+from lora_platform.errors import InvalidInput, NotFound
 from serving import selectors, services
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import VERSION_PATH_PATTERN
@@ -159,6 +159,15 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantSco
     lookup_field = "name"
     lookup_value_regex = ADAPTER_NAME_PATTERN
     parser_classes = [JSONParser, MultiPartParser, FormParser]
+
+    def get_object(self) -> Adapter:
+        """The caller's adapter named in the URL; another tenant's is as missing as a nonexistent one."""
+        name = self.kwargs["name"]
+        adapter = self.get_queryset().filter(name=name).first()
+        if adapter is None:
+            raise NotFound(f"No adapter named '{name}'.", code="adapter_not_found", param="name")
+        self.check_object_permissions(self.request, adapter)
+        return adapter
 
     def _adapter_response(self, adapter: Adapter, status_code: int = status.HTTP_200_OK) -> Response:
         fresh = self.get_queryset().get(pk=adapter.pk)

@@ -6,3 +6,6 @@ class ServingConfig(AppConfig):
 
     name = "serving"
     verbose_name = "Adapter registry and gateway"
+
+    def ready(self) -> None:
+        from serving import schema  # noqa: F401  (registers the registry token's OpenAPI scheme)
