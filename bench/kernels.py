@@ -14,24 +14,33 @@ eagerly (CUDA events around each call, so host launch overhead counts) and, for 
 bytes the LoRA op must move at least: the distinct adapters' A and B, plus reading x and
 reading and writing y.
 
-    python bench/kernels.py [--out DIR] [--quick]
+With ``--sweep``, it also times shrink and expand alone for the three target cases under several
+launch configurations (the table in kernels/triton_lora.py is chosen from such a sweep).
+
+    python bench/kernels.py [--out DIR] [--quick] [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import triton
-from triton.testing import do_bench
+# Run as a script, this file's folder heads sys.path and its name would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from kernels import LoRAMeta, lora_apply
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels import LoRAMeta, lora_apply  # noqa: E402
+from kernels import triton_lora  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336)]
 TOKENS = [1, 16, 64, 256, 4096]
@@ -153,6 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="directory for kernels_bench.json and .md")
     parser.add_argument("--quick", action="store_true", help="only the target rows' sizes")
+    parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the target cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -184,15 +194,84 @@ def main() -> None:
                     row = bench_case(hidden, width, tokens, adapters, rank, weights)
                     rows.append(row)
                     print(fmt_row(row), flush=True)
+                    save(args.out, env, rows, [])
             del weights
             torch.cuda.empty_cache()
-    env["seconds"] = time.time() - started
     table = HEADER + "\n" + "\n".join(fmt_row(r) for r in rows)
-    print(table)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kernels_bench.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-        (args.out / "kernels_bench.md").write_text(f"{env}\n\n{table}\n")
+    print(table, flush=True)
+    sweeps = sweep() if args.sweep else []
+    env["seconds"] = time.time() - started
+    save(args.out, env, rows, sweeps)
+
+
+def save(out: Path | None, env: dict, rows: list[dict], sweeps: list[dict]) -> None:
+    """Write what has been measured so far (a run cut short still leaves its rows)."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels_bench.json").write_text(json.dumps(dict(env=env, rows=rows, sweeps=sweeps), indent=1))
+    table = HEADER + "\n" + "\n".join(fmt_row(r) for r in rows)
+    (out / "kernels_bench.md").write_text(f"{env}\n\n{table}\n")
+
+
+# (hidden, width, tokens, adapters, rank) of the targets' rows in shared/targets.md.
+SWEEP_CASES = [
+    (4096, 4096, 64, 32, 16),
+    (4096, 4096, 4096, 8, 16),
+    (4096, 4096, 256, 128, 16),
+    (4096, 14336, 256, 128, 16),
+]
+
+
+def sweep() -> list[dict]:
+    """Shrink and expand timed alone under alternative launch configurations, per target case."""
+    results = []
+    for hidden, width, tokens, adapters, rank in SWEEP_CASES:
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, generator=gen)
+        y = torch.randn(tokens, width, device="cuda", dtype=DTYPE, generator=gen)
+        A = torch.randn(NUM_SLOTS, rank, hidden, device="cuda", dtype=DTYPE, generator=gen) / math.sqrt(hidden)
+        B = torch.randn(NUM_SLOTS, width, rank, device="cuda", dtype=DTYPE, generator=gen) / math.sqrt(rank)
+        scaling = torch.full((NUM_SLOTS,), 2.0, device="cuda")
+        used = torch.randperm(NUM_SLOTS, device="cuda", generator=gen)[:adapters]
+        slots = used[torch.arange(tokens, device="cuda") % adapters]
+        meta = LoRAMeta(tokens, NUM_SLOTS, "cuda").prepare(slots)
+        timer = graph_ms if tokens <= GRAPH_MAX_TOKENS else median_ms
+        base_sc = triton_lora.shrink_config(meta, hidden, rank, 1)
+        base_ec = triton_lora.expand_config(meta, rank)
+        h_ref = triton_lora.shrink(x, [A], meta, None, base_sc)
+        prefill = tokens > GRAPH_MAX_TOKENS
+        shrink_variants = {base_sc}
+        for block_k in (64, 128) if prefill else (128, 256, 512):
+            for split_k in (1, 2, 4) if prefill else (base_sc.split_k // 2, base_sc.split_k, base_sc.split_k * 2):
+                for num_warps in (4, 8):
+                    if 1 <= split_k and split_k * block_k <= hidden:
+                        shrink_variants.add(
+                            triton_lora.ShrinkConfig(base_sc.block_m, base_sc.block_r, block_k, split_k, num_warps, 3)
+                        )
+        expand_variants = {base_ec}
+        for block_m in (16, 64) if prefill else (16,):
+            for block_n in (64, 128, 256):
+                for num_warps, num_stages in ((4, 2), (8, 2), (4, 3)):
+                    cfg = triton_lora.ExpandConfig(block_m, block_n, base_ec.block_r, num_warps, num_stages)
+                    expand_variants.add(cfg)
+        case = dict(hidden=hidden, width=width, tokens=tokens, adapters=adapters, rank=rank)
+        for cfg in sorted(shrink_variants, key=str):
+            h = triton_lora.shrink(x, [A], meta, None, cfg)
+            err = ((h - h_ref).norm() / h_ref.norm()).item()
+            ms = timer(lambda cfg=cfg: triton_lora.shrink(x, [A], meta, None, cfg))
+            results.append(dict(case, kernel="shrink", config=dataclasses.asdict(cfg), ms=ms, rel_err=err,
+                                default=cfg == base_sc))  # fmt: skip
+        for cfg in sorted(expand_variants, key=str):
+            ms = timer(lambda cfg=cfg: triton_lora.expand(y, h_ref, [B], scaling, meta, (0,), None, cfg))
+            results.append(dict(case, kernel="expand", config=dataclasses.asdict(cfg), ms=ms, default=cfg == base_ec))
+        for kernel in ("shrink", "expand"):
+            mine = [r for r in results if r["kernel"] == kernel and all(r[k] == v for k, v in case.items())]
+            best = min(mine, key=lambda r: r["ms"])
+            default = next(r for r in mine if r["default"])
+            print(f"# sweep {case} {kernel}: default {default['ms'] * 1000:.1f} µs {default['config']}; "
+                  f"best {best['ms'] * 1000:.1f} µs {best['config']} ({len(mine)} configs)", flush=True)  # fmt: skip
+    return results
 
 
 if __name__ == "__main__":

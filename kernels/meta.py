@@ -59,10 +59,11 @@ class LoRAMeta:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.max_num_tokens = max_num_tokens
         self.max_slots = max_slots
-        self.device = torch.device(device if device is not None else "cpu")
         self.num_tokens = 0
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
+        # The buffers' own device is fully qualified ("cuda:0", not "cuda"), so comparisons hold.
+        self.device = self.token_slots.device
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.token_slots = torch.full((max_num_tokens,), -1, **i32)
         self.token_indices = torch.zeros(max_num_tokens, **i32)
         self.slot_counts = torch.zeros(max_slots, **i32)
         self.slot_starts = torch.zeros(max_slots, **i32)

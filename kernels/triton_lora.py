@@ -33,15 +33,22 @@ _TARGET_PROGRAMS = 132 * 4
 
 
 @triton.jit
-def _pick(index, v0, v1, v2):
-    """The slice's value among three scalars."""
+def _pick_ptr(index, p0, p1, p2):
+    """The slice's pointer among three."""
     if index == 0:
-        value = v0
+        ptr = p0
     elif index == 1:
-        value = v1
+        ptr = p1
     else:
-        value = v2
-    return value
+        ptr = p2
+    return ptr
+
+
+@triton.jit
+def _pick_int(index, v0, v1, v2):
+    """The slice's integer among three, by arithmetic: Triton turns integer arguments equal to 1 (a
+    unit stride) into compile-time constants, which cannot flow out of a run-time branch."""
+    return v0 * (index == 0) + v1 * (index == 1) + v2 * (index == 2)
 
 
 @triton.jit
@@ -101,7 +108,7 @@ def _shrink_kernel(
     if r_start >= rank:
         return
 
-    a_ptr = _pick(pid_s, a0_ptr, a1_ptr, a2_ptr)
+    a_ptr = _pick_ptr(pid_s, a0_ptr, a1_ptr, a2_ptr)
     rows = tl.load(tile_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
     row_mask = rows < tl.load(tile_end_ptr + pid_m)
     tokens = tl.load(token_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
@@ -181,7 +188,7 @@ def _expand_kernel(
     slot = tl.load(tile_slot_ptr + pid_m)
     if slot < 0:
         return
-    width = _pick(pid_s, n0, n1, n2)
+    width = _pick_int(pid_s, n0, n1, n2)
     n_start = pid_n * BLOCK_N
     if n_start >= width:
         return
@@ -191,11 +198,11 @@ def _expand_kernel(
     if rank == 0:
         return
 
-    b_ptr = _pick(pid_s, b0_ptr, b1_ptr, b2_ptr)
-    stride_bs = _pick(pid_s, stride_bs0, stride_bs1, stride_bs2)
-    stride_bn = _pick(pid_s, stride_bn0, stride_bn1, stride_bn2)
-    stride_br = _pick(pid_s, stride_br0, stride_br1, stride_br2)
-    col_offset = _pick(pid_s, off0, off1, off2)
+    b_ptr = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr)
+    stride_bs = _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
+    stride_bn = _pick_int(pid_s, stride_bn0, stride_bn1, stride_bn2)
+    stride_br = _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
+    col_offset = _pick_int(pid_s, off0, off1, off2)
 
     rows = tl.load(tile_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
     row_mask = rows < tl.load(tile_end_ptr + pid_m)
@@ -272,11 +279,7 @@ def shrink_config(meta: LoRAMeta, hidden: int, rank: int, num_slices: int) -> Sh
 
 def expand_config(meta: LoRAMeta, rank: int) -> ExpandConfig:
     """Launch configuration of the expand for this step."""
-    block_m = _block_m(meta.num_tokens)
-    block_r = min(_next_pow2(max(rank, 16)), 64)
-    if block_m == 16:
-        return ExpandConfig(block_m, 128, block_r, 4, 2)
-    return ExpandConfig(block_m, 128, block_r, 4, 2)
+    return ExpandConfig(_block_m(meta.num_tokens), 128, min(_next_pow2(max(rank, 16)), 64), 4, 2)
 
 
 def _three(values: Sequence, fill) -> list:
@@ -297,27 +300,44 @@ def lora_apply_triton(
     """Shrink then expand for every slice (arguments validated by :func:`kernels.lora_apply_sliced`)."""
     if meta.num_tokens == 0:
         return
+    h = shrink(x, As, meta, ranks)
+    expand(y, h, Bs, scaling, meta, slice_offsets, ranks)
+
+
+def _precision(dtype: torch.dtype) -> tuple[str, bool]:
+    """(dot input precision, upcast flag) for the input dtype.
+
+    fp32 stays fp32 on the tensor cores (no silent TF32): it is the accuracy path, not the fast one.
+    """
+    return ("ieee" if dtype == torch.float32 else "tf32"), (dtype == torch.bfloat16 and INTERPRETED)
+
+
+def shrink(
+    x: torch.Tensor,
+    As: Sequence[torch.Tensor],
+    meta: LoRAMeta,
+    ranks: torch.Tensor | None,
+    config: ShrinkConfig | None = None,
+) -> torch.Tensor:
+    """``h [slices, T, R_pad]`` fp32, row ``p`` = sorted position ``p`` (only adapter rows written)."""
     num_slices = len(As)
     hidden = x.shape[1]
-    rank = As[0].shape[1]
-    # fp32 stays fp32 on the tensor cores too (no silent TF32): it is the accuracy path, not the fast one.
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = x.dtype == torch.bfloat16 and INTERPRETED
     A0 = As[0]
+    rank = A0.shape[1]
     if any(A.stride() != A0.stride() for A in As):
         raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
-
-    sc = shrink_config(meta, hidden, rank, num_slices)
+    sc = config or shrink_config(meta, hidden, rank, num_slices)
+    precision, upcast = _precision(x.dtype)
     tile_slot, tile_start, tile_end = meta.tiles(sc.block_m)
     rank_pad = triton.cdiv(rank, sc.block_r) * sc.block_r
+    # Split-K partial sums are added atomically, so h starts at zero; otherwise every read row is written.
     alloc = torch.zeros if sc.split_k > 1 else torch.empty
     h = alloc((num_slices, meta.num_tokens, rank_pad), dtype=torch.float32, device=x.device)
-    ranks_arg = ranks if ranks is not None else tile_slot
     a = _three(As, A0)
     grid = (meta.grid_tiles(sc.block_m), sc.split_k * triton.cdiv(rank, sc.block_r), num_slices)
     _shrink_kernel[grid](
         x, a[0], a[1], a[2], h,
-        tile_slot, tile_start, tile_end, meta.token_indices, ranks_arg,
+        tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot,
         hidden, rank,
         x.stride(0), x.stride(1),
         A0.stride(0), A0.stride(1), A0.stride(2),
@@ -328,8 +348,24 @@ def lora_apply_triton(
         PRECISION=precision, UPCAST=upcast,
         num_warps=sc.num_warps, num_stages=sc.num_stages,
     )  # fmt: skip
+    return h
 
-    ec = expand_config(meta, rank)
+
+def expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    Bs: Sequence[torch.Tensor],
+    scaling: torch.Tensor,
+    meta: LoRAMeta,
+    slice_offsets: Sequence[int],
+    ranks: torch.Tensor | None,
+    config: ExpandConfig | None = None,
+) -> None:
+    """``y[token(p), slice columns] += scaling[slot] * h[slice, p] @ B_slice[slot]^T`` in place."""
+    num_slices = len(Bs)
+    rank = Bs[0].shape[2]
+    ec = config or expand_config(meta, rank)
+    precision, upcast = _precision(y.dtype)
     tile_slot, tile_start, tile_end = meta.tiles(ec.block_m)
     b = _three(Bs, Bs[0])
     widths = _three([B.shape[1] for B in Bs], 0)
@@ -337,7 +373,7 @@ def lora_apply_triton(
     grid = (meta.grid_tiles(ec.block_m), triton.cdiv(max(widths), ec.block_n), num_slices)
     _expand_kernel[grid](
         h, b[0], b[1], b[2], y,
-        tile_slot, tile_start, tile_end, meta.token_indices, ranks_arg, scaling,
+        tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot, scaling,
         rank,
         *widths, *offsets,
         *(B.stride(0) for B in b), *(B.stride(1) for B in b), *(B.stride(2) for B in b),
