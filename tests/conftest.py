@@ -30,6 +30,21 @@ def _make_tenant(slug: str, tier: str = "standard") -> TenantFixture:
     return TenantFixture(tenant=tenant, key=key)
 
 
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None,
+                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """On SQLite the test database is a file of this run, so worker subprocesses can open it too.
+
+    pytest-django's default is an in-memory database that no other process can reach; a per-run
+    file (not a fixed name) keeps concurrent test runs on one machine apart.
+    """
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] == "django.db.backends.sqlite3":
+        database.setdefault("TEST", {})["NAME"] = str(tmp_path_factory.mktemp("db") / "test.sqlite3")
+
+
 @pytest.fixture
 def tenant_a(db) -> TenantFixture:
     return _make_tenant("alice-co")

@@ -1,0 +1,290 @@
+"""REST for datasets and training jobs, in shapes close to OpenAI's files and fine-tuning APIs.
+
+Lists are `{"object": "list", "data": [...], "has_more": bool}`, newest first, paged with
+`?limit=` and `?after=<id>` as OpenAI's are. Views only translate HTTP to training.services calls
+and back; every rule lives there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.files.uploadhandler import TemporaryFileUploadHandler
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, inline_serializer
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from lora_platform.errors import InvalidInput
+from tenants.scoping import TenantScopedViewSet
+from training import conf, selectors, services
+from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+
+DEFAULT_PAGE = 20
+MAX_PAGE = 100
+
+
+def _page(request: Request, queryset: QuerySet, serializer: type[serializers.Serializer]) -> Response:
+    """One page of a list ordered newest first: `limit` rows with ids below `after`."""
+    try:
+        limit = int(request.query_params.get("limit", DEFAULT_PAGE))
+        after = request.query_params.get("after")
+        after = int(after) if after not in (None, "") else None
+    except ValueError:
+        raise InvalidInput("'limit' and 'after' must be integers.", param="limit") from None
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidInput(f"'limit' must be from 1 to {MAX_PAGE}.", param="limit")
+    if after is not None:
+        queryset = queryset.filter(pk__lt=after)
+    rows = list(queryset.order_by("-id")[: limit + 1])
+    return Response({"object": "list", "data": serializer(rows[:limit], many=True).data,
+                     "has_more": len(rows) > limit})
+
+
+_PAGING = [
+    OpenApiParameter("limit", int, description=f"Rows per page (1–{MAX_PAGE}, default {DEFAULT_PAGE})."),
+    OpenApiParameter("after", int, description="Return rows older than this id (the last id of the previous page)."),
+]
+
+
+def _list_of(serializer: type[serializers.Serializer], name: str) -> serializers.Serializer:
+    return inline_serializer(name, {"object": serializers.CharField(), "data": serializer(many=True),
+                                    "has_more": serializers.BooleanField()})
+
+
+# --- datasets ---------------------------------------------------------------------------------
+
+
+class DatasetSerializer(serializers.ModelSerializer):
+    object = serializers.SerializerMethodField()
+    bytes = serializers.IntegerField(source="size_bytes")
+
+    class Meta:
+        model = Dataset
+        fields = ["id", "object", "filename", "bytes", "sha256", "format", "status", "num_examples", "created_at",
+                  "validated_at", "report"]
+        read_only_fields = fields
+
+    def get_object(self, dataset: Dataset) -> str:
+        return "dataset"
+
+
+class DatasetUploadSerializer(serializers.Serializer):
+    file = serializers.FileField(help_text="The JSONL file: chat `messages`, `prompt`/`completion`, or `text` lines.")
+
+
+class DatasetUploadHandler(TemporaryFileUploadHandler):
+    """Streams an upload to a temporary file on disk and stops the moment it passes the tier's limit.
+
+    DRF authenticates before it parses the body and copies `auth` onto the Django request, so the
+    tenant (and so the limit) is known when the first chunk arrives.
+    """
+
+    def __init__(self, request: HttpRequest) -> None:
+        super().__init__(request)
+        self.received = 0
+        self.limit: int | None = None
+        self.tenant = None
+
+    def new_file(self, *args: Any, **kwargs: Any) -> None:
+        super().new_file(*args, **kwargs)
+        self.tenant = getattr(getattr(self.request, "auth", None), "tenant", None)
+        self.limit = conf.dataset_max_bytes(self.tenant.tier.name) if self.tenant else conf.setting_int(
+            "TRAINING_DATASET_MAX_BYTES")
+
+    def receive_data_chunk(self, raw_data: bytes, start: int) -> bytes | None:
+        self.received += len(raw_data)
+        if self.limit is not None and self.received > self.limit:
+            raise services.dataset_too_large(None, self.limit, self.tenant)
+        return super().receive_data_chunk(raw_data, start)
+
+
+class DatasetViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
+    queryset = Dataset.objects.select_related("tenant")
+    serializer_class = DatasetSerializer
+    parser_classes = [MultiPartParser]
+
+    def initialize_request(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Request:
+        if request.method == "POST":
+            request.upload_handlers = [DatasetUploadHandler(request)]
+        return super().initialize_request(request, *args, **kwargs)
+
+    @extend_schema(parameters=_PAGING, responses=_list_of(DatasetSerializer, "DatasetList"),
+                   summary="List datasets, newest first")
+    def list(self, request: Request) -> Response:
+        return _page(request, self.get_queryset(), DatasetSerializer)
+
+    @extend_schema(request={"multipart/form-data": DatasetUploadSerializer}, responses={201: DatasetSerializer},
+                   summary="Upload a JSONL dataset (validated in the background: uploaded → validating → ready | "
+                           "invalid)")
+    def create(self, request: Request) -> Response:
+        upload = request.FILES.get("file")
+        if upload is None:
+            raise InvalidInput("Upload the JSONL file as the multipart form field 'file'.", code="missing_file",
+                               param="file")
+        dataset = services.dataset_create(tenant=self.tenant, source=upload, filename=upload.name, size=upload.size)
+        return Response(DatasetSerializer(dataset).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses=DatasetSerializer, summary="Get a dataset with its validation report")
+    def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().retrieve(request, *args, **kwargs)
+
+    @extend_schema(
+        responses=inline_serializer("DatasetDeleted", {"id": serializers.IntegerField(),
+                                                       "object": serializers.CharField(),
+                                                       "deleted": serializers.BooleanField()}),
+        summary="Delete a dataset and its file (refused while a queued or running job uses it)",
+    )
+    def destroy(self, request: Request, pk: str) -> Response:
+        dataset = self.get_object()
+        services.dataset_delete(dataset=dataset)
+        return Response({"id": dataset.pk, "object": "dataset", "deleted": True})
+
+
+# --- training jobs ----------------------------------------------------------------------------
+
+
+class TrainingJobSerializer(serializers.ModelSerializer):
+    object = serializers.SerializerMethodField()
+    model = serializers.CharField(source="base_model", help_text="The base model the adapter is trained on.")
+    adapter = serializers.CharField(source="adapter_name")
+    version = serializers.SerializerMethodField()
+    fine_tuned_model = serializers.SerializerMethodField(
+        help_text="Once succeeded: what to pass as `model` to use the produced version (`<adapter>@<version>`).")
+    training_file = serializers.IntegerField(source="dataset_id", allow_null=True)
+    validation_file = serializers.IntegerField(source="validation_dataset_id", allow_null=True)
+    progress = serializers.SerializerMethodField()
+    cancel_requested = serializers.SerializerMethodField()
+    error = serializers.SerializerMethodField()
+    adapter_version = serializers.SerializerMethodField()
+
+    class Meta:
+        model = TrainingJob
+        fields = ["id", "object", "status", "model", "adapter", "version", "fine_tuned_model", "training_file",
+                  "validation_file", "validation_fraction", "hyperparameters", "seed", "progress", "trained_tokens",
+                  "attempts", "cancel_requested", "error", "adapter_version", "created_at", "started_at",
+                  "finished_at"]
+        read_only_fields = fields
+
+    def get_object(self, job: TrainingJob) -> str:
+        return "training_job"
+
+    def get_version(self, job: TrainingJob) -> str | None:
+        return job.version or None
+
+    def get_fine_tuned_model(self, job: TrainingJob) -> str | None:
+        return f"{job.adapter_name}@{job.version}" if job.status == TrainingJob.Status.SUCCEEDED else None
+
+    @extend_schema_field(OpenApiTypes.OBJECT)
+    def get_progress(self, job: TrainingJob) -> dict[str, Any]:
+        finish = job.estimated_finish.isoformat() if job.estimated_finish else None
+        return {"step": job.step, "total_steps": job.total_steps, "epoch": job.epoch, "estimated_finish": finish,
+                "train_loss": job.train_loss, "valid_loss": job.valid_loss}
+
+    def get_cancel_requested(self, job: TrainingJob) -> bool:
+        return job.cancel_requested_at is not None
+
+    @extend_schema_field(OpenApiTypes.OBJECT)
+    def get_error(self, job: TrainingJob) -> dict[str, Any] | None:
+        if job.status != TrainingJob.Status.FAILED:
+            return None
+        return {"code": job.error_code, "message": job.error_message, "param": None}
+
+    @extend_schema_field(OpenApiTypes.OBJECT)
+    def get_adapter_version(self, job: TrainingJob) -> dict[str, Any] | None:
+        version = job.adapter_version
+        if version is None:
+            return None
+        return {"version": version.version, "status": version.status, "artifact_uri": version.artifact_uri,
+                "manifest_sha256": version.manifest_sha256}
+
+
+class TrainingJobCreateSerializer(serializers.Serializer):
+    """Types only; the service checks everything else (and says what is wrong)."""
+
+    training_file = serializers.IntegerField(help_text="Id of a ready dataset.")
+    adapter = serializers.CharField(max_length=63, help_text="Adapter to produce a version of (created if new).")
+    version = serializers.CharField(max_length=64, required=False, allow_blank=True, allow_null=True,
+                                    help_text="Semantic version to produce; the next patch release when omitted.")
+    validation_file = serializers.IntegerField(required=False, allow_null=True,
+                                               help_text="Id of a ready dataset to compute the validation loss on.")
+    validation_fraction = serializers.FloatField(required=False, allow_null=True,
+                                                 help_text="Or: share of the training examples to hold out (≤ 0.5).")
+    hyperparameters = serializers.DictField(
+        required=False, allow_null=True,
+        help_text="n_epochs, batch_size, learning_rate, max_seq_length, r, lora_alpha, lora_dropout, "
+                  "target_modules (\"all-linear\" or a list), warmup_ratio; omitted or \"auto\" = default.")
+    seed = serializers.IntegerField(required=False, allow_null=True)
+
+
+class TrainingEventSerializer(serializers.ModelSerializer):
+    object = serializers.SerializerMethodField()
+
+    class Meta:
+        model = TrainingEvent
+        fields = ["id", "object", "created_at", "level", "type", "message", "data"]
+        read_only_fields = fields
+
+    def get_object(self, event: TrainingEvent) -> str:
+        return "training_job.event"
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    object = serializers.SerializerMethodField()
+    step_number = serializers.IntegerField(source="step")
+    training_job_id = serializers.IntegerField(source="job_id")
+
+    class Meta:
+        model = Checkpoint
+        fields = ["id", "object", "created_at", "step_number", "metrics", "training_job_id"]
+        read_only_fields = fields
+
+    def get_object(self, checkpoint: Checkpoint) -> str:
+        return "training_job.checkpoint"
+
+
+class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
+    queryset = TrainingJob.objects.select_related("tenant", "adapter_version")
+    serializer_class = TrainingJobSerializer
+    parser_classes = [JSONParser]
+
+    @extend_schema(parameters=_PAGING, responses=_list_of(TrainingJobSerializer, "TrainingJobList"),
+                   summary="List training jobs, newest first")
+    def list(self, request: Request) -> Response:
+        return _page(request, self.get_queryset(), TrainingJobSerializer)
+
+    @extend_schema(request=TrainingJobCreateSerializer, responses={201: TrainingJobSerializer},
+                   summary="Create a training job (queued; it starts when the tier has a free slot)")
+    def create(self, request: Request) -> Response:
+        payload = TrainingJobCreateSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        job = services.training_job_create(tenant=self.tenant, **payload.validated_data)
+        return Response(TrainingJobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses=TrainingJobSerializer, summary="Get a training job with its progress")
+    def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().retrieve(request, *args, **kwargs)
+
+    @extend_schema(request=None, responses=TrainingJobSerializer,
+                   summary="Cancel a job: a queued one at once, a running one before its next step")
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str) -> Response:
+        job = services.training_job_cancel(job=self.get_object())
+        return Response(TrainingJobSerializer(self.get_queryset().get(pk=job.pk)).data)
+
+    @extend_schema(parameters=_PAGING, responses=_list_of(TrainingEventSerializer, "TrainingEventList"),
+                   summary="The job's events (messages and metrics), newest first")
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str) -> Response:
+        return _page(request, selectors.job_events(job=self.get_object()), TrainingEventSerializer)
+
+    @extend_schema(parameters=_PAGING, responses=_list_of(CheckpointSerializer, "CheckpointList"),
+                   summary="The job's kept checkpoints, newest first")
+    @action(detail=True, methods=["get"])
+    def checkpoints(self, request: Request, pk: str) -> Response:
+        return _page(request, selectors.job_checkpoints(job=self.get_object()), CheckpointSerializer)

@@ -1,0 +1,59 @@
+"""The training pipeline's settings: a Django setting of the same name wins, else the environment.
+
+Reading them through Django settings first lets tests override them with pytest-django's
+`settings` fixture; the environment (documented in docs/training.md) configures web and workers.
+
+| setting | default | meaning |
+| --- | --- | --- |
+| TRAINING_DATASET_MAX_BYTES | 100 MiB | largest dataset upload |
+| TRAINING_DATASET_MAX_BYTES_BY_TIER | "" | per-tier overrides, `vip=1073741824,batch=52428800` |
+| TRAINING_MAX_SEQ_LENGTH | 4096 | platform cap on max_seq_length (the base model's context also caps it) |
+| TRAINING_MAX_WAITING_JOBS | 10 | jobs a tenant may have waiting for a slot, beyond its tier's concurrent jobs |
+| TRAINING_CHECKPOINT_EVERY_STEPS | 100 | steps between checkpoints |
+| TRAINING_CHECKPOINTS_KEPT | 2 | newest checkpoints kept per job |
+| TRAINING_LOG_EVERY_STEPS | 10 | steps between metrics events |
+| TRAINING_LEASE_SECONDS | 60 | a running job whose worker has not reported for this long is taken over |
+"""
+
+from __future__ import annotations
+
+import os
+
+from django.conf import settings
+
+_DEFAULTS: dict[str, int] = {
+    "TRAINING_DATASET_MAX_BYTES": 100 * 1024 * 1024,
+    "TRAINING_MAX_SEQ_LENGTH": 4096,
+    "TRAINING_MAX_WAITING_JOBS": 10,
+    "TRAINING_CHECKPOINT_EVERY_STEPS": 100,
+    "TRAINING_CHECKPOINTS_KEPT": 2,
+    "TRAINING_LOG_EVERY_STEPS": 10,
+    "TRAINING_LEASE_SECONDS": 60,
+}
+
+
+def _value(name: str) -> str | None:
+    configured = getattr(settings, name, None)
+    if configured is not None:
+        return str(configured)
+    return os.environ.get(name) or None
+
+
+def setting_int(name: str) -> int:
+    raw = _value(name)
+    if raw is None:
+        return _DEFAULTS[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def dataset_max_bytes(tier_name: str) -> int:
+    """The largest dataset a tenant of this tier may upload."""
+    overrides = _value("TRAINING_DATASET_MAX_BYTES_BY_TIER") or ""
+    for item in overrides.split(","):
+        tier, _, limit = item.partition("=")
+        if tier.strip() == tier_name and limit.strip():
+            return int(limit)
+    return setting_int("TRAINING_DATASET_MAX_BYTES")

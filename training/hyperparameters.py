@@ -1,0 +1,108 @@
+"""Training hyperparameters: defaults, and validation against the platform's limits.
+
+A job stores the resolved set (defaults filled in), so what ran is always on record. Each value may
+be omitted or given as "auto" (OpenAI's spelling) for its default. No Django here: the caller
+passes the limits in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lora_platform.errors import InvalidInput
+
+ALL_LINEAR = "all-linear"
+# The projections the serving engine can apply LoRA to (design.md, Engine): an adapter on anything
+# else could be trained but never served.
+SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_rank: int
+    max_seq_length: int
+    max_epochs: int = 50
+    max_batch_size: int = 64
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    n_epochs: int = 3
+    batch_size: int = 4
+    learning_rate: float = 2e-4
+    max_seq_length: int = 1024
+    r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    # "all-linear" or a list of SUPPORTED_TARGET_MODULES.
+    target_modules: str | list[str] = field(default=ALL_LINEAR)
+    # Linear warm-up over this share of the steps, then linear decay to zero.
+    warmup_ratio: float = 0.03
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Hyperparameters":
+        return cls(**values)
+
+
+def _number(name: str, value: Any, *, integer: bool, low: float, high: float, low_open: bool = False) -> Any:
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise InvalidInput(f"Hyperparameter '{name}' must be {kind}, got {value!r}.",
+                           code="invalid_hyperparameter", param=f"hyperparameters.{name}")
+    value = int(value) if integer else float(value)
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        low_text = f"greater than {low:g}" if low_open else f"at least {low:g}"
+        raise InvalidInput(f"Hyperparameter '{name}' is {value:g}; it must be {low_text} and at most {high:g}.",
+                           code="hyperparameter_out_of_range", param=f"hyperparameters.{name}")
+    return value
+
+
+def _target_modules(value: Any) -> str | list[str]:
+    if value == ALL_LINEAR:
+        return ALL_LINEAR
+    supported = ", ".join(SUPPORTED_TARGET_MODULES)
+    if not isinstance(value, list) or not value or not all(isinstance(item, str) for item in value):
+        raise InvalidInput(f"Hyperparameter 'target_modules' must be \"{ALL_LINEAR}\" or a non-empty list of "
+                           f"module names ({supported}).", code="invalid_hyperparameter",
+                           param="hyperparameters.target_modules")
+    unknown = sorted(set(value) - set(SUPPORTED_TARGET_MODULES))
+    if unknown:
+        raise InvalidInput(f"Unsupported target module(s) {', '.join(unknown)}; the serving engine applies LoRA to "
+                           f"{supported}.", code="unsupported_target_module", param="hyperparameters.target_modules")
+    return sorted(set(value), key=SUPPORTED_TARGET_MODULES.index)
+
+
+def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyperparameters:
+    """The hyperparameters with defaults filled in; InvalidInput naming the first bad value."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise InvalidInput("'hyperparameters' must be an object.", param="hyperparameters")
+    defaults = Hyperparameters()
+    known = set(defaults.to_dict())
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise InvalidInput(f"Unknown hyperparameter(s) {', '.join(unknown)}; known ones are "
+                           f"{', '.join(sorted(known))}.", code="unknown_hyperparameter", param="hyperparameters")
+    given = {name: value for name, value in raw.items() if value is not None and value != "auto"}
+    values = defaults.to_dict() | given
+    if "max_seq_length" not in given:
+        # The default adapts to a base model with a shorter context; an explicit value is checked.
+        values["max_seq_length"] = min(defaults.max_seq_length, limits.max_seq_length)
+    return Hyperparameters(
+        n_epochs=_number("n_epochs", values["n_epochs"], integer=True, low=1, high=limits.max_epochs),
+        batch_size=_number("batch_size", values["batch_size"], integer=True, low=1, high=limits.max_batch_size),
+        learning_rate=_number("learning_rate", values["learning_rate"], integer=False, low=0, high=1, low_open=True),
+        max_seq_length=_number("max_seq_length", values["max_seq_length"], integer=True, low=8,
+                               high=limits.max_seq_length),
+        r=_number("r", values["r"], integer=True, low=1, high=limits.max_rank),
+        lora_alpha=_number("lora_alpha", values["lora_alpha"], integer=False, low=0, high=4096, low_open=True),
+        lora_dropout=_number("lora_dropout", values["lora_dropout"], integer=False, low=0, high=0.5),
+        target_modules=_target_modules(values["target_modules"]),
+        warmup_ratio=_number("warmup_ratio", values["warmup_ratio"], integer=False, low=0, high=0.5),
+    )

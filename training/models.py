@@ -1,0 +1,179 @@
+"""Datasets, training jobs, their events and their checkpoints.
+
+State changes live in training.services; the models hold what the database can enforce by itself
+(one checkpoint per job and step, one produced version per job).
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+from serving.models import AdapterVersion
+from tenants.models import Tenant
+from tenants.scoping import TenantScopedQuerySet
+
+
+class Dataset(models.Model):
+    """A tenant's JSONL file in blob storage, with the report of its validation."""
+
+    class Status(models.TextChoices):
+        UPLOADED = "uploaded", "Uploaded"
+        VALIDATING = "validating", "Validating"
+        READY = "ready", "Ready"
+        INVALID = "invalid", "Invalid"
+
+    class Format(models.TextChoices):
+        CHAT = "chat", "Chat (messages)"
+        COMPLETION = "completion", "Prompt / completion"
+        TEXT = "text", "Plain text"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="datasets")
+    # The uploaded file's name, for people; the storage key never depends on it.
+    filename = models.CharField(max_length=255)
+    storage_key = models.CharField(max_length=512, unique=True)
+    sha256 = models.CharField(max_length=64)
+    size_bytes = models.PositiveBigIntegerField()
+    format = models.CharField(max_length=16, choices=Format.choices, blank=True, default="")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.UPLOADED)
+    num_examples = models.PositiveIntegerField(null=True, blank=True)
+    # The validation report: errors with line numbers and codes, warnings, token statistics.
+    report = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    validated_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.filename} (#{self.pk})"
+
+
+class TrainingJob(models.Model):
+    """One LoRA training run on the shared base model, producing one adapter version.
+
+    queued → running → succeeded | failed | cancelled. A queued job holds one of its tenant's
+    concurrent-job slots from the moment its task is sent (`dispatched_at`); see
+    training.services.training_jobs_dispatch for how waiting jobs get a slot.
+    """
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        RUNNING = "running", "Running"
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled"
+
+    ACTIVE_STATUSES = (Status.QUEUED, Status.RUNNING)
+    FINAL_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="training_jobs")
+    # Deleting a dataset is refused while an active job uses it; finished jobs keep their record.
+    dataset = models.ForeignKey(Dataset, on_delete=models.SET_NULL, null=True, related_name="training_jobs")
+    validation_dataset = models.ForeignKey(
+        Dataset, on_delete=models.SET_NULL, null=True, blank=True, related_name="validation_jobs"
+    )
+    # Share of the training examples held out for evaluation when no validation dataset is given.
+    validation_fraction = models.FloatField(default=0.0)
+    adapter_name = models.CharField(max_length=63)
+    # The version to produce: as requested, or assigned (next patch) just before publishing, and
+    # then kept, so a redelivered task publishes under the same one.
+    version = models.CharField(max_length=64, blank=True, default="")
+    base_model = models.CharField(max_length=200)
+    hyperparameters = models.JSONField(default=dict)
+    seed = models.PositiveIntegerField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+
+    # The run that holds the job: a token per task delivery and its heartbeat. A delivery may take
+    # the job only when no other run's heartbeat is fresh (training.services.training_job_claim).
+    lease_token = models.CharField(max_length=32, blank=True, default="")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+
+    step = models.PositiveIntegerField(default=0)
+    total_steps = models.PositiveIntegerField(null=True, blank=True)
+    epoch = models.FloatField(default=0.0)
+    estimated_finish = models.DateTimeField(null=True, blank=True)
+    train_loss = models.FloatField(null=True, blank=True)
+    valid_loss = models.FloatField(null=True, blank=True)
+    trained_tokens = models.PositiveBigIntegerField(default=0)
+
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+
+    adapter_version = models.OneToOneField(
+        AdapterVersion, on_delete=models.SET_NULL, null=True, blank=True, related_name="training_job"
+    )
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["tenant", "status"], name="training_job_by_tenant_status")]
+
+    def __str__(self) -> str:
+        return f"training job #{self.pk} ({self.tenant.slug}/{self.adapter_name}, {self.status})"
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in self.FINAL_STATUSES
+
+
+class TrainingEvent(models.Model):
+    """A line of a job's log: a message, or the metrics of one logging step."""
+
+    TENANT_PATH = "job__tenant"
+
+    class Level(models.TextChoices):
+        INFO = "info", "Info"
+        WARNING = "warning", "Warning"
+        ERROR = "error", "Error"
+
+    class Type(models.TextChoices):
+        MESSAGE = "message", "Message"
+        METRICS = "metrics", "Metrics"
+
+    job = models.ForeignKey(TrainingJob, on_delete=models.CASCADE, related_name="events")
+    level = models.CharField(max_length=8, choices=Level.choices, default=Level.INFO)
+    type = models.CharField(max_length=8, choices=Type.choices, default=Type.MESSAGE)
+    message = models.TextField()
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["job", "-id"], name="training_event_by_job")]
+
+    def __str__(self) -> str:
+        return f"job #{self.job_id} {self.level}: {self.message}"
+
+
+class Checkpoint(models.Model):
+    """Training state saved to blob storage at a step: what a redelivered task resumes from."""
+
+    TENANT_PATH = "job__tenant"
+
+    job = models.ForeignKey(TrainingJob, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    # Storage prefix of the directory (adapter weights, optimizer, scheduler, RNG, data position).
+    storage_prefix = models.CharField(max_length=512)
+    metrics = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-step"]
+        constraints = [models.UniqueConstraint(fields=["job", "step"], name="checkpoint_unique_job_step")]
+
+    def __str__(self) -> str:
+        return f"job #{self.job_id} step {self.step}"

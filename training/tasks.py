@@ -1,0 +1,31 @@
+"""Celery tasks of the training pipeline: thin wrappers named after the services they call.
+
+`dataset_validate` and `training_jobs_sweep` run on the default `quick` queue; `training_job_run`
+is routed to the `training` queue (settings.CELERY_TASK_ROUTES), so long jobs never hold up quick
+work. Late acks and reject-on-worker-lost (settings) put a job's task back on the queue when its
+worker dies; the service makes any redelivery safe.
+"""
+
+from __future__ import annotations
+
+from celery import Task, shared_task
+
+from training import services
+
+
+@shared_task(name="training.tasks.dataset_validate", ignore_result=True)
+def dataset_validate(dataset_id: int) -> None:
+    services.dataset_validate(dataset_id=dataset_id)
+
+
+@shared_task(bind=True, name="training.tasks.training_job_run", ignore_result=True, max_retries=None)
+def training_job_run(self: Task, job_id: int) -> None:
+    claim = services.training_job_run(job_id=job_id)
+    if claim.retry_in is not None:
+        # Another delivery's run still reports: look again once its lease would have expired.
+        raise self.retry(countdown=claim.retry_in)
+
+
+@shared_task(name="training.tasks.training_jobs_sweep", ignore_result=True)
+def training_jobs_sweep() -> None:
+    services.training_jobs_sweep()

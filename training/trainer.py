@@ -1,0 +1,344 @@
+"""The LoRA trainer: a plain torch loop over the shared base model, resumable from a checkpoint.
+
+The base model is loaded once per process (`load_base`) and reused by every job the process runs:
+PEFT injects the LoRA layers into it for a job and `unload()` takes them out again, so the base
+weights are never copied or changed. Loss is taken only where the encoded example says
+(assistant replies, completions; training.examples). CPU runs in fp32, CUDA in bf16 with the LoRA
+weights in fp32 (PEFT's adapter autocast); the code is the same.
+
+A checkpoint holds everything the loop needs to continue exactly where it stopped: the LoRA
+weights (PEFT's safetensors), the optimizer and scheduler state, the RNG states and the step, from
+which the epoch and the position in that epoch's deterministic shuffle follow. Resuming from a
+checkpoint gives the same weights as never having stopped.
+
+No Django here: the caller supplies hooks for progress, metrics, cancellation and checkpoint storage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from training.examples import IGNORE_INDEX, EncodedExample
+from training.hyperparameters import ALL_LINEAR, SUPPORTED_TARGET_MODULES, Hyperparameters
+
+# The directory of a checkpoint: PEFT's two adapter files, then these (the state file is written
+# last and marks the checkpoint complete).
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_GRAD_NORM = 1.0
+# Embeddings are never adapted; "auto" would look the base model's name up on the Hugging Face Hub.
+SAVE_OPTIONS = {"safe_serialization": True, "save_embedding_layers": False}
+
+
+@dataclass(frozen=True)
+class LoadedBase:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    path: str
+    device: torch.device
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@lru_cache(maxsize=1)
+def load_base(path: str) -> LoadedBase:
+    """The base model and tokenizer at `path`, loaded once per process (bf16 on CUDA, fp32 on CPU)."""
+    device = pick_device()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return LoadedBase(model=model, tokenizer=load_tokenizer(path), path=path, device=device)
+
+
+@lru_cache(maxsize=2)
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    total_steps: int
+    epoch: float
+    train_loss: float
+    learning_rate: float
+    trained_tokens: int
+    valid_loss: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    adapter_dir: Path
+    target_modules: list[str]
+    steps: int
+    trained_tokens: int
+    train_loss: float | None
+    valid_loss: float | None
+    resumed_from_step: int | None
+
+
+class TrainingStopped(Exception):
+    """Raised when the hooks ask the loop to stop (cancellation) before the next step."""
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint was written for other data or hyperparameters than the run resuming from it."""
+
+
+class TrainingHooks(Protocol):
+    def should_stop(self) -> bool:
+        """Checked before every step; True stops the run with TrainingStopped."""
+
+    def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
+        """After every step (the hook decides how often to record it)."""
+
+    def on_log(self, metrics: StepMetrics) -> None:
+        """Every `log_every` steps and after the last, with the mean train loss since the previous log."""
+
+    def on_checkpoint(self, step: int, directory: Path, metrics: dict[str, Any]) -> None:
+        """A complete checkpoint is in `directory`; store it (the directory is removed afterwards)."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How one job's steps are laid out: the same for the first run and for every resumed one."""
+
+    num_examples: int
+    batch_size: int
+    n_epochs: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_examples / self.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.n_epochs
+
+
+def resolve_target_modules(model: torch.nn.Module, requested: str | Sequence[str]) -> list[str]:
+    """The module names to adapt: "all-linear" is every supported projection the model has."""
+    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    wanted = SUPPORTED_TARGET_MODULES if requested == ALL_LINEAR else tuple(requested)
+    resolved = [name for name in wanted if name in present]
+    missing = sorted(set(wanted) - present) if requested != ALL_LINEAR else []
+    if missing or not resolved:
+        raise ValueError(f"The base model has no module(s) {', '.join(missing) or ', '.join(wanted)} to adapt.")
+    return resolved
+
+
+def _epoch_order(seed: int, epoch: int, num_examples: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_examples, generator=generator).tolist()
+
+
+def _collate(examples: Sequence[EncodedExample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    width = max(len(example.input_ids) for example in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        length = len(example.input_ids)
+        ids[row, :length] = torch.tensor(example.input_ids)
+        labels[row, :length] = torch.tensor(example.labels)
+        mask[row, :length] = 1
+    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+
+
+def _lr_lambda(total_steps: int, warmup_ratio: float):
+    warmup = int(total_steps * warmup_ratio)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    return factor
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def token_nll(model: torch.nn.Module, examples: Sequence[EncodedExample], pad_id: int, device: torch.device,
+              batch_size: int = 8) -> float:
+    """Mean negative log-likelihood per trained token over the examples (eval mode, no grad)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = _collate(examples[start:start + batch_size], pad_id, device)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+            targets = batch["labels"][:, 1:]
+            losses = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                ignore_index=IGNORE_INDEX, reduction="sum",
+            )
+            total += losses.item()
+            count += int((targets != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+class LoraTrainer:
+    """Trains one adapter on a loaded base. Use once per job: `run()` always unloads the LoRA layers."""
+
+    def __init__(self, base: LoadedBase, hp: Hyperparameters, *, seed: int, train: Sequence[EncodedExample],
+                 valid: Sequence[EncodedExample], hooks: TrainingHooks, work_dir: Path, fingerprint: str,
+                 base_model_name: str, checkpoint_every: int, log_every: int) -> None:
+        if not train:
+            raise ValueError("There are no training examples with tokens to learn from.")
+        self.base = base
+        self.hp = hp
+        self.seed = seed
+        self.train_examples = list(train)
+        self.valid_examples = list(valid)
+        self.hooks = hooks
+        self.work_dir = Path(work_dir)
+        self.fingerprint = fingerprint
+        self.base_model_name = base_model_name
+        self.checkpoint_every = max(1, checkpoint_every)
+        self.log_every = max(1, log_every)
+        self.plan = RunPlan(len(self.train_examples), hp.batch_size, hp.n_epochs)
+        tokenizer = base.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def run(self, resume_from: Path | None = None) -> TrainResult:
+        torch.manual_seed(self.seed)
+        target_modules = resolve_target_modules(self.base.model, self.hp.target_modules)
+        config = LoraConfig(r=self.hp.r, lora_alpha=self.hp.lora_alpha, lora_dropout=self.hp.lora_dropout,
+                            target_modules=target_modules, bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(self.base.model, config)
+        try:
+            return self._train(model, target_modules, resume_from)
+        finally:
+            model.unload()
+            if hasattr(self.base.model, "peft_config"):
+                # PEFT leaves its config on the base; the next job must find a plain model.
+                del self.base.model.peft_config
+            self.base.model.eval()
+
+    def _train(self, model: Any, target_modules: list[str], resume_from: Path | None) -> TrainResult:
+        params = [param for param in model.parameters() if param.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.hp.learning_rate, weight_decay=0.0)
+        total = self.plan.total_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, self.hp.warmup_ratio))
+        step, trained_tokens = 0, 0
+        if resume_from is not None:
+            step, trained_tokens = self._restore(model, optimizer, scheduler, resume_from)
+        resumed_from = step if resume_from is not None else None
+
+        model.train()
+        window_loss, window_steps = 0.0, 0
+        last_train_loss: float | None = None
+        valid_loss: float | None = None
+        orders: dict[int, list[int]] = {}
+        while step < total:
+            if self.hooks.should_stop():
+                raise TrainingStopped()
+            epoch, position = divmod(step, self.plan.steps_per_epoch)
+            order = orders.setdefault(epoch, _epoch_order(self.seed, epoch, self.plan.num_examples))
+            picked = order[position * self.hp.batch_size:(position + 1) * self.hp.batch_size]
+            batch_examples = [self.train_examples[index] for index in picked]
+            batch = _collate(batch_examples, self.pad_id, self.base.device)
+            loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            step += 1
+            trained_tokens += sum(example.num_trained_tokens for example in batch_examples)
+            window_loss += loss.item()
+            window_steps += 1
+            epoch_progress = step / self.plan.steps_per_epoch
+            self.hooks.on_step(step, total, epoch_progress, trained_tokens)
+            checkpoint_due = step % self.checkpoint_every == 0 and step < total
+            if step % self.log_every == 0 or step == total or checkpoint_due:
+                last_train_loss = window_loss / window_steps
+                window_loss, window_steps = 0.0, 0
+                evaluate = self.valid_examples and (checkpoint_due or step == total)
+                valid_loss = self._valid_loss(model) if evaluate else None
+                metrics = StepMetrics(step=step, total_steps=total, epoch=round(epoch_progress, 4),
+                                      train_loss=last_train_loss, valid_loss=valid_loss,
+                                      learning_rate=scheduler.get_last_lr()[0], trained_tokens=trained_tokens)
+                self.hooks.on_log(metrics)
+            if checkpoint_due:
+                self._checkpoint(model, optimizer, scheduler, step, trained_tokens,
+                                 {"step": step, "train_loss": last_train_loss, "valid_loss": valid_loss})
+
+        adapter_dir = self.work_dir / "adapter"
+        model.peft_config["default"].base_model_name_or_path = self.base_model_name
+        model.save_pretrained(adapter_dir, **SAVE_OPTIONS)
+        return TrainResult(adapter_dir=adapter_dir, target_modules=target_modules, steps=step,
+                           trained_tokens=trained_tokens, train_loss=last_train_loss, valid_loss=valid_loss,
+                           resumed_from_step=resumed_from)
+
+    def _valid_loss(self, model: Any) -> float:
+        return token_nll(model, self.valid_examples, self.pad_id, self.base.device, self.hp.batch_size)
+
+    def _checkpoint(self, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, step: int,
+                    trained_tokens: int, metrics: dict[str, Any]) -> None:
+        directory = self.work_dir / f"checkpoint-{step}"
+        model.peft_config["default"].base_model_name_or_path = self.base_model_name
+        model.save_pretrained(directory, **SAVE_OPTIONS)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": _rng_state(self.base.device)}, directory / OPTIMIZER_FILE)
+        state = {"step": step, "total_steps": self.plan.total_steps, "trained_tokens": trained_tokens,
+                 "fingerprint": self.fingerprint, "saved_at": time.time()}
+        (directory / STATE_FILE).write_text(json.dumps(state))
+        try:
+            self.hooks.on_checkpoint(step, directory, metrics)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _restore(self, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 directory: Path) -> tuple[int, int]:
+        state = json.loads((directory / STATE_FILE).read_text())
+        if state.get("fingerprint") != self.fingerprint or state.get("total_steps") != self.plan.total_steps:
+            raise CheckpointMismatch("The checkpoint was written for different data or hyperparameters.")
+        set_peft_model_state_dict(model, load_file(directory / ADAPTER_WEIGHTS_FILE, device=str(self.base.device)))
+        # Only tensors and plain containers: weights_only refuses anything that would run code.
+        # load_state_dict moves the optimizer's tensors to their parameters' device.
+        saved = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        _restore_rng(saved["rng"], self.base.device)
+        return int(state["step"]), int(state["trained_tokens"])
+

@@ -1,0 +1,214 @@
+"""Checks a JSONL dataset line by line, in the style of OpenAI's fine-tuning format checker.
+
+Every problem carries its 1-based line number and a code (`invalid_json`, `missing_messages_list`,
+`unrecognized_role`, `missing_content`, `example_missing_assistant_message`, …); the list is capped,
+with a count per code for the rest. Statistics use the base model's tokenizer: examples, tokens,
+trained tokens, the longest example and how many will be truncated at a given sequence length.
+The file is read as a stream, one line at a time, so its size does not matter. No Django here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from training.examples import (
+    EncodingError,
+    Example,
+    Problem,
+    detect_format,
+    encode_example,
+    load_json_line,
+    parse_example,
+)
+
+MAX_REPORTED_PROBLEMS = 100
+# A line longer than this is refused rather than held in memory (a JSONL example is rarely > 1 MB).
+MAX_LINE_BYTES = 16 * 1024 * 1024
+# OpenAI's checker asks for at least 10 examples; fewer train, but rarely well.
+RECOMMENDED_MIN_EXAMPLES = 10
+READ_CHUNK_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LineProblem:
+    line: int | None
+    code: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"line": self.line, "code": self.code, "message": self.message}
+
+
+@dataclass
+class ValidationReport:
+    format: str | None = None
+    num_examples: int = 0
+    errors: list[LineProblem] = field(default_factory=list)
+    warnings: list[LineProblem] = field(default_factory=list)
+    error_counts: Counter = field(default_factory=Counter)
+    warning_counts: Counter = field(default_factory=Counter)
+    stats: dict[str, Any] = field(default_factory=dict)
+    max_problems: int = MAX_REPORTED_PROBLEMS
+
+    @property
+    def is_valid(self) -> bool:
+        return not self.error_counts
+
+    def add_error(self, line: int | None, problem: Problem) -> None:
+        self._add(self.errors, self.error_counts, line, problem)
+
+    def add_warning(self, line: int | None, problem: Problem) -> None:
+        self._add(self.warnings, self.warning_counts, line, problem)
+
+    def _add(self, kept: list[LineProblem], counts: Counter, line: int | None, problem: Problem) -> None:
+        counts[problem.code] += 1
+        if len(kept) < self.max_problems:
+            kept.append(LineProblem(line, problem.code, problem.message))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "num_examples": self.num_examples,
+            "valid": self.is_valid,
+            "errors": [problem.to_dict() for problem in self.errors],
+            "error_counts": dict(self.error_counts),
+            "errors_truncated": sum(self.error_counts.values()) > len(self.errors),
+            "warnings": [problem.to_dict() for problem in self.warnings],
+            "warning_counts": dict(self.warning_counts),
+            "warnings_truncated": sum(self.warning_counts.values()) > len(self.warnings),
+            "stats": self.stats,
+        }
+
+
+class LineTooLong(ValueError):
+    pass
+
+
+def iter_lines(stream: BinaryIO, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """The stream's lines without their end-of-line, read in chunks (S3 bodies yield chunks, not lines).
+
+    Raises LineTooLong (after yielding every line before it) when a line exceeds max_line_bytes.
+    """
+    pending = b""
+    while chunk := stream.read(READ_CHUNK_BYTES):
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line.rstrip(b"\r")
+        if len(pending) > max_line_bytes:
+            raise LineTooLong(f"a line is longer than {max_line_bytes} bytes")
+    if pending:
+        yield pending.rstrip(b"\r")
+
+
+def iter_valid_examples(lines: Iterable[bytes], fmt: str) -> Iterator[Example]:
+    """The examples of a file that passed validation, in order (for training)."""
+    for raw in lines:
+        if not raw.strip():
+            continue
+        example, errors, _ = parse_example(load_json_line(raw), fmt)
+        if example is None:
+            raise ValueError(f"the dataset no longer validates: {errors[0].message}")
+        yield example
+
+
+def validate_lines(lines: Iterable[bytes], *, tokenizer: Any | None, max_seq_length: int,
+                   max_problems: int = MAX_REPORTED_PROBLEMS) -> ValidationReport:
+    """The report for a JSONL file given as its lines (bytes). `tokenizer` None skips token stats."""
+    report = ValidationReport(max_problems=max_problems)
+    tokens = _TokenStats(tokenizer, max_seq_length)
+    line_number = 0
+    try:
+        for line_number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                value = load_json_line(raw)
+            except ValueError as error:
+                report.add_error(line_number, Problem("invalid_json", f"Line is not valid JSON: {error}."))
+                continue
+            if report.format is None:
+                report.format = detect_format(value)
+                if report.format is None:
+                    report.add_error(line_number, _unrecognized(value))
+                    continue
+            example, errors, warnings = parse_example(value, report.format)
+            for problem in errors:
+                report.add_error(line_number, problem)
+            for problem in warnings:
+                report.add_warning(line_number, problem)
+            if example is not None:
+                report.num_examples += 1
+                tokens.add(line_number, example, report)
+    except LineTooLong as error:
+        report.add_error(line_number + 1, Problem("line_too_long", f"Line is too long: {error}."))
+    if report.num_examples == 0 and not report.error_counts:
+        report.add_error(None, Problem("empty_file", "The file has no examples (it is empty or only blank lines)."))
+    elif report.is_valid and report.num_examples < RECOMMENDED_MIN_EXAMPLES:
+        report.add_warning(None, Problem(
+            "few_examples", f"Only {report.num_examples} example(s); at least {RECOMMENDED_MIN_EXAMPLES} "
+                            "are recommended."))
+    report.stats = tokens.summary(report.num_examples)
+    if tokens.truncated:
+        report.add_warning(None, Problem(
+            "examples_truncated", f"{tokens.truncated} example(s) are longer than {max_seq_length} tokens and "
+                                  "will be truncated (raise max_seq_length or shorten them)."))
+    return report
+
+
+def _unrecognized(value: Any) -> Problem:
+    if not isinstance(value, dict):
+        return Problem("data_type", "Each line must be a JSON object.")
+    return Problem("unrecognized_format",
+                   "The object has none of 'messages' (chat), 'prompt'/'completion' or 'text'; "
+                   f"its keys are {', '.join(repr(key) for key in sorted(value)) or 'none'}.")
+
+
+class _TokenStats:
+    """Token counts of the valid examples with the base tokenizer."""
+
+    def __init__(self, tokenizer: Any | None, max_seq_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+        self.total = 0
+        self.trained = 0
+        self.longest = 0
+        self.longest_line: int | None = None
+        self.truncated = 0
+        self.untrainable = 0
+
+    def add(self, line: int, example: Example, report: ValidationReport) -> None:
+        if self.tokenizer is None:
+            return
+        try:
+            encoded = encode_example(example, self.tokenizer, self.max_seq_length)
+        except EncodingError as error:
+            report.add_error(line, Problem("unsupported_by_base_model", str(error)))
+            return
+        self.total += encoded.full_length
+        self.trained += encoded.num_trained_tokens
+        self.truncated += encoded.truncated
+        if encoded.num_trained_tokens == 0:
+            # Truncation removed every token the example would teach: it will be skipped.
+            self.untrainable += 1
+        if encoded.full_length > self.longest:
+            self.longest, self.longest_line = encoded.full_length, line
+
+    def summary(self, num_examples: int) -> dict[str, Any]:
+        if self.tokenizer is None:
+            return {"num_examples": num_examples, "tokens_counted": False}
+        return {
+            "num_examples": num_examples,
+            "tokens_counted": True,
+            "total_tokens": self.total,
+            "trained_tokens": self.trained,
+            "mean_tokens": round(self.total / num_examples, 1) if num_examples else 0,
+            "longest_example_tokens": self.longest,
+            "longest_example_line": self.longest_line,
+            "max_seq_length": self.max_seq_length,
+            "truncated_examples": self.truncated,
+            "examples_without_trained_tokens_after_truncation": self.untrainable,
+        }
