@@ -2,8 +2,13 @@
 
 import os
 
+from django.conf import settings
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lora_platform.settings")
 
 application = get_asgi_application()
+if settings.SERVE_STATIC:
+    # uvicorn serves no files; without this the admin and dashboard would have no CSS or JS.
+    application = ASGIStaticFilesHandler(application)

@@ -111,6 +111,9 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"] if (BASE_DIR / "static").is_dir() else []
 STATIC_ROOT = VAR_DIR / "static"
+# The ASGI app serves static files itself (admin, dashboard assets); turn off behind a web server
+# that serves STATIC_ROOT (after `manage.py collectstatic`).
+SERVE_STATIC = env_bool("SERVE_STATIC", True)
 LOGIN_URL = "/admin/login/"
 
 # Bodies above this are refused with 413 before a view reads them; uploads stream to storage

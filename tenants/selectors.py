@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db.models import Count, Q, QuerySet
 
+from lora_platform.errors import NotFound
 from tenants.models import Tenant
 
 
@@ -12,3 +13,10 @@ def tenant_list() -> QuerySet[Tenant]:
     return Tenant.objects.select_related("tier").annotate(
         active_key_count=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True))
     ).order_by("slug")
+
+
+def tenant_by_slug(slug: str) -> Tenant:
+    tenant = Tenant.objects.select_related("tier").filter(slug=slug).first()
+    if tenant is None:
+        raise NotFound(f"No tenant with slug '{slug}'.", param="slug")
+    return tenant

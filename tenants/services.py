@@ -9,9 +9,10 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from lora_platform.errors import Conflict, InvalidInput, NotFound
+from lora_platform.errors import Conflict, InvalidInput
 from tenants.api_keys import generate_key, hash_secret
 from tenants.models import ApiKey, Membership, Tenant, Tier
+from tenants.selectors import tenant_by_slug
 
 DEFAULT_SCOPES = [ApiKey.Scope.INFERENCE.value, ApiKey.Scope.MANAGE.value]
 SLUG_MAX_LENGTH = Tenant._meta.get_field("slug").max_length
@@ -90,9 +91,7 @@ def tenant_create(*, slug: str, tier_name: str, name: str | None = None,
 
 
 def tenant_set_status(*, slug: str, status: str) -> Tenant:
-    tenant = Tenant.objects.filter(slug=slug).first()
-    if tenant is None:
-        raise NotFound(f"No tenant with slug '{slug}'.")
+    tenant = tenant_by_slug(slug)
     if status not in Tenant.Status.values:
         raise InvalidInput(f"Unknown status '{status}'.", param="status")
     tenant.status = status

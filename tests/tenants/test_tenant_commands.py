@@ -98,3 +98,12 @@ def test_suspending_an_unknown_tenant_says_so() -> None:
         run("suspend", "nope")
     with pytest.raises(NotFound):
         tenant_activate(slug="nope")
+
+
+def test_create_key_prints_a_working_key_with_the_asked_scopes() -> None:
+    run("create", "acme", "--tier", "standard")
+    key = run("create-key", "acme", "--name", "gateway", "--scope", "inference").strip().splitlines()[-1]
+    assert ApiKey.objects.get(name="gateway").scopes == ["inference"]
+    assert status_with(key) == 403  # inference-only: not for the management API
+    with pytest.raises(CommandError, match="No tenant with slug 'nope'"):
+        run("create-key", "nope", "--name", "x")

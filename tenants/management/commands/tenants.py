@@ -9,13 +9,14 @@ from django.core.management.base import BaseCommand, CommandError
 
 from lora_platform.errors import ServiceError
 from tenants import selectors, services
+from tenants.models import ApiKey
 
 
 class Command(BaseCommand):
-    help = "Create, list, suspend and activate tenants."
+    help = "Create, list, suspend and activate tenants; create API keys."
 
     def add_arguments(self, parser: ArgumentParser) -> None:
-        commands = parser.add_subparsers(dest="action", required=True, metavar="{create,list,suspend,activate}")
+        commands = parser.add_subparsers(dest="action", required=True, metavar="{create,list,suspend,activate,create-key}")
         create = commands.add_parser("create", help="Create a tenant and print its first API key (shown once).")
         create.add_argument("slug", help="lowercase letters, digits and hyphens, e.g. acme")
         create.add_argument("--tier", required=True, help="a tier name: vip, standard, batch, …")
@@ -26,10 +27,15 @@ class Command(BaseCommand):
         suspend.add_argument("slug")
         activate = commands.add_parser("activate", help="Let a suspended tenant in again.")
         activate.add_argument("slug")
+        create_key = commands.add_parser("create-key", help="Print a new API key for a tenant (shown once).")
+        create_key.add_argument("slug")
+        create_key.add_argument("--name", required=True, help="what the key is for, e.g. laptop or ci")
+        create_key.add_argument("--scope", action="append", dest="scopes", choices=ApiKey.Scope.values,
+                                help="repeat for several; default: inference and manage")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            getattr(self, f"_{options['action']}")(options)
+            getattr(self, f"_{options['action'].replace('-', '_')}")(options)
         except ServiceError as error:
             raise CommandError(error.message) from error
 
@@ -60,3 +66,11 @@ class Command(BaseCommand):
     def _activate(self, options: dict[str, Any]) -> None:
         tenant = services.tenant_activate(slug=options["slug"])
         self.stdout.write(self.style.SUCCESS(f"Activated tenant '{tenant.slug}'."))
+
+    def _create_key(self, options: dict[str, Any]) -> None:
+        tenant = selectors.tenant_by_slug(options["slug"])
+        key, full_key = services.api_key_create(tenant=tenant, name=options["name"], scopes=options["scopes"])
+        self.stdout.write(self.style.SUCCESS(
+            f"Created API key '{key.name}' ({', '.join(key.scopes)}) for tenant '{tenant.slug}'."))
+        self.stdout.write("The key (shown once; store it now):")
+        self.stdout.write(full_key)
