@@ -9,6 +9,7 @@ Adapter loads run on loader threads, so a load never pauses the steps of other r
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -154,16 +155,16 @@ class AsyncEngine:
             try:
                 future = self.engine.add_lora(lora_request, load_inplace=load_inplace)
             except Exception as exc:
-                settle(lambda: result.set_exception(exc))
+                settle(functools.partial(result.set_exception, exc))
                 return
 
             def done(f: Any) -> None:  # runs on the engine thread, inside step()'s poll
                 error = f.exception()
                 if error is not None:
-                    settle(lambda: result.set_exception(error))
+                    settle(functools.partial(result.set_exception, error))
                     return
                 info = next(i for i in self.engine.list_loras() if i.name == lora_request.lora_name)
-                settle(lambda: result.set_result(info))
+                settle(functools.partial(result.set_result, info))
 
             future.add_done_callback(done)
 
@@ -256,9 +257,9 @@ class AsyncEngine:
             try:
                 value = fn()
             except Exception as exc:
-                loop.call_soon_threadsafe(lambda: None if result.done() else result.set_exception(exc))
+                loop.call_soon_threadsafe(_settle, result, None, exc)
             else:
-                loop.call_soon_threadsafe(lambda: None if result.done() else result.set_result(value))
+                loop.call_soon_threadsafe(_settle, result, value, None)
 
         self._submit(command)
         return await result
@@ -267,3 +268,13 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine is shut down")
 
+
+
+def _settle(future: asyncio.Future[T], value: T | None, error: Exception | None) -> None:
+    """Complete ``future`` unless its awaiter has gone (cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)  # type: ignore[arg-type]
