@@ -146,7 +146,8 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
             _, canary = selectors.adapter_served(adapter=adapter)
             if canary is None:
                 return "No canary is running: there is no weight to set."
-            return f"Canary {canary.version} now receives {canary.traffic_weight:.0%} of traffic."
+            return (f"Canary {canary.version} receives {canary.traffic_weight:.0%} of traffic now; it will receive "
+                    "the weight below.")
 
         return self.run_confirmed(
             request, queryset, action="set_canary_weight", title="Set canary weight", describe=describe,

@@ -321,13 +321,13 @@ def test_resolve_picks_by_canary_weight(deployed, tenant_a):
     services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.25, actor=ACTOR)
     rng = random.Random(7)
     picks = [selectors.adapter_resolve(tenant=tenant_a.tenant, model="support-bot", rng=rng).version
-             for _ in range(4000)]
+             for _ in range(400)]
     share = picks.count("1.1.0") / len(picks)
-    assert 0.22 < share < 0.28
+    assert 0.18 < share < 0.32  # ±3 standard deviations of 400 draws at p = 0.25
     assert set(picks) == {"1.0.0", "1.1.0"}
     services.adapter_canary_set_weight(adapter=deployed, weight=0.0, actor=ACTOR)
     assert {selectors.adapter_resolve(tenant=tenant_a.tenant, model="support-bot", rng=rng).version
-            for _ in range(200)} == {"1.0.0"}
+            for _ in range(50)} == {"1.0.0"}
 
 
 def test_resolve_pinned_missing_and_other_tenants(deployed, tenant_a, tenant_b, adapter_a, make_version):
