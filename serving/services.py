@@ -250,27 +250,48 @@ def adapter_version_register(*, tenant: Tenant, adapter_name: str, version: str,
                              training_job_id: str, actor: str | None = None, reason: str = "") -> AdapterVersion:
     """Registers an artifact a training job already published (status ready), all or nothing.
 
-    The adapter is created if the tenant has none of that name (tier limit applies). The manifest
-    at `artifact_prefix` must name this tenant, adapter and version, and every file must match its
-    recorded sha256. Idempotent for redelivered tasks: registering the same artifact again for the
-    same job returns the existing version; any other clash of versions is a Conflict. The artifact
-    belongs to the caller: this function never deletes it.
+    The adapter is created if the tenant has none of that name (tier limit applies). The artifact
+    is verified as thoroughly as an upload: every file against its manifest, the manifest against
+    this tenant, adapter, version and base model, the adapter against the base's layer sizes.
+    Idempotent for redelivered tasks: registering the same artifact again for the same job returns
+    the existing version without a second event; any other clash of versions is a Conflict. The
+    artifact belongs to the caller: this function never deletes it.
+    """
+    return published_version_register(
+        tenant=tenant, adapter_name=adapter_name, version=version, artifact_prefix=artifact_prefix,
+        expected_source=(AdapterVersion.Source.TRAINING_JOB, str(training_job_id)),
+        actor=actor or f"training-job:{training_job_id}", reason=reason,
+    )
+
+
+def published_version_register(*, tenant: Tenant, adapter_name: str, version: str, artifact_prefix: str,
+                               actor: str, expected_source: tuple[str, str] | None = None,
+                               reason: str = "") -> AdapterVersion:
+    """Registers a verified artifact already in storage; its source comes from its manifest.
+
+    `expected_source` (kind, id), when given, must match the manifest's. Used by training (through
+    adapter_version_register) and by `registry import`, which restores versions whose artifacts
+    survived.
     """
     version_parse(version)
-    actor = _require_actor(actor or f"training-job:{training_job_id}")
+    actor = _require_actor(actor)
     prefix = artifact_prefix.rstrip("/")
     artifact = uploads.published_artifact_verify(prefix=prefix, tenant=tenant.slug, adapter=adapter_name,
                                                  version=version)
+    source_id = artifact.source_id if artifact.source_kind == AdapterVersion.Source.TRAINING_JOB else ""
+    if expected_source is not None and expected_source != (artifact.source_kind, source_id):
+        raise InvalidInput(f"The manifest at '{prefix}/' records source {artifact.source_kind} {source_id!r}, "
+                           f"not {expected_source[0]} {expected_source[1]!r}.", code="manifest_mismatch")
     with transaction.atomic():
         locked_tenant = _lock_tenant(tenant)
-        adapter = Adapter.objects.select_related("tenant").filter(tenant=locked_tenant, name=adapter_name).first()
+        adapter = Adapter.objects.filter(tenant=locked_tenant, name=adapter_name).first()
         if adapter is None:
             _validate_adapter_name(adapter_name)
             adapter = _adapter_create_locked(tenant=locked_tenant, name=adapter_name, description="")
         adapter = _lock(adapter)
         existing = adapter.versions.filter(version=version).first()
         if existing is not None:
-            if existing.manifest_sha256 == artifact.manifest_sha256 and existing.source_id == str(training_job_id):
+            if existing.manifest_sha256 == artifact.manifest_sha256 and existing.source_id == source_id:
                 return existing
             raise Conflict(f"Adapter '{adapter_name}' already has a version {version} from another source.",
                            code="version_exists", param="version")
@@ -278,7 +299,7 @@ def adapter_version_register(*, tenant: Tenant, adapter_name: str, version: str,
             adapter=adapter, version=version, artifact_uri=get_storage().uri(prefix) + "/",
             manifest_sha256=artifact.manifest_sha256, base_model=settings.BASE_MODEL_NAME, rank=artifact.rank,
             lora_alpha=artifact.lora_alpha, target_modules=artifact.target_modules, size_bytes=artifact.size_bytes,
-            source=AdapterVersion.Source.TRAINING_JOB, source_id=str(training_job_id),
+            source=artifact.source_kind, source_id=source_id,
         )
         _record(adapter=adapter, kind=Kind.REGISTER, actor=actor, reason=reason, to_version=created)
     return created

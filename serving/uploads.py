@@ -33,6 +33,7 @@ from serving.engine.adapter_loader import validate_adapter_dir
 from serving.engine.artifact import (
     ADAPTER_CONFIG_NAME,
     MANIFEST_NAME,
+    SOURCE_KINDS,
     AdapterError,
     adapter_digest,
     base_config_sha256,
@@ -87,6 +88,8 @@ class PublishedArtifact:
     target_modules: list[str] | str
     size_bytes: int
     manifest_sha256: str
+    source_kind: str
+    source_id: str
 
 
 def manifest_write_for(staged: StagedAdapter, *, tenant: str, adapter: str, version: str) -> str:
@@ -122,6 +125,9 @@ def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version
         named = manifest.get("adapter") if isinstance(manifest.get("adapter"), dict) else {}
         if {key: named.get(key) for key in expected} != expected:
             raise InvalidInput(f"The manifest at '{prefix}/' names {named}, not {expected}.", code="manifest_mismatch")
+        if not isinstance(manifest.get("source"), dict) or manifest["source"].get("kind") not in SOURCE_KINDS:
+            raise InvalidInput(f"The manifest at '{prefix}/' has no valid source (kind one of "
+                               f"{', '.join(SOURCE_KINDS)}).", code="invalid_manifest")
         base = (manifest.get("base_model") or {}).get("name")
         if base not in accepted_base_models():
             raise InvalidInput(f"The artifact at '{prefix}/' was built for base model '{base}', but this platform "
@@ -130,7 +136,8 @@ def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version
         return PublishedArtifact(
             rank=staged.rank, lora_alpha=staged.lora_alpha, target_modules=staged.target_modules,
             size_bytes=sum(entry["bytes"] for entry in manifest["files"].values()),
-            manifest_sha256=adapter_digest(directory),
+            manifest_sha256=adapter_digest(directory), source_kind=str(manifest["source"]["kind"]),
+            source_id=str(manifest["source"].get("id") or ""),
         )
     finally:
         shutil.rmtree(workspace, ignore_errors=True)

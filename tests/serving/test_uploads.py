@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from rest_framework.test import APIClient
 from transformers import AutoConfig
 
-from lora_platform.errors import Conflict, InvalidInput, LimitExceeded
+from lora_platform.errors import InvalidInput, LimitExceeded
 from serving import services
 from serving.engine.adapter_loader import load_adapter
 from serving.engine.artifact import adapter_digest, base_config_sha256, manifest_verify, manifest_write
@@ -298,9 +298,10 @@ def test_register_training_artifact(tenant_a, peft_adapter, storage, tmp_path):
     again = services.adapter_version_register(tenant=tenant_a.tenant, adapter_name="support-bot", version="1.0.0",
                                               artifact_prefix=prefix, training_job_id="42")
     assert again.pk == version.pk and DeploymentEvent.objects.count() == 1
-    with pytest.raises(Conflict, match="from another source"):
+    with pytest.raises(InvalidInput, match="records source training_job '42', not training_job '43'"):
         services.adapter_version_register(tenant=tenant_a.tenant, adapter_name="support-bot", version="1.0.0",
                                           artifact_prefix=prefix, training_job_id="43")
+    assert DeploymentEvent.objects.count() == 1
 
 
 def test_register_refuses_bad_artifacts_and_writes_nothing(tenant_a, peft_adapter, storage, tmp_path):
