@@ -80,6 +80,7 @@ class LoRAMeta:
         # Constant slot ids, built once rather than on every step.
         self._slot_ids = torch.arange(max_slots, dtype=torch.int64, device=self.device)
         self._host_groups: list[tuple[int, int, int]] | None = []
+        self._tiles_stale = False
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, max_slots: int) -> LoRAMeta:
@@ -115,13 +116,26 @@ class LoRAMeta:
         keys = torch.sort(keys).values
         active_slots = torch.where(keys < self.max_slots, keys, torch.full_like(keys, -1))
         self.active_slots.copy_(active_slots)
-        self.num_active.copy_(active.sum())
+        self.num_active.copy_(torch.count_nonzero(active))
 
-        for block_m, (tile_slot, tile_start, tile_end) in self._tiles.items():
-            self._fill_tiles(block_m, active_slots, slot_counts, slot_starts, tile_slot, tile_start, tile_end)
+        # On CUDA the tile tables are built here, inside whatever a graph captures with prepare(), so
+        # a replay rebuilds them. On CPU only Triton's interpreter reads them (the torch reference
+        # does not): build them on first use, sparing the CPU engine's step a dozen small ops.
+        self._tiles_stale = True
+        if self.device.type != "cpu":
+            self._fill_tiles()
         return self
 
-    def _fill_tiles(
+    def _fill_tiles(self) -> None:
+        """Enumerate (slot, row block) tiles of the active slots in order, for every block size."""
+        self._tiles_stale = False
+        active_slots = self.active_slots.long()
+        slot_counts = self.slot_counts.long()
+        slot_starts = self.slot_starts.long()
+        for block_m, (tile_slot, tile_start, tile_end) in self._tiles.items():
+            self._fill_block_tiles(block_m, active_slots, slot_counts, slot_starts, tile_slot, tile_start, tile_end)
+
+    def _fill_block_tiles(
         self,
         block_m: int,
         active_slots: torch.Tensor,
@@ -131,7 +145,6 @@ class LoRAMeta:
         tile_start: torch.Tensor,
         tile_end: torch.Tensor,
     ) -> None:
-        """Enumerate (slot, row block) tiles of the active slots in order, on the device."""
         n = max_tiles(self.num_tokens, self.max_slots, block_m)
         if n == 0:
             return
@@ -180,6 +193,8 @@ class LoRAMeta:
         """``(tile_slot, tile_start, tile_end)`` for row blocks of ``block_m`` sorted positions."""
         if block_m not in self._tiles:
             raise ValueError(f"block_m must be one of {TILE_BLOCK_SIZES}, got {block_m}")
+        if self._tiles_stale:
+            self._fill_tiles()
         return self._tiles[block_m]
 
     def grid_tiles(self, block_m: int) -> int:

@@ -6,10 +6,11 @@ dtype before the expand (as PEFT's own ``lora_B(lora_A(x))`` does in that dtype)
 ``h @ B[s, :, :r]^T`` accumulates in fp32, is multiplied by ``scaling[s]`` in fp32, added to ``y``
 in fp32 and rounded once to ``y``'s dtype.
 
-Two strategies, same result: small steps gather every token's adapter matrices and run one batched
-matmul per slice (a handful of ops whatever the number of adapters, which is what keeps a CPU
-decode step cheap); large steps loop over the active slots (never over tokens) and multiply each
-slot's token group at its own rank, so nothing is materialised per token.
+Two strategies, same result. Small steps multiply every token by every slot's A in one GEMM, keep
+each token's own slot (a 0/1 weight, times its scaling) and expand with one more GEMM against all
+slots' B: a handful of ops whatever the number of adapters, which keeps a CPU decode step cheap
+(torch's CPU bmm of many tiny matrices is slow, a GEMM is not). Large steps loop over the active
+slots (never over tokens) and multiply each slot's token group at its own rank.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 
 from kernels.meta import LoRAMeta
 
-# Above this many gathered adapter elements per slice (T * R * (K + N)), grouping by slot is cheaper
-# than materialising every token's A and B. Measured on the 2-core development CPU (docs/kernels.md).
-GATHER_MAX_ELEMENTS = 1 << 20
+# Above this many multiply-adds per slice for the all-slots GEMMs (T * S * R * (K + N)), grouping by
+# slot is cheaper. Measured on the 2-core development CPU (docs/kernels.md).
+DENSE_MAX_MACS = 1 << 23
 
 
 def lora_apply_torch(
@@ -40,10 +41,10 @@ def lora_apply_torch(
     num_tokens = meta.num_tokens
     if num_tokens == 0:
         return
-    rank = As[0].shape[1]
-    gathered = num_tokens * rank * (As[0].shape[2] + max(B.shape[1] for B in Bs))
-    if gathered <= GATHER_MAX_ELEMENTS:
-        _apply_gathered(y, x, As, Bs, scaling, meta, slice_offsets)
+    num_slots, rank, hidden = As[0].shape
+    dense_macs = num_tokens * num_slots * rank * (hidden + max(B.shape[1] for B in Bs))
+    if dense_macs <= DENSE_MAX_MACS:
+        _apply_dense(y, x, As, Bs, scaling, meta, slice_offsets)
     else:
         _apply_grouped(y, x, As, Bs, scaling, meta, slice_offsets, ranks)
 
@@ -67,7 +68,7 @@ def _add_into(y_cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tens
         y_cols.index_copy_(0, rows, (y_cols.index_select(0, rows).float() + delta).to(y_cols.dtype))
 
 
-def _apply_gathered(
+def _apply_dense(
     y: torch.Tensor,
     x: torch.Tensor,
     As: Sequence[torch.Tensor],
@@ -76,20 +77,20 @@ def _apply_gathered(
     meta: LoRAMeta,
     slice_offsets: Sequence[int],
 ) -> None:
-    """One batched matmul per slice over every token's own (gathered) adapter matrices.
+    """Every token against every slot in one GEMM per side, masked to the token's own slot.
 
-    Padded rank columns are read here, so they must hold zeros (the documented contract); tokens
-    without an adapter get weight 0 and so an exact zero update.
+    Padded rank rows and columns are read here, so they must hold zeros (the documented contract);
+    a token without an adapter has an all-zero mask row and so gets an exact zero update.
     """
-    slots = meta.token_slots[: meta.num_tokens].long()
-    has_adapter = slots >= 0
-    safe = slots.clamp(min=0)
-    weight = torch.where(has_adapter, scaling.float().index_select(0, safe), torch.zeros((), device=x.device))
-    xf = x.float().unsqueeze(-1)
+    num_tokens = meta.num_tokens
+    num_slots, rank, hidden = As[0].shape
+    slot_ids = torch.arange(num_slots, device=x.device)
+    weight = (meta.token_slots[:num_tokens, None] == slot_ids).float() * scaling.float()  # [T, S]
+    xf = x.float()
     for A, B, offset in zip(As, Bs, slice_offsets):
-        h = _hidden(torch.bmm(A.index_select(0, safe).float(), xf), x.dtype)
-        delta = torch.bmm(B.index_select(0, safe).float(), h).squeeze(-1)
-        delta.mul_(weight.unsqueeze(-1))
+        h = _hidden(xf @ A.reshape(num_slots * rank, hidden).float().T, x.dtype)  # [T, S * R]
+        h = (h.view(num_tokens, num_slots, rank) * weight.unsqueeze(-1)).view(num_tokens, num_slots * rank)
+        delta = h @ B.float().transpose(1, 2).reshape(num_slots * rank, B.shape[1])
         _add_into(y[:, offset : offset + B.shape[1]], None, delta)
 
 

@@ -262,24 +262,34 @@ def _block_m(num_tokens: int) -> int:
 
 
 def shrink_config(meta: LoRAMeta, hidden: int, rank: int, num_slices: int) -> ShrinkConfig:
-    """Launch configuration of the shrink for this step (table-driven, no autotuning at run time)."""
+    """Launch configuration of the shrink for this step (table-driven, no autotuning at run time).
+
+    From the H200 sweep and the compiler's register report (docs/benchmarks.md): decode splits K
+    until the grid has about four programs per SM; prefill reads x in 64-wide K blocks with split-K
+    4, and 8 warps at rank 64, the widest tiles that still compile without register spills.
+    """
     block_m = _block_m(meta.num_tokens)
     block_r = min(_next_pow2(max(rank, 16)), 64)
-    if block_m == 16:
-        block_k, num_warps, num_stages = 256, 4, 3
-    else:
-        block_k, num_warps, num_stages = 64, 4, 3
-    block_k = min(block_k, max(16, _next_pow2(hidden)))
+    if block_m == 64:
+        block_k = min(64, max(16, _next_pow2(hidden)))
+        split_k = max(1, min(4, hidden // block_k))
+        return ShrinkConfig(block_m, block_r, block_k, split_k, 4 if block_r <= 16 else 8, 3)
+    block_k = min(256, max(16, _next_pow2(hidden)))
     programs = meta.grid_tiles(block_m) * triton.cdiv(rank, block_r) * num_slices
     split_k = 1
     while programs * split_k * 2 <= _TARGET_PROGRAMS and split_k * 2 * block_k <= hidden:
         split_k *= 2
-    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps, num_stages)
+    return ShrinkConfig(block_m, block_r, block_k, split_k, 4, 3)
 
 
 def expand_config(meta: LoRAMeta, rank: int) -> ExpandConfig:
-    """Launch configuration of the expand for this step."""
-    return ExpandConfig(_block_m(meta.num_tokens), 128, min(_next_pow2(max(rank, 16)), 64), 4, 2)
+    """Launch configuration of the expand for this step (same sources): 64 output columns a
+    program; 8 warps for prefill tiles at rank 64 so the accumulator does not spill."""
+    block_m = _block_m(meta.num_tokens)
+    block_r = min(_next_pow2(max(rank, 16)), 64)
+    if block_m == 16:
+        return ExpandConfig(block_m, 64, block_r, 4, 3)
+    return ExpandConfig(block_m, 64, block_r, 4 if block_r <= 16 else 8, 2)
 
 
 def _three(values: Sequence, fill) -> list:

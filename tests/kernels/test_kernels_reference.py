@@ -10,10 +10,10 @@ import kernels.reference as reference
 from kernels import lora_apply, lora_apply_sliced
 
 
-@pytest.fixture(params=["gathered", "grouped"])
+@pytest.fixture(params=["dense", "grouped"])
 def strategy(request, monkeypatch) -> str:
-    """Force the reference's strategy: small steps gather per token, large ones group by slot."""
-    monkeypatch.setattr(reference, "GATHER_MAX_ELEMENTS", 1 << 40 if request.param == "gathered" else 0)
+    """Force the reference's strategy: small steps use all-slots GEMMs, large ones group by slot."""
+    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 1 << 40 if request.param == "dense" else 0)
     return request.param
 
 
