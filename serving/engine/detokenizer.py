@@ -36,6 +36,15 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def flush(self) -> str:
+        """At the end of the output: whatever is held back, incomplete character included (as the
+        replacement character, as a whole-text decode shows it)."""
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
 
 def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
     """The earliest stop string that ends within the last ``new_chars`` characters of ``text``.

@@ -212,6 +212,7 @@ class LLMEngine:
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish_reason = "stop"
             seq.stop_reason = token if token in params.stop_token_ids else None
+            seq.output_text += seq.detokenizer.flush()
             return
         delta = seq.detokenizer.add(token)
         if delta:
@@ -227,6 +228,7 @@ class LLMEngine:
             seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
+            seq.output_text += seq.detokenizer.flush()
 
     def _record_logprobs(self, seq: Sequence, row: int, token: int, samples: SampleResult) -> None:
         assert seq.logprobs is not None and samples.logprobs is not None
