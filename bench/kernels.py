@@ -16,8 +16,11 @@ reading and writing y.
 
 With ``--sweep``, it also times shrink and expand alone for the three target cases under several
 launch configurations (the table in kernels/triton_lora.py is chosen from such a sweep).
+With ``--cpu`` it instead times the torch reference's two strategies on CPU (fp32), which sets
+``kernels.reference.DENSE_MAX_MACS``.
 
     python bench/kernels.py [--out DIR] [--quick] [--sweep]
+    python bench/kernels.py --cpu
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels import LoRAMeta, lora_apply  # noqa: E402
-from kernels import triton_lora  # noqa: E402
+from kernels import reference, triton_lora  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336)]
 TOKENS = [1, 16, 64, 256, 4096]
@@ -163,9 +166,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="directory for kernels_bench.json and .md")
     parser.add_argument("--quick", action="store_true", help="only the target rows' sizes")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the target cases")
+    parser.add_argument("--cpu", action="store_true", help="time the torch reference's strategies on CPU instead")
     args = parser.parse_args()
+    if args.cpu:
+        cpu_strategies()
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA device")
+        raise SystemExit("bench/kernels.py needs a CUDA device (or --cpu)")
 
     started = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -221,6 +228,42 @@ SWEEP_CASES = [
     (4096, 4096, 256, 128, 16),
     (4096, 14336, 256, 128, 16),
 ]
+
+
+def cpu_strategies() -> None:
+    """Median µs of the reference's all-slots GEMM strategy and its per-slot loop, fp32 on CPU."""
+
+    def cpu_ms(fn: Callable[[], object], repeat: int = 30) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2] * 1000
+
+    print(f"# CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("| T | slots | rank | K | N | all-slots GEMMs µs | per-slot loop µs | base GEMM µs | prepare µs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for tokens, slots, rank, hidden, width in [
+        (32, 8, 16, 64, 64), (32, 8, 16, 256, 256), (32, 16, 16, 256, 768), (128, 8, 16, 256, 256),
+        (256, 8, 16, 1024, 1024), (512, 8, 64, 256, 256), (2048, 8, 16, 256, 256),
+    ]:  # fmt: skip
+        gen = torch.Generator().manual_seed(tokens)
+        token_slots = torch.randint(-1, slots, (tokens,), generator=gen)
+        x, y = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, width, generator=gen)
+        A, B = torch.randn(slots, rank, hidden, generator=gen), torch.randn(slots, width, rank, generator=gen)
+        W, scaling = torch.randn(width, hidden, generator=gen), torch.rand(slots, generator=gen)
+        meta = LoRAMeta(tokens, slots).prepare(token_slots)
+        timings = []
+        for threshold in (1 << 62, 0):
+            reference.DENSE_MAX_MACS = threshold
+            timings.append(cpu_ms(lambda: lora_apply(y, x, A, B, scaling, meta)))
+        base = cpu_ms(lambda: torch.nn.functional.linear(x, W))
+        prep = cpu_ms(lambda: meta.prepare(token_slots))
+        print(f"| {tokens} | {slots} | {rank} | {hidden} | {width} | {timings[0] * 1000:.0f} | {timings[1] * 1000:.0f} "
+              f"| {base * 1000:.0f} | {prep * 1000:.0f} |")  # fmt: skip
 
 
 def sweep() -> list[dict]:
