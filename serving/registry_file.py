@@ -136,7 +136,7 @@ def _ensure_version(entry: _Entry, actor: str, done: list[str]) -> AdapterVersio
                                              version=entry.version).select_related("adapter__tenant").first()
     if existing is None:
         try:
-            existing = services.published_version_register(
+            existing = services.adapter_version_register_published(
                 tenant=entry.tenant, adapter_name=entry.name, version=entry.version, artifact_prefix=prefix,
                 actor=actor, reason="registry import",
             )

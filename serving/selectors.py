@@ -61,7 +61,8 @@ def served_weight(version: AdapterVersion, canary: AdapterVersion | None) -> flo
     """The share of the adapter's traffic a served version receives."""
     if version.status == AdapterVersion.Status.CANARY:
         return float(version.traffic_weight)
-    return 1.0 - float(canary.traffic_weight) if canary is not None else 1.0
+    # Rounded so that 1 - 0.7 reads 0.3 in events, snapshots and exported files.
+    return round(1.0 - float(canary.traffic_weight), 9) if canary is not None else 1.0
 
 
 def version_entry(version: AdapterVersion, *, weight: float | None) -> dict[str, Any]:

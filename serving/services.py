@@ -75,10 +75,11 @@ def _weight(weight: object) -> float:
 def _record(*, adapter: Adapter, kind: str, actor: str, reason: str = "",
             from_version: AdapterVersion | None = None, to_version: AdapterVersion | None = None,
             from_weight: float | None = None, to_weight: float | None = None,
-            dropped: Sequence[AdapterVersion] = ()) -> DeploymentEvent:
+            dropped: Sequence[AdapterVersion] = (), stops_serving: bool = False) -> DeploymentEvent:
     """Writes the audit event of a change and schedules its Redis message for after the commit.
 
-    The message is built now, inside the transaction, so it describes exactly the committed state.
+    The message is built now, inside the transaction, so it describes exactly the committed state
+    (`stops_serving`: the adapter is about to be deleted, so nothing of it is served any more).
     """
     event = DeploymentEvent.objects.create(
         tenant=adapter.tenant, adapter=adapter, adapter_name=adapter.name, kind=kind, actor=_require_actor(actor),
@@ -87,7 +88,7 @@ def _record(*, adapter: Adapter, kind: str, actor: str, reason: str = "",
     )
     payload = event_payload(
         event=event,
-        served=selectors.adapter_served_entries(adapter=adapter),
+        served=[] if stops_serving else selectors.adapter_served_entries(adapter=adapter),
         dropped=[selectors.version_entry(item, weight=None) for item in dropped],
     )
     transaction.on_commit(partial(deploy_event_publish, payload))
@@ -180,7 +181,7 @@ def adapter_delete(*, adapter: Adapter, actor: str, force: bool = False, reason:
                 "force to stop serving it at once.", code="adapter_serving",
             )
         event = _record(adapter=adapter, kind=Kind.DELETE, actor=actor, reason=reason,
-                        from_version=active, dropped=served)
+                        from_version=active, dropped=served, stops_serving=True)
         prefix = adapter.storage_prefix
         adapter.delete()
         transaction.on_commit(partial(_delete_artifacts, prefix))
@@ -188,10 +189,11 @@ def adapter_delete(*, adapter: Adapter, actor: str, force: bool = False, reason:
 
 
 def _delete_artifacts(prefix: str) -> None:
+    """Deletes what is stored under prefix; a failure is logged (it must not hide the caller's error)."""
     try:
         get_storage().delete_prefix(prefix)
     except Exception:
-        logger.exception("Could not delete the artifacts under %s of a deleted adapter; delete them by hand", prefix)
+        logger.exception("Could not delete the artifacts under %s; delete them by hand", prefix)
 
 
 # --- registering versions ---------------------------------------------------------------------
@@ -241,7 +243,7 @@ def adapter_version_upload(*, adapter: Adapter, files: Sequence[UploadedFile], a
                 _record(adapter=adapter, kind=Kind.REGISTER, actor=actor, reason=reason, to_version=created)
         except BaseException:
             if published_prefix is not None:
-                storage.delete_prefix(published_prefix)
+                _delete_artifacts(published_prefix)
             raise
     return created
 
@@ -257,14 +259,14 @@ def adapter_version_register(*, tenant: Tenant, adapter_name: str, version: str,
     the existing version without a second event; any other clash of versions is a Conflict. The
     artifact belongs to the caller: this function never deletes it.
     """
-    return published_version_register(
+    return adapter_version_register_published(
         tenant=tenant, adapter_name=adapter_name, version=version, artifact_prefix=artifact_prefix,
         expected_source=(AdapterVersion.Source.TRAINING_JOB, str(training_job_id)),
         actor=actor or f"training-job:{training_job_id}", reason=reason,
     )
 
 
-def published_version_register(*, tenant: Tenant, adapter_name: str, version: str, artifact_prefix: str,
+def adapter_version_register_published(*, tenant: Tenant, adapter_name: str, version: str, artifact_prefix: str,
                                actor: str, expected_source: tuple[str, str] | None = None,
                                reason: str = "") -> AdapterVersion:
     """Registers a verified artifact already in storage; its source comes from its manifest.

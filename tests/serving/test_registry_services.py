@@ -419,7 +419,7 @@ def test_a_failed_publish_never_undoes_the_change(deployed, settings, caplog, dj
 # --- deleting an adapter ----------------------------------------------------------------------
 
 
-def test_delete_refused_while_serving_unless_forced(deployed, storage, tenant_a,
+def test_delete_refused_while_serving_unless_forced(deployed, storage, tenant_a, redis_client,
                                                      django_capture_on_commit_callbacks):
     storage.put("adapters/alice-co/support-bot/1.0.0/manifest.json", b"{}")
     storage.put("adapters/alice-co/support-bot-2/1.0.0/manifest.json", b"{}")
@@ -427,12 +427,21 @@ def test_delete_refused_while_serving_unless_forced(deployed, storage, tenant_a,
         services.adapter_delete(adapter=deployed, actor=ACTOR)
     assert Adapter.objects.filter(pk=deployed.pk).exists()
 
+    services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.1, actor=ACTOR)
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(CHANNEL)
+    pubsub.get_message(timeout=5)
     with django_capture_on_commit_callbacks(execute=True):
         event = services.adapter_delete(adapter=deployed, actor=ACTOR, force=True, reason="retired")
+    message = _next_message(pubsub)
+    pubsub.close()
+    assert (message["type"], message["served"]) == ("delete", [])
+    assert sorted(entry["name"] for entry in message["dropped"]) == ["alice-co/support-bot@1.0.0",
+                                                                     "alice-co/support-bot@1.1.0"]
     assert not Adapter.objects.filter(name="support-bot").exists()
     assert not AdapterVersion.objects.exists()
     event.refresh_from_db()
     assert (event.adapter, event.adapter_name, event.kind, event.from_version) == (None, "support-bot", "delete",
                                                                                    "1.0.0")
-    assert DeploymentEvent.objects.filter(tenant=tenant_a.tenant, adapter_name="support-bot").count() == 2
+    assert DeploymentEvent.objects.filter(tenant=tenant_a.tenant, adapter_name="support-bot").count() == 3
     assert storage.list("") == ["adapters/alice-co/support-bot-2/1.0.0/manifest.json"]
