@@ -68,7 +68,8 @@ def lora_apply(
     ``y [T, N]``, ``x [T, K]``, ``A [S, R, K]``, ``B [S, N, R]`` of one dtype (fp32, bf16 or fp16),
     ``scaling [S]`` float, ``meta`` prepared for this step's ``T`` slots. ``ranks [S]`` (int32,
     optional): slot ``s`` uses only ``A[s, :ranks[s]]`` and ``B[s, :, :ranks[s]]`` and costs that
-    rank in the kernels; the padded rest must be zero. Rank 0 skips the slot.
+    rank in the kernels; the padded rest must be zero. Rank 0 skips the slot. On CPU ``ranks`` is
+    range-checked; on CUDA checking would synchronise, so the kernels clamp it to ``R`` instead.
     """
     lora_apply_sliced(y, x, (A,), (B,), scaling, meta, slice_offsets=(0,), ranks=ranks, backend=backend)
 

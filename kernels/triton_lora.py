@@ -102,7 +102,7 @@ def _shrink_kernel(
         return
     rank = full_rank
     if HAS_RANKS:
-        rank = tl.load(ranks_ptr + slot)
+        rank = tl.minimum(tl.load(ranks_ptr + slot), full_rank)  # never past the padded R
     pid_k = pid_kr % SPLIT_K
     r_start = (pid_kr // SPLIT_K) * BLOCK_R
     if r_start >= rank:
@@ -194,7 +194,7 @@ def _expand_kernel(
         return
     rank = full_rank
     if HAS_RANKS:
-        rank = tl.load(ranks_ptr + slot)
+        rank = tl.minimum(tl.load(ranks_ptr + slot), full_rank)  # never past the padded R
     if rank == 0:
         return
 
