@@ -128,10 +128,14 @@ def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version
         if not isinstance(manifest.get("source"), dict) or manifest["source"].get("kind") not in SOURCE_KINDS:
             raise InvalidInput(f"The manifest at '{prefix}/' has no valid source (kind one of "
                                f"{', '.join(SOURCE_KINDS)}).", code="invalid_manifest")
-        base = (manifest.get("base_model") or {}).get("name")
-        if base not in accepted_base_models():
-            raise InvalidInput(f"The artifact at '{prefix}/' was built for base model '{base}', but this platform "
-                               f"serves '{settings.BASE_MODEL_NAME}'.", code="base_model_mismatch")
+        base = manifest.get("base_model") if isinstance(manifest.get("base_model"), dict) else {}
+        if base.get("name") not in accepted_base_models():
+            raise InvalidInput(f"The artifact at '{prefix}/' was built for base model '{base.get('name')}', but this "
+                               f"platform serves '{settings.BASE_MODEL_NAME}'.", code="base_model_mismatch")
+        if base.get("config_sha256") != base_config_sha256(Path(settings.BASE_MODEL_PATH)):
+            raise InvalidInput(f"The artifact at '{prefix}/' was built on a base model whose config differs from "
+                               f"this platform's (config_sha256 {base.get('config_sha256')}).",
+                               code="base_model_mismatch")
         staged = _validate(directory, check_config_base=False)
         return PublishedArtifact(
             rank=staged.rank, lora_alpha=staged.lora_alpha, target_modules=staged.target_modules,

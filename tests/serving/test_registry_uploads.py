@@ -270,7 +270,8 @@ def test_a_failure_after_publishing_removes_the_artifact(adapter, peft_adapter, 
 
 
 def publish_training_artifact(storage, source: Path, tmp_path: Path, *, tenant: str = "alice-co",
-                              name: str = "support-bot", version: str = "1.0.0", job: str = "42") -> str:
+                              name: str = "support-bot", version: str = "1.0.0", job: str = "42",
+                              config_sha256: str | None = None) -> str:
     """What a training job does before registering: write the manifest, publish the directory."""
     from django.conf import settings
 
@@ -279,7 +280,8 @@ def publish_training_artifact(storage, source: Path, tmp_path: Path, *, tenant: 
     for file_name, data in adapter_files(source).items():
         (local / file_name).write_bytes(data)
     manifest_write(local, tenant=tenant, name=name, version=version, base_model_name="tiny-llama",
-                   base_config_sha256=base_config_sha256(settings.BASE_MODEL_PATH), source_kind="training_job",
+                   base_config_sha256=config_sha256 or base_config_sha256(settings.BASE_MODEL_PATH),
+                   source_kind="training_job",
                    source_id=job)
     prefix = f"adapters/{tenant}/{name}/{version}"
     storage.publish_directory(local, prefix)
@@ -312,6 +314,10 @@ def test_register_refuses_bad_artifacts_and_writes_nothing(tenant_a, peft_adapte
     with pytest.raises(InvalidInput, match="No artifact is published"):
         services.adapter_version_register(tenant=tenant_a.tenant, adapter_name="support-bot", version="1.0.0",
                                           artifact_prefix="adapters/alice-co/support-bot/9.9.9", training_job_id="42")
+    other_base = publish_training_artifact(storage, peft_adapter, tmp_path, version="1.1.0", config_sha256="0" * 64)
+    with pytest.raises(InvalidInput, match="base model whose config differs"):
+        services.adapter_version_register(tenant=tenant_a.tenant, adapter_name="support-bot", version="1.1.0",
+                                          artifact_prefix=other_base, training_job_id="42")
     storage.put(f"{prefix}/adapter_model.safetensors", b"tampered")
     with pytest.raises(InvalidInput, match="fails verification"):
         services.adapter_version_register(tenant=tenant_a.tenant, adapter_name="support-bot", version="1.0.0",
