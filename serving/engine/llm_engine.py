@@ -212,9 +212,10 @@ class LLMEngine:
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish_reason = "stop"
             seq.stop_reason = token if token in params.stop_token_ids else None
-            seq.output_text += seq.detokenizer.flush()
+            if params.detokenize:
+                seq.output_text += seq.detokenizer.flush()
             return
-        delta = seq.detokenizer.add(token)
+        delta = seq.detokenizer.add(token) if params.detokenize else ""
         if delta:
             seq.output_text += delta
             if params.stop_strings:
@@ -228,16 +229,21 @@ class LLMEngine:
             seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
-            seq.output_text += seq.detokenizer.flush()
+            if params.detokenize:
+                seq.output_text += seq.detokenizer.flush()
 
     def _record_logprobs(self, seq: Sequence, row: int, token: int, samples: SampleResult) -> None:
         assert seq.logprobs is not None and samples.logprobs is not None
         assert samples.ranks is not None and samples.top_ids is not None and samples.top_logprobs is not None
         num_top = seq.sampling_params.logprobs or 0
-        decode = self.tokenizer.decode
-        entry = {token: Logprob(samples.logprobs[row], samples.ranks[row], decode([token]))}
+        detokenize = seq.sampling_params.detokenize
+
+        def text(tid: int) -> str | None:
+            return self.tokenizer.decode([tid]) if detokenize else None
+
+        entry = {token: Logprob(samples.logprobs[row], samples.ranks[row], text(token))}
         for rank, (tid, lp) in enumerate(zip(samples.top_ids[row][:num_top], samples.top_logprobs[row][:num_top]), 1):
-            entry.setdefault(tid, Logprob(lp, rank, decode([tid])))
+            entry.setdefault(tid, Logprob(lp, rank, text(tid)))
         seq.logprobs.append(entry)
         seq.cumulative_logprob += samples.logprobs[row]
 

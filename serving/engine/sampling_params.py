@@ -18,7 +18,8 @@ class SamplingParams:
     likely alternatives at each step (``0``: the chosen token only), taken from the model's raw
     distribution (before temperature and filters), as vLLM does. A stop string ends the output
     just before it (unless ``include_stop_str_in_output``); stop token ids and EOS end it after
-    the token, which stays in ``token_ids`` but not in ``text``.
+    the token, which stays in ``token_ids`` but not in ``text``. ``detokenize=False`` leaves
+    ``text`` empty (token ids only).
     """
 
     n: int = 1
@@ -33,6 +34,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +56,8 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_strings = tuple(stops)
+        if stops and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

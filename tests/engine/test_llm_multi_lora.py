@@ -4,7 +4,8 @@ For each architecture: 14 prompts of different lengths (one long enough to be pr
 chunks) over 5 PEFT-saved adapters (ranks 4 to 64, different target modules and alphas) and the
 base model, with fewer sequence slots than prompts, fewer GPU slots and CPU cache entries than
 adapters, and a KV cache small enough to force preemption. Every prompt's greedy tokens must equal
-PEFT's for that prompt alone with its adapter.
+PEFT's for that prompt alone with its adapter. On CUDA (gpu mark) the same runs in fp32 through the
+Triton kernels, against PEFT on the CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ ADAPTER_SPECS = [  # (rank, alpha, target modules)
 WORDS = "The quick brown fox jumps over the lazy dog and then it runs away into the forest".split()
 LONG = " ".join(WORDS * 2)
 MAX_TOKENS = 12
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    ),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,7 +75,10 @@ def _workload(adapters: dict[str, Path]) -> tuple[list[str], list[LoRARequest | 
     return prompts, loras
 
 
-def test_mixed_batch_matches_peft(tiny_model_dir: Path, adapters_for: Callable[[Path], dict[str, Path]]) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_matches_peft(
+    device: str, tiny_model_dir: Path, adapters_for: Callable[[Path], dict[str, Path]]
+) -> None:
     adapters = adapters_for(tiny_model_dir)
     prompts, loras = _workload(adapters)
     llm = LLM(
@@ -80,7 +91,8 @@ def test_mixed_batch_matches_peft(tiny_model_dir: Path, adapters_for: Callable[[
         max_model_len=128,
         block_size=4,
         num_kv_blocks=40,
-        device="cpu",
+        device=device,
+        dtype="float32",
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, lora_request=loras)

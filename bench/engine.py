@@ -1,0 +1,281 @@
+"""Serving-engine benchmark: decode-step time with many distinct adapters against base-only, PEFT's
+mixed batch and transformers' own forward, and output tokens/s against transformers' generate.
+
+CPU (default): the ``small`` tiny model (hidden 512, 8 layers) built on the spot, fp32, with
+PEFT-saved rank-16 adapters on all seven projections. In one run it times:
+
+- ``engine base``: one engine step decoding ``--batch`` sequences, no adapter;
+- ``engine N adapters``: the same with the batch spread over N distinct adapters;
+- ``PEFT mixed``: PEFT's forward of the same one-token-per-sequence batch with ``adapter_names=``
+  (a KV cache of the same length), and ``transformers base`` the plain model's forward;
+- end to end: ``LLM.generate`` output tokens/s (base and N adapters) against ``generate`` of
+  transformers (base) and of PEFT with ``adapter_names=``, same prompts, greedy, same lengths.
+
+CUDA (``--shape llama3-8b``): the Llama-3-8B shape with random weights made on the device
+(``load_format="dummy"``, nothing written but the config), bf16, batch 64, context 512, 32
+distinct rank-16 adapters (written in PEFT's format to a RAM disk and loaded through the engine's
+own loader) against base-only; engine steps only (PEFT is far too slow at that shape to rerun).
+
+    python bench/engine.py [--batch 32] [--adapters 8] [--threads 1] [--json OUT]
+    python bench/engine.py --shape llama3-8b [--batch 64] [--context 512] [--adapters 32] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script, this file's folder heads sys.path; the repository root must be there instead.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from serving.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LLAMA3_8B = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(batch)]
+
+
+def engine_step_ms(
+    engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None], steps: int
+) -> float:
+    """Median wall time of one engine step once every sequence is decoding (all in one batch)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, detokenize=False)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"r{i}", prompt, params, lora)
+    scheduler = engine.scheduler
+    while scheduler.num_waiting or any(seq.num_uncomputed_tokens != 1 for seq in scheduler.running):
+        engine.step()
+        if engine.last_step_tokens == 0:
+            engine.wait_for_loads(0.05)
+    device = engine.runner.device
+    times = []
+    for _ in range(steps + 3):
+        _sync(device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        assert engine.last_step_tokens == len(prompts), "every sequence must decode in each timed step"
+    for rid in engine.request_ids():
+        engine.abort_request(rid)
+    return statistics.median(times[3:]) * 1e3
+
+
+def _engine(model_dir: Path, args: argparse.Namespace, **overrides: object) -> LLMEngine:
+    config = dict(
+        model=str(model_dir),
+        max_loras=max(args.adapters, 1),
+        max_cpu_loras=max(args.adapters, 1),
+        max_lora_rank=args.rank,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(2048, args.batch * 8),
+        max_model_len=args.context + args.steps + 128,
+        device=args.device,
+        seed=0,
+    )
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+# ---- CPU: the small tiny model, against PEFT and transformers -------------------------------
+
+
+def bench_cpu(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = build_tiny_model(work / "small", arch="llama", size="small", seed=0)
+    adapters = [
+        save_random_peft_adapter(base, work / f"adapter{i}", r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=i)
+        for i in range(args.adapters)
+    ]
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(args.batch, args.context, vocab, seed=1)
+    names = [f"a{i}" for i in range(args.adapters)]
+    spread = [LoRARequest(names[i % args.adapters], str(adapters[i % args.adapters])) for i in range(args.batch)]
+    results: dict[str, float] = {}
+
+    engine = _engine(base, args)
+    results["engine_base_step_ms"] = engine_step_ms(engine, prompts, [None] * args.batch, args.steps)
+    results["engine_lora_step_ms"] = engine_step_ms(engine, prompts, spread, args.steps)
+    engine.shutdown()
+
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(hf, str(adapters[0]), adapter_name=names[0])
+    for name, path in zip(names[1:], adapters[1:]):
+        peft.load_adapter(str(path), adapter_name=name)
+    peft.eval()
+    ids = torch.tensor([p["prompt_token_ids"] for p in prompts])
+    row_names = [names[i % args.adapters] for i in range(args.batch)]
+    results["peft_mixed_step_ms"] = _hf_decode_step_ms(peft, ids, args.steps, adapter_names=row_names)
+    with peft.disable_adapter():
+        results["transformers_base_step_ms"] = _hf_decode_step_ms(peft, ids, args.steps)
+
+    new = args.new_tokens
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm = LLM(str(base), max_loras=args.adapters, max_lora_rank=args.rank, max_num_seqs=args.batch, device=args.device)
+    for key, loras in (("engine_base_tok_s", None), ("engine_lora_tok_s", spread)):
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), lora_request=loras[:2] if loras else None)
+        start = time.perf_counter()
+        llm.generate(prompts, params, lora_request=loras)
+        results[key] = args.batch * new / (time.perf_counter() - start)
+    with torch.no_grad():
+        for key, kwargs in (("transformers_generate_tok_s", {}), ("peft_generate_tok_s", {"adapter_names": row_names})):
+            start = time.perf_counter()
+            if kwargs:
+                out = peft.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+            else:
+                with peft.disable_adapter():
+                    out = peft.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            assert out.shape[1] == ids.shape[1] + new
+            results[key] = args.batch * new / (time.perf_counter() - start)
+    return results
+
+
+@torch.no_grad()
+def _hf_decode_step_ms(model: torch.nn.Module, ids: torch.Tensor, steps: int, **kwargs: object) -> float:
+    """Median time of one-token forwards over a KV cache of the prompt (transformers / PEFT)."""
+    out = model(input_ids=ids, use_cache=True, **kwargs)
+    cache = out.past_key_values
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps + 3):
+        start = time.perf_counter()
+        out = model(input_ids=token, past_key_values=cache, use_cache=True, **kwargs)
+        times.append(time.perf_counter() - start)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return statistics.median(times[3:]) * 1e3
+
+
+# ---- CUDA: the Llama-3-8B shape ----------------------------------------------------------------
+
+
+def _write_random_adapter(out: Path, config: dict[str, int], rank: int, seed: int) -> Path:
+    """A rank-``rank`` PEFT adapter on all seven projections, bf16, written without PEFT."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    shapes = {
+        "q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=generator) / fan_in**0.5).bfloat16()
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=generator) * 0.01).bfloat16()
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": list(MODULES), "base_model_name_or_path": None,
+    }))
+    return out
+
+
+def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    model_dir = work / "llama3-8b-shape"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    # Any tokenizer will do: prompts are token ids and outputs are not detokenized.
+    tiny = build_tiny_model(work / "tiny", arch="llama", size="tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, model_dir / name)
+    start = time.perf_counter()
+    adapters = [_write_random_adapter(work / f"a{i}", LLAMA3_8B, args.rank, seed=i) for i in range(args.adapters)]
+    results = {"adapters_write_s": time.perf_counter() - start}
+    start = time.perf_counter()
+    engine = _engine(model_dir, args, load_format="dummy", max_num_batched_tokens=8192, block_size=16)
+    results["engine_build_s"] = time.perf_counter() - start
+    prompts = _prompts(args.batch, args.context, LLAMA3_8B["vocab_size"], seed=1)
+    spread = [LoRARequest(f"a{i % args.adapters}", str(adapters[i % args.adapters])) for i in range(args.batch)]
+    results["engine_base_step_ms"] = engine_step_ms(engine, prompts, [None] * args.batch, args.steps)
+    start = time.perf_counter()
+    results["engine_lora_step_ms"] = engine_step_ms(engine, prompts, spread, args.steps)
+    stats = engine.stats()
+    results["adapter_load_mean_s"] = stats.adapter_load_seconds_total / max(stats.adapter_loads, 1)
+    results["lora_run_total_s"] = time.perf_counter() - start
+    results["floor_ms"] = 3.13
+    engine.shutdown()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=("small", "llama3-8b"), default="small")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--adapters", type=int)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--context", type=int, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt in the tok/s runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the dev machine's 2 cores are shared)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    big = args.shape == "llama3-8b"
+    args.batch = args.batch or (64 if big else 32)
+    args.adapters = args.adapters or (32 if big else 8)
+    args.context = args.context or (512 if big else 64)
+    args.device = args.device or ("cuda" if big else "cpu")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if big and Path("/dev/shm").is_dir() else None) as tmp:
+        results = (bench_llama3_8b if big else bench_cpu)(args, Path(tmp))
+    results["lora_over_base"] = results["engine_lora_step_ms"] / results["engine_base_step_ms"]
+    if "peft_mixed_step_ms" in results:
+        results["peft_over_engine_lora"] = results["peft_mixed_step_ms"] / results["engine_lora_step_ms"]
+    info = {
+        "shape": args.shape, "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "context": args.context,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
+        "threads": args.threads, "torch": torch.__version__,
+    }
+    for key, value in {**info, **results}.items():
+        print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
+    if args.json:
+        args.json.write_text(json.dumps({**info, **results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
