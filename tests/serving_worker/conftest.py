@@ -161,3 +161,14 @@ def offline(tiny_model: Path):
 
     return LLM(str(tiny_model), max_loras=MAX_LORAS, max_cpu_loras=4, max_lora_rank=16, max_model_len=2048,
                num_kv_blocks=512)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test's report carries the log of every worker it used."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, WorkerProcess):
+                report.sections.append((f"worker log ({name})", value.log()))
