@@ -99,10 +99,15 @@ class AdapterCreateSerializer(serializers.Serializer):
     description = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
 
 
-class UploadSerializer(serializers.Serializer):
+class UploadFieldsSerializer(serializers.Serializer):
     version = serializers.CharField(max_length=64, required=False, allow_blank=True, default="",
                                     help_text="Semantic version; the next patch release when omitted.")
     reason = _REASON
+
+
+class UploadSerializer(UploadFieldsSerializer):
+    """The multipart form (for the schema; the files are read from request.FILES, whatever their field names)."""
+
     files = serializers.ListField(
         child=serializers.FileField(), required=False,
         help_text="adapter_config.json and adapter_model.safetensors, or one .zip/.tar.gz with them at its root.",
@@ -204,10 +209,11 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantSco
         if request.content_type.split(";")[0] != "multipart/form-data":
             raise InvalidInput("Upload the adapter as multipart/form-data: adapter_config.json and "
                                "adapter_model.safetensors, or one .zip/.tar.gz.", code="multipart_required")
+        data = _validated(UploadFieldsSerializer, request)
         files = [item for key in request.FILES for item in request.FILES.getlist(key)]
         version = services.adapter_version_upload(
-            adapter=adapter, files=files, actor=request_actor(request),
-            version=request.data.get("version") or None, reason=request.data.get("reason", ""),
+            adapter=adapter, files=files, actor=request_actor(request), version=data["version"] or None,
+            reason=data["reason"],
         )
         return Response(VersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
