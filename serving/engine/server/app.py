@@ -63,7 +63,8 @@ def build_app(worker: Worker) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(worker.metrics.render(await worker.stats()), media_type=CONTENT_TYPE)
+        sync = worker.sync.stats if worker.sync is not None else None
+        return Response(worker.metrics.render(await worker.stats(), sync), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from serving.engine import EngineStats
+from serving.engine.server.registry_sync import SyncStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -65,10 +66,14 @@ class ServerMetrics:
         )
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
+        self._sync = _SyncCollector()
+        self.registry.register(self._sync)
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        """The exposition text, with engine state from `stats` (None while the model loads)."""
+    def render(self, stats: EngineStats | None, sync: SyncStats | None) -> bytes:
+        """The exposition text, with engine state from `stats` (None while the model loads) and
+        registry sync's counters (None without --registry-url)."""
         self._engine.stats = stats
+        self._sync.stats = sync
         return generate_latest(self.registry)
 
 
@@ -119,4 +124,30 @@ class _EngineCollector(Collector):
         yield loads
         yield CounterMetricFamily(
             "loraplex_lora_load_failures", "Adapter loads that failed.", value=stats.adapter_load_failures
+        )
+
+
+class _SyncCollector(Collector):
+    """Registry sync's progress: how an operator sees that a worker converges."""
+
+    stats: SyncStats | None = None
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        stats = self.stats
+        if stats is None:
+            return
+        yield CounterMetricFamily("loraplex_registry_snapshots", "Registry snapshots applied.", value=stats.snapshots)
+        yield CounterMetricFamily(
+            "loraplex_registry_snapshot_failures", "Registry snapshots that could not be fetched.",
+            value=stats.snapshot_failures,
+        )
+        yield CounterMetricFamily("loraplex_registry_events", "Deploy events applied.", value=stats.events)
+        yield CounterMetricFamily(
+            "loraplex_registry_load_failures", "Served versions that could not be loaded.", value=stats.load_failures
+        )
+        yield GaugeMetricFamily(
+            "loraplex_registry_revision", "Newest registry audit event this worker has applied.", value=stats.revision
         )

@@ -47,7 +47,6 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
-        base_model_name=args.base_model_id,
     )
 
 
