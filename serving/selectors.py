@@ -23,14 +23,6 @@ def accepted_base_models() -> list[str]:
     return [settings.BASE_MODEL_NAME, *settings.BASE_MODEL_ALIASES]
 
 
-def adapter_get(*, tenant: Tenant, name: str) -> Adapter:
-    """The tenant's adapter of that name; another tenant's is as missing as a nonexistent one."""
-    adapter = Adapter.objects.for_tenant(tenant).select_related("tenant").filter(name=name).first()
-    if adapter is None:
-        raise NotFound(f"No adapter named '{name}'.", code="adapter_not_found", param="name")
-    return adapter
-
-
 def adapter_version_get(*, adapter: Adapter, version: str) -> AdapterVersion:
     found = adapter.versions.select_related("adapter__tenant").filter(version=version).first()
     if found is None:
