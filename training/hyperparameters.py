@@ -77,6 +77,10 @@ def _target_modules(value: Any) -> str | list[str]:
     return sorted(set(value), key=SUPPORTED_TARGET_MODULES.index)
 
 
+def default_max_seq_length(limits: Limits) -> int:
+    return min(Hyperparameters.max_seq_length, limits.max_seq_length)
+
+
 def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyperparameters:
     """The hyperparameters with defaults filled in; InvalidInput naming the first bad value."""
     if raw is None:
@@ -91,9 +95,11 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
                            f"{', '.join(sorted(known))}.", code="unknown_hyperparameter", param="hyperparameters")
     given = {name: value for name, value in raw.items() if value is not None and value != "auto"}
     values = defaults.to_dict() | given
+    # Defaults adapt to tighter limits (a shorter context, a lower max rank); given values are checked.
     if "max_seq_length" not in given:
-        # The default adapts to a base model with a shorter context; an explicit value is checked.
-        values["max_seq_length"] = min(defaults.max_seq_length, limits.max_seq_length)
+        values["max_seq_length"] = default_max_seq_length(limits)
+    if "r" not in given:
+        values["r"] = min(defaults.r, limits.max_rank)
     return Hyperparameters(
         n_epochs=_number("n_epochs", values["n_epochs"], integer=True, low=1, high=limits.max_epochs),
         batch_size=_number("batch_size", values["batch_size"], integer=True, low=1, high=limits.max_batch_size),

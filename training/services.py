@@ -52,7 +52,7 @@ from serving.versions import version_next_patch, version_parse
 from tenants.models import Tenant
 from training import conf
 from training.examples import Problem
-from training.hyperparameters import Hyperparameters, Limits, resolve_hyperparameters
+from training.hyperparameters import Hyperparameters, Limits, default_max_seq_length, resolve_hyperparameters
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 from training.validation import ValidationReport, iter_lines, iter_valid_examples, validate_lines
 
@@ -206,7 +206,7 @@ def _limits() -> Limits:
 
 
 def _default_max_seq_length() -> int:
-    return resolve_hyperparameters({}, _limits()).max_seq_length
+    return default_max_seq_length(_limits())
 
 
 def dataset_delete(*, dataset: Dataset) -> None:

@@ -34,6 +34,17 @@ def platform(settings, base_model_dir: Path, tmp_path: Path) -> Path:
     return tmp_path / "storage"
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """In-process training with one OpenMP thread (see OMP_NUM_THREADS for workers below)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def database_url() -> str:
     """The URL of the test database this process uses, for worker subprocesses."""
     from django.db import connection
@@ -112,6 +123,9 @@ def start_worker(transactional_db, tmp_path: Path, settings) -> Iterator[Callabl
             "BASE_MODEL_PATH": str(settings.BASE_MODEL_PATH),
             "BASE_MODEL_NAME": settings.BASE_MODEL_NAME,
             "LOG_LEVEL": "INFO",
+            # One compute thread: on a shared 2-core machine, OpenMP threads spinning against other
+            # processes make a tiny model's step 10-20x slower.
+            "OMP_NUM_THREADS": "1",
             **({"S3_ENDPOINT_URL": settings.S3_ENDPOINT_URL} if settings.S3_ENDPOINT_URL else {}),
         })
         env.update({key: str(value) for key, value in extra.items()})

@@ -118,6 +118,25 @@ def test_dataset_to_ready_version_through_a_real_worker(backend, request, platfo
     assert "valid_loss" in losses[-1]
     check_artifact(job, base_model_dir, tmp_path)
     assert Checkpoint.objects.filter(job=job).count() >= 1
+    if backend == "local":
+        cancel_while_running(client_a, dataset_id)
+
+
+def cancel_while_running(client, dataset_id: int) -> None:
+    """A running job stops at its next step on cancel, and leaves no artifact and no checkpoint."""
+    job_id = client.post("/api/v1/training-jobs", {
+        "training_file": dataset_id, "adapter": "support-bot", "hyperparameters": {"n_epochs": 50},
+    }, format="json").json()["id"]
+    wait_for(lambda: TrainingJob.objects.filter(pk=job_id, step__gte=1).exists(), 60, "the job to run", poll=0.1)
+    response = client.post(f"/api/v1/training-jobs/{job_id}/cancel").json()
+    assert response["status"] == "running" and response["cancel_requested"]
+    body = wait_job_final(client, job_id)
+    job = TrainingJob.objects.get(pk=job_id)
+    assert body["status"] == "cancelled" and job.step < job.total_steps and job.version == ""
+    assert not Checkpoint.objects.filter(job=job).exists()
+    assert get_storage().list(f"checkpoints/{job.tenant.slug}/{job.pk}") == []
+    assert [key for key in get_storage().list("adapters") if key.endswith("manifest.json")] == [
+        "adapters/alice-co/support-bot/1.0.0/manifest.json"]
 
 
 def test_killed_worker_is_resumed_from_its_checkpoint(platform, client_a, tenant_a, start_worker, base_model_dir,
