@@ -35,6 +35,20 @@ class StepContext:
     decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     lora: LoRAMeta | None = None
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, context_len: int, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, L]`` keys each decode token sees; built by the first layer, reused by the rest."""
+        mask = self._decode_masks.get(sliding_window)
+        if mask is None:
+            assert self.decode_context_lens is not None
+            positions = torch.arange(context_len, device=self.decode_context_lens.device).unsqueeze(0)
+            lens = self.decode_context_lens.unsqueeze(1)
+            mask = positions < lens
+            if sliding_window is not None:
+                mask &= positions >= lens - sliding_window
+            mask = self._decode_masks[sliding_window] = mask[:, None, None, :]
+        return mask
 
 
 _local = threading.local()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.engine.context import PrefillSpan, get_context
+from serving.engine.context import PrefillSpan, StepContext, get_context
 
 
 class PagedAttention(nn.Module):
@@ -40,9 +40,11 @@ class PagedAttention(nn.Module):
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, ctx.slot_mapping, k)
         flat_v.index_copy_(0, ctx.slot_mapping, v)
+        if not ctx.prefills:
+            return self._decode(q, ctx).view(q.shape[0], -1)
         out = torch.empty_like(q)
         if ctx.num_decode:
-            out[: ctx.num_decode] = self._decode(q[: ctx.num_decode], ctx.decode_block_tables, ctx.decode_context_lens)
+            out[: ctx.num_decode] = self._decode(q[: ctx.num_decode], ctx)
         for span in ctx.prefills:
             rows = slice(span.start, span.start + span.length)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], span)
@@ -54,16 +56,13 @@ class PagedAttention(nn.Module):
         batch = block_tables.shape[0]
         return pages.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
-    def _decode(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        keys = self._gather(self.k_cache, block_tables)
-        values = self._gather(self.v_cache, block_tables)
-        positions = torch.arange(keys.shape[2], device=q.device)
-        lens = context_lens.unsqueeze(1)
-        mask = positions.unsqueeze(0) < lens
-        if self.sliding_window is not None:
-            mask &= positions.unsqueeze(0) >= lens - self.sliding_window
+    def _decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        assert ctx.decode_block_tables is not None
+        keys = self._gather(self.k_cache, ctx.decode_block_tables)
+        values = self._gather(self.v_cache, ctx.decode_block_tables)
+        mask = ctx.decode_mask(keys.shape[2], self.sliding_window)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )
         return out.squeeze(2)
 

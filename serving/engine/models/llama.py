@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from serving.engine.layers.attention import PagedAttention
 from serving.engine.layers.layernorm import RMSNorm
 from serving.engine.layers.lora_linear import MultiLoRALinear
-from serving.engine.layers.rotary import RotaryEmbedding
+from serving.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Adapter target modules this model serves (PEFT's names), and the fused projection of each.
@@ -47,8 +47,11 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     return window
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding, **lora: object) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: object) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -64,16 +67,15 @@ class Attention(nn.Module):
             **lora,
         )
         self.o_proj = MultiLoRALinear(q_size, [("o_proj", config.hidden_size)], bias=o_bias, layer_idx=layer_idx, **lora)
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, _sliding_window(config, layer_idx))
         self.split = (q_size, kv_size, kv_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -95,16 +97,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding, **lora: object) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: object) -> None:
         super().__init__()
         norm = dict(device=lora["device"], dtype=lora["dtype"])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
-        self.self_attn = Attention(config, layer_idx, rotary, **lora)
+        self.self_attn = Attention(config, layer_idx, **lora)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.mlp = MLP(config, layer_idx, **lora)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -115,8 +117,8 @@ class Backbone(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(config, head_dim, max_positions, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, **lora) for i in range(config.num_hidden_layers))
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **lora) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
 
 
@@ -148,8 +150,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.lookup(positions)
         for layer in self.model.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(rope, hidden)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
