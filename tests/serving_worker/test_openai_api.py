@@ -196,3 +196,16 @@ def test_models_health_and_metrics(worker, adapters):
     assert worker.metric("loraplex_lora_resident", adapter="alpha", tier="cpu") == 1
     assert worker.metric("loraplex_lora_slots_total") == 2
     assert worker.metric("loraplex_kv_cache_blocks_total") == 512
+
+
+def test_an_sse_event_is_one_line_whatever_the_text_holds():
+    """Generated text may hold U+2028, U+2029 or U+0085, which JSON leaves raw and line readers
+    such as httpx's iter_lines break at: the event must still be one line and decode back."""
+    from serving.engine.server.protocol import CompletionChoice, CompletionResponse
+    from serving.engine.server.streaming import sse
+
+    text = "a\u2028b\u2029c\x85d\ne"
+    event = sse(CompletionResponse(id="x", created=0, model="m", choices=[CompletionChoice(text=text)]))
+    lines = [line for line in httpx.Response(200, content=event).iter_lines() if line]
+    assert len(lines) == 1
+    assert httpx.Response(200, content=lines[0].removeprefix("data: ")).json()["choices"][0]["text"] == text

@@ -42,6 +42,7 @@ class ServerArgs:
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
     device: str = "auto"
+    load_format: str = "safetensors"
     seed: int = 0
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
@@ -129,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--dtype", default="auto")
     engine.add_argument("--device", default="auto")
+    engine.add_argument(
+        "--load-format",
+        choices=["safetensors", "dummy"],
+        default="safetensors",
+        help="dummy: random base weights of the model's shape (benchmarks without the weights)",
+    )
     engine.add_argument("--seed", type=int, default=0)
     server = p.add_argument_group("server")
     server.add_argument(

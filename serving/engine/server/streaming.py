@@ -20,11 +20,14 @@ from serving.engine.server.generation import Generation
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+# JSON leaves these unescaped, yet line readers that follow str.splitlines() (httpx's
+# iter_lines, for one) break lines at them: escaped, an event is always one line for every client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(payload: BaseModel | dict) -> bytes:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n".encode()
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n".encode()
 
 
 async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

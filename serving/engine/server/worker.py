@@ -46,6 +46,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype,
         device=args.device,
+        load_format=args.load_format,
         seed=args.seed,
     )
 
