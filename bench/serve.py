@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import os
 import platform
 import random
 import shutil
@@ -189,6 +188,7 @@ def _bench_engine():
     """bench/engine.py, for its Llama-3-8B config and its fast random adapter writer."""
     spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "bench" / "engine.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -241,7 +241,7 @@ def launched_worker(args: argparse.Namespace) -> Iterator[subprocess.Popen]:
         ]
         if adapters:
             command += ["--lora-modules", *(f"a{i}={path}" for i, path in enumerate(adapters))]
-        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        process = subprocess.Popen(command, cwd=ROOT)
         try:
             _wait_ready(args.base_url, process)
             print(f"worker ready after {time.perf_counter() - started:.1f}s", flush=True)
