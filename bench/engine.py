@@ -18,6 +18,7 @@ own loader) against base-only; engine steps only (PEFT is far too slow at that s
 
     python bench/engine.py [--batch 32] [--adapters 8] [--threads 1] [--json OUT]
     python bench/engine.py --shape llama3-8b [--batch 64] [--context 512] [--adapters 32] [--json OUT]
+                           [--profile-dir DIR] [--compare-transformers]
 """
 
 from __future__ import annotations
@@ -73,9 +74,16 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict[str, l
 
 
 def engine_step_ms(
-    engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None], steps: int
+    engine: LLMEngine,
+    prompts: list[dict[str, list[int]]],
+    loras: list[LoRARequest | None],
+    steps: int,
+    profile_to: Path | None = None,
 ) -> float:
-    """Median wall time of one engine step once every sequence is decoding (all in one batch)."""
+    """Median wall time of one engine step once every sequence is decoding (all in one batch).
+
+    With ``profile_to``, three more steps run under torch.profiler: its table (ops by device and
+    host time) is written there, and the device's busy time per step is returned in the file."""
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, detokenize=False)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"r{i}", prompt, params, lora)
@@ -93,9 +101,33 @@ def engine_step_ms(
         _sync(device)
         times.append(time.perf_counter() - start)
         assert engine.last_step_tokens == len(prompts), "every sequence must decode in each timed step"
+    if profile_to is not None:
+        _profile_steps(engine, profile_to)
     for rid in engine.request_ids():
         engine.abort_request(rid)
     return statistics.median(times[3:]) * 1e3
+
+
+def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    _sync(engine.runner.device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(engine.runner.device)
+    wall = (time.perf_counter() - start) / steps * 1e3
+    averages = prof.key_averages()
+    device_ms = sum(e.self_device_time_total for e in averages) / steps / 1e3
+    out.write_text(
+        f"profiled step: {wall:.2f} ms wall (with profiler overhead), device busy {device_ms:.2f} ms per step\n\n"
+        + averages.table(sort_by="self_device_time_total", row_limit=20)
+        + "\n\n"
+        + averages.table(sort_by="self_cpu_time_total", row_limit=20)
+    )
+    print(f"profile {out.name}: device busy {device_ms:.2f} ms per step")
 
 
 def _engine(model_dir: Path, args: argparse.Namespace, **overrides: object) -> LLMEngine:
@@ -230,15 +262,44 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     results["engine_build_s"] = time.perf_counter() - start
     prompts = _prompts(args.batch, args.context, LLAMA3_8B["vocab_size"], seed=1)
     spread = [LoRARequest(f"a{i % args.adapters}", str(adapters[i % args.adapters])) for i in range(args.batch)]
-    results["engine_base_step_ms"] = engine_step_ms(engine, prompts, [None] * args.batch, args.steps)
+    profile = args.profile_dir
+    results["engine_base_step_ms"] = engine_step_ms(
+        engine, prompts, [None] * args.batch, args.steps, profile / "profile_base.txt" if profile else None
+    )
     start = time.perf_counter()
-    results["engine_lora_step_ms"] = engine_step_ms(engine, prompts, spread, args.steps)
+    results["engine_lora_step_ms"] = engine_step_ms(
+        engine, prompts, spread, args.steps, profile / "profile_lora.txt" if profile else None
+    )
     stats = engine.stats()
     results["adapter_load_mean_s"] = stats.adapter_load_seconds_total / max(stats.adapter_loads, 1)
     results["lora_run_total_s"] = time.perf_counter() - start
     results["floor_ms"] = 3.13
     engine.shutdown()
+    if args.compare_transformers:
+        del engine
+        torch.cuda.empty_cache()
+        results["transformers_base_forward_ms"] = _transformers_forward_ms(model_dir, args)
     return results
+
+
+@torch.no_grad()
+def _transformers_forward_ms(model_dir: Path, args: argparse.Namespace) -> float:
+    """transformers' own base model, random bf16 weights: one token per sequence, no KV cache
+    (the measurement of targets.md's reference point)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, config.vocab_size, (args.batch, 1), device=args.device)
+    times = []
+    for _ in range(args.steps + 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=ids)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:]) * 1e3
 
 
 def main() -> int:
@@ -253,6 +314,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the dev machine's 2 cores are shared)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--profile-dir", type=Path, help="llama3-8b: write torch.profiler tables of a few steps here")
+    parser.add_argument("--compare-transformers", action="store_true", help="llama3-8b: also time transformers' forward")
     args = parser.parse_args()
     big = args.shape == "llama3-8b"
     args.batch = args.batch or (64 if big else 32)

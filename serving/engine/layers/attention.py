@@ -52,8 +52,9 @@ class PagedAttention(nn.Module):
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """``[B, num_blocks]`` block tables → ``[B, Hkv, num_blocks*block_size, D]`` context."""
-        pages = cache[block_tables]  # [B, nb, bs, Hkv, D]
         batch = block_tables.shape[0]
+        # index_select over whole blocks: one contiguous copy per block (advanced indexing is slower on CPU)
+        pages = cache.index_select(0, block_tables.view(-1))  # [B * nb, bs, Hkv, D]
         return pages.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
