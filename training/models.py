@@ -80,6 +80,8 @@ class TrainingJob(models.Model):
     # The version to produce: as requested, or assigned (next patch) just before publishing, and
     # then kept, so a redelivered task publishes under the same one.
     version = models.CharField(max_length=64, blank=True, default="")
+    # The version the tenant asked for ("" for the next patch, assigned when the job publishes).
+    requested_version = models.CharField(max_length=64, blank=True, default="")
     base_model = models.CharField(max_length=200)
     hyperparameters = models.JSONField(default=dict)
     seed = models.PositiveIntegerField()

@@ -303,6 +303,12 @@ def _validation_fraction(value: Any, dataset: Dataset, validation_dataset: Datas
     return float(value)
 
 
+def _planned_steps(num_examples: int, fraction: float, hp: Hyperparameters) -> int:
+    """Steps the job will take (exact unless truncation leaves some examples nothing to learn)."""
+    train = num_examples - _held_out(num_examples, fraction)
+    return -(-train // hp.batch_size) * hp.n_epochs
+
+
 def _held_out(num_examples: int, fraction: float) -> int:
     return max(1, round(num_examples * fraction)) if fraction else 0
 
@@ -336,8 +342,9 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
         _check_waiting_room(locked)
         job = TrainingJob.objects.create(
             tenant=locked, dataset=dataset, validation_dataset=validation, validation_fraction=fraction,
-            adapter_name=adapter, version=requested, base_model=settings.BASE_MODEL_NAME,
-            hyperparameters=hp.to_dict(), seed=seed,
+            adapter_name=adapter, version=requested, requested_version=requested,
+            base_model=settings.BASE_MODEL_NAME, hyperparameters=hp.to_dict(), seed=seed,
+            total_steps=_planned_steps(dataset.num_examples or 0, fraction, hp),
         )
         _event(job, f"Job created: adapter '{adapter}', {dataset.num_examples} examples, {hp.n_epochs} epoch(s).")
         transaction.on_commit(partial(training_jobs_dispatch, tenant_id=locked.pk))
@@ -396,8 +403,9 @@ def training_job_retry(*, job: TrainingJob) -> TrainingJob:
         job.error_code = job.error_message = ""
         job.dispatched_at = job.cancel_requested_at = job.finished_at = job.heartbeat_at = None
         job.lease_token = ""
-        job.save()
         resume = job.checkpoints.first()
+        job.step = resume.step if resume else 0
+        job.save()
         _event(job, "Job retried" + (f"; it resumes from step {resume.step}." if resume else "."))
         transaction.on_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
     return job
@@ -434,7 +442,11 @@ def _send_run(job_id: int) -> None:
 
 
 def training_jobs_sweep() -> dict[str, list[int]]:
-    """The periodic repair: fills free slots everywhere and re-sends tasks the broker lost."""
+    """The periodic repair: fills free slots everywhere and re-sends tasks the broker lost.
+
+    A task is presumed lost when nothing has been heard of its job (or dataset) for longer than
+    the broker's visibility timeout, after which the broker itself would have redelivered it.
+    """
     tenants = set(TrainingJob.objects.filter(status=Status.QUEUED, dispatched_at__isnull=True)
                   .values_list("tenant_id", flat=True))
     dispatched = [pk for tenant_id in sorted(tenants) for pk in training_jobs_dispatch(tenant_id=tenant_id)]
@@ -446,12 +458,17 @@ def training_jobs_sweep() -> dict[str, list[int]]:
     )
     resent = []
     for job in stale:
-        TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=timezone.now())
-        _event(job, "No worker has reported on this job for a long time; its task was sent again.",
-               level=TrainingEvent.Level.WARNING)
-        _send_run(job.pk)
+        with transaction.atomic():
+            TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=timezone.now())
+            _event(job, "No worker has reported on this job for a long time; its task was sent again.",
+                   level=TrainingEvent.Level.WARNING)
+            transaction.on_commit(partial(_send_run, job.pk))
         resent.append(job.pk)
-    return {"dispatched": dispatched, "resent": resent}
+    unvalidated = list(Dataset.objects.filter(status__in=(Dataset.Status.UPLOADED, Dataset.Status.VALIDATING),
+                                              created_at__lt=silent_since).values_list("pk", flat=True))
+    for dataset_id in unvalidated:
+        transaction.on_commit(partial(_send_validation, dataset_id))
+    return {"dispatched": dispatched, "resent": resent, "validations": unvalidated}
 
 
 # --- running a job ----------------------------------------------------------------------------
@@ -472,8 +489,9 @@ def _lease_seconds() -> int:
 
 
 def _lease_fresh(job: TrainingJob) -> bool:
-    return bool(job.lease_token) and job.heartbeat_at is not None and \
-        (timezone.now() - job.heartbeat_at).total_seconds() < _lease_seconds()
+    if not job.lease_token or job.heartbeat_at is None:
+        return False
+    return (timezone.now() - job.heartbeat_at).total_seconds() < _lease_seconds()
 
 
 def training_job_claim(*, job_id: int) -> Claim:
@@ -567,7 +585,7 @@ def _heartbeat(job_id: int, token: str) -> Iterator[None]:
 
 
 def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
-    from training.trainer import CheckpointMismatch, LoraTrainer, TrainingStopped, load_base
+    from training.trainer import CheckpointMismatch, LoraTrainer, TrainingSetupError, TrainingStopped, load_base
 
     if job.version and _own_artifact(job, job.version):
         _event(job, f"Version {job.version} was already published by an earlier attempt; registering it.")
@@ -579,14 +597,14 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
     hp = Hyperparameters.from_dict(job.hyperparameters)
     train, valid = _load_examples(job, hp, base.tokenizer, workspace)
     hooks = _JobHooks(job, token)
-    trainer = LoraTrainer(
-        base, hp, seed=job.seed, train=train, valid=valid, hooks=hooks, work_dir=workspace / "run",
-        fingerprint=_fingerprint(job), base_model_name=settings.BASE_MODEL_NAME,
-        checkpoint_every=conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
-        log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"),
-    )
-    resume = _fetch_checkpoint(job, workspace)
     try:
+        trainer = LoraTrainer(
+            base, hp, seed=job.seed, train=train, valid=valid, hooks=hooks, work_dir=workspace / "run",
+            fingerprint=_fingerprint(job), base_model_name=settings.BASE_MODEL_NAME,
+            checkpoint_every=conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
+            log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"),
+        )
+        resume = _fetch_checkpoint(job, workspace)
         try:
             result = trainer.run(resume_from=resume)
         except CheckpointMismatch:
@@ -594,6 +612,8 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
                    level=TrainingEvent.Level.WARNING)
             _delete_checkpoints(job.pk)
             result = trainer.run()
+    except TrainingSetupError as error:
+        raise JobFailure(str(error), code="invalid_training_setup") from None
     except TrainingStopped:
         hooks.raise_if_lease_lost()
         _end_cancelled(job, token)
@@ -858,6 +878,10 @@ def _end_failed(job: TrainingJob, token: str, code: str, message: str) -> None:
         if locked.lease_token != token or locked.is_final:
             return
         locked.error_code, locked.error_message = code[:64], message
+        if locked.version != locked.requested_version:
+            # An assigned version was never registered (nothing of it is left in storage): a retry picks
+            # a free one, rather than insisting on one that may have been taken meanwhile.
+            locked.version = ""
         _finish(locked, Status.FAILED, message, level=TrainingEvent.Level.ERROR, data={"code": code})
 
 

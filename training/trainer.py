@@ -106,6 +106,10 @@ class TrainingStopped(Exception):
     """Raised when the hooks ask the loop to stop (cancellation) before the next step."""
 
 
+class TrainingSetupError(ValueError):
+    """The job cannot train as configured on this base model (the message says what to change)."""
+
+
 class CheckpointMismatch(ValueError):
     """A checkpoint was written for other data or hyperparameters than the run resuming from it."""
 
@@ -148,7 +152,9 @@ def resolve_target_modules(model: torch.nn.Module, requested: str | Sequence[str
     resolved = [name for name in wanted if name in present]
     missing = sorted(set(wanted) - present) if requested != ALL_LINEAR else []
     if missing or not resolved:
-        raise ValueError(f"The base model has no module(s) {', '.join(missing) or ', '.join(wanted)} to adapt.")
+        raise TrainingSetupError(
+            f"The base model has no module(s) {', '.join(missing) or ', '.join(wanted)} to adapt; choose "
+            "target_modules among its projections.")
     return resolved
 
 
@@ -222,7 +228,7 @@ class LoraTrainer:
                  valid: Sequence[EncodedExample], hooks: TrainingHooks, work_dir: Path, fingerprint: str,
                  base_model_name: str, checkpoint_every: int, log_every: int) -> None:
         if not train:
-            raise ValueError("There are no training examples with tokens to learn from.")
+            raise TrainingSetupError("There are no training examples with tokens to learn from.")
         self.base = base
         self.hp = hp
         self.seed = seed

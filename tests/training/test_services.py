@@ -77,7 +77,15 @@ def test_when_registration_fails_the_artifact_is_deleted(tenant_a, dataset, one_
     assert job.status == TrainingJob.Status.FAILED and job.error_code == "max_adapters_reached"
     assert job.error_message.startswith("The trained adapter could not be registered: Tenant 'alice-co' has 0 adapters")
     assert artifact_manifests("alice-co") == [] and not AdapterVersion.objects.exists()
-    assert job.checkpoints.exists()  # a retry resumes instead of starting over
+    assert job.version == "" and job.checkpoints.exists()
+
+    Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_adapters=5)
+    services.training_job_retry(job=job)
+    services.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    services.training_job_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == TrainingJob.Status.SUCCEEDED and job.adapter_version.version == "1.0.0"
+    assert job.events.filter(message="Resuming from the checkpoint of step 2.").exists()
 
 
 def test_versions_auto_increment_and_requested_ones_are_kept(tenant_a, dataset, one_thread):
@@ -99,3 +107,16 @@ def test_cancelling_a_job_whose_worker_is_gone_ends_it_at_once(tenant_a, dataset
     cancelled = services.training_job_cancel(job=job)
     assert cancelled.status == TrainingJob.Status.CANCELLED and not Checkpoint.objects.exists()
     assert services.training_job_run(job_id=job.pk).reason == "the job has already cancelled"
+
+
+def test_the_sweep_fills_free_slots_and_resends_lost_tasks(tenant_a, dataset):
+    job = services.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot")
+    assert job.total_steps == 2 * 3  # 8 examples in batches of 4, 3 epochs by default
+    assert services.training_jobs_sweep()["dispatched"] == [job.pk]
+    assert services.training_jobs_sweep() == {"dispatched": [], "resent": [], "validations": []}
+
+    TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=timezone.now() - timedelta(days=1))
+    Dataset.objects.filter(pk=dataset.pk).update(status=Dataset.Status.VALIDATING,
+                                                 created_at=timezone.now() - timedelta(days=1))
+    assert services.training_jobs_sweep() == {"dispatched": [], "resent": [job.pk], "validations": [dataset.pk]}
+    assert job.events.filter(level="warning", message__contains="its task was sent again").exists()
