@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
@@ -69,7 +71,8 @@ class TrainingJobAdmin(admin.ModelAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs are created through the API, where every input is validated
 
-    def _each(self, request: HttpRequest, queryset: QuerySet[TrainingJob], service: object, done: str) -> None:
+    def _each(self, request: HttpRequest, queryset: QuerySet[TrainingJob], service: Callable[..., TrainingJob],
+              done: str) -> None:
         count = 0
         for job in queryset:
             try:

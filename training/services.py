@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from lora_platform.errors import Conflict, InvalidInput, LimitExceeded, NotFound, PayloadTooLarge, ServiceError
-from lora_platform.storage import get_storage
+from lora_platform.storage import Source, get_storage
 from serving import selectors as registry_selectors
 from serving import services as registry
 from serving.engine.artifact import MANIFEST_NAME, base_config_sha256, manifest_write
@@ -73,7 +73,7 @@ class JobFailure(ServiceError):
 # --- datasets ---------------------------------------------------------------------------------
 
 
-def dataset_create(*, tenant: Tenant, source: IO[bytes], filename: str, size: int | None = None) -> Dataset:
+def dataset_create(*, tenant: Tenant, source: Source, filename: str, size: int | None = None) -> Dataset:
     """Stores an uploaded JSONL file (streamed, with its sha256) and queues its validation.
 
     Refused: a 0-byte file, and anything over the tier's limit (PayloadTooLarge, checked while
@@ -567,11 +567,13 @@ def _heartbeat(job_id: int, token: str) -> Iterator[None]:
     interval = max(0.5, _lease_seconds() / 4)
 
     def beat() -> None:
-        from django.db import connection
-
         try:
             while not stop.wait(interval):
-                TrainingJob.objects.filter(pk=job_id, lease_token=token).update(heartbeat_at=timezone.now())
+                try:
+                    TrainingJob.objects.filter(pk=job_id, lease_token=token).update(heartbeat_at=timezone.now())
+                except DatabaseError:
+                    # A missed beat only matters if the database stays away for a whole lease.
+                    logger.warning("Training job %s: heartbeat not recorded", job_id, exc_info=True)
         finally:
             connection.close()
 

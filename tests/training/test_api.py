@@ -271,3 +271,19 @@ def test_the_schema_documents_the_training_api(client_a):
                  "/api/v1/training-jobs/{id}/checkpoints/"]:
         assert path in paths, path
     assert "multipart/form-data" in paths["/api/v1/datasets/"]["post"]["requestBody"]["content"]
+
+
+def test_admin_lists_datasets_and_jobs_and_its_actions_call_the_services(platform, client_a, admin_client):
+    dataset_id = ready_dataset(client_a)
+    job_id = create_job(client_a, dataset_id).json()["id"]
+    for path in ["/admin/training/dataset/", f"/admin/training/dataset/{dataset_id}/change/",
+                 "/admin/training/trainingjob/", f"/admin/training/trainingjob/{job_id}/change/"]:
+        assert admin_client.get(path).status_code == 200, path
+
+    changelist = "/admin/training/trainingjob/"
+    admin_client.post(changelist, {"action": "cancel_jobs", "_selected_action": [job_id]})
+    assert TrainingJob.objects.get(pk=job_id).status == TrainingJob.Status.CANCELLED
+    response = admin_client.post(changelist, {"action": "cancel_jobs", "_selected_action": [job_id]}, follow=True)
+    assert "only queued or running jobs can be cancelled" in response.content.decode()
+    admin_client.post(changelist, {"action": "retry_jobs", "_selected_action": [job_id]})
+    assert TrainingJob.objects.get(pk=job_id).status == TrainingJob.Status.QUEUED
