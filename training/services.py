@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,6 +64,12 @@ MAX_SEED = 2**31 - 1
 MAX_VALIDATION_FRACTION = 0.5
 # A job is saved no more often than this while it runs (metrics events are separate).
 PROGRESS_INTERVAL_SECONDS = 1.0
+
+
+def _after_commit(action: Callable[[], object]) -> None:
+    """Runs `action` once the transaction commits. A failure (say, the broker is down) is logged and
+    never undoes the committed change; the periodic sweep re-sends a task that was not sent."""
+    transaction.on_commit(action, robust=True)
 
 
 class JobFailure(ServiceError):
@@ -102,7 +108,7 @@ def dataset_create(*, tenant: Tenant, source: Source, filename: str, size: int |
                 tenant=tenant, filename=(filename or "dataset.jsonl")[:255], storage_key=key,
                 sha256=stored.sha256, size_bytes=stored.size,
             )
-            transaction.on_commit(partial(_send_validation, dataset.pk))
+            _after_commit(partial(_send_validation, dataset.pk))
     except BaseException:
         storage.delete(key)
         raise
@@ -223,7 +229,7 @@ def dataset_delete(*, dataset: Dataset) -> None:
                            "wait for them to finish or cancel them first.", code="dataset_in_use")
         key = locked.storage_key
         locked.delete()
-        transaction.on_commit(partial(_delete_blob, key))
+        _after_commit(partial(_delete_blob, key))
 
 
 def _delete_blob(key: str) -> None:
@@ -347,7 +353,7 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
             total_steps=_planned_steps(dataset.num_examples or 0, fraction, hp),
         )
         _event(job, f"Job created: adapter '{adapter}', {dataset.num_examples} examples, {hp.n_epochs} epoch(s).")
-        transaction.on_commit(partial(training_jobs_dispatch, tenant_id=locked.pk))
+        _after_commit(partial(training_jobs_dispatch, tenant_id=locked.pk))
     return job
 
 
@@ -382,8 +388,8 @@ def training_job_cancel(*, job: TrainingJob) -> TrainingJob:
         if not _lease_fresh(job):
             # Queued, or its worker is gone: no run will see the request, so it ends here.
             _finish(job, Status.CANCELLED, "Job cancelled.")
-            transaction.on_commit(partial(_delete_checkpoints, job.pk))
-            transaction.on_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            _after_commit(partial(_delete_checkpoints, job.pk))
+            _after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
         else:
             _event(job, "Cancellation requested; the job stops before its next step.")
     return job
@@ -407,7 +413,7 @@ def training_job_retry(*, job: TrainingJob) -> TrainingJob:
         job.step = resume.step if resume else 0
         job.save()
         _event(job, "Job retried" + (f"; it resumes from step {resume.step}." if resume else "."))
-        transaction.on_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+        _after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
     return job
 
 
@@ -430,7 +436,7 @@ def training_jobs_dispatch(*, tenant_id: int) -> list[int]:
             job.dispatched_at = now
             job.save(update_fields=["dispatched_at"])
             _event(job, "A training slot is free; the job is waiting for a worker.")
-            transaction.on_commit(partial(_send_run, job.pk))
+            _after_commit(partial(_send_run, job.pk))
     return [job.pk for job in waiting]
 
 
@@ -462,12 +468,12 @@ def training_jobs_sweep() -> dict[str, list[int]]:
             TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=timezone.now())
             _event(job, "No worker has reported on this job for a long time; its task was sent again.",
                    level=TrainingEvent.Level.WARNING)
-            transaction.on_commit(partial(_send_run, job.pk))
+            _after_commit(partial(_send_run, job.pk))
         resent.append(job.pk)
     unvalidated = list(Dataset.objects.filter(status__in=(Dataset.Status.UPLOADED, Dataset.Status.VALIDATING),
                                               created_at__lt=silent_since).values_list("pk", flat=True))
     for dataset_id in unvalidated:
-        transaction.on_commit(partial(_send_validation, dataset_id))
+        _after_commit(partial(_send_validation, dataset_id))
     return {"dispatched": dispatched, "resent": resent, "validations": unvalidated}
 
 
@@ -507,8 +513,8 @@ def training_job_claim(*, job_id: int) -> Claim:
             return Claim(None, retry_in=max(1.0, _lease_seconds() - age), reason="another run holds the job")
         if job.cancel_requested_at is not None:
             _finish(job, Status.CANCELLED, "Job cancelled.")
-            transaction.on_commit(partial(_delete_checkpoints, job.pk))
-            transaction.on_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            _after_commit(partial(_delete_checkpoints, job.pk))
+            _after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
             return Claim(None, reason="the job was cancelled")
         lost = job.status == Status.RUNNING
         token = secrets.token_hex(16)
@@ -871,7 +877,7 @@ def _end_cancelled(job: TrainingJob, token: str) -> None:
         locked = TrainingJob.objects.select_for_update().get(pk=job.pk)
         if locked.lease_token == token and not locked.is_final:
             _finish(locked, Status.CANCELLED, f"Job cancelled at step {locked.step}; nothing was published.")
-            transaction.on_commit(partial(_delete_checkpoints, job.pk))
+            _after_commit(partial(_delete_checkpoints, job.pk))
 
 
 def _end_failed(job: TrainingJob, token: str, code: str, message: str) -> None:
