@@ -120,7 +120,9 @@ def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3) -> None:
         _sync(engine.runner.device)
     wall = (time.perf_counter() - start) / steps * 1e3
     averages = prof.key_averages()
-    device_ms = sum(e.self_device_time_total for e in averages) / steps / 1e3
+    # Kernel rows only: an op row (aten::mm) repeats the time of the kernels it launched.
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     out.write_text(
         f"profiled step: {wall:.2f} ms wall (with profiler overhead), device busy {device_ms:.2f} ms per step\n\n"
         + averages.table(sort_by="self_device_time_total", row_limit=20)
