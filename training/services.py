@@ -14,6 +14,10 @@ heartbeat is fresh, so two runs never train one job at once, and a later run res
 checkpoint. Finishing is idempotent: the version is fixed on the job before publishing, an
 artifact an earlier delivery of the same job published is reused, and the job's link to its
 AdapterVersion (one-to-one) is written in the same transaction as the registration.
+
+Locks. Slots and versions are decided under the tenant's row lock, a job's state under its own.
+A lock taken through a join names `of=("self",)`: PostgreSQL would otherwise lock the joined rows
+too (a tenant's tier), serialising every tenant of that tier.
 """
 
 from __future__ import annotations
@@ -339,7 +343,7 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
     hp = resolve_hyperparameters(hyperparameters, _limits())
     seed = _check_seed(seed)
     with transaction.atomic():
-        locked = Tenant.objects.select_for_update().select_related("tier").get(pk=tenant.pk)
+        locked = Tenant.objects.select_for_update(of=("self",)).select_related("tier").get(pk=tenant.pk)
         dataset = _ready_dataset(locked, training_file, "training_file")
         validation = _ready_dataset(locked, validation_file, "validation_file") if validation_file is not None else None
         fraction = _validation_fraction(validation_fraction, dataset, validation)
@@ -423,7 +427,7 @@ def training_job_retry(*, job: TrainingJob) -> TrainingJob:
 def training_jobs_dispatch(*, tenant_id: int) -> list[int]:
     """Sends the tasks of the tenant's oldest waiting jobs that fit in its free slots; their ids."""
     with transaction.atomic():
-        tenant = Tenant.objects.select_for_update().select_related("tier").filter(pk=tenant_id).first()
+        tenant = Tenant.objects.select_for_update(of=("self",)).select_related("tier").filter(pk=tenant_id).first()
         if tenant is None:
             return []
         jobs = TrainingJob.objects.for_tenant(tenant)
@@ -503,7 +507,7 @@ def _lease_fresh(job: TrainingJob) -> bool:
 def training_job_claim(*, job_id: int) -> Claim:
     """The lease of a job for this delivery, if the job still needs a run and no live run holds it."""
     with transaction.atomic():
-        job = TrainingJob.objects.select_for_update().select_related("tenant").filter(pk=job_id).first()
+        job = TrainingJob.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=job_id).first()
         if job is None:
             return Claim(None, reason="the job no longer exists")
         if job.is_final:
