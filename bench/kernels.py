@@ -26,7 +26,9 @@ With ``--cpu`` it instead times the torch reference's two strategies on CPU (fp3
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import json
 import math
 import platform
@@ -51,12 +53,12 @@ ADAPTERS = [1, 8, 32, 128]
 RANKS = [16, 64]
 NUM_SLOTS = 128  # the engine's max_loras: slot tensors are this big whatever the mix
 DTYPE = torch.bfloat16
-GRAPH_MAX_TOKENS = 256
+GRAPH_MAX_TOKENS = 256  # gather+bmm is captured in a graph up to this many tokens
 
 
 def median_ms(fn: Callable[[], object]) -> float:
     """Median time of ``fn`` in ms; do_bench flushes the L2 cache before every call."""
-    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
 
 
 def graph_ms(fn: Callable[[], object]) -> float:
@@ -126,14 +128,14 @@ def bench_case(hidden: int, width: int, tokens: int, adapters: int, rank: int, w
     row["prepare_ms"] = median_ms(lambda: meta.prepare(slots))
     row["gather_bmm_ms"] = median_ms(gather_bmm)
     row["loop_ms"] = median_ms(loop)
+    row["graph_base_ms"] = graph_ms(base)
+    row["graph_ours_ms"] = graph_ms(ours)
+    row["graph_prepare_ms"] = graph_ms(lambda: meta.prepare(slots))
     if tokens <= GRAPH_MAX_TOKENS:
-        row["graph_base_ms"] = graph_ms(base)
-        row["graph_ours_ms"] = graph_ms(ours)
         row["graph_gather_bmm_ms"] = graph_ms(gather_bmm)
-        row["graph_prepare_ms"] = graph_ms(lambda: meta.prepare(slots))
     adapter_bytes = adapters * rank * (hidden + width) * 2
     io_bytes = tokens * hidden * 2 + 2 * tokens * width * 2
-    ours_ms = row.get("graph_ours_ms", row["ours_ms"])
+    ours_ms = row["graph_ours_ms"]
     row["adapter_bytes"] = adapter_bytes
     row["adapter_gbps"] = adapter_bytes / ours_ms / 1e6
     row["total_gbps"] = (adapter_bytes + io_bytes) / ours_ms / 1e6
@@ -142,22 +144,22 @@ def bench_case(hidden: int, width: int, tokens: int, adapters: int, rank: int, w
 
 def fmt_row(r: dict) -> str:
     g = lambda key: f"{r[key] * 1000:.1f}" if key in r else "–"  # noqa: E731  (µs)
-    ours = r.get("graph_ours_ms", r["ours_ms"])
-    base = r.get("graph_base_ms", r["base_ms"])
     return (
         f"| {r['hidden']}x{r['width']} | {r['tokens']} | {r['adapters']} | {r['rank']} "
         f"| {g('base_ms')} | {g('ours_ms')} | {g('gather_bmm_ms')} | {g('loop_ms')} "
         f"| {g('graph_base_ms')} | {g('graph_ours_ms')} | {g('graph_gather_bmm_ms')} "
-        f"| {100 * ours / base:.0f} % | {r['loop_ms'] / r['ours_ms']:.0f}x | {r['gather_bmm_ms'] / r['ours_ms']:.1f}x "
-        f"| {r['adapter_gbps']:.0f} | {r['total_gbps']:.0f} | {r['rel_err']:.1e} |"
+        f"| {100 * r['graph_ours_ms'] / r['graph_base_ms']:.0f} % | {100 * r['ours_ms'] / r['base_ms']:.0f} % "
+        f"| {r['loop_ms'] / r['ours_ms']:.0f}x | {r['gather_bmm_ms'] / r['ours_ms']:.1f}x "
+        f"| {r['adapter_gbps']:.0f} | {r['total_gbps']:.0f} | {g('graph_prepare_ms')} | {r['rel_err']:.1e} |"
     )
 
 
 HEADER = (
     "| projection | T | adapters | rank | base µs | ours µs | gather+bmm µs | loop µs "
     "| graph: base µs | graph: ours µs | graph: gather+bmm µs "
-    "| ours / base | loop / ours | gather / ours | adapter GB/s | total GB/s | rel. err |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| ours / base (graph) | ours / base (eager) | loop / ours (eager) | gather / ours (eager) "
+    "| adapter GB/s | total GB/s | graph: prepare µs | rel. err |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
@@ -165,7 +167,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="directory for kernels_bench.json and .md")
     parser.add_argument("--quick", action="store_true", help="only the target rows' sizes")
-    parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the target cases")
+    parser.add_argument("--sweep", action="store_true", help="first time launch configurations of the target cases")
+    parser.add_argument("--tune", action="store_true", help="run the table with the sweep's fastest configurations")
+    parser.add_argument("--precompile", type=int, default=0, metavar="N", help="compile the sweep in N processes")
+    parser.add_argument("--no-table", action="store_true", help="skip the table (sweep only)")
     parser.add_argument("--cpu", action="store_true", help="time the torch reference's strategies on CPU instead")
     args = parser.parse_args()
     if args.cpu:
@@ -180,8 +185,22 @@ def main() -> None:
         device=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
     )  # fmt: skip
+    if args.precompile:
+        precompile(args.precompile)
+        env["precompile_s"] = time.time() - started
     env["copy_gbps"] = copy_bandwidth()
     print(f"# {env}", flush=True)
+    sweeps: list[dict] = []
+    if args.sweep:
+        sweeps = sweep(args.tune)
+        env["tables"] = {name: {k: dataclasses.asdict(v) for k, v in table.items()} for name, table in tables().items()}
+        save(args.out, env, [], sweeps)
+    rows = [] if args.no_table else run_table(args.quick, args.out, env, sweeps)
+    env["seconds"] = time.time() - started
+    save(args.out, env, rows, sweeps)
+
+
+def run_table(quick: bool, out: Path | None, env: dict, sweeps: list[dict]) -> list[dict]:
     rows = []
     for hidden, width in SHAPES:
         for rank in RANKS:
@@ -196,19 +215,16 @@ def main() -> None:
                 for adapters in ADAPTERS:
                     if adapters > tokens:
                         continue
-                    if args.quick and (tokens, adapters) not in {(64, 32), (4096, 8), (256, 128)}:
+                    if quick and (tokens, adapters) not in {(64, 32), (4096, 8), (256, 128), (1, 1)}:
                         continue
                     row = bench_case(hidden, width, tokens, adapters, rank, weights)
                     rows.append(row)
                     print(fmt_row(row), flush=True)
-                    save(args.out, env, rows, [])
+                    save(out, env, rows, sweeps)
             del weights
             torch.cuda.empty_cache()
-    table = HEADER + "\n" + "\n".join(fmt_row(r) for r in rows)
-    print(table, flush=True)
-    sweeps = sweep() if args.sweep else []
-    env["seconds"] = time.time() - started
-    save(args.out, env, rows, sweeps)
+    print(HEADER + "\n" + "\n".join(fmt_row(r) for r in rows), flush=True)
+    return rows
 
 
 def save(out: Path | None, env: dict, rows: list[dict], sweeps: list[dict]) -> None:
@@ -219,15 +235,6 @@ def save(out: Path | None, env: dict, rows: list[dict], sweeps: list[dict]) -> N
     (out / "kernels_bench.json").write_text(json.dumps(dict(env=env, rows=rows, sweeps=sweeps), indent=1))
     table = HEADER + "\n" + "\n".join(fmt_row(r) for r in rows)
     (out / "kernels_bench.md").write_text(f"{env}\n\n{table}\n")
-
-
-# (hidden, width, tokens, adapters, rank) of the targets' rows in shared/targets.md.
-SWEEP_CASES = [
-    (4096, 4096, 64, 32, 16),
-    (4096, 4096, 4096, 8, 16),
-    (4096, 4096, 256, 128, 16),
-    (4096, 14336, 256, 128, 16),
-]
 
 
 def cpu_strategies() -> None:
@@ -266,55 +273,216 @@ def cpu_strategies() -> None:
               f"| {base * 1000:.0f} | {prep * 1000:.0f} |")  # fmt: skip
 
 
-def sweep() -> list[dict]:
-    """Shrink and expand timed alone under alternative launch configurations, per target case."""
-    results = []
-    for hidden, width, tokens, adapters, rank in SWEEP_CASES:
-        gen = torch.Generator(device="cuda").manual_seed(7)
-        x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, generator=gen)
-        y = torch.randn(tokens, width, device="cuda", dtype=DTYPE, generator=gen)
-        A = torch.randn(NUM_SLOTS, rank, hidden, device="cuda", dtype=DTYPE, generator=gen) / math.sqrt(hidden)
-        B = torch.randn(NUM_SLOTS, width, rank, device="cuda", dtype=DTYPE, generator=gen) / math.sqrt(rank)
-        scaling = torch.full((NUM_SLOTS,), 2.0, device="cuda")
-        used = torch.randperm(NUM_SLOTS, device="cuda", generator=gen)[:adapters]
-        slots = used[torch.arange(tokens, device="cuda") % adapters]
-        meta = LoRAMeta(tokens, NUM_SLOTS, "cuda").prepare(slots)
-        timer = graph_ms if tokens <= GRAPH_MAX_TOKENS else median_ms
-        base_sc = triton_lora.shrink_config(meta, hidden, rank, 1)
-        base_ec = triton_lora.expand_config(meta, rank)
-        h_ref = triton_lora.shrink(x, [A], meta, None, base_sc)
-        prefill = tokens > GRAPH_MAX_TOKENS
-        shrink_variants = {base_sc}
-        for block_k in (64, 128) if prefill else (128, 256, 512):
-            for split_k in (1, 2, 4) if prefill else (base_sc.split_k // 2, base_sc.split_k, base_sc.split_k * 2):
-                for num_warps in (4, 8):
-                    if 1 <= split_k and split_k * block_k <= hidden:
-                        shrink_variants.add(
-                            triton_lora.ShrinkConfig(base_sc.block_m, base_sc.block_r, block_k, split_k, num_warps, 3)
-                        )
-        expand_variants = {base_ec}
-        for block_m in (16, 64) if prefill else (16,):
-            for block_n in (64, 128, 256):
-                for num_warps, num_stages in ((4, 2), (8, 2), (4, 3)):
-                    cfg = triton_lora.ExpandConfig(block_m, block_n, base_ec.block_r, num_warps, num_stages)
-                    expand_variants.add(cfg)
-        case = dict(hidden=hidden, width=width, tokens=tokens, adapters=adapters, rank=rank)
-        for cfg in sorted(shrink_variants, key=str):
-            h = triton_lora.shrink(x, [A], meta, None, cfg)
-            err = ((h - h_ref).norm() / h_ref.norm()).item()
-            ms = timer(lambda cfg=cfg: triton_lora.shrink(x, [A], meta, None, cfg))
-            results.append(dict(case, kernel="shrink", config=dataclasses.asdict(cfg), ms=ms, rel_err=err,
-                                default=cfg == base_sc))  # fmt: skip
-        for cfg in sorted(expand_variants, key=str):
-            ms = timer(lambda cfg=cfg: triton_lora.expand(y, h_ref, [B], scaling, meta, (0,), None, cfg))
-            results.append(dict(case, kernel="expand", config=dataclasses.asdict(cfg), ms=ms, default=cfg == base_ec))
-        for kernel in ("shrink", "expand"):
-            mine = [r for r in results if r["kernel"] == kernel and all(r[k] == v for k, v in case.items())]
-            best = min(mine, key=lambda r: r["ms"])
-            default = next(r for r in mine if r["default"])
-            print(f"# sweep {case} {kernel}: default {default['ms'] * 1000:.1f} µs {default['config']}; "
-                  f"best {best['ms'] * 1000:.1f} µs {best['config']} ({len(mine)} configs)", flush=True)  # fmt: skip
+# (hidden, width, tokens, adapters, rank) of the targets' rows in shared/targets.md, and one token
+# (the fixed cost of a decode launch).
+DECODE_CASES = [
+    (4096, 4096, 64, 32, 16),
+    (4096, 4096, 256, 128, 16),
+    (4096, 14336, 256, 128, 16),
+    (4096, 4096, 1, 1, 16),
+    (4096, 4096, 256, 128, 64),
+]
+PREFILL_CASE = (4096, 4096, 4096, 8, 16)
+
+
+def tables() -> dict[str, dict]:
+    return dict(FUSED=triton_lora.FUSED, PREFILL_SHRINK=triton_lora.PREFILL_SHRINK,
+                PREFILL_EXPAND=triton_lora.PREFILL_EXPAND)  # fmt: skip
+
+
+def sweep_variants() -> dict[str, list]:
+    """Launch configurations the sweep times, by table entry."""
+    F, S, E = triton_lora.FusedConfig, triton_lora.ShrinkConfig, triton_lora.ExpandConfig
+    sms = 132
+    fused16 = [
+        F(block_k, block_n, programs, prefetch, warps, stages)
+        for block_k, block_n, prefetch, warps, stages in [
+            (256, 128, True, 4, 3), (256, 128, False, 4, 3), (256, 64, True, 4, 3), (256, 256, True, 4, 3),
+            (512, 128, True, 4, 3), (256, 128, True, 4, 4), (128, 128, True, 4, 4),
+        ]
+        for programs in (sms, 2 * sms, 4 * sms, 8 * sms)
+    ]  # fmt: skip
+    fused64 = [
+        F(block_k, block_n, programs, prefetch, warps, 3)
+        for block_k, block_n, prefetch, warps in [(128, 64, True, 8), (128, 64, False, 8), (64, 64, True, 8),
+                                                  (64, 32, True, 4), (128, 128, True, 8)]
+        for programs in (sms, 2 * sms, 4 * sms)
+    ]  # fmt: skip
+    shrink16 = [
+        S(64, block_k, split_k, warps, stages)
+        for block_k, split_k, warps, stages in [
+            (64, 4, 4, 3), (128, 4, 4, 3), (128, 2, 4, 3), (128, 1, 4, 3), (256, 2, 4, 3), (128, 4, 8, 3),
+            (128, 4, 4, 4), (64, 2, 4, 4),
+        ]
+    ]  # fmt: skip
+    expand16 = [
+        E(block_m, block_n, programs, prefetch, warps, 1)
+        for block_m, block_n, prefetch, warps in [(64, 64, True, 4), (64, 64, False, 4), (64, 128, True, 8),
+                                                  (64, 128, False, 8), (64, 128, False, 4), (16, 128, True, 4)]
+        for programs in (2 * sms, 4 * sms, 8 * sms, 1 << 30)
+    ]  # fmt: skip
+    return dict(fused16=fused16, fused64=fused64, shrink16=shrink16, expand16=expand16)
+
+
+def _sweep_case(hidden: int, width: int, tokens: int, adapters: int, rank: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    case = dict(
+        x=torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, generator=gen),
+        y=torch.randn(tokens, width, device="cuda", dtype=DTYPE, generator=gen),
+        A=torch.randn(NUM_SLOTS, rank, hidden, device="cuda", dtype=DTYPE, generator=gen) / math.sqrt(hidden),
+        B=torch.randn(NUM_SLOTS, width, rank, device="cuda", dtype=DTYPE, generator=gen) / math.sqrt(rank),
+        scaling=torch.full((NUM_SLOTS,), 2.0, device="cuda"),
+    )
+    case["y0"] = case["y"].clone()  # sweeps add into y in place; correctness checks restart from here
+    used = torch.randperm(NUM_SLOTS, device="cuda", generator=gen)[:adapters]
+    slots = used[torch.arange(tokens, device="cuda") % adapters]
+    case["meta"] = LoRAMeta(tokens, NUM_SLOTS, "cuda").prepare(slots[torch.randperm(tokens, device="cuda", generator=gen)])
+    return case
+
+
+def _jobs() -> list[tuple[tuple, str, object]]:
+    """(case, kernel, config) for every timing of the sweep."""
+    variants = sweep_variants()
+    jobs = []
+    for case in DECODE_CASES:
+        for config in variants["fused16" if case[4] <= 16 else "fused64"]:
+            jobs.append((case, "fused", config))
+        jobs.append((case, "shrink+expand", None))
+    jobs += [(PREFILL_CASE, "shrink", config) for config in variants["shrink16"]]
+    jobs += [(PREFILL_CASE, "expand", config) for config in variants["expand16"]]
+    return jobs
+
+
+def _run(kernel: str, c: dict, config: object, shrink_config: object = None) -> Callable[[], None]:
+    """The launch of ``kernel`` on case ``c`` under ``config`` as a closure."""
+    x, y, A, B, scaling, meta = c["x"], c["y"], c["A"], c["B"], c["scaling"], c["meta"]
+    if kernel == "fused":
+        return lambda: triton_lora.fused(y, x, [A], [B], scaling, meta, (0,), None, config)
+    if kernel == "shrink":
+        return lambda: triton_lora.shrink(x, [A], meta, None, config)
+    if kernel == "expand":
+        h = triton_lora.shrink(x, [A], meta, None, shrink_config)
+        return lambda: triton_lora.expand(y, h, [B], scaling, meta, (0,), None, config)
+    return lambda: triton_lora.expand(y, triton_lora.shrink(x, [A], meta, None), [B], scaling, meta, (0,), None)
+
+
+def _compile_shard(shard: int, shards: int) -> int:
+    """Compile (run once, untimed) every ``shards``-th job of the sweep, from ``shard``."""
+    cases: dict[tuple, dict] = {}
+    done = 0
+    for case, kernel, config in _jobs()[shard::shards]:
+        if case not in cases:
+            cases[case] = _sweep_case(*case)
+        try:
+            _run(kernel, cases[case], config)()
+            done += 1
+        except Exception as error:  # a failing variant is reported (and skipped) by the timed sweep
+            print(f"# precompile {kernel} {config}: {type(error).__name__}: {error}", flush=True)
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(processes: int) -> None:
+    """Fill Triton's on-disk cache with the sweep's kernels from several processes at once."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        done = sum(pool.map(_compile_shard, range(processes), [processes] * processes))
+    print(f"# precompiled {done} sweep launches in {processes} processes", flush=True)
+
+
+def sweep(tune: bool) -> list[dict]:
+    """Time every job of the sweep as a graph replay (device time); check each against the
+    reference; with ``tune``, put each table entry's fastest configuration into the tables."""
+    results: list[dict] = []
+    cases = {case: _sweep_case(*case) for case in {job[0] for job in _jobs()}}
+    reference = {}
+    for case, c in cases.items():
+        y = c["y0"].clone()
+        lora_apply(y, c["x"], c["A"], c["B"], c["scaling"], c["meta"], backend="torch")
+        reference[case] = y
+    winners: dict[str, object] = {}
+    for kernel_key, kernel in [("fused", "fused"), ("shrink+expand", "shrink+expand"), ("shrink", "shrink"),
+                               ("expand", "expand")]:  # fmt: skip
+        for case, job_kernel, config in _jobs():
+            if job_kernel != kernel_key:
+                continue
+            c = cases[case]
+            shrink_config = winners.get("shrink")
+            row = dict(zip(("hidden", "width", "tokens", "adapters", "rank"), case), kernel=kernel,
+                       config=dataclasses.asdict(config) if config is not None else None)  # fmt: skip
+            try:
+                fn = _run(kernel, c, config, shrink_config)
+                row["ms"] = graph_ms(fn)
+                if kernel in ("fused", "shrink+expand"):
+                    c["y"].copy_(c["y0"])
+                    fn()
+                    delta = (reference[case].float() - c["y0"].float()).norm()
+                    row["rel_err"] = ((c["y"].float() - reference[case].float()).norm() / delta).item()
+            except Exception as error:  # a variant that does not compile or run is reported, not fatal
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            results.append(row)
+        if kernel == "shrink":
+            winners["shrink"] = _fastest(results, "shrink")
+    _report(results)
+    if tune:
+        apply_winners(results)
     return results
+
+
+def _fastest(results: list[dict], kernel: str, rank: int = 16, tokens_max: int | None = None) -> object:
+    """The configuration of ``kernel`` with the least summed slowdown (time over the case's best)
+    across the cases it was timed on."""
+    timed = [r for r in results if r["kernel"] == kernel and r["rank"] == rank and "ms" in r
+             and r.get("rel_err", 0.0) < 2e-2]  # fmt: skip
+    best_per_case: dict[tuple, float] = {}
+    for r in timed:
+        key = (r["width"], r["tokens"], r["adapters"])
+        best_per_case[key] = min(best_per_case.get(key, math.inf), r["ms"])
+    score: dict[str, float] = {}
+    for r in timed:
+        key = json.dumps(r["config"], sort_keys=True)
+        score[key] = score.get(key, 0.0) + r["ms"] / best_per_case[(r["width"], r["tokens"], r["adapters"])]
+    counts = {k: sum(json.dumps(r["config"], sort_keys=True) == k for r in timed) for k in score}
+    complete = [k for k in score if counts[k] == max(counts.values())]
+    best = min(complete, key=score.__getitem__)
+    cls = dict(fused=triton_lora.FusedConfig, shrink=triton_lora.ShrinkConfig, expand=triton_lora.ExpandConfig)[kernel]
+    return cls(**json.loads(best))
+
+
+def apply_winners(results: list[dict]) -> None:
+    triton_lora.FUSED[16] = _fastest(results, "fused", 16)
+    triton_lora.FUSED[64] = _fastest(results, "fused", 64)
+    triton_lora.PREFILL_SHRINK[16] = _fastest(results, "shrink")
+    triton_lora.PREFILL_EXPAND[16] = _fastest(results, "expand")
+    for name, table in tables().items():
+        print(f"# tuned {name}: {table}", flush=True)
+
+
+def _report(results: list[dict]) -> None:
+    """Per case and kernel: the default configuration's time, the best and the worst."""
+    defaults = {
+        "fused": lambda r: triton_lora.FUSED[triton_lora.rank_class(r["rank"])],
+        "shrink": lambda r: triton_lora.PREFILL_SHRINK[16],
+        "expand": lambda r: triton_lora.PREFILL_EXPAND[16],
+    }
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["kernel"], r["width"], r["tokens"], r["adapters"], r["rank"]), []).append(r)
+    for (kernel, width, tokens, adapters, rank), rows in groups.items():
+        ok = [r for r in rows if "ms" in r]
+        errors = [r for r in rows if "error" in r]
+        if not ok:
+            print(f"# sweep {kernel} {width}w T{tokens} N{adapters} r{rank}: all failed: {errors[0]['error']}")
+            continue
+        best = min(ok, key=lambda r: r["ms"])
+        default = None
+        if kernel in defaults:
+            want = dataclasses.asdict(defaults[kernel](rows[0]))
+            default = next((r for r in ok if r["config"] == want), None)
+        worst_err = max((r.get("rel_err", 0.0) for r in ok), default=0.0)
+        print(f"# sweep {kernel} {width}w T{tokens} N{adapters} r{rank}: "
+              f"default {default['ms'] * 1000 if default else float('nan'):.1f} µs; best {best['ms'] * 1000:.1f} µs "
+              f"{best['config']}; {len(ok)} ok, {len(errors)} failed, max rel err {worst_err:.1e}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

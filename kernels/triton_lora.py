@@ -1,19 +1,24 @@
-"""Triton kernels of the multi-LoRA op: a segmented shrink and a segmented expand.
+"""Triton kernels of the multi-LoRA op: one fused kernel for decode, shrink + expand for prefill.
 
-Both kernels walk the tile table of :class:`kernels.LoRAMeta`: program ``m`` of the first grid axis
-owns up to ``BLOCK_M`` consecutive sorted positions of one active slot (a padding tile has slot
-``-1`` and exits at once), so a launch needs no host knowledge of the slot mix and a CUDA graph can
-replay it for any mix.
+Every kernel walks the tile table of :class:`kernels.LoRAMeta`: a program owns up to ``BLOCK_M``
+consecutive sorted positions of one active slot (a padding tile has slot ``-1`` and exits at once),
+so a launch needs no host knowledge of the slot mix and a CUDA graph can replay it for any mix.
 
-- shrink: ``h[slice, p, :] = x[token(p)] @ A_slice[slot]^T`` in fp32 for every sorted position
-  ``p``. With few tokens there is little to parallelise over tokens, so K is split across programs
-  (split-K) and the partial sums are added atomically into a zeroed ``h``.
-- expand: ``y[token(p), off_slice + n] += scaling[slot] * h[slice, p, :] @ B_slice[slot, n, :]^T``
-  with fp32 accumulation; ``h`` is first rounded to the input dtype (as PEFT's own bf16 path does).
+- fused (decode, few tokens per slot): a program computes its tile's rank-R intermediate
+  ``h = x[tokens] @ A_slice[slot]^T`` over the whole K, rounds it to the input dtype, and adds
+  ``scaling[slot] * h @ B_slice[slot, cols]^T`` into its chunk of output columns. The programs that
+  split a tile's columns each recompute ``h``, reading ``A[slot]`` again from L2: for rank <= 128 and
+  a few tokens that costs less than a second launch and the round trip of ``h`` through memory.
+- shrink + expand (prefill, many tokens per slot): the shrink writes ``h`` in fp32, its split-K
+  partial sums side by side (no atomics, so no zeroed buffer and no memset launch); the expand adds
+  the partials, rounds ``h`` to the input dtype once per tile and adds ``h @ B^T`` into a chunk of
+  output columns.
 
-One launch of each serves every slice of a fused projection (third grid axis). Slot ``s`` reads only
-its first ``ranks[s]`` rows of A and columns of B: masked loads fetch no memory, so a zero-padded
-smaller adapter costs its own rank.
+Both expand loops walk their column chunk ``BLOCK_N`` columns at a time and load the next block of
+``B`` and ``y`` before adding the current one, so a program keeps two blocks of loads in flight
+rather than waiting on each. One launch serves every slice of a fused projection (last grid axis).
+Slot ``s`` reads only its first ``ranks[s]`` rows of A and columns of B: masked loads fetch no
+memory, so a zero-padded smaller adapter costs its own rank.
 """
 
 from __future__ import annotations
@@ -28,8 +33,12 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.meta import LoRAMeta
 
-# Programs per streaming multiprocessor the split-K heuristic aims for (H200: 132 SMs).
-_TARGET_PROGRAMS = 132 * 4
+# Streaming multiprocessors the launch heuristics size grids for (H200: 132).
+_SMS = 132
+# Steps of at most this many tokens use the fused decode kernel, with row tiles of 16.
+DECODE_MAX_TOKENS = 256
+# The fused kernel keeps the whole rank in one block; larger ranks take shrink + expand.
+FUSED_MAX_RANK = 128
 
 
 @triton.jit
@@ -65,63 +74,29 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr,
-    a0_ptr,
-    a1_ptr,
-    a2_ptr,
-    h_ptr,
-    tile_slot_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    token_idx_ptr,
-    ranks_ptr,
-    K,
-    full_rank,
-    stride_xt,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_hs,
-    stride_hp,
-    HAS_RANKS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_kr = tl.program_id(1)
-    pid_s = tl.program_id(2)
+def _tile(tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank,
+          HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """The tile's slot, the slot's rank (clamped to the padded R: CUDA cannot range-check without
+    a sync), its sorted positions, their mask and their token ids. Slot -1 marks a padding tile."""
     slot = tl.load(tile_slot_ptr + pid_m)
-    if slot < 0:
-        return
     rank = full_rank
     if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), full_rank)  # never past the padded R
-    pid_k = pid_kr % SPLIT_K
-    r_start = (pid_kr // SPLIT_K) * BLOCK_R
-    if r_start >= rank:
-        return
-
-    a_ptr = _pick_ptr(pid_s, a0_ptr, a1_ptr, a2_ptr)
+        rank = tl.minimum(tl.load(ranks_ptr + tl.maximum(slot, 0)), full_rank)
     rows = tl.load(tile_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
     row_mask = rows < tl.load(tile_end_ptr + pid_m)
     tokens = tl.load(token_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    offs_r = r_start + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    return slot, rank, rows, row_mask, tokens
 
-    k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_chunk
-    k_hi = tl.minimum(k_lo + k_chunk, K)
+
+@triton.jit
+def _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, k_lo, k_hi, stride_xt, stride_xk, stride_ak,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 K_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """``x[tokens, k_lo:k_hi] @ A[:, k_lo:k_hi]^T`` in fp32 (``a_rows``: the slot's A rows ``offs_r``)."""
     x_rows = x_ptr + tokens[:, None] * stride_xt
-    a_cols = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
+    a_cols = a_rows[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=K_STAGES):
         offs_k = k + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x_tile = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=row_mask[:, None], other=0.0)
@@ -133,99 +108,158 @@ def _shrink_kernel(
             )
             a_tile = tl.load(a_cols + offs_k[:, None] * stride_ak, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
         acc = _dot(x_tile, a_tile, acc, PRECISION, UPCAST)
+    return acc
 
-    h_ptrs = h_ptr + pid_s * stride_hs + rows[:, None] * stride_hp + offs_r[None, :]
-    h_mask = row_mask[:, None] & r_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(h_ptrs, acc, mask=h_mask)
-    else:
-        tl.atomic_add(h_ptrs, acc, mask=h_mask, sem="relaxed")
+
+@triton.jit
+def _expand_columns(h, scale, b_cols, y_rows, row_mask, r_mask, n_lo, n_hi, col_offset, stride_bn, stride_yn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr):  # fmt: skip
+    """``y[rows, col_offset + n] += scale * h @ B[n, :]^T`` for ``n`` in ``[n_lo, n_hi)``.
+
+    ``h`` is ``[BLOCK_M, BLOCK_R]`` in the input dtype, ``b_cols`` the slot's B at ``n = 0`` for each
+    rank index, ``y_rows`` the tile's rows of y at column 0. With ``PREFETCH``, block ``i + 1`` of B
+    and y is loaded before block ``i`` is added and stored, so two blocks of loads are in flight
+    (the compiler cannot hoist a load of y above the previous block's store to y). The compiler's
+    own pipelining is off for this loop either way.
+    """
+    offs = tl.arange(0, BLOCK_N)
+    b_rows = b_cols[:, None]
+    if PREFETCH:
+        cols = n_lo + offs
+        mask = cols < n_hi
+        b_tile = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_mask[:, None] & mask[None, :], other=0.0)
+        y_tile = tl.load(y_rows + (col_offset + cols)[None, :] * stride_yn,
+                         mask=row_mask[:, None] & mask[None, :], other=0.0)  # fmt: skip
+    for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=1):
+        cols = n + offs
+        mask = cols < n_hi
+        if PREFETCH:
+            next_cols = cols + BLOCK_N
+            next_mask = next_cols < n_hi
+            b_next = tl.load(b_rows + next_cols[None, :] * stride_bn, mask=r_mask[:, None] & next_mask[None, :],
+                             other=0.0)  # fmt: skip
+            y_next = tl.load(y_rows + (col_offset + next_cols)[None, :] * stride_yn,
+                             mask=row_mask[:, None] & next_mask[None, :], other=0.0)  # fmt: skip
+        else:
+            b_tile = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_mask[:, None] & mask[None, :], other=0.0)
+            y_tile = tl.load(y_rows + (col_offset + cols)[None, :] * stride_yn,
+                             mask=row_mask[:, None] & mask[None, :], other=0.0)  # fmt: skip
+        acc = _dot(h, b_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, UPCAST)
+        out = (y_tile.to(tl.float32) + acc * scale).to(y_tile.dtype)
+        tl.store(y_rows + (col_offset + cols)[None, :] * stride_yn, out, mask=row_mask[:, None] & mask[None, :])
+        if PREFETCH:
+            b_tile = b_next
+            y_tile = y_next
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
+    tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, scaling_ptr,
+    K, full_rank, n0, n1, n2, off0, off1, off2, n_chunk,
+    stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
+    stride_bs0, stride_bs1, stride_bs2, stride_bn0, stride_bn1, stride_bn2, stride_br0, stride_br1, stride_br2,
+    stride_yt, stride_yn,
+    HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, K_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    # Column chunks of one tile are neighbours in launch order, so they read A[slot] from L2 together.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    slot, rank, rows, row_mask, tokens = _tile(
+        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank, HAS_RANKS, BLOCK_M
+    )
+    width = _pick_int(pid_s, n0, n1, n2)
+    n_lo = pid_n * n_chunk
+    if (slot < 0) | (rank == 0) | (n_lo >= width):
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    a_rows = _pick_ptr(pid_s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * stride_as + offs_r * stride_ar
+    acc = _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, 0, K, stride_xt, stride_xk, stride_ak,
+                       BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, K_STAGES, PRECISION, UPCAST)  # fmt: skip
+
+    b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
+    b_cols += offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
+    h = acc.to(b0_ptr.dtype.element_ty)
+    scale = tl.load(scaling_ptr + slot).to(tl.float32)
+    _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
+                    tl.minimum(n_lo + n_chunk, width), _pick_int(pid_s, off0, off1, off2),
+                    _pick_int(pid_s, stride_bn0, stride_bn1, stride_bn2), stride_yn, BLOCK_M, BLOCK_N, PREFETCH,
+                    PRECISION, UPCAST)  # fmt: skip
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr,
+    tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr,
+    K, full_rank,
+    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_hk, stride_hs, stride_hp,
+    HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``h[pid_k, slice, p, :rank]`` = this program's K chunk of ``x[token(p)] @ A_slice[slot]^T``."""
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    slot, rank, rows, row_mask, tokens = _tile(
+        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank, HAS_RANKS, BLOCK_M
+    )
+    if (slot < 0) | (rank == 0):
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    a_rows = _pick_ptr(pid_s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * stride_as + offs_r * stride_ar
+    k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_chunk
+    acc = _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, k_lo, tl.minimum(k_lo + k_chunk, K),
+                       stride_xt, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, K_STAGES, PRECISION,
+                       UPCAST)  # fmt: skip
+    h_ptrs = h_ptr + pid_k * stride_hk + pid_s * stride_hs + rows[:, None] * stride_hp + offs_r[None, :]
+    tl.store(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
 def _expand_kernel(
-    h_ptr,
-    b0_ptr,
-    b1_ptr,
-    b2_ptr,
-    y_ptr,
-    tile_slot_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
-    token_idx_ptr,
-    ranks_ptr,
-    scaling_ptr,
-    full_rank,
-    n0,
-    n1,
-    n2,
-    off0,
-    off1,
-    off2,
-    stride_bs0,
-    stride_bs1,
-    stride_bs2,
-    stride_bn0,
-    stride_bn1,
-    stride_bn2,
-    stride_br0,
-    stride_br1,
-    stride_br2,
-    stride_hs,
-    stride_hp,
-    stride_yt,
-    stride_yn,
-    HAS_RANKS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
+    tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, scaling_ptr,
+    full_rank, n0, n1, n2, off0, off1, off2, n_chunk,
+    stride_bs0, stride_bs1, stride_bs2, stride_bn0, stride_bn1, stride_bn2, stride_br0, stride_br1, stride_br2,
+    stride_hk, stride_hs, stride_hp, stride_yt, stride_yn,
+    HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``y[token(p), off_slice + cols] += scaling[slot] * (sum of h partials)[p] @ B_slice[slot, cols]^T``."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    slot = tl.load(tile_slot_ptr + pid_m)
-    if slot < 0:
-        return
+    slot, rank, rows, row_mask, tokens = _tile(
+        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank, HAS_RANKS, BLOCK_M
+    )
     width = _pick_int(pid_s, n0, n1, n2)
-    n_start = pid_n * BLOCK_N
-    if n_start >= width:
+    n_lo = pid_n * n_chunk
+    if (slot < 0) | (rank == 0) | (n_lo >= width):
         return
-    rank = full_rank
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), full_rank)  # never past the padded R
-    if rank == 0:
-        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    h_ptrs = h_ptr + pid_s * stride_hs + rows[:, None] * stride_hp + offs_r[None, :]
+    h_mask = row_mask[:, None] & r_mask[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        acc += tl.load(h_ptrs + i * stride_hk, mask=h_mask, other=0.0)
 
-    b_ptr = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr)
-    stride_bs = _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
-    stride_bn = _pick_int(pid_s, stride_bn0, stride_bn1, stride_bn2)
-    stride_br = _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
-    col_offset = _pick_int(pid_s, off0, off1, off2)
-
-    rows = tl.load(tile_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
-    row_mask = rows < tl.load(tile_end_ptr + pid_m)
-    tokens = tl.load(token_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
-
-    h_rows = h_ptr + pid_s * stride_hs + rows[:, None] * stride_hp
-    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r in range(0, rank, BLOCK_R):
-        offs_r = r + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        h_tile = tl.load(h_rows + offs_r[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        b_tile = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        h_tile = h_tile.to(b_ptr.dtype.element_ty)
-        acc = _dot(h_tile, b_tile, acc, PRECISION, UPCAST)
-    acc = acc * tl.load(scaling_ptr + slot).to(tl.float32)
-
-    y_ptrs = y_ptr + tokens[:, None] * stride_yt + (col_offset + offs_n)[None, :] * stride_yn
-    y_mask = row_mask[:, None] & n_mask[None, :]
-    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y_tile.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+    b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
+    b_cols += offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
+    h = acc.to(b0_ptr.dtype.element_ty)
+    scale = tl.load(scaling_ptr + slot).to(tl.float32)
+    _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
+                    tl.minimum(n_lo + n_chunk, width), _pick_int(pid_s, off0, off1, off2),
+                    _pick_int(pid_s, stride_bn0, stride_bn1, stride_bn2), stride_yn, BLOCK_M, BLOCK_N, PREFETCH,
+                    PRECISION, UPCAST)  # fmt: skip
 
 
 # True when TRITON_INTERPRET=1 was set before this module was imported: the kernels then run on CPU
@@ -234,9 +268,22 @@ INTERPRETED = isinstance(_shrink_kernel, InterpretedFunction)
 
 
 @dataclass(frozen=True)
+class FusedConfig:
+    """Launch configuration of the fused decode kernel (16-row tiles). ``programs`` is the grid size
+    the column split aims for: more programs per tile means more parallel B streams but more
+    re-reads of ``A[slot]``."""
+
+    block_k: int
+    block_n: int
+    programs: int
+    prefetch: bool
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
 class ShrinkConfig:
     block_m: int
-    block_r: int
     block_k: int
     split_k: int
     num_warps: int
@@ -245,56 +292,78 @@ class ShrinkConfig:
 
 @dataclass(frozen=True)
 class ExpandConfig:
+    """``programs``: the grid size the column split aims for (each program loops over its chunk)."""
+
     block_m: int
     block_n: int
-    block_r: int
+    programs: int
+    prefetch: bool
     num_warps: int
     num_stages: int
+
+
+# The launch tables, keyed by rank class (:func:`rank_class`); no run-time autotuning, which would
+# break graph capture. From the H200 sweep of docs/benchmarks.md and the compiler's resource report
+# for sm_90 (none of these spills registers).
+FUSED: dict[int, FusedConfig] = {
+    16: FusedConfig(block_k=256, block_n=128, programs=4 * _SMS, prefetch=True, num_warps=4, num_stages=3),
+    64: FusedConfig(block_k=128, block_n=64, programs=2 * _SMS, prefetch=True, num_warps=8, num_stages=3),
+    128: FusedConfig(block_k=32, block_n=64, programs=2 * _SMS, prefetch=False, num_warps=8, num_stages=3),
+}
+PREFILL_SHRINK: dict[int, ShrinkConfig] = {
+    16: ShrinkConfig(block_m=64, block_k=128, split_k=4, num_warps=4, num_stages=3),
+    64: ShrinkConfig(block_m=64, block_k=64, split_k=4, num_warps=8, num_stages=3),
+}
+PREFILL_EXPAND: dict[int, ExpandConfig] = {
+    16: ExpandConfig(block_m=64, block_n=64, programs=4 * _SMS, prefetch=True, num_warps=4, num_stages=1),
+    64: ExpandConfig(block_m=64, block_n=64, programs=4 * _SMS, prefetch=True, num_warps=8, num_stages=1),
+}
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _block_m(num_tokens: int) -> int:
-    """Decode-sized steps (few tokens per adapter) tile rows by 16, prefill by 64."""
-    return 16 if num_tokens <= 256 else 64
+def block_r(rank: int) -> int:
+    """The rank block: the whole padded rank in one block (at least 16, tl.dot's minimum)."""
+    return _next_pow2(max(rank, 16))
 
 
-def shrink_config(meta: LoRAMeta, hidden: int, rank: int, num_slices: int) -> ShrinkConfig:
-    """Launch configuration of the shrink for this step (table-driven, no autotuning at run time).
-
-    From the H200 sweep and the compiler's register report (docs/benchmarks.md): decode splits K
-    until the grid has about four programs per SM; prefill reads x in 64-wide K blocks with split-K
-    4, and 8 warps at rank 64, the widest tiles that still compile without register spills.
-    """
-    block_m = _block_m(meta.num_tokens)
-    block_r = min(_next_pow2(max(rank, 16)), 64)
-    if block_m == 64:
-        block_k = min(64, max(16, _next_pow2(hidden)))
-        split_k = max(1, min(4, hidden // block_k))
-        return ShrinkConfig(block_m, block_r, block_k, split_k, 4 if block_r <= 16 else 8, 3)
-    block_k = min(256, max(16, _next_pow2(hidden)))
-    programs = meta.grid_tiles(block_m) * triton.cdiv(rank, block_r) * num_slices
-    split_k = 1
-    while programs * split_k * 2 <= _TARGET_PROGRAMS and split_k * 2 * block_k <= hidden:
-        split_k *= 2
-    return ShrinkConfig(block_m, block_r, block_k, split_k, 4, 3)
+def rank_class(rank: int) -> int:
+    """The launch tables' key for a padded rank: 16 (up to 16), 64 (up to 64) or 128 (above)."""
+    return 16 if rank <= 16 else 64 if rank <= 64 else 128
 
 
-def expand_config(meta: LoRAMeta, rank: int) -> ExpandConfig:
-    """Launch configuration of the expand for this step (same sources): 64 output columns a
-    program; 8 warps for prefill tiles at rank 64 so the accumulator does not spill."""
-    block_m = _block_m(meta.num_tokens)
-    block_r = min(_next_pow2(max(rank, 16)), 64)
-    if block_m == 16:
-        return ExpandConfig(block_m, 64, block_r, 4, 3)
-    return ExpandConfig(block_m, 64, block_r, 4 if block_r <= 16 else 8, 2)
+def uses_fused(meta: LoRAMeta, rank: int) -> bool:
+    """Decode-sized steps with rank <= 128 take the fused kernel; the rest shrink + expand."""
+    return meta.num_tokens <= DECODE_MAX_TOKENS and rank <= FUSED_MAX_RANK
+
+
+def _column_chunk(width: int, block_n: int, other_programs: int, programs: int) -> int:
+    """Columns per program: split ``width`` into whole blocks over enough programs that the grid
+    (``other_programs`` along the other axes) reaches about ``programs``."""
+    blocks = triton.cdiv(width, block_n)
+    split = max(1, min(blocks, programs // max(1, other_programs)))
+    return triton.cdiv(blocks, split) * block_n
+
+
+def _block_k(block_k: int, rank: int, hidden: int) -> int:
+    """The table's K block, no wider than K needs, and narrower for ranks above 64 so a pipeline
+    stage of A (``BLOCK_K x BLOCK_R``) stays within 16 K elements."""
+    return max(16, min(block_k, _next_pow2(hidden), 16384 // block_r(rank)))
 
 
 def _three(values: Sequence, fill) -> list:
     """Pad per-slice arguments to the kernels' three slots (unused slots are never read)."""
     return list(values) + [fill] * (3 - len(values))
+
+
+def _precision(dtype: torch.dtype) -> tuple[str, bool]:
+    """(dot input precision, upcast flag) for the input dtype.
+
+    fp32 stays fp32 on the tensor cores (no silent TF32): it is the accuracy path, not the fast one.
+    """
+    return ("ieee" if dtype == torch.float32 else "tf32"), (dtype == torch.bfloat16 and INTERPRETED)
 
 
 def lora_apply_triton(
@@ -307,19 +376,71 @@ def lora_apply_triton(
     slice_offsets: Sequence[int],
     ranks: torch.Tensor | None,
 ) -> None:
-    """Shrink then expand for every slice (arguments validated by :func:`kernels.lora_apply_sliced`)."""
+    """The fused kernel for decode, shrink then expand otherwise (arguments validated by
+    :func:`kernels.lora_apply_sliced`)."""
     if meta.num_tokens == 0:
         return
-    h = shrink(x, As, meta, ranks)
-    expand(y, h, Bs, scaling, meta, slice_offsets, ranks)
+    if any(A.stride() != As[0].stride() for A in As):
+        raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
+    if uses_fused(meta, As[0].shape[1]):
+        fused(y, x, As, Bs, scaling, meta, slice_offsets, ranks)
+    else:
+        expand(y, shrink(x, As, meta, ranks), Bs, scaling, meta, slice_offsets, ranks)
 
 
-def _precision(dtype: torch.dtype) -> tuple[str, bool]:
-    """(dot input precision, upcast flag) for the input dtype.
+def fused(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    As: Sequence[torch.Tensor],
+    Bs: Sequence[torch.Tensor],
+    scaling: torch.Tensor,
+    meta: LoRAMeta,
+    slice_offsets: Sequence[int],
+    ranks: torch.Tensor | None,
+    config: FusedConfig | None = None,
+) -> None:
+    """Shrink and expand in one launch: ``y[t, slice cols] += scaling * (x[t] @ A^T) @ B^T``."""
+    num_slices, hidden, rank = len(As), x.shape[1], As[0].shape[1]
+    fc = config or FUSED[rank_class(rank)]
+    block_k = _block_k(fc.block_k, rank, hidden)
+    precision, upcast = _precision(x.dtype)
+    tile_slot, tile_start, tile_end = meta.tiles(16)
+    tiles = meta.grid_tiles(16)
+    widths = _three([B.shape[1] for B in Bs], 0)
+    n_chunk = _column_chunk(max(widths), fc.block_n, tiles * num_slices, fc.programs)
+    a, b, A0 = _three(As, As[0]), _three(Bs, Bs[0]), As[0]
+    grid = (triton.cdiv(max(widths), n_chunk), tiles, num_slices)
+    _fused_kernel[grid](
+        x, a[0], a[1], a[2], b[0], b[1], b[2], y,
+        tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot, scaling,
+        hidden, rank, *widths, *_three(slice_offsets, 0), n_chunk,
+        x.stride(0), x.stride(1), A0.stride(0), A0.stride(1), A0.stride(2),
+        *(B.stride(0) for B in b), *(B.stride(1) for B in b), *(B.stride(2) for B in b),
+        y.stride(0), y.stride(1),
+        HAS_RANKS=ranks is not None, BLOCK_M=16, BLOCK_R=block_r(rank), BLOCK_K=block_k,
+        BLOCK_N=fc.block_n, EVEN_K=hidden % block_k == 0, K_STAGES=fc.num_stages, PREFETCH=fc.prefetch,
+        PRECISION=precision, UPCAST=upcast,
+        num_warps=fc.num_warps, num_stages=fc.num_stages,
+    )  # fmt: skip
 
-    fp32 stays fp32 on the tensor cores (no silent TF32): it is the accuracy path, not the fast one.
-    """
-    return ("ieee" if dtype == torch.float32 else "tf32"), (dtype == torch.bfloat16 and INTERPRETED)
+
+def shrink_config(meta: LoRAMeta, hidden: int, rank: int) -> ShrinkConfig:
+    """The prefill table's shrink; for a decode-sized step (rank above 128) 16-row tiles and split-K
+    until the grid has about four programs per SM."""
+    if meta.num_tokens > DECODE_MAX_TOKENS:
+        return PREFILL_SHRINK[min(rank_class(rank), 64)]
+    block_k = _block_k(256, rank, hidden)
+    split_k = 1
+    while meta.grid_tiles(16) * split_k * 2 <= 4 * _SMS and split_k * 2 * block_k <= hidden:
+        split_k *= 2
+    return ShrinkConfig(16, block_k, split_k, 4, 3)
+
+
+def expand_config(meta: LoRAMeta, rank: int) -> ExpandConfig:
+    """The prefill table's expand; for a decode-sized step 16-row tiles."""
+    if meta.num_tokens > DECODE_MAX_TOKENS:
+        return PREFILL_EXPAND[min(rank_class(rank), 64)]
+    return ExpandConfig(16, 64, 4 * _SMS, False, 4, 1)
 
 
 def shrink(
@@ -329,32 +450,23 @@ def shrink(
     ranks: torch.Tensor | None,
     config: ShrinkConfig | None = None,
 ) -> torch.Tensor:
-    """``h [slices, T, R_pad]`` fp32, row ``p`` = sorted position ``p`` (only adapter rows written)."""
-    num_slices = len(As)
-    hidden = x.shape[1]
-    A0 = As[0]
-    rank = A0.shape[1]
-    if any(A.stride() != A0.stride() for A in As):
-        raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
-    sc = config or shrink_config(meta, hidden, rank, num_slices)
+    """``h [split_k, slices, T, R_pad]`` fp32 partial sums, row ``p`` = sorted position ``p`` (only
+    adapter rows and each slot's own rank are written: :func:`expand` reads nothing else)."""
+    num_slices, hidden, rank = len(As), x.shape[1], As[0].shape[1]
+    sc = config or shrink_config(meta, hidden, rank)
+    block_k = _block_k(sc.block_k, rank, hidden)
     precision, upcast = _precision(x.dtype)
     tile_slot, tile_start, tile_end = meta.tiles(sc.block_m)
-    rank_pad = triton.cdiv(rank, sc.block_r) * sc.block_r
-    # Split-K partial sums are added atomically, so h starts at zero; otherwise every read row is written.
-    alloc = torch.zeros if sc.split_k > 1 else torch.empty
-    h = alloc((num_slices, meta.num_tokens, rank_pad), dtype=torch.float32, device=x.device)
-    a = _three(As, A0)
-    grid = (meta.grid_tiles(sc.block_m), sc.split_k * triton.cdiv(rank, sc.block_r), num_slices)
+    h = torch.empty((sc.split_k, num_slices, meta.num_tokens, block_r(rank)), dtype=torch.float32, device=x.device)
+    a, A0 = _three(As, As[0]), As[0]
+    grid = (sc.split_k, meta.grid_tiles(sc.block_m), num_slices)
     _shrink_kernel[grid](
         x, a[0], a[1], a[2], h,
         tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot,
         hidden, rank,
-        x.stride(0), x.stride(1),
-        A0.stride(0), A0.stride(1), A0.stride(2),
-        h.stride(0), h.stride(1),
-        HAS_RANKS=ranks is not None,
-        BLOCK_M=sc.block_m, BLOCK_R=sc.block_r, BLOCK_K=sc.block_k, SPLIT_K=sc.split_k,
-        EVEN_K=hidden % (sc.split_k * sc.block_k) == 0,
+        x.stride(0), x.stride(1), A0.stride(0), A0.stride(1), A0.stride(2), h.stride(0), h.stride(1), h.stride(2),
+        HAS_RANKS=ranks is not None, BLOCK_M=sc.block_m, BLOCK_R=block_r(rank), BLOCK_K=block_k,
+        SPLIT_K=sc.split_k, EVEN_K=hidden % (sc.split_k * block_k) == 0, K_STAGES=sc.num_stages,
         PRECISION=precision, UPCAST=upcast,
         num_warps=sc.num_warps, num_stages=sc.num_stages,
     )  # fmt: skip
@@ -371,26 +483,23 @@ def expand(
     ranks: torch.Tensor | None,
     config: ExpandConfig | None = None,
 ) -> None:
-    """``y[token(p), slice columns] += scaling[slot] * h[slice, p] @ B_slice[slot]^T`` in place."""
-    num_slices = len(Bs)
-    rank = Bs[0].shape[2]
+    """``y[token(p), slice columns] += scaling[slot] * h[:, slice, p].sum(0) @ B_slice[slot]^T``."""
+    num_slices, rank = len(Bs), Bs[0].shape[2]
     ec = config or expand_config(meta, rank)
     precision, upcast = _precision(y.dtype)
     tile_slot, tile_start, tile_end = meta.tiles(ec.block_m)
+    tiles = meta.grid_tiles(ec.block_m)
     b = _three(Bs, Bs[0])
     widths = _three([B.shape[1] for B in Bs], 0)
-    offsets = _three(slice_offsets, 0)
-    grid = (meta.grid_tiles(ec.block_m), triton.cdiv(max(widths), ec.block_n), num_slices)
+    n_chunk = _column_chunk(max(widths), ec.block_n, tiles * num_slices, ec.programs)
+    grid = (triton.cdiv(max(widths), n_chunk), tiles, num_slices)
     _expand_kernel[grid](
         h, b[0], b[1], b[2], y,
         tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot, scaling,
-        rank,
-        *widths, *offsets,
+        rank, *widths, *_three(slice_offsets, 0), n_chunk,
         *(B.stride(0) for B in b), *(B.stride(1) for B in b), *(B.stride(2) for B in b),
-        h.stride(0), h.stride(1),
-        y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None,
-        BLOCK_M=ec.block_m, BLOCK_N=ec.block_n, BLOCK_R=ec.block_r,
-        PRECISION=precision, UPCAST=upcast,
+        h.stride(0), h.stride(1), h.stride(2), y.stride(0), y.stride(1),
+        HAS_RANKS=ranks is not None, BLOCK_M=ec.block_m, BLOCK_N=ec.block_n, BLOCK_R=block_r(rank),
+        SPLIT_K=h.shape[0], PREFETCH=ec.prefetch, PRECISION=precision, UPCAST=upcast,
         num_warps=ec.num_warps, num_stages=ec.num_stages,
     )  # fmt: skip
