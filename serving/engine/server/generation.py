@@ -22,7 +22,7 @@ from serving.engine import AdapterError, AdapterNotFoundError, EngineDeadError, 
 from serving.engine.outputs import Logprob
 from serving.engine.server import metrics as outcomes
 from serving.engine.server.errors import APIError, bad_request, model_not_found
-from serving.engine.server.protocol import UsageInfo, _SamplingFields
+from serving.engine.server.protocol import UsageInfo, SamplingFields
 from serving.engine.server.worker import Worker
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ class Outcome:
 
     def fail(self, error: BaseException) -> None:
         if isinstance(error, APIError):
-            status = {400: outcomes.BAD_REQUEST, 404: outcomes.NOT_FOUND, 503: outcomes.OVERLOADED}.get(
+            status = {400: outcomes.BAD_REQUEST, 404: outcomes.NOT_FOUND, 503: outcomes.UNAVAILABLE}.get(
                 error.status, outcomes.ERROR
             )
         elif isinstance(error, (ClientDisconnected, asyncio.CancelledError)):
@@ -91,7 +91,7 @@ def resolve_model(worker: Worker, model: str) -> LoRARequest | None:
     return LoRARequest(model)
 
 
-def check_supported(body: _SamplingFields) -> None:
+def check_supported(body: SamplingFields) -> None:
     unsupported = body.unsupported_fields()
     if unsupported:
         raise bad_request(
@@ -101,7 +101,7 @@ def check_supported(body: _SamplingFields) -> None:
         )
 
 
-def sampling_params(body: _SamplingFields, *, prompt_len: int, max_model_len: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, *, prompt_len: int, max_model_len: int, logprobs: int | None) -> SamplingParams:
     """The engine's SamplingParams for `body`; every invalid value is a 400 that names it."""
     max_tokens = _max_tokens(body.max_tokens, prompt_len, max_model_len)
     try:

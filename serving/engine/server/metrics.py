@@ -25,7 +25,7 @@ OK = "ok"
 ABORTED = "aborted"  # the client went away, or the worker shut down before it finished
 BAD_REQUEST = "bad_request"
 NOT_FOUND = "not_found"
-OVERLOADED = "overloaded"
+UNAVAILABLE = "unavailable"  # 503: loading, draining or over the queue bound
 ERROR = "error"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)

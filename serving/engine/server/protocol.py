@@ -38,7 +38,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str
@@ -76,7 +76,7 @@ class _SamplingFields(_Request):
         return bad
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. `prompt` is a string, or token ids; one prompt per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -117,7 +117,7 @@ class ChatMessage(_Request):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
