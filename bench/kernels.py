@@ -159,7 +159,8 @@ HEADER = (
     "| graph: base µs | graph: ours µs | graph: gather+bmm µs "
     "| ours / base (graph) | ours / base (eager) | loop / ours (eager) | gather / ours (eager) "
     "| adapter GB/s | total GB/s | graph: prepare µs | rel. err |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    + "| --- " * 19
+    + "|"
 )
 
 
@@ -193,7 +194,7 @@ def main() -> None:
     sweeps: list[dict] = []
     if args.sweep:
         sweeps = sweep(args.tune)
-        env["tables"] = {name: {k: dataclasses.asdict(v) for k, v in table.items()} for name, table in tables().items()}
+        env["tables"] = {name: _as_json(table) for name, table in tables().items()}
         save(args.out, env, [], sweeps)
     rows = [] if args.no_table else run_table(args.quick, args.out, env, sweeps)
     env["seconds"] = time.time() - started
@@ -285,40 +286,48 @@ DECODE_CASES = [
 PREFILL_CASE = (4096, 4096, 4096, 8, 16)
 
 
-def tables() -> dict[str, dict]:
-    return dict(FUSED=triton_lora.FUSED, PREFILL_SHRINK=triton_lora.PREFILL_SHRINK,
-                PREFILL_EXPAND=triton_lora.PREFILL_EXPAND)  # fmt: skip
+def tables() -> dict[str, object]:
+    return dict(
+        FUSED=triton_lora.FUSED, FUSED_MIN_TILES=triton_lora.FUSED_MIN_TILES,
+        DECODE_SHRINK_PROGRAMS=triton_lora.DECODE_SHRINK_PROGRAMS, DECODE_EXPAND=triton_lora.DECODE_EXPAND,
+        PREFILL_SHRINK=triton_lora.PREFILL_SHRINK, PREFILL_EXPAND=triton_lora.PREFILL_EXPAND,
+    )  # fmt: skip
+
+
+def _as_json(table: object) -> object:
+    if isinstance(table, dict):
+        return {k: dataclasses.asdict(v) for k, v in table.items()}
+    return table
 
 
 def sweep_variants() -> dict[str, list]:
-    """Launch configurations the sweep times, by table entry."""
+    """Launch configurations the sweep times, by table entry. A decode shrink + expand variant is
+    ``{"shrink_programs": ..., "expand": ExpandConfig}``."""
     F, S, E = triton_lora.FusedConfig, triton_lora.ShrinkConfig, triton_lora.ExpandConfig
     sms = 132
     fused16 = [
-        F(block_k, block_n, programs, prefetch, warps, stages)
-        for block_k, block_n, prefetch, warps, stages in [
-            (256, 128, True, 4, 3), (256, 128, False, 4, 3), (256, 64, True, 4, 3), (512, 128, True, 4, 3),
-            (256, 256, True, 4, 4),
-        ]
-        for programs in (sms, 4 * sms, 8 * sms)
+        F(block_k, block_n, programs, True, warps, stages)
+        for block_k, block_n, warps, stages in [(256, 256, 4, 4), (512, 128, 4, 3), (256, 128, 4, 3)]
+        for programs in (2 * sms, 4 * sms, 6 * sms)
     ]  # fmt: skip
-    fused64 = [
-        F(block_k, block_n, programs, prefetch, warps, 3)
-        for block_k, block_n, prefetch, warps in [(128, 64, True, 8), (128, 64, False, 8), (64, 32, True, 4)]
-        for programs in (sms, 4 * sms)
+    fused64 = [F(128, 64, programs, True, 8, 3) for programs in (2 * sms, 4 * sms, 6 * sms)]
+    fused64.append(F(128, 64, 4 * sms, False, 8, 3))
+    decode_expands = [
+        E(16, block_n, programs, prefetch, 4, 1)
+        for block_n, programs, prefetch in [(64, 1 << 30, False), (128, 1 << 30, False), (256, 1 << 30, False),
+                                            (64, 8 * sms, True), (128, 8 * sms, True), (128, 16 * sms, True)]
     ]  # fmt: skip
-    shrink16 = [
-        S(64, block_k, split_k, warps, stages)
-        for block_k, split_k, warps, stages in [(64, 4, 4, 3), (128, 4, 4, 3), (128, 2, 4, 3), (256, 2, 4, 3),
-                                                (128, 4, 8, 4)]
+    decode_split = [
+        dict(shrink_programs=programs, expand=expand) for programs in (4 * sms, 8 * sms, 16 * sms)
+        for expand in decode_expands
     ]  # fmt: skip
+    shrink16 = [S(64, 128, 4, 8, 4), S(64, 128, 4, 4, 3), S(64, 64, 4, 4, 3), S(64, 128, 8, 8, 4)]
     expand16 = [
-        E(block_m, block_n, programs, prefetch, warps, 1)
-        for block_m, block_n, prefetch, warps in [(64, 64, True, 4), (64, 64, False, 4), (64, 128, True, 8),
-                                                  (16, 128, True, 4)]
-        for programs in (2 * sms, 8 * sms, 1 << 30)
+        E(block_m, block_n, programs, True, warps, 1)
+        for block_m, block_n, warps in [(64, 64, 4), (16, 128, 4), (64, 128, 8)]
+        for programs in (8 * sms, 16 * sms)
     ]  # fmt: skip
-    return dict(fused16=fused16, fused64=fused64, shrink16=shrink16, expand16=expand16)
+    return dict(fused16=fused16, fused64=fused64, decode_split=decode_split, shrink16=shrink16, expand16=expand16)
 
 
 def _sweep_case(hidden: int, width: int, tokens: int, adapters: int, rank: int) -> dict:
@@ -333,7 +342,8 @@ def _sweep_case(hidden: int, width: int, tokens: int, adapters: int, rank: int) 
     case["y0"] = case["y"].clone()  # sweeps add into y in place; correctness checks restart from here
     used = torch.randperm(NUM_SLOTS, device="cuda", generator=gen)[:adapters]
     slots = used[torch.arange(tokens, device="cuda") % adapters]
-    case["meta"] = LoRAMeta(tokens, NUM_SLOTS, "cuda").prepare(slots[torch.randperm(tokens, device="cuda", generator=gen)])
+    slots = slots[torch.randperm(tokens, device="cuda", generator=gen)]
+    case["meta"] = LoRAMeta(tokens, NUM_SLOTS, "cuda").prepare(slots)
     return case
 
 
@@ -342,9 +352,8 @@ def _jobs() -> list[tuple[tuple, str, object]]:
     variants = sweep_variants()
     jobs = []
     for case in DECODE_CASES:
-        for config in variants["fused16" if case[4] <= 16 else "fused64"]:
-            jobs.append((case, "fused", config))
-        jobs.append((case, "shrink+expand", None))
+        jobs += [(case, "fused", config) for config in variants["fused16" if case[4] <= 16 else "fused64"]]
+        jobs += [(case, "shrink+expand", config) for config in variants["decode_split"]]
     jobs += [(PREFILL_CASE, "shrink", config) for config in variants["shrink16"]]
     jobs += [(PREFILL_CASE, "expand", config) for config in variants["expand16"]]
     return jobs
@@ -360,7 +369,15 @@ def _run(kernel: str, c: dict, config: object, shrink_config: object = None) -> 
     if kernel == "expand":
         h = triton_lora.shrink(x, [A], meta, None, shrink_config)
         return lambda: triton_lora.expand(y, h, [B], scaling, meta, (0,), None, config)
-    return lambda: triton_lora.expand(y, triton_lora.shrink(x, [A], meta, None), [B], scaling, meta, (0,), None)
+    sc = triton_lora.shrink_config(meta, x.shape[1], A.shape[1], 1, config["shrink_programs"])
+    return lambda: triton_lora.expand(y, triton_lora.shrink(x, [A], meta, None, sc), [B], scaling, meta, (0,), None,
+                                      config["expand"])  # fmt: skip
+
+
+def _config_json(config: object) -> object:
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    return {k: _config_json(v) for k, v in config.items()} if isinstance(config, dict) else config
 
 
 def _compile_shard(shard: int, shards: int) -> int:
@@ -371,7 +388,7 @@ def _compile_shard(shard: int, shards: int) -> int:
         if case not in cases:
             cases[case] = _sweep_case(*case)
         try:
-            _run(kernel, cases[case], config)()
+            _run(kernel, cases[case], config, triton_lora.PREFILL_SHRINK[16])()
             done += 1
         except Exception as error:  # a failing variant is reported (and skipped) by the timed sweep
             print(f"# precompile {kernel} {config}: {type(error).__name__}: {error}", flush=True)
@@ -388,8 +405,8 @@ def precompile(processes: int) -> None:
 
 
 def sweep(tune: bool) -> list[dict]:
-    """Time every job of the sweep as a graph replay (device time); check each against the
-    reference; with ``tune``, put each table entry's fastest configuration into the tables."""
+    """Time every job of the sweep as a graph replay (device time); check each decode launch
+    against the reference; with ``tune``, put the fastest configurations into the tables."""
     results: list[dict] = []
     cases = {case: _sweep_case(*case) for case in {job[0] for job in _jobs()}}
     reference = {}
@@ -397,18 +414,16 @@ def sweep(tune: bool) -> list[dict]:
         y = c["y0"].clone()
         lora_apply(y, c["x"], c["A"], c["B"], c["scaling"], c["meta"], backend="torch")
         reference[case] = y
-    winners: dict[str, object] = {}
-    for kernel_key, kernel in [("fused", "fused"), ("shrink+expand", "shrink+expand"), ("shrink", "shrink"),
-                               ("expand", "expand")]:  # fmt: skip
+    shrink_winner = None
+    for kernel in ("fused", "shrink+expand", "shrink", "expand"):
         for case, job_kernel, config in _jobs():
-            if job_kernel != kernel_key:
+            if job_kernel != kernel:
                 continue
             c = cases[case]
-            shrink_config = winners.get("shrink")
             row = dict(zip(("hidden", "width", "tokens", "adapters", "rank"), case), kernel=kernel,
-                       config=dataclasses.asdict(config) if config is not None else None)  # fmt: skip
+                       tiles=c["meta"].grid_tiles(16), config=_config_json(config))  # fmt: skip
             try:
-                fn = _run(kernel, c, config, shrink_config)
+                fn = _run(kernel, c, config, shrink_winner)
                 row["ms"] = graph_ms(fn)
                 if kernel in ("fused", "shrink+expand"):
                     c["y"].copy_(c["y0"])
@@ -419,67 +434,86 @@ def sweep(tune: bool) -> list[dict]:
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             results.append(row)
         if kernel == "shrink":
-            winners["shrink"] = _fastest(results, "shrink")
+            shrink_winner = triton_lora.ShrinkConfig(**_fastest(results, "shrink", 16))
     _report(results)
     if tune:
         apply_winners(results)
     return results
 
 
-def _fastest(results: list[dict], kernel: str, rank: int = 16, tokens_max: int | None = None) -> object:
-    """The configuration of ``kernel`` with the least summed slowdown (time over the case's best)
-    across the cases it was timed on."""
-    timed = [r for r in results if r["kernel"] == kernel and r["rank"] == rank and "ms" in r
-             and r.get("rel_err", 0.0) < 2e-2]  # fmt: skip
+def _timed(results: list[dict], kernel: str, rank: int) -> list[dict]:
+    return [r for r in results if r["kernel"] == kernel and r["rank"] == rank and "ms" in r
+            and r.get("rel_err", 0.0) < 2e-2]  # fmt: skip
+
+
+def _fastest(results: list[dict], kernel: str, rank: int) -> dict:
+    """The configuration (as JSON) of ``kernel`` with the least summed slowdown (time over the
+    case's best) across the cases it was timed on, among those timed on all of them."""
+    timed = _timed(results, kernel, rank)
     best_per_case: dict[tuple, float] = {}
     for r in timed:
         key = (r["width"], r["tokens"], r["adapters"])
         best_per_case[key] = min(best_per_case.get(key, math.inf), r["ms"])
     score: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for r in timed:
         key = json.dumps(r["config"], sort_keys=True)
         score[key] = score.get(key, 0.0) + r["ms"] / best_per_case[(r["width"], r["tokens"], r["adapters"])]
-    counts = {k: sum(json.dumps(r["config"], sort_keys=True) == k for r in timed) for k in score}
+        counts[key] = counts.get(key, 0) + 1
     complete = [k for k in score if counts[k] == max(counts.values())]
-    best = min(complete, key=score.__getitem__)
-    cls = dict(fused=triton_lora.FusedConfig, shrink=triton_lora.ShrinkConfig, expand=triton_lora.ExpandConfig)[kernel]
-    return cls(**json.loads(best))
+    return json.loads(min(complete, key=score.__getitem__))
+
+
+def _fused_min_tiles(results: list[dict]) -> int:
+    """The tile count from which the tuned fused kernel beats the tuned shrink + expand, summed
+    over the decode cases (each case's times relative to its faster path)."""
+    fused = {16: _fastest(results, "fused", 16), 64: _fastest(results, "fused", 64)}
+    split = {16: _fastest(results, "shrink+expand", 16), 64: _fastest(results, "shrink+expand", 64)}
+    times = []
+    for case in DECODE_CASES:
+        rank = 16 if case[4] <= 16 else 64
+        def pick(kernel: str, config: dict) -> dict:
+            return next(r for r in results if r["kernel"] == kernel and "ms" in r and r["config"] == config
+                        and (r["width"], r["tokens"], r["adapters"], r["rank"]) == case[1:])  # fmt: skip
+        f, s = pick("fused", fused[rank]), pick("shrink+expand", split[rank])
+        times.append((f["tiles"], f["ms"], s["ms"]))
+    candidates = sorted({t for t, _, _ in times} | {1 << 30})
+    cost = {c: sum((f if t >= c else s) / min(f, s) for t, f, s in times) for c in candidates}
+    return min(candidates, key=lambda c: (cost[c], -c))
 
 
 def apply_winners(results: list[dict]) -> None:
-    triton_lora.FUSED[16] = _fastest(results, "fused", 16)
-    triton_lora.FUSED[64] = _fastest(results, "fused", 64)
-    triton_lora.PREFILL_SHRINK[16] = _fastest(results, "shrink")
-    triton_lora.PREFILL_EXPAND[16] = _fastest(results, "expand")
+    E = triton_lora.ExpandConfig
+    triton_lora.FUSED[16] = triton_lora.FusedConfig(**_fastest(results, "fused", 16))
+    triton_lora.FUSED[64] = triton_lora.FusedConfig(**_fastest(results, "fused", 64))
+    split16 = _fastest(results, "shrink+expand", 16)
+    triton_lora.DECODE_SHRINK_PROGRAMS = split16["shrink_programs"]
+    triton_lora.DECODE_EXPAND[16] = E(**split16["expand"])
+    triton_lora.DECODE_EXPAND[64] = E(**_fastest(results, "shrink+expand", 64)["expand"])
+    triton_lora.FUSED_MIN_TILES = _fused_min_tiles(results)
+    triton_lora.PREFILL_SHRINK[16] = triton_lora.ShrinkConfig(**_fastest(results, "shrink", 16))
+    triton_lora.PREFILL_EXPAND[16] = E(**_fastest(results, "expand", 16))
     for name, table in tables().items():
         print(f"# tuned {name}: {table}", flush=True)
 
 
 def _report(results: list[dict]) -> None:
-    """Per case and kernel: the default configuration's time, the best and the worst."""
-    defaults = {
-        "fused": lambda r: triton_lora.FUSED[triton_lora.rank_class(r["rank"])],
-        "shrink": lambda r: triton_lora.PREFILL_SHRINK[16],
-        "expand": lambda r: triton_lora.PREFILL_EXPAND[16],
-    }
+    """Per case and kernel: the current table's time (if it was timed), the best and the spread."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["kernel"], r["width"], r["tokens"], r["adapters"], r["rank"]), []).append(r)
     for (kernel, width, tokens, adapters, rank), rows in groups.items():
         ok = [r for r in rows if "ms" in r]
         errors = [r for r in rows if "error" in r]
+        head = f"# sweep {kernel} {width}w T{tokens} N{adapters} r{rank}:"
         if not ok:
-            print(f"# sweep {kernel} {width}w T{tokens} N{adapters} r{rank}: all failed: {errors[0]['error']}")
+            print(f"{head} all failed: {errors[0]['error']}", flush=True)
             continue
         best = min(ok, key=lambda r: r["ms"])
-        default = None
-        if kernel in defaults:
-            want = dataclasses.asdict(defaults[kernel](rows[0]))
-            default = next((r for r in ok if r["config"] == want), None)
         worst_err = max((r.get("rel_err", 0.0) for r in ok), default=0.0)
-        print(f"# sweep {kernel} {width}w T{tokens} N{adapters} r{rank}: "
-              f"default {default['ms'] * 1000 if default else float('nan'):.1f} µs; best {best['ms'] * 1000:.1f} µs "
-              f"{best['config']}; {len(ok)} ok, {len(errors)} failed, max rel err {worst_err:.1e}", flush=True)  # fmt: skip
+        worst = max(r["ms"] for r in ok)
+        print(f"{head} best {best['ms'] * 1000:.1f} µs {best['config']}; worst {worst * 1000:.1f} µs;"
+              f" {len(ok)} ok, {len(errors)} failed, max rel err {worst_err:.1e}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from kernels.meta import LoRAMeta
 
 # Streaming multiprocessors the launch heuristics size grids for (H200: 132).
 _SMS = 132
-# Steps of at most this many tokens use the fused decode kernel, with row tiles of 16.
+# Steps of at most this many tokens are decode-sized: row tiles of 16.
 DECODE_MAX_TOKENS = 256
 # The fused kernel keeps the whole rank in one block; larger ranks take shrink + expand.
 FUSED_MAX_RANK = 128
@@ -182,8 +182,8 @@ def _fused_kernel(
     acc = _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, 0, K, stride_xt, stride_xk, stride_ak,
                        BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, K_STAGES, PRECISION, UPCAST)  # fmt: skip
 
-    b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
-    b_cols += offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
+    b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
+    b_cols += slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
     h = acc.to(b0_ptr.dtype.element_ty)
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
     _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
@@ -252,8 +252,8 @@ def _expand_kernel(
     for i in tl.static_range(SPLIT_K):
         acc += tl.load(h_ptrs + i * stride_hk, mask=h_mask, other=0.0)
 
-    b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
-    b_cols += offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
+    b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
+    b_cols += slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
     h = acc.to(b0_ptr.dtype.element_ty)
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
     _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
@@ -306,17 +306,28 @@ class ExpandConfig:
 # break graph capture. From the H200 sweep of docs/benchmarks.md and the compiler's resource report
 # for sm_90 (none of these spills registers).
 FUSED: dict[int, FusedConfig] = {
-    16: FusedConfig(block_k=256, block_n=128, programs=4 * _SMS, prefetch=True, num_warps=4, num_stages=3),
-    64: FusedConfig(block_k=128, block_n=64, programs=2 * _SMS, prefetch=True, num_warps=8, num_stages=3),
+    16: FusedConfig(block_k=256, block_n=256, programs=4 * _SMS, prefetch=True, num_warps=4, num_stages=4),
+    64: FusedConfig(block_k=128, block_n=64, programs=4 * _SMS, prefetch=True, num_warps=8, num_stages=3),
     128: FusedConfig(block_k=32, block_n=64, programs=2 * _SMS, prefetch=False, num_warps=8, num_stages=3),
 }
+# A decode-sized step takes the fused kernel when it has at least this many tile programs (row tiles
+# times slices, the grid's bound): with fewer, one program's pass over K is too long a serial chain,
+# and a split-K shrink + expand finishes first.
+FUSED_MIN_TILES = 128
+# Decode-sized shrink + expand: split K until the shrink grid has about this many programs.
+DECODE_SHRINK_PROGRAMS = 4 * _SMS
+DECODE_EXPAND: dict[int, ExpandConfig] = {
+    16: ExpandConfig(block_m=16, block_n=64, programs=1 << 30, prefetch=False, num_warps=4, num_stages=1),
+    64: ExpandConfig(block_m=16, block_n=64, programs=1 << 30, prefetch=False, num_warps=4, num_stages=1),
+    128: ExpandConfig(block_m=16, block_n=64, programs=1 << 30, prefetch=False, num_warps=4, num_stages=1),
+}
 PREFILL_SHRINK: dict[int, ShrinkConfig] = {
-    16: ShrinkConfig(block_m=64, block_k=128, split_k=4, num_warps=4, num_stages=3),
+    16: ShrinkConfig(block_m=64, block_k=128, split_k=4, num_warps=8, num_stages=4),
     64: ShrinkConfig(block_m=64, block_k=64, split_k=4, num_warps=8, num_stages=3),
 }
 PREFILL_EXPAND: dict[int, ExpandConfig] = {
-    16: ExpandConfig(block_m=64, block_n=64, programs=4 * _SMS, prefetch=True, num_warps=4, num_stages=1),
-    64: ExpandConfig(block_m=64, block_n=64, programs=4 * _SMS, prefetch=True, num_warps=8, num_stages=1),
+    16: ExpandConfig(block_m=64, block_n=64, programs=8 * _SMS, prefetch=True, num_warps=4, num_stages=1),
+    64: ExpandConfig(block_m=64, block_n=64, programs=8 * _SMS, prefetch=True, num_warps=8, num_stages=1),
 }
 
 
@@ -334,9 +345,14 @@ def rank_class(rank: int) -> int:
     return 16 if rank <= 16 else 64 if rank <= 64 else 128
 
 
-def uses_fused(meta: LoRAMeta, rank: int) -> bool:
-    """Decode-sized steps with rank <= 128 take the fused kernel; the rest shrink + expand."""
-    return meta.num_tokens <= DECODE_MAX_TOKENS and rank <= FUSED_MAX_RANK
+def uses_fused(meta: LoRAMeta, rank: int, num_slices: int) -> bool:
+    """Decode-sized steps with rank <= 128 and enough tiles take the fused kernel; the rest
+    shrink + expand."""
+    return (
+        meta.num_tokens <= DECODE_MAX_TOKENS
+        and rank <= FUSED_MAX_RANK
+        and meta.grid_tiles(16) * num_slices >= FUSED_MIN_TILES
+    )
 
 
 def _column_chunk(width: int, block_n: int, other_programs: int, programs: int) -> int:
@@ -382,7 +398,7 @@ def lora_apply_triton(
         return
     if any(A.stride() != As[0].stride() for A in As):
         raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
-    if uses_fused(meta, As[0].shape[1]):
+    if uses_fused(meta, As[0].shape[1], len(As)):
         fused(y, x, As, Bs, scaling, meta, slice_offsets, ranks)
     else:
         expand(y, shrink(x, As, meta, ranks), Bs, scaling, meta, slice_offsets, ranks)
@@ -424,23 +440,25 @@ def fused(
     )  # fmt: skip
 
 
-def shrink_config(meta: LoRAMeta, hidden: int, rank: int) -> ShrinkConfig:
-    """The prefill table's shrink; for a decode-sized step (rank above 128) 16-row tiles and split-K
-    until the grid has about four programs per SM."""
+def shrink_config(
+    meta: LoRAMeta, hidden: int, rank: int, num_slices: int = 1, programs: int | None = None
+) -> ShrinkConfig:
+    """The prefill table's shrink; for a decode-sized step 16-row tiles, split-K until the grid has
+    about ``programs`` (default ``DECODE_SHRINK_PROGRAMS``) programs."""
     if meta.num_tokens > DECODE_MAX_TOKENS:
         return PREFILL_SHRINK[min(rank_class(rank), 64)]
+    programs = programs or DECODE_SHRINK_PROGRAMS
     block_k = _block_k(256, rank, hidden)
-    split_k = 1
-    while meta.grid_tiles(16) * split_k * 2 <= 4 * _SMS and split_k * 2 * block_k <= hidden:
+    tiles, split_k = meta.grid_tiles(16) * num_slices, 1
+    while tiles * split_k * 2 <= programs and split_k * 2 * block_k <= hidden:
         split_k *= 2
     return ShrinkConfig(16, block_k, split_k, 4, 3)
 
 
 def expand_config(meta: LoRAMeta, rank: int) -> ExpandConfig:
-    """The prefill table's expand; for a decode-sized step 16-row tiles."""
-    if meta.num_tokens > DECODE_MAX_TOKENS:
-        return PREFILL_EXPAND[min(rank_class(rank), 64)]
-    return ExpandConfig(16, 64, 4 * _SMS, False, 4, 1)
+    """The prefill or the decode table's expand."""
+    table = PREFILL_EXPAND if meta.num_tokens > DECODE_MAX_TOKENS else DECODE_EXPAND
+    return table[min(rank_class(rank), max(table))]
 
 
 def shrink(
@@ -453,7 +471,7 @@ def shrink(
     """``h [split_k, slices, T, R_pad]`` fp32 partial sums, row ``p`` = sorted position ``p`` (only
     adapter rows and each slot's own rank are written: :func:`expand` reads nothing else)."""
     num_slices, hidden, rank = len(As), x.shape[1], As[0].shape[1]
-    sc = config or shrink_config(meta, hidden, rank)
+    sc = config or shrink_config(meta, hidden, rank, num_slices)
     block_k = _block_k(sc.block_k, rank, hidden)
     precision, upcast = _precision(x.dtype)
     tile_slot, tile_start, tile_end = meta.tiles(sc.block_m)

@@ -124,7 +124,8 @@ def test_every_launch_path_matches_reference(path: str, device: str) -> None:
     """Each kernel path with column chunks of several blocks, uneven K, GQA-like slices, mixed ranks."""
     _triton_device(device)
     case = make_case(num_tokens=70, num_slots=5, rank=16, hidden=72, widths=[56, 24], dtype=torch.bfloat16,
-                     device=device, slot_ranks=[16, 8, 16, 0, 16], pass_ranks=True, extra_columns=8, seed=3)  # fmt: skip
+                     device=device, slot_ranks=[16, 8, 16, 0, 16], pass_ranks=True, extra_columns=8,
+                     seed=3)  # fmt: skip
     meta = case.meta()
     y_triton, y_torch = case.y.clone(), case.y.clone()
     _launch(path, case, meta, y_triton, case.ranks)
