@@ -66,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         lora_request=lora_request, priority=body.priority,
     )
     if body.stream:
-        return GenerationStream(_chunks(worker, generation, first, body), generation)
+        return GenerationStream(_chunks(generation, first, body), generation)
     try:
         deltas = [first, *await generation.rest(request)]
     finally:
@@ -74,7 +74,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     last = deltas[-1]
     choice = ChatChoice(
         message=ChatResponseMessage(content="".join(d.text for d in deltas)),
-        logprobs=_logprobs(worker, deltas, body.top_logprobs or 0) if body.logprobs else None,
+        logprobs=_logprobs(generation, deltas, body.top_logprobs or 0) if body.logprobs else None,
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
         token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
@@ -86,7 +86,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def _chunks(worker: Worker, generation: Generation, first: Delta, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
     usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
     def chunk(choice: ChatChunkChoice | None, *, usage: bool, prompt_ids: bool = False) -> bytes:
@@ -104,7 +104,7 @@ async def _chunks(worker: Worker, generation: Generation, first: Delta, body: Ch
         if delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
             yield chunk(ChatChunkChoice(
                 delta=ChatDelta(content=delta.text),
-                logprobs=_logprobs(worker, [delta], body.top_logprobs or 0) if body.logprobs else None,
+                logprobs=_logprobs(generation, [delta], body.top_logprobs or 0) if body.logprobs else None,
                 finish_reason=delta.finish_reason,
                 stop_reason=delta.stop_reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
@@ -114,9 +114,9 @@ async def _chunks(worker: Worker, generation: Generation, first: Delta, body: Ch
         yield chunk(None, usage=True)
 
 
-def _logprobs(worker: Worker, deltas: list[Delta], top: int) -> ChatLogprobs:
+def _logprobs(generation: Generation, deltas: list[Delta], top: int) -> ChatLogprobs:
     """OpenAI's chat logprobs: per token, its logprob, its bytes and the `top` most likely tokens."""
-    decode = worker.require_ready()[0].tokenizer.decode
+    decode = generation.decode
     content = []
     for delta in deltas:
         for token_id, entry in zip(delta.token_ids, delta.logprobs or []):

@@ -56,11 +56,6 @@ class ServerArgs:
     uvicorn_log_level: str = "info"
 
     @property
-    def base_model_id(self) -> str:
-        """The base model's id in the API: the first served name, else the model path (as vLLM)."""
-        return self.served_model_name[0] if self.served_model_name else self.model
-
-    @property
     def public_url(self) -> str:
         if self.advertise_url:
             return self.advertise_url.rstrip("/")

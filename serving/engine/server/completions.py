@@ -51,7 +51,7 @@ async def create_completion(body: CompletionRequest, request: Request, worker: W
         lora_request=lora_request, priority=body.priority,
     )
     if body.stream:
-        return GenerationStream(_chunks(worker, generation, first, body), generation)
+        return GenerationStream(_chunks(generation, first, body), generation)
     try:
         deltas = [first, *await generation.rest(request)]
     finally:
@@ -60,7 +60,7 @@ async def create_completion(body: CompletionRequest, request: Request, worker: W
     last = deltas[-1]
     choice = CompletionChoice(
         text=text,
-        logprobs=_logprobs(worker, deltas, offset=0, top=body.logprobs or 0) if body.logprobs is not None else None,
+        logprobs=_logprobs(generation, deltas, offset=0, top=body.logprobs or 0) if body.logprobs is not None else None,
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
         token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
@@ -73,7 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request, worker: W
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def _chunks(worker: Worker, generation: Generation, first: Delta, body: CompletionRequest) -> AsyncIterator[bytes]:
+async def _chunks(generation: Generation, first: Delta, body: CompletionRequest) -> AsyncIterator[bytes]:
     usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     offset = 0
     delta: Delta | None = first
@@ -82,7 +82,7 @@ async def _chunks(worker: Worker, generation: Generation, first: Delta, body: Co
         if delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs is not None):
             choice = CompletionChoice(
                 text=delta.text,
-                logprobs=_logprobs(worker, [delta], offset=offset, top=body.logprobs or 0) if body.logprobs is not None else None,
+                logprobs=_logprobs(generation, [delta], offset=offset, top=body.logprobs or 0) if body.logprobs is not None else None,
                 finish_reason=delta.finish_reason,
                 stop_reason=delta.stop_reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
@@ -102,10 +102,10 @@ async def _chunks(worker: Worker, generation: Generation, first: Delta, body: Co
         ))
 
 
-def _logprobs(worker: Worker, deltas: list[Delta], *, offset: int, top: int) -> CompletionLogprobs:
+def _logprobs(generation: Generation, deltas: list[Delta], *, offset: int, top: int) -> CompletionLogprobs:
     """OpenAI's legacy logprobs: the chosen tokens, their logprobs, the `top` most likely tokens
     (and the chosen one) at each position, and each token's character offset in the completion."""
-    decode = worker.require_ready()[0].tokenizer.decode
+    decode = generation.decode
     result = CompletionLogprobs()
     for delta in deltas:
         for token_id, entry in zip(delta.token_ids, delta.logprobs or []):

@@ -195,6 +195,10 @@ class Generation:
         self._closed = False
         self._stream: AsyncIterator[Delta] | None = None
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of tokens (for logprobs), usable to the end of the stream, draining included."""
+        return self._engine.tokenizer.decode(token_ids)
+
     @classmethod
     async def start(cls, worker: Worker, outcome: Outcome, request: Request, **kwargs: object) -> tuple[Generation, Delta]:
         """Admit the request and wait for its first delta (or the error that prevents one)."""
