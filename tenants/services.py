@@ -13,11 +13,21 @@ from lora_platform.errors import Conflict, InvalidInput
 from tenants.api_keys import generate_key, hash_secret
 from tenants.models import ApiKey, Membership, Tenant, Tier
 from tenants.selectors import tenant_by_slug
+from tenants.tiers import DEFAULT_TIERS
 
 DEFAULT_SCOPES = [ApiKey.Scope.INFERENCE.value, ApiKey.Scope.MANAGE.value]
 SLUG_MAX_LENGTH = Tenant._meta.get_field("slug").max_length
 NAME_MAX_LENGTH = Tenant._meta.get_field("name").max_length
 KEY_NAME_MAX_LENGTH = ApiKey._meta.get_field("name").max_length
+
+
+def tiers_seed() -> list[Tier]:
+    """Create or restore the default tiers (the seed migration's data), idempotently.
+
+    A database flushed after migrating (as transactional tests do) loses the migration's rows; this
+    puts them back.
+    """
+    return [Tier.objects.update_or_create(name=values["name"], defaults=values)[0] for values in DEFAULT_TIERS]
 
 
 def _tier_by_name(name: str) -> Tier:

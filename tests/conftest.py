@@ -6,11 +6,19 @@ side by side with their own keys.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported, and transformers and peft import it, so
+# this must happen before any test module loads: without CUDA, Triton kernels run in its
+# interpreter (tests/kernels). On a CUDA machine it stays unset and the compiled kernels run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @dataclass
@@ -24,8 +32,9 @@ class TenantFixture:
 
 
 def _make_tenant(slug: str, tier: str = "standard") -> TenantFixture:
-    from tenants.services import tenant_create
+    from tenants.services import tenant_create, tiers_seed
 
+    tiers_seed()
     tenant, key = tenant_create(slug=slug, tier_name=tier, name=slug.title())
     return TenantFixture(tenant=tenant, key=key)
 

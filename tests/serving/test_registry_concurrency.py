@@ -22,8 +22,9 @@ from serving import services
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 
 pytestmark = [
-    # serialized_rollback restores the tiers the data migration seeded, which a flush would wipe.
-    pytest.mark.django_db(transaction=True, serialized_rollback=True),
+    # The flush after each test wipes the seeded tiers; the tenant fixtures re-seed them
+    # (serialized_rollback would clash with the content types the flush re-creates).
+    pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(connection.vendor != "postgresql",
                        reason="row locks need PostgreSQL; SQLite serialises whole-database writes"),
 ]

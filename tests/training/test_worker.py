@@ -25,7 +25,7 @@ from training.trainer import token_nll
 
 from training_support import QA, chat_lines, jsonl, wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
+pytestmark = pytest.mark.django_db(transaction=True)
 
 # Training completions must become at least this much likelier per token (nats) than under the base.
 LEARNED_MARGIN = 0.3
