@@ -27,6 +27,7 @@ from types import FrameType
 
 WEB_HOST = os.environ.get("LORAPLEX_WEB_HOST", "127.0.0.1")
 WEB_PORT = int(os.environ.get("LORAPLEX_WEB_PORT", "8000"))
+SERVING_PORT = int(os.environ.get("LORAPLEX_SERVING_PORT", "8100"))
 DEMO_TENANT = "demo"
 ADMIN_USERNAME = "admin"
 READY_TIMEOUT_S = 120.0
@@ -40,15 +41,31 @@ class ChildSpec:
 
 
 def child_processes() -> list[ChildSpec]:
-    """The platform's processes; later issues add the serving worker here."""
+    """The platform's processes: web, Celery worker, and one serving worker synced to the registry."""
+    from django.conf import settings
+
     python = sys.executable
+    snapshot_url = f"http://{WEB_HOST}:{WEB_PORT}/api/v1/internal/registry/snapshot"
     return [
         ChildSpec("web", [python, "-m", "uvicorn", "lora_platform.asgi:application",
                           "--host", WEB_HOST, "--port", str(WEB_PORT), "--log-level", "warning"]),
         ChildSpec("worker", [python, "-m", "celery", "-A", "lora_platform", "worker",
                              "--queues", "quick,training", "--concurrency", "1", "--loglevel", "INFO",
                              "--hostname", f"worker-{os.getpid()}@%h"]),
+        # REGISTRY_TOKEN and REDIS_URL reach it through the environment (see ensure_registry_token).
+        ChildSpec("serving-worker", [python, "-m", "serving.engine.server",
+                                     "--model", str(settings.BASE_MODEL_PATH),
+                                     "--served-model-name", settings.BASE_MODEL_NAME,
+                                     "--host", WEB_HOST, "--port", str(SERVING_PORT),
+                                     "--max-lora-rank", str(settings.MAX_LORA_RANK),
+                                     "--registry-url", snapshot_url,
+                                     "--uvicorn-log-level", "warning"]),
     ]
+
+
+def ensure_registry_token() -> None:
+    """The web app and the serving worker share a registry token; one per run unless configured."""
+    os.environ.setdefault("REGISTRY_TOKEN", secrets.token_urlsafe(32))
 
 
 def say(message: str = "") -> None:
@@ -183,10 +200,11 @@ def banner(base: str, demo_key: str | None, admin_password: str | None) -> str:
     lines = [
         "",
         "Loraplex is up. Ctrl-C stops it.",
-        f"  Dashboard    {base}/",
         f"  Admin        {base}/admin/",
         f"  API          {base}/api/v1/",
         f"  API schema   {base}/api/schema/   (browsable: {base}/api/docs/)",
+        f"  Serving      http://{WEB_HOST}:{SERVING_PORT}/v1/   (OpenAI-compatible serving worker; "
+        f"metrics at /metrics)",
     ]
     if admin_password:
         lines.append(f"  Admin login  user '{ADMIN_USERNAME}', password {admin_password}   (shown this once)")
@@ -206,6 +224,10 @@ def main() -> int:
     if not port_is_free(WEB_HOST, WEB_PORT):
         say(f"Port {WEB_PORT} on {WEB_HOST} is in use; stop what holds it or set LORAPLEX_WEB_PORT.")
         return 1
+    if not port_is_free(WEB_HOST, SERVING_PORT):
+        say(f"Port {SERVING_PORT} on {WEB_HOST} is in use; stop what holds it or set LORAPLEX_SERVING_PORT.")
+        return 1
+    ensure_registry_token()
     setup_django()
     ensure_database()
     ensure_base_model()

@@ -45,10 +45,13 @@ def port_is_free(port: int) -> bool:
 class Launcher:
     """`python -m lora_platform.launcher` in a subprocess with its own var dir: SQLite, embedded Redis."""
 
-    def __init__(self, var_dir: Path, port: int) -> None:
+    def __init__(self, var_dir: Path, port: int, serving_port: int | None = None) -> None:
         env = {k: v for k, v in os.environ.items()
                if k not in ("REDIS_URL", "DATABASE_URL", "STORAGE_URL", "BASE_MODEL_PATH", "DJANGO_SETTINGS_MODULE")}
-        env.update(LORAPLEX_VAR_DIR=str(var_dir), LORAPLEX_WEB_PORT=str(port), PYTHONUNBUFFERED="1")
+        env.pop("REGISTRY_TOKEN", None)
+        self.serving_port = serving_port or unused_port()
+        env.update(LORAPLEX_VAR_DIR=str(var_dir), LORAPLEX_WEB_PORT=str(port),
+                   LORAPLEX_SERVING_PORT=str(self.serving_port), PYTHONUNBUFFERED="1")
         self.port = port
         self.lines: list[str] = []
         self.process = subprocess.Popen([sys.executable, "-m", "lora_platform.launcher"], cwd=ROOT, env=env,
@@ -72,8 +75,8 @@ class Launcher:
             assert time.monotonic() < deadline, f"no '{text}' within {STARTUP_TIMEOUT_S} s:\n{self.output[-5000:]}"
             time.sleep(0.2)
 
-    def get(self, path: str, key: str | None = None) -> tuple[int, bytes]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}")
+    def get(self, path: str, key: str | None = None, port: int | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port or self.port}{path}")
         if key:
             request.add_header("Authorization", f"Bearer {key}")
         with urllib.request.urlopen(request, timeout=10) as response:
@@ -118,12 +121,24 @@ def test_launcher_comes_up_prints_where_to_go_and_stops_cleanly(tmp_path: Path) 
         assert re.search(r"user 'admin', password \S+ +\(shown this once\)", launcher.output)
         assert (tmp_path / "var" / "models" / "tiny-llama" / "config.json").is_file()
         assert processes_with(f"worker-{launcher.process.pid}@"), "the Celery worker is not running"
+        assert f"http://127.0.0.1:{launcher.serving_port}/v1/" in launcher.output
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:  # the serving worker answers /health with 503 until its model is loaded
+            try:
+                if launcher.get("/health", port=launcher.serving_port)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"serving worker not healthy:\n{launcher.output[-5000:]}"
+            time.sleep(0.5)
+        status, body = launcher.get("/v1/models", port=launcher.serving_port)
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny-llama"
 
         assert launcher.terminate() == 0
     finally:
         launcher.kill()
     assert "Loraplex stopped." in launcher.output
-    assert port_is_free(port)
+    assert port_is_free(port) and port_is_free(launcher.serving_port)
     assert processes_with(f"worker-{launcher.process.pid}@") == []
 
 
