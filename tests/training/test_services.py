@@ -120,3 +120,12 @@ def test_the_sweep_fills_free_slots_and_resends_lost_tasks(tenant_a, dataset):
                                                  created_at=timezone.now() - timedelta(days=1))
     assert services.training_jobs_sweep() == {"dispatched": [], "resent": [job.pk], "validations": [dataset.pk]}
     assert job.events.filter(level="warning", message__contains="its task was sent again").exists()
+
+
+def test_a_validation_file_gives_the_valid_loss(tenant_a, dataset, one_thread):
+    job = new_job(tenant_a, dataset, validation_file=dataset.pk)
+    services.training_job_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == TrainingJob.Status.SUCCEEDED and job.valid_loss is not None
+    last = job.events.filter(type="metrics").order_by("-id").first()
+    assert last.data["valid_loss"] == job.valid_loss and last.data["step"] == job.total_steps == 4
