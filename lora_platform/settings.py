@@ -96,6 +96,11 @@ DATABASES = {
         conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0),
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Web and worker processes share the file. A transaction that reads and then writes cannot wait
+    # for another writer in SQLite's default (deferred) mode: it fails at once with "database is
+    # locked". IMMEDIATE takes the write lock when the transaction begins, so it waits its turn.
+    DATABASES["default"].setdefault("OPTIONS", {}).update({"transaction_mode": "IMMEDIATE", "timeout": 20})
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
