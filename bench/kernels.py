@@ -4,22 +4,25 @@ For each projection (4096x4096 and 4096x14336, bf16), token count T, number of d
 and rank, it times in one run:
 
 - ``base``: the projection's GEMM ``x @ W^T``;
-- ``ours``: ``kernels.lora_apply`` (shrink + expand) with the step's metadata already prepared
-  (``prepare`` runs once per step for all 224 LoRA layers of an 8B model; timed on its own);
+- ``ours``: ``kernels.lora_apply`` (split-K shrink + expand) with the step's metadata already
+  prepared (``prepare`` runs once per step for all 224 LoRA layers of an 8B model; timed on its own);
 - ``gather+bmm``: every token's A and B gathered, two batched matmuls;
 - ``loop``: a PEFT-style loop over adapters (index the adapter's tokens, two matmuls, index-add);
 
-eagerly (CUDA events around each call, so host launch overhead counts) and, for decode sizes
-(T <= 256), as replays of a captured CUDA graph (device time only). Bandwidth is reported on the
-bytes the LoRA op must move at least: the distinct adapters' A and B, plus reading x and
-reading and writing y.
+eagerly (CUDA events around each call, so host launch overhead counts) and as replays of a
+captured CUDA graph (device time only; gather+bmm only for decode sizes, T <= 256). Bandwidth is
+reported on the bytes the LoRA op must move at least (the distinct adapters' A and B, plus reading
+x and reading and writing y) over the graph time.
 
-With ``--sweep``, it also times shrink and expand alone for the three target cases under several
-launch configurations (the table in kernels/triton_lora.py is chosen from such a sweep).
-With ``--cpu`` it instead times the torch reference's two strategies on CPU (fp32), which sets
+With ``--sweep``, it first times the kernels of the target cases alone, as graph replays, under
+several launch configurations (the tables in kernels/triton_lora.py are chosen from such a
+sweep); ``--tune`` also puts each table entry's fastest configuration into those tables for the
+rest of the run, so the table that follows measures them. ``--precompile N`` compiles the sweep's
+kernels in N processes first (Triton's disk cache then serves the timing process). With ``--cpu``
+it instead times the torch reference's two strategies on CPU (fp32), which sets
 ``kernels.reference.DENSE_MAX_MACS``.
 
-    python bench/kernels.py [--out DIR] [--quick] [--sweep]
+    python bench/kernels.py [--out DIR] [--quick] [--sweep [--tune]] [--precompile N] [--no-table]
     python bench/kernels.py --cpu
 """
 
@@ -288,7 +291,6 @@ PREFILL_CASE = (4096, 4096, 4096, 8, 16)
 
 def tables() -> dict[str, object]:
     return dict(
-        FUSED=triton_lora.FUSED, FUSED_MIN_TILES=triton_lora.FUSED_MIN_TILES,
         DECODE_SHRINK_PROGRAMS=triton_lora.DECODE_SHRINK_PROGRAMS, DECODE_EXPAND=triton_lora.DECODE_EXPAND,
         PREFILL_SHRINK=triton_lora.PREFILL_SHRINK, PREFILL_EXPAND=triton_lora.PREFILL_EXPAND,
     )  # fmt: skip
@@ -303,18 +305,11 @@ def _as_json(table: object) -> object:
 def sweep_variants() -> dict[str, list]:
     """Launch configurations the sweep times, by table entry. A decode shrink + expand variant is
     ``{"shrink_programs": ..., "expand": ExpandConfig}``."""
-    F, S, E = triton_lora.FusedConfig, triton_lora.ShrinkConfig, triton_lora.ExpandConfig
-    sms = 132
-    fused16 = [
-        F(block_k, block_n, programs, True, warps, stages)
-        for block_k, block_n, warps, stages in [(256, 256, 4, 4), (512, 128, 4, 3), (256, 128, 4, 3)]
-        for programs in (2 * sms, 4 * sms, 6 * sms)
-    ]  # fmt: skip
-    fused64 = [F(128, 64, programs, True, 8, 3) for programs in (2 * sms, 4 * sms, 6 * sms)]
-    fused64.append(F(128, 64, 4 * sms, False, 8, 3))
+    S, E = triton_lora.ShrinkConfig, triton_lora.ExpandConfig
+    sms, one = 132, triton_lora.ONE_BLOCK_EACH
     decode_expands = [
         E(16, block_n, programs, prefetch, 4, 1)
-        for block_n, programs, prefetch in [(64, 1 << 30, False), (128, 1 << 30, False), (256, 1 << 30, False),
+        for block_n, programs, prefetch in [(64, one, False), (128, one, False), (256, one, False),
                                             (64, 8 * sms, True), (128, 8 * sms, True), (128, 16 * sms, True)]
     ]  # fmt: skip
     decode_split = [
@@ -327,7 +322,7 @@ def sweep_variants() -> dict[str, list]:
         for block_m, block_n, warps in [(64, 64, 4), (16, 128, 4), (64, 128, 8)]
         for programs in (8 * sms, 16 * sms)
     ]  # fmt: skip
-    return dict(fused16=fused16, fused64=fused64, decode_split=decode_split, shrink16=shrink16, expand16=expand16)
+    return dict(decode_split=decode_split, shrink16=shrink16, expand16=expand16)
 
 
 def _sweep_case(hidden: int, width: int, tokens: int, adapters: int, rank: int) -> dict:
@@ -352,7 +347,6 @@ def _jobs() -> list[tuple[tuple, str, object]]:
     variants = sweep_variants()
     jobs = []
     for case in DECODE_CASES:
-        jobs += [(case, "fused", config) for config in variants["fused16" if case[4] <= 16 else "fused64"]]
         jobs += [(case, "shrink+expand", config) for config in variants["decode_split"]]
     jobs += [(PREFILL_CASE, "shrink", config) for config in variants["shrink16"]]
     jobs += [(PREFILL_CASE, "expand", config) for config in variants["expand16"]]
@@ -362,8 +356,6 @@ def _jobs() -> list[tuple[tuple, str, object]]:
 def _run(kernel: str, c: dict, config: object, shrink_config: object = None) -> Callable[[], None]:
     """The launch of ``kernel`` on case ``c`` under ``config`` as a closure."""
     x, y, A, B, scaling, meta = c["x"], c["y"], c["A"], c["B"], c["scaling"], c["meta"]
-    if kernel == "fused":
-        return lambda: triton_lora.fused(y, x, [A], [B], scaling, meta, (0,), None, config)
     if kernel == "shrink":
         return lambda: triton_lora.shrink(x, [A], meta, None, config)
     if kernel == "expand":
@@ -415,7 +407,7 @@ def sweep(tune: bool) -> list[dict]:
         lora_apply(y, c["x"], c["A"], c["B"], c["scaling"], c["meta"], backend="torch")
         reference[case] = y
     shrink_winner = None
-    for kernel in ("fused", "shrink+expand", "shrink", "expand"):
+    for kernel in ("shrink+expand", "shrink", "expand"):
         for case, job_kernel, config in _jobs():
             if job_kernel != kernel:
                 continue
@@ -425,7 +417,7 @@ def sweep(tune: bool) -> list[dict]:
             try:
                 fn = _run(kernel, c, config, shrink_winner)
                 row["ms"] = graph_ms(fn)
-                if kernel in ("fused", "shrink+expand"):
+                if kernel == "shrink+expand":
                     c["y"].copy_(c["y0"])
                     fn()
                     delta = (reference[case].float() - c["y0"].float()).norm()
@@ -464,33 +456,12 @@ def _fastest(results: list[dict], kernel: str, rank: int) -> dict:
     return json.loads(min(complete, key=score.__getitem__))
 
 
-def _fused_min_tiles(results: list[dict]) -> int:
-    """The tile count from which the tuned fused kernel beats the tuned shrink + expand, summed
-    over the decode cases (each case's times relative to its faster path)."""
-    fused = {16: _fastest(results, "fused", 16), 64: _fastest(results, "fused", 64)}
-    split = {16: _fastest(results, "shrink+expand", 16), 64: _fastest(results, "shrink+expand", 64)}
-    times = []
-    for case in DECODE_CASES:
-        rank = 16 if case[4] <= 16 else 64
-        def pick(kernel: str, config: dict) -> dict:
-            return next(r for r in results if r["kernel"] == kernel and "ms" in r and r["config"] == config
-                        and (r["width"], r["tokens"], r["adapters"], r["rank"]) == case[1:])  # fmt: skip
-        f, s = pick("fused", fused[rank]), pick("shrink+expand", split[rank])
-        times.append((f["tiles"], f["ms"], s["ms"]))
-    candidates = sorted({t for t, _, _ in times} | {1 << 30})
-    cost = {c: sum((f if t >= c else s) / min(f, s) for t, f, s in times) for c in candidates}
-    return min(candidates, key=lambda c: (cost[c], -c))
-
-
 def apply_winners(results: list[dict]) -> None:
     E = triton_lora.ExpandConfig
-    triton_lora.FUSED[16] = triton_lora.FusedConfig(**_fastest(results, "fused", 16))
-    triton_lora.FUSED[64] = triton_lora.FusedConfig(**_fastest(results, "fused", 64))
     split16 = _fastest(results, "shrink+expand", 16)
     triton_lora.DECODE_SHRINK_PROGRAMS = split16["shrink_programs"]
     triton_lora.DECODE_EXPAND[16] = E(**split16["expand"])
     triton_lora.DECODE_EXPAND[64] = E(**_fastest(results, "shrink+expand", 64)["expand"])
-    triton_lora.FUSED_MIN_TILES = _fused_min_tiles(results)
     triton_lora.PREFILL_SHRINK[16] = triton_lora.ShrinkConfig(**_fastest(results, "shrink", 16))
     triton_lora.PREFILL_EXPAND[16] = E(**_fastest(results, "expand", 16))
     for name, table in tables().items():

@@ -1,24 +1,20 @@
-"""Triton kernels of the multi-LoRA op: one fused kernel for decode, shrink + expand for prefill.
+"""Triton kernels of the multi-LoRA op: a segmented split-K shrink and a segmented expand.
 
-Every kernel walks the tile table of :class:`kernels.LoRAMeta`: a program owns up to ``BLOCK_M``
+Both kernels walk the tile table of :class:`kernels.LoRAMeta`: a program owns up to ``BLOCK_M``
 consecutive sorted positions of one active slot (a padding tile has slot ``-1`` and exits at once),
 so a launch needs no host knowledge of the slot mix and a CUDA graph can replay it for any mix.
 
-- fused (decode, few tokens per slot): a program computes its tile's rank-R intermediate
-  ``h = x[tokens] @ A_slice[slot]^T`` over the whole K, rounds it to the input dtype, and adds
-  ``scaling[slot] * h @ B_slice[slot, cols]^T`` into its chunk of output columns. The programs that
-  split a tile's columns each recompute ``h``, reading ``A[slot]`` again from L2: for rank <= 128 and
-  a few tokens that costs less than a second launch and the round trip of ``h`` through memory.
-- shrink + expand (prefill, many tokens per slot): the shrink writes ``h`` in fp32, its split-K
-  partial sums side by side (no atomics, so no zeroed buffer and no memset launch); the expand adds
-  the partials, rounds ``h`` to the input dtype once per tile and adds ``h @ B^T`` into a chunk of
-  output columns.
+- shrink: ``h[k, slice, p, :] = x[token(p), K chunk k] @ A_slice[slot, :, K chunk k]^T`` in fp32. K
+  is split over ``SPLIT_K`` programs per tile when tokens are few; their partial sums are written
+  side by side (no atomics, so no zeroed buffer and no memset launch).
+- expand: ``y[token(p), off_slice + n] += scaling[slot] * (sum_k h[k, slice, p]) @ B_slice[slot, n]^T``:
+  the partials are added and ``h`` rounded to the input dtype once per tile (as PEFT's own bf16 path
+  does); a program then walks a chunk of output columns ``BLOCK_N`` at a time, optionally loading
+  the next block of ``B`` and ``y`` before adding the current one (``PREFETCH``).
 
-Both expand loops walk their column chunk ``BLOCK_N`` columns at a time and load the next block of
-``B`` and ``y`` before adding the current one, so a program keeps two blocks of loads in flight
-rather than waiting on each. One launch serves every slice of a fused projection (last grid axis).
-Slot ``s`` reads only its first ``ranks[s]`` rows of A and columns of B: masked loads fetch no
-memory, so a zero-padded smaller adapter costs its own rank.
+One launch of each serves every slice of a fused projection (last grid axis). Slot ``s`` reads only
+its first ``ranks[s]`` rows of A and columns of B: masked loads fetch no memory, so a zero-padded
+smaller adapter costs its own rank.
 """
 
 from __future__ import annotations
@@ -35,10 +31,8 @@ from kernels.meta import LoRAMeta
 
 # Streaming multiprocessors the launch heuristics size grids for (H200: 132).
 _SMS = 132
-# Steps of at most this many tokens are decode-sized: row tiles of 16.
+# Steps of at most this many tokens are decode-sized: row tiles of 16 and the decode tables.
 DECODE_MAX_TOKENS = 256
-# The fused kernel keeps the whole rank in one block; larger ranks take shrink + expand.
-FUSED_MAX_RANK = 128
 
 
 @triton.jit
@@ -154,45 +148,6 @@ def _expand_columns(h, scale, b_cols, y_rows, row_mask, r_mask, n_lo, n_hi, col_
 
 
 @triton.jit
-def _fused_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
-    tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, scaling_ptr,
-    K, full_rank, n0, n1, n2, off0, off1, off2, n_chunk,
-    stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
-    stride_bs0, stride_bs1, stride_bs2, stride_bn0, stride_bn1, stride_bn2, stride_br0, stride_br1, stride_br2,
-    stride_yt, stride_yn,
-    HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, K_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    # Column chunks of one tile are neighbours in launch order, so they read A[slot] from L2 together.
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    slot, rank, rows, row_mask, tokens = _tile(
-        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank, HAS_RANKS, BLOCK_M
-    )
-    width = _pick_int(pid_s, n0, n1, n2)
-    n_lo = pid_n * n_chunk
-    if (slot < 0) | (rank == 0) | (n_lo >= width):
-        return
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    a_rows = _pick_ptr(pid_s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * stride_as + offs_r * stride_ar
-    acc = _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, 0, K, stride_xt, stride_xk, stride_ak,
-                       BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, K_STAGES, PRECISION, UPCAST)  # fmt: skip
-
-    b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
-    b_cols += slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
-    h = acc.to(b0_ptr.dtype.element_ty)
-    scale = tl.load(scaling_ptr + slot).to(tl.float32)
-    _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
-                    tl.minimum(n_lo + n_chunk, width), _pick_int(pid_s, off0, off1, off2),
-                    _pick_int(pid_s, stride_bn0, stride_bn1, stride_bn2), stride_yn, BLOCK_M, BLOCK_N, PREFETCH,
-                    PRECISION, UPCAST)  # fmt: skip
-
-
-@triton.jit
 def _shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr,
     tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr,
@@ -268,20 +223,6 @@ INTERPRETED = isinstance(_shrink_kernel, InterpretedFunction)
 
 
 @dataclass(frozen=True)
-class FusedConfig:
-    """Launch configuration of the fused decode kernel (16-row tiles). ``programs`` is the grid size
-    the column split aims for: more programs per tile means more parallel B streams but more
-    re-reads of ``A[slot]``."""
-
-    block_k: int
-    block_n: int
-    programs: int
-    prefetch: bool
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
 class ShrinkConfig:
     block_m: int
     block_k: int
@@ -292,7 +233,8 @@ class ShrinkConfig:
 
 @dataclass(frozen=True)
 class ExpandConfig:
-    """``programs``: the grid size the column split aims for (each program loops over its chunk)."""
+    """``programs``: the grid size the column split aims for (each program loops over its chunk);
+    ``ONE_BLOCK_EACH`` gives every program a single ``block_n`` block."""
 
     block_m: int
     block_n: int
@@ -302,31 +244,28 @@ class ExpandConfig:
     num_stages: int
 
 
+# An expand ``programs`` target no grid reaches: one column block per program.
+ONE_BLOCK_EACH = 1 << 30
+
 # The launch tables, keyed by rank class (:func:`rank_class`); no run-time autotuning, which would
-# break graph capture. From the H200 sweep of docs/benchmarks.md and the compiler's resource report
-# for sm_90 (none of these spills registers).
-FUSED: dict[int, FusedConfig] = {
-    16: FusedConfig(block_k=256, block_n=256, programs=4 * _SMS, prefetch=True, num_warps=4, num_stages=4),
-    64: FusedConfig(block_k=128, block_n=64, programs=4 * _SMS, prefetch=True, num_warps=8, num_stages=3),
-    128: FusedConfig(block_k=32, block_n=64, programs=2 * _SMS, prefetch=False, num_warps=8, num_stages=3),
-}
-# A decode-sized step takes the fused kernel when it has at least this many tile programs (row tiles
-# times slices, the grid's bound): with fewer, one program's pass over K is too long a serial chain,
-# and a split-K shrink + expand finishes first.
-FUSED_MIN_TILES = 128
-# Decode-sized shrink + expand: split K until the shrink grid has about this many programs.
-DECODE_SHRINK_PROGRAMS = 4 * _SMS
+# break graph capture. The fastest configurations of the H200 sweep in docs/benchmarks.md; the
+# compiler's resource report for sm_90 shows no register spills in any of them.
+#
+# Decode-sized steps: 16-row tiles, K split until the shrink grid has about this many programs.
+DECODE_SHRINK_PROGRAMS = 8 * _SMS
 DECODE_EXPAND: dict[int, ExpandConfig] = {
-    16: ExpandConfig(block_m=16, block_n=64, programs=1 << 30, prefetch=False, num_warps=4, num_stages=1),
-    64: ExpandConfig(block_m=16, block_n=64, programs=1 << 30, prefetch=False, num_warps=4, num_stages=1),
-    128: ExpandConfig(block_m=16, block_n=64, programs=1 << 30, prefetch=False, num_warps=4, num_stages=1),
-}
+    16: ExpandConfig(block_m=16, block_n=128, programs=16 * _SMS, prefetch=True, num_warps=4, num_stages=1),
+    64: ExpandConfig(block_m=16, block_n=64, programs=ONE_BLOCK_EACH, prefetch=False, num_warps=4,
+                     num_stages=1),
+    128: ExpandConfig(block_m=16, block_n=64, programs=ONE_BLOCK_EACH, prefetch=False, num_warps=4,
+                      num_stages=1),
+}  # fmt: skip
 PREFILL_SHRINK: dict[int, ShrinkConfig] = {
     16: ShrinkConfig(block_m=64, block_k=128, split_k=4, num_warps=8, num_stages=4),
     64: ShrinkConfig(block_m=64, block_k=64, split_k=4, num_warps=8, num_stages=3),
 }
 PREFILL_EXPAND: dict[int, ExpandConfig] = {
-    16: ExpandConfig(block_m=64, block_n=64, programs=8 * _SMS, prefetch=True, num_warps=4, num_stages=1),
+    16: ExpandConfig(block_m=64, block_n=128, programs=16 * _SMS, prefetch=True, num_warps=8, num_stages=1),
     64: ExpandConfig(block_m=64, block_n=64, programs=8 * _SMS, prefetch=True, num_warps=8, num_stages=1),
 }
 
@@ -343,16 +282,6 @@ def block_r(rank: int) -> int:
 def rank_class(rank: int) -> int:
     """The launch tables' key for a padded rank: 16 (up to 16), 64 (up to 64) or 128 (above)."""
     return 16 if rank <= 16 else 64 if rank <= 64 else 128
-
-
-def uses_fused(meta: LoRAMeta, rank: int, num_slices: int) -> bool:
-    """Decode-sized steps with rank <= 128 and enough tiles take the fused kernel; the rest
-    shrink + expand."""
-    return (
-        meta.num_tokens <= DECODE_MAX_TOKENS
-        and rank <= FUSED_MAX_RANK
-        and meta.grid_tiles(16) * num_slices >= FUSED_MIN_TILES
-    )
 
 
 def _column_chunk(width: int, block_n: int, other_programs: int, programs: int) -> int:
@@ -392,52 +321,10 @@ def lora_apply_triton(
     slice_offsets: Sequence[int],
     ranks: torch.Tensor | None,
 ) -> None:
-    """The fused kernel for decode, shrink then expand otherwise (arguments validated by
-    :func:`kernels.lora_apply_sliced`)."""
+    """Shrink then expand for every slice (arguments validated by :func:`kernels.lora_apply_sliced`)."""
     if meta.num_tokens == 0:
         return
-    if any(A.stride() != As[0].stride() for A in As):
-        raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
-    if uses_fused(meta, As[0].shape[1], len(As)):
-        fused(y, x, As, Bs, scaling, meta, slice_offsets, ranks)
-    else:
-        expand(y, shrink(x, As, meta, ranks), Bs, scaling, meta, slice_offsets, ranks)
-
-
-def fused(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    As: Sequence[torch.Tensor],
-    Bs: Sequence[torch.Tensor],
-    scaling: torch.Tensor,
-    meta: LoRAMeta,
-    slice_offsets: Sequence[int],
-    ranks: torch.Tensor | None,
-    config: FusedConfig | None = None,
-) -> None:
-    """Shrink and expand in one launch: ``y[t, slice cols] += scaling * (x[t] @ A^T) @ B^T``."""
-    num_slices, hidden, rank = len(As), x.shape[1], As[0].shape[1]
-    fc = config or FUSED[rank_class(rank)]
-    block_k = _block_k(fc.block_k, rank, hidden)
-    precision, upcast = _precision(x.dtype)
-    tile_slot, tile_start, tile_end = meta.tiles(16)
-    tiles = meta.grid_tiles(16)
-    widths = _three([B.shape[1] for B in Bs], 0)
-    n_chunk = _column_chunk(max(widths), fc.block_n, tiles * num_slices, fc.programs)
-    a, b, A0 = _three(As, As[0]), _three(Bs, Bs[0]), As[0]
-    grid = (triton.cdiv(max(widths), n_chunk), tiles, num_slices)
-    _fused_kernel[grid](
-        x, a[0], a[1], a[2], b[0], b[1], b[2], y,
-        tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot, scaling,
-        hidden, rank, *widths, *_three(slice_offsets, 0), n_chunk,
-        x.stride(0), x.stride(1), A0.stride(0), A0.stride(1), A0.stride(2),
-        *(B.stride(0) for B in b), *(B.stride(1) for B in b), *(B.stride(2) for B in b),
-        y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, BLOCK_M=16, BLOCK_R=block_r(rank), BLOCK_K=block_k,
-        BLOCK_N=fc.block_n, EVEN_K=hidden % block_k == 0, K_STAGES=fc.num_stages, PREFETCH=fc.prefetch,
-        PRECISION=precision, UPCAST=upcast,
-        num_warps=fc.num_warps, num_stages=fc.num_stages,
-    )  # fmt: skip
+    expand(y, shrink(x, As, meta, ranks), Bs, scaling, meta, slice_offsets, ranks)
 
 
 def shrink_config(
@@ -471,6 +358,8 @@ def shrink(
     """``h [split_k, slices, T, R_pad]`` fp32 partial sums, row ``p`` = sorted position ``p`` (only
     adapter rows and each slot's own rank are written: :func:`expand` reads nothing else)."""
     num_slices, hidden, rank = len(As), x.shape[1], As[0].shape[1]
+    if any(A.stride() != As[0].stride() for A in As):
+        raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
     sc = config or shrink_config(meta, hidden, rank, num_slices)
     block_k = _block_k(sc.block_k, rank, hidden)
     precision, upcast = _precision(x.dtype)

@@ -58,8 +58,8 @@ CASES = {
     "prefill-bf16": dict(num_tokens=300, num_slots=8, rank=16, hidden=128, widths=[128], dtype=torch.bfloat16),
     "rank-128": dict(num_tokens=20, num_slots=3, rank=128, hidden=64, widths=[32], slot_ranks=[128, 16, 70],
                      pass_ranks=True, unused_slots=0),
-    "rank-256-shrink-expand": dict(num_tokens=5, num_slots=2, rank=256, hidden=32, widths=[16], slot_ranks=[256, 40],
-                                   pass_ranks=True, unused_slots=0, no_adapter_fraction=0.0),
+    "rank-256": dict(num_tokens=5, num_slots=2, rank=256, hidden=32, widths=[16], slot_ranks=[256, 40],
+                     pass_ranks=True, unused_slots=0, no_adapter_fraction=0.0),
     "padded-ranks-unpassed-fp32": dict(num_tokens=50, num_slots=6, rank=64, hidden=64, widths=[32, 32, 16],
                                        slot_ranks=[8, 16, 64, 8, 16, 64]),
     "all-base": dict(num_tokens=9, num_slots=2, rank=16, hidden=32, widths=[16], no_adapter_fraction=1.0),
@@ -101,38 +101,26 @@ def test_triton_matches_reference_random(
     )  # fmt: skip
 
 
-def _launch(path: str, case: Case, meta: LoRAMeta, y: torch.Tensor, ranks: torch.Tensor | None) -> None:
-    """One of the kernel paths with small blocks, so that column chunks take several loop trips,
-    K is split unevenly and both prefetch variants run."""
-    from kernels import triton_lora as tl_
-
-    args = (case.scaling, meta, case.offsets, ranks)
-    if path.startswith("fused"):
-        config = tl_.FusedConfig(block_k=32, block_n=16, programs=2 * meta.grid_tiles(16) * len(case.As),
-                                 prefetch=path == "fused-prefetch", num_warps=4, num_stages=2)  # fmt: skip
-        tl_.fused(y, case.x, case.As, case.Bs, *args, config=config)
-        return
-    block_m = 16 if path == "split-k-16-rows" else 64
-    h = tl_.shrink(case.x, case.As, meta, ranks, tl_.ShrinkConfig(block_m, 32, 3, 4, 2))
-    expand_config = tl_.ExpandConfig(block_m, 16, 3 * meta.grid_tiles(block_m), path == "split-k-64-rows", 4, 1)
-    tl_.expand(y, h, case.Bs, *args, config=expand_config)
-
-
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("path", ["fused-prefetch", "fused-no-prefetch", "split-k-16-rows", "split-k-64-rows"])
-def test_every_launch_path_matches_reference(path: str, device: str) -> None:
-    """Each kernel path with column chunks of several blocks, uneven K, GQA-like slices, mixed ranks."""
+@pytest.mark.parametrize(("block_m", "prefetch"), [(16, False), (16, True), (64, True)])
+def test_split_k_and_column_chunks_match_reference(block_m: int, prefetch: bool, device: str) -> None:
+    """Small blocks, so that K is split unevenly over 3 programs and each expand program loops over
+    a chunk of several column blocks, with and without prefetch; GQA-like slices, mixed ranks."""
     _triton_device(device)
+    from kernels import triton_lora
+
     case = make_case(num_tokens=70, num_slots=5, rank=16, hidden=72, widths=[56, 24], dtype=torch.bfloat16,
                      device=device, slot_ranks=[16, 8, 16, 0, 16], pass_ranks=True, extra_columns=8,
                      seed=3)  # fmt: skip
     meta = case.meta()
     y_triton, y_torch = case.y.clone(), case.y.clone()
-    _launch(path, case, meta, y_triton, case.ranks)
+    h = triton_lora.shrink(case.x, case.As, meta, case.ranks, triton_lora.ShrinkConfig(block_m, 32, 3, 4, 2))
+    chunked = triton_lora.ExpandConfig(block_m, 16, 3 * meta.grid_tiles(block_m), prefetch, 4, 1)
+    triton_lora.expand(y_triton, h, case.Bs, case.scaling, meta, case.offsets, case.ranks, chunked)
     lora_apply_sliced(y_torch, case.x, case.As, case.Bs, case.scaling, meta, case.offsets, ranks=case.ranks,
                       backend="torch")  # fmt: skip
     worst = ((y_triton.double() - y_torch.double()).abs() / case.bound().to(y_triton.device)).max().item()
-    assert worst <= 1.0, f"{path}: {worst:.2f}x the error bound"
+    assert worst <= 1.0, f"{worst:.2f}x the error bound"
     assert torch.equal(y_triton[case.slots < 0], case.y[case.slots < 0])
 
 
