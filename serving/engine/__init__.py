@@ -37,16 +37,36 @@ Lower priority values are served first (vLLM's convention). Adapters are keyed b
 a name only points at one. Adapter problems raise ``AdapterError`` with a message naming them.
 """
 
-from serving.engine.adapter_loader import AdapterError
-from serving.engine.async_engine import AsyncEngine, EngineDeadError
-from serving.engine.config import EngineConfig
-from serving.engine.llm import LLM
-from serving.engine.llm_engine import LLMEngine
-from serving.engine.lora_cache import AdapterNotFoundError
-from serving.engine.lora_request import LoRARequest
-from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from serving.engine.sampling_params import SamplingParams
-from serving.engine.stats import EngineStats, LoRAInfo
+# Imported on first use (PEP 562): Django processes import serving.engine.artifact and
+# serving.engine.adapter_loader for upload checks, and must not pay for torch and the engine.
+_LAZY = {
+    "AdapterError": "serving.engine.adapter_loader",
+    "AsyncEngine": "serving.engine.async_engine",
+    "EngineDeadError": "serving.engine.async_engine",
+    "EngineConfig": "serving.engine.config",
+    "LLM": "serving.engine.llm",
+    "LLMEngine": "serving.engine.llm_engine",
+    "AdapterNotFoundError": "serving.engine.lora_cache",
+    "LoRARequest": "serving.engine.lora_request",
+    "CompletionOutput": "serving.engine.outputs",
+    "Logprob": "serving.engine.outputs",
+    "RequestOutput": "serving.engine.outputs",
+    "SamplingParams": "serving.engine.sampling_params",
+    "EngineStats": "serving.engine.stats",
+    "LoRAInfo": "serving.engine.stats",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'serving.engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LLM",
