@@ -51,6 +51,9 @@ def child_processes() -> list[ChildSpec]:
                           "--host", WEB_HOST, "--port", str(WEB_PORT), "--log-level", "warning"]),
         ChildSpec("worker", [python, "-m", "celery", "-A", "lora_platform", "worker",
                              "--queues", "quick,training", "--concurrency", "1", "--loglevel", "INFO",
+                             # One machine, one worker: it also runs the beat schedule (the
+                             # training jobs sweep); compose runs beat as its own service.
+                             "--beat", "--schedule", str(settings.VAR_DIR / "celerybeat-schedule"),
                              "--hostname", f"worker-{os.getpid()}@%h"]),
         # REGISTRY_TOKEN and REDIS_URL reach it through the environment (see ensure_registry_token).
         ChildSpec("serving-worker", [python, "-m", "serving.engine.server",
