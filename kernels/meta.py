@@ -80,6 +80,9 @@ class LoRAMeta:
         # Constant slot ids, built once rather than on every step.
         self._slot_ids = torch.arange(max_slots, dtype=torch.int64, device=self.device)
         self._host_groups: list[tuple[int, int, int]] | None = []
+        # Host-side data that consumers derive from one step's grouping (the torch reference's gather
+        # plans), kept for the step's other layers; ``prepare`` empties it.
+        self.host_cache: dict[object, object] = {}
         self._tiles_stale = False
 
     @classmethod
@@ -95,6 +98,7 @@ class LoRAMeta:
         num_tokens = token_slots.numel()
         self.num_tokens = num_tokens
         self._host_groups = None
+        self.host_cache = {}
         slots = token_slots.to(torch.int64)
         self.token_slots[:num_tokens].copy_(slots)
 

@@ -2,28 +2,68 @@
 
 Numerics are the kernels' own, so the two agree up to fp32 summation order: the shrink
 ``h = x @ A[s, :r]^T`` accumulates in fp32; for bf16/fp16 inputs ``h`` is rounded to the input
-dtype before the expand (as PEFT's own ``lora_B(lora_A(x))`` does in that dtype); the expand
-``h @ B[s, :, :r]^T`` accumulates in fp32, is multiplied by ``scaling[s]`` in fp32, added to ``y``
-in fp32 and rounded once to ``y``'s dtype.
+dtype before the expand (as PEFT's own ``lora_B(lora_A(x))`` does in that dtype); ``scaling[s]``
+multiplies in fp32 (here ``h``, which is smaller than the expand's output; the two orders differ by
+fp32 rounding only); the expand ``h @ B[s, :, :r]^T`` accumulates in fp32, is added to ``y`` in fp32
+and rounded once to ``y``'s dtype. Tokens with slot ``-1``, tokens of slots whose rank is 0 and
+columns outside the slices are never written.
 
-Two strategies, same result. Small steps multiply every token by every slot's A in one GEMM, keep
-each token's own slot (a 0/1 weight, times its scaling) and expand with one more GEMM against all
-slots' B: a handful of ops whatever the number of adapters, which keeps a CPU decode step cheap
-(torch's CPU bmm of many tiny matrices is slow, a GEMM is not). Large steps loop over the active
-slots (never over tokens) and multiply each slot's token group at its own rank.
+The work is what the tokens' own adapters need, in few torch ops: on CPU an op costs microseconds of
+host time, more than a decode step's LoRA arithmetic. The step's tokens are laid out once in a
+*grid*, one row per active slot, padded to the largest group, and each slice costs two batched
+matmuls over it at the largest rank among the grid's slots (slots in a contiguous run are read in
+place, others gathered). Padding a group much larger than the rest (a prefill chunk beside decode
+tokens) would cost more than it saves, so such groups run one by one at their own rank; a cost model
+with one measured constant picks them per call, and large steps, where the grid stops paying, run
+every group alone. The gather indices are built once per step and kept in ``LoRAMeta.host_cache``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kernels.meta import LoRAMeta
 
-# Above this many multiply-adds per slice for the all-slots GEMMs (T * S * R * (K + N)), grouping by
-# slot is cheaper. Measured on the 2-core development CPU (docs/kernels.md).
+# A grid may spend at most this many multiply-adds per slice, padding included (tokens x rank x
+# (K + N)); past it, groups run one by one. Measured on the 2-core development CPU (fp32, 1 and 2
+# threads, docs/benchmarks.md): balanced grids were 1.3-4x faster than the loop up to 2^23; past
+# 2^24 the loop was as fast or faster (the grid's larger intermediates cost page faults).
 DENSE_MAX_MACS = 1 << 23
+
+# The host time of a group run on its own, per slice (five torch ops: 60-85 µs on the same CPU), in
+# multiply-adds of the grid (55-100 µs per million): what padding may cost before looping pays.
+LOOP_GROUP_MACS = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Groups of tokens laid out ``[n, size]`` (group-major), short groups padded by repeating their
+    last token; padded cells are computed and dropped before anything is added to ``y``."""
+
+    slots: list[int]  # ascending
+    slot_rows: slice | torch.Tensor  # the slots' rows of the slot tensors: a slice when contiguous
+    size: int
+    x_index: torch.Tensor  # [n * size] token of each cell
+    rows: torch.Tensor  # tokens of the real cells, in grid order
+    cells: torch.Tensor | None  # positions of the real cells in the grid; None when nothing is padded
+
+
+@dataclass(frozen=True)
+class _Plan:
+    grid: _Grid | None
+    grid_rank: int
+    looped: list[tuple[int, int, torch.Tensor]]  # (slot, rank, tokens) of groups run one by one
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The step's non-empty groups on the host: ``(slot, start, count)`` in sorted positions."""
+
+    groups: list[tuple[int, int, int]]
+    order: torch.Tensor  # token ids in sorted positions (LoRAMeta.token_indices, int64)
 
 
 def lora_apply_torch(
@@ -38,15 +78,111 @@ def lora_apply_torch(
 ) -> None:
     """Add every slice's LoRA output into its columns of ``y``, in place (arguments validated by
     :func:`kernels.lora_apply_sliced`)."""
-    num_tokens = meta.num_tokens
-    if num_tokens == 0:
+    if meta.num_tokens == 0:
         return
-    num_slots, rank, hidden = As[0].shape
-    dense_macs = num_tokens * num_slots * rank * (hidden + max(B.shape[1] for B in Bs))
-    if dense_macs <= DENSE_MAX_MACS:
-        _apply_dense(y, x, As, Bs, scaling, meta, slice_offsets)
+    plan = _plan(meta, As, Bs, ranks)
+    scales = scaling.float()
+    span = _packed_span(Bs, slice_offsets)
+    if plan.grid is not None:
+        _apply_grid(y, x, As, Bs, scales, slice_offsets, span, plan.grid, plan.grid_rank)
+    for slot, rank, rows in plan.looped:
+        _apply_group(y, x, As, Bs, scales, slice_offsets, span, slot, rank, rows)
+
+
+def _step(meta: LoRAMeta) -> _Step:
+    step = meta.host_cache.get(_Step)
+    if step is None:
+        order = meta.token_indices[: meta.num_tokens].long()
+        step = meta.host_cache[_Step] = _Step(meta.host_groups(), order)
+    return step  # type: ignore[return-value]
+
+
+def _plan(
+    meta: LoRAMeta, As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], ranks: torch.Tensor | None
+) -> _Plan:
+    """Which groups go in the grid and which run alone, for this call's ranks and shapes.
+
+    Cached per step under everything it depends on: in the engine, the four projection shapes of a
+    layer, so a step builds four plans and every other call is a lookup.
+    """
+    slot_ranks = tuple(ranks.tolist()) if ranks is not None else None
+    full_rank, hidden = As[0].shape[1], As[0].shape[2]
+    widths = tuple(B.shape[1] for B in Bs)
+    key = (_Plan, slot_ranks, full_rank, hidden, widths)
+    plan = meta.host_cache.get(key)
+    if plan is None:
+        plan = meta.host_cache[key] = _make_plan(meta, slot_ranks, full_rank, hidden, widths)
+    return plan  # type: ignore[return-value]
+
+
+def _make_plan(
+    meta: LoRAMeta, slot_ranks: tuple[int, ...] | None, full_rank: int, hidden: int, widths: tuple[int, ...]
+) -> _Plan:
+    step = _step(meta)
+    # (slot, start, count, rank) of the groups that add anything, largest first.
+    groups = [
+        (slot, start, end - start, slot_ranks[slot] if slot_ranks is not None else full_rank)
+        for slot, start, end in step.groups
+    ]
+    groups = sorted((g for g in groups if g[3] > 0), key=lambda g: -g[2])
+    if not groups:
+        return _Plan(None, 0, [])
+    # Looping the k largest groups costs their own arithmetic plus a fixed cost each; the grid holds
+    # the rest at their largest count and rank, plus one fixed cost. suffix_rank[k] is that rank.
+    macs_per_rank = sum(hidden + width for width in widths)  # per token, all slices
+    widest = hidden + max(widths)
+    fixed = len(widths) * LOOP_GROUP_MACS
+    suffix_rank = [0] * (len(groups) + 1)
+    for k in range(len(groups) - 1, -1, -1):
+        suffix_rank[k] = max(suffix_rank[k + 1], groups[k][3])
+    best_k, best_cost, looped_cost = len(groups), None, 0
+    for k, (_, _, count, rank) in enumerate(groups):
+        cells = (len(groups) - k) * count  # the grid's size is group k's count
+        if cells * suffix_rank[k] * widest <= DENSE_MAX_MACS:
+            cost = looped_cost + cells * suffix_rank[k] * macs_per_rank + fixed
+            if best_cost is None or cost < best_cost:
+                best_k, best_cost = k, cost
+        looped_cost += count * rank * macs_per_rank + fixed
+    if best_cost is not None and looped_cost < best_cost:
+        best_k = len(groups)
+    looped = [(slot, rank, step.order[start : start + count]) for slot, start, count, rank in groups[:best_k]]
+    gridded = sorted((slot, start, count) for slot, start, count, _ in groups[best_k:])
+    grid = _grid(meta, step, gridded) if gridded else None
+    return _Plan(grid, suffix_rank[best_k], looped)
+
+
+def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _Grid:
+    """The grid of ``groups`` (ascending slots), shared by every plan of the step that grids them."""
+    key = (_Grid, tuple(groups))
+    grid = meta.host_cache.get(key)
+    if grid is not None:
+        return grid  # type: ignore[return-value]
+    device = step.order.device
+    slots = [slot for slot, _, _ in groups]
+    size = max(count for _, _, count in groups)
+    starts = torch.tensor([start for _, start, _ in groups], device=device)
+    counts = torch.tensor([count for _, _, count in groups], device=device)
+    column = torch.arange(size, device=device)
+    positions = starts[:, None] + torch.minimum(column[None, :], counts[:, None] - 1)
+    x_index = step.order[positions.flatten()]
+    if all(count == size for _, _, count in groups):
+        rows, cells = x_index, None
     else:
-        _apply_grouped(y, x, As, Bs, scaling, meta, slice_offsets, ranks)
+        cells = (column[None, :] < counts[:, None]).flatten().nonzero().squeeze(1)
+        rows = x_index[cells]
+    contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+    slot_rows = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=device)
+    grid = meta.host_cache[key] = _Grid(slots, slot_rows, size, x_index, rows, cells)
+    return grid
+
+
+def _packed_span(Bs: Sequence[torch.Tensor], slice_offsets: Sequence[int]) -> tuple[int, int] | None:
+    """``(first, end)`` column when the slices tile one run of ``y``'s columns without gaps (a
+    fused q/k/v or gate/up projection), else None."""
+    spans = sorted((offset, offset + B.shape[1]) for B, offset in zip(Bs, slice_offsets))
+    if any(end != next_start for (_, end), (next_start, _) in zip(spans, spans[1:])):
+        return None
+    return spans[0][0], spans[-1][1]
 
 
 def _hidden(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,67 +190,81 @@ def _hidden(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return h if dtype == torch.float32 else h.to(dtype).float()
 
 
-def _add_into(y_cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor) -> None:
-    """``y_cols[rows] += delta`` with fp32 addition and one rounding to ``y``'s dtype."""
-    if rows is None:
-        if y_cols.dtype == torch.float32:
-            y_cols.add_(delta)
-        else:
-            y_cols.copy_(y_cols.float() + delta)
-        return
-    if y_cols.dtype == torch.float32:
+def _add_slices(
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    cells: torch.Tensor | None,
+    deltas: list[tuple[int, torch.Tensor]],
+    span: tuple[int, int] | None,
+) -> None:
+    """Add each slice's ``(offset, delta)`` into ``y[rows]``; ``cells`` picks the rows of ``delta``
+    that hold real tokens. Slices that tile one run of columns are packed and added in one op."""
+    if span is not None and len(deltas) > 1:
+        first, end = span
+        packed = deltas[0][1].new_empty(deltas[0][1].shape[0], end - first)
+        for offset, delta in deltas:
+            packed[:, offset - first : offset - first + delta.shape[1]].copy_(delta)
+        deltas = [(first, packed)]
+    for offset, delta in deltas:
+        if cells is not None:
+            delta = delta.index_select(0, cells)
+        _add_into(y[:, offset : offset + delta.shape[1]], rows, delta)
+
+
+def _add_into(y_cols: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """``y_cols[rows] += delta`` (``rows`` distinct) with fp32 addition and one rounding to ``y``'s
+    dtype."""
+    if y_cols.dtype != torch.float32:
+        y_cols.index_copy_(0, rows, (y_cols.index_select(0, rows).float() + delta).to(y_cols.dtype))
+    elif y_cols.is_contiguous():
         y_cols.index_add_(0, rows, delta)
     else:
-        y_cols.index_copy_(0, rows, (y_cols.index_select(0, rows).float() + delta).to(y_cols.dtype))
+        # On a column slice torch's CPU index_add_ falls back to a scatter several times slower
+        # (118 vs 27 µs for the engine's gate/up decode shape); with distinct rows this is the same sum.
+        y_cols.index_put_((rows,), delta, accumulate=True)
 
 
-def _apply_dense(
+def _apply_grid(
     y: torch.Tensor,
     x: torch.Tensor,
     As: Sequence[torch.Tensor],
     Bs: Sequence[torch.Tensor],
-    scaling: torch.Tensor,
-    meta: LoRAMeta,
+    scales: torch.Tensor,
     slice_offsets: Sequence[int],
+    span: tuple[int, int] | None,
+    grid: _Grid,
+    rank: int,
 ) -> None:
-    """Every token against every slot in one GEMM per side, masked to the token's own slot.
-
-    Padded rank rows and columns are read here, so they must hold zeros (the documented contract);
-    a token without an adapter has an all-zero mask row and so gets an exact zero update.
-    """
-    num_tokens = meta.num_tokens
-    num_slots, rank, hidden = As[0].shape
-    slot_ids = torch.arange(num_slots, device=x.device)
-    weight = (meta.token_slots[:num_tokens, None] == slot_ids).float() * scaling.float()  # [T, S]
-    xf = x.float()
+    """Two ``bmm`` per slice over the grid; padded rank rows and columns up to ``rank`` are read, so
+    they must hold zeros (the documented contract)."""
+    num_groups = len(grid.slots)
+    xs = x.index_select(0, grid.x_index).float().view(num_groups, grid.size, x.shape[1])
+    scale = scales[grid.slot_rows].view(num_groups, 1, 1)
+    deltas = []
     for A, B, offset in zip(As, Bs, slice_offsets):
-        h = _hidden(xf @ A.reshape(num_slots * rank, hidden).float().T, x.dtype)  # [T, S * R]
-        h = (h.view(num_tokens, num_slots, rank) * weight.unsqueeze(-1)).view(num_tokens, num_slots * rank)
-        delta = h @ B.float().transpose(1, 2).reshape(num_slots * rank, B.shape[1])
-        _add_into(y[:, offset : offset + B.shape[1]], None, delta)
+        h = _hidden(torch.bmm(xs, A[grid.slot_rows, :rank].float().transpose(1, 2)), x.dtype).mul_(scale)
+        delta = torch.bmm(h, B[grid.slot_rows, :, :rank].float().transpose(1, 2))
+        deltas.append((offset, delta.view(-1, B.shape[1])))
+    _add_slices(y, grid.rows, grid.cells, deltas, span)
 
 
-def _apply_grouped(
+def _apply_group(
     y: torch.Tensor,
     x: torch.Tensor,
     As: Sequence[torch.Tensor],
     Bs: Sequence[torch.Tensor],
-    scaling: torch.Tensor,
-    meta: LoRAMeta,
+    scales: torch.Tensor,
     slice_offsets: Sequence[int],
-    ranks: torch.Tensor | None,
+    span: tuple[int, int] | None,
+    slot: int,
+    rank: int,
+    rows: torch.Tensor,
 ) -> None:
-    """A loop over active slots (not tokens): each slot's tokens at the slot's own rank."""
-    order = meta.token_indices[: meta.num_tokens].long()
-    scales = scaling.tolist()
-    slot_ranks = ranks.tolist() if ranks is not None else None
-    for slot, start, end in meta.host_groups():
-        rank = slot_ranks[slot] if slot_ranks is not None else As[0].shape[1]
-        if rank == 0:
-            continue
-        rows = order[start:end]
-        xs = x.index_select(0, rows).float()
-        for A, B, offset in zip(As, Bs, slice_offsets):
-            h = _hidden(xs @ A[slot, :rank].float().T, x.dtype)
-            delta = (h @ B[slot, :, :rank].float().T).mul_(scales[slot])
-            _add_into(y[:, offset : offset + B.shape[1]], rows, delta)
+    """One slot's tokens at the slot's own rank."""
+    xs = x.index_select(0, rows).float()
+    scale = scales[slot]
+    deltas = []
+    for A, B, offset in zip(As, Bs, slice_offsets):
+        h = _hidden(xs @ A[slot, :rank].float().T, x.dtype).mul_(scale)
+        deltas.append((offset, h @ B[slot, :, :rank].float().T))
+    _add_slices(y, rows, None, deltas, span)
