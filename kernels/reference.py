@@ -10,12 +10,14 @@ columns outside the slices are never written.
 
 The work is what the tokens' own adapters need, in few torch ops: on CPU an op costs microseconds of
 host time, more than a decode step's LoRA arithmetic. The step's tokens are laid out once in a
-*grid*, one row per active slot, padded to the largest group, and each slice costs two batched
-matmuls over it at the largest rank among the grid's slots (slots in a contiguous run are read in
-place, others gathered). Padding a group much larger than the rest (a prefill chunk beside decode
-tokens) would cost more than it saves, so such groups run one by one at their own rank; a cost model
-with one measured constant picks them per call, and large steps, where the grid stops paying, run
-every group alone. The gather indices are built once per step and kept in ``LoRAMeta.host_cache``.
+*grid*, one row per slot from the lowest active slot to the highest, padded to the largest group,
+and each slice costs two batched matmuls over it at the largest rank among the grid's slots. The
+slot tensors are read in place: idle slots between active ones are computed and dropped, which
+measured cheaper than gathering the active slots' weights. Padding a group much larger than the
+rest (a prefill chunk beside decode tokens) would cost more than it saves, so such groups run one by
+one at their own rank; a cost model with one measured constant picks them per call, and large
+steps, where the grid stops paying, run every group alone. The gather indices are built once per
+step and kept in ``LoRAMeta.host_cache``.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ LOOP_GROUP_MACS = 1 << 20
 
 @dataclass(frozen=True)
 class _Grid:
-    """Groups of tokens laid out ``[n, size]`` (group-major), short groups padded by repeating their
-    last token; padded cells are computed and dropped before anything is added to ``y``."""
+    """Tokens laid out ``[slots of the span, size]``, one row per slot of ``span``, each group's
+    tokens first, then padding (repeats of a token); padded cells are computed and dropped before
+    anything is added to ``y``."""
 
-    slots: list[int]  # ascending
-    slot_rows: slice | torch.Tensor  # the slots' rows of the slot tensors: a slice when contiguous
+    slots: list[int]  # the groups' slots, ascending
+    span: slice  # the slot tensors' rows the grid covers: its first to its last slot
     size: int
     x_index: torch.Tensor  # [n * size] token of each cell
     rows: torch.Tensor  # tokens of the real cells, in grid order
@@ -128,16 +131,20 @@ def _make_plan(
     if not groups:
         return _Plan(None, 0, [])
     # Looping the k largest groups costs their own arithmetic plus a fixed cost each; the grid holds
-    # the rest at their largest count and rank, plus one fixed cost. suffix_rank[k] is that rank.
+    # the rest at their largest count and rank over their span of slots, plus one fixed cost.
+    # suffix_rank[k], suffix_low[k], suffix_high[k]: that rank and span.
     macs_per_rank = sum(hidden + width for width in widths)  # per token, all slices
     widest = hidden + max(widths)
     fixed = len(widths) * LOOP_GROUP_MACS
-    suffix_rank = [0] * (len(groups) + 1)
+    suffix_rank, suffix_low, suffix_high = [0] * len(groups), [0] * len(groups), [0] * len(groups)
+    rank_max, low, high = 0, meta.max_slots, -1
     for k in range(len(groups) - 1, -1, -1):
-        suffix_rank[k] = max(suffix_rank[k + 1], groups[k][3])
+        slot, _, _, rank = groups[k]
+        rank_max, low, high = max(rank_max, rank), min(low, slot), max(high, slot)
+        suffix_rank[k], suffix_low[k], suffix_high[k] = rank_max, low, high
     best_k, best_cost, looped_cost = len(groups), None, 0
     for k, (_, _, count, rank) in enumerate(groups):
-        cells = (len(groups) - k) * count  # the grid's size is group k's count
+        cells = (suffix_high[k] - suffix_low[k] + 1) * count  # the grid's size is group k's count
         if cells * suffix_rank[k] * widest <= DENSE_MAX_MACS:
             cost = looped_cost + cells * suffix_rank[k] * macs_per_rank + fixed
             if best_cost is None or cost < best_cost:
@@ -147,8 +154,9 @@ def _make_plan(
         best_k = len(groups)
     looped = [(slot, rank, step.order[start : start + count]) for slot, start, count, rank in groups[:best_k]]
     gridded = sorted((slot, start, count) for slot, start, count, _ in groups[best_k:])
-    grid = _grid(meta, step, gridded) if gridded else None
-    return _Plan(grid, suffix_rank[best_k], looped)
+    if not gridded:
+        return _Plan(None, 0, looped)
+    return _Plan(_grid(meta, step, gridded), suffix_rank[best_k], looped)
 
 
 def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _Grid:
@@ -160,19 +168,23 @@ def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _G
     device = step.order.device
     slots = [slot for slot, _, _ in groups]
     size = max(count for _, _, count in groups)
-    starts = torch.tensor([start for _, start, _ in groups], device=device)
-    counts = torch.tensor([count for _, _, count in groups], device=device)
+    # Per slot of the span: where its tokens start in sorted positions and how many it has; an idle
+    # slot's row repeats the first group's first token.
+    starts = [groups[0][1]] * (slots[-1] - slots[0] + 1)
+    counts = [0] * len(starts)
+    for slot, start, count in groups:
+        starts[slot - slots[0]], counts[slot - slots[0]] = start, count
+    counts_t = torch.tensor(counts, device=device)
     column = torch.arange(size, device=device)
-    positions = starts[:, None] + torch.minimum(column[None, :], counts[:, None] - 1)
+    last = (counts_t - 1).clamp(min=0)
+    positions = torch.tensor(starts, device=device)[:, None] + torch.minimum(column[None, :], last[:, None])
     x_index = step.order[positions.flatten()]
-    if all(count == size for _, _, count in groups):
+    if all(count == size for count in counts):
         rows, cells = x_index, None
     else:
-        cells = (column[None, :] < counts[:, None]).flatten().nonzero().squeeze(1)
+        cells = (column[None, :] < counts_t[:, None]).flatten().nonzero().squeeze(1)
         rows = x_index[cells]
-    contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-    slot_rows = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=device)
-    grid = meta.host_cache[key] = _Grid(slots, slot_rows, size, x_index, rows, cells)
+    grid = meta.host_cache[key] = _Grid(slots, slice(slots[0], slots[-1] + 1), size, x_index, rows, cells)
     return grid
 
 
@@ -237,13 +249,13 @@ def _apply_grid(
 ) -> None:
     """Two ``bmm`` per slice over the grid; padded rank rows and columns up to ``rank`` are read, so
     they must hold zeros (the documented contract)."""
-    num_groups = len(grid.slots)
-    xs = x.index_select(0, grid.x_index).float().view(num_groups, grid.size, x.shape[1])
-    scale = scales[grid.slot_rows].view(num_groups, 1, 1)
+    num_rows = grid.span.stop - grid.span.start
+    xs = x.index_select(0, grid.x_index).float().view(num_rows, grid.size, x.shape[1])
+    scale = scales[grid.span].view(num_rows, 1, 1)
     deltas = []
     for A, B, offset in zip(As, Bs, slice_offsets):
-        h = _hidden(torch.bmm(xs, A[grid.slot_rows, :rank].float().transpose(1, 2)), x.dtype).mul_(scale)
-        delta = torch.bmm(h, B[grid.slot_rows, :, :rank].float().transpose(1, 2))
+        h = _hidden(torch.bmm(xs, A[grid.span, :rank].float().transpose(1, 2)), x.dtype).mul_(scale)
+        delta = torch.bmm(h, B[grid.span, :, :rank].float().transpose(1, 2))
         deltas.append((offset, delta.view(-1, B.shape[1])))
     _add_slices(y, grid.rows, grid.cells, deltas, span)
 

@@ -1,5 +1,5 @@
-"""Every path of the torch reference (grid over a contiguous run of slots or gathered slots, padded or
-not; groups run one by one; both at once) against a plain fp64 per-token oracle."""
+"""Every path of the torch reference (a grid over a run of active slots or over a span with idle slots,
+padded or not; groups run one by one; both at once) against a plain fp64 per-token oracle."""
 
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def loop_only(monkeypatch) -> None:
 # 30 tokens over slots 1..4 (a contiguous run) of 6, three without an adapter; slot 4 has 9 tokens,
 # the others 6, so the grid pads.
 RUN_SLOTS = [1, 2, 3, 4] * 6 + [-1, 4, -1, 4, 4, -1]
-# The same counts over scattered slots 0, 2, 3, 5: the grid gathers their weights.
+# The same counts over scattered slots 0, 2, 3, 5: the grid spans slots 0..5, idle slots 1 and 4
+# computed and dropped.
 SCATTERED_SLOTS = [{1: 0, 2: 2, 3: 3, 4: 5}.get(s, -1) for s in RUN_SLOTS]
 # Every group of equal size: nothing padded.
 BALANCED_SLOTS = [0, 1, 2, 3, 4, 5] * 5
@@ -146,17 +147,31 @@ def named_case(dtype: torch.dtype, slots: list[int], slot_ranks: list[int] | Non
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "slots, contiguous, padded",
-    [(RUN_SLOTS, True, True), (SCATTERED_SLOTS, False, True), (BALANCED_SLOTS, True, False)],
+    "slots, span, padded",
+    [(RUN_SLOTS, slice(1, 5), True), (SCATTERED_SLOTS, slice(0, 6), True), (BALANCED_SLOTS, slice(0, 6), False)],
     ids=["run", "scattered", "balanced"],
 )
-def test_grid(grid_only, dtype: torch.dtype, slots: list[int], contiguous: bool, padded: bool, layout: str) -> None:
+def test_grid(grid_only, dtype: torch.dtype, slots: list[int], span: slice, padded: bool, layout: str) -> None:
     case = named_case(dtype, slots, slot_ranks=[16, 8, 16, 4, 16, 8], layout=layout)
     meta = case.meta()
     plan = plan_of(case, meta)
     assert plan.grid is not None and not plan.looped and plan.grid_rank == 16
-    assert isinstance(plan.grid.slot_rows, slice) == contiguous
+    assert plan.grid.span == span
     assert (plan.grid.cells is not None) == padded
+    assert_matches_oracle(case, run(case, meta))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_idle_slots_in_the_span_never_reach_y(grid_only, dtype: torch.dtype) -> None:
+    """Whatever the idle slots between active ones hold (NaN here: a slot being refilled, say), their
+    rows are computed and dropped."""
+    case = named_case(dtype, SCATTERED_SLOTS, slot_ranks=[16, 8, 16, 4, 16, 8])
+    for A, B in zip(case.As, case.Bs):
+        A[[1, 4]] = float("nan")
+        B[[1, 4]] = float("nan")
+    case = dataclasses.replace(case, scaling=case.scaling.index_fill(0, torch.tensor([1, 4]), float("nan")))
+    meta = case.meta()
+    assert plan_of(case, meta).grid.span == slice(0, 6)
     assert_matches_oracle(case, run(case, meta))
 
 
@@ -226,12 +241,17 @@ def test_the_shrink_is_rounded_to_the_input_dtype(monkeypatch, path: str, dtype:
     assert y.flatten().tolist() == [0.0, 0.0, 0.0]
 
 
-def test_rank_zero_and_unused_slots_add_nothing() -> None:
-    case = named_case(torch.float32, RUN_SLOTS, slot_ranks=[16, 0, 16, 0, 0, 16])
+@pytest.mark.parametrize("path", ["grid", "loop"])
+def test_rank_zero_and_unused_slots_add_nothing(monkeypatch, path: str) -> None:
+    """Slot 2's tokens sit between slots 1 and 3 at rank 0: the grid spans slot 2 but drops its rows."""
+    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
+    monkeypatch.setattr(reference, "LOOP_GROUP_MACS", 1 << 60)
+    case = named_case(torch.float32, RUN_SLOTS, slot_ranks=[16, 16, 0, 16, 0, 16])
     meta = case.meta()
     plan = plan_of(case, meta)
     gridded = plan.grid.slots if plan.grid is not None else []
-    assert sorted(gridded + [slot for slot, _, _ in plan.looped]) == [2]
+    assert sorted(gridded + [slot for slot, _, _ in plan.looped]) == [1, 3]
+    assert plan.grid is None or plan.grid.span == slice(1, 4)
     assert_matches_oracle(case, run(case, meta))
     # Every token's slot at rank 0: nothing to do at all.
     zero = named_case(torch.float32, RUN_SLOTS, slot_ranks=[16, 0, 0, 0, 0, 16])
