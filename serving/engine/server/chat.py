@@ -10,14 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from serving.engine.server.errors import bad_request
-from serving.engine.server.generation import (
-    Delta,
-    Generation,
-    Outcome,
-    check_supported,
-    resolve_model,
-    sampling_params,
-)
+from serving.engine.server.generation import Delta, Generation, Outcome, start_generation
 from serving.engine.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -55,22 +48,14 @@ def chat_prompt_token_ids(worker: Worker, body: ChatCompletionRequest) -> list[i
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, worker: Worker, outcome: Outcome) -> Response:
-    lora_request = resolve_model(worker, body.model)
-    check_supported(body)
-    engine, _ = worker.require_ready()
-    ids = chat_prompt_token_ids(worker, body)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, prompt_len=len(ids), max_model_len=engine.max_model_len, logprobs=top)
-    generation, first = await Generation.start(
-        worker, outcome, request, kind="chatcmpl", prompt_token_ids=ids, params=params,
-        lora_request=lora_request, priority=body.priority,
+    generation, first = await start_generation(
+        body, request, worker, outcome, kind="chatcmpl",
+        prompt_token_ids=lambda: chat_prompt_token_ids(worker, body), logprobs=top,
     )
     if body.stream:
         return GenerationStream(_chunks(generation, first, body), generation)
-    try:
-        deltas = [first, *await generation.rest(request)]
-    finally:
-        generation.close()
+    deltas = await generation.collect(first, request)
     last = deltas[-1]
     choice = ChatChoice(
         message=ChatResponseMessage(content="".join(d.text for d in deltas)),
@@ -81,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     )
     response = ChatCompletionResponse(
         id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
-        usage=generation.usage.info(), prompt_token_ids=ids if body.return_token_ids else None,
+        usage=generation.usage.info(), prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
     )
     return Response(response.model_dump_json(), media_type="application/json")
 

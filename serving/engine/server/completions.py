@@ -8,14 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from serving.engine.server.errors import bad_request
-from serving.engine.server.generation import (
-    Delta,
-    Generation,
-    Outcome,
-    check_supported,
-    resolve_model,
-    sampling_params,
-)
+from serving.engine.server.generation import Delta, Generation, Outcome, start_generation
 from serving.engine.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -41,21 +34,13 @@ def prompt_token_ids(worker: Worker, prompt: str | list[int] | list[str] | list[
 
 
 async def create_completion(body: CompletionRequest, request: Request, worker: Worker, outcome: Outcome) -> Response:
-    lora_request = resolve_model(worker, body.model)
-    check_supported(body)
-    engine, _ = worker.require_ready()
-    ids = prompt_token_ids(worker, body.prompt)
-    params = sampling_params(body, prompt_len=len(ids), max_model_len=engine.max_model_len, logprobs=body.logprobs)
-    generation, first = await Generation.start(
-        worker, outcome, request, kind="cmpl", prompt_token_ids=ids, params=params,
-        lora_request=lora_request, priority=body.priority,
+    generation, first = await start_generation(
+        body, request, worker, outcome, kind="cmpl",
+        prompt_token_ids=lambda: prompt_token_ids(worker, body.prompt), logprobs=body.logprobs,
     )
     if body.stream:
         return GenerationStream(_chunks(generation, first, body), generation)
-    try:
-        deltas = [first, *await generation.rest(request)]
-    finally:
-        generation.close()
+    deltas = await generation.collect(first, request)
     text = "".join(d.text for d in deltas)
     last = deltas[-1]
     choice = CompletionChoice(
@@ -64,7 +49,7 @@ async def create_completion(body: CompletionRequest, request: Request, worker: W
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
         token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
-        prompt_token_ids=ids if body.return_token_ids else None,
+        prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
     )
     response = CompletionResponse(
         id=generation.request_id, created=generation.created, model=body.model, choices=[choice],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TypeVar
@@ -167,6 +167,22 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+async def start_generation(body: SamplingFields, request: Request, worker: Worker, outcome: Outcome, *, kind: str,
+                           prompt_token_ids: Callable[[], list[int]], logprobs: int | None) -> tuple[Generation, Delta]:
+    """Check a request for `body.model`, build its prompt and sampling parameters, admit it and wait
+    for its first delta. The prompt is built only once the model and fields are known good, so those
+    errors come first."""
+    lora_request = resolve_model(worker, body.model)
+    check_supported(body)
+    engine, _ = worker.require_ready()
+    ids = prompt_token_ids()
+    params = sampling_params(body, prompt_len=len(ids), max_model_len=engine.max_model_len, logprobs=logprobs)
+    return await Generation.start(
+        worker, outcome, request, kind=kind, prompt_token_ids=ids, params=params,
+        lora_request=lora_request, priority=body.priority,
+    )
+
+
 class Generation:
     """One admitted request on the engine, yielding deltas.
 
@@ -265,6 +281,14 @@ class Generation:
                 metrics.e2e.observe(now - self._arrival)
                 self._outcome.finish(outcomes.ABORTED if completion.finish_reason == "abort" else outcomes.OK)
             yield delta
+
+    async def collect(self, first: Delta, request: Request) -> list[Delta]:
+        """The whole output, `first` included, for a reply that is not streamed; closes the
+        generation however it ends."""
+        try:
+            return [first, *await self.rest(request)]
+        finally:
+            self.close()
 
     async def rest(self, request: Request) -> list[Delta]:
         """Every remaining delta, aborting if the client leaves meanwhile."""
