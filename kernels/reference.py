@@ -67,6 +67,7 @@ class _Step:
 
     groups: list[tuple[int, int, int]]
     order: torch.Tensor  # token ids in sorted positions (LoRAMeta.token_indices, int64)
+    order_list: list[int]  # the same on the host
 
 
 def lora_apply_torch(
@@ -96,7 +97,7 @@ def _step(meta: LoRAMeta) -> _Step:
     step = meta.host_cache.get(_Step)
     if step is None:
         order = meta.token_indices[: meta.num_tokens].long()
-        step = meta.host_cache[_Step] = _Step(meta.host_groups(), order)
+        step = meta.host_cache[_Step] = _Step(meta.host_groups(), order, order.tolist())
     return step  # type: ignore[return-value]
 
 
@@ -165,26 +166,28 @@ def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _G
     grid = meta.host_cache.get(key)
     if grid is not None:
         return grid  # type: ignore[return-value]
-    device = step.order.device
+    # Built as host lists, then one copy each: for a decode step's few hundred cells that is cheaper
+    # than a dozen small torch ops (DENSE_MAX_MACS bounds the cells). Padding repeats a group's last
+    # token; an idle slot's row repeats the first group's first token.
     slots = [slot for slot, _, _ in groups]
     size = max(count for _, _, count in groups)
-    # Per slot of the span: where its tokens start in sorted positions and how many it has; an idle
-    # slot's row repeats the first group's first token.
-    starts = [groups[0][1]] * (slots[-1] - slots[0] + 1)
-    counts = [0] * len(starts)
-    for slot, start, count in groups:
-        starts[slot - slots[0]], counts[slot - slots[0]] = start, count
-    counts_t = torch.tensor(counts, device=device)
-    column = torch.arange(size, device=device)
-    last = (counts_t - 1).clamp(min=0)
-    positions = torch.tensor(starts, device=device)[:, None] + torch.minimum(column[None, :], last[:, None])
-    x_index = step.order[positions.flatten()]
-    if all(count == size for count in counts):
-        rows, cells = x_index, None
-    else:
-        cells = (column[None, :] < counts_t[:, None]).flatten().nonzero().squeeze(1)
-        rows = x_index[cells]
-    grid = meta.host_cache[key] = _Grid(slots, slice(slots[0], slots[-1] + 1), size, x_index, rows, cells)
+    by_slot = {slot: (start, count) for slot, start, count in groups}
+    order = step.order_list
+    x_index: list[int] = []
+    rows: list[int] = []
+    cells: list[int] = []
+    for slot in range(slots[0], slots[-1] + 1):
+        start, count = by_slot.get(slot, (groups[0][1], 0))
+        tokens = order[start : start + count]
+        cells.extend(range(len(x_index), len(x_index) + count))
+        x_index.extend(tokens + [order[start + max(count - 1, 0)]] * (size - count))
+        rows.extend(tokens)
+    device = step.order.device
+    x_index_t = torch.tensor(x_index, device=device)
+    padded = len(rows) < len(x_index)
+    rows_t = torch.tensor(rows, device=device) if padded else x_index_t
+    cells_t = torch.tensor(cells, device=device) if padded else None
+    grid = meta.host_cache[key] = _Grid(slots, slice(slots[0], slots[-1] + 1), size, x_index_t, rows_t, cells_t)
     return grid
 
 
