@@ -9,7 +9,9 @@ request and token counters do.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -77,18 +79,29 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _EngineCollector(Collector):
-    """Engine state at scrape time; nothing while the model is still loading."""
+S = TypeVar("S")
 
-    stats: EngineStats | None = None
+
+class _StatsCollector(Collector, Generic[S]):
+    """Metric families read from `stats` at scrape time; nothing while `stats` is None."""
+
+    stats: S | None = None
 
     def describe(self) -> list:
         return []
 
     def collect(self) -> Iterator:
-        stats = self.stats
-        if stats is None:
-            return
+        if self.stats is not None:
+            yield from self._families(self.stats)
+
+    @abstractmethod
+    def _families(self, stats: S) -> Iterator: ...
+
+
+class _EngineCollector(_StatsCollector[EngineStats]):
+    """Engine state at scrape time; nothing while the model is still loading."""
+
+    def _families(self, stats: EngineStats) -> Iterator:
         yield GaugeMetricFamily("loraplex_num_requests_waiting", "Requests queued in the engine.", value=stats.num_waiting)
         yield GaugeMetricFamily("loraplex_num_requests_running", "Sequences in the running batch.", value=stats.num_running)
         yield GaugeMetricFamily(
@@ -127,18 +140,10 @@ class _EngineCollector(Collector):
         )
 
 
-class _SyncCollector(Collector):
+class _SyncCollector(_StatsCollector[SyncStats]):
     """Registry sync's progress: how an operator sees that a worker converges."""
 
-    stats: SyncStats | None = None
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self) -> Iterator:
-        stats = self.stats
-        if stats is None:
-            return
+    def _families(self, stats: SyncStats) -> Iterator:
         yield CounterMetricFamily("loraplex_registry_snapshots", "Registry snapshots applied.", value=stats.snapshots)
         yield CounterMetricFamily(
             "loraplex_registry_snapshot_failures", "Registry snapshots that could not be fetched.",
