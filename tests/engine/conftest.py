@@ -7,12 +7,23 @@ cost one PEFT save each.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from serving.engine.tiny import ARCHS, build_tiny_model, save_random_peft_adapter
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for a module (opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`):
+    tiny matmuls are slower with threads fighting over two shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

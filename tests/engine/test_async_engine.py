@@ -40,12 +40,7 @@ ENGINE_ARGS = dict(
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

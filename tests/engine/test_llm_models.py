@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from peft_reference import PeftReference, assert_greedy_match
 from safetensors.torch import load_file, save_file
 
@@ -18,12 +17,7 @@ from serving.engine import LLM, SamplingParams
 PROMPT = "Once upon a time there was a little house at the edge of the forest, and in it lived"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _variant(source: Path, dest: Path, edit_config: Callable[[dict], None], edit_weights=None) -> Path:
