@@ -3,9 +3,10 @@
 Numerics are the kernels' own, so the two agree up to fp32 summation order: the shrink
 ``h = x @ A[s, :r]^T`` accumulates in fp32; for bf16/fp16 inputs ``h`` is rounded to the input
 dtype before the expand (as PEFT's own ``lora_B(lora_A(x))`` does in that dtype); ``scaling[s]``
-multiplies in fp32 (here ``h``, which is smaller than the expand's output; the two orders differ by
-fp32 rounding only); the expand ``h @ B[s, :, :r]^T`` accumulates in fp32, is added to ``y`` in fp32
-and rounded once to ``y``'s dtype. Tokens with slot ``-1``, tokens of slots whose rank is 0 and
+multiplies in fp32 (here, for fp32 inputs, the gathered rows of ``x``, once per call rather than once
+per slice; for bf16/fp16 the rounded ``h``, so that the rounding sees the unscaled ``h``; the orders
+differ by fp32 rounding only); the expand ``h @ B[s, :, :r]^T`` accumulates in fp32, is added to
+``y`` in fp32 and rounded once to ``y``'s dtype. Tokens with slot ``-1``, tokens of slots whose rank is 0 and
 columns outside the slices are never written.
 
 The work is what the tokens' own adapters need, in few torch ops: on CPU an op costs microseconds of
@@ -200,9 +201,21 @@ def _packed_span(Bs: Sequence[torch.Tensor], slice_offsets: Sequence[int]) -> tu
     return spans[0][0], spans[-1][1]
 
 
-def _hidden(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round the fp32 shrink output to the input dtype, as the kernels (and PEFT) do."""
-    return h if dtype == torch.float32 else h.to(dtype).float()
+def _scale_rows(xs: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Apply ``scale`` to the fp32 gathered rows ``xs`` of an fp32 ``x`` in place (a fresh gather):
+    once per call rather than once per slice. For bf16/fp16 it must wait for ``h`` to be rounded, so
+    it is returned for :func:`_hidden`; None when already applied."""
+    if dtype != torch.float32:
+        return scale
+    xs.mul_(scale)
+    return None
+
+
+def _hidden(h: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 shrink output rounded to the input dtype, as the kernels (and PEFT) do, then scaled."""
+    if scale is None:
+        return h
+    return h.to(dtype).float().mul_(scale)
 
 
 def _add_slices(
@@ -254,12 +267,15 @@ def _apply_grid(
     they must hold zeros (the documented contract)."""
     num_rows = grid.span.stop - grid.span.start
     xs = x.index_select(0, grid.x_index).float().view(num_rows, grid.size, x.shape[1])
-    scale = scales[grid.span].view(num_rows, 1, 1)
+    scale = _scale_rows(xs, scales[grid.span].view(num_rows, 1, 1), x.dtype)
+    # A grid over every slot at full rank reads the slot tensors as they are (two view ops fewer).
+    whole = grid.span == slice(0, As[0].shape[0]) and rank == As[0].shape[1]
     deltas = []
     for A, B, offset in zip(As, Bs, slice_offsets):
-        h = _hidden(torch.bmm(xs, A[grid.span, :rank].float().transpose(1, 2)), x.dtype).mul_(scale)
-        delta = torch.bmm(h, B[grid.span, :, :rank].float().transpose(1, 2))
-        deltas.append((offset, delta.view(-1, B.shape[1])))
+        if not whole:
+            A, B = A[grid.span, :rank], B[grid.span, :, :rank]
+        h = _hidden(torch.bmm(xs, A.float().mT), x.dtype, scale)
+        deltas.append((offset, torch.bmm(h, B.float().mT).view(-1, B.shape[1])))
     _add_slices(y, grid.rows, grid.cells, deltas, span)
 
 
@@ -277,9 +293,9 @@ def _apply_group(
 ) -> None:
     """One slot's tokens at the slot's own rank."""
     xs = x.index_select(0, rows).float()
-    scale = scales[slot]
+    scale = _scale_rows(xs, scales[slot], x.dtype)
     deltas = []
     for A, B, offset in zip(As, Bs, slice_offsets):
-        h = _hidden(xs @ A[slot, :rank].float().T, x.dtype).mul_(scale)
+        h = _hidden(xs @ A[slot, :rank].float().T, x.dtype, scale)
         deltas.append((offset, h @ B[slot, :, :rank].float().T))
     _add_slices(y, rows, None, deltas, span)
