@@ -32,12 +32,13 @@ from kernels.meta import LoRAMeta
 
 # A grid may spend at most this many multiply-adds per slice, padding included (tokens x rank x
 # (K + N)); past it, groups run one by one. Measured on the 2-core development CPU (fp32, 1 and 2
-# threads, docs/benchmarks.md): balanced grids were 1.3-4x faster than the loop up to 2^23; past
-# 2^24 the loop was as fast or faster (the grid's larger intermediates cost page faults).
+# threads, docs/benchmarks.md): below it balanced grids beat the per-group loop by 1.3-5x; from 2^24
+# the grid lost in some runs, by up to 2.7x.
 DENSE_MAX_MACS = 1 << 23
 
-# The host time of a group run on its own, per slice (five torch ops: 60-85 µs on the same CPU), in
-# multiply-adds of the grid (55-100 µs per million): what padding may cost before looping pays.
+# The host time of a group run on its own, per slice (five torch ops: 44-88 µs on the same CPU), in
+# multiply-adds of the grid's marginal cost: 0.6-2.2 M over four runs of three shapes, median 1.1 M.
+# It is what padding may cost before looping pays.
 LOOP_GROUP_MACS = 1 << 20
 
 
@@ -50,7 +51,7 @@ class _Grid:
     slots: list[int]  # the groups' slots, ascending
     span: slice  # the slot tensors' rows the grid covers: its first to its last slot
     size: int
-    x_index: torch.Tensor  # [n * size] token of each cell
+    x_index: torch.Tensor  # [span length * size] token of each cell
     rows: torch.Tensor  # tokens of the real cells, in grid order
     cells: torch.Tensor | None  # positions of the real cells in the grid; None when nothing is padded
 
@@ -107,13 +108,14 @@ def _plan(
 ) -> _Plan:
     """Which groups go in the grid and which run alone, for this call's ranks and shapes.
 
-    Cached per step under everything it depends on: in the engine, the four projection shapes of a
-    layer, so a step builds four plans and every other call is a lookup.
+    Cached per step under everything it depends on (the constants too, which benchmarks and tests
+    change between calls): in the engine, the four projection shapes of a layer, so a step builds
+    four plans and every other call is a lookup.
     """
     slot_ranks = tuple(ranks.tolist()) if ranks is not None else None
     full_rank, hidden = As[0].shape[1], As[0].shape[2]
     widths = tuple(B.shape[1] for B in Bs)
-    key = (_Plan, slot_ranks, full_rank, hidden, widths)
+    key = (_Plan, slot_ranks, full_rank, hidden, widths, DENSE_MAX_MACS, LOOP_GROUP_MACS)
     plan = meta.host_cache.get(key)
     if plan is None:
         plan = meta.host_cache[key] = _make_plan(meta, slot_ranks, full_rank, hidden, widths)
