@@ -1,7 +1,9 @@
 """REST for the adapter registry (tenant-scoped) and the serving workers' snapshot (token-guarded).
 
 Views only translate HTTP to serving.services / serving.selectors calls and back; every rule
-(states, limits, validation of artifacts) lives there.
+(states, limits, validation of artifacts) lives there. Lists are in the one list shape of
+lora_platform.pagination: adapters by name (cursor: a name), versions newest first by semantic
+version (cursor: a version), audit events newest first (cursor: an event id).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from lora_platform.errors import InvalidInput, NotFound
+from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from serving import selectors, services
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent
-from serving.versions import VERSION_PATH_PATTERN
+from serving.versions import VERSION_PATH_PATTERN, SemVer
 from tenants.scoping import TenantScopedViewSet
 
 # request.auth of a serving worker that presented the registry token.
@@ -154,7 +157,7 @@ def _validated(serializer_class: type[serializers.Serializer], request: Request)
 _VERSION_PATH = rf"versions/(?P<version>{VERSION_PATH_PATTERN})"
 
 
-class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantScopedViewSet):
+class AdapterViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
     """Adapters of the caller's tenant, their versions, deployment, canary, rollback and audit log."""
 
     queryset = Adapter.objects.select_related("tenant").prefetch_related(
@@ -181,6 +184,16 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantSco
     def _version(self, version: str) -> AdapterVersion:
         return selectors.adapter_version_get(adapter=self.get_object(), version=version)
 
+    @extend_schema(parameters=paging_parameters("the name"), responses=list_schema(AdapterSerializer, "AdapterList"),
+                   summary="List adapters by name")
+    def list(self, request: Request) -> Response:
+        page = page_request(request)
+        adapters = self.get_queryset().order_by("name")
+        if page.after is not None:
+            adapters = adapters.filter(name__gt=page.after)
+        rows, has_more = take(adapters, page.limit)
+        return Response(list_body(AdapterSerializer(rows, many=True).data, has_more=has_more, id_key="name"))
+
     @extend_schema(request=AdapterCreateSerializer, responses={201: AdapterSerializer}, summary="Create an adapter")
     def create(self, request: Request) -> Response:
         data = _validated(AdapterCreateSerializer, request)
@@ -196,7 +209,9 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantSco
         services.adapter_delete(adapter=self.get_object(), actor=request_actor(request), force=force)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(methods=["GET"], responses=VersionSerializer(many=True), summary="List an adapter's versions")
+    @extend_schema(methods=["GET"], parameters=paging_parameters("the version"),
+                   responses=list_schema(VersionSerializer, "VersionList"),
+                   summary="List an adapter's versions, newest semantic version first")
     @extend_schema(methods=["POST"], request={"multipart/form-data": UploadSerializer},
                    responses={201: VersionSerializer},
                    summary="Upload a PEFT adapter as a new version (multipart files or one .zip/.tar.gz)")
@@ -204,8 +219,13 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantSco
     def versions(self, request: Request, name: str) -> Response:
         adapter = self.get_object()
         if request.method == "GET":
+            page = page_request(request)
             versions = selectors.versions_by_precedence(adapter.versions.all())
-            return Response(VersionSerializer(versions, many=True).data)
+            if page.after is not None:
+                versions = [item for item in versions if SemVer(item.version) < _version_cursor(page.after)]
+            rows, has_more = take(versions, page.limit)
+            return Response(list_body(VersionSerializer(rows, many=True).data, has_more=has_more,
+                                      id_key="version"))
         if request.content_type.split(";")[0] != "multipart/form-data":
             raise InvalidInput("Upload the adapter as multipart/form-data: adapter_config.json and "
                                "adapter_model.safetensors, or one .zip/.tar.gz.", code="multipart_required")
@@ -286,10 +306,26 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantSco
                                   reason=data["reason"])
         return self._adapter_response(adapter)
 
-    @extend_schema(responses=EventSerializer(many=True), summary="The adapter's audit log, newest first")
+    @extend_schema(parameters=paging_parameters("the event id"),
+                   responses=list_schema(EventSerializer, "DeploymentEventList", serializers.IntegerField),
+                   summary="The adapter's audit log, newest first")
     @action(detail=True, methods=["get"], url_path="events")
     def events(self, request: Request, name: str) -> Response:
-        return Response(EventSerializer(selectors.adapter_events(adapter=self.get_object()), many=True).data)
+        page = page_request(request)
+        events = selectors.adapter_events(adapter=self.get_object())
+        after = page.int_after()
+        if after is not None:
+            events = events.filter(pk__lt=after)
+        rows, has_more = take(events, page.limit)
+        return Response(list_body(EventSerializer(rows, many=True).data, has_more=has_more))
+
+
+def _version_cursor(after: str) -> SemVer:
+    try:
+        return SemVer(after)
+    except ValueError:
+        raise InvalidInput(f"'after' must be a version like '1.2.0' (the last_id of the previous page), got "
+                           f"{after!r}.", code="invalid_cursor", param="after") from None
 
 
 class RegistryTokenAuthentication(BaseAuthentication):

@@ -1,4 +1,5 @@
-"""REST: the caller's tenant and tier, and the tenant's API keys."""
+"""REST: the caller's tenant and tier, and the tenant's API keys (listed newest first, in the one list
+shape of lora_platform.pagination)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants import services
 from tenants.models import ApiKey, Tenant, Tier
 from tenants.scoping import TenantScopedViewSet, request_tenant
@@ -58,10 +60,21 @@ class TenantView(APIView):
         return Response(TenantSerializer(request_tenant(request)).data)
 
 
-class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
-                    TenantScopedViewSet):
+class ApiKeyViewSet(mixins.RetrieveModelMixin, mixins.DestroyModelMixin, TenantScopedViewSet):
     queryset = ApiKey.objects.all()
     serializer_class = ApiKeySerializer
+
+    @extend_schema(parameters=paging_parameters("the id"),
+                   responses=list_schema(ApiKeySerializer, "ApiKeyList", serializers.IntegerField),
+                   summary="List the tenant's API keys, newest first")
+    def list(self, request: Request) -> Response:
+        page = page_request(request)
+        keys = self.get_queryset()
+        after = page.int_after()
+        if after is not None:
+            keys = keys.filter(pk__lt=after)
+        rows, has_more = take(keys.order_by("-id"), page.limit)
+        return Response(list_body(ApiKeySerializer(rows, many=True).data, has_more=has_more))
 
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer},
                    summary="Create an API key (the full key is returned once)")

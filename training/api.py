@@ -1,7 +1,7 @@
 """REST for datasets and training jobs, in shapes close to OpenAI's files and fine-tuning APIs.
 
-Lists are `{"object": "list", "data": [...], "has_more": bool}`, newest first, paged with
-`?limit=` and `?after=<id>` as OpenAI's are. Views only translate HTTP to training.services calls
+Lists are in the one list shape of lora_platform.pagination, newest first, paged with `?limit=`
+and `?after=<id>` as OpenAI's are. Views only translate HTTP to training.services calls
 and back; every rule lives there.
 """
 
@@ -13,7 +13,7 @@ from django.core.files.uploadhandler import TemporaryFileUploadHandler
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, inline_serializer
+from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.parsers import JSONParser, MultiPartParser
@@ -21,40 +21,26 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from lora_platform.errors import InvalidInput
+from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
 from training import conf, selectors, services
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 
-DEFAULT_PAGE = 20
-MAX_PAGE = 100
-
-
 def _page(request: Request, queryset: QuerySet, serializer: type[serializers.Serializer]) -> Response:
     """One page of a list ordered newest first: `limit` rows with ids below `after`."""
-    try:
-        limit = int(request.query_params.get("limit", DEFAULT_PAGE))
-        after = request.query_params.get("after")
-        after = int(after) if after not in (None, "") else None
-    except ValueError:
-        raise InvalidInput("'limit' and 'after' must be integers.", param="limit") from None
-    if not 1 <= limit <= MAX_PAGE:
-        raise InvalidInput(f"'limit' must be from 1 to {MAX_PAGE}.", param="limit")
+    page = page_request(request)
+    after = page.int_after()
     if after is not None:
         queryset = queryset.filter(pk__lt=after)
-    rows = list(queryset.order_by("-id")[: limit + 1])
-    return Response({"object": "list", "data": serializer(rows[:limit], many=True).data,
-                     "has_more": len(rows) > limit})
+    rows, has_more = take(queryset.order_by("-id"), page.limit)
+    return Response(list_body(serializer(rows, many=True).data, has_more=has_more))
 
 
-_PAGING = [
-    OpenApiParameter("limit", int, description=f"Rows per page (1–{MAX_PAGE}, default {DEFAULT_PAGE})."),
-    OpenApiParameter("after", int, description="Return rows older than this id (the last id of the previous page)."),
-]
+_PAGING = paging_parameters("the id")
 
 
 def _list_of(serializer: type[serializers.Serializer], name: str) -> serializers.Serializer:
-    return inline_serializer(name, {"object": serializers.CharField(), "data": serializer(many=True),
-                                    "has_more": serializers.BooleanField()})
+    return list_schema(serializer, name, serializers.IntegerField)
 
 
 # --- datasets ---------------------------------------------------------------------------------

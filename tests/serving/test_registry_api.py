@@ -27,6 +27,28 @@ def ok(response, status: int = 200) -> dict:
     return response.json() if response.content else {}
 
 
+def listed(response, id_key: str) -> list[dict]:
+    """The rows of a whole list (one page), after checking the one list shape around them."""
+    body = ok(response)
+    assert set(body) == {"object", "data", "has_more", "first_id", "last_id"} and body["object"] == "list"
+    rows = body["data"]
+    assert (body["first_id"], body["last_id"]) == ((rows[0][id_key], rows[-1][id_key]) if rows else (None, None))
+    assert body["has_more"] is False
+    return rows
+
+
+def walk(client, url: str, id_key: str, limit: int) -> list[dict]:
+    """Every row of a list, page by page through its cursor."""
+    rows, after = [], None
+    while True:
+        body = ok(client.get(url, {"limit": limit, **({"after": after} if after else {})}))
+        assert len(body["data"]) <= limit
+        rows += body["data"]
+        if not body["has_more"]:
+            return rows
+        after = body["last_id"]
+
+
 def error(response, status: int) -> dict:
     assert response.status_code == status, response.content
     body = response.json()["error"]
@@ -38,7 +60,7 @@ def test_create_list_get_adapters(client_a):
     created = ok(client_a.post(BASE, {"name": "support-bot", "description": "tickets"}, format="json"), 201)
     assert created == {"name": "support-bot", "description": "tickets", "created_at": created["created_at"],
                        "active_version": None, "canary": None, "version_count": 0}
-    assert [item["name"] for item in ok(client_a.get(BASE))] == ["support-bot"]
+    assert [item["name"] for item in listed(client_a.get(BASE), "name")] == ["support-bot"]
     assert ok(client_a.get(f"{BASE}/support-bot/"))["name"] == "support-bot"
     assert error(client_a.post(BASE, {"name": "support-bot"}, format="json"), 409)["code"] == "adapter_exists"
     assert error(client_a.post(BASE, {"name": "Bad Name"}, format="json"), 400)["param"] == "name"
@@ -74,7 +96,7 @@ def test_canary_workflow_over_http(client_a, versions_a):
     assert state["active_version"] == "1.0.0"
     assert error(client_a.post(f"{url}/rollback", {}, format="json"), 409)["code"] == "no_previous_version"
 
-    versions = ok(client_a.get(f"{url}/versions"))
+    versions = listed(client_a.get(f"{url}/versions"), "version")
     assert [(v["version"], v["status"]) for v in versions] == [
         ("1.2.0", "deprecated"), ("1.1.0", "deprecated"), ("1.0.0", "active")]
     archived = ok(client_a.post(f"{url}/versions/1.2.0/archive", {}, format="json"))
@@ -82,11 +104,27 @@ def test_canary_workflow_over_http(client_a, versions_a):
     assert ok(client_a.get(f"{url}/versions/1.1.0"))["model"] == "support-bot@1.1.0"
     assert error(client_a.get(f"{url}/versions/7.0.0"), 404)["code"] == "version_not_found"
 
-    events = ok(client_a.get(f"{url}/events"))
+    events = listed(client_a.get(f"{url}/events"), "id")
+    assert walk(client_a, f"{url}/events", "id", limit=3) == events
     assert [event["type"] for event in events] == [
         "archive", "rollback", "abort", "canary_start", "promote", "canary_weight", "canary_start", "deploy"]
     assert events[2]["reason"] == "errors" and events[5]["from_weight"] == 0.1 and events[5]["to_weight"] == 0.5
     assert all(event["actor"].startswith("api-key:") for event in events)
+
+
+def test_lists_page_through_their_cursor(client_a, adapter_a, make_version):
+    for text in ("1.0.0", "1.0.1", "1.1.0", "2.0.0-rc.1", "2.0.0", "10.0.0"):
+        make_version(adapter_a, text)
+    for name in ("alpha", "beta", "gamma"):
+        ok(client_a.post(BASE, {"name": name}, format="json"), 201)
+    versions = [row["version"] for row in walk(client_a, f"{BASE}/support-bot/versions", "version", limit=4)]
+    assert versions == ["10.0.0", "2.0.0", "2.0.0-rc.1", "1.1.0", "1.0.1", "1.0.0"]
+    names = [row["name"] for row in walk(client_a, BASE, "name", limit=2)]
+    assert names == ["alpha", "beta", "gamma", "support-bot"]
+    assert ok(client_a.get(BASE, {"limit": 2, "after": "beta"}))["first_id"] == "gamma"
+    assert error(client_a.get(f"{BASE}/support-bot/versions", {"after": "latest"}), 400)["param"] == "after"
+    assert error(client_a.get(f"{BASE}/support-bot/events", {"after": "x"}), 400)["code"] == "invalid_cursor"
+    assert error(client_a.get(BASE, {"limit": 101}), 400)["param"] == "limit"
 
 
 def test_refusals_are_409_with_reasons(client_a, versions_a):
@@ -116,7 +154,7 @@ def test_tenant_b_cannot_see_or_change_tenant_a_adapters(client_a, client_b, ver
     before = sorted(AdapterVersion.objects.values_list("version", "status", "traffic_weight"))
     events_before = DeploymentEvent.objects.count()
 
-    assert ok(client_b.get(BASE)) == []
+    assert listed(client_b.get(BASE), "name") == []
     attempts = [
         client_b.get(url),
         client_b.get(f"{url}/versions"),

@@ -37,7 +37,10 @@ def test_create_list_read_and_revoke_own_keys(client_a, tenant_a) -> None:
     assert key["key"].startswith(f"lp-{key['prefix']}.") and key["scopes"] == ["inference"]
 
     listed = client_a.get("/api/v1/api-keys").json()
-    assert {row["name"] for row in listed} == {"default", "ci"}
+    assert listed["object"] == "list" and not listed["has_more"]
+    assert listed["first_id"] == key["id"] and listed["last_id"] == listed["data"][-1]["id"]
+    listed = listed["data"]
+    assert [row["name"] for row in listed] == ["ci", "default"]
     assert all("key" not in row and "secret_hash" not in row for row in listed)
     assert client_a.get(f"/api/v1/api-keys/{key['id']}").json()["name"] == "ci"
 
@@ -50,7 +53,7 @@ def test_create_list_read_and_revoke_own_keys(client_a, tenant_a) -> None:
 def test_tenant_b_cannot_list_read_or_revoke_tenant_a_keys(client_a, client_b, tenant_a, tenant_b) -> None:
     a_key = ApiKey.objects.get(tenant=tenant_a.tenant)
 
-    listed = client_b.get("/api/v1/api-keys").json()
+    listed = client_b.get("/api/v1/api-keys").json()["data"]
     assert [row["prefix"] for row in listed] == [ApiKey.objects.get(tenant=tenant_b.tenant).prefix]
     read = client_b.get(f"/api/v1/api-keys/{a_key.id}")
     assert read.status_code == 404 and error_of(read)["code"] == "not_found"

@@ -159,7 +159,7 @@ def test_job_defaults_are_resolved_and_shown_in_openai_like_shape(platform, clie
     events = client_a.get(f"/api/v1/training-jobs/{job['id']}/events").json()
     assert events["object"] == "list" and events["data"][0]["object"] == "training_job.event"
     assert client_a.get(f"/api/v1/training-jobs/{job['id']}/checkpoints").json() == {
-        "object": "list", "data": [], "has_more": False}
+        "object": "list", "data": [], "has_more": False, "first_id": None, "last_id": None}
 
 
 def test_another_tenants_dataset_and_jobs_do_not_exist(platform, client_a, client_b):
@@ -259,9 +259,11 @@ def test_lists_page_newest_first(platform, client_a):
     ids = [upload(client_a, jsonl(chat_lines(1))).json()["id"] for _ in range(3)]
     first = client_a.get("/api/v1/datasets?limit=2").json()
     assert [item["id"] for item in first["data"]] == ids[::-1][:2] and first["has_more"]
+    assert (first["object"], first["first_id"], first["last_id"]) == ("list", ids[2], ids[1])
     rest = client_a.get(f"/api/v1/datasets?limit=2&after={first['data'][-1]['id']}").json()
     assert [item["id"] for item in rest["data"]] == [ids[0]] and not rest["has_more"]
     assert client_a.get("/api/v1/datasets?limit=0").status_code == 400
+    assert client_a.get("/api/v1/datasets?after=file-1").json()["error"]["param"] == "after"
 
 
 def test_the_schema_documents_the_training_api(client_a):
