@@ -68,7 +68,7 @@ def test_oversized_bodies_are_json_413_naming_the_limit(client_a, settings) -> N
 
     upload = client_a.post("/api/v1/api-keys", {"name": "k", "file": ("x" * 6000)}, format="multipart")
     assert upload.status_code == 413 and "limit is 5000 bytes" in error_of(upload)["message"]
-    assert client_a.get("/api/v1/api-keys").json()[0]["name"] == "default"
+    assert client_a.get("/api/v1/api-keys").json()["data"][0]["name"] == "default"
 
 
 @pytest.mark.django_db
