@@ -1,0 +1,395 @@
+"""Circuit breakers per adapter version, shared by every gateway process through Redis.
+
+The semantics are resilience4j's count-based breaker:
+
+- CLOSED: every call is let through and its outcome goes into a window of the last
+  `window_size` calls (100). Once the window holds at least `minimum_calls` (50), the breaker
+  opens when the failure rate passes `failure_rate_threshold` (30 %) or the slow-call rate passes
+  `slow_call_rate_threshold` (a call is slow when it took at least `slow_call_duration_s`).
+- OPEN: every call is refused; after `cooldown_s` (30 s) the next caller finds it HALF_OPEN.
+- HALF_OPEN: `half_open_calls` (5) trial permits are handed out, the rest refused. All trials
+  succeed → CLOSED with an empty window; one fails or is slow → OPEN again for a new cool-down.
+  Trials that never report (their gateway process died) would hold the breaker half-open for
+  ever, so once `cooldown_s` passes with permits still out, a fresh set of trials is issued.
+
+Each transition bumps the breaker's `epoch`; a permit carries the epoch it was issued in and its
+outcome is dropped if the breaker has moved on since (a call let through while CLOSED that ends
+after the breaker opened must not count as a half-open trial). Outcomes that say nothing about the
+adapter (a client's 4xx, a cancelled request) are IGNORED: they count nowhere and give a
+half-open permit back.
+
+Every transition is one Lua script run (`_LUA`), so two gateway processes can never both take the
+last trial permit or both close a breaker. The clock is the caller's (`now` is an argument), which
+makes the state machine testable under an injected clock and keeps Redis' own clock out of it.
+
+`LocalBreakers` is the same state machine in process memory: what a gateway falls back to while
+Redis is unreachable (see `CircuitBreakers`). The two are kept identical by one test suite run
+against both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import redis.asyncio as aioredis
+
+from serving.gateway.redis_guard import RedisGuard
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "loraplex:breaker:"
+
+
+class State(str, Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Outcome(int, Enum):
+    """How a call ended, as the breaker counts it (the codes are the Lua script's)."""
+
+    SUCCESS = 0
+    FAILURE = 1
+    IGNORED = 4
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """Thresholds (defaults: the issue's and resilience4j's; settings.GATEWAY_BREAKER_*)."""
+
+    window_size: int = 100
+    minimum_calls: int = 50
+    failure_rate_threshold: float = 0.30
+    slow_call_rate_threshold: float = 0.50
+    slow_call_duration_s: float = 30.0
+    cooldown_s: float = 30.0
+    half_open_calls: int = 5
+    # An idle breaker's key expires after this; an expired key reads as a fresh CLOSED breaker.
+    idle_ttl_s: int = 86400
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.minimum_calls <= self.window_size:
+            raise ValueError(f"minimum_calls must be within 1 and window_size ({self.window_size}), "
+                             f"got {self.minimum_calls}")
+        for name in ("failure_rate_threshold", "slow_call_rate_threshold"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a rate within 0 and 1, got {value}")
+        if self.half_open_calls < 1 or self.cooldown_s <= 0 or self.slow_call_duration_s <= 0:
+            raise ValueError("half_open_calls must be >= 1, cooldown_s and slow_call_duration_s > 0")
+
+
+@dataclass(frozen=True)
+class Permit:
+    """The answer to "may this call go to that version?"; hand it back to `record`."""
+
+    name: str
+    allowed: bool
+    state: State
+    epoch: int
+    # Seconds until a refused call could be let through (0 when allowed).
+    retry_after_s: float
+    # False when this answer came from the process-local fallback (Redis unreachable).
+    shared: bool = True
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A breaker's state and its window's figures, as one transition left them."""
+
+    name: str
+    state: State
+    epoch: int
+    calls: int
+    failures: int
+    slow_calls: int
+    # The state the last call moved the breaker into (None: it stayed where it was).
+    transition: State | None = None
+    shared: bool = True
+
+    @property
+    def failure_rate(self) -> float:
+        return self.failures / self.calls if self.calls else 0.0
+
+    @property
+    def slow_call_rate(self) -> float:
+        return self.slow_calls / self.calls if self.calls else 0.0
+
+
+def outcome_for_response(status: int | None) -> Outcome:
+    """The breaker's view of an upstream answer: None (connection failure, timeout) or 5xx is a
+    failure, a 4xx is the client's fault and says nothing about the adapter, the rest succeed."""
+    if status is None or status >= 500:
+        return Outcome.FAILURE
+    if 400 <= status < 500:
+        return Outcome.IGNORED
+    return Outcome.SUCCESS
+
+
+# Window entries, one character per call: bit 0 = failed, bit 1 = slow.
+_OK, _FAILED, _SLOW = 0, 1, 2
+
+_LUA = """
+local key = KEYS[1]
+local op = ARGV[1]
+local now = tonumber(ARGV[2])
+local window = tonumber(ARGV[3])
+local min_calls = tonumber(ARGV[4])
+local fail_thr = tonumber(ARGV[5])
+local slow_thr = tonumber(ARGV[6])
+local cooldown = tonumber(ARGV[7])
+local permits = tonumber(ARGV[8])
+local ttl = tonumber(ARGV[9])
+
+local h = redis.call('HMGET', key, 'state', 'epoch', 'ring', 'pos', 'failures', 'slows', 'opened_at',
+                     'issued', 'succeeded', 'half_at')
+local state = h[1] or 'closed'
+local epoch = tonumber(h[2]) or 0
+local ring = h[3] or ''
+local pos = tonumber(h[4]) or 0
+local failures = tonumber(h[5]) or 0
+local slows = tonumber(h[6]) or 0
+local opened_at = tonumber(h[7]) or 0
+local issued = tonumber(h[8]) or 0
+local succeeded = tonumber(h[9]) or 0
+local half_at = tonumber(h[10]) or 0
+local transition = ''
+local changed = false
+
+local function reset_window()
+  ring = ''; pos = 0; failures = 0; slows = 0
+end
+local function enter(to)
+  state = to; epoch = epoch + 1; issued = 0; succeeded = 0; transition = to; changed = true
+  reset_window()
+  if to == 'open' then opened_at = now end
+  if to == 'half_open' then half_at = now end
+end
+
+if #ring > window then reset_window(); changed = true end
+-- Time-driven transitions happen lazily, when a caller looks.
+if state == 'open' and now >= opened_at + cooldown then
+  enter('half_open')
+elseif state == 'half_open' and issued >= permits and now >= half_at + cooldown then
+  enter('half_open')
+end
+
+local allowed = 0
+local retry = 0
+local calls, fails_seen, slows_seen = #ring, failures, slows
+
+if op == 'acquire' then
+  if state == 'closed' then
+    allowed = 1
+  elseif state == 'open' then
+    retry = opened_at + cooldown - now
+  elseif issued < permits then
+    issued = issued + 1; allowed = 1; changed = true
+  else
+    retry = math.min(1, cooldown)
+  end
+elseif op == 'record' then
+  local permit_epoch = tonumber(ARGV[10])
+  local code = tonumber(ARGV[11])
+  if permit_epoch == epoch then
+    if code == 4 then
+      if state == 'half_open' and issued > 0 then issued = issued - 1; changed = true end
+    elseif state == 'closed' then
+      local c = tostring(code)
+      if #ring < window then
+        ring = ring .. c
+      else
+        local old = tonumber(string.sub(ring, pos + 1, pos + 1))
+        if old % 2 == 1 then failures = failures - 1 end
+        if old >= 2 then slows = slows - 1 end
+        ring = string.sub(ring, 1, pos) .. c .. string.sub(ring, pos + 2)
+      end
+      pos = (pos + 1) % window
+      if code % 2 == 1 then failures = failures + 1 end
+      if code >= 2 then slows = slows + 1 end
+      changed = true
+      calls, fails_seen, slows_seen = #ring, failures, slows
+      if #ring >= min_calls and (failures / #ring > fail_thr or slows / #ring > slow_thr) then
+        enter('open')
+      end
+    elseif state == 'half_open' then
+      calls, fails_seen, slows_seen = succeeded + 1, code % 2, (code >= 2) and 1 or 0
+      if code ~= 0 then
+        enter('open')
+      else
+        succeeded = succeeded + 1; changed = true
+        if succeeded >= permits then enter('closed') end
+      end
+    end
+  end
+end
+
+if changed and op ~= 'peek' then
+  redis.call('HSET', key, 'state', state, 'epoch', epoch, 'ring', ring, 'pos', pos, 'failures', failures,
+             'slows', slows, 'opened_at', tostring(opened_at), 'issued', issued, 'succeeded', succeeded,
+             'half_at', tostring(half_at))
+end
+if op ~= 'peek' then redis.call('EXPIRE', key, ttl) end
+return {allowed, state, epoch, math.ceil(math.max(retry, 0) * 1000), calls, fails_seen, slows_seen, transition}
+"""
+
+
+def _code(outcome: Outcome, duration_s: float, config: BreakerConfig) -> int:
+    if outcome is Outcome.IGNORED:
+        return int(Outcome.IGNORED)
+    slow = _SLOW if duration_s >= config.slow_call_duration_s else 0
+    return (_FAILED if outcome is Outcome.FAILURE else _OK) | slow
+
+
+@dataclass
+class _LocalState:
+    state: str = "closed"
+    epoch: int = 0
+    ring: list[int] = field(default_factory=list)
+    pos: int = 0
+    opened_at: float = 0.0
+    issued: int = 0
+    succeeded: int = 0
+    half_at: float = 0.0
+
+
+class LocalBreakers:
+    """The same state machine as `_LUA`, in this process only (the Redis-outage fallback).
+
+    Kept line for line with the script, so both answer every sequence of calls alike.
+    """
+
+    def __init__(self, config: BreakerConfig) -> None:
+        self.config = config
+        self._states: dict[str, _LocalState] = {}
+
+    def run(self, name: str, op: str, now: float, epoch: int = 0, code: int = 0) -> tuple:
+        c = self.config
+        s = self._states.setdefault(name, _LocalState())
+        transition = ""
+
+        def enter(to: str) -> None:
+            nonlocal transition
+            s.state, s.epoch, s.issued, s.succeeded, transition = to, s.epoch + 1, 0, 0, to
+            s.ring, s.pos = [], 0
+            if to == "open":
+                s.opened_at = now
+            if to == "half_open":
+                s.half_at = now
+
+        if len(s.ring) > c.window_size:
+            s.ring, s.pos = [], 0
+        if s.state == "open" and now >= s.opened_at + c.cooldown_s:
+            enter("half_open")
+        elif s.state == "half_open" and s.issued >= c.half_open_calls and now >= s.half_at + c.cooldown_s:
+            enter("half_open")
+
+        def figures() -> tuple[int, int, int]:
+            return len(s.ring), sum(x & _FAILED for x in s.ring), sum(1 for x in s.ring if x & _SLOW)
+
+        allowed, retry = 0, 0.0
+        calls, fails_seen, slows_seen = figures()
+        if op == "acquire":
+            if s.state == "closed":
+                allowed = 1
+            elif s.state == "open":
+                retry = s.opened_at + c.cooldown_s - now
+            elif s.issued < c.half_open_calls:
+                s.issued += 1
+                allowed = 1
+            else:
+                retry = min(1.0, c.cooldown_s)
+        elif op == "record" and epoch == s.epoch:
+            if code == Outcome.IGNORED:
+                if s.state == "half_open" and s.issued > 0:
+                    s.issued -= 1
+            elif s.state == "closed":
+                if len(s.ring) < c.window_size:
+                    s.ring.append(code)
+                else:
+                    s.ring[s.pos] = code
+                s.pos = (s.pos + 1) % c.window_size
+                calls, fails_seen, slows_seen = figures()
+                if calls >= c.minimum_calls and (fails_seen / calls > c.failure_rate_threshold
+                                                 or slows_seen / calls > c.slow_call_rate_threshold):
+                    enter("open")
+            elif s.state == "half_open":
+                calls, fails_seen, slows_seen = s.succeeded + 1, code & _FAILED, 1 if code & _SLOW else 0
+                if code != 0:
+                    enter("open")
+                else:
+                    s.succeeded += 1
+                    if s.succeeded >= c.half_open_calls:
+                        enter("closed")
+        return allowed, s.state, s.epoch, max(retry, 0.0), calls, fails_seen, slows_seen, transition
+
+
+class CircuitBreakers:
+    """Every gateway process's breakers: shared in Redis, process-local while Redis is away.
+
+    Fails open: while Redis cannot be reached (see RedisGuard) each process judges versions by its
+    own traffic with the same thresholds, because refusing every adapter's traffic for want of a
+    shared counter would turn a Redis outage into a full outage. When Redis answers again the
+    shared state (as it was before the outage) is used again; outcomes of permits handed out
+    locally are recorded locally.
+    """
+
+    def __init__(self, redis: aioredis.Redis, config: BreakerConfig, *, guard: RedisGuard,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self._redis = redis
+        self._guard = guard
+        self._clock = clock
+        self._script = redis.register_script(_LUA)
+        self.local = LocalBreakers(config)
+
+    async def acquire(self, name: str) -> Permit:
+        """Whether a call to version `name` (`tenant/adapter@version`) may go out now."""
+        result, shared = await self._run(name, "acquire")
+        allowed, state, epoch, retry_s = result[:4]
+        return Permit(name=name, allowed=bool(allowed), state=State(state), epoch=epoch,
+                      retry_after_s=retry_s, shared=shared)
+
+    async def record(self, permit: Permit, outcome: Outcome, duration_s: float) -> Snapshot:
+        """Counts the call's outcome; the snapshot says whether it moved the breaker."""
+        code = _code(outcome, duration_s, self.config)
+        result, shared = await self._run(permit.name, "record", permit.epoch, code, local_only=not permit.shared)
+        return self._snapshot(permit.name, result, shared)
+
+    async def snapshot(self, name: str) -> Snapshot:
+        """The breaker's current state and window figures, changing nothing."""
+        result, shared = await self._run(name, "peek")
+        return self._snapshot(name, result, shared)
+
+    @staticmethod
+    def _snapshot(name: str, result: tuple, shared: bool) -> Snapshot:
+        _, state, epoch, _, calls, failures, slows, transition = result
+        return Snapshot(name=name, state=State(state), epoch=epoch, calls=calls, failures=failures,
+                        slow_calls=slows, transition=State(transition) if transition else None, shared=shared)
+
+    async def _run(self, name: str, op: str, epoch: int = 0, code: int = 0, *,
+                   local_only: bool = False) -> tuple[tuple, bool]:
+        now = self._clock()
+        if not local_only:
+            c = self.config
+            reply = await self._guard.call(
+                f"breaker {op}",
+                lambda: self._script(keys=[KEY_PREFIX + name], args=[
+                    op, repr(now), c.window_size, c.minimum_calls, c.failure_rate_threshold,
+                    c.slow_call_rate_threshold, c.cooldown_s, c.half_open_calls, c.idle_ttl_s, epoch, code,
+                ]),
+            )
+            if reply is not None:
+                allowed, state, rep_epoch, retry_ms, calls, failures, slows, transition = reply
+                return (int(allowed), _text(state), int(rep_epoch), int(retry_ms) / 1000.0, int(calls),
+                        int(failures), int(slows), _text(transition)), True
+        return self.local.run(name, op, now, epoch, code), False
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
