@@ -1,0 +1,79 @@
+"""Failover: a request that fails before its first byte is retried once, on the next-best worker.
+
+- Retried: the worker could not be reached or dropped the connection before answering (refused,
+  reset, closed mid-headers: it died), or it answered 5xx. Nothing of the reply has reached the
+  client yet, so another worker can serve it whole.
+- Not retried: a read timeout (the worker may still be generating: a second copy would double the
+  load exactly when a worker is slow), a 4xx (the request itself is wrong; another worker would
+  say the same), and anything after the first byte (a stream already under way ends with an
+  error event instead; serving.gateway.proxy).
+- At most two attempts, on two different workers: the next-best in the ranking, never the same
+  worker twice.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import httpx
+
+MAX_ATTEMPTS = 2
+
+# Failures that happen before any reply: the request never ran or its reply is lost.
+_RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                     httpx.WriteError, httpx.PoolTimeout)
+
+
+class HasWorkerId(Protocol):
+    @property
+    def worker_id(self) -> str: ...
+
+
+W = TypeVar("W", bound=HasWorkerId)
+T = TypeVar("T")
+
+
+def retryable(*, status: int | None, error: BaseException | None) -> bool:
+    """Whether an attempt that ended before its first byte may be tried on another worker."""
+    if error is not None:
+        return isinstance(error, _RETRYABLE_ERRORS)
+    return status is not None and status >= 500
+
+
+def ranked(scored: Sequence[tuple[float, W]], *, rng: random.Random | None = None) -> list[W]:
+    """Workers best first (ties in random order), each worker once."""
+    rng = rng or random
+    order = sorted(scored, key=lambda item: (-item[0], rng.random()))
+    seen: set[str] = set()
+    workers = []
+    for _, worker in order:
+        if worker.worker_id not in seen:
+            seen.add(worker.worker_id)
+            workers.append(worker)
+    return workers
+
+
+@dataclass
+class Tried(Generic[W, T]):
+    """One attempt: the worker and what `attempt` returned for it."""
+
+    worker: W
+    result: T
+
+
+async def with_failover(workers: Sequence[W], attempt: Callable[[W], Awaitable[T]],
+                        should_retry: Callable[[T], bool]) -> list[Tried[W, T]]:
+    """Runs `attempt` on the best worker and, if `should_retry` says so, once more on the next one.
+
+    Returns every attempt in order (the last one is the answer); the caller counts each attempt's
+    outcome against its worker (outlier ejection) and its version (breaker)."""
+    tried: list[Tried[W, T]] = []
+    for worker in workers[:MAX_ATTEMPTS]:
+        result = await attempt(worker)
+        tried.append(Tried(worker=worker, result=result))
+        if not should_retry(result):
+            break
+    return tried

@@ -1,0 +1,56 @@
+"""Failover policy: retried once before the first byte, on the next-best worker, never twice on one."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import httpx
+
+from serving.gateway.failover import ranked, retryable, with_failover
+
+
+@dataclass(frozen=True)
+class W:
+    worker_id: str
+
+
+def test_ranking_is_best_first_each_worker_once_ties_random() -> None:
+    a, b, c = W("a"), W("b"), W("c")
+    assert ranked([(0.1, a), (0.9, b), (0.5, c), (0.2, b)]) == [b, c, a]
+    firsts = {ranked([(1.0, a), (1.0, b)], rng=random.Random(seed))[0].worker_id for seed in range(20)}
+    assert firsts == {"a", "b"}
+
+
+def test_what_is_retried() -> None:
+    request = httpx.Request("POST", "http://w/v1/completions")
+    assert retryable(status=None, error=httpx.ConnectError("refused", request=request))
+    assert retryable(status=None, error=httpx.RemoteProtocolError("closed", request=request))
+    assert retryable(status=None, error=httpx.ReadError("reset", request=request))
+    assert not retryable(status=None, error=httpx.ReadTimeout("slow", request=request))
+    assert retryable(status=502, error=None) and retryable(status=503, error=None)
+    assert not retryable(status=400, error=None) and not retryable(status=200, error=None)
+
+
+def test_one_retry_on_the_next_worker_then_the_answer_stands() -> None:
+    workers = [W("a"), W("b"), W("c")]
+    calls: list[str] = []
+
+    async def attempt(worker: W) -> int:
+        calls.append(worker.worker_id)
+        return 503
+
+    tried = asyncio.run(with_failover(workers, attempt, lambda status: status >= 500))
+    assert calls == ["a", "b"] and [t.result for t in tried] == [503, 503]
+
+
+def test_no_retry_after_success_or_with_one_worker() -> None:
+    async def ok(worker: W) -> int:
+        return 200
+
+    async def down(worker: W) -> int:
+        return 502
+
+    assert [t.worker.worker_id for t in asyncio.run(with_failover([W("a"), W("b")], ok, lambda s: s >= 500))] == ["a"]
+    assert [t.worker.worker_id for t in asyncio.run(with_failover([W("a")], down, lambda s: s >= 500))] == ["a"]
