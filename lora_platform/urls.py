@@ -1,4 +1,4 @@
-"""URL map: admin, the management API (/api/v1/) and the OpenAPI schema.
+"""URL map: admin, the management API (/api/v1/), the OpenAPI schema, the gateway (/v1/, /metrics).
 
 Errors under /api/ and /v1/ are JSON whatever raised them: see lora_platform.middleware.ApiJsonErrorsMiddleware.
 """
@@ -6,6 +6,8 @@ Errors under /api/ and /v1/ are JSON whatever raised them: see lora_platform.mid
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from serving.gateway import views as gateway
 
 urlpatterns = [
     path("admin/", admin.site.urls),
@@ -16,4 +18,9 @@ urlpatterns = [
     path("api/v1/", include("tenants.urls")),
     path("api/v1/", include("serving.urls")),
     path("api/v1/", include("training.urls")),
+    path("v1/chat/completions", gateway.chat_completions, name="gateway-chat-completions"),
+    path("v1/completions", gateway.completions, name="gateway-completions"),
+    path("v1/models", gateway.models, name="gateway-models"),
+    path("v1/models/<path:model>", gateway.model_detail, name="gateway-model"),
+    path("metrics", gateway.metrics_view, name="gateway-metrics"),
 ]

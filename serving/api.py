@@ -9,6 +9,7 @@ version (cursor: a version), audit events newest first (cursor: an event id).
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Prefetch
@@ -30,7 +31,7 @@ from rest_framework.views import APIView
 
 from lora_platform.errors import InvalidInput, NotFound
 from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
-from serving import selectors, services
+from serving import selectors, services, usage
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import VERSION_PATH_PATTERN, SemVer
 from tenants.scoping import TenantScopedViewSet
@@ -368,3 +369,35 @@ class RegistrySnapshotView(APIView):
     )
     def get(self, request: Request) -> Response:
         return Response(selectors.registry_snapshot())
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    start = serializers.DateTimeField(required=False, default=None,
+                                      help_text="From this time (inclusive), ISO 8601; a date means its midnight UTC.")
+    end = serializers.DateTimeField(required=False, default=None, help_text="Until this time (exclusive).")
+    group_by = serializers.ChoiceField(choices=usage.GROUP_BY, required=False, default=None,
+                                       help_text="Rows per `day`, `adapter` or API `key` besides the totals.")
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        data = {key: _midnight(value) if key in ("start", "end") else value for key, value in data.items()}
+        values = super().to_internal_value(data)
+        if values["start"] and values["end"] and values["start"] >= values["end"]:
+            raise exceptions.ValidationError({"end": ["end must be after start."]})
+        return values
+
+
+def _midnight(value: str) -> str:
+    return f"{value}T00:00:00Z" if isinstance(value, str) and len(value) == 10 else value
+
+
+class UsageView(APIView):
+    """The tenant's gateway usage: totals equal the sum of the `usage` of its responses."""
+
+    @extend_schema(parameters=[UsageQuerySerializer], summary="Gateway usage of the tenant (totals, grouped rows)",
+                   responses=OpenApiResponse(description="`{object, start, end, group_by, totals, data}`"))
+    def get(self, request: Request) -> Response:
+        query = UsageQuerySerializer(data=request.query_params.dict())
+        query.is_valid(raise_exception=True)
+        # What the gateway recorded so far is counted, not only what the last batch wrote.
+        usage.usage_records_flush()
+        return Response(usage.usage_summary(tenant=request.auth.tenant, **query.validated_data))

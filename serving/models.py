@@ -152,3 +152,49 @@ class DeploymentEvent(models.Model):
     def __str__(self) -> str:
         change = " → ".join(part for part in (self.from_version, self.to_version) if part)
         return f"{self.tenant.slug}/{self.adapter_name} {self.kind} {change}".strip()
+
+
+class UsageRecord(models.Model):
+    """One request through the public gateway: who asked, what served it, what it used.
+
+    Written in batches off the request path (serving.gateway.usage_log); the adapter and version are
+    kept as text so usage survives the deletion of an adapter, like the audit log.
+    """
+
+    class Status(models.TextChoices):
+        OK = "ok", "OK"
+        CLIENT_ERROR = "client_error", "Client error"
+        ABORTED = "aborted", "Client went away"
+        UPSTREAM_ERROR = "upstream_error", "Upstream error"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
+    # The key's public prefix (`lp-<prefix>…`); text, so revoking or deleting a key keeps its usage.
+    api_key_prefix = models.CharField(max_length=16)
+    request_id = models.CharField(max_length=64, unique=True)
+    endpoint = models.CharField(max_length=32)
+    # What the caller asked for (`support-bot`), and what served it (empty for the base model).
+    model = models.CharField(max_length=200)
+    adapter = models.CharField(max_length=63, blank=True, default="")
+    version = models.CharField(max_length=64, blank=True, default="")
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    status = models.CharField(max_length=16, choices=Status.choices)
+    http_status = models.PositiveSmallIntegerField()
+    latency_ms = models.FloatField()
+    ttft_ms = models.FloatField(null=True, blank=True)
+    degraded = models.BooleanField(default=False)
+    worker = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(db_index=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["tenant", "created_at"], name="usage_by_tenant_time")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug} {self.model} {self.prompt_tokens}+{self.completion_tokens} ({self.status})"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

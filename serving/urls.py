@@ -3,7 +3,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from serving.api import AdapterViewSet, RegistrySnapshotView
+from serving.api import AdapterViewSet, RegistrySnapshotView, UsageView
 
 router = SimpleRouter()
 # SimpleRouter only knows "/" or "" (a "/?" argument becomes "/"); the attribute takes the regex, so
@@ -13,5 +13,6 @@ router.register("adapters", AdapterViewSet, basename="adapter")
 
 urlpatterns = [
     path("internal/registry/snapshot", RegistrySnapshotView.as_view(), name="registry-snapshot"),
+    path("usage", UsageView.as_view(), name="usage"),
     *router.urls,
 ]

@@ -16,6 +16,7 @@ from serving.engine.server.completions import create_completion
 from serving.engine.server.errors import APIError, bad_request, error_response, install_error_handlers
 from serving.engine.server.generation import ClientDisconnected, Outcome
 from serving.engine.server.metrics import CONTENT_TYPE
+from serving.engine.server.on_demand import ensure_loaded
 from serving.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -92,6 +93,7 @@ def build_app(worker: Worker) -> FastAPI:
                         request: Request) -> Response:
         outcome = Outcome(worker, body.model)
         try:
+            await ensure_loaded(worker, body)
             return await handler(body, request, worker, outcome)
         except BaseException as exc:
             outcome.fail(exc)

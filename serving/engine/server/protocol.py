@@ -38,6 +38,13 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class RegistryAdapterRef(_Request):
+    """Where the registry keeps the version `model` names (see server.on_demand)."""
+
+    artifact_uri: str = Field(min_length=1)
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -56,6 +63,8 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    # Loraplex's gateway only (server.on_demand): load `model` from the registry on first use.
+    loraplex_adapter: RegistryAdapterRef | None = None
     # Known and refused unless left at their defaults (see `unsupported_fields`).
     n: int | None = 1
     presence_penalty: float | None = 0.0

@@ -1,0 +1,231 @@
+"""The gateway's view of the database: who is calling (API key → tenant → tier) and what a `model`
+names (the base model, an adapter's served versions, or a pinned version), cached per process.
+
+The cache keeps the ORM off the request path: each entry lives GATEWAY_CACHE_SECONDS (0.5 s by
+default), so a revoked key, a suspended tenant or a new deployment holds on every gateway process
+within that time, with at most one query per key and per model per process in that window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from rest_framework import exceptions
+
+from serving.gateway.errors import GatewayError, model_not_found
+from serving.gateway.version_pick import ServedSet, ServedVersion
+from serving.models import Adapter, AdapterVersion
+from serving.versions import SEMVER_RE
+from tenants.authentication import api_key_authenticate
+from tenants.models import ApiKey
+
+T = TypeVar("T")
+_SERVED = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    name: str
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_tokens_per_request: int
+    priority: int
+    degradation_allowed: bool
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated inference caller: its tenant, its key's public prefix, its tier's limits."""
+
+    tenant_id: int
+    tenant: str
+    key_prefix: str
+    tier: TierLimits
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` resolved to: the base model, an adapter's served set, or a pin."""
+
+    base: bool = False
+    served: ServedSet | None = None
+    pinned: ServedVersion | None = None
+
+    @property
+    def adapter(self) -> str | None:
+        version = self.pinned or (self.served.active if self.served else None)
+        return version.adapter if version else None
+
+
+class TtlCache(Generic[T]):
+    """A dict whose entries expire; values may be exceptions, re-raised on every hit."""
+
+    def __init__(self, ttl_s: Callable[[], float], max_entries: int = 100_000) -> None:
+        self._ttl_s = ttl_s
+        self._max = max_entries
+        self._entries: dict[Any, tuple[float, T | BaseException]] = {}
+
+    def get(self, key: Any) -> tuple[bool, T | BaseException | None]:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return False, None
+        return True, entry[1]
+
+    def put(self, key: Any, value: T | BaseException) -> None:
+        if len(self._entries) >= self._max:
+            now = time.monotonic()
+            self._entries = {k: v for k, v in self._entries.items() if v[0] >= now}
+            if len(self._entries) >= self._max:
+                self._entries.clear()
+        self._entries[key] = (time.monotonic() + self._ttl_s(), value)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    async def get_or_load(self, key: Any, load: Callable[[], T]) -> T:
+        hit, value = self.get(key)
+        if not hit:
+            try:
+                value = await sync_to_async(load)()
+            except GatewayError as error:
+                value = error
+            self.put(key, value)
+        if isinstance(value, BaseException):
+            raise value
+        return value  # type: ignore[return-value]
+
+
+def _cache_seconds() -> float:
+    return settings.GATEWAY_CACHE_SECONDS
+
+
+_callers: TtlCache[Caller] = TtlCache(_cache_seconds)
+_targets: TtlCache[Target] = TtlCache(_cache_seconds)
+
+
+def base_model_ids() -> list[str]:
+    """The names that request the base model: its id and the operator's aliases."""
+    return [settings.BASE_MODEL_NAME, *settings.BASE_MODEL_ALIASES]
+
+
+def _load_caller(header: str) -> Caller:
+    try:
+        auth = api_key_authenticate(header)
+    except exceptions.AuthenticationFailed as exc:
+        raise GatewayError(401, str(exc.detail), code="invalid_api_key") from None
+    except exceptions.PermissionDenied as exc:
+        raise GatewayError(403, str(exc.detail), code="tenant_suspended") from None
+    if not auth.has_scope(ApiKey.Scope.INFERENCE):
+        raise GatewayError(
+            403, f"This API key (lp-{auth.api_key.prefix}…) lacks the 'inference' scope; create a key with it "
+            "to call /v1.", code="insufficient_scope")
+    tier = auth.tenant.tier
+    return Caller(
+        tenant_id=auth.tenant.id, tenant=auth.tenant.slug, key_prefix=auth.api_key.prefix,
+        tier=TierLimits(name=tier.name, requests_per_minute=tier.requests_per_minute,
+                        tokens_per_minute=tier.tokens_per_minute, max_tokens_per_request=tier.max_tokens_per_request,
+                        priority=tier.priority, degradation_allowed=tier.degradation_allowed),
+    )
+
+
+async def caller_for(authorization: str | None) -> Caller:
+    """The caller of an `Authorization` header; 401 for a missing, malformed, wrong or revoked key,
+    403 for a suspended tenant or a key without the `inference` scope."""
+    if not authorization:
+        raise GatewayError(401, "Missing API key: send 'Authorization: Bearer lp-<prefix>.<secret>' (a key with "
+                           "the 'inference' scope).", code="invalid_api_key")
+    return await _callers.get_or_load(authorization, lambda: _load_caller(authorization))
+
+
+def _served(version: AdapterVersion, tenant: str, adapter: str) -> ServedVersion:
+    return ServedVersion(tenant=tenant, adapter=adapter, version=version.version, artifact_uri=version.artifact_uri,
+                         manifest_sha256=version.manifest_sha256, status=version.status)
+
+
+def _load_target(caller: Caller, model: str) -> Target:
+    if model in base_model_ids():
+        return Target(base=True)
+    name, _, pinned = model.partition("@")
+    adapter = Adapter.objects.filter(tenant_id=caller.tenant_id, name=name).first()
+    if adapter is None:
+        raise model_not_found(model)
+    if pinned:
+        if not SEMVER_RE.match(pinned):
+            raise model_not_found(model)
+        version = adapter.versions.filter(version=pinned).exclude(status=AdapterVersion.Status.ARCHIVED).first()
+        if version is None:
+            raise model_not_found(model)
+        return Target(pinned=_served(version, caller.tenant, name))
+    served = {v.status: v for v in adapter.versions.filter(status__in=_SERVED)}
+    active, canary = served.get(AdapterVersion.Status.ACTIVE), served.get(AdapterVersion.Status.CANARY)
+    if active is None:
+        raise GatewayError(404, f"The adapter '{name}' has no active version; deploy one first "
+                           f"(or pin a version: '{name}@<version>').", code="model_not_deployed", param="model")
+    return Target(served=ServedSet(
+        active=_served(active, caller.tenant, name),
+        canary=_served(canary, caller.tenant, name) if canary else None,
+        canary_weight=float(canary.traffic_weight) if canary else 0.0,
+    ))
+
+
+async def target_for(caller: Caller, model: str) -> Target:
+    """What `model` names in the caller's tenant; the same 404 for unknown and foreign names."""
+    return await _targets.get_or_load((caller.tenant_id, caller.key_prefix, model),
+                                      lambda: _load_target(caller, model))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    id: str
+    created: int
+    owned_by: str
+    parent: str | None
+    root: str
+
+
+def _base_entries() -> list[ModelEntry]:
+    return [ModelEntry(id=name, created=0, owned_by="loraplex", parent=None, root=settings.BASE_MODEL_NAME)
+            for name in base_model_ids()]
+
+
+def model_list(caller: Caller) -> list[ModelEntry]:
+    """The base model and the caller's deployed adapters (each by name, and each served version
+    pinned), as vLLM lists adapters: `parent` is the base model."""
+    entries = _base_entries()
+    versions = (AdapterVersion.objects.filter(adapter__tenant_id=caller.tenant_id, status__in=_SERVED)
+                .select_related("adapter").order_by("adapter__name", "status"))
+    seen: set[str] = set()
+    for version in versions:
+        adapter = version.adapter
+        created = int(adapter.created_at.timestamp())
+        if adapter.name not in seen and version.status == AdapterVersion.Status.ACTIVE:
+            seen.add(adapter.name)
+            entries.append(ModelEntry(id=adapter.name, created=created, owned_by=caller.tenant,
+                                      parent=settings.BASE_MODEL_NAME, root=f"{adapter.name}@{version.version}"))
+        entries.append(ModelEntry(id=f"{adapter.name}@{version.version}", created=int(version.created_at.timestamp()),
+                                  owned_by=caller.tenant, parent=settings.BASE_MODEL_NAME,
+                                  root=f"{adapter.name}@{version.version}"))
+    return entries
+
+
+def model_get(caller: Caller, model: str) -> ModelEntry:
+    """One model the caller may request (an adapter, a pinned non-archived version, the base)."""
+    for entry in _base_entries():
+        if entry.id == model:
+            return entry
+    target = _load_target(caller, model)
+    version = target.pinned or target.served.active  # type: ignore[union-attr]
+    adapter = Adapter.objects.get(tenant_id=caller.tenant_id, name=version.adapter)
+    return ModelEntry(id=model, created=int(adapter.created_at.timestamp()), owned_by=caller.tenant,
+                      parent=settings.BASE_MODEL_NAME, root=f"{version.adapter}@{version.version}")
+
+
+def caches_clear() -> None:
+    """Forget every cached key and model (tests; an operator's shell after a bulk change)."""
+    _callers.clear()
+    _targets.clear()

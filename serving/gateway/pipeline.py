@@ -1,0 +1,423 @@
+"""The request path of `/v1/chat/completions` and `/v1/completions`, step by step:
+
+    authenticate → resolve the model → tier limits → token buckets (or degradation) →
+    choose the version → choose the worker → call it → settle (refund, usage, metrics)
+
+Each step is one function below, so later policies hook in at one place: `choose_version` is where
+a version is chosen, `choose_worker` where a worker is chosen, `settle` where the outcome of the
+upstream call is known. Refusals are GatewayErrors; views turn everything into HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from serving.gateway import catalog, metrics
+from serving.gateway.catalog import Caller, Target
+from serving.gateway.errors import GatewayError, invalid_request
+from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
+from serving.gateway.quotas import Admission, Bucket, TokenBuckets, ratelimit_headers
+from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry
+from serving.gateway.usage_log import UsageEvent, usage_push
+from serving.gateway.version_pick import ServedVersion, pick_version
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# Degraded requests run after every tier's own (the engine serves lower values first).
+DEGRADED_PRIORITY = 10
+# Fields only the gateway reads; the worker never sees them.
+_GATEWAY_FIELDS = ("allow_degradation",)
+# A rough token count of text before the worker tokenizes it (≈ 4 bytes a token for BPE
+# vocabularies); the reservation is corrected with the worker's real usage when the request ends.
+_BYTES_PER_TOKEN = 4
+_TOKENS_PER_MESSAGE = 4
+
+
+@dataclass
+class Resources:
+    """Per event loop (clients bind to the loop that made them): Redis, the buckets, the pool to
+    the workers, the worker list cache and this process's in-flight count per worker."""
+
+    redis: aioredis.Redis
+    buckets: TokenBuckets
+    upstream: Upstream
+    inflight: dict[str, int] = field(default_factory=dict)
+    workers: list[WorkerView] = field(default_factory=list)
+    workers_read_at: float = -math.inf
+    workers_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    flusher: asyncio.Task | None = None
+
+
+_resources: dict[asyncio.AbstractEventLoop, Resources] = {}
+
+
+def resources() -> Resources:
+    loop = asyncio.get_running_loop()
+    found = _resources.get(loop)
+    if found is None:
+        for other in [item for item in _resources if item.is_closed()]:
+            del _resources[other]
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        found = Resources(
+            redis=client, buckets=TokenBuckets(client),
+            upstream=Upstream(api_key=settings.SERVING_WORKER_API_KEY, timeout_s=settings.GATEWAY_UPSTREAM_TIMEOUT),
+        )
+        _resources[loop] = found
+        from serving.usage import usage_flusher_start
+
+        found.flusher = usage_flusher_start()
+    return found
+
+
+@dataclass
+class Reply:
+    """What the view sends: a whole body, or a stream of SSE events."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+
+
+@dataclass
+class Call:
+    """One request's state as it moves through the steps."""
+
+    endpoint: str
+    caller: Caller
+    body: dict[str, Any]
+    model: str
+    target: Target
+    max_tokens: int
+    reserved_tokens: int = 0
+    prompt_estimate: int = 0
+    admission: Admission | None = None
+    degraded: bool = False
+    version: ServedVersion | None = None
+    worker: WorkerView | None = None
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
+    started: float = field(default_factory=time.perf_counter)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+# ---- steps ---------------------------------------------------------------------------------
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError as exc:
+        raise invalid_request(f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request("'model' is required: an adapter name, 'name@version', or the base model's id.",
+                              param="model")
+    return body
+
+
+def requested_max_tokens(body: dict[str, Any], endpoint: str) -> int | None:
+    names = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid_request(f"'{name}' must be a positive integer, got {value!r}.", param=name)
+        return value
+    return None
+
+
+def check_tier_limits(body: dict[str, Any], endpoint: str, caller: Caller) -> int:
+    """The request's max_tokens: as asked within the tier's limit (400 naming both beyond it), or
+    the tier's limit when not asked."""
+    limit = caller.tier.max_tokens_per_request
+    asked = requested_max_tokens(body, endpoint)
+    if asked is not None and asked > limit:
+        param = "max_completion_tokens" if endpoint == "chat" and body.get("max_completion_tokens") else "max_tokens"
+        raise invalid_request(
+            f"{param} is {asked}, but the '{caller.tier.name}' tier allows at most {limit} tokens per request; "
+            f"ask for {limit} or fewer.", param=param, code="max_tokens_exceeded")
+    return asked if asked is not None else limit
+
+
+def estimate_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            total += _TOKENS_PER_MESSAGE + math.ceil(len(str(content or "").encode()) / _BYTES_PER_TOKEN)
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(item, int) for item in prompt):
+            return len(prompt)
+        return sum(len(item) if isinstance(item, list) else math.ceil(len(str(item).encode()) / _BYTES_PER_TOKEN)
+                   for item in prompt)
+    return math.ceil(len(str(prompt or "").encode()) / _BYTES_PER_TOKEN)
+
+
+def tenant_buckets(caller: Caller) -> tuple[Bucket, Bucket, Bucket]:
+    """(requests, tokens, degraded requests) buckets of the caller's tenant."""
+    tier = caller.tier
+    burst = settings.GATEWAY_BUCKET_BURST
+    return (
+        Bucket.per_minute(f"{caller.tenant}:requests", tier.requests_per_minute, burst=burst),
+        Bucket.per_minute(f"{caller.tenant}:tokens", tier.tokens_per_minute, burst=burst),
+        # Degradation is not unlimited free service: its own bucket, the tier's rpm.
+        Bucket.per_minute(f"{caller.tenant}:degraded", tier.requests_per_minute, burst=1.0),
+    )
+
+
+def _over_quota(call: Call, retry_after_s: float) -> GatewayError:
+    requests_state, tokens_state = call.admission.states  # type: ignore[union-attr]
+    short = "requests" if requests_state.wait_s >= tokens_state.wait_s else "tokens"
+    limit = call.caller.tier.requests_per_minute if short == "requests" else call.caller.tier.tokens_per_minute
+    retry = max(1, math.ceil(retry_after_s))
+    return GatewayError(
+        429,
+        f"Rate limit reached for tenant '{call.caller.tenant}' ('{call.caller.tier.name}' tier: {limit} {short} per "
+        f"minute). This request ({call.reserved_tokens} tokens reserved) fits in {retry_after_s:.2f} s; retry then.",
+        code="rate_limit_exceeded",
+        headers={**call.headers, "retry-after": str(retry), "retry-after-ms": str(math.ceil(retry_after_s * 1000))},
+    )
+
+
+async def admit(call: Call, res: Resources) -> None:
+    """Reserve 1 request and prompt + max_tokens tokens, both or neither; over quota, degrade where
+    allowed, else 429."""
+    requests_bucket, tokens_bucket, degraded_bucket = tenant_buckets(call.caller)
+    call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
+    call.reserved_tokens = call.prompt_estimate + call.max_tokens
+    call.admission = await res.buckets.admit([(requests_bucket, 1), (tokens_bucket, call.reserved_tokens)])
+    call.headers.update(ratelimit_headers(*call.admission.states))
+    if call.admission.admitted:
+        return
+    retry_after = call.admission.retry_after_s
+    degradable = (call.caller.tier.degradation_allowed and not call.target.base
+                  and call.body.get("allow_degradation", True) is not False)
+    if degradable:
+        degraded = await res.buckets.admit([(degraded_bucket, 1)])
+        if degraded.admitted:
+            call.degraded = True
+            call.reserved_tokens = 0
+            call.target = Target(base=True)
+            call.headers["x-loraplex-degraded"] = "quota"
+            metrics.DEGRADED.labels(call.caller.tier.name).inc()
+            return
+        retry_after = min(retry_after, degraded.retry_after_s)
+    metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
+    raise _over_quota(call, retry_after)
+
+
+def choose_version(call: Call) -> ServedVersion | None:
+    """The version that serves the call (None: the base model)."""
+    target = call.target
+    if target.base:
+        return None
+    if target.pinned is not None:
+        return target.pinned
+    user = call.body.get("user")
+    return pick_version(target.served, user=user if isinstance(user, str) else None)  # type: ignore[arg-type]
+
+
+async def _workers(res: Resources) -> list[WorkerView]:
+    """Live workers, read from Redis at most every GATEWAY_WORKERS_CACHE_SECONDS per process."""
+    now = time.monotonic()
+    if now - res.workers_read_at > settings.GATEWAY_WORKERS_CACHE_SECONDS:
+        async with res.workers_lock:
+            if time.monotonic() - res.workers_read_at > settings.GATEWAY_WORKERS_CACHE_SECONDS:
+                documents = await read_registry(res.redis)
+                res.workers = live_workers(documents, base_models=catalog.base_model_ids())
+                res.workers_read_at = time.monotonic()
+    # A cached entry whose heartbeat has since expired is dropped by the next read; meanwhile the
+    # worker is still within its TTL of three heartbeats.
+    return res.workers
+
+
+async def choose_worker(call: Call, res: Resources) -> WorkerView:
+    """The best worker for the call's version (affinity, queue, KV); 503 when none is live."""
+    candidates = await _workers(res)
+    weights = Weights(affinity=settings.GATEWAY_WEIGHT_AFFINITY, queue=settings.GATEWAY_WEIGHT_QUEUE,
+                      kv=settings.GATEWAY_WEIGHT_KV)
+    adapter = call.version.qualified_name if call.version else None
+    worker = pick_worker(candidates, adapter=adapter, inflight=res.inflight, weights=weights)
+    if worker is None:
+        raise GatewayError(503, "No serving worker is available for this model right now; retry shortly.",
+                           code="no_serving_worker", headers={**call.headers, "retry-after": "1"})
+    return worker
+
+
+def upstream_body(call: Call) -> dict[str, Any]:
+    """The worker's request: the internal name, the version's artifact (so a worker that does not
+    hold it loads it, verified by digest), the tier's priority and the effective max_tokens."""
+    body = {key: value for key, value in call.body.items() if key not in _GATEWAY_FIELDS}
+    body.pop("max_completion_tokens", None)
+    if call.version is not None:
+        body["model"] = call.version.qualified_name
+        body["loraplex_adapter"] = {"artifact_uri": call.version.artifact_uri,
+                                    "manifest_sha256": call.version.manifest_sha256}
+    else:
+        body["model"] = call.worker.base_model  # type: ignore[union-attr]
+    max_tokens = call.max_tokens
+    context = call.worker.max_model_len if call.worker else None  # type: ignore[union-attr]
+    if requested_max_tokens(call.body, call.endpoint) is None and context:
+        # The tier's limit, bounded by what the context leaves after the (estimated) prompt.
+        max_tokens = max(1, min(max_tokens, context - call.prompt_estimate))
+    body["max_tokens"] = max_tokens
+    body["priority"] = DEGRADED_PRIORITY if call.degraded else call.caller.tier.priority
+    if body.get("stream"):
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        body["stream_options"] = options
+    return body
+
+
+def response_headers(call: Call) -> dict[str, str]:
+    headers = dict(call.headers)
+    headers["x-request-id"] = call.request_id
+    if call.version is not None:
+        headers["x-loraplex-adapter-version"] = call.version.version
+    return headers
+
+
+async def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
+    """The upstream call is over: refund unused tokens (charge overruns), record usage and metrics.
+
+    Tokens used are the worker's usage; without it (the client left mid-stream) the prompt estimate
+    plus one token per relayed chunk."""
+    res.inflight[result.worker_id] = max(0, res.inflight.get(result.worker_id, 1) - 1)
+    metrics.IN_FLIGHT.dec()
+    used = (result.prompt_tokens + result.completion_tokens if result.usage_known
+            else call.prompt_estimate + result.content_chunks if result.http_status == 200 else 0)
+    status = result.status
+    http_status = result.http_status or 502
+    metrics.UPSTREAM_DURATION.labels(status).observe(result.ended_s or 0.0)
+    if result.first_byte_s is not None:
+        metrics.UPSTREAM_FIRST_BYTE.observe(result.first_byte_s)
+    metrics.REQUESTS.labels(call.caller.tier.name, call.endpoint, str(http_status)).inc()
+    event = UsageEvent(
+        request_id=call.request_id, tenant_id=call.caller.tenant_id, api_key_prefix=call.caller.key_prefix,
+        endpoint=call.endpoint, model=call.model,
+        adapter=call.version.adapter if call.version else "", version=call.version.version if call.version else "",
+        prompt_tokens=result.prompt_tokens if result.usage_known else (call.prompt_estimate if used else 0),
+        completion_tokens=result.completion_tokens if result.usage_known else (result.content_chunks if used else 0),
+        status=status, http_status=http_status, latency_ms=(time.perf_counter() - call.started) * 1000,
+        ttft_ms=(result.first_byte_s * 1000) if result.first_byte_s is not None and status == "ok" else None,
+        degraded=call.degraded, worker=result.worker_id, created_at=time.time(),
+    )
+    try:
+        async with res.redis.pipeline(transaction=False) as pipe:
+            usage_push(pipe, event)
+            await pipe.execute()
+        if call.reserved_tokens and call.reserved_tokens != used:
+            _, tokens_bucket, _ = tenant_buckets(call.caller)
+            await res.buckets.refund(tokens_bucket, call.reserved_tokens - used)
+    except (aioredis.RedisError, OSError):
+        log.exception("could not record usage / refund tokens of %s", call.request_id)
+
+
+# ---- the whole path ------------------------------------------------------------------------
+
+
+async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes) -> Reply:
+    """One completion request, from its HTTP parts to the reply."""
+    res = resources()
+    caller = await catalog.caller_for(authorization)
+    body = parse_body(raw_body)
+    model = body["model"]
+    target = await catalog.target_for(caller, model)
+    call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target,
+                max_tokens=check_tier_limits(body, endpoint, caller))
+    try:
+        await admit(call, res)
+    except GatewayError as error:
+        metrics.REQUESTS.labels(caller.tier.name, endpoint, str(error.status)).inc()
+        raise
+    call.version = choose_version(call)
+    try:
+        call.worker = await choose_worker(call, res)
+    except GatewayError:
+        await _release(call, res)
+        raise
+    return await forward(call, res)
+
+
+async def _release(call: Call, res: Resources) -> None:
+    """Give back a reservation the request never used (no worker took it)."""
+    if call.reserved_tokens:
+        _, tokens_bucket, _ = tenant_buckets(call.caller)
+        await res.buckets.refund(tokens_bucket, call.reserved_tokens)
+    metrics.REQUESTS.labels(call.caller.tier.name, call.endpoint, "503").inc()
+
+
+async def forward(call: Call, res: Resources) -> Reply:
+    """Call the chosen worker; a stream is settled when it ends, anything else before returning."""
+    worker = call.worker
+    assert worker is not None
+    url = f"{worker.url}{ENDPOINTS[call.endpoint]}"
+    body = upstream_body(call)
+    rename = rename_model(body["model"], settings.BASE_MODEL_NAME if call.degraded else call.model)
+    result = UpstreamResult(worker_id=worker.worker_id)
+    res.inflight[worker.worker_id] = res.inflight.get(worker.worker_id, 0) + 1
+    metrics.IN_FLIGHT.inc()
+    headers = response_headers(call)
+    handed_off = False
+    try:
+        if not body.get("stream"):
+            try:
+                content = await res.upstream.call(url, body, result=result, rename=rename)
+            except httpx.HTTPError:
+                return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
+            return Reply(status=result.http_status, headers=headers, body=content)
+        try:
+            response = await res.upstream.open_stream(url, body, result=result)
+        except httpx.HTTPError:
+            return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
+        if response.status_code != 200:
+            return Reply(status=response.status_code, headers=headers, body=response._gateway_body)  # type: ignore[attr-defined]
+        wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+        relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage)
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for event in relay:
+                    yield event
+            finally:
+                await relay.aclose()
+                await asyncio.shield(settle(call, result, res))
+
+        handed_off = True
+        return Reply(status=200, headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+                     stream=stream())
+    except asyncio.CancelledError:
+        result.status = "aborted"  # the client left before the reply
+        result.end()
+        raise
+    finally:
+        if not handed_off:
+            await asyncio.shield(settle(call, result, res))
+
+
+def _upstream_unreachable(worker: WorkerView) -> bytes:
+    return GatewayError(502, f"The serving worker {worker.worker_id} could not be reached; retry the request.",
+                        code="upstream_unavailable").body()

@@ -1,0 +1,181 @@
+"""The upstream call to a serving worker, whole or streamed, and what it reports back.
+
+The worker answers in OpenAI's shape under the internal name `<tenant>/<adapter>@<version>`; the
+client must see the `model` it asked for, so that one field is rewritten in the bytes (the worker
+writes compact JSON, so `"model":"<internal>"` appears exactly once per body or event) instead of
+parsing and re-serialising every chunk.
+
+Streams are passed through event by event as they arrive. The gateway always asks the worker for
+the final usage chunk (`stream_options.include_usage`) to charge tokens as used, and drops that
+chunk unless the client asked for it too. An upstream failure mid-stream ends the client's stream
+with an OpenAI-shaped error event and `[DONE]`; a client that leaves closes the upstream
+connection, which makes the worker abort the request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from serving.gateway.errors import error_json
+
+DONE = b"data: [DONE]\n\n"
+_USAGE = b'"usage":{'
+_EMPTY_CHOICES = b'"choices":[]'
+_ERROR_EVENT = b'data: {"error"'
+
+
+@dataclass
+class UpstreamResult:
+    """How the upstream call went; filled while the response is relayed, final once it ends."""
+
+    worker_id: str
+    started: float = field(default_factory=time.perf_counter)
+    http_status: int = 0
+    # ok | client_error (the worker refused the request) | aborted (the client left) | upstream_error
+    status: str = "upstream_error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Chunks with generated content relayed, the completion's size when no usage came (a disconnect).
+    content_chunks: int = 0
+    usage_known: bool = False
+    first_byte_s: float | None = None
+    ended_s: float | None = None
+    error: str = ""
+
+    def take_usage(self, usage: dict[str, Any] | None) -> None:
+        if isinstance(usage, dict):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            self.usage_known = True
+
+    def end(self) -> None:
+        if self.ended_s is None:
+            self.ended_s = time.perf_counter() - self.started
+
+
+class Upstream:
+    """One connection pool to the serving workers, authenticated with their shared API key."""
+
+    def __init__(self, *, api_key: str, timeout_s: float, max_connections: int = 1000) -> None:
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def call(self, url: str, body: dict[str, Any], *, result: UpstreamResult,
+                   rename: tuple[bytes, bytes]) -> bytes:
+        """A whole (non-streamed) reply's body, `model` renamed; `result` says how it went."""
+        try:
+            response = await self._client.post(url, json=body, headers=self._headers)
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            result.end()
+            raise
+        result.http_status = response.status_code
+        result.first_byte_s = time.perf_counter() - result.started
+        content = response.content
+        if response.status_code == 200:
+            result.status = "ok"
+            try:
+                result.take_usage(json.loads(content).get("usage"))
+            except (ValueError, AttributeError):
+                pass
+            content = content.replace(*rename, 1)
+        else:
+            result.status = "client_error" if response.status_code < 500 else "upstream_error"
+            result.error = content[:500].decode(errors="replace")
+        result.end()
+        return content
+
+    async def open_stream(self, url: str, body: dict[str, Any], *, result: UpstreamResult) -> httpx.Response:
+        """The upstream response with its headers read; the caller relays it or reads its error."""
+        request = self._client.build_request("POST", url, json=body, headers=self._headers)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            result.end()
+            raise
+        result.http_status = response.status_code
+        if response.status_code != 200:
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+            result.status = "client_error" if response.status_code < 500 else "upstream_error"
+            result.error = content[:500].decode(errors="replace")
+            result.end()
+            response._gateway_body = content  # type: ignore[attr-defined]
+        return response
+
+
+async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rename: tuple[bytes, bytes],
+                       client_wants_usage: bool) -> AsyncIterator[bytes]:
+    """The client's SSE events from the worker's, one by one; closes the upstream however it ends."""
+    buffer = b""
+    done = False
+    try:
+        async for chunk in response.aiter_raw():
+            if result.first_byte_s is None:
+                result.first_byte_s = time.perf_counter() - result.started
+            buffer += chunk
+            while (end := buffer.find(b"\n\n")) >= 0:
+                event, buffer = buffer[:end + 2], buffer[end + 2:]
+                if event == DONE:
+                    done = True
+                    continue
+                if event.startswith(_ERROR_EVENT):
+                    result.status = "upstream_error"
+                    result.error = event[6:506].decode(errors="replace")
+                    yield event
+                    continue
+                if _USAGE in event:
+                    try:
+                        result.take_usage(json.loads(event[6:]).get("usage"))
+                    except (ValueError, AttributeError):
+                        pass
+                    if _EMPTY_CHOICES in event and not client_wants_usage:
+                        continue
+                elif b'"role":"assistant"' not in event:
+                    result.content_chunks += 1
+                yield event.replace(*rename, 1)
+        if done:
+            if result.status != "upstream_error":
+                result.status = "ok"
+        else:
+            result.status = "upstream_error"
+            result.error = result.error or "the worker closed the stream before [DONE]"
+            yield stream_error_event("The serving worker ended the stream early; the reply is incomplete.")
+        yield DONE
+    except httpx.HTTPError as exc:
+        result.status = "upstream_error"
+        result.error = f"{type(exc).__name__}: {exc}"
+        yield stream_error_event("The connection to the serving worker failed mid-stream; the reply is incomplete.")
+        yield DONE
+    except BaseException:
+        # The client left (the response task is cancelled) or the server is stopping.
+        if result.status != "ok":
+            result.status = "aborted"
+        raise
+    finally:
+        result.end()
+        await response.aclose()
+
+
+def stream_error_event(message: str, *, code: str = "upstream_error") -> bytes:
+    return b"data: " + error_json(message, error_type="api_error", code=code) + b"\n\n"
+
+
+def rename_model(internal: str, shown: str) -> tuple[bytes, bytes]:
+    """The (old, new) bytes that rename `model` in the worker's compact JSON."""
+    return (b'"model":' + json.dumps(internal).encode(), b'"model":' + json.dumps(shown).encode())

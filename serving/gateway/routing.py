@@ -1,0 +1,150 @@
+"""Which serving worker gets a request: live workers from the Redis worker registry, scored as the
+Gateway API Inference Extension's endpoint picker scores them.
+
+score = w_affinity · affinity − w_queue · queue / max(queue) − w_kv · kv / max(kv)
+
+- affinity of the requested adapter: 1.0 resident in a GPU slot, 0.8 a free GPU slot (it loads
+  without evicting anyone), 0.6 in the CPU cache or loading, 0 otherwise; the base model is 1.0
+  everywhere;
+- queue: the worker's reported waiting requests plus the requests this gateway process has in
+  flight there now (heartbeats are seconds old: without the local count a burst would all land on
+  the worker that looked idle at its last heartbeat);
+- kv: the worker's reported KV-cache use;
+both normalised by their maximum over the candidates. Ties are broken at random.
+
+A worker is a candidate when its heartbeat is younger than its TTL, its state is `ready`, and it
+serves the platform's base model. The key layout is the worker's (serving.engine.server.worker_registry).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from serving.engine.server.worker_registry import WORKERS_KEY, worker_key
+
+AFFINITY_GPU = 1.0
+AFFINITY_FREE_SLOT = 0.8
+AFFINITY_CPU = 0.6
+
+
+@dataclass(frozen=True)
+class Weights:
+    affinity: float = 1.0
+    queue: float = 2.0
+    kv: float = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the gateway knows of one worker from its registry entry."""
+
+    worker_id: str
+    url: str
+    base_model: str
+    served_model_names: tuple[str, ...]
+    max_loras: int
+    max_model_len: int | None
+    queue_depth: int
+    kv_cache_usage: float
+    # name → "gpu" | "cpu" | "loaded" (a name whose weights are neither in a slot nor in the cache)
+    adapters: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, document: Mapping[str, Any]) -> WorkerView:
+        adapters = {}
+        for entry in document.get("adapters") or []:
+            adapters[str(entry["name"])] = "gpu" if entry.get("gpu") else "cpu" if entry.get("cpu") else "loaded"
+        return cls(
+            worker_id=str(document["worker_id"]),
+            url=str(document["url"]).rstrip("/"),
+            base_model=str(document["base_model"]),
+            served_model_names=tuple(document.get("served_model_names") or [document["base_model"]]),
+            max_loras=int(document.get("max_loras") or 0),
+            max_model_len=document.get("max_model_len"),
+            queue_depth=int(document.get("queue_depth") or 0),
+            kv_cache_usage=float(document.get("kv_cache_usage") or 0.0),
+            adapters=adapters,
+        )
+
+    def affinity(self, adapter: str | None) -> float:
+        if adapter is None:
+            return AFFINITY_GPU
+        where = self.adapters.get(adapter)
+        if where == "gpu":
+            return AFFINITY_GPU
+        gpu_used = sum(1 for place in self.adapters.values() if place == "gpu")
+        if gpu_used < self.max_loras:
+            return AFFINITY_FREE_SLOT
+        if where is not None:
+            return AFFINITY_CPU
+        return 0.0
+
+
+def live_workers(documents: Iterable[Mapping[str, Any]], *, base_models: Iterable[str],
+                 now: float | None = None) -> list[WorkerView]:
+    """The workers a request may go to: fresh heartbeat, ready, serving one of `base_models`."""
+    now = time.time() if now is None else now
+    wanted = set(base_models)
+    views = []
+    for document in documents:
+        try:
+            fresh = float(document["heartbeat_at"]) + float(document.get("ttl") or 15) > now
+            if not fresh or document.get("state") != "ready":
+                continue
+            view = WorkerView.parse(document)
+        except (KeyError, TypeError, ValueError):
+            continue  # a malformed entry is no worker to route to
+        if wanted.intersection((view.base_model, *view.served_model_names)):
+            views.append(view)
+    return views
+
+
+def score_workers(candidates: list[WorkerView], *, adapter: str | None, inflight: Mapping[str, int],
+                  weights: Weights = Weights()) -> list[tuple[float, WorkerView]]:
+    """(score, worker) for every candidate, in the candidates' order."""
+    queues = [worker.queue_depth + inflight.get(worker.worker_id, 0) for worker in candidates]
+    kvs = [worker.kv_cache_usage for worker in candidates]
+    max_queue = max(queues, default=0) or 1
+    max_kv = max(kvs, default=0.0) or 1.0
+    return [
+        (weights.affinity * worker.affinity(adapter) - weights.queue * queue / max_queue - weights.kv * kv / max_kv,
+         worker)
+        for worker, queue, kv in zip(candidates, queues, kvs)
+    ]
+
+
+def pick_worker(candidates: list[WorkerView], *, adapter: str | None, inflight: Mapping[str, int],
+                weights: Weights = Weights(), rng: random.Random | None = None) -> WorkerView | None:
+    """The best-scored candidate (a random one among equals); None when there is none."""
+    if not candidates:
+        return None
+    scored = score_workers(candidates, adapter=adapter, inflight=inflight, weights=weights)
+    best = max(score for score, _ in scored)
+    top = [worker for score, worker in scored if score >= best - 1e-9]
+    return top[0] if len(top) == 1 else (rng or random).choice(top)
+
+
+async def read_registry(client: aioredis.Redis, *, now: float | None = None) -> list[dict[str, Any]]:
+    """Every registry document of a worker whose heartbeat is recent (one round trip each way)."""
+    now = time.time() if now is None else now
+    # Members older than the longest TTL a worker uses are stale; the documents' own TTL decides.
+    ids = await client.zrangebyscore(WORKERS_KEY, now - 600, "+inf")
+    if not ids:
+        return []
+    raw = await client.mget([worker_key(item.decode() if isinstance(item, bytes) else item) for item in ids])
+    documents = []
+    for item in raw:
+        if item is None:
+            continue
+        try:
+            documents.append(json.loads(item))
+        except ValueError:
+            continue
+    return documents

@@ -1,0 +1,67 @@
+"""Usage records off the request path: each finished request appends one JSON record to a Redis
+list (one RPUSH, pipelined with the token refund), and a flusher moves them to the database in
+batches (serving.usage). Redis holds what is not written yet, so a web process that dies loses
+nothing it had recorded, and any process may flush what another recorded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+QUEUE_KEY = "loraplex:gateway:usage"
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    request_id: str
+    tenant_id: int
+    api_key_prefix: str
+    endpoint: str
+    model: str
+    adapter: str
+    version: str
+    prompt_tokens: int
+    completion_tokens: int
+    status: str
+    http_status: int
+    latency_ms: float
+    ttft_ms: float | None
+    degraded: bool
+    worker: str
+    created_at: float  # unix seconds
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: bytes | str) -> UsageEvent:
+        data: dict[str, Any] = json.loads(text)
+        return cls(**data)
+
+
+def usage_push(pipe: aioredis.client.Pipeline, event: UsageEvent) -> None:
+    """Queue the record on a pipeline the caller executes (so it costs no round trip of its own)."""
+    pipe.rpush(QUEUE_KEY, event.dumps())
+
+
+def usage_pop(client: redis.Redis, count: int) -> list[UsageEvent]:
+    """Take up to `count` records off the queue, oldest first (LPOP is atomic: two flushers never
+    take the same record). Malformed entries are dropped."""
+    raw = client.lpop(QUEUE_KEY, count) or []
+    events = []
+    for item in raw:
+        try:
+            events.append(UsageEvent.loads(item))
+        except (ValueError, TypeError):
+            continue
+    return events
+
+
+def usage_requeue(client: redis.Redis, events: list[UsageEvent]) -> None:
+    """Put records back at the head (the database refused them; the next flush retries)."""
+    if events:
+        client.lpush(QUEUE_KEY, *[event.dumps() for event in reversed(events)])

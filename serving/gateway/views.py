@@ -1,0 +1,85 @@
+"""The public `/v1` routes: async views that hand HTTP to serving.gateway.pipeline and back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from serving.gateway import catalog, metrics, pipeline
+from serving.gateway.errors import GatewayError
+
+_JSON = "application/json"
+
+
+def _error(error: GatewayError) -> HttpResponse:
+    response = HttpResponse(error.body(), status=error.status, content_type=_JSON)
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
+def _reply(reply: pipeline.Reply) -> HttpResponse:
+    if reply.stream is not None:
+        response: HttpResponse = StreamingHttpResponse(reply.stream, status=reply.status,
+                                                       content_type="text/event-stream")
+    else:
+        response = HttpResponse(reply.body, status=reply.status, content_type=_JSON)
+    for name, value in reply.headers.items():
+        response[name] = value
+    return response
+
+
+def _completion_view(endpoint: str) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
+    @csrf_exempt
+    async def view(request: HttpRequest) -> HttpResponse:
+        if request.method != "POST":
+            return _error(GatewayError(405, f"Use POST for {request.path}.", code="method_not_allowed"))
+        try:
+            reply = await pipeline.handle(endpoint, authorization=request.headers.get("Authorization"),
+                                          raw_body=request.body)
+        except GatewayError as error:
+            return _error(error)
+        return _reply(reply)
+
+    view.__name__ = f"{endpoint}_completions"
+    return view
+
+
+chat_completions = _completion_view("chat")
+completions = _completion_view("completions")
+
+
+def _card(entry: catalog.ModelEntry) -> dict:
+    return {"id": entry.id, "object": "model", "created": entry.created, "owned_by": entry.owned_by,
+            "root": entry.root, "parent": entry.parent}
+
+
+async def models(request: HttpRequest) -> HttpResponse:
+    """`GET /v1/models`: the base model and the caller's deployed adapters, nothing of others."""
+    try:
+        caller = await catalog.caller_for(request.headers.get("Authorization"))
+    except GatewayError as error:
+        return _error(error)
+    entries = await sync_to_async(catalog.model_list)(caller)
+    return HttpResponse(json.dumps({"object": "list", "data": [_card(entry) for entry in entries]}),
+                        content_type=_JSON)
+
+
+async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
+    """`GET /v1/models/{id}`: one model the caller may request; the same 404 for others' names."""
+    try:
+        caller = await catalog.caller_for(request.headers.get("Authorization"))
+        entry = await sync_to_async(catalog.model_get)(caller, model)
+    except GatewayError as error:
+        return _error(error)
+    return HttpResponse(json.dumps(_card(entry)), content_type=_JSON)
+
+
+async def metrics_view(request: HttpRequest) -> HttpResponse:
+    """`GET /metrics`: the gateway's Prometheus metrics (all web processes' in multiprocess mode)."""
+    body, content_type = metrics.render()
+    return HttpResponse(body, content_type=content_type)

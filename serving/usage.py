@@ -1,0 +1,114 @@
+"""Gateway usage in the database: the batched writer (Redis queue → UsageRecord rows) and the
+queries the usage API and the dashboard read (`usage_summary`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import DatabaseError
+from django.db.models import Count, F, Sum
+from django.db.models.functions import TruncDay
+
+from serving.gateway.usage_log import UsageEvent, usage_pop, usage_requeue
+from serving.models import UsageRecord
+from tenants.models import Tenant
+
+log = logging.getLogger(__name__)
+
+GROUP_BY = ("day", "adapter", "key")
+
+_client: redis.Redis | None = None
+
+
+def _redis() -> redis.Redis:
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(settings.REDIS_URL)
+    return _client
+
+
+def _record(event: UsageEvent) -> UsageRecord:
+    return UsageRecord(
+        tenant_id=event.tenant_id, api_key_prefix=event.api_key_prefix, request_id=event.request_id,
+        endpoint=event.endpoint, model=event.model[:200], adapter=event.adapter, version=event.version,
+        prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens, status=event.status,
+        http_status=event.http_status, latency_ms=event.latency_ms, ttft_ms=event.ttft_ms, degraded=event.degraded,
+        worker=event.worker[:200], created_at=datetime.fromtimestamp(event.created_at, tz=timezone.utc),
+    )
+
+
+def usage_records_flush(*, batch: int | None = None) -> int:
+    """Move every queued usage record into the database, `batch` rows per insert; how many.
+
+    A batch the database refuses goes back on the queue for the next flush. Records of a tenant
+    deleted meanwhile are dropped, and a record already written (same request id) is not repeated.
+    """
+    size = batch or settings.GATEWAY_USAGE_BATCH
+    written = 0
+    while True:
+        events = usage_pop(_redis(), size)
+        if not events:
+            return written
+        tenants = set(Tenant.objects.filter(id__in={event.tenant_id for event in events}).values_list("id", flat=True))
+        records = [_record(event) for event in events if event.tenant_id in tenants]
+        try:
+            UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
+        except DatabaseError:
+            usage_requeue(_redis(), events)
+            log.exception("could not write %d usage records; they stay queued", len(records))
+            return written
+        written += len(records)
+        if len(events) < size:
+            return written
+
+
+async def _flush_forever() -> None:
+    while True:
+        await asyncio.sleep(settings.GATEWAY_USAGE_FLUSH_SECONDS)
+        try:
+            await sync_to_async(usage_records_flush)()
+        except Exception:
+            log.exception("usage flush failed; retrying")
+
+
+def usage_flusher_start() -> asyncio.Task:
+    """The web process's background writer, on the running loop (started by the first request)."""
+    return asyncio.get_running_loop().create_task(_flush_forever(), name="gateway-usage-flush")
+
+
+def usage_summary(*, tenant: Tenant, start: datetime | None, end: datetime | None,
+                  group_by: str | None) -> dict[str, Any]:
+    """A tenant's usage in [start, end): totals, and rows per day, adapter or API key."""
+    records = UsageRecord.objects.for_tenant(tenant)
+    if start is not None:
+        records = records.filter(created_at__gte=start)
+    if end is not None:
+        records = records.filter(created_at__lt=end)
+    sums = dict(requests=Count("id"), prompt_tokens=Sum("prompt_tokens"),
+                completion_tokens=Sum("completion_tokens"))
+
+    def clean(row: dict[str, Any]) -> dict[str, Any]:
+        row["prompt_tokens"] = row["prompt_tokens"] or 0
+        row["completion_tokens"] = row["completion_tokens"] or 0
+        row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+        return row
+
+    totals = clean(records.aggregate(**sums))
+    totals["degraded_requests"] = records.filter(degraded=True).count()
+    result: dict[str, Any] = {"object": "usage", "start": start, "end": end, "group_by": group_by, "totals": totals}
+    if group_by == "day":
+        rows = records.annotate(day=TruncDay("created_at")).values("day").annotate(**sums).order_by("day")
+        result["data"] = [clean({**row, "day": row["day"].date().isoformat()}) for row in rows]
+    elif group_by == "adapter":
+        rows = records.values("adapter").annotate(**sums).order_by("adapter")
+        result["data"] = [clean({**row, "adapter": row["adapter"] or None}) for row in rows]
+    elif group_by == "key":
+        rows = (records.annotate(api_key=F("api_key_prefix")).values("api_key").annotate(**sums).order_by("api_key"))
+        result["data"] = [clean(row) for row in rows]
+    return result

@@ -1,0 +1,217 @@
+"""Gateway suites on real parts: the web process under uvicorn (a subprocess, on this run's test
+database and Redis), serving workers on the tiny model registering themselves in that Redis, and
+registry versions whose artifacts live in a storage directory of this run.
+
+The web process and the shared worker live for the session; each test makes its own tenants and
+adapters (the database is flushed between transactional tests, so ids never repeat in a way the
+gateway's 0.5 s caches could confuse: new rows get new ids).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
+from tests.conftest import free_port
+from tests.serving_worker.conftest import WorkerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_KEY = "gateway-test-worker-key"
+STARTUP_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("gateway-base") / "tiny-llama", arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def adapter_dirs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three PEFT adapters on the tiny base (different weights, so different replies)."""
+    root = tmp_path_factory.mktemp("gateway-adapters")
+    return [save_random_peft_adapter(tiny_model, root / f"adapter-{seed}", r=8, lora_alpha=16,
+                                     target_modules=("q_proj", "v_proj"), seed=seed, init_scale=0.5)
+            for seed in (11, 12, 13)]
+
+
+@pytest.fixture(scope="session")
+def storage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gateway-storage")
+
+
+def _database_url() -> str:
+    from django.db import connection
+
+    database = connection.settings_dict
+    if database["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{database['NAME']}"
+    user = database.get("USER") or ""
+    password = f":{database['PASSWORD']}" if database.get("PASSWORD") else ""
+    return (f"postgres://{user}{password}@{database.get('HOST') or '127.0.0.1'}:{database.get('PORT') or 5432}/"
+            f"{database['NAME']}")
+
+
+class WebProcess:
+    """`uvicorn lora_platform.asgi:application` on a free port, its output in a log file."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning"],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"web process exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/metrics", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"web process not ready after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+@pytest.fixture(scope="session")
+def gateway_env(django_db_setup, django_db_blocker, tiny_model: Path, storage_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of every web process of the session (the test database, Redis, storage)."""
+    from django.conf import settings
+
+    with django_db_blocker.unblock():
+        database_url = _database_url()
+    return {
+        "DATABASE_URL": database_url,
+        "REDIS_URL": settings.REDIS_URL,
+        "STORAGE_URL": f"file://{storage_dir}",
+        "SERVING_WORKER_API_KEY": WORKER_KEY,
+        "BASE_MODEL_PATH": str(tiny_model),
+        "BASE_MODEL_NAME": tiny_model.name,
+        "BASE_MODEL_ALIASES": "",
+        "LORAPLEX_VAR_DIR": str(tmp_path_factory.mktemp("gateway-var")),
+        "DJANGO_DEBUG": "0",
+        "GATEWAY_USAGE_FLUSH_SECONDS": "0.2",
+    }
+
+
+@pytest.fixture(scope="session")
+def start_web(gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[Callable[..., WebProcess]]:
+    """`start(**env)` → a ready web process; all are stopped at the end of the session."""
+    started: list[WebProcess] = []
+    logs = tmp_path_factory.mktemp("web-logs")
+
+    def start(**env: str) -> WebProcess:
+        web = WebProcess({**gateway_env, **env}, logs / f"web-{len(started)}.log")
+        started.append(web)
+        web.wait_ready()
+        return web
+
+    yield start
+    for web in started:
+        web.stop()
+
+
+@pytest.fixture(scope="session")
+def web(start_web: Callable[..., WebProcess]) -> WebProcess:
+    return start_web()
+
+
+@pytest.fixture(scope="session")
+def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Callable[..., WorkerProcess]]:
+    """`start(worker_id, *args)` → a ready serving worker registered in Redis with the shared key."""
+    from django.conf import settings
+
+    started: list[WorkerProcess] = []
+    logs = tmp_path_factory.mktemp("gateway-worker-logs")
+
+    def start(worker_id: str, *args: str) -> WorkerProcess:
+        worker = WorkerProcess(tiny_model, [
+            "--served-model-name", tiny_model.name, "--redis-url", settings.REDIS_URL, "--worker-id", worker_id,
+            "--heartbeat-interval", "0.5", "--api-key", WORKER_KEY, "--max-loras", "2", "--max-lora-rank", "16",
+            *args], logs / f"{worker_id}.log")
+        started.append(worker)
+        worker.wait_ready()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return start_worker("gw-worker-1")
+
+
+@pytest.fixture
+def registry(settings, tmp_path: Path, tiny_model: Path, redis_client) -> None:
+    """This process's settings as the web process has them; uploads land in a directory of the
+    test, which workers read through the versions' file:// URIs."""
+    from serving.gateway import catalog
+
+    settings.STORAGE_URL = f"file://{tmp_path / 'storage'}"
+    settings.BASE_MODEL_PATH = tiny_model
+    settings.BASE_MODEL_NAME = tiny_model.name
+    settings.BASE_MODEL_ALIASES = []
+    settings.MAX_LORA_RANK = 64
+    catalog.caches_clear()
+
+
+def upload_version(adapter, directory: Path, version: str):
+    from serving import services
+
+    files = [SimpleUploadedFile(name, (directory / name).read_bytes())
+             for name in ("adapter_config.json", "adapter_model.safetensors")]
+    return services.adapter_version_upload(adapter=adapter, files=files, actor="test", version=version)
+
+
+def wait_for_worker(redis_client, worker_id: str, timeout: float = 30.0) -> None:
+    """Until the worker's registration is back (tests flush Redis; heartbeats every 0.5 s)."""
+    from serving.engine.server.worker_registry import worker_key
+
+    deadline = time.monotonic() + timeout
+    while redis_client.get(worker_key(worker_id)) is None:
+        assert time.monotonic() < deadline, f"worker {worker_id} is not registered in Redis"
+        time.sleep(0.1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test's report carries the logs of the processes it used."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, (WorkerProcess, WebProcess)):
+                report.sections.append((f"log ({name})", value.log()))
