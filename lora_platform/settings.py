@@ -130,6 +130,9 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = env_int("FILE_UPLOAD_MAX_MEMORY_SIZE", 2 * 1024 * 
 MAX_UPLOAD_BYTES = env_int("MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
 
 REDIS_URL = redis_url_from_env(VAR_DIR)
+# Seconds any Redis command (and connecting) may take before it fails: a frozen Redis must not stall
+# requests that send tasks or read token buckets (redis-py's own default waits forever).
+REDIS_SOCKET_TIMEOUT = float(os.environ.get("REDIS_SOCKET_TIMEOUT") or 2)
 STORAGE_URL = os.environ.get("STORAGE_URL", f"file://{VAR_DIR / 'storage'}")
 S3_ENDPOINT_URL = os.environ.get("S3_ENDPOINT_URL") or None
 
@@ -201,7 +204,14 @@ CELERY_TASK_ROUTES = {"training.tasks.training_job_run": {"queue": "training"}}
 # hours, so the timeout is generous, and tests shorten it.
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 6 * 3600),
+    "socket_timeout": REDIS_SOCKET_TIMEOUT,
+    "socket_connect_timeout": REDIS_SOCKET_TIMEOUT,
 }
+CELERY_REDIS_SOCKET_TIMEOUT = CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = REDIS_SOCKET_TIMEOUT
+CELERY_BROKER_CONNECTION_TIMEOUT = REDIS_SOCKET_TIMEOUT
+# Sending a task retries twice, not Celery's default three times, so a request waits at most a few
+# socket timeouts for a broker that is down (the sweep sends what could not be sent).
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False

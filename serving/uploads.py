@@ -2,20 +2,29 @@
 
 An upload is `adapter_config.json` + `adapter_model.safetensors` as multipart files, or one
 `.zip` / `.tar.gz` holding them at its root. The files are unpacked into a private temporary
-directory (entry names checked first: nothing is written outside it, no links, no nested
-directories, a size cap that also bounds what a compressed archive expands to), then checked by
-the serving engine's own adapter validator, the same code that will later load it, so an adapter
-the registry accepts is one the engine can serve. Pickled weights (`.bin`, `.pt`, …) are refused
-by name and never opened.
+directory (each entry's name checked before its bytes: nothing is written outside it, no links, no
+nested directories, a size cap that also bounds what a compressed archive expands to), then
+checked by the serving engine's own adapter validator, the same code that will later load it, so
+an adapter the registry accepts is one the engine can serve. Pickled weights (`.bin`, `.pt`, …)
+are refused by name and never opened.
+
+Archives are read under a budget applied entry by entry, so a hostile one costs no more than the
+budget: at most MAX_ARCHIVE_ENTRIES entries, and the sizes their headers declare (read or skipped)
+within ADAPTER_MAX_BYTES; a .tar.gz is streamed, never listed whole first, and refused at the
+first entry over either. `adapter_config.json` is read only within MAX_CONFIG_BYTES and
+MAX_JSON_DEPTH, so a hostile config is a 400 naming the file, not a parser crash.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import shutil
 import stat
 import tarfile
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +58,14 @@ SKIPPED_FILES = frozenset({"README.md", ".DS_Store"})
 SKIPPED_DIRECTORY = "__MACOSX"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")
+# An adapter archive holds two files, perhaps a model card and an archiver's metadata: a few entries.
+MAX_ARCHIVE_ENTRIES = 64
+# PEFT's adapter_config.json is about 1 KB and two levels deep.
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 16
+# What tar headers (pax, long names) may add to the declared entry sizes of a streamed .tar.gz.
+_TAR_HEADER_ALLOWANCE = 1024 * 1024
+_GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1024 * 1024
 
 
@@ -151,11 +168,27 @@ def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version
 
 
 class _Budget:
-    """Counts the bytes written for one upload and stops at ADAPTER_MAX_BYTES."""
+    """Counts the bytes written for one upload and stops at ADAPTER_MAX_BYTES; for an archive, also
+    its entries and the sizes they declare, refusing the first entry over either (module docstring)."""
 
     def __init__(self) -> None:
         self.limit = settings.ADAPTER_MAX_BYTES
         self.used = 0
+        self.entries = 0
+        self.declared = 0
+
+    def admit(self, archive: str, entry: str, size: int) -> None:
+        self.entries += 1
+        if self.entries > MAX_ARCHIVE_ENTRIES:
+            raise InvalidInput(f"'{archive}' has more than {MAX_ARCHIVE_ENTRIES} entries; an adapter archive holds "
+                               f"{' and '.join(REQUIRED_FILES)}.", code="too_many_archive_entries")
+        self.declared += max(0, size)
+        if self.declared > self.limit:
+            raise self.too_large(f" (at entry '{entry}' of '{archive}')")
+
+    def too_large(self, where: str = "") -> PayloadTooLarge:
+        return PayloadTooLarge(f"The adapter's files exceed the limit of {self.limit} bytes (ADAPTER_MAX_BYTES){where}.",
+                               code="adapter_too_large")
 
     def copy(self, source: IO[bytes] | Iterator[bytes], target: Path) -> None:
         chunks = source if not hasattr(source, "read") else iter(lambda: source.read(_CHUNK), b"")
@@ -163,11 +196,24 @@ class _Budget:
             for chunk in chunks:
                 self.used += len(chunk)
                 if self.used > self.limit:
-                    raise PayloadTooLarge(
-                        f"The adapter's files exceed the limit of {self.limit} bytes (ADAPTER_MAX_BYTES).",
-                        code="adapter_too_large",
-                    )
+                    raise self.too_large()
                 out.write(chunk)
+
+
+class _BoundedStream:
+    """A stream that refuses to yield more than `limit` bytes (what a .tar.gz may expand to, headers included)."""
+
+    def __init__(self, stream: IO[bytes], limit: int, budget: _Budget) -> None:
+        self._stream = stream
+        self._left = limit
+        self._budget = budget
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self._stream.read(size if size >= 0 else self._left + 1)
+        self._left -= len(chunk)
+        if self._left < 0:
+            raise self._budget.too_large()
+        return chunk
 
 
 def _is_archive(name: str) -> bool:
@@ -203,6 +249,43 @@ def _collect(files: Sequence[UploadedFile], directory: Path) -> None:
             f"{WEIGHTS_NAME} (save it with save_pretrained(..., safe_serialization=True)).",
             code="missing_files",
         )
+    _check_json_limits(directory / ADAPTER_CONFIG_NAME)
+
+
+def _check_json_limits(path: Path) -> None:
+    """InvalidInput naming the file if it is larger or deeper than a config file can reasonably be.
+
+    Only the limits are checked here; whether it is valid JSON and a valid config is the engine
+    validator's to say (it reads the same bytes, now known to be small and shallow).
+    """
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise InvalidInput(f"'{path.name}' is {size} bytes; at most {MAX_CONFIG_BYTES} are accepted.",
+                           code="config_too_large", param="files")
+    try:
+        value = json.loads(path.read_bytes())
+    except RecursionError:
+        value = None
+        deep = True
+    except ValueError:
+        return
+    else:
+        deep = _deeper_than(value, MAX_JSON_DEPTH)
+    if deep:
+        raise InvalidInput(f"'{path.name}' is nested deeper than {MAX_JSON_DEPTH} levels; a PEFT adapter config is "
+                           "a flat object.", code="config_too_deep", param="files")
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether JSON `value` nests objects/arrays more than `limit` deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def _target(name: str, directory: Path) -> Path | None:
@@ -255,7 +338,8 @@ def _unpack_zip(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
         raise InvalidInput(f"'{upload.name}' is not a valid zip archive.", code="invalid_archive") from None
     with archive:
         entries = archive.infolist()
-        for entry in entries:  # every name is checked before any byte is extracted
+        for entry in entries:  # every name and size is checked before any byte is extracted
+            budget.admit(upload.name, entry.filename, entry.file_size)
             _member_name(entry.filename)
         for entry in entries:
             name = _member_name(entry.filename)
@@ -276,36 +360,46 @@ def _unpack_zip(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
 
 
 def _unpack_tar(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
+    """Streams the archive (tarfile's "r|" mode): each entry is admitted by the budget from its header,
+    before its bytes are read or skipped; the decompressed stream itself is bounded as well."""
+    upload.seek(0)
+    compressed = upload.read(2) == _GZIP_MAGIC
+    upload.seek(0)
+    raw: IO[bytes] = gzip.GzipFile(fileobj=upload, mode="rb") if compressed else upload
+    stream = _BoundedStream(raw, budget.limit + _TAR_HEADER_ALLOWANCE, budget)
     try:
-        archive = tarfile.open(fileobj=upload, mode="r:*")
-    except (tarfile.TarError, OSError, EOFError):
+        archive = tarfile.open(fileobj=stream, mode="r|")
+    except (tarfile.TarError, OSError, EOFError, zlib.error):
         raise InvalidInput(f"'{upload.name}' is not a valid .tar.gz archive.", code="invalid_archive") from None
     with archive:
         try:
-            members = archive.getmembers()
-        except (tarfile.TarError, OSError, EOFError) as error:
+            for member in archive:
+                budget.admit(upload.name, member.name, member.size)
+                _unpack_tar_member(archive, member, upload.name, directory, budget)
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
             raise InvalidInput(f"'{upload.name}' is not a valid .tar.gz archive: {error}.",
                                code="invalid_archive") from None
-        for member in members:
-            _member_name(member.name)
-        for member in members:
-            name = _member_name(member.name)
-            if name is None or member.isdir():
-                continue
-            if not member.isfile():
-                raise InvalidInput(f"The archive entry '{member.name}' is a link or special file; only regular "
-                                   "files are accepted.", code="unsafe_archive_path")
-            target = _target(name, directory)
-            if target is None:
-                continue
-            stream = archive.extractfile(member)
-            try:
-                budget.copy(stream, target)
-            except (tarfile.TarError, OSError, EOFError) as error:
-                raise InvalidInput(f"Could not unpack '{member.name}' from '{upload.name}': {error}.",
-                                   code="invalid_archive") from None
-            finally:
-                stream.close()
+
+
+def _unpack_tar_member(archive: tarfile.TarFile, member: tarfile.TarInfo, archive_name: str, directory: Path,
+                       budget: _Budget) -> None:
+    name = _member_name(member.name)
+    if name is None or member.isdir():
+        return
+    if not member.isfile():
+        raise InvalidInput(f"The archive entry '{member.name}' is a link or special file; only regular "
+                           "files are accepted.", code="unsafe_archive_path")
+    target = _target(name, directory)
+    if target is None:
+        return
+    stream = archive.extractfile(member)
+    try:
+        budget.copy(stream, target)
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
+        raise InvalidInput(f"Could not unpack '{member.name}' from '{archive_name}': {error}.",
+                           code="invalid_archive") from None
+    finally:
+        stream.close()
 
 
 # --- validating the adapter -------------------------------------------------------------------

@@ -12,12 +12,16 @@ Reading them through Django settings first lets tests override them with pytest-
 | TRAINING_CHECKPOINT_EVERY_STEPS | 100 | steps between checkpoints |
 | TRAINING_CHECKPOINTS_KEPT | 2 | newest checkpoints kept per job |
 | TRAINING_LOG_EVERY_STEPS | 10 | steps between metrics events |
-| TRAINING_LEASE_SECONDS | 60 | a running job whose worker has not reported for this long is taken over |
+| TRAINING_LEASE_SECONDS | 60 | a running job whose worker has not reported for this long is taken over (the sweep re-sends it after two) |
+| TRAINING_VALIDATION_TIMEOUT_SECONDS | 3600 | a dataset validating for longer ends invalid |
+| TRAINING_SCRATCH_DIR | $TMPDIR/loraplex-training | where runs unpack their dataset and checkpoints (swept at worker start) |
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 from django.conf import settings
 
@@ -29,6 +33,7 @@ _DEFAULTS: dict[str, int] = {
     "TRAINING_CHECKPOINTS_KEPT": 2,
     "TRAINING_LOG_EVERY_STEPS": 10,
     "TRAINING_LEASE_SECONDS": 60,
+    "TRAINING_VALIDATION_TIMEOUT_SECONDS": 3600,
 }
 
 
@@ -57,3 +62,8 @@ def dataset_max_bytes(tier_name: str) -> int:
         if tier.strip() == tier_name and limit.strip():
             return int(limit)
     return setting_int("TRAINING_DATASET_MAX_BYTES")
+
+
+def scratch_dir() -> Path:
+    """The directory training runs keep their local files in, one folder per run."""
+    return Path(_value("TRAINING_SCRATCH_DIR") or Path(tempfile.gettempdir()) / "loraplex-training")

@@ -39,6 +39,11 @@ class Dataset(models.Model):
     # The validation report: errors with line numbers and codes, warnings, token statistics.
     report = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # When the validation task was handed to the broker, and when a worker first began it: the
+    # periodic sweep re-sends a task that was never sent and ends a validation stuck past its timeout
+    # (training.services.training_jobs_sweep).
+    validation_queued_at = models.DateTimeField(null=True, blank=True)
+    validation_started_at = models.DateTimeField(null=True, blank=True)
     validated_at = models.DateTimeField(null=True, blank=True)
 
     objects = TenantScopedQuerySet.as_manager()

@@ -4,9 +4,13 @@ Concurrency of jobs. A tenant's tier allows `max_concurrent_training_jobs`; a jo
 the moment its task is sent (`dispatched_at`) until it ends. `training_jobs_dispatch` hands free
 slots to the oldest waiting jobs under the tenant's row lock; it runs when a job is created, when a
 job ends (the finishing task calls it) and from the periodic `training_jobs_sweep`, which also
-re-sends the task of a job no worker has reported on for longer than the broker's visibility
-timeout (a message the broker lost). Beyond the slots, a tenant may have TRAINING_MAX_WAITING_JOBS
-waiting; more is refused (LimitExceeded).
+re-sends the task of a running job whose run stopped reporting (a killed worker) and of a queued
+one no worker took (a message the broker lost). Beyond the slots, a tenant may have
+TRAINING_MAX_WAITING_JOBS waiting; more is refused (LimitExceeded).
+
+Broker outages. Tasks are sent after the commit that needs them (`_after_commit`); a send that
+fails is logged and never fails the request nor undoes what it committed: an unsent validation is
+sent by the sweep, and a job whose task was not sent gives its slot back and is dispatched again.
 
 Redelivery. Celery may deliver a job's task again (a killed worker, the visibility timeout). A
 delivery must hold the job's lease to run it: `training_job_claim` grants it when no other run's
@@ -25,10 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -68,12 +74,28 @@ MAX_SEED = 2**31 - 1
 MAX_VALIDATION_FRACTION = 0.5
 # A job is saved no more often than this while it runs (metrics events are separate).
 PROGRESS_INTERVAL_SECONDS = 1.0
+# A dataset whose validation task was not sent this long after its upload is sent by the sweep.
+UNSENT_TASK_SECONDS = 60
 
 
 def _after_commit(action: Callable[[], object]) -> None:
     """Runs `action` once the transaction commits. A failure (say, the broker is down) is logged and
-    never undoes the committed change; the periodic sweep re-sends a task that was not sent."""
-    transaction.on_commit(action, robust=True)
+    never undoes the committed change; the periodic sweep re-sends a task that was not sent.
+
+    The action's errors are caught here rather than by `on_commit(..., robust=True)`: Django's
+    robust path names the failed callable by `__qualname__`, which a functools.partial lacks, so its
+    own AttributeError escaped into the caller (a 500 for a committed upload, whose file the
+    caller's clean-up then deleted).
+    """
+
+    def run() -> None:
+        try:
+            action()
+        except Exception:
+            logger.exception("After-commit action %r failed; the periodic sweep repairs what it left undone",
+                             action)
+
+    transaction.on_commit(run)
 
 
 class JobFailure(ServiceError):
@@ -112,10 +134,11 @@ def dataset_create(*, tenant: Tenant, source: Source, filename: str, size: int |
                 tenant=tenant, filename=(filename or "dataset.jsonl")[:255], storage_key=key,
                 sha256=stored.sha256, size_bytes=stored.size,
             )
-            _after_commit(partial(_send_validation, dataset.pk))
     except BaseException:
         storage.delete(key)
         raise
+    # Outside the clean-up above: once the row is committed its file stays, whatever the broker does.
+    _after_commit(partial(_send_validation, dataset.pk))
     return dataset
 
 
@@ -132,20 +155,37 @@ def _send_validation(dataset_id: int) -> None:
     from training.tasks import dataset_validate as task
 
     task.delay(dataset_id)
+    # Only a sent task is recorded: a dataset left without one is sent again by the sweep.
+    Dataset.objects.filter(pk=dataset_id, status=Dataset.Status.UPLOADED).update(validation_queued_at=timezone.now())
 
 
 def dataset_validate(*, dataset_id: int) -> Dataset | None:
     """Checks the stored file and records the report: ready or invalid. None if the dataset is gone.
 
     Idempotent: a dataset already ready or invalid is returned as it is; one left `validating` by a
-    lost worker is checked again.
+    lost worker is checked again (its first start is kept, so the sweep's timeout bounds every
+    attempt together). Any failure of the check itself ends the dataset invalid with a message.
     """
     with transaction.atomic():
         dataset = Dataset.objects.select_for_update().filter(pk=dataset_id).first()
         if dataset is None or dataset.status in (Dataset.Status.READY, Dataset.Status.INVALID):
             return dataset
         dataset.status = Dataset.Status.VALIDATING
-        dataset.save(update_fields=["status"])
+        dataset.validation_started_at = dataset.validation_started_at or timezone.now()
+        dataset.save(update_fields=["status", "validation_started_at"])
+    try:
+        report = _validate_stored(dataset)
+    except Exception as error:
+        logger.exception("Validation of dataset %s failed", dataset_id)
+        report = ValidationReport()
+        report.add_error(None, Problem("validation_failed", f"Validation stopped unexpectedly ({type(error).__name__})"
+                                                            "; upload the file again, and if this repeats, contact "
+                                                            "the platform operator."))
+    return _record_validation(dataset_id, report)
+
+
+def _validate_stored(dataset: Dataset) -> ValidationReport:
+    """The report on the dataset's stored file."""
     tokenizer = _base_tokenizer()
     try:
         with get_storage().open(dataset.storage_key) as raw:
@@ -162,6 +202,11 @@ def dataset_validate(*, dataset_id: int) -> Dataset | None:
     if tokenizer is None:
         report.add_warning(None, Problem("tokens_not_counted",
                                          "The base model's tokenizer is not available, so tokens were not counted."))
+    return report
+
+
+def _record_validation(dataset_id: int, report: ValidationReport) -> Dataset | None:
+    """Ends a `validating` dataset ready or invalid with its report (one another run ended is left)."""
     updated = Dataset.objects.filter(pk=dataset_id, status=Dataset.Status.VALIDATING).update(
         status=Dataset.Status.READY if report.is_valid else Dataset.Status.INVALID, format=report.format or "",
         num_examples=report.num_examples, report=report.to_dict(), validated_at=timezone.now(),
@@ -448,37 +493,70 @@ def _send_run(job_id: int) -> None:
     # tasks imports this module; the import waits until a task is actually sent.
     from training.tasks import training_job_run as task
 
-    task.delay(job_id)
+    try:
+        task.delay(job_id)
+    except Exception:
+        # Not sent (the broker is down): a queued job gives its slot back and waits again, so the
+        # sweep's next dispatch sends it once the broker is back, instead of holding the slot forever.
+        TrainingJob.objects.filter(pk=job_id, status=Status.QUEUED, lease_token="").update(dispatched_at=None)
+        raise
 
 
 def training_jobs_sweep() -> dict[str, list[int]]:
-    """The periodic repair: fills free slots everywhere and re-sends tasks the broker lost.
+    """The periodic repair: fills free slots everywhere, re-sends tasks that were lost, ends stuck validations.
 
-    A task is presumed lost when nothing has been heard of its job (or dataset) for longer than
-    the broker's visibility timeout, after which the broker itself would have redelivered it.
+    - A running job whose run has not reported for two leases is re-sent (its worker was killed, and
+      its unacknowledged task would come back only after the broker's visibility timeout); the
+      claim makes the new delivery take over, resuming from the last checkpoint.
+    - A queued job's task is presumed lost when no worker took it within the visibility timeout.
+    - A dataset whose validation task was never sent (the broker was down) is sent after
+      UNSENT_TASK_SECONDS; one sent but never started, after the visibility timeout.
+    - A validation running longer than TRAINING_VALIDATION_TIMEOUT_SECONDS ends the dataset invalid.
     """
     tenants = set(TrainingJob.objects.filter(status=Status.QUEUED, dispatched_at__isnull=True)
                   .values_list("tenant_id", flat=True))
     dispatched = [pk for tenant_id in sorted(tenants) for pk in training_jobs_dispatch(tenant_id=tenant_id)]
+    now = timezone.now()
     visibility = settings.CELERY_BROKER_TRANSPORT_OPTIONS.get("visibility_timeout", 3600)
-    silent_since = timezone.now() - timedelta(seconds=visibility + 2 * conf.setting_int("TRAINING_LEASE_SECONDS"))
+    expired = now - timedelta(seconds=2 * _lease_seconds())
+    lost = expired - timedelta(seconds=visibility)
     stale = TrainingJob.objects.filter(
-        Q(status=Status.QUEUED, dispatched_at__lt=silent_since)
-        | Q(status=Status.RUNNING, heartbeat_at__lt=silent_since)
+        Q(status=Status.QUEUED, dispatched_at__lt=lost)
+        # dispatched_at is when its task was last sent: a resent task is given two leases to start.
+        | Q(status=Status.RUNNING, heartbeat_at__lt=expired, dispatched_at__lt=expired)
     )
     resent = []
     for job in stale:
         with transaction.atomic():
-            TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=timezone.now())
-            _event(job, "No worker has reported on this job for a long time; its task was sent again.",
+            TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=now)
+            _event(job, "No worker has reported on this job for two leases; its task was sent again.",
                    level=TrainingEvent.Level.WARNING)
             _after_commit(partial(_send_run, job.pk))
         resent.append(job.pk)
-    unvalidated = list(Dataset.objects.filter(status__in=(Dataset.Status.UPLOADED, Dataset.Status.VALIDATING),
-                                              created_at__lt=silent_since).values_list("pk", flat=True))
+    unsent = Q(validation_queued_at__isnull=True, created_at__lt=now - timedelta(seconds=UNSENT_TASK_SECONDS))
+    unvalidated = list(Dataset.objects.filter(unsent | Q(validation_queued_at__lt=lost), status=Dataset.Status.UPLOADED)
+                       .values_list("pk", flat=True))
     for dataset_id in unvalidated:
         _after_commit(partial(_send_validation, dataset_id))
-    return {"dispatched": dispatched, "resent": resent, "validations": unvalidated}
+    return {"dispatched": dispatched, "resent": resent, "validations": unvalidated,
+            "validations_timed_out": _end_stuck_validations(now)}
+
+
+def _end_stuck_validations(now: Any) -> list[int]:
+    """Datasets `validating` for longer than the timeout, ended invalid with a message; their ids."""
+    timeout = conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS")
+    since = now - timedelta(seconds=timeout)
+    stuck = list(Dataset.objects.filter(
+        Q(validation_started_at__lt=since) | Q(validation_started_at__isnull=True, created_at__lt=since),
+        status=Dataset.Status.VALIDATING).values_list("pk", flat=True))
+    for dataset_id in stuck:
+        report = ValidationReport()
+        report.add_error(None, Problem("validation_timeout", f"Validation did not finish within {timeout} s (its worker "
+                                                             "may have been stopped by the file); check the file, "
+                                                             "and upload it again."))
+        if _record_validation(dataset_id, report) is not None:
+            logger.warning("Dataset %s: validation did not finish within %s s; marked invalid", dataset_id, timeout)
+    return stuck
 
 
 # --- running a job ----------------------------------------------------------------------------
@@ -547,7 +625,7 @@ def training_job_run(*, job_id: int) -> Claim:
     if claim.job is None:
         return claim
     job = claim.job
-    workspace = Path(tempfile.mkdtemp(prefix=f"loraplex-job-{job.pk}-"))
+    workspace = _scratch_create(job.pk)
     try:
         with _heartbeat(job.pk, claim.token):
             _run_claimed(job, claim.token, workspace)
@@ -564,6 +642,45 @@ def training_job_run(*, job_id: int) -> Claim:
         shutil.rmtree(workspace, ignore_errors=True)
         training_jobs_dispatch(tenant_id=job.tenant_id)
     return claim
+
+
+def _scratch_create(job_id: int) -> Path:
+    """A run's own scratch folder; its name carries host and pid, so a later sweep knows its owner."""
+    root = conf.scratch_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"job-{job_id}-{socket.gethostname()}-{os.getpid()}-", dir=root))
+
+
+def training_scratch_sweep() -> list[Path]:
+    """Removes scratch folders of runs on this host whose process is gone (a killed worker); the removed.
+
+    A run removes its own folder on every exit it lives through; a SIGKILL (or power loss) leaves
+    it, holding the tenant's dataset, so each worker sweeps at start. A folder whose pid is alive is
+    left alone: another worker's run on this host (pid reuse by an unrelated process keeps one a
+    little longer, never removes a live one).
+    """
+    root = conf.scratch_dir()
+    if not root.is_dir():
+        return []
+    host = socket.gethostname()
+    removed = []
+    for folder in root.iterdir():
+        match = re.fullmatch(rf"job-\d+-{re.escape(host)}-(\d+)-.+", folder.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 class _LeaseLost(Exception):

@@ -9,11 +9,15 @@ worker dies; the service makes any redelivery safe.
 from __future__ import annotations
 
 from celery import Task, shared_task
+from celery.signals import worker_ready
 
-from training import services
+from training import conf, services
 
 
-@shared_task(name="training.tasks.dataset_validate", ignore_result=True)
+# A validation running longer is interrupted (SoftTimeLimitExceeded), which ends the dataset invalid;
+# the sweep ends one whose worker died (prefork pool: the limit is a signal to the pool process).
+@shared_task(name="training.tasks.dataset_validate", ignore_result=True,
+             soft_time_limit=conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS"))
 def dataset_validate(dataset_id: int) -> None:
     services.dataset_validate(dataset_id=dataset_id)
 
@@ -29,3 +33,9 @@ def training_job_run(self: Task, job_id: int) -> None:
 @shared_task(name="training.tasks.training_jobs_sweep", ignore_result=True)
 def training_jobs_sweep() -> None:
     services.training_jobs_sweep()
+
+
+@worker_ready.connect
+def scratch_sweep(**_: object) -> None:
+    """A starting worker removes what killed runs on this host left in the scratch folder."""
+    services.training_scratch_sweep()

@@ -9,6 +9,8 @@ The file is read as a stream, one line at a time, so its size does not matter. N
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +32,10 @@ MAX_LINE_BYTES = 16 * 1024 * 1024
 # OpenAI's checker asks for at least 10 examples; fewer train, but rarely well.
 RECOMMENDED_MIN_EXAMPLES = 10
 READ_CHUNK_BYTES = 1024 * 1024
+# The errors a line's content can make parsing or tokenizing raise; each becomes that line's error.
+# (Deliberately not Exception: a task's time limit, also an Exception, must still stop validation.)
+LINE_ERRORS = (ArithmeticError, AttributeError, LookupError, TypeError, ValueError)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 @dataclass(frozen=True)
@@ -126,23 +132,15 @@ def validate_lines(lines: Iterable[bytes], *, tokenizer: Any | None, max_seq_len
             if not raw.strip():
                 continue
             try:
-                value = load_json_line(raw)
-            except ValueError as error:
-                report.add_error(line_number, Problem("invalid_json", f"Line is not valid JSON: {error}."))
-                continue
-            if report.format is None:
-                report.format = detect_format(value)
-                if report.format is None:
-                    report.add_error(line_number, _unrecognized(value))
-                    continue
-            example, errors, warnings = parse_example(value, report.format)
-            for problem in errors:
-                report.add_error(line_number, problem)
-            for problem in warnings:
-                report.add_warning(line_number, problem)
-            if example is not None:
-                report.num_examples += 1
-                tokens.add(line_number, example, report)
+                _check_line(line_number, raw, report, tokens)
+            except RecursionError:
+                report.add_error(line_number, Problem("json_too_deep", "Line is nested too deeply to be an example; "
+                                                                       "an example is a flat JSON object."))
+            except LINE_ERRORS as error:
+                # Whatever else a line's content makes the parser or the tokenizer raise is that
+                # line's problem, not the end of the validation.
+                report.add_error(line_number, Problem("unprocessable_line", f"Line could not be checked "
+                                                                            f"({type(error).__name__}: {error})."))
     except LineTooLong as error:
         report.add_error(line_number + 1, Problem("line_too_long", f"Line is too long: {error}."))
     if report.num_examples == 0 and not report.error_counts:
@@ -157,6 +155,42 @@ def validate_lines(lines: Iterable[bytes], *, tokenizer: Any | None, max_seq_len
             "examples_truncated", f"{tokens.truncated} example(s) are longer than {max_seq_length} tokens and "
                                   "will be truncated (raise max_seq_length or shorten them)."))
     return report
+
+
+def _check_line(line_number: int, raw: bytes, report: ValidationReport, tokens: _TokenStats) -> None:
+    try:
+        value = load_json_line(raw)
+    except ValueError as error:
+        report.add_error(line_number, Problem("invalid_json", f"Line is not valid JSON: {error}."))
+        return
+    if _has_lone_surrogate(raw, value):
+        report.add_error(line_number, Problem("invalid_unicode", "Line has a lone UTF-16 surrogate escape (such as "
+                                                                 "\\ud800), which is no character; fix its text."))
+        return
+    if report.format is None:
+        report.format = detect_format(value)
+        if report.format is None:
+            report.add_error(line_number, _unrecognized(value))
+            return
+    example, errors, warnings = parse_example(value, report.format)
+    for problem in errors:
+        report.add_error(line_number, problem)
+    for problem in warnings:
+        report.add_warning(line_number, problem)
+    if example is not None:
+        report.num_examples += 1
+        tokens.add(line_number, example, report)
+
+
+def _has_lone_surrogate(raw: bytes, value: Any) -> bool:
+    """JSON may escape a surrogate with no partner ("\\ud800"); Python keeps it, no tokenizer takes it."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return False  # the usual line: no escape of the surrogate range at all
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _unrecognized(value: Any) -> Problem:

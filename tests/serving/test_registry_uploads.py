@@ -348,3 +348,73 @@ def test_snapshot_entry_of_an_uploaded_version_points_at_a_loadable_artifact(cli
                           max_lora_rank=32)
     assert loaded.digest == entry["manifest_sha256"]
     assert json.loads(json.dumps(entry))["name"] == "alice-co/support-bot@1.0.0"
+
+
+# --- hostile archives and configs (issue 16, items 5 and 7) -------------------------------------
+
+
+def gzipped_tar_stream(headers_and_data: list[tuple[tarfile.TarInfo, bytes]], tail: bytes = b"") -> bytes:
+    """A .tar.gz written by hand: each header with the data given (which may be shorter than the
+    header says), then `tail` raw bytes; nothing after is valid, so only a streaming reader that
+    stops in time gives a clean answer."""
+    import gzip
+
+    body = b"".join(info.tobuf(format=tarfile.GNU_FORMAT) + data for info, data in headers_and_data)
+    return gzip.compress(body) + tail
+
+
+def test_a_tar_gz_with_too_many_entries_is_refused_at_the_first_entry_over_the_budget(client_a, adapter, storage):
+    empty = [(tarfile.TarInfo("README.md"), b"")] * 100
+    # After the 100 entries the archive is garbage: listing it whole (the old getmembers) fails there.
+    archive = gzipped_tar_stream(empty, tail=b"\x00garbage, not gzip")
+    response = upload(client_a, {"many.tar.gz": archive})
+    assert response.status_code == 400, response.json()
+    error = response.json()["error"]
+    assert error["code"] == "too_many_archive_entries" and "more than 64 entries" in error["message"]
+    assert_nothing_left(storage)
+
+
+def test_a_tar_gz_entry_declaring_more_than_the_budget_is_refused_before_its_bytes(client_a, adapter, storage,
+                                                                                  settings):
+    settings.ADAPTER_MAX_BYTES = 10 * 1024 * 1024
+    huge = tarfile.TarInfo("adapter_model.safetensors")
+    huge.size = 4 * 1024 ** 3  # 4 GiB of zeros declared; a few KB actually follow
+    archive = gzipped_tar_stream([(huge, b"\0" * 4096)])
+    assert len(archive) < 10_000
+    response = upload(client_a, {"bomb.tar.gz": archive})
+    assert response.status_code == 413, response.json()
+    message = response.json()["error"]["message"]
+    assert "exceed the limit of 10485760 bytes" in message and "at entry 'adapter_model.safetensors'" in message
+    assert_nothing_left(storage)
+
+
+def test_skipped_entries_count_against_the_byte_budget_too(client_a, adapter, storage, settings):
+    settings.ADAPTER_MAX_BYTES = 2000
+    skipped = tarfile.TarInfo("__MACOSX/._adapter_model.safetensors")
+    skipped.size = 5000
+    response = upload(client_a, {"a.tar.gz": gzipped_tar_stream([(skipped, b"\0" * 5120)])})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "adapter_too_large"
+    assert_nothing_left(storage)
+
+
+def test_a_zip_with_too_many_entries_is_refused(client_a, adapter, storage):
+    response = upload(client_a, {"many.zip": zipped({f"__MACOSX/{index}": b"" for index in range(65)})})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_archive_entries"
+    assert_nothing_left(storage)
+
+
+@pytest.mark.parametrize("packer", ["files", "tar.gz"])
+@pytest.mark.parametrize(("config", "code", "message"), [
+    (b"[" * 30_000 + b"]" * 30_000, "config_too_deep", "'adapter_config.json' is nested deeper than 16 levels"),
+    (json.dumps({"r": 8, "a": "[" * 17 + "1" + "]" * 17}).replace('"[', "[").replace(']"', "]").encode(),
+     "config_too_deep", "deeper than 16 levels"),
+    (b'{"r": 8, "pad": "' + b"x" * 70_000 + b'"}', "config_too_large", "'adapter_config.json' is 70019 bytes"),
+])
+def test_a_hostile_adapter_config_is_a_400_naming_the_file(client_a, adapter, peft_adapter, storage, packer, config,
+                                                          code, message):
+    files = {**adapter_files(peft_adapter), "adapter_config.json": config}
+    response = upload(client_a, files if packer == "files" else {"a.tar.gz": tarred(files)})
+    assert response.status_code == 400, response.content[:500]
+    error = response.json()["error"]
+    assert error["code"] == code and message in error["message"], error
+    assert_nothing_left(storage)

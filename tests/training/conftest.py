@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+import redis
 
 from serving.engine.tiny import build_tiny_model
 from training_support import BASE_MODEL_NAME
@@ -115,21 +118,7 @@ def start_worker(transactional_db, tmp_path: Path, settings) -> Iterator[Callabl
     workers: list[Worker] = []
 
     def start(**extra: str) -> Worker:
-        env = dict(os.environ)
-        env.update({
-            "DJANGO_SETTINGS_MODULE": "lora_platform.settings",
-            "DATABASE_URL": database_url(),
-            "STORAGE_URL": settings.STORAGE_URL,
-            "BASE_MODEL_PATH": str(settings.BASE_MODEL_PATH),
-            "BASE_MODEL_NAME": settings.BASE_MODEL_NAME,
-            "LOG_LEVEL": "INFO",
-            # One compute thread: on a shared 2-core machine, OpenMP threads spinning against other
-            # processes make a tiny model's step 10-20x slower.
-            "OMP_NUM_THREADS": "1",
-            **({"S3_ENDPOINT_URL": settings.S3_ENDPOINT_URL} if settings.S3_ENDPOINT_URL else {}),
-        })
-        env.update({key: str(value) for key, value in extra.items()})
-        worker = Worker(env, tmp_path / f"worker-{len(workers)}.log")
+        worker = Worker(process_env(settings, extra), tmp_path / f"worker-{len(workers)}.log")
         workers.append(worker)
         worker.wait_ready()
         return worker
@@ -139,3 +128,153 @@ def start_worker(transactional_db, tmp_path: Path, settings) -> Iterator[Callabl
     for worker in workers:
         worker.stop()
     purge_queues()
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """A `redis-server` of the test's own on a free port, which the test may stop, freeze and restart
+    (never the machine's Redis). No persistence: a restart starts it empty, as a lost broker would."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = unused_port()
+        self.process: subprocess.Popen | None = None
+        self.frozen = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.directory)],
+            stdout=(self.directory / "redis.log").open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert self.process.poll() is None, (self.directory / "redis.log").read_text()
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        client.close()
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections are accepted by the kernel, nothing is answered."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+        self.frozen = False
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        if self.frozen:
+            self.thaw()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+class WebProcess:
+    """The web app under uvicorn, as `make up` and compose run it, on a free port."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.port = unused_port()
+        self.log = log
+        self.handle = log.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning"],
+            cwd=ROOT, env=env, stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"web process exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/api/schema/", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"web process not ready after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.handle.close()
+
+
+def process_env(settings, extra: dict[str, object]) -> dict[str, str]:
+    """The environment of a platform process on this test's database, storage and base model."""
+    env = dict(os.environ)
+    env.update({
+        "DJANGO_SETTINGS_MODULE": "lora_platform.settings",
+        "DATABASE_URL": database_url(),
+        "STORAGE_URL": settings.STORAGE_URL,
+        "BASE_MODEL_PATH": str(settings.BASE_MODEL_PATH),
+        "BASE_MODEL_NAME": settings.BASE_MODEL_NAME,
+        "LOG_LEVEL": "INFO",
+        # One compute thread: on a shared 2-core machine, OpenMP threads spinning against other
+        # processes make a tiny model's step 10-20x slower.
+        "OMP_NUM_THREADS": "1",
+        **({"S3_ENDPOINT_URL": settings.S3_ENDPOINT_URL} if settings.S3_ENDPOINT_URL else {}),
+    })
+    env.update({key: str(value) for key, value in extra.items()})
+    return env
+
+
+@pytest.fixture
+def start_web(transactional_db, tmp_path: Path, settings) -> Iterator[Callable[..., WebProcess]]:
+    """`start_web(**env)` → a ready web process on the test database with this test's settings."""
+    processes: list[WebProcess] = []
+
+    def start(**extra: str) -> WebProcess:
+        web = WebProcess(process_env(settings, extra), tmp_path / f"web-{len(processes)}.log")
+        processes.append(web)
+        web.wait_ready()
+        return web
+
+    yield start
+    for web in processes:
+        web.stop()

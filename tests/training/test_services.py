@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -113,13 +117,82 @@ def test_the_sweep_fills_free_slots_and_resends_lost_tasks(tenant_a, dataset):
     job = services.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot")
     assert job.total_steps == 2 * 3  # 8 examples in batches of 4, 3 epochs by default
     assert services.training_jobs_sweep()["dispatched"] == [job.pk]
-    assert services.training_jobs_sweep() == {"dispatched": [], "resent": [], "validations": []}
+    assert services.training_jobs_sweep() == NOTHING
 
     TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=timezone.now() - timedelta(days=1))
-    Dataset.objects.filter(pk=dataset.pk).update(status=Dataset.Status.VALIDATING,
-                                                 created_at=timezone.now() - timedelta(days=1))
-    assert services.training_jobs_sweep() == {"dispatched": [], "resent": [job.pk], "validations": [dataset.pk]}
+    Dataset.objects.filter(pk=dataset.pk).update(status=Dataset.Status.UPLOADED,
+                                                 validation_queued_at=timezone.now() - timedelta(days=1))
+    assert services.training_jobs_sweep() == {**NOTHING, "resent": [job.pk], "validations": [dataset.pk]}
     assert job.events.filter(level="warning", message__contains="its task was sent again").exists()
+
+
+NOTHING = {"dispatched": [], "resent": [], "validations": [], "validations_timed_out": []}
+
+
+def test_the_sweep_resends_a_running_job_two_leases_after_its_last_heartbeat(tenant_a, dataset, settings):
+    """Not after the broker's visibility timeout (6 h): a killed worker's job is taken over in minutes."""
+    settings.TRAINING_LEASE_SECONDS = 60
+    job = new_job(tenant_a, dataset)
+    services.training_job_claim(job_id=job.pk)
+    TrainingJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=90),
+                                                 dispatched_at=timezone.now() - timedelta(seconds=600))
+    assert services.training_jobs_sweep() == NOTHING  # one lease and a half: the run may be slow
+
+    TrainingJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=130))
+    assert services.training_jobs_sweep() == {**NOTHING, "resent": [job.pk]}
+    assert services.training_jobs_sweep() == NOTHING  # the resent task gets two leases to start
+    claim = services.training_job_claim(job_id=job.pk)
+    assert claim.token and claim.job.attempts == 2
+
+
+def test_the_sweep_sends_a_validation_never_sent_and_ends_one_stuck_past_its_timeout(tenant_a, platform, settings):
+    settings.TRAINING_VALIDATION_TIMEOUT_SECONDS = 600
+    unsent = services.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="a.jsonl")
+    assert unsent.validation_queued_at is None  # the test's transaction never commits: nothing was sent
+    assert services.training_jobs_sweep() == NOTHING  # just uploaded: its task may still be on its way
+    Dataset.objects.filter(pk=unsent.pk).update(created_at=timezone.now() - timedelta(seconds=61))
+    assert services.training_jobs_sweep() == {**NOTHING, "validations": [unsent.pk]}
+
+    stuck = services.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="b.jsonl")
+    Dataset.objects.filter(pk=stuck.pk).update(status=Dataset.Status.VALIDATING, validation_queued_at=timezone.now(),
+                                               validation_started_at=timezone.now() - timedelta(seconds=599))
+    assert services.training_jobs_sweep()["validations_timed_out"] == []
+    Dataset.objects.filter(pk=stuck.pk).update(validation_started_at=timezone.now() - timedelta(seconds=601))
+    assert services.training_jobs_sweep()["validations_timed_out"] == [stuck.pk]
+    stuck.refresh_from_db()
+    assert stuck.status == Dataset.Status.INVALID
+    assert [error["code"] for error in stuck.report["errors"]] == ["validation_timeout"]
+    assert "did not finish within 600 s" in stuck.report["errors"][0]["message"]
+    # A late delivery of its task leaves the verdict alone.
+    assert services.dataset_validate(dataset_id=stuck.pk).status == Dataset.Status.INVALID
+
+
+def test_a_validation_that_crashes_ends_the_dataset_invalid_with_a_message(tenant_a, platform, settings, tmp_path,
+                                                                          base_model_dir):
+    broken = tmp_path / "broken-base"
+    shutil.copytree(base_model_dir, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    settings.BASE_MODEL_PATH = broken
+    created = services.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="t.jsonl")
+    dataset = services.dataset_validate(dataset_id=created.pk)
+    assert dataset.status == Dataset.Status.INVALID and dataset.validation_started_at is not None
+    [error] = dataset.report["errors"]
+    assert error["code"] == "validation_failed" and "Validation stopped unexpectedly" in error["message"]
+
+
+def test_scratch_folders_of_dead_runs_on_this_host_are_swept_and_live_ones_kept(settings, tmp_path):
+    settings.TRAINING_SCRATCH_DIR = str(tmp_path / "scratch")
+    mine = services._scratch_create(7)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    orphan = tmp_path / "scratch" / f"job-8-{host}-{dead.pid}-x1"
+    (orphan / "run").mkdir(parents=True)
+    (orphan / "dataset-1.jsonl").write_text("tenant data")
+    elsewhere = tmp_path / "scratch" / f"job-9-another-host-{dead.pid}-x2"
+    elsewhere.mkdir()
+    assert services.training_scratch_sweep() == [orphan]
+    assert mine.is_dir() and elsewhere.is_dir() and not orphan.exists()
 
 
 def test_a_validation_file_gives_the_valid_loss(tenant_a, dataset, one_thread):

@@ -121,3 +121,28 @@ def test_lines_are_read_from_chunked_streams_and_over_long_lines_refused():
 def test_invalid_utf8_is_invalid_json():
     report = check([b'{"text": "\xff\xfe"}'])
     assert codes(report) == [(1, "invalid_json")] and "UTF-8" in report["errors"][0]["message"]
+
+
+def test_a_line_nested_too_deeply_or_with_a_lone_surrogate_is_that_lines_error(tokenizer):
+    """The attack of issue 16: a 100k-deep line (RecursionError) and "\\ud800" (a tokenizer TypeError)
+    used to crash the task; now each is its own line's error and the other lines are still checked."""
+    good = jsonl(chat_lines(1)[:3])
+    deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"
+    surrogate = json.dumps({"messages": [user("Hi \ud800"), assistant()]}).encode() + b"\n"
+    assert b"\\ud800" in surrogate
+    # A real surrogate pair escaped the same way is a character, and fine.
+    pair = json.dumps({"messages": [user("smile \U0001F600"), assistant()]}).encode() + b"\n"
+    report = check(good + deep + surrogate + pair + good, tokenizer)
+    assert codes(report) == [(4, "json_too_deep"), (5, "invalid_unicode")]
+    assert report["num_examples"] == 7 and not report["valid"]
+    assert report["stats"]["tokens_counted"]
+
+
+def test_any_other_failure_of_the_tokenizer_on_a_line_is_that_lines_error():
+    class Exploding:
+        def __getattr__(self, name):
+            raise TypeError("the tokenizer broke")
+
+    report = check(jsonl(chat_lines(1)[:2]), Exploding())
+    assert codes(report) == [(1, "unprocessable_line"), (2, "unprocessable_line")]
+    assert "TypeError: the tokenizer broke" in report["errors"][0]["message"]
