@@ -23,4 +23,6 @@ urlpatterns = [
     path("v1/models", gateway.models, name="gateway-models"),
     path("v1/models/<path:model>", gateway.model_detail, name="gateway-model"),
     path("metrics", gateway.metrics_view, name="gateway-metrics"),
+    # OpenAI's files and fine-tuning API (/v1/files, /v1/fine_tuning/…).
+    path("v1/", include("training.openai_urls")),
 ]

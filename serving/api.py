@@ -211,6 +211,7 @@ class AdapterViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(methods=["GET"], parameters=paging_parameters("the version"),
+                   operation_id="api_v1_adapters_versions_list",
                    responses=list_schema(VersionSerializer, "VersionList"),
                    summary="List an adapter's versions, newest semantic version first")
     @extend_schema(methods=["POST"], request={"multipart/form-data": UploadSerializer},

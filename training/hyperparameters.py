@@ -77,6 +77,42 @@ def _target_modules(value: Any) -> str | list[str]:
     return sorted(set(value), key=SUPPORTED_TARGET_MODULES.index)
 
 
+# OpenAI's names for what a fine-tuning job takes; its `learning_rate_multiplier` scales our default rate.
+OPENAI_NAMES = ("n_epochs", "batch_size", "learning_rate_multiplier")
+
+
+def from_openai(raw: Any) -> dict[str, Any] | None:
+    """OpenAI's `hyperparameters` in our names: `learning_rate_multiplier` × the default learning rate.
+
+    Our own names (r, lora_alpha, target_modules, …) pass through as extra fields, to be checked by
+    resolve_hyperparameters like any others; `learning_rate` and `learning_rate_multiplier`
+    together are refused, as they would contradict each other.
+    """
+    if raw is None or not isinstance(raw, dict) or "learning_rate_multiplier" not in raw:
+        return raw
+    values = dict(raw)
+    multiplier = values.pop("learning_rate_multiplier")
+    if "learning_rate" in values:
+        raise InvalidInput("Give either 'learning_rate_multiplier' or 'learning_rate', not both.",
+                           code="invalid_hyperparameter", param="hyperparameters.learning_rate_multiplier")
+    if multiplier is None or multiplier == "auto":
+        return values
+    default = Hyperparameters.learning_rate
+    # The platform's bounds on learning_rate (> 0, ≤ 1) apply, stated in the multiplier's terms.
+    multiplier = _number("learning_rate_multiplier", multiplier, integer=False, low=0, high=1 / default,
+                         low_open=True)
+    values["learning_rate"] = multiplier * default
+    return values
+
+
+def to_openai(values: dict[str, Any]) -> dict[str, Any]:
+    """A job's resolved hyperparameters in OpenAI's shape, with ours beside them."""
+    shown = {name: value for name, value in values.items() if name != "learning_rate"}
+    rate = values.get("learning_rate", Hyperparameters.learning_rate)
+    return {"n_epochs": shown.pop("n_epochs", None), "batch_size": shown.pop("batch_size", None),
+            "learning_rate_multiplier": round(rate / Hyperparameters.learning_rate, 12), **shown}
+
+
 def default_max_seq_length(limits: Limits) -> int:
     return min(Hyperparameters.max_seq_length, limits.max_seq_length)
 
@@ -92,7 +128,8 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
     unknown = sorted(set(raw) - known)
     if unknown:
         raise InvalidInput(f"Unknown hyperparameter(s) {', '.join(unknown)}; known ones are "
-                           f"{', '.join(sorted(known))}.", code="unknown_hyperparameter", param="hyperparameters")
+                           f"{', '.join(sorted(known))}.", code="unknown_hyperparameter",
+                           param=f"hyperparameters.{unknown[0]}")
     given = {name: value for name, value in raw.items() if value is not None and value != "auto"}
     values = defaults.to_dict() | given
     # Defaults adapt to tighter limits (a shorter context, a lower max rank); given values are checked.

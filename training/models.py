@@ -90,6 +90,8 @@ class TrainingJob(models.Model):
     base_model = models.CharField(max_length=200)
     hyperparameters = models.JSONField(default=dict)
     seed = models.PositiveIntegerField()
+    # The tenant's own key-value labels (OpenAI's `metadata`: up to 16 string pairs), kept as given.
+    metadata = models.JSONField(default=dict, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
 
     created_at = models.DateTimeField(auto_now_add=True)

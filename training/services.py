@@ -69,6 +69,8 @@ from training.validation import ValidationReport, iter_lines, iter_valid_example
 logger = logging.getLogger(__name__)
 
 Status = TrainingJob.Status
+# A dataset in these is still being validated: no job trains on it yet.
+PENDING_DATASET_STATUSES = (Dataset.Status.UPLOADED, Dataset.Status.VALIDATING)
 _ADAPTER_NAME_RE = re.compile(rf"^{ADAPTER_NAME_PATTERN}$")
 MAX_SEED = 2**31 - 1
 MAX_VALIDATION_FRACTION = 0.5
@@ -165,10 +167,14 @@ def dataset_validate(*, dataset_id: int) -> Dataset | None:
     Idempotent: a dataset already ready or invalid is returned as it is; one left `validating` by a
     lost worker is checked again (its first start is kept, so the sweep's timeout bounds every
     attempt together). Any failure of the check itself ends the dataset invalid with a message.
+    Either way the jobs waiting for it are then settled (training_jobs_release).
     """
     with transaction.atomic():
         dataset = Dataset.objects.select_for_update().filter(pk=dataset_id).first()
         if dataset is None or dataset.status in (Dataset.Status.READY, Dataset.Status.INVALID):
+            if dataset is not None:
+                # A redelivery: settle the jobs an earlier delivery validated the file for but never settled.
+                training_jobs_release(dataset_id=dataset_id)
             return dataset
         dataset.status = Dataset.Status.VALIDATING
         dataset.validation_started_at = dataset.validation_started_at or timezone.now()
@@ -213,6 +219,7 @@ def _record_validation(dataset_id: int, report: ValidationReport) -> Dataset | N
     )
     if not updated:
         return Dataset.objects.filter(pk=dataset_id).first()
+    training_jobs_release(dataset_id=dataset_id)
     return Dataset.objects.get(pk=dataset_id)
 
 
@@ -291,14 +298,14 @@ def _delete_blob(key: str) -> None:
 # --- creating, cancelling, retrying jobs -------------------------------------------------------
 
 
-def _ready_dataset(tenant: Tenant, dataset_id: Any, param: str) -> Dataset:
+def _ready_dataset(tenant: Tenant, dataset_id: Any, param: str, *, pending_ok: bool = False) -> Dataset:
     if isinstance(dataset_id, bool) or not isinstance(dataset_id, int):
         raise InvalidInput(f"'{param}' must be a dataset id (an integer).", param=param)
     # Locked so that a concurrent delete waits for this job to exist (and then refuses).
     dataset = Dataset.objects.for_tenant(tenant).select_for_update().filter(pk=dataset_id).first()
     if dataset is None:
         raise NotFound(f"No dataset with id {dataset_id}.", code="dataset_not_found", param=param)
-    if dataset.status in (Dataset.Status.UPLOADED, Dataset.Status.VALIDATING):
+    if dataset.status in PENDING_DATASET_STATUSES and not pending_ok:
         raise Conflict(f"Dataset {dataset_id} is still being validated; create the job once its status is "
                        "'ready'.", code="dataset_not_ready", param=param)
     if dataset.status == Dataset.Status.INVALID:
@@ -378,32 +385,132 @@ def _check_seed(seed: Any) -> int:
 
 def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, validation_file: Any = None,
                         validation_fraction: Any = None, version: Any = None,
-                        hyperparameters: dict[str, Any] | None = None, seed: Any = None) -> TrainingJob:
+                        hyperparameters: dict[str, Any] | None = None, seed: Any = None, base_model: Any = None,
+                        metadata: Any = None, await_validation: bool = False) -> TrainingJob:
     """A queued job; it starts once the tenant has a free slot (module docstring).
 
     Every input is checked first (datasets ready and the tenant's, adapter name and tier's adapter
-    limit, version, hyperparameters against the platform limits, waiting-job limit); a refused job
-    leaves nothing behind.
+    limit, version, hyperparameters against the platform limits, base model, metadata, waiting-job
+    limit); a refused job leaves nothing behind. With `await_validation` (OpenAI's behaviour) the
+    files may still be being validated: the job waits for them (`training_jobs_release`) and fails
+    if one turns out invalid.
     """
     hp = resolve_hyperparameters(hyperparameters, _limits())
     seed = _check_seed(seed)
+    _check_base_model(base_model)
+    metadata = _check_metadata(metadata)
     with transaction.atomic():
         locked = Tenant.objects.select_for_update(of=("self",)).select_related("tier").get(pk=tenant.pk)
-        dataset = _ready_dataset(locked, training_file, "training_file")
-        validation = _ready_dataset(locked, validation_file, "validation_file") if validation_file is not None else None
-        fraction = _validation_fraction(validation_fraction, dataset, validation)
+        dataset = _ready_dataset(locked, training_file, "training_file", pending_ok=await_validation)
+        validation = (_ready_dataset(locked, validation_file, "validation_file", pending_ok=await_validation)
+                      if validation_file is not None else None)
+        pending = _files_pending(dataset, validation)
+        if pending and validation_fraction not in (None, 0, 0.0):
+            raise InvalidInput("'validation_fraction' needs a validated training file; wait for its status "
+                               "'ready', or give a 'validation_file'.", param="validation_fraction")
+        fraction = 0.0 if pending else _validation_fraction(validation_fraction, dataset, validation)
         _check_adapter_name(locked, adapter)
         requested = _check_requested_version(locked, adapter, version)
         _check_waiting_room(locked)
         job = TrainingJob.objects.create(
             tenant=locked, dataset=dataset, validation_dataset=validation, validation_fraction=fraction,
             adapter_name=adapter, version=requested, requested_version=requested,
-            base_model=settings.BASE_MODEL_NAME, hyperparameters=hp.to_dict(), seed=seed,
-            total_steps=_planned_steps(dataset.num_examples or 0, fraction, hp),
+            base_model=settings.BASE_MODEL_NAME, hyperparameters=hp.to_dict(), seed=seed, metadata=metadata,
+            total_steps=None if pending else _planned_steps(dataset.num_examples or 0, fraction, hp),
         )
-        _event(job, f"Job created: adapter '{adapter}', {dataset.num_examples} examples, {hp.n_epochs} epoch(s).")
+        examples = "its files are being validated" if pending else f"{dataset.num_examples} examples"
+        _event(job, f"Job created: adapter '{adapter}', {examples}, {hp.n_epochs} epoch(s).")
         _after_commit(partial(training_jobs_dispatch, tenant_id=locked.pk))
     return job
+
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+def _check_base_model(name: Any) -> None:
+    """A job names the base model it trains on (OpenAI's `model`); only the platform's one is offered."""
+    if name is None:
+        return
+    accepted = registry_selectors.accepted_base_models()
+    if name not in accepted:
+        raise InvalidInput(f"Model {name!r} is not available for fine-tuning; this platform fine-tunes "
+                           f"{' or '.join(repr(item) for item in accepted)} (fine-tuning an adapter again is not "
+                           "supported: train a new version from the base).", code="model_not_available",
+                           param="model")
+
+
+def _check_metadata(metadata: Any) -> dict[str, str]:
+    """OpenAI's metadata rules: up to 16 pairs, keys up to 64 characters, string values up to 512."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise InvalidInput("'metadata' must be an object of string keys and string values.", param="metadata")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidInput(f"'metadata' has {len(metadata)} keys; at most {MAX_METADATA_PAIRS} are allowed.",
+                           param="metadata")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not 1 <= len(key) <= MAX_METADATA_KEY:
+            raise InvalidInput(f"Metadata keys must be strings of 1–{MAX_METADATA_KEY} characters; {key!r} is not.",
+                               param="metadata")
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise InvalidInput(f"Metadata value of {key!r} must be a string of at most {MAX_METADATA_VALUE} "
+                               "characters.", param=f"metadata.{key}")
+    return dict(metadata)
+
+
+def _files_pending(dataset: Dataset | None, validation: Dataset | None) -> bool:
+    return any(item is not None and item.status in PENDING_DATASET_STATUSES for item in (dataset, validation))
+
+
+def training_jobs_release(*, dataset_id: int) -> list[int]:
+    """Settles the waiting jobs whose files include a dataset just validated; the ids it failed.
+
+    A job created while its files were being validated (OpenAI's `validating_files`) fails when one
+    of them is invalid, saying which lines are wrong; once all are ready its steps are planned and
+    it joins the queue for a slot. Idempotent: a settled job is left as it is.
+    """
+    failed: list[int] = []
+    tenants: set[int] = set()
+    waiting = TrainingJob.objects.filter(Q(dataset_id=dataset_id) | Q(validation_dataset_id=dataset_id),
+                                         status=Status.QUEUED, dispatched_at__isnull=True)
+    for job_id in waiting.values_list("pk", flat=True):
+        with transaction.atomic():
+            job = (TrainingJob.objects.select_for_update(of=("self",))
+                   .select_related("dataset", "validation_dataset").filter(pk=job_id, status=Status.QUEUED).first())
+            if job is None or _files_pending(job.dataset, job.validation_dataset):
+                continue
+            problem = _invalid_file(job)
+            if problem is None and job.total_steps is None:
+                hp = Hyperparameters.from_dict(job.hyperparameters)
+                job.total_steps = _planned_steps(job.dataset.num_examples or 0, job.validation_fraction, hp)
+                job.save(update_fields=["total_steps"])
+                _event(job, f"Files validated: {job.dataset.num_examples} training examples.")
+            if problem is not None:
+                job.error_code, job.error_message = problem
+                _finish(job, Status.FAILED, job.error_message, level=TrainingEvent.Level.ERROR,
+                        data={"code": job.error_code})
+                failed.append(job.pk)
+            tenants.add(job.tenant_id)
+    for tenant_id in sorted(tenants):
+        _after_commit(partial(training_jobs_dispatch, tenant_id=tenant_id))
+    return failed
+
+
+def _invalid_file(job: TrainingJob) -> tuple[str, str] | None:
+    """(error code, message) when a file of the job failed validation; None when all are ready."""
+    for dataset, kind in ((job.dataset, "training"), (job.validation_dataset, "validation")):
+        if dataset is None or dataset.status == Dataset.Status.READY:
+            continue
+        errors = dataset.report.get("errors", [])
+        shown = "; ".join(f"line {item['line']}: {item['message']}" if item.get("line") else item["message"]
+                          for item in errors[:3])
+        count = sum(dataset.report.get("error_counts", {}).values())
+        more = f" (and {count - 3} more)" if count > 3 else ""
+        return (f"invalid_{kind}_file", f"The {kind} file {dataset.filename!r} (dataset {dataset.pk}) is invalid: "
+                                        f"{shown}{more}. Fix the file and upload it again.")
+    return None
 
 
 def _check_waiting_room(tenant: Tenant) -> None:
@@ -479,7 +586,10 @@ def training_jobs_dispatch(*, tenant_id: int) -> list[int]:
         free = tenant.tier.max_concurrent_training_jobs - jobs.filter(_holds_slot()).count()
         if free <= 0:
             return []
-        waiting = list(jobs.filter(status=Status.QUEUED, dispatched_at__isnull=True).order_by("id")[:free])
+        # A job whose files are still being validated waits for them (training_jobs_release).
+        waiting = list(jobs.filter(status=Status.QUEUED, dispatched_at__isnull=True,
+                                   dataset__status=Dataset.Status.READY)
+                       .exclude(validation_dataset__status__in=PENDING_DATASET_STATUSES).order_by("id")[:free])
         now = timezone.now()
         for job in waiting:
             job.dispatched_at = now

@@ -129,7 +129,7 @@ def test_the_streaming_limit_holds_when_the_declared_size_lies(platform, setting
     ({"max_seq_length": 100_000}, "hyperparameters.max_seq_length", "hyperparameter_out_of_range"),
     ({"batch_size": 2.5}, "hyperparameters.batch_size", "invalid_hyperparameter"),
     ({"target_modules": ["lm_head"]}, "hyperparameters.target_modules", "unsupported_target_module"),
-    ({"lr": 0.1}, "hyperparameters", "unknown_hyperparameter"),
+    ({"lr": 0.1}, "hyperparameters.lr", "unknown_hyperparameter"),
 ])
 def test_hyperparameters_out_of_range_are_refused(platform, client_a, hyperparameters, param, code):
     dataset_id = ready_dataset(client_a)

@@ -1,0 +1,380 @@
+"""OpenAI's files and fine-tuning API under /v1/, on the dataset and training-job services.
+
+A team that fine-tunes with OpenAI's SDK moves here by changing `base_url` and `api_key`: the
+paths, request fields, objects, statuses, cursor lists and errors are OpenAI's. Each object is a
+row the management API (/api/v1/) also shows: `file-<n>` is dataset n, `ftjob-<n>` training job
+n, `ftevent-<n>` and `ftckpt-<n>` its events and checkpoints. Views only translate names and
+shapes; every rule is in training.services (and training.hyperparameters), as for /api/v1/.
+
+Decisions where OpenAI's API and this platform differ (docs/training.md says the same):
+- `model` is the base model's id; `suffix` is the adapter's name (without one, each job gets an
+  adapter `ft-<8 hex>` of its own), so `fine_tuned_model` is `<adapter>@<version>`, the `model`
+  the gateway serves.
+- `hyperparameters` take our LoRA knobs (`r`, `lora_alpha`, `target_modules`, …) beside
+  OpenAI's; unknown names are refused.
+- Checkpoints are resume points, not servable models; `fine_tuned_model_checkpoint` names them.
+- `result_files` is always empty: the metrics are in the job's events.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any
+
+from django.db.models import QuerySet
+from django.http import FileResponse, HttpRequest
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
+from rest_framework import status
+from rest_framework.negotiation import BaseContentNegotiation
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from lora_platform.errors import InvalidInput, NotFound, ServiceError
+from lora_platform.pagination import PageRequest, list_body, page_request, paging_parameters, take
+from tenants.scoping import TenantScopedAPIView
+from training import selectors, services
+from training.api import DatasetUploadHandler
+from training.hyperparameters import from_openai, to_openai
+from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+
+FILE_PREFIX = "file-"
+JOB_PREFIX = "ftjob-"
+EVENT_PREFIX = "ftevent-"
+CHECKPOINT_PREFIX = "ftckpt-"
+PURPOSE = "fine-tune"
+# The request fields of POST /v1/fine_tuning/jobs (OpenAI's); anything else is refused by name.
+JOB_FIELDS = frozenset({"model", "training_file", "validation_file", "hyperparameters", "method", "suffix", "seed",
+                        "metadata", "integrations"})
+# Services name the adapter `adapter`; here it is OpenAI's `suffix`.
+_PARAM_NAMES = {"adapter": "suffix"}
+
+_FILE_STATUS = {Dataset.Status.UPLOADED: "uploaded", Dataset.Status.VALIDATING: "uploaded",
+                Dataset.Status.READY: "processed", Dataset.Status.INVALID: "error"}
+_EVENT_LEVEL = {TrainingEvent.Level.WARNING: "warn"}
+_ERROR_PARAM = {"invalid_training_file": "training_file", "invalid_validation_file": "validation_file"}
+STATUS_DETAIL_ERRORS = 5
+
+
+def _unix(moment: datetime | None) -> int | None:
+    return int(moment.timestamp()) if moment is not None else None
+
+
+def _prefixed(prefix: str, pk: int | None) -> str | None:
+    return f"{prefix}{pk}" if pk is not None else None
+
+
+def _pk(prefix: str, value: Any, what: str, param: str | None = None) -> int:
+    """The row id inside an OpenAI-style id; NotFound (as for a missing row) when it is not one."""
+    text = value if isinstance(value, str) else ""
+    number = text.removeprefix(prefix)
+    if not text.startswith(prefix) or not number.isdigit() or len(number) > 18:
+        raise NotFound(f"No such {what}: {value!r}.", code=f"{what.lower().replace(' ', '_')}_not_found",
+                       param=param)
+    return int(number)
+
+
+# --- the objects --------------------------------------------------------------------------------
+
+
+def file_object(dataset: Dataset) -> dict[str, Any]:
+    """OpenAI's File object for a dataset; an invalid one's first errors, with lines, in status_details."""
+    details = None
+    if dataset.status == Dataset.Status.INVALID:
+        errors = dataset.report.get("errors", [])
+        count = sum(dataset.report.get("error_counts", {}).values())
+        lines = [f"line {item['line']}: {item['code']}: {item['message']}" if item.get("line")
+                 else f"{item['code']}: {item['message']}" for item in errors[:STATUS_DETAIL_ERRORS]]
+        more = f" (and {count - len(lines)} more)" if count > len(lines) else ""
+        details = f"{count} error(s): " + "; ".join(lines) + more
+    return {"id": f"{FILE_PREFIX}{dataset.pk}", "object": "file", "bytes": dataset.size_bytes,
+            "created_at": _unix(dataset.created_at), "filename": dataset.filename, "purpose": PURPOSE,
+            "status": _FILE_STATUS[dataset.status], "status_details": details, "expires_at": None}
+
+
+def _job_status(job: TrainingJob) -> str:
+    if job.status == TrainingJob.Status.QUEUED and any(
+            item is not None and item.status in services.PENDING_DATASET_STATUSES
+            for item in (job.dataset, job.validation_dataset)):
+        return "validating_files"
+    return job.status
+
+
+def job_object(job: TrainingJob) -> dict[str, Any]:
+    """OpenAI's fine_tuning.job object for a training job."""
+    succeeded = job.status == TrainingJob.Status.SUCCEEDED
+    failed = job.status == TrainingJob.Status.FAILED
+    hyperparameters = to_openai(job.hyperparameters)
+    return {
+        "id": f"{JOB_PREFIX}{job.pk}", "object": "fine_tuning.job", "created_at": _unix(job.created_at),
+        "finished_at": _unix(job.finished_at), "model": job.base_model,
+        "fine_tuned_model": f"{job.adapter_name}@{job.version}" if succeeded else None,
+        "organization_id": job.tenant.slug, "status": _job_status(job),
+        "training_file": _prefixed(FILE_PREFIX, job.dataset_id),
+        "validation_file": _prefixed(FILE_PREFIX, job.validation_dataset_id),
+        "hyperparameters": hyperparameters,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+        "result_files": [], "trained_tokens": job.trained_tokens if job.is_final else None,
+        "error": ({"code": job.error_code, "message": job.error_message, "param": _ERROR_PARAM.get(job.error_code)}
+                  if failed else None),
+        "seed": job.seed,
+        "estimated_finish": _unix(job.estimated_finish) if job.status == TrainingJob.Status.RUNNING else None,
+        "integrations": [], "metadata": job.metadata or None, "user_provided_suffix": job.adapter_name,
+    }
+
+
+def event_object(event: TrainingEvent) -> dict[str, Any]:
+    return {"id": f"{EVENT_PREFIX}{event.pk}", "object": "fine_tuning.job.event", "created_at": _unix(event.created_at),
+            "level": _EVENT_LEVEL.get(event.level, event.level), "message": event.message, "type": event.type,
+            "data": event.data or None}
+
+
+def checkpoint_object(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {"id": f"{CHECKPOINT_PREFIX}{checkpoint.pk}", "object": "fine_tuning.job.checkpoint",
+            "created_at": _unix(checkpoint.created_at),
+            "fine_tuned_model_checkpoint": f"{checkpoint.job.adapter_name}:ckpt-step-{checkpoint.step}",
+            "fine_tuning_job_id": f"{JOB_PREFIX}{checkpoint.job_id}", "step_number": checkpoint.step,
+            "metrics": {"step": checkpoint.step, **(checkpoint.metrics or {})}}
+
+
+def _newest_first(queryset: QuerySet, page: PageRequest, prefix: str, *, ascending: bool = False) -> tuple[list, bool]:
+    """One page of rows by id (newest first unless `ascending`), after the cursor's row."""
+    after = page.int_after(prefix)
+    if after is not None:
+        queryset = queryset.filter(pk__gt=after) if ascending else queryset.filter(pk__lt=after)
+    return take(queryset.order_by("id" if ascending else "-id"), page.limit)
+
+
+# --- views --------------------------------------------------------------------------------------
+
+
+class _IgnoreAccept(BaseContentNegotiation):
+    """OpenAI's API answers JSON (or a file's bytes) whatever `Accept` says; the SDK asks for a file's
+    content with `Accept: application/binary`, which no renderer names."""
+
+    def select_parser(self, request: Request, parsers: list) -> Any:
+        return next((parser for parser in parsers if parser.media_type == request.content_type.split(";")[0]),
+                    None)
+
+    def select_renderer(self, request: Request, renderers: list, format_suffix: str | None = None) -> tuple:
+        return renderers[0], renderers[0].media_type
+
+
+class _OpenAIView(TenantScopedAPIView):
+    """The caller's rows only: another tenant's file or job is as missing as one that never was."""
+
+    content_negotiation_class = _IgnoreAccept
+
+    def file(self, file_id: Any, param: str | None = None) -> Dataset:
+        pk = _pk(FILE_PREFIX, file_id, "File object", param)
+        dataset = Dataset.objects.for_tenant(self.tenant).filter(pk=pk).first()
+        if dataset is None:
+            raise NotFound(f"No such File object: {file_id!r}.", code="file_not_found", param=param)
+        return dataset
+
+    def job(self, job_id: str) -> TrainingJob:
+        pk = _pk(JOB_PREFIX, job_id, "fine-tuning job")
+        job = _jobs().for_tenant(self.tenant).filter(pk=pk).first()
+        if job is None:
+            raise NotFound(f"No such fine-tuning job: {job_id!r}.", code="fine_tuning_job_not_found")
+        return job
+
+
+def _jobs() -> QuerySet[TrainingJob]:
+    return TrainingJob.objects.select_related("tenant", "dataset", "validation_dataset")
+
+
+class FilesView(_OpenAIView):
+    queryset = Dataset.objects.all()
+    parser_classes = [MultiPartParser, FormParser]
+
+    def initialize_request(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Request:
+        if request.method == "POST":
+            request.upload_handlers = [DatasetUploadHandler(request)]
+        return super().initialize_request(request, *args, **kwargs)
+
+    @extend_schema(parameters=[*paging_parameters("the file id")], responses=OpenApiTypes.OBJECT,
+                   operation_id="openai_files_list",
+                   summary="OpenAI: list files (purpose fine-tune), newest first unless order=asc")
+    def get(self, request: Request) -> Response:
+        page = page_request(request)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidInput(f"'order' must be 'asc' or 'desc', got {order!r}.", param="order")
+        files = self.get_queryset()
+        if request.query_params.get("purpose") not in (None, "", PURPOSE):
+            files = files.none()
+        rows, has_more = _newest_first(files, page, FILE_PREFIX, ascending=order == "asc")
+        return Response(list_body([file_object(row) for row in rows], has_more=has_more))
+
+    @extend_schema(request={"multipart/form-data": OpenApiTypes.OBJECT}, responses={200: OpenApiTypes.OBJECT},
+                   operation_id="openai_files_create",
+                   summary="OpenAI: upload a JSONL file (multipart `file`, `purpose=fine-tune`)")
+    def post(self, request: Request) -> Response:
+        purpose = request.data.get("purpose")
+        if not purpose:
+            raise InvalidInput("Missing required parameter: 'purpose' (use 'fine-tune').", code="missing_purpose",
+                               param="purpose")
+        if purpose != PURPOSE:
+            raise InvalidInput(f"Files here are for fine-tuning only: 'purpose' must be '{PURPOSE}', got "
+                               f"{purpose!r}.", code="invalid_purpose", param="purpose")
+        upload = request.FILES.get("file")
+        if upload is None:
+            raise InvalidInput("Upload the JSONL file as the multipart form field 'file'.", code="missing_file",
+                               param="file")
+        dataset = services.dataset_create(tenant=self.tenant, source=upload, filename=upload.name, size=upload.size)
+        # OpenAI answers 200 with the new file object.
+        return Response(file_object(dataset), status=status.HTTP_200_OK)
+
+
+class FileView(_OpenAIView):
+    queryset = Dataset.objects.all()
+
+    @extend_schema(responses=OpenApiTypes.OBJECT, operation_id="openai_files_retrieve",
+                   summary="OpenAI: a file, with status_details when invalid")
+    def get(self, request: Request, file_id: str) -> Response:
+        return Response(file_object(self.file(file_id)))
+
+    @extend_schema(responses=OpenApiTypes.OBJECT,
+                   operation_id="openai_files_delete",
+                   summary="OpenAI: delete a file (409 while a queued or running job uses it)")
+    def delete(self, request: Request, file_id: str) -> Response:
+        dataset = self.file(file_id)
+        services.dataset_delete(dataset=dataset)
+        return Response({"id": f"{FILE_PREFIX}{dataset.pk}", "object": "file", "deleted": True})
+
+
+class FileContentView(_OpenAIView):
+    queryset = Dataset.objects.all()
+
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY},
+                   operation_id="openai_files_content",
+                   summary="OpenAI: the file's content, as uploaded")
+    def get(self, request: Request, file_id: str) -> FileResponse:
+        dataset = self.file(file_id)
+        return FileResponse(selectors.dataset_content(dataset=dataset), filename=dataset.filename,
+                            content_type="application/octet-stream")
+
+
+class JobsView(_OpenAIView):
+    queryset = TrainingJob.objects.all()
+    parser_classes = [JSONParser]
+
+    def get_queryset(self) -> QuerySet[TrainingJob]:
+        return super().get_queryset().select_related("tenant", "dataset", "validation_dataset")
+
+    @extend_schema(parameters=paging_parameters("the job id"), responses=OpenApiTypes.OBJECT,
+                   operation_id="openai_jobs_list",
+                   summary="OpenAI: list fine-tuning jobs, newest first")
+    def get(self, request: Request) -> Response:
+        rows, has_more = _newest_first(self.get_queryset(), page_request(request), JOB_PREFIX)
+        return Response(list_body([job_object(row) for row in rows], has_more=has_more))
+
+    @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT,
+                   operation_id="openai_jobs_create",
+                   summary="OpenAI: create a fine-tuning job (model = the base model, suffix = the adapter)")
+    def post(self, request: Request) -> Response:
+        body = request.data
+        if not isinstance(body, dict):
+            raise InvalidInput("The request body must be a JSON object.")
+        unknown = sorted(set(body) - JOB_FIELDS)
+        if unknown:
+            raise InvalidInput(f"Unrecognized request argument(s) supplied: {', '.join(unknown)}.",
+                               code="unknown_parameter", param=unknown[0])
+        for name in ("model", "training_file"):
+            if body.get(name) in (None, ""):
+                raise InvalidInput(f"Missing required parameter: '{name}'.", code="missing_required_parameter",
+                                   param=name)
+        if body.get("integrations"):
+            raise InvalidInput("Integrations (such as wandb) are not supported here; leave 'integrations' out.",
+                               code="unsupported_parameter", param="integrations")
+        training = self.file(body["training_file"], "training_file")
+        validation = (self.file(body["validation_file"], "validation_file")
+                      if body.get("validation_file") is not None else None)
+        suffix = body.get("suffix")
+        try:
+            job = services.training_job_create(
+                tenant=self.tenant, training_file=training.pk,
+                validation_file=validation.pk if validation is not None else None,
+                adapter=f"ft-{secrets.token_hex(4)}" if suffix in (None, "") else suffix,
+                hyperparameters=from_openai(_requested_hyperparameters(body)), seed=body.get("seed"),
+                base_model=body["model"], metadata=body.get("metadata"), await_validation=True,
+            )
+        except ServiceError as error:
+            error.param = _PARAM_NAMES.get(error.param, error.param)
+            raise
+        return Response(job_object(_jobs().get(pk=job.pk)), status=status.HTTP_200_OK)
+
+
+def _requested_hyperparameters(body: dict[str, Any]) -> Any:
+    """`hyperparameters`, or (OpenAI's newer spelling) `method.supervised.hyperparameters`."""
+    method = body.get("method")
+    given = body.get("hyperparameters")
+    if method is None:
+        return given
+    if not isinstance(method, dict):
+        raise InvalidInput("'method' must be an object like {\"type\": \"supervised\", \"supervised\": {…}}.",
+                           param="method")
+    kind = method.get("type")
+    if kind != "supervised":
+        raise InvalidInput(f"Only supervised fine-tuning is offered (LoRA on the base model); method.type "
+                           f"{kind!r} is not.", code="unsupported_method", param="method.type")
+    extra = sorted(set(method) - {"type", "supervised"})
+    if extra:
+        raise InvalidInput(f"Unrecognized field(s) in 'method': {', '.join(extra)}.", code="unknown_parameter",
+                           param=f"method.{extra[0]}")
+    supervised = method.get("supervised") or {}
+    if not isinstance(supervised, dict) or set(supervised) - {"hyperparameters"}:
+        raise InvalidInput("'method.supervised' takes only 'hyperparameters'.", code="unknown_parameter",
+                           param="method.supervised")
+    nested = supervised.get("hyperparameters")
+    if nested is not None and given is not None and nested != given:
+        raise InvalidInput("Give the hyperparameters once: in 'method.supervised.hyperparameters' or in "
+                           "'hyperparameters'.", param="hyperparameters")
+    return nested if nested is not None else given
+
+
+class JobView(_OpenAIView):
+    queryset = TrainingJob.objects.all()
+
+    @extend_schema(responses=OpenApiTypes.OBJECT, operation_id="openai_jobs_retrieve",
+                   summary="OpenAI: a fine-tuning job")
+    def get(self, request: Request, job_id: str) -> Response:
+        return Response(job_object(self.job(job_id)))
+
+
+class JobCancelView(_OpenAIView):
+    queryset = TrainingJob.objects.all()
+
+    @extend_schema(request=None, responses=OpenApiTypes.OBJECT,
+                   operation_id="openai_jobs_cancel",
+                   summary="OpenAI: cancel a job (a queued one at once, a running one before its next step)")
+    def post(self, request: Request, job_id: str) -> Response:
+        job = services.training_job_cancel(job=self.job(job_id))
+        return Response(job_object(_jobs().get(pk=job.pk)))
+
+
+class JobEventsView(_OpenAIView):
+    queryset = TrainingJob.objects.all()
+
+    @extend_schema(parameters=paging_parameters("the event id"), responses=OpenApiTypes.OBJECT,
+                   operation_id="openai_jobs_events",
+                   summary="OpenAI: a job's events (messages and metrics), newest first")
+    def get(self, request: Request, job_id: str) -> Response:
+        events = selectors.job_events(job=self.job(job_id))
+        rows, has_more = _newest_first(events, page_request(request), EVENT_PREFIX)
+        return Response(list_body([event_object(row) for row in rows], has_more=has_more))
+
+
+class JobCheckpointsView(_OpenAIView):
+    queryset = TrainingJob.objects.all()
+
+    @extend_schema(parameters=paging_parameters("the checkpoint id"), responses=OpenApiTypes.OBJECT,
+                   operation_id="openai_jobs_checkpoints",
+                   summary="OpenAI: a job's kept checkpoints, newest first")
+    def get(self, request: Request, job_id: str) -> Response:
+        checkpoints = selectors.job_checkpoints(job=self.job(job_id)).select_related("job")
+        rows, has_more = _newest_first(checkpoints, page_request(request), CHECKPOINT_PREFIX)
+        return Response(list_body([checkpoint_object(row) for row in rows], has_more=has_more))
