@@ -83,6 +83,19 @@ def test_full_kv_cache_preempts_the_lowest_priority_by_recompute(tmp_path: Path)
     assert dict(out.scheduled) == {second: 9}, "resumed by prefilling prompt and output again"
 
 
+def test_full_kv_cache_preempts_an_earlier_low_priority_request_not_a_later_urgent_one(tmp_path: Path) -> None:
+    scheduler = _scheduler(tmp_path, blocks=4, block_size=4, max_model_len=16)
+    batch, urgent = _seq("batch", 7, priority=2), _seq("urgent", 7, priority=0)
+    scheduler.add(batch)
+    _step(scheduler)  # batch prefilled alone: 2 blocks
+    scheduler.add(urgent)
+    _step(scheduler)  # batch decodes token 8, urgent prefills: the cache is full
+    out = _step(scheduler)  # batch's token 9 needs a third block
+    assert out.preempted == [batch], "the victim is the lowest priority, not the latest arrival"
+    assert dict(out.scheduled) == {urgent: 1} and urgent.status is SequenceStatus.RUNNING
+    assert batch.status is SequenceStatus.WAITING and batch.num_computed_tokens == 0
+
+
 def test_lower_priority_value_is_served_first(tmp_path: Path) -> None:
     scheduler = _scheduler(tmp_path, max_num_seqs=1)
     scheduler.add(_seq("batch", 4, priority=2))
