@@ -149,6 +149,19 @@ def test_logprobs_and_seeded_sampling(worker):
     api.close()
 
 
+def test_a_seed_repeats_its_sample_and_other_seeds_sample_differently(worker):
+    api = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0)
+
+    def sample(seed: int) -> str:
+        return api.completions.create(model=BASE, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                      seed=seed).choices[0].text
+
+    samples = {seed: sample(seed) for seed in (1, 2, 3)}
+    assert sample(2) == samples[2], "the same seed draws the same tokens"
+    assert len(set(samples.values())) == 3, f"each seed must draw its own tokens: {samples}"
+    api.close()
+
+
 def test_errors_have_openai_statuses_and_shape(worker):
     api = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as missing:
