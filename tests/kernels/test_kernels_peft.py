@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+import kernels.reference as reference
 from kernels import LoRAMeta, lora_apply_sliced
 
 HIDDEN, Q, KV = 64, 64, 16  # a GQA-shaped attention input: q is 4x wider than k and v
@@ -61,14 +62,24 @@ def _stack_slots(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tenso
     return As, Bs, scaling, ranks
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+# The torch backend's two CPU paths, forced through its cost model's constants: every group in one
+# grid, or every group run one by one at its own rank (kernels/reference.py). Each must match PEFT.
+TORCH_PATHS = {"grid": {"LOOP_GROUP_MACS": 1 << 60, "DENSE_MAX_MACS": 1 << 60}, "loop": {"DENSE_MAX_MACS": 0}}
+
+
+@pytest.mark.parametrize("backend", ["torch-grid", "torch-loop", "triton"])
 @pytest.mark.parametrize("pass_ranks", [False, True])
-def test_mixed_batch_matches_peft(backend: str, pass_ranks: bool) -> None:
+def test_mixed_batch_matches_peft(backend: str, pass_ranks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = None
     if backend == "triton":
         import kernels.triton_lora as triton_lora
 
         if not triton_lora.INTERPRETED:
             pytest.skip("Triton's interpreter is off on this machine")
+    else:
+        backend, path = backend.split("-")
+        for constant, value in TORCH_PATHS[path].items():
+            monkeypatch.setattr(reference, constant, value)
     model = _peft_model()
     names = ["support", "__base__", "legal", "sales", "legal", "support", "__base__", "sales"] * 3
     x = torch.randn(len(names), HIDDEN)
@@ -79,8 +90,12 @@ def test_mixed_batch_matches_peft(backend: str, pass_ranks: bool) -> None:
 
     As, Bs, scaling, ranks = _stack_slots(model)
     slots = torch.tensor([ADAPTERS[n][3] if n != "__base__" else -1 for n in names])
-    lora_apply_sliced(y, x, As, Bs, scaling, LoRAMeta.build(slots, NUM_SLOTS),
-                      ranks=ranks if pass_ranks else None, backend=backend)  # fmt: skip
+    meta = LoRAMeta.build(slots, NUM_SLOTS)
+    if path is not None:
+        plan = reference._plan(meta, As, Bs, ranks if pass_ranks else None)
+        looped = sorted(slot for slot, _, _ in plan.looped)
+        assert (plan.grid is None, looped) == ((False, []) if path == "grid" else (True, [0, 3, 5])), plan
+    lora_apply_sliced(y, x, As, Bs, scaling, meta, ranks=ranks if pass_ranks else None, backend=backend)
 
     assert scaling[5] == 32 / 8**0.5, "rsLoRA scaling (alpha / sqrt(r)) is PEFT's, carried per slot"
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
