@@ -4,7 +4,8 @@ For each architecture: 14 prompts of different lengths (one long enough to be pr
 chunks) over 5 PEFT-saved adapters (ranks 4 to 64, different target modules and alphas) and the
 base model, with fewer sequence slots than prompts, fewer GPU slots and CPU cache entries than
 adapters, and a KV cache small enough to force preemption. Every prompt's greedy tokens must equal
-PEFT's for that prompt alone with its adapter. On CUDA (gpu mark) the same runs in fp32 through the
+PEFT's for that prompt alone with its adapter. On the CPU it runs through both paths of the torch
+reference (the grid, and each group alone); on CUDA (gpu mark) the same runs in fp32 through the
 Triton kernels, against PEFT on the CPU.
 """
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from peft_reference import PeftReference, assert_greedy_match
 
+import kernels.reference
 from serving.engine import LLM, LoRARequest, SamplingParams
 
 ADAPTER_SPECS = [  # (rank, alpha, target modules)
@@ -29,8 +31,11 @@ ADAPTER_SPECS = [  # (rank, alpha, target modules)
 WORDS = "The quick brown fox jumps over the lazy dog and then it runs away into the forest".split()
 LONG = " ".join(WORDS * 2)
 MAX_TOKENS = 12
+# "cpu-loop": the CPU path with every adapter group run alone at its own rank (the torch reference's
+# other path; plain "cpu" takes the grid its cost model picks for these tiny shapes).
 DEVICES = [
     "cpu",
+    "cpu-loop",
     pytest.param(
         "cuda",
         marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
@@ -71,8 +76,11 @@ def _workload(adapters: dict[str, Path]) -> tuple[list[str], list[LoRARequest | 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_batch_matches_peft(
-    device: str, tiny_model_dir: Path, adapters_for: Callable[[Path], dict[str, Path]]
+    device: str, tiny_model_dir: Path, adapters_for: Callable[[Path], dict[str, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if device == "cpu-loop":
+        monkeypatch.setattr(kernels.reference, "DENSE_MAX_MACS", 0)
+        device = "cpu"
     adapters = adapters_for(tiny_model_dir)
     prompts, loras = _workload(adapters)
     llm = LLM(
