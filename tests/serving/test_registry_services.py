@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 
 from lora_platform.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving import selectors, services
@@ -306,6 +306,29 @@ def test_database_refuses_impossible_states(deployed, make_version, fields):
     services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.1, actor=ACTOR)
     with pytest.raises(IntegrityError), transaction.atomic():
         make_version(deployed, "3.0.0", **fields)
+
+
+@pytest.mark.parametrize("operation", ["deploy", "promote", "rollback"])
+def test_replacing_the_active_version_deprecates_the_old_one_by_itself(deployed, make_version, operation):
+    """The services keep one active version themselves; the database's constraint only backs them
+    up. With its index dropped (inside the test's transaction, so it comes back), a service that
+    forgot to deprecate the old version would leave two active instead of failing on it."""
+    with connection.cursor() as cursor:
+        cursor.execute("DROP INDEX adapter_version_one_active")
+    make_version(deployed, "1.2.0")
+    services.adapter_version_deploy(version=version(deployed, "1.1.0"), actor=ACTOR)  # 1.0.0 deprecated
+    if operation == "deploy":
+        services.adapter_version_deploy(version=version(deployed, "1.2.0"), actor=ACTOR)
+        expected = {"1.0.0": "deprecated", "1.1.0": "deprecated", "1.2.0": "active"}
+    elif operation == "promote":
+        services.adapter_canary_start(version=version(deployed, "1.2.0"), weight=0.2, actor=ACTOR)
+        services.adapter_canary_promote(adapter=deployed, actor=ACTOR)
+        expected = {"1.0.0": "deprecated", "1.1.0": "deprecated", "1.2.0": "active"}
+    else:
+        services.adapter_rollback(adapter=deployed, actor=ACTOR)
+        expected = {"1.0.0": "active", "1.1.0": "deprecated", "1.2.0": "ready"}
+    assert {name: status for name, (status, _) in state(deployed).items()} == expected
+    assert deployed.versions.filter(status=Status.ACTIVE).count() == 1
 
 
 @pytest.mark.parametrize("weight", [-0.01, 1.01])
