@@ -21,6 +21,38 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Tests marked `postgresql` take real row locks (select_for_update), which SQLite does not have: it
+# serialises whole-database writes, so there they would pass without testing anything. They are
+# skipped there, and the run's summary says so, so a green SQLite run is not mistaken for one that
+# exercised the locks. CI (.ci/run) runs the suite on PostgreSQL.
+POSTGRESQL_SKIP = "needs PostgreSQL (row locks: select_for_update); SQLite has none. Set DATABASE_URL, as CI does"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "postgresql: takes row locks; skipped, and announced, on SQLite")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        for item in items:
+            if item.get_closest_marker("postgresql"):
+                item.add_marker(pytest.mark.skip(reason=POSTGRESQL_SKIP))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    from django.db import connection
+
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if POSTGRESQL_SKIP in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_sep("=", "row locks not tested", yellow=True)
+        terminalreporter.write_line(
+            f"{len(skipped)} test(s) that take row locks were skipped: the database is {connection.vendor}, so "
+            "select_for_update was not exercised. Run them with DATABASE_URL=postgres://... (CI does)."
+        )
+
+
 @dataclass
 class TenantFixture:
     tenant: "object"
