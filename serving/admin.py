@@ -19,7 +19,7 @@ from django.template.response import TemplateResponse
 
 from lora_platform.errors import ServiceError
 from serving import selectors, services
-from serving.models import Adapter, AdapterVersion, DeploymentEvent
+from serving.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
 
 CONFIRM_TEMPLATE = "admin/serving/confirm_action.html"
 
@@ -268,4 +268,22 @@ class DeploymentEventAdmin(admin.ModelAdmin):
         return False
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(admin.ModelAdmin):
+    """Gateway usage, one row per request; written by the gateway only, so read-only here."""
+
+    list_display = ("created_at", "tenant", "api_key_prefix", "model", "version", "prompt_tokens",
+                    "completion_tokens", "status", "http_status", "degraded", "latency_ms", "worker")
+    list_filter = ("status", "degraded", "endpoint", "tenant")
+    search_fields = ("request_id", "model", "adapter", "api_key_prefix", "tenant__slug")
+    date_hierarchy = "created_at"
+    list_select_related = ("tenant",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False

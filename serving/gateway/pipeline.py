@@ -300,7 +300,7 @@ def response_headers(call: Call) -> dict[str, str]:
     return headers
 
 
-async def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
+def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
     """The upstream call is over: refund unused tokens (charge overruns), record usage and metrics.
 
     Tokens used are the worker's usage; without it (the client left mid-stream) the prompt estimate
@@ -325,13 +325,25 @@ async def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
         ttft_ms=(result.first_byte_s * 1000) if result.first_byte_s is not None and status == "ok" else None,
         degraded=call.degraded, worker=result.worker_id, created_at=time.time(),
     )
+    # Off the reply's path: the client has its last byte before Redis hears of it.
+    task = asyncio.get_running_loop().create_task(_record(call, event, used, res))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Task] = set()
+
+
+async def _record(call: Call, event: UsageEvent, used: int, res: Resources) -> None:
+    """The refund and the usage record, in one round trip; the refund first, so a visible usage
+    record means the refund is done."""
     try:
         async with res.redis.pipeline(transaction=False) as pipe:
+            if call.reserved_tokens and call.reserved_tokens != used:
+                _, tokens_bucket, _ = tenant_buckets(call.caller)
+                await res.buckets.refund(tokens_bucket, call.reserved_tokens - used, pipeline=pipe)
             usage_push(pipe, event)
             await pipe.execute()
-        if call.reserved_tokens and call.reserved_tokens != used:
-            _, tokens_bucket, _ = tenant_buckets(call.caller)
-            await res.buckets.refund(tokens_bucket, call.reserved_tokens - used)
     except (aioredis.RedisError, OSError):
         log.exception("could not record usage / refund tokens of %s", call.request_id)
 
@@ -404,7 +416,7 @@ async def forward(call: Call, res: Resources) -> Reply:
                     yield event
             finally:
                 await relay.aclose()
-                await asyncio.shield(settle(call, result, res))
+                settle(call, result, res)
 
         handed_off = True
         return Reply(status=200, headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
@@ -415,7 +427,7 @@ async def forward(call: Call, res: Resources) -> Reply:
         raise
     finally:
         if not handed_off:
-            await asyncio.shield(settle(call, result, res))
+            settle(call, result, res)
 
 
 def _upstream_unreachable(worker: WorkerView) -> bytes:

@@ -123,7 +123,7 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
                        client_wants_usage: bool) -> AsyncIterator[bytes]:
     """The client's SSE events from the worker's, one by one; closes the upstream however it ends."""
     buffer = b""
-    done = False
+    done = failed = False
     try:
         async for chunk in response.aiter_raw():
             if result.first_byte_s is None:
@@ -135,7 +135,7 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
                     done = True
                     continue
                 if event.startswith(_ERROR_EVENT):
-                    result.status = "upstream_error"
+                    failed = True
                     result.error = event[6:506].decode(errors="replace")
                     yield event
                     continue
@@ -150,8 +150,7 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
                     result.content_chunks += 1
                 yield event.replace(*rename, 1)
         if done:
-            if result.status != "upstream_error":
-                result.status = "ok"
+            result.status = "upstream_error" if failed else "ok"
         else:
             result.status = "upstream_error"
             result.error = result.error or "the worker closed the stream before [DONE]"

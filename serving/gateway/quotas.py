@@ -154,14 +154,17 @@ class TokenBuckets:
         ]
         return Admission(admitted=values[0] == 1.0, states=states)
 
-    async def refund(self, bucket: Bucket, amount: float, *, now: float | None = None) -> float:
-        """Give `amount` back to the bucket (negative: charge it); the new level."""
+    async def refund(self, bucket: Bucket, amount: float, *, now: float | None = None,
+                     pipeline: aioredis.client.Pipeline | None = None) -> float | None:
+        """Give `amount` back to the bucket (negative: charge it); the new level. On a pipeline the
+        refund is queued (the caller executes it) and None is returned."""
         reply = await self._refund(
             keys=[bucket.key],
             args=["" if now is None else repr(now), repr(float(bucket.capacity)), repr(float(bucket.rate)),
                   repr(float(amount))],
+            client=pipeline,
         )
-        return float(reply)
+        return None if pipeline is not None else float(reply)
 
 
 def format_reset(seconds: float) -> str:

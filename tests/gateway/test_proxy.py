@@ -1,0 +1,84 @@
+"""SSE relay alone: events pass through one by one with `model` renamed, the usage chunk is read
+and dropped unless asked for, and a failing upstream ends the stream with an error event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+
+from serving.gateway.proxy import DONE, UpstreamResult, relay_stream, rename_model
+
+INTERNAL = "alice-co/support-bot@1.0.0"
+
+
+def event(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+def chunk(text: str, finish: str | None = None) -> bytes:
+    return event({"id": "c", "object": "text_completion", "created": 1, "model": INTERNAL,
+                  "choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": None})
+
+
+USAGE = event({"id": "c", "object": "text_completion", "created": 1, "model": INTERNAL, "choices": [],
+               "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
+
+
+class Parts(httpx.AsyncByteStream):
+    """Bytes as the network may cut them (events split across reads), then optionally a failure."""
+
+    def __init__(self, parts: list[bytes], fail: bool = False) -> None:
+        self.parts = parts
+        self.fail = fail
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for part in self.parts:
+            yield part
+        if self.fail:
+            raise httpx.ReadError("connection reset")
+
+
+def relay(parts: list[bytes], *, wants_usage: bool, fail: bool = False) -> tuple[list[bytes], UpstreamResult]:
+    async def scenario() -> tuple[list[bytes], UpstreamResult]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Parts(parts, fail)))
+        async with httpx.AsyncClient(transport=transport) as client:
+            response = await client.send(client.build_request("POST", "http://w/v1/completions"), stream=True)
+            result = UpstreamResult(worker_id="w")
+            out = [item async for item in relay_stream(response, result=result, rename=rename_model(INTERNAL, "support-bot"),
+                                                       client_wants_usage=wants_usage)]
+            return out, result
+
+    return asyncio.run(scenario())
+
+
+def test_events_pass_through_renamed_and_usage_is_read_but_not_shown_unless_asked():
+    stream = chunk("Hel") + chunk("lo", "stop") + USAGE + DONE
+    parts = [stream[:10], stream[10:57], stream[57:]]  # cut anywhere
+    out, result = relay(parts, wants_usage=False)
+    assert out == [chunk("Hel").replace(INTERNAL.encode(), b"support-bot"),
+                   chunk("lo", "stop").replace(INTERNAL.encode(), b"support-bot"), DONE]
+    assert result.status == "ok" and result.usage_known
+    assert (result.prompt_tokens, result.completion_tokens, result.content_chunks) == (5, 2, 2)
+
+    shown, _ = relay([stream], wants_usage=True)
+    assert json.loads(shown[2][6:])["usage"]["total_tokens"] == 7 and json.loads(shown[2][6:])["model"] == "support-bot"
+
+
+def test_an_upstream_failure_mid_stream_ends_with_an_error_event_and_done():
+    out, result = relay([chunk("Hel")], wants_usage=False, fail=True)
+    assert out[-1] == DONE
+    error = json.loads(out[-2][6:])["error"]
+    assert error["code"] == "upstream_error" and "mid-stream" in error["message"]
+    assert result.status == "upstream_error" and result.content_chunks == 1
+
+
+def test_a_stream_cut_before_done_is_an_error_and_a_worker_error_event_is_passed_on():
+    out, result = relay([chunk("Hel")], wants_usage=False)
+    assert json.loads(out[-2][6:])["error"]["code"] == "upstream_error" and result.status == "upstream_error"
+
+    worker_error = event({"error": {"message": "engine died", "type": "api_error", "param": None, "code": None}})
+    out, result = relay([chunk("a"), worker_error, DONE], wants_usage=False)
+    assert out[1] == worker_error and out[-1] == DONE and result.status == "upstream_error"
