@@ -86,6 +86,8 @@ class StepMetrics:
     learning_rate: float
     trained_tokens: int
     valid_loss: float | None = None
+    # Share of the trained tokens the model predicted exactly (argmax), over the logging window.
+    train_mean_token_accuracy: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in self.__dict__.items() if value is not None}
@@ -174,6 +176,16 @@ def _collate(examples: Sequence[EncodedExample], pad_id: int, device: torch.devi
         labels[row, :length] = torch.tensor(example.labels)
         mask[row, :length] = 1
     return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+
+
+def _add_token_accuracy(logits: torch.Tensor, labels: torch.Tensor, correct: int, counted: int) -> tuple[int, int]:
+    """The running (correct, counted) of next-token predictions on the trained positions (OpenAI's
+    `train_mean_token_accuracy`): logits at position i predict the label at i + 1."""
+    with torch.no_grad():
+        target = labels[:, 1:]
+        trained = target != IGNORE_INDEX
+        hits = (logits[:, :-1].argmax(dim=-1) == target) & trained
+        return correct + int(hits.sum()), counted + int(trained.sum())
 
 
 def _lr_lambda(total_steps: int, warmup_ratio: float):
@@ -271,6 +283,7 @@ class LoraTrainer:
 
         model.train()
         window_loss, window_steps = 0.0, 0
+        window_correct, window_counted = 0, 0
         last_train_loss: float | None = None
         valid_loss: float | None = None
         orders: dict[int, list[int]] = {}
@@ -282,7 +295,10 @@ class LoraTrainer:
             picked = order[position * self.hp.batch_size:(position + 1) * self.hp.batch_size]
             batch_examples = [self.train_examples[index] for index in picked]
             batch = _collate(batch_examples, self.pad_id, self.base.device)
-            loss = model(**batch).loss
+            output = model(**batch)
+            loss = output.loss
+            window_correct, window_counted = _add_token_accuracy(output.logits, batch["labels"], window_correct,
+                                                                 window_counted)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             optimizer.step()
@@ -298,16 +314,20 @@ class LoraTrainer:
             checkpoint_due = step % self.checkpoint_every == 0 and step < total
             if step % self.log_every == 0 or step == total or checkpoint_due:
                 last_train_loss = window_loss / window_steps
+                accuracy = window_correct / window_counted if window_counted else None
                 window_loss, window_steps = 0.0, 0
+                window_correct, window_counted = 0, 0
                 evaluate = self.valid_examples and (checkpoint_due or step == total)
                 valid_loss = self._valid_loss(model) if evaluate else None
                 metrics = StepMetrics(step=step, total_steps=total, epoch=round(epoch_progress, 4),
                                       train_loss=last_train_loss, valid_loss=valid_loss,
-                                      learning_rate=scheduler.get_last_lr()[0], trained_tokens=trained_tokens)
+                                      learning_rate=scheduler.get_last_lr()[0], trained_tokens=trained_tokens,
+                                      train_mean_token_accuracy=accuracy)
                 self.hooks.on_log(metrics)
             if checkpoint_due:
                 self._checkpoint(model, optimizer, scheduler, step, trained_tokens,
-                                 {"step": step, "train_loss": last_train_loss, "valid_loss": valid_loss})
+                                 {"step": step, "train_loss": last_train_loss, "valid_loss": valid_loss,
+                                  "train_mean_token_accuracy": accuracy})
 
         adapter_dir = self.work_dir / "adapter"
         model.peft_config["default"].base_model_name_or_path = self.base_model_name

@@ -85,6 +85,8 @@ def test_training_lowers_the_loss_of_the_training_completions(base, examples, tm
     hooks = Hooks(tmp_path)
     result = trainer(base, examples, hooks, tmp_path / "run").run()
     assert hooks.logs[-1].train_loss < hooks.logs[0].train_loss
+    accuracies = [log.train_mean_token_accuracy for log in hooks.logs]
+    assert all(0 <= value <= 1 for value in accuracies) and accuracies[-1] > accuracies[0], accuracies
     assert result.valid_loss is not None and result.valid_loss < base_nll
     config = (result.adapter_dir / "adapter_config.json").read_text()
     assert '"tiny-llama"' in config and set(result.target_modules) == {
