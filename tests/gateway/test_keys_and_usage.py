@@ -1,0 +1,152 @@
+"""Through real web processes: revocation and suspension hold on a second process within 1 s; the
+usage API's totals equal the sum of the responses' usage; metrics add up over two processes; a
+client that leaves mid-stream aborts the worker's request; no live worker is a 503."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from serving import services
+from tenants.models import ApiKey
+from tenants.services import api_key_revoke, tenant_suspend
+from tests.gateway.conftest import WORKER_KEY, upload_version, wait_for_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def models(web, key: str) -> httpx.Response:
+    return httpx.get(f"{web.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_a_revoked_key_and_a_suspended_tenant_are_refused_by_a_second_process_within_1s(
+        web, start_web, registry, tenant_a, tenant_b):
+    second = start_web()
+    for process in (web, second):
+        assert models(process, tenant_a.key).status_code == 200  # cached now
+        assert models(process, tenant_b.key).status_code == 200
+    api_key_revoke(api_key=ApiKey.objects.get(tenant=tenant_a.tenant))
+    tenant_suspend(slug=tenant_b.tenant.slug)
+    time.sleep(1.0)
+    for process in (web, second):
+        revoked = models(process, tenant_a.key)
+        assert revoked.status_code == 401 and revoked.json()["error"]["code"] == "invalid_api_key"
+        suspended = models(process, tenant_b.key)
+        assert suspended.status_code == 403 and suspended.json()["error"]["code"] == "tenant_suspended"
+
+
+def test_usage_api_totals_equal_the_responses_usage(web, worker, registry, tenant_a, tenant_b, adapter_dirs,
+                                                    redis_client, client_a):
+    adapter = services.adapter_create(tenant=tenant_a.tenant, name="usage-bot")
+    services.adapter_version_deploy(version=upload_version(adapter, adapter_dirs[0], "1.0.0"), actor="test")
+    wait_for_worker(redis_client, "gw-worker-1")
+    api = openai.OpenAI(base_url=f"{web.url}/v1", api_key=tenant_a.key, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "count to three"}]
+    prompt = completion = 0
+    for model in ("usage-bot", "tiny-llama", "usage-bot@1.0.0"):
+        reply = api.chat.completions.create(model=model, messages=messages, max_tokens=5)
+        prompt += reply.usage.prompt_tokens
+        completion += reply.usage.completion_tokens
+        last = list(api.completions.create(model=model, prompt="abc", max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))[-1]
+        prompt += last.usage.prompt_tokens
+        completion += last.usage.completion_tokens
+    # Bob's traffic is his own.
+    openai.OpenAI(base_url=f"{web.url}/v1", api_key=tenant_b.key, max_retries=0).completions.create(
+        model="tiny-llama", prompt="x", max_tokens=3)
+
+    body = client_a.get("/api/v1/usage").json()
+    assert body["totals"] == {"requests": 6, "prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion, "degraded_requests": 0}
+    by_adapter = {row["adapter"]: row for row in client_a.get("/api/v1/usage?group_by=adapter").json()["data"]}
+    assert set(by_adapter) == {None, "usage-bot"} and by_adapter["usage-bot"]["requests"] == 4
+    by_key = client_a.get("/api/v1/usage?group_by=key").json()["data"]
+    assert len(by_key) == 1 and by_key[0]["total_tokens"] == prompt + completion
+    days = client_a.get("/api/v1/usage?group_by=day&start=2000-01-01").json()["data"]
+    assert sum(row["requests"] for row in days) == 6
+    assert client_a.get("/api/v1/usage?end=2000-01-01").json()["totals"]["requests"] == 0
+    bad = client_a.get("/api/v1/usage?group_by=month")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "group_by"
+
+    from serving.models import UsageRecord
+
+    record = UsageRecord.objects.filter(tenant=tenant_a.tenant, version="1.0.0").first()
+    assert record.status == "ok" and record.worker == "gw-worker-1" and record.ttft_ms is not None
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if match and ",".join(sorted(match.group(1).split(","))) == wanted:
+            return float(match.group(2))
+    return 0.0
+
+
+def test_metrics_add_up_over_two_web_processes(start_web, worker, registry, tenant_a, redis_client, tmp_path):
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    first, second = start_web(PROMETHEUS_MULTIPROC_DIR=str(directory)), start_web(PROMETHEUS_MULTIPROC_DIR=str(directory))
+    wait_for_worker(redis_client, "gw-worker-1")
+    for process, count in ((first, 2), (second, 3)):
+        for _ in range(count):
+            reply = httpx.post(f"{process.url}/v1/completions", headers={"Authorization": f"Bearer {tenant_a.key}"},
+                               json={"model": "tiny-llama", "prompt": "x", "max_tokens": 1}, timeout=60)
+            assert reply.status_code == 200, reply.text
+    text = httpx.get(f"{first.url}/metrics", timeout=30).text
+    assert _sample(text, "loraplex_gateway_requests_total", tier="standard", endpoint="completions", status="200") == 5
+    assert _sample(text, "loraplex_gateway_upstream_duration_seconds_count", status="ok") == 5
+    assert "loraplex_gateway_requests_in_flight 0.0" in text
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_worker_request(web, worker, registry, tenant_a, redis_client):
+    wait_for_worker(redis_client, "gw-worker-1")
+    aborted = worker.metric("loraplex_requests_total", model="tiny-llama", status="aborted")
+    with httpx.stream("POST", f"{web.url}/v1/completions", headers={"Authorization": f"Bearer {tenant_a.key}"},
+                      json={"model": "tiny-llama", "prompt": "x", "max_tokens": 256, "ignore_eos": True, "stream": True},
+                      timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        request_id = stream.headers["x-request-id"]
+    deadline = time.monotonic() + 30
+    while worker.metric("loraplex_requests_total", model="tiny-llama", status="aborted") <= aborted:
+        assert time.monotonic() < deadline, "the worker's request was not aborted"
+        time.sleep(0.2)
+    from serving.models import UsageRecord
+    from serving.usage import usage_records_flush
+
+    while not UsageRecord.objects.filter(request_id=request_id).exists():
+        usage_records_flush()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    record = UsageRecord.objects.get(request_id=request_id)
+    assert record.status == "aborted" and 0 < record.completion_tokens < 256
+
+
+def test_no_live_worker_for_the_base_model_is_a_503_with_retry_after(start_web, registry, tenant_a):
+    web = start_web(BASE_MODEL_NAME="absent-base")
+    reply = httpx.post(f"{web.url}/v1/completions", headers={"Authorization": f"Bearer {tenant_a.key}"},
+                       json={"model": "absent-base", "prompt": "x", "max_tokens": 1}, timeout=60)
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "no_serving_worker" and reply.headers["retry-after"] == "1"
+
+
+def test_the_worker_loads_on_demand_only_for_its_key_holder_and_only_the_recorded_digest(
+        worker, registry, tenant_a, adapter_dirs):
+    adapter = services.adapter_create(tenant=tenant_a.tenant, name="digest-bot")
+    version = upload_version(adapter, adapter_dirs[1], "1.0.0")
+    body = {"model": version.qualified_name, "prompt": "x", "max_tokens": 1,
+            "loraplex_adapter": {"artifact_uri": version.artifact_uri, "manifest_sha256": "0" * 64}}
+    refused = httpx.post(f"{worker.url}/v1/completions", timeout=30, json=body)
+    assert refused.status_code == 401
+    operator = {"Authorization": f"Bearer {WORKER_KEY}"}
+    mismatch = httpx.post(f"{worker.url}/v1/completions", timeout=60, headers=operator, json=body)
+    assert mismatch.status_code == 500 and mismatch.json()["error"]["code"] == "adapter_digest_mismatch"
+    served = {m["id"] for m in httpx.get(f"{worker.url}/v1/models", timeout=30, headers=operator).json()["data"]}
+    assert version.qualified_name not in served
+    body["loraplex_adapter"]["manifest_sha256"] = version.manifest_sha256
+    assert httpx.post(f"{worker.url}/v1/completions", timeout=60, headers=operator, json=body).status_code == 200
