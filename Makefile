@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # Re-installs only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test up migrate lint-imports
+.PHONY: install test up migrate lint-imports vendor-static screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,11 @@ test: lint-imports
 
 up: migrate
 	$(PY) -m lora_platform.launcher
+
+# Refreshes the dashboard's vendored htmx and uPlot (pinned in the script) from the npm registry.
+vendor-static:
+	scripts/vendor_static.sh
+
+# Regenerates docs/screenshots/ from the dashboard's browser journey (needs /usr/bin/chromium).
+screenshots: install
+	LORAPLEX_SCREENSHOTS=docs/screenshots $(PY) -m pytest tests/dashboard/test_browser.py -q

@@ -61,6 +61,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Serves static/ (the dashboard's CSS and vendored JS) from any server, with far-future caching.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "lora_platform.middleware.ApiJsonErrorsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -116,10 +118,15 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"] if (BASE_DIR / "static").is_dir() else []
 STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise warns about a missing one before any collectstatic
 # The ASGI app serves static files itself (admin, dashboard assets); turn off behind a web server
 # that serves STATIC_ROOT (after `manage.py collectstatic`).
 SERVE_STATIC = env_bool("SERVE_STATIC", True)
-LOGIN_URL = "/admin/login/"
+# Without collectstatic (development, tests) whitenoise finds files where the finders do.
+WHITENOISE_USE_FINDERS = True
+LOGIN_URL = "dashboard:login"
+LOGIN_REDIRECT_URL = "dashboard:overview"
+LOGOUT_REDIRECT_URL = "dashboard:login"
 
 # Bodies above this are refused with 413 before a view reads them; uploads stream to storage
 # through their own, larger limits (FILE_UPLOAD_* and the per-feature settings).

@@ -1,4 +1,5 @@
-"""URL map: admin, the management API (/api/v1/), the OpenAPI schema, the gateway (/v1/, /metrics).
+"""URL map: admin, the management API (/api/v1/), the OpenAPI schema, the gateway (/v1/, /metrics) and the
+tenant dashboard (/).
 
 Errors under /api/ and /v1/ are JSON whatever raised them: see lora_platform.middleware.ApiJsonErrorsMiddleware.
 """
@@ -25,4 +26,6 @@ urlpatterns = [
     path("metrics", gateway.metrics_view, name="gateway-metrics"),
     # OpenAI's files and fine-tuning API (/v1/files, /v1/fine_tuning/…).
     path("v1/", include("training.openai_urls")),
+    # Last: the dashboard owns every path the others leave.
+    path("", include("lora_platform.dashboard_urls")),
 ]

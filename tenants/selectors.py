@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db.models import Count, Q, QuerySet
 
 from lora_platform.errors import NotFound
-from tenants.models import Tenant
+from tenants.models import ApiKey, Membership, Tenant
 
 
 def tenant_list() -> QuerySet[Tenant]:
@@ -20,3 +20,13 @@ def tenant_by_slug(slug: str) -> Tenant:
     if tenant is None:
         raise NotFound(f"No tenant with slug '{slug}'.", param="slug")
     return tenant
+
+
+def memberships_of(user: object) -> list[Membership]:
+    """The user's memberships with their tenants and tiers, by tenant slug (the dashboard's switcher)."""
+    return list(Membership.objects.filter(user=user).select_related("tenant__tier").order_by("tenant__slug"))
+
+
+def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
+    """The tenant's keys, newest first, revoked ones included (they say when they were revoked)."""
+    return ApiKey.objects.filter(tenant=tenant).order_by("-created_at", "-id")

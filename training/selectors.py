@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from django.db.models import QuerySet
 
 from lora_platform.errors import NotFound
 from lora_platform.storage import get_storage
+from tenants.models import Tenant
+from training.examples import Example, load_json_line, parse_example
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+from training.validation import iter_lines
 
 
 def job_events(*, job: TrainingJob) -> QuerySet[TrainingEvent]:
@@ -26,3 +29,53 @@ def dataset_content(*, dataset: Dataset) -> BinaryIO:
     except NotFound:
         raise NotFound(f"The file of dataset {dataset.pk} is missing from storage; upload it again.",
                        code="file_missing") from None
+
+
+def dataset_list(*, tenant: Tenant) -> QuerySet[Dataset]:
+    return Dataset.objects.for_tenant(tenant).order_by("-id")
+
+
+def dataset_get(*, tenant: Tenant, dataset_id: int) -> Dataset:
+    """The tenant's dataset; another tenant's is as missing as one that never existed."""
+    dataset = Dataset.objects.for_tenant(tenant).filter(pk=dataset_id).first()
+    if dataset is None:
+        raise NotFound(f"No dataset {dataset_id}.", code="dataset_not_found", param="id")
+    return dataset
+
+
+def job_list(*, tenant: Tenant) -> QuerySet[TrainingJob]:
+    return (TrainingJob.objects.for_tenant(tenant).select_related("dataset", "adapter_version")
+            .order_by("-id"))
+
+
+def job_get(*, tenant: Tenant, job_id: int) -> TrainingJob:
+    job = job_list(tenant=tenant).filter(pk=job_id).first()
+    if job is None:
+        raise NotFound(f"No training job {job_id}.", code="job_not_found", param="id")
+    return job
+
+
+def job_metrics(*, job: TrainingJob) -> list[dict[str, Any]]:
+    """The job's metrics points (step, train_loss, valid_loss, …) in step order, for its loss chart."""
+    rows = TrainingEvent.objects.filter(job=job, type=TrainingEvent.Type.METRICS).order_by("id")
+    return [row for row in rows.values_list("data", flat=True) if "step" in row]
+
+
+def dataset_preview(*, dataset: Dataset, limit: int = 3) -> list[Example]:
+    """The first `limit` valid examples of a ready dataset, read from storage (for its page)."""
+    if dataset.status != Dataset.Status.READY or not dataset.format:
+        return []
+    examples: list[Example] = []
+    try:
+        with dataset_content(dataset=dataset) as raw:
+            for line in iter_lines(raw):
+                if not line.strip():
+                    continue
+                example, _, _ = parse_example(load_json_line(line), dataset.format)
+                if example is not None:
+                    examples.append(example)
+                if len(examples) >= limit:
+                    break
+    except (NotFound, ValueError):
+        return examples
+    return examples

@@ -213,6 +213,8 @@ class _TokenStats:
         self.longest_line: int | None = None
         self.truncated = 0
         self.untrainable = 0
+        # Examples by token length, in power-of-two buckets (the dashboard's histogram).
+        self.histogram: Counter = Counter()
 
     def add(self, line: int, example: Example, report: ValidationReport) -> None:
         if self.tokenizer is None:
@@ -228,6 +230,7 @@ class _TokenStats:
         if encoded.num_trained_tokens == 0:
             # Truncation removed every token the example would teach: it will be skipped.
             self.untrainable += 1
+        self.histogram[_bucket(encoded.full_length)] += 1
         if encoded.full_length > self.longest:
             self.longest, self.longest_line = encoded.full_length, line
 
@@ -245,4 +248,13 @@ class _TokenStats:
             "max_seq_length": self.max_seq_length,
             "truncated_examples": self.truncated,
             "examples_without_trained_tokens_after_truncation": self.untrainable,
+            "token_histogram": [{"up_to": edge, "count": self.histogram[edge]} for edge in sorted(self.histogram)],
         }
+
+
+def _bucket(length: int) -> int:
+    """The smallest power of two (at least 8) that is not below `length`."""
+    edge = 8
+    while edge < length:
+        edge *= 2
+    return edge

@@ -1,0 +1,287 @@
+"""The tenant's journey in a real browser: Debian's Chromium driven by Playwright, against the live server.
+
+Log in → upload a dataset with a broken line and see its line error → upload a good one (dropped
+on the drop zone) → start a job and watch its loss chart gain points → deploy the produced version
+→ upload a second version and start it as a canary → move the slider → promote → roll back and
+see the timeline → create an API key and see it once. A real Celery worker (in a thread of this
+process, on the configured broker) validates and trains.
+
+With LORAPLEX_SCREENSHOTS=<dir> (`make screenshots`) each page is saved there at laptop and phone
+widths. Chromium missing: skipped with the package to install, except under CI=true, where it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+BASE_MODEL_NAME = "tiny-llama"
+PASSWORD = "correct-horse-battery"
+LAPTOP = {"width": 1280, "height": 860}
+PHONE = {"width": 390, "height": 844}
+# Generous: the CI machine is shared, and a cold tiny-model training step can take seconds there.
+WAIT_MS = 180_000
+
+QA = [("What is the capital of Italy?", "Rome."), ("How many days are in a week?", "Seven."),
+      ("What color is the sky?", "Blue."), ("Say hello.", "Hello! How are you today?"),
+      ("What is 12 plus 30?", "42."), ("Where does the train leave from?", "Platform 4.")]
+GOOD = "".join(json.dumps({"messages": [{"role": "system", "content": "Answer briefly."},
+                                        {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+               for _ in range(2) for q, a in QA)
+BROKEN = GOOD.splitlines(keepends=True)[0] + '{"messages": [{"role": "user", "content": "cut off"\n' + GOOD
+
+
+def _require_chromium() -> None:
+    if CHROMIUM.exists():
+        return
+    message = f"{CHROMIUM} is missing: install Debian's 'chromium' package (apt-get install -y chromium)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    _require_chromium()
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API runs an event loop in this thread, and Django then refuses database calls
+    # here (fixtures, the in-thread worker's setup) as if they came from async code. Nothing async of
+    # ours runs in this thread, so the check is off while the browser is up (Django's documented switch).
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS)
+            try:
+                yield launched
+            finally:
+                launched.close()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from serving.engine.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("base") / BASE_MODEL_NAME, arch="llama", size="tiny", seed=0)
+
+
+@pytest.fixture
+def platform(settings, base_model_dir: Path, tmp_path: Path) -> None:
+    settings.BASE_MODEL_PATH = base_model_dir
+    settings.BASE_MODEL_NAME = BASE_MODEL_NAME
+    settings.STORAGE_URL = f"file://{tmp_path / 'storage'}"
+    settings.S3_ENDPOINT_URL = None
+    settings.TRAINING_LOG_EVERY_STEPS = 1  # a chart point per step
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def celery_worker(transactional_db, platform) -> Iterator[object]:
+    """A real Celery worker on the configured broker, consuming both queues, in a thread of this process."""
+    from celery.contrib.testing.worker import start_worker
+
+    from lora_platform.celery import app
+
+    _purge(app)
+    with start_worker(app, pool="solo", concurrency=1, perform_ping_check=False, queues=["quick", "training"],
+                      shutdown_timeout=60) as worker:
+        yield worker
+    _purge(app)
+
+
+def _purge(app) -> None:
+    with app.connection_for_write() as connection:
+        for queue in ("quick", "training"):
+            connection.default_channel.queue_purge(queue)
+
+
+@pytest.fixture
+def owner(transactional_db):
+    from django.contrib.auth import get_user_model
+
+    from tenants.models import Membership
+    from tenants.services import tenant_create, tiers_seed
+
+    tiers_seed()
+    tenant, _ = tenant_create(slug="demo", tier_name="standard", name="Demo Tenant")
+    user = get_user_model().objects.create_user(username="demo-owner", email="owner@example.com",
+                                                password=PASSWORD)
+    Membership.objects.create(user=user, tenant=tenant, role="owner")
+    return user
+
+
+class Shots:
+    """Saves a page at laptop and phone widths when LORAPLEX_SCREENSHOTS names a directory."""
+
+    def __init__(self, browser) -> None:
+        directory = os.environ.get("LORAPLEX_SCREENSHOTS")
+        self.directory = Path(directory) if directory else None
+        self.browser = browser
+
+    def take(self, page, name: str, *, phone_too: bool = True) -> None:
+        """`phone_too=False` for a page that is the answer to a POST (it cannot be loaded again)."""
+        if self.directory is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(self.directory / f"{name}.png"), full_page=True)
+        if not phone_too:
+            return
+        phone = self.browser.new_context(viewport=PHONE, storage_state=page.context.storage_state())
+        try:
+            other = phone.new_page()
+            other.goto(page.url)
+            other.wait_for_load_state("networkidle")
+            other.wait_for_timeout(300)
+            other.screenshot(path=str(self.directory / f"{name}-phone.png"), full_page=True)
+        finally:
+            phone.close()
+
+
+def _drop_file(page, selector: str, name: str, content: str) -> None:
+    """Drops a file on the element as a user's drag and drop would (a DataTransfer on a drop event)."""
+    transfer = page.evaluate_handle(
+        """([name, content]) => { const transfer = new DataTransfer();
+               transfer.items.add(new File([content], name, {type: "application/jsonl"})); return transfer; }""",
+        [name, content])
+    page.dispatch_event(selector, "dragenter", {"dataTransfer": transfer})
+    page.dispatch_event(selector, "drop", {"dataTransfer": transfer})
+
+
+def test_the_tenant_journey(browser, live_server, celery_worker, owner, base_model_dir, tmp_path):
+    from playwright.sync_api import expect
+
+    from serving.engine.tiny import save_random_peft_adapter
+
+    expect.set_options(timeout=WAIT_MS)
+    context = browser.new_context(viewport=LAPTOP)
+    context.set_default_timeout(WAIT_MS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("dialog", lambda dialog: dialog.accept())
+    url = live_server.url
+
+    # Log in.
+    page.goto(f"{url}/")
+    expect(page).to_have_url(re.compile(r"/login/"))
+    shots = Shots(browser)
+    shots.take(page, "login")
+    page.fill("#id_username", "demo-owner")
+    page.fill("#id_password", PASSWORD)
+    page.click("button:has-text('Log in')")
+    expect(page.locator("h1")).to_have_text("Overview")
+
+    # A dataset with a broken line: its line-numbered error.
+    page.click("nav >> text=Datasets")
+    page.set_input_files("#dataset-file", files=[{"name": "broken.jsonl", "mimeType": "application/jsonl",
+                                                  "buffer": BROKEN.encode()}])
+    page.click("#upload-form button[type=submit]")
+    expect(page.locator("#dataset-status")).to_have_text("Invalid")
+    error_row = page.locator("#dataset-errors tbody tr").first
+    expect(error_row.locator("td").nth(0)).to_have_text("2")
+    expect(error_row).to_contain_text("invalid_json")
+    shots.take(page, "dataset-invalid")
+
+    # A good one, dropped on the drop zone: ready, with statistics, histogram and preview.
+    page.click("nav >> text=Datasets")
+    _drop_file(page, "#upload-form", "support.jsonl", GOOD)
+    expect(page.locator("#dataset-status")).to_have_text("Ready")
+    expect(page.locator(".histogram li").first).to_be_visible()
+    expect(page.locator(".turn-assistant .bubble").first).to_have_text("Rome.")
+    shots.take(page, "dataset")
+
+    # Train on it and watch the loss chart gain points.
+    page.goto(f"{url}/datasets/")
+    shots.take(page, "datasets")
+    page.click("text=support.jsonl")
+    page.click("text=Train on it")
+    page.fill("#adapter", "support-bot")
+    page.fill("#hp-n_epochs", "3")
+    page.fill("#hp-batch_size", "2")
+    expect(page.locator("#estimate")).to_contain_text("× 3 epochs")
+    shots.take(page, "training-new")
+    page.click("button:has-text('Start training')")
+    expect(page.locator("h1")).to_contain_text("support-bot")
+    chart = page.locator("#loss-chart")
+    page.wait_for_function("() => Number(document.getElementById('loss-chart').dataset.points || 0) >= 1")
+    first = int(chart.get_attribute("data-points"))
+    page.wait_for_function(f"() => Number(document.getElementById('loss-chart').dataset.points || 0) > {first}")
+    expect(page.locator("#loss-chart canvas")).to_be_visible()
+    expect(page.locator("#job-status")).to_have_text("Succeeded")
+    points = int(chart.get_attribute("data-points"))
+    assert points > first
+    shots.take(page, "training-job")
+    page.goto(f"{url}/training/")
+    shots.take(page, "training")
+
+    # Deploy the produced version.
+    page.goto(f"{url}/adapters/support-bot/")
+    page.click("tr[data-version='1.0.0'] >> button:has-text('Deploy')")
+    expect(page.locator(".side-active .version-big")).to_have_text("1.0.0")
+
+    # Upload a second version (a PEFT adapter made elsewhere) and start it as a canary.
+    peft = save_random_peft_adapter(base_model_dir, tmp_path / "peft", r=4, lora_alpha=8,
+                                    target_modules=["q_proj", "v_proj"], seed=1,
+                                    base_model_name_or_path=BASE_MODEL_NAME)
+    page.click("summary:has-text('Upload a PEFT adapter')")
+    page.set_input_files("#adapter-files", [str(peft / "adapter_config.json"),
+                                            str(peft / "adapter_model.safetensors")])
+    page.click(".upload-version button[type=submit]")
+    expect(page.locator("tr[data-version='1.0.1']")).to_contain_text("Upload")
+    page.click("tr[data-version='1.0.1'] >> button:has-text('Canary')")
+    expect(page.locator(".side-canary .version-big")).to_have_text("1.0.1")
+
+    # The slider sets the canary's weight.
+    slider = page.locator("#canary-weight")
+    slider.focus()
+    for _ in range(20):
+        page.keyboard.press("ArrowRight")
+    expect(page.locator("#canary-weight-value")).to_have_text("30%")
+    page.click("button:has-text('Set weight')")
+    expect(page.locator("#serving .card-head")).to_contain_text("30% of traffic to the canary")
+    shots.take(page, "adapter-canary")
+
+    # Promote, then roll back: the timeline shows both.
+    page.click("button:has-text('Promote 1.0.1')")
+    expect(page.locator(".side-active .version-big")).to_have_text("1.0.1")
+    page.click("button:has-text('Roll back to 1.0.0')")
+    expect(page.locator(".side-active .version-big")).to_have_text("1.0.0")
+    timeline = page.locator("#timeline li strong")
+    expect(timeline.nth(0)).to_have_text("Rollback")
+    expect(timeline.nth(1)).to_have_text("Promote canary")
+    expect(timeline.nth(2)).to_have_text("Canary weight change")
+    shots.take(page, "adapter")
+    page.goto(f"{url}/adapters/")
+    shots.take(page, "adapters")
+
+    # An API key, shown once.
+    page.click("nav >> text=API keys")
+    page.fill("#key-name", "production app")
+    page.click("button:has-text('Create key')")
+    secret = page.locator("#new-key-value").inner_text()
+    assert re.fullmatch(r"lp-[0-9a-f]+\.[A-Za-z0-9_-]+", secret)
+    shots.take(page, "keys-created", phone_too=False)
+    page.goto(f"{url}/keys/")
+    expect(page.locator("#keys")).to_contain_text("production app")
+    assert secret not in page.content()
+    shots.take(page, "keys")
+
+    page.goto(f"{url}/")
+    expect(page.locator("text=support-bot").first).to_be_visible()
+    shots.take(page, "overview")
+    assert errors == []
+    context.close()
