@@ -1,0 +1,119 @@
+"""Predicted adapter demand for prewarming (seed §4.3): an EWMA of each adapter's request rate and
+an hour-of-day profile, kept in Redis from the gateway's traffic.
+
+- EWMA: an exponentially decayed request rate with time constant `tau_s` (300 s). Each request
+  adds 1/tau to the rate after decaying it by exp(-Δt/tau), so the figure is requests per second
+  over roughly the last tau, exact for any spacing of requests and needing no timer.
+- Hour-of-day profile: per hour of the day (UTC) a decayed count of each adapter's requests in that
+  hour; on the first request of an hour on a new day every count of that hour is multiplied by
+  `daily_decay` (0.5) per day passed, so the profile follows shifting habits within days. As a
+  rate: count × (1 − daily_decay) / 3600 (the steady state of that geometric sum is one day's
+  count divided by (1 − daily_decay)).
+- Prediction for the next `lookahead_s` (900 s): the larger of the EWMA now and the profile's rate
+  for the hour that `now + lookahead_s` falls in, so an adapter that is busy now stays warm and one
+  that is busy every morning is loaded before the morning starts.
+
+Recording is one Lua script per request (atomic across gateway processes); `top` reads the
+figures (one HGETALL per key) and ranks them off the request path. Clocks are injected (`now`),
+so a time-compressed day can be replayed (bench/prewarm.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+KEY_PREFIX = "loraplex:prewarm:"
+EWMA_KEY = KEY_PREFIX + "ewma"  # name → "rate at" (rate per second as of unix time `at`)
+HOUR_KEY = KEY_PREFIX + "hour:"  # + hour 0–23: name → decayed count; field "_day": day of the last decay
+
+
+@dataclass(frozen=True)
+class PrewarmConfig:
+    """settings.GATEWAY_PREWARM_*."""
+
+    tau_s: float = 300.0
+    daily_decay: float = 0.5
+    lookahead_s: float = 900.0
+
+
+# KEYS[1] the EWMA hash, KEYS[2] this hour's hash. ARGV: name, now, tau, day, daily_decay.
+_RECORD = """
+local name, now, tau = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local day, decay = tonumber(ARGV[4]), tonumber(ARGV[5])
+local rate, at = 0, now
+local stored = redis.call('HGET', KEYS[1], name)
+if stored then
+  local sp = string.find(stored, ' ')
+  rate, at = tonumber(string.sub(stored, 1, sp - 1)), tonumber(string.sub(stored, sp + 1))
+end
+if now > at then rate = rate * math.exp(-(now - at) / tau) else now = at end
+rate = rate + 1 / tau
+redis.call('HSET', KEYS[1], name, string.format('%.17g %.17g', rate, now))
+local last = tonumber(redis.call('HGET', KEYS[2], '_day'))
+if last and last < day then
+  local factor = decay ^ (day - last)
+  local all = redis.call('HGETALL', KEYS[2])
+  for i = 1, #all, 2 do
+    if all[i] ~= '_day' then
+      local v = tonumber(all[i + 1]) * factor
+      if v < 1e-3 then redis.call('HDEL', KEYS[2], all[i]) else
+        redis.call('HSET', KEYS[2], all[i], string.format('%.17g', v)) end
+    end
+  end
+end
+if not last or last < day then redis.call('HSET', KEYS[2], '_day', day) end
+redis.call('HINCRBYFLOAT', KEYS[2], name, 1)
+return 1
+"""
+
+
+def hour_of(now: float) -> int:
+    return int(now // 3600) % 24
+
+
+def day_of(now: float) -> int:
+    return int(now // 86400)
+
+
+class DemandModel:
+    def __init__(self, redis: aioredis.Redis, config: PrewarmConfig = PrewarmConfig()) -> None:
+        self.config = config
+        self._redis = redis
+        self._record = redis.register_script(_RECORD)
+
+    async def record(self, name: str, now: float) -> None:
+        """One request for adapter version `name` at unix time `now`."""
+        c = self.config
+        await self._record(keys=[EWMA_KEY, f"{HOUR_KEY}{hour_of(now)}"],
+                           args=[name, repr(now), c.tau_s, day_of(now), c.daily_decay])
+
+    async def predicted_rates(self, now: float) -> dict[str, float]:
+        """Every known adapter's predicted request rate (per second) over the coming lookahead."""
+        c = self.config
+        ewma_raw = await self._redis.hgetall(EWMA_KEY)
+        ahead = now + c.lookahead_s
+        hour_raw = await self._redis.hgetall(f"{HOUR_KEY}{hour_of(ahead)}")
+        # That hour's counts were last decayed on the day of its last request; as of its latest
+        # occurrence before `ahead` (today's if under way, else yesterday's) they are worth less.
+        last_day = hour_raw.pop(b"_day", None)
+        latest = day_of(ahead) if hour_of(now) == hour_of(ahead) else day_of(ahead) - 1
+        decay_days = max(0, latest - int(last_day)) if last_day is not None else 0
+        factor = c.daily_decay ** decay_days
+        rates: dict[str, float] = {}
+        for field, value in ewma_raw.items():
+            rate_text, at_text = value.decode().split(" ")
+            rate, at = float(rate_text), float(at_text)
+            rates[field.decode()] = rate * math.exp(-max(0.0, now - at) / c.tau_s)
+        for field, value in hour_raw.items():
+            name = field.decode()
+            hourly = float(value) * factor * (1.0 - c.daily_decay) / 3600.0
+            rates[name] = max(rates.get(name, 0.0), hourly)
+        return rates
+
+    async def top(self, k: int, now: float) -> list[tuple[str, float]]:
+        """The `k` adapters with the highest predicted rate, highest first (ties by name)."""
+        rates = await self.predicted_rates(now)
+        return sorted(rates.items(), key=lambda item: (-item[1], item[0]))[:k]
