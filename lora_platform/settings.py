@@ -228,6 +228,40 @@ CELERY_BEAT_SCHEDULE = {
     "training-jobs-sweep": {"task": "training.tasks.training_jobs_sweep", "schedule": 60.0},
 }
 
+# Gateway resilience (docs/gateway.md, "Resilience"): circuit breakers per adapter version,
+# canary auto-abort, outlier ejection of workers, load shedding, the Redis-outage fallback, and the
+# demand model behind prewarming. Rates are fractions (0.3 = 30 %).
+GATEWAY_BREAKER_WINDOW = env_int("GATEWAY_BREAKER_WINDOW", 100)
+GATEWAY_BREAKER_MINIMUM_CALLS = env_int("GATEWAY_BREAKER_MINIMUM_CALLS", 50)
+GATEWAY_BREAKER_FAILURE_RATE = float(os.environ.get("GATEWAY_BREAKER_FAILURE_RATE", "0.3"))
+GATEWAY_BREAKER_SLOW_CALL_RATE = float(os.environ.get("GATEWAY_BREAKER_SLOW_CALL_RATE", "0.5"))
+# A call is slow when the worker's first byte takes at least this long.
+GATEWAY_BREAKER_SLOW_CALL_SECONDS = float(os.environ.get("GATEWAY_BREAKER_SLOW_CALL_SECONDS", "30"))
+GATEWAY_BREAKER_COOLDOWN_SECONDS = float(os.environ.get("GATEWAY_BREAKER_COOLDOWN_SECONDS", "30"))
+GATEWAY_BREAKER_HALF_OPEN_CALLS = env_int("GATEWAY_BREAKER_HALF_OPEN_CALLS", 5)
+# A canary is aborted when its breaker opens, or when its failure rate exceeds the active
+# version's by more than the margin, both over at least the minimum of calls.
+GATEWAY_CANARY_ABORT_MARGIN = float(os.environ.get("GATEWAY_CANARY_ABORT_MARGIN", "0.1"))
+GATEWAY_CANARY_ABORT_MIN_CALLS = env_int("GATEWAY_CANARY_ABORT_MIN_CALLS", 50)
+GATEWAY_OUTLIER_CONSECUTIVE_FAILURES = env_int("GATEWAY_OUTLIER_CONSECUTIVE_FAILURES", 5)
+GATEWAY_OUTLIER_EJECTION_SECONDS = float(os.environ.get("GATEWAY_OUTLIER_EJECTION_SECONDS", "30"))
+GATEWAY_OUTLIER_MAX_EJECTION_SECONDS = float(os.environ.get("GATEWAY_OUTLIER_MAX_EJECTION_SECONDS", "300"))
+GATEWAY_OUTLIER_MAX_EJECTED_FRACTION = float(os.environ.get("GATEWAY_OUTLIER_MAX_EJECTED_FRACTION", "0.5"))
+# Shedding: a worker is full when its waiting queue reaches this share of its max_queued_requests
+# (or the default bound when it does not report one).
+GATEWAY_SHED_QUEUE_FRACTION = float(os.environ.get("GATEWAY_SHED_QUEUE_FRACTION", "0.5"))
+GATEWAY_SHED_DEFAULT_QUEUE_BOUND = env_int("GATEWAY_SHED_DEFAULT_QUEUE_BOUND", 256)
+GATEWAY_SHED_RETRY_AFTER = float(os.environ.get("GATEWAY_SHED_RETRY_AFTER", "1"))
+# Every hot-path Redis call gets this long; after a failure Redis is skipped for the retry interval.
+GATEWAY_REDIS_TIMEOUT = float(os.environ.get("GATEWAY_REDIS_TIMEOUT", "0.25"))
+GATEWAY_REDIS_RETRY_SECONDS = float(os.environ.get("GATEWAY_REDIS_RETRY_SECONDS", "1"))
+# How many gateway (web) processes share the quotas: during a Redis outage each process admits
+# its share of a tier's rate from process-local buckets.
+GATEWAY_PROCESSES = env_int("GATEWAY_PROCESSES", env_int("WEB_CONCURRENCY", 1))
+GATEWAY_PREWARM_TAU_SECONDS = float(os.environ.get("GATEWAY_PREWARM_TAU_SECONDS", "300"))
+GATEWAY_PREWARM_DAILY_DECAY = float(os.environ.get("GATEWAY_PREWARM_DAILY_DECAY", "0.5"))
+GATEWAY_PREWARM_LOOKAHEAD_SECONDS = float(os.environ.get("GATEWAY_PREWARM_LOOKAHEAD_SECONDS", "900"))
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

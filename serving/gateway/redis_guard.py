@@ -30,7 +30,8 @@ _OUTAGE = (ConnectionError, TimeoutError, BusyLoadingError, OSError, asyncio.Tim
 
 class RedisGuard:
     def __init__(self, *, timeout_s: float = 0.25, retry_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[bool], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
         self._clock = clock
@@ -39,6 +40,8 @@ class RedisGuard:
         self.outage_calls = 0
         self._retry_at = 0.0
         self._probing = False
+        # Told True / False when Redis comes back / goes away (the gateway's metrics).
+        self._on_change = on_change
 
     async def call(self, what: str, command: Callable[[], Awaitable[T]]) -> T | None:
         """`command()`'s result, or None when Redis is (or just turned out to be) unreachable."""
@@ -58,6 +61,8 @@ class RedisGuard:
         if not self.available:
             self.available = True
             log.warning("Redis is reachable again: gateway state is shared again (%s succeeded)", what)
+            if self._on_change is not None:
+                self._on_change(True)
         return result
 
     def _mark_down(self, what: str, exc: BaseException) -> None:
@@ -68,3 +73,5 @@ class RedisGuard:
             log.error("Redis unreachable (%s: %s: %s); the gateway serves from process-local buckets and "
                       "breakers until it is back, retrying every %.1fs", what, type(exc).__name__, exc,
                       self.retry_interval_s)
+            if self._on_change is not None:
+                self._on_change(False)

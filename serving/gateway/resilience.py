@@ -1,0 +1,226 @@
+"""The resilience steps of the request path; serving.gateway.pipeline calls each at one place.
+
+    choose the version → `version_permit` (breaker: a canary's open breaker sends its traffic to
+    the active version; an active one's answers 503 adapter_unavailable, or the base model where
+    the tier allows degradation) → choose the worker among `usable_workers` (outlier ejection),
+    after `shed_check` (load shedding below vip) → each attempt, failover included, is counted by
+    `attempt_done` (ejection) → `call_done` counts the call on the version's breaker, judges a
+    canary (auto-abort through serving.canary_guard, off the request path) and feeds the prewarm
+    demand model.
+
+The policies are the Django-free modules next to this one (breakers, outliers, shedding,
+failover, canary_rule, prewarm); this module builds them from settings (one set per event loop,
+as the pipeline's other resources) and maps their answers onto the gateway's errors and headers.
+docs/gateway.md ("Resilience") lists every rule with its default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from prometheus_client import Counter, Gauge
+
+from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome, Permit, Snapshot, State
+from serving.gateway.canary_rule import CanaryRuleConfig, canary_abort_reason
+from serving.gateway.errors import GatewayError
+from serving.gateway.outliers import OutlierConfig, OutlierDetector
+from serving.gateway.prewarm import DemandModel, PrewarmConfig
+from serving.gateway.redis_guard import RedisGuard
+from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
+
+if TYPE_CHECKING:
+    from serving.gateway.pipeline import Call
+    from serving.gateway.proxy import UpstreamResult
+    from serving.gateway.routing import WorkerView
+
+log = logging.getLogger(__name__)
+
+REDIS_AVAILABLE = Gauge("loraplex_gateway_redis_available",
+                        "1 while the gateway reaches Redis (shared buckets and breakers), 0 while it serves "
+                        "from process-local state.", multiprocess_mode="livemin")
+REDIS_OUTAGE_CALLS = Counter("loraplex_gateway_redis_fallback_total",
+                             "Hot-path Redis calls answered by the process-local fallback.")
+BREAKER_TRANSITIONS = Counter("loraplex_gateway_breaker_transitions_total",
+                              "Circuit-breaker transitions of adapter versions.", ["to"])
+BREAKER_REFUSED = Counter("loraplex_gateway_breaker_refused_total",
+                          "Calls an open breaker kept from a version, by what happened instead.", ["then"])
+SHED = Counter("loraplex_gateway_shed_total", "Requests refused with 503 server_overloaded.", ["tier"])
+FAILOVER_RETRIES = Counter("loraplex_gateway_failover_retries_total",
+                           "Requests retried on another worker after a failure before the first byte.")
+EJECTIONS = Counter("loraplex_gateway_worker_ejections_total", "Workers ejected by outlier detection.")
+CANARY_ABORTS = Counter("loraplex_gateway_canary_aborts_total", "Canaries aborted by the canary guard.")
+
+
+def _breaker_config() -> BreakerConfig:
+    return BreakerConfig(
+        window_size=settings.GATEWAY_BREAKER_WINDOW, minimum_calls=settings.GATEWAY_BREAKER_MINIMUM_CALLS,
+        failure_rate_threshold=settings.GATEWAY_BREAKER_FAILURE_RATE,
+        slow_call_rate_threshold=settings.GATEWAY_BREAKER_SLOW_CALL_RATE,
+        slow_call_duration_s=settings.GATEWAY_BREAKER_SLOW_CALL_SECONDS,
+        cooldown_s=settings.GATEWAY_BREAKER_COOLDOWN_SECONDS, half_open_calls=settings.GATEWAY_BREAKER_HALF_OPEN_CALLS,
+    )
+
+
+def _redis_changed(available: bool) -> None:
+    REDIS_AVAILABLE.set(1 if available else 0)
+
+
+@dataclass
+class Resilience:
+    """One event loop's breakers, outlier detector, demand model and the guard they share."""
+
+    guard: RedisGuard
+    breakers: CircuitBreakers
+    outliers: OutlierDetector
+    demand: DemandModel
+    canary_rule: CanaryRuleConfig
+    shed: ShedConfig
+    # Canaries whose abort is under way in this process (one task each).
+    aborting: set[str] = field(default_factory=set)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @classmethod
+    def from_settings(cls, redis: aioredis.Redis) -> Resilience:
+        guard = RedisGuard(timeout_s=settings.GATEWAY_REDIS_TIMEOUT, retry_interval_s=settings.GATEWAY_REDIS_RETRY_SECONDS,
+                           on_change=_redis_changed)
+        REDIS_AVAILABLE.set(1)
+        return cls(
+            guard=guard,
+            breakers=CircuitBreakers(redis, _breaker_config(), guard=guard),
+            outliers=OutlierDetector(OutlierConfig(
+                consecutive_failures=settings.GATEWAY_OUTLIER_CONSECUTIVE_FAILURES,
+                base_ejection_s=settings.GATEWAY_OUTLIER_EJECTION_SECONDS,
+                max_ejection_s=settings.GATEWAY_OUTLIER_MAX_EJECTION_SECONDS,
+                max_ejection_fraction=settings.GATEWAY_OUTLIER_MAX_EJECTED_FRACTION)),
+            demand=DemandModel(redis, PrewarmConfig(tau_s=settings.GATEWAY_PREWARM_TAU_SECONDS,
+                                                    daily_decay=settings.GATEWAY_PREWARM_DAILY_DECAY,
+                                                    lookahead_s=settings.GATEWAY_PREWARM_LOOKAHEAD_SECONDS)),
+            canary_rule=CanaryRuleConfig(failure_rate_margin=settings.GATEWAY_CANARY_ABORT_MARGIN,
+                                         minimum_calls=settings.GATEWAY_CANARY_ABORT_MIN_CALLS),
+            shed=ShedConfig(queue_fraction=settings.GATEWAY_SHED_QUEUE_FRACTION,
+                            default_queue_bound=settings.GATEWAY_SHED_DEFAULT_QUEUE_BOUND,
+                            retry_after_s=settings.GATEWAY_SHED_RETRY_AFTER),
+        )
+
+    # ---- the version ------------------------------------------------------------------------
+
+    async def version_permit(self, call: Call, *, degradable: bool) -> None:
+        """Ask the chosen version's breaker; reroute, degrade or refuse when it is open.
+
+        Sets `call.permit` (None when the call runs on the base model)."""
+        from serving.gateway.catalog import Target
+
+        version = call.version
+        if version is None:
+            return
+        permit = await self.breakers.acquire(version.qualified_name)
+        served = call.target.served
+        if not permit.allowed and served is not None and served.canary == version:
+            BREAKER_REFUSED.labels("active_version").inc()
+            self._abort_canary_later(call, reason=f"canary {version.qualified_name}: circuit breaker open")
+            version = served.active
+            permit = await self.breakers.acquire(version.qualified_name)
+        if permit.allowed:
+            call.version, call.permit = version, permit
+            return
+        retry = max(1, math.ceil(permit.retry_after_s))
+        if degradable:
+            BREAKER_REFUSED.labels("base_model").inc()
+            call.version, call.permit, call.degraded = None, None, True
+            call.target = Target(base=True)
+            call.headers["x-loraplex-degraded"] = "circuit_open"
+            return
+        BREAKER_REFUSED.labels("refused").inc()
+        raise GatewayError(
+            503, f"The adapter version {version.version} of '{version.adapter}' is failing and its circuit breaker "
+                 f"is open; retry in {retry} s.", code="adapter_unavailable",
+            headers={**call.headers, "retry-after": str(retry)})
+
+    # ---- the workers ------------------------------------------------------------------------
+
+    @staticmethod
+    def instance(worker: WorkerView) -> str:
+        """A worker process's identity: a restarted worker is a new instance with a clean record."""
+        return f"{worker.worker_id}@{worker.started_at}"
+
+    def usable_workers(self, candidates: list[WorkerView]) -> list[WorkerView]:
+        """The candidates less the ejected ones."""
+        self.outliers.forget_except(self.instance(worker) for worker in candidates)
+        return [worker for worker in candidates if not self.outliers.is_ejected(self.instance(worker))]
+
+    def shed_check(self, call: Call, candidates: list[WorkerView], inflight: dict[str, int]) -> None:
+        """503 server_overloaded below vip when every candidate is over its queue bound."""
+        saturations = [Saturation(worker_id=w.worker_id, queue_depth=w.queue_depth,
+                                  max_queued_requests=w.max_queued_requests, kv_cache_usage=w.kv_cache_usage,
+                                  gpu_memory_free_bytes=w.gpu_memory_free_bytes) for w in candidates]
+        priority = call.caller.tier.priority
+        shed = shed_decision(saturations, priority=priority, inflight=inflight, config=self.shed)
+        if shed is not None:
+            SHED.labels(call.caller.tier.name).inc()
+            raise GatewayError(503, shed.message, code="server_overloaded",
+                               headers={**call.headers, "retry-after": str(max(1, math.ceil(shed.retry_after_s)))})
+
+    def attempt_done(self, worker: WorkerView, *, failed: bool, live: int) -> None:
+        """One attempt on `worker` is over (failed: connection failure or 5xx)."""
+        if self.outliers.record(self.instance(worker), failed=failed, live=live):
+            EJECTIONS.inc()
+
+    # ---- the outcome ------------------------------------------------------------------------
+
+    async def call_done(self, call: Call, result: UpstreamResult) -> None:
+        """Counts the call on its version's breaker and in the demand model; judges a canary."""
+        version, permit = call.version, getattr(call, "permit", None)
+        if version is None or permit is None:
+            return
+        await self.guard.call("prewarm record", lambda: self.demand.record(version.qualified_name, time.time()))
+        outcome = {"ok": Outcome.SUCCESS, "upstream_error": Outcome.FAILURE}.get(result.status, Outcome.IGNORED)
+        duration = result.first_byte_s if result.first_byte_s is not None else (result.ended_s or 0.0)
+        snapshot = await self.breakers.record(permit, outcome, duration)
+        if snapshot.transition is not None:
+            BREAKER_TRANSITIONS.labels(snapshot.transition.value).inc()
+            log.warning("circuit breaker of %s is now %s (%d of %d calls failed, %d slow)", version.qualified_name,
+                        snapshot.transition.value, snapshot.failures, snapshot.calls, snapshot.slow_calls)
+        await self._judge_canary(call, snapshot)
+
+    async def _judge_canary(self, call: Call, snapshot: Snapshot) -> None:
+        served = call.target.served
+        if served is None or served.canary is None or call.version != served.canary:
+            return
+        active = None
+        if snapshot.state is State.CLOSED and snapshot.calls >= self.canary_rule.minimum_calls:
+            active = await self.breakers.snapshot(served.active.qualified_name)
+        reason = canary_abort_reason(canary=snapshot, active=active, config=self.canary_rule)
+        if reason is not None:
+            self._abort_canary_later(call, reason=reason)
+
+    def _abort_canary_later(self, call: Call, *, reason: str) -> None:
+        """Aborts the call's canary in the registry, off the request path, once per process at a time."""
+        canary = call.target.served.canary if call.target.served else None
+        if canary is None or canary.qualified_name in self.aborting:
+            return
+        self.aborting.add(canary.qualified_name)
+
+        async def abort() -> None:
+            from serving.canary_guard import canary_guard_abort
+
+            try:
+                event = await sync_to_async(canary_guard_abort)(
+                    tenant_slug=canary.tenant, adapter_name=canary.adapter, version=canary.version, reason=reason)
+                if event is not None:
+                    CANARY_ABORTS.inc()
+            except Exception:
+                log.exception("canary guard could not abort %s; the next verdict tries again", canary.qualified_name)
+            finally:
+                self.aborting.discard(canary.qualified_name)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
