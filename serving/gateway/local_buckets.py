@@ -76,13 +76,13 @@ class GuardedBuckets:
 
     def __init__(self, shared: TokenBuckets, *, guard: RedisGuard, processes: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._shared = shared
+        self.shared = shared
         self._guard = guard
         self.local = LocalTokenBuckets(share=1.0 / max(1, processes), clock=clock)
         self._was_local = False
 
     async def admit(self, costs: list[tuple[Bucket, float]], *, now: float | None = None) -> Admission:
-        admission = await self._guard.call("bucket admit", lambda: self._shared.admit(costs, now=now))
+        admission = await self._guard.call("bucket admit", lambda: self.shared.admit(costs, now=now))
         if admission is not None:
             self._back_to_shared()
             return admission
@@ -90,7 +90,7 @@ class GuardedBuckets:
         return self.local.admit(costs)
 
     async def refund(self, bucket: Bucket, amount: float, *, now: float | None = None) -> float:
-        level = await self._guard.call("bucket refund", lambda: self._shared.refund(bucket, amount, now=now))
+        level = await self._guard.call("bucket refund", lambda: self.shared.refund(bucket, amount, now=now))
         if level is not None:
             self._back_to_shared()
             return level

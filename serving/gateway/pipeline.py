@@ -5,7 +5,9 @@
 
 Each step is one function below, so later policies hook in at one place: `choose_version` is where
 a version is chosen, `choose_worker` where a worker is chosen, `settle` where the outcome of the
-upstream call is known. Refusals are GatewayErrors; views turn everything into HTTP.
+upstream call is known. The resilience rules (serving.gateway.resilience: breakers, canary guard,
+outlier ejection, shedding, failover, the Redis-outage fallback) hook in at those places.
+Refusals are GatewayErrors; views turn everything into HTTP.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ from django.conf import settings
 
 from serving.gateway import catalog, metrics
 from serving.gateway.catalog import Caller, Target
+from serving.gateway.breakers import Permit
 from serving.gateway.errors import GatewayError, invalid_request
+from serving.gateway.failover import MAX_ATTEMPTS, ranked, retryable
+from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
 from serving.gateway.quotas import Admission, Bucket, TokenBuckets, ratelimit_headers
-from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry
+from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
+from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 from serving.gateway.usage_log import UsageEvent, usage_push
 from serving.gateway.version_pick import ServedVersion, pick_version
 
@@ -52,8 +58,9 @@ class Resources:
     the workers, the worker list cache and this process's in-flight count per worker."""
 
     redis: aioredis.Redis
-    buckets: TokenBuckets
+    buckets: GuardedBuckets
     upstream: Upstream
+    resilience: Resilience
     inflight: dict[str, int] = field(default_factory=dict)
     workers: list[WorkerView] = field(default_factory=list)
     workers_read_at: float = -math.inf
@@ -71,9 +78,12 @@ def resources() -> Resources:
         for other in [item for item in _resources if item.is_closed()]:
             del _resources[other]
         client = aioredis.Redis.from_url(settings.REDIS_URL)
+        resilience = Resilience.from_settings(client)
         found = Resources(
-            redis=client, buckets=TokenBuckets(client),
+            redis=client,
+            buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=settings.GATEWAY_PROCESSES),
             upstream=Upstream(api_key=settings.SERVING_WORKER_API_KEY, timeout_s=settings.GATEWAY_UPSTREAM_TIMEOUT),
+            resilience=resilience,
         )
         _resources[loop] = found
         from serving.usage import usage_flusher_start
@@ -107,7 +117,11 @@ class Call:
     admission: Admission | None = None
     degraded: bool = False
     version: ServedVersion | None = None
+    # The version's circuit-breaker permit (None on the base model).
+    permit: Permit | None = None
     worker: WorkerView | None = None
+    # The next-best workers, best first: where a failure before the first byte is retried.
+    fallbacks: list[WorkerView] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)
@@ -213,9 +227,7 @@ async def admit(call: Call, res: Resources) -> None:
     if call.admission.admitted:
         return
     retry_after = call.admission.retry_after_s
-    degradable = (call.caller.tier.degradation_allowed and not call.target.base
-                  and call.body.get("allow_degradation", True) is not False)
-    if degradable:
+    if degradable(call):
         degraded = await res.buckets.admit([(degraded_bucket, 1)])
         if degraded.admitted:
             call.degraded = True
@@ -227,6 +239,12 @@ async def admit(call: Call, res: Resources) -> None:
         retry_after = min(retry_after, degraded.retry_after_s)
     metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
     raise _over_quota(call, retry_after)
+
+
+def degradable(call: Call) -> bool:
+    """Whether the base model may answer instead of the adapter (tier allows it, request did not opt out)."""
+    return (call.caller.tier.degradation_allowed and not call.target.base
+            and call.body.get("allow_degradation", True) is not False)
 
 
 def choose_version(call: Call) -> ServedVersion | None:
@@ -246,8 +264,10 @@ async def _workers(res: Resources) -> list[WorkerView]:
     if now - res.workers_read_at > settings.GATEWAY_WORKERS_CACHE_SECONDS:
         async with res.workers_lock:
             if time.monotonic() - res.workers_read_at > settings.GATEWAY_WORKERS_CACHE_SECONDS:
-                documents = await read_registry(res.redis)
-                res.workers = live_workers(documents, base_models=catalog.base_model_ids())
+                documents = await res.resilience.guard.call("worker registry", lambda: read_registry(res.redis))
+                # Redis away: the last list read stays in use (failover handles a worker gone meanwhile).
+                if documents is not None:
+                    res.workers = live_workers(documents, base_models=catalog.base_model_ids())
                 res.workers_read_at = time.monotonic()
     # A cached entry whose heartbeat has since expired is dropped by the next read; meanwhile the
     # worker is still within its TTL of three heartbeats.
@@ -255,8 +275,9 @@ async def _workers(res: Resources) -> list[WorkerView]:
 
 
 async def choose_worker(call: Call, res: Resources) -> WorkerView:
-    """The best worker for the call's version (affinity, queue, KV); 503 when none is live."""
-    candidates = await _workers(res)
+    """The best worker for the call's version (affinity, queue, KV) among those not ejected, and the
+    next-best ones in `call.fallbacks`; 503 when none is live or, below vip, when all are full."""
+    candidates = res.resilience.usable_workers(await _workers(res))
     weights = Weights(affinity=settings.GATEWAY_WEIGHT_AFFINITY, queue=settings.GATEWAY_WEIGHT_QUEUE,
                       kv=settings.GATEWAY_WEIGHT_KV)
     adapter = call.version.qualified_name if call.version else None
@@ -264,6 +285,9 @@ async def choose_worker(call: Call, res: Resources) -> WorkerView:
     if worker is None:
         raise GatewayError(503, "No serving worker is available for this model right now; retry shortly.",
                            code="no_serving_worker", headers={**call.headers, "retry-after": "1"})
+    res.resilience.shed_check(call, candidates, res.inflight)
+    scored = score_workers(candidates, adapter=adapter, inflight=res.inflight, weights=weights)
+    call.fallbacks = [other for other in ranked(scored) if other.worker_id != worker.worker_id]
     return worker
 
 
@@ -329,6 +353,7 @@ def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
     task = asyncio.get_running_loop().create_task(_record(call, event, used, res))
     _background.add(task)
     task.add_done_callback(_background.discard)
+    res.resilience.call_over(call, result, live=len(res.workers))
 
 
 _background: set[asyncio.Task] = set()
@@ -336,14 +361,25 @@ _background: set[asyncio.Task] = set()
 
 async def _record(call: Call, event: UsageEvent, used: int, res: Resources) -> None:
     """The refund and the usage record, in one round trip; the refund first, so a visible usage
-    record means the refund is done."""
-    try:
+    record means the refund is done. While Redis is away the refund goes to this process's
+    buckets and the record waits in memory, pushed with the first record once Redis is back."""
+    refund = call.reserved_tokens - used if call.reserved_tokens and call.reserved_tokens != used else 0
+    _, tokens_bucket, _ = tenant_buckets(call.caller)
+    events = [*res.resilience.usage_backlog_take(), event]
+
+    async def execute() -> list:
         async with res.redis.pipeline(transaction=False) as pipe:
-            if call.reserved_tokens and call.reserved_tokens != used:
-                _, tokens_bucket, _ = tenant_buckets(call.caller)
-                await res.buckets.refund(tokens_bucket, call.reserved_tokens - used, pipeline=pipe)
-            usage_push(pipe, event)
-            await pipe.execute()
+            if refund:
+                await res.buckets.shared.refund(tokens_bucket, refund, pipeline=pipe)
+            for item in events:
+                usage_push(pipe, item)
+            return await pipe.execute()
+
+    try:
+        if await res.resilience.guard.call("usage record", execute) is None:
+            if refund:
+                res.buckets.local.refund(tokens_bucket, refund)
+            res.resilience.usage_backlog_keep(events)
     except (aioredis.RedisError, OSError):
         log.exception("could not record usage / refund tokens of %s", call.request_id)
 
@@ -367,6 +403,7 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes) -
         raise
     call.version = choose_version(call)
     try:
+        await res.resilience.version_permit(call, degradable=degradable(call))
         call.worker = await choose_worker(call, res)
     except GatewayError:
         await _release(call, res)
@@ -383,7 +420,21 @@ async def _release(call: Call, res: Resources) -> None:
 
 
 async def forward(call: Call, res: Resources) -> Reply:
-    """Call the chosen worker; a stream is settled when it ends, anything else before returning."""
+    """Call the chosen worker and, when it fails before its first byte, once more the next-best one
+    (serving.gateway.failover); a stream is settled when it ends, anything else before returning."""
+    workers = [call.worker, *call.fallbacks][:MAX_ATTEMPTS]
+    for index, worker in enumerate(workers):
+        call.worker = worker
+        reply = await _attempt(call, res, may_retry=index + 1 < len(workers))
+        if reply is not None:
+            return reply
+        FAILOVER_RETRIES.inc()
+    raise AssertionError("the last attempt always answers")
+
+
+async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | None:
+    """One upstream attempt on `call.worker`; None when it failed before its first byte and
+    `may_retry` (the attempt is then counted against the worker and not settled)."""
     worker = call.worker
     assert worker is not None
     url = f"{worker.url}{ENDPOINTS[call.endpoint]}"
@@ -398,14 +449,26 @@ async def forward(call: Call, res: Resources) -> Reply:
         if not body.get("stream"):
             try:
                 content = await res.upstream.call(url, body, result=result, rename=rename)
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
+                if may_retry and retryable(status=None, error=exc):
+                    handed_off = _abandon(call, res)
+                    return None
                 return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
+            if may_retry and retryable(status=result.http_status, error=None):
+                handed_off = _abandon(call, res)
+                return None
             return Reply(status=result.http_status, headers=headers, body=content)
         try:
             response = await res.upstream.open_stream(url, body, result=result)
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            if may_retry and retryable(status=None, error=exc):
+                handed_off = _abandon(call, res)
+                return None
             return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
         if response.status_code != 200:
+            if may_retry and retryable(status=response.status_code, error=None):
+                handed_off = _abandon(call, res)
+                return None
             return Reply(status=response.status_code, headers=headers, body=response._gateway_body)  # type: ignore[attr-defined]
         wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
         relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage)
@@ -428,6 +491,18 @@ async def forward(call: Call, res: Resources) -> Reply:
     finally:
         if not handed_off:
             settle(call, result, res)
+
+
+def _abandon(call: Call, res: Resources) -> bool:
+    """An attempt that failed before its first byte and is retried elsewhere: it leaves the
+    worker's in-flight count and counts against the worker; the request is settled once, by the
+    attempt that answers. True (the attempt is handed off to the retry)."""
+    worker = call.worker
+    assert worker is not None
+    res.inflight[worker.worker_id] = max(0, res.inflight.get(worker.worker_id, 1) - 1)
+    metrics.IN_FLIGHT.dec()
+    res.resilience.attempt_done(worker, failed=True, live=len(res.workers))
+    return True
 
 
 def _upstream_unreachable(worker: WorkerView) -> bytes:

@@ -28,13 +28,14 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from prometheus_client import Counter, Gauge
 
-from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome, Permit, Snapshot, State
+from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome, Snapshot, State
 from serving.gateway.canary_rule import CanaryRuleConfig, canary_abort_reason
 from serving.gateway.errors import GatewayError
 from serving.gateway.outliers import OutlierConfig, OutlierDetector
 from serving.gateway.prewarm import DemandModel, PrewarmConfig
 from serving.gateway.redis_guard import RedisGuard
 from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
+from serving.gateway.usage_log import UsageEvent
 
 if TYPE_CHECKING:
     from serving.gateway.pipeline import Call
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from serving.gateway.routing import WorkerView
 
 log = logging.getLogger(__name__)
+
+# Usage records one process keeps while Redis is away (about 40 MB at most).
+USAGE_BACKLOG_MAX = 100_000
 
 REDIS_AVAILABLE = Gauge("loraplex_gateway_redis_available",
                         "1 while the gateway reaches Redis (shared buckets and breakers), 0 while it serves "
@@ -57,6 +61,18 @@ FAILOVER_RETRIES = Counter("loraplex_gateway_failover_retries_total",
                            "Requests retried on another worker after a failure before the first byte.")
 EJECTIONS = Counter("loraplex_gateway_worker_ejections_total", "Workers ejected by outlier detection.")
 CANARY_ABORTS = Counter("loraplex_gateway_canary_aborts_total", "Canaries aborted by the canary guard.")
+
+
+def breaker_outcome(result: UpstreamResult) -> Outcome:
+    """The version's view of a call's final answer (after failover): a worker's 503 (loading,
+    draining, over its queue bound) is the worker's state and a 4xx or a client that left says
+    nothing of the adapter; other failures (5xx such as adapter_load_failed, no connection, a
+    timeout, a stream that broke) count against it."""
+    if result.status == "ok":
+        return Outcome.SUCCESS
+    if result.status == "upstream_error" and result.http_status != 503:
+        return Outcome.FAILURE
+    return Outcome.IGNORED
 
 
 def _breaker_config() -> BreakerConfig:
@@ -86,6 +102,8 @@ class Resilience:
     # Canaries whose abort is under way in this process (one task each).
     aborting: set[str] = field(default_factory=set)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    # Usage records made while Redis was away, pushed with the first record once it is back.
+    usage_backlog: list[UsageEvent] = field(default_factory=list)
 
     @classmethod
     def from_settings(cls, redis: aioredis.Redis) -> Resilience:
@@ -175,13 +193,35 @@ class Resilience:
 
     # ---- the outcome ------------------------------------------------------------------------
 
+    def usage_backlog_take(self) -> list[UsageEvent]:
+        """The usage records kept while Redis was away (emptied: the caller pushes them now)."""
+        backlog, self.usage_backlog = self.usage_backlog, []
+        return backlog
+
+    def usage_backlog_keep(self, events: list[UsageEvent]) -> None:
+        """Keeps records Redis could not take, at most USAGE_BACKLOG_MAX (the oldest dropped, logged)."""
+        combined = [*self.usage_backlog, *events]
+        if len(combined) > USAGE_BACKLOG_MAX:
+            log.error("usage backlog over %d records during the Redis outage; the oldest %d are dropped",
+                      USAGE_BACKLOG_MAX, len(combined) - USAGE_BACKLOG_MAX)
+        self.usage_backlog = combined[-USAGE_BACKLOG_MAX:]
+
+    def call_over(self, call: Call, result: UpstreamResult, *, live: int) -> None:
+        """The call's final attempt is over: count it against its worker now and, off the reply's
+        path, on its version's breaker (call_done)."""
+        if call.worker is not None:
+            self.attempt_done(call.worker, failed=result.status == "upstream_error", live=live)
+        task = asyncio.get_running_loop().create_task(self.call_done(call, result))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
     async def call_done(self, call: Call, result: UpstreamResult) -> None:
         """Counts the call on its version's breaker and in the demand model; judges a canary."""
-        version, permit = call.version, getattr(call, "permit", None)
+        version, permit = call.version, call.permit
         if version is None or permit is None:
             return
         await self.guard.call("prewarm record", lambda: self.demand.record(version.qualified_name, time.time()))
-        outcome = {"ok": Outcome.SUCCESS, "upstream_error": Outcome.FAILURE}.get(result.status, Outcome.IGNORED)
+        outcome = breaker_outcome(result)
         duration = result.first_byte_s if result.first_byte_s is not None else (result.ended_s or 0.0)
         snapshot = await self.breakers.record(permit, outcome, duration)
         if snapshot.transition is not None:

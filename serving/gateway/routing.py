@@ -55,6 +55,11 @@ class WorkerView:
     kv_cache_usage: float
     # name → "gpu" | "cpu" | "loaded" (a name whose weights are neither in a slot nor in the cache)
     adapters: Mapping[str, str] = field(default_factory=dict)
+    # For resilience (serving.gateway.resilience): the process's start (a restart is a new
+    # instance for outlier ejection) and its saturation figures for load shedding, when reported.
+    started_at: float = 0.0
+    max_queued_requests: int | None = None
+    gpu_memory_free_bytes: int | None = None
 
     @classmethod
     def parse(cls, document: Mapping[str, Any]) -> WorkerView:
@@ -71,6 +76,9 @@ class WorkerView:
             queue_depth=int(document.get("queue_depth") or 0),
             kv_cache_usage=float(document.get("kv_cache_usage") or 0.0),
             adapters=adapters,
+            started_at=float(document.get("started_at") or 0.0),
+            max_queued_requests=_optional_int(document.get("max_queued_requests")),
+            gpu_memory_free_bytes=_optional_int(document.get("gpu_memory_free_bytes")),
         )
 
     def affinity(self, adapter: str | None) -> float:
@@ -85,6 +93,10 @@ class WorkerView:
         if where is not None:
             return AFFINITY_CPU
         return 0.0
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def live_workers(documents: Iterable[Mapping[str, Any]], *, base_models: Iterable[str],
