@@ -34,8 +34,8 @@ class PageRequest:
         """The cursor as a numeric id (`prefix` stripped, e.g. "file-"); InvalidInput when it is not one."""
         if self.after is None:
             return None
-        text = self.after.removeprefix(prefix) if prefix else self.after
-        if not text.isdigit():
+        text = self.after.removeprefix(prefix)
+        if not self.after.startswith(prefix) or not text.isdigit() or len(text) > 18:
             expected = f"an id like '{prefix}123'" if prefix else "an integer id"
             raise InvalidInput(f"'after' must be {expected} (the last_id of the previous page), got "
                                f"{self.after!r}.", code="invalid_cursor", param="after")

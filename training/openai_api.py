@@ -66,13 +66,12 @@ def _prefixed(prefix: str, pk: int | None) -> str | None:
     return f"{prefix}{pk}" if pk is not None else None
 
 
-def _pk(prefix: str, value: Any, what: str, param: str | None = None) -> int:
+def _pk(prefix: str, value: Any, what: str, code: str, param: str | None = None) -> int:
     """The row id inside an OpenAI-style id; NotFound (as for a missing row) when it is not one."""
     text = value if isinstance(value, str) else ""
     number = text.removeprefix(prefix)
     if not text.startswith(prefix) or not number.isdigit() or len(number) > 18:
-        raise NotFound(f"No such {what}: {value!r}.", code=f"{what.lower().replace(' ', '_')}_not_found",
-                       param=param)
+        raise NotFound(f"No such {what}: {value!r}.", code=code, param=param)
     return int(number)
 
 
@@ -167,15 +166,23 @@ class _OpenAIView(TenantScopedAPIView):
 
     content_negotiation_class = _IgnoreAccept
 
+    def handle_exception(self, exc: Exception) -> Response:
+        response = super().handle_exception(exc)
+        if response.status_code == status.HTTP_409_CONFLICT:
+            # OpenAI's SDK retries a 409 by default, unless told not to: here a conflict is a decision
+            # (a file in use, a job already ended) that a retry would only meet again.
+            response["x-should-retry"] = "false"
+        return response
+
     def file(self, file_id: Any, param: str | None = None) -> Dataset:
-        pk = _pk(FILE_PREFIX, file_id, "File object", param)
+        pk = _pk(FILE_PREFIX, file_id, "File object", "file_not_found", param)
         dataset = Dataset.objects.for_tenant(self.tenant).filter(pk=pk).first()
         if dataset is None:
             raise NotFound(f"No such File object: {file_id!r}.", code="file_not_found", param=param)
         return dataset
 
     def job(self, job_id: str) -> TrainingJob:
-        pk = _pk(JOB_PREFIX, job_id, "fine-tuning job")
+        pk = _pk(JOB_PREFIX, job_id, "fine-tuning job", "fine_tuning_job_not_found")
         job = _jobs().for_tenant(self.tenant).filter(pk=pk).first()
         if job is None:
             raise NotFound(f"No such fine-tuning job: {job_id!r}.", code="fine_tuning_job_not_found")

@@ -90,6 +90,18 @@ def test_file_upload_retrieve_content_list_delete(openai_a, django_capture_on_co
     assert get_storage().list("datasets") == []
 
 
+def test_files_page_both_ways_through_their_cursor(openai_a):
+    ids = [upload(openai_a, chat_lines(1), validate=False).id for _ in range(5)]
+    assert [item.id for item in openai_a.files.list(limit=2)] == ids[::-1]
+    page = openai_a.files.list(limit=2, order="asc")
+    assert [item.id for item in page.data] == ids[:2] and page.has_more
+    assert [item.id for item in openai_a.files.list(limit=2, order="asc", after=ids[2]).data] == ids[3:]
+    for params, param in (({"after": "7"}, "after"), ({"limit": 0}, "limit"), ({"order": "up"}, "order")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            openai_a.get("/files", cast_to=object, options={"params": params})
+        assert error_of(raised)["param"] == param, params
+
+
 def test_a_bad_file_is_an_error_with_its_lines_in_status_details(openai_a):
     rows = [*chat_lines(1)[:2], {"prompt_text": "x"}, {"messages": [{"role": "robot", "content": "hi"}]}]
     bad = upload(openai_a, jsonl(rows[:2]) + b'{"messages": "nope"}\n' + jsonl(rows[3:]))
@@ -156,7 +168,8 @@ def test_method_supervised_hyperparameters_and_a_generated_adapter_name(openai_a
     ({"suffix": "Not A Name"}, 400, "suffix", "invalid_adapter_name"),
     ({"method": {"type": "dpo", "dpo": {}}}, 400, "method.type", "unsupported_method"),
     ({"training_file": "file-999999"}, 404, "training_file", "file_not_found"),
-    ({"training_file": "ds-1"}, 404, "training_file", "file_object_not_found"),
+    ({"training_file": "ds-1"}, 404, "training_file", "file_not_found"),
+    ({"validation_file": 7}, 404, "validation_file", "file_not_found"),
     ({"metadata": {"k": 1}}, 400, "metadata.k", "invalid_request"),
     ({"seed": -1}, 400, "seed", "invalid_request"),
     ({"learning_rate": 0.1}, 400, "learning_rate", "unknown_parameter"),
@@ -244,12 +257,17 @@ def test_checkpoints_in_openai_shape(openai_a):
     assert checkpoints[0].metrics.step == 8 and checkpoints[0].metrics.train_loss == 0.25
 
 
-def test_a_file_in_use_cannot_be_deleted(openai_a):
+def test_a_file_in_use_cannot_be_deleted(openai_a, wsgi_app, tenant_a):
     training = upload(openai_a, chat_lines())
-    openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=training.id, suffix="bot")
+    job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=training.id, suffix="bot")
+    sent = []
+    retrying = openai.OpenAI(api_key=tenant_a.key, base_url="http://testserver/v1", http_client=httpx2.Client(
+        transport=httpx2.WSGITransport(app=wsgi_app), event_hooks={"request": [sent.append]}))
     with pytest.raises(openai.ConflictError) as raised:
-        openai_a.files.delete(training.id)
+        retrying.files.delete(training.id)
     assert error_of(raised)["code"] == "dataset_in_use"
+    assert f"#{job.id.removeprefix('ftjob-')}" in error_of(raised)["message"]  # it names the job in the way
+    assert raised.value.response.headers["x-should-retry"] == "false" and len(sent) == 1  # not retried
     assert openai_a.files.retrieve(training.id).status == "processed"
 
 
@@ -286,3 +304,10 @@ def test_keys_are_the_management_apis(platform, wsgi_app, tenant_a):
     with pytest.raises(openai.PermissionDeniedError) as raised:
         sdk(wsgi_app, inference_only).fine_tuning.jobs.list()
     assert "manage" in error_of(raised)["message"]
+
+
+def test_the_schema_documents_the_openai_routes(client_a):
+    paths = {path.rstrip("/") for path in client_a.get("/api/schema/", HTTP_ACCEPT="application/json").json()["paths"]}
+    assert {"/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/fine_tuning/jobs",
+            "/v1/fine_tuning/jobs/{job_id}", "/v1/fine_tuning/jobs/{job_id}/cancel",
+            "/v1/fine_tuning/jobs/{job_id}/events", "/v1/fine_tuning/jobs/{job_id}/checkpoints"} <= paths

@@ -125,6 +125,9 @@ def cancel_a_running_job(client: openai.OpenAI, file_id: str) -> None:
                                          hyperparameters={"n_epochs": 50})
     pk = int(job.id.removeprefix("ftjob-"))
     wait_for(lambda: TrainingJob.objects.filter(pk=pk, step__gte=1).exists(), 120, "the job to run", poll=0.1)
+    running = client.fine_tuning.jobs.retrieve(job.id)
+    assert running.status == "running" and running.estimated_finish >= running.created_at
+    assert running.trained_tokens is None  # OpenAI's: known once the job ended
     assert client.fine_tuning.jobs.cancel(job.id).status == "running"  # it stops before its next step
     seen, job = wait_final(client, job.id)
     assert job.status == "cancelled" and job.fine_tuned_model is None
