@@ -14,11 +14,16 @@ PEFT-saved rank-16 adapters on all seven projections. In one run it times:
 CUDA (``--shape llama3-8b``): the Llama-3-8B shape with random weights made on the device
 (``load_format="dummy"``, nothing written but the config), bf16, batch 64, context 512, 32
 distinct rank-16 adapters (written in PEFT's format to a RAM disk and loaded through the engine's
-own loader) against base-only; engine steps only (PEFT is far too slow at that shape to rerun).
+own loader) against base-only, for each of ``--modes`` in one engine (``graph``: CUDA-graph
+replay; ``eager``: eager with the paged-attention kernel; ``eager-torch``: eager with the page
+gather + SDPA, the engine before both levers), the slot write of one adapter (CPU cache → GPU
+slot), and optionally transformers' base forward and PEFT's mixed batch (8 and ``--adapters``
+adapters, one token per sequence, no KV cache: targets.md's reference measurement).
 
     python bench/engine.py [--batch 32] [--adapters 8] [--threads 1] [--json OUT]
     python bench/engine.py --shape llama3-8b [--batch 64] [--context 512] [--adapters 32] [--json OUT]
-                           [--profile-dir DIR] [--compare-transformers]
+                           [--modes graph,eager,eager-torch] [--profile-dir DIR] [--compare-transformers]
+                           [--compare-peft]
 """
 
 from __future__ import annotations
@@ -260,27 +265,97 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     adapters = [_write_random_adapter(work / f"a{i}", LLAMA3_8B, args.rank, seed=i) for i in range(args.adapters)]
     results = {"adapters_write_s": time.perf_counter() - start}
     start = time.perf_counter()
-    engine = _engine(model_dir, args, load_format="dummy", max_num_batched_tokens=8192, block_size=16)
+    engine = _engine(
+        model_dir, args, load_format="dummy", max_num_batched_tokens=8192, block_size=16,
+        enforce_eager="graph" not in args.modes,
+    )  # fmt: skip
     results["engine_build_s"] = time.perf_counter() - start
     prompts = _prompts(args.batch, args.context, LLAMA3_8B["vocab_size"], seed=1)
     spread = [LoRARequest(f"a{i % args.adapters}", str(adapters[i % args.adapters])) for i in range(args.batch)]
-    profile = args.profile_dir
-    results["engine_base_step_ms"] = engine_step_ms(
-        engine, prompts, [None] * args.batch, args.steps, profile / "profile_base.txt" if profile else None
-    )
-    start = time.perf_counter()
-    results["engine_lora_step_ms"] = engine_step_ms(
-        engine, prompts, spread, args.steps, profile / "profile_lora.txt" if profile else None
-    )
+    runner = engine.runner
+    if runner.graphs is not None:
+        results["graph_capture_s"] = runner.graphs.capture_seconds
+        results["graph_memory_mib"] = runner.graphs.memory_bytes / 2**20
+    results["memory_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+    for mode in args.modes:
+        runner.enforce_eager = mode != "graph"
+        runner.attention = "torch" if mode == "eager-torch" else "triton"
+        # The eager step's profile shows every kernel (a replayed graph's do not all appear).
+        profiled = "eager" if "eager" in args.modes else args.modes[0]
+        profile = args.profile_dir if mode == profiled else None
+        results[f"{mode}_base_step_ms"] = engine_step_ms(
+            engine, prompts, [None] * args.batch, args.steps, profile / f"profile_{mode}_base.txt" if profile else None
+        )
+        start = time.perf_counter()
+        results[f"{mode}_lora_step_ms"] = engine_step_ms(
+            engine, prompts, spread, args.steps, profile / f"profile_{mode}_lora.txt" if profile else None
+        )
+        results[f"{mode}_lora_over_base"] = results[f"{mode}_lora_step_ms"] / results[f"{mode}_base_step_ms"]
+        if "lora_run_total_s" not in results:
+            results["lora_run_total_s"] = time.perf_counter() - start
+    headline = "graph" if "graph" in args.modes else args.modes[0]
+    results["engine_base_step_ms"] = results[f"{headline}_base_step_ms"]
+    results["engine_lora_step_ms"] = results[f"{headline}_lora_step_ms"]
+    results["memory_with_adapters_gib"] = torch.cuda.memory_allocated() / 2**30
     stats = engine.stats()
     results["adapter_load_mean_s"] = stats.adapter_load_seconds_total / max(stats.adapter_loads, 1)
-    results["lora_run_total_s"] = time.perf_counter() - start
-    results["floor_ms"] = 3.13
+    results["slot_write_ms"] = _slot_write_ms(engine)
+    # Weights + lm_head (targets.md) plus one read of every layer's K and V for batch x context.
+    kv_bytes = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * 2 * args.batch * args.context
+    results["floor_ms"] = 3.13 + kv_bytes / 4.8e12 * 1e3
     engine.shutdown()
+    del engine, runner
+    torch.cuda.empty_cache()
     if args.compare_transformers:
-        del engine
-        torch.cuda.empty_cache()
         results["transformers_base_forward_ms"] = _transformers_forward_ms(model_dir, args)
+    if args.compare_peft:
+        results.update(_peft_forward_ms(model_dir, adapters, args))
+    return results
+
+
+def _slot_write_ms(engine: LLMEngine) -> float:
+    """Median time to copy one CPU-cached adapter into a GPU slot (``write_slot``, synchronised):
+    slot 0's own adapter again, so the cache's bookkeeping stays true."""
+    cache = engine.lora_cache
+    assert cache is not None
+    adapter = cache.slots()[0]
+    assert adapter is not None and adapter.weights is not None
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.runner.write_slot(0, adapter)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@torch.no_grad()
+def _peft_forward_ms(model_dir: Path, adapters: list[Path], args: argparse.Namespace) -> dict[str, float]:
+    """PEFT's mixed batch (``adapter_names=``) on transformers' model, batch of one token each, no KV
+    cache, for 8 and for all the adapters (targets.md's reference measurement)."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    peft = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name="p0", torch_device=args.device)
+    for i, path in enumerate(adapters[1:], 1):
+        peft.load_adapter(str(path), adapter_name=f"p{i}", torch_device=args.device)
+    peft.eval()
+    ids = torch.randint(3, config.vocab_size, (args.batch, 1), device=args.device)
+    results = {}
+    for count in sorted({min(8, len(adapters)), len(adapters)}):
+        names = [f"p{i % count}" for i in range(args.batch)]
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            peft(input_ids=ids, adapter_names=names)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        results[f"peft_mixed_{count}_forward_ms"] = statistics.median(times[1:]) * 1e3
     return results
 
 
@@ -318,7 +393,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--profile-dir", type=Path, help="llama3-8b: write torch.profiler tables of a few steps here")
     parser.add_argument("--compare-transformers", action="store_true", help="llama3-8b: also time transformers' forward")
+    parser.add_argument("--compare-peft", action="store_true", help="llama3-8b: also time PEFT's mixed batch")
+    parser.add_argument(
+        "--modes", default="graph,eager,eager-torch", help="llama3-8b: comma-separated graph, eager, eager-torch"
+    )
     args = parser.parse_args()
+    args.modes = args.modes.split(",")
+    if not set(args.modes) <= {"graph", "eager", "eager-torch"}:
+        parser.error(f"--modes takes graph, eager and eager-torch, got {args.modes}")
     big = args.shape == "llama3-8b"
     args.batch = args.batch or (64 if big else 32)
     args.adapters = args.adapters or (32 if big else 8)
@@ -330,6 +412,9 @@ def main() -> int:
     results["lora_over_base"] = results["engine_lora_step_ms"] / results["engine_base_step_ms"]
     if "peft_mixed_step_ms" in results:
         results["peft_over_engine_lora"] = results["peft_mixed_step_ms"] / results["engine_lora_step_ms"]
+    peft_all = f"peft_mixed_{args.adapters}_forward_ms"
+    if peft_all in results:
+        results["peft_over_engine_lora"] = results[peft_all] / results["engine_lora_step_ms"]
     info = {
         "shape": args.shape, "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "context": args.context,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),

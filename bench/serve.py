@@ -274,7 +274,10 @@ def main() -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--base-fraction", type=float, default=0.0, help="share of requests for the base model")
     p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument(
+        "--request-rate", default="inf",
+        help="Poisson arrivals per second; a comma-separated list runs each rate in turn on the same worker (a curve)",
+    )  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128)
@@ -291,20 +294,34 @@ def main() -> int:
     launch.add_argument("--max-num-seqs", type=int, default=256)
     launch.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = p.parse_args()
+    try:
+        rates = [float(rate) for rate in args.request_rate.split(",")]
+    except ValueError:
+        p.error(f"--request-rate takes numbers (or inf), comma-separated; got {args.request_rate!r}")
     if args.max_loras is None:
         args.max_loras = args.num_adapters
+    summaries = []
     with launched_worker(args) if args.launch else contextlib.nullcontext():
-        results, duration = asyncio.run(run_load(args))
-    summary = summarize(results, duration)
-    print_summary(summary, args)
-    errors = sorted({r.error for r in results if not r.ok})
-    for error in errors[:5]:
-        print(f"error: {error}")
+        for rate in rates:
+            args.request_rate = rate
+            results, duration = asyncio.run(run_load(args))
+            summary = {"request_rate": rate, **summarize(results, duration)}
+            print(f"request rate {rate} req/s")
+            print_summary(summary, args)
+            for error in sorted({r.error for r in results if not r.ok})[:5]:
+                print(f"error: {error}")
+            summaries.append(summary)
+    if len(summaries) > 1:
+        print(f"{'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ok':>5}")
+        for s in summaries:
+            print(f"{s['request_rate']:>7g} {s['output_token_throughput']:>10.1f} {s.get('median_ttft_ms', 0):>9.1f} "
+                  f"{s.get('p99_ttft_ms', 0):>9.1f} {s.get('median_tpot_ms', 0):>9.1f} {s['completed']:>5}")
     if args.json:
         record = {"args": {k: v for k, v in vars(args).items() if k not in ("api_key", "json")},
-                  "host": platform.node(), "python": platform.python_version(), **summary}
+                  "host": platform.node(), "python": platform.python_version(),
+                  **(summaries[0] if len(summaries) == 1 else {"runs": summaries})}
         args.json.write_text(json.dumps(record, indent=2, default=str))
-    return 0 if summary["completed"] else 1
+    return 0 if all(s["completed"] for s in summaries) else 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 
 @dataclass
 class EngineConfig:
@@ -33,6 +35,12 @@ class EngineConfig:
     safetensors (vLLM's option of that name), for benchmarks of shapes whose weights are not at hand.
     ``priority_aging_steps``: a waiting request gains one priority level (lower is served first)
     per this many engine steps, so low-priority work is delayed, never starved.
+    ``enforce_eager`` (vLLM's flag): never replay CUDA graphs. Otherwise, on CUDA, the decode
+    forward is captured at start for a ladder of batch sizes up to ``max_num_seqs``
+    (``cuda_graph_sizes`` overrides the ladder) and each pure-decode step replays the smallest that
+    fits; prefill and mixed steps run eagerly. ``attention_backend``: ``"triton"`` reads the paged
+    KV cache in place for decode tokens, ``"torch"`` gathers pages and calls SDPA; ``"auto"``
+    picks Triton on CUDA and torch on CPU (Triton runs on CPU only under ``TRITON_INTERPRET=1``).
     """
 
     model: str
@@ -52,6 +60,9 @@ class EngineConfig:
     load_format: str = "safetensors"
     priority_aging_steps: int = 64
     base_model_name: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -87,6 +98,14 @@ class EngineConfig:
             self.load_format in ("safetensors", "dummy"),
             f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}",
         )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _require(
+            self.cuda_graph_sizes is None or (bool(self.cuda_graph_sizes) and all(n >= 1 for n in self.cuda_graph_sizes)),
+            f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, got {self.cuda_graph_sizes}",
+        )
         self.torch_device  # validates the device string early
 
     @property
@@ -104,11 +123,32 @@ class EngineConfig:
         return device
 
     @property
+    def attention(self) -> str:
+        """The attention backend decode tokens run on: ``"triton"`` or ``"torch"``."""
+        if self.attention_backend == "auto":
+            return "triton" if self.torch_device.type == "cuda" else "torch"
+        return self.attention_backend
+
+    def graph_sizes(self) -> list[int]:
+        """Batch sizes whose decode step is captured (ascending; empty where graphs are off):
+        1, 2, 4, 8, then every 16 up to ``max_num_seqs``, as vLLM's ladder, and ``max_num_seqs``."""
+        if self.enforce_eager or self.torch_device.type != "cuda":
+            return []
+        return graph_ladder(min(self.max_num_seqs, self.max_num_batched_tokens), self.cuda_graph_sizes)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """bf16 on CUDA and fp32 on CPU unless asked otherwise."""
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+
+def graph_ladder(cap: int, sizes: list[int] | None = None) -> list[int]:
+    """Captured batch sizes up to ``cap``: ``sizes`` if given, else 1, 2, 4, 8, every 16, and ``cap``."""
+    if sizes is not None:
+        return sorted({n for n in sizes if n <= cap})
+    return sorted({n for n in (1, 2, 4, 8, *range(16, cap + 1, 16), cap) if n <= cap})
 
 
 def _require(condition: bool, message: str) -> None:

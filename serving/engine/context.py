@@ -3,7 +3,9 @@
 Attention reads where each token's keys and values go in the paged cache and which blocks each
 sequence's context sits in; LoRA layers read the step's adapter metadata (each token's slot,
 grouped once for all layers). Tokens are ordered decodes first (one per sequence), then each
-prefill chunk in turn. The context is thread-local: an engine's forward runs on one thread.
+prefill chunk in turn. ``attention`` names the backend decode tokens attend with (``"triton"``:
+the paged kernel, reading ``decode_splits`` programs per sequence and KV head; ``"torch"``: a page
+gather and SDPA). The context is thread-local: an engine's forward runs on one thread.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class StepContext:
     decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     lora: LoRAMeta | None = None
+    attention: str = "torch"
+    decode_splits: int = 1
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, context_len: int, sliding_window: int | None) -> torch.Tensor:

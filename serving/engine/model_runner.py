@@ -3,7 +3,9 @@ executes one scheduled step (inputs → per-step context → forward → sampled
 
 The step's host-side preparation (token ids, positions, cache slots, block tables, each token's
 adapter slot) happens before the forward; the forward itself reads only device tensors from the
-context, so no host synchronisation happens inside it.
+context, so no host synchronisation happens inside it. On CUDA a pure-decode step replays a
+captured graph of the whole forward (``serving.engine.decode_graphs``) unless ``enforce_eager``;
+prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from transformers import PretrainedConfig
 from kernels import LoRAMeta
 from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
+from serving.engine.decode_graphs import DecodeGraphs
 from serving.engine.layers.lora_linear import MultiLoRALinear
 from serving.engine.lora_cache import Adapter
 from serving.engine.models.llama import LlamaForCausalLM
@@ -60,6 +63,25 @@ class ModelRunner:
             self._init_lora(config)
         self.num_kv_blocks = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.device)
+        # Read at each step, so a benchmark can compare backends and eager/graphs in one process.
+        self.attention = config.attention
+        self.enforce_eager = config.enforce_eager
+        self.graphs: DecodeGraphs | None = None
+        sizes = config.graph_sizes()
+        if sizes:
+            self.graphs = DecodeGraphs(
+                sizes=sizes,
+                forward=self._forward_logits,
+                lora_meta=self.lora_meta,
+                block_size=self.block_size,
+                max_blocks_per_seq=-(-max_model_len // self.block_size),
+                scratch_block=self.num_kv_blocks,
+                attention=self.attention,
+                splits_for=lambda size: self._decode_splits(size, max_model_len),
+                device=self.device,
+            )
+            with torch.inference_mode():
+                self.graphs.capture()
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -90,16 +112,17 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * config.gpu_memory_utilization - (total - free)
-            num_blocks = min(enough, int(budget // per_block))
+            num_blocks = min(enough, int(budget // per_block) - 1)
         else:
-            num_blocks = min(enough, config.cpu_kv_cache_bytes // per_block)
+            num_blocks = min(enough, config.cpu_kv_cache_bytes // per_block - 1)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one sequence of "
                 f"max_model_len={self.max_model_len} needs; raise num_kv_blocks (or the memory it is sized from) "
                 "or lower max_model_len"
             )
-        shape = (2, len(attn), num_blocks, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
+        # One page more than the block manager hands out: a graph replay's padding rows write there.
+        shape = (2, len(attn), num_blocks + 1, self.block_size, attn[0].num_kv_heads, attn[0].head_dim)
         self.kv_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         for i, layer in enumerate(attn):
             layer.k_cache = self.kv_cache[0, i]
@@ -125,10 +148,29 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every row's logits (what a decode graph captures; the step context is set)."""
+        return self.model.compute_logits(self.model(input_ids, positions))
+
+    def _decode_splits(self, num_decode: int, max_context: int) -> int:
+        if self.attention != "triton" or num_decode == 0:
+            return 1
+        from kernels.paged_attention import decode_splits
+
+        return decode_splits(num_decode, self.model.attention_layers()[0].num_kv_heads, max_context)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
         prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+        if not prefills and self.graphs is not None and not self.enforce_eager:
+            size = self.graphs.size_for(len(decodes))
+            # A one-token chunk of a longer prompt is a "decode" here but samples nothing: eager.
+            if size is not None and all(s.num_computed_tokens + 1 == s.num_tokens for s, _ in decodes):
+                seqs = [s for s, _ in decodes]
+                logits = self.graphs.replay(seqs, size)
+                samples = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs])
+                return StepResult(seqs, samples)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -149,15 +191,17 @@ class ModelRunner:
                 sampled.append(seq)
 
         device = self.device
-        context = StepContext(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device))
+        context = StepContext(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device), attention=self.attention
+        )
         if decodes:
             widest = max(len(s.block_table) for s, _ in decodes)
             tables = [s.block_table + [0] * (widest - len(s.block_table)) for s, _ in decodes]
             context.num_decode = len(decodes)
             context.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            context.decode_context_lens = torch.tensor(
-                [s.num_computed_tokens + 1 for s, _ in decodes], dtype=torch.long, device=device
-            )
+            lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+            context.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
+            context.decode_splits = self._decode_splits(len(decodes), max(lens))
         for row, num, seq in spans[len(decodes) :]:
             table = torch.tensor(seq.block_table, dtype=torch.long, device=device) if seq.num_computed_tokens else None
             context.prefills.append(PrefillSpan(row, num, seq.num_computed_tokens, table))

@@ -6,7 +6,9 @@ base model, with fewer sequence slots than prompts, fewer GPU slots and CPU cach
 adapters, and a KV cache small enough to force preemption. Every prompt's greedy tokens must equal
 PEFT's for that prompt alone with its adapter. On the CPU it runs through both paths of the torch
 reference (the grid, and each group alone); on CUDA (gpu mark) the same runs in fp32 through the
-Triton kernels, against PEFT on the CPU.
+Triton kernels, against PEFT on the CPU, with decode steps replayed from CUDA graphs and eagerly
+(``enforce_eager``); adapters swap slots between replays, so a replay reading a stale or
+half-written slot would show as a token mismatch.
 """
 
 from __future__ import annotations
@@ -33,13 +35,12 @@ LONG = " ".join(WORDS * 2)
 MAX_TOKENS = 12
 # "cpu-loop": the CPU path with every adapter group run alone at its own rank (the torch reference's
 # other path; plain "cpu" takes the grid its cost model picks for these tiny shapes).
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = [
-    "cpu",
-    "cpu-loop",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-    ),
+    pytest.param("cpu", True, id="cpu"),
+    pytest.param("cpu-loop", True, id="cpu-loop"),
+    pytest.param("cuda", False, marks=_CUDA, id="cuda-graphs"),
+    pytest.param("cuda", True, marks=_CUDA, id="cuda-eager"),
 ]
 
 
@@ -74,9 +75,13 @@ def _workload(adapters: dict[str, Path]) -> tuple[list[str], list[LoRARequest | 
     return prompts, loras
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("device", "enforce_eager"), DEVICES)
 def test_mixed_batch_matches_peft(
-    device: str, tiny_model_dir: Path, adapters_for: Callable[[Path], dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+    device: str,
+    enforce_eager: bool,
+    tiny_model_dir: Path,
+    adapters_for: Callable[[Path], dict[str, Path]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if device == "cpu-loop":
         monkeypatch.setattr(kernels.reference, "DENSE_MAX_MACS", 0)
@@ -95,9 +100,15 @@ def test_mixed_batch_matches_peft(
         num_kv_blocks=40,
         device=device,
         dtype="float32",
+        enforce_eager=enforce_eager,
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, lora_request=loras)
+    graphs = llm.llm_engine.runner.graphs
+    if enforce_eager:
+        assert graphs is None
+    else:
+        assert graphs is not None and graphs.replays > 0, "decode steps must replay the captured graphs"
 
     stats = llm.llm_engine.stats()
     assert stats.peak_waiting > 5, "more prompts than max_num_seqs must queue"

@@ -3,13 +3,12 @@
 Each step first writes the new tokens' keys and values into their cache slots (one indexed copy,
 graph-capturable), then attends:
 
-- decode tokens (one per sequence) in one batched call: every sequence's blocks are gathered
-  into a padded ``[B, L]`` context and a mask hides what lies past each sequence's length;
-- each prefill chunk on its own: a first chunk attends to its own keys causally (no gather), a
-  later chunk gathers its sequence's cached context and uses an offset causal mask.
-
-This is plain torch SDPA over gathered pages (correctness first, and the CPU path); a paged
-kernel can replace the two functions below without touching the model.
+- decode tokens (one per sequence) in one batched call: with the ``"triton"`` backend (CUDA) the
+  paged kernel of ``kernels.paged_attention`` reads each sequence's pages in place through its
+  block table; with ``"torch"`` (CPU) every sequence's blocks are gathered into a padded
+  ``[B, L]`` context and a mask hides what lies past each sequence's length;
+- each prefill chunk on its own, in torch SDPA: a first chunk attends to its own keys causally
+  (no gather), a later chunk gathers its sequence's cached context and uses an offset causal mask.
 """
 
 from __future__ import annotations
@@ -58,7 +57,16 @@ class PagedAttention(nn.Module):
         return pages.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        assert ctx.decode_block_tables is not None
+        assert ctx.decode_block_tables is not None and ctx.decode_context_lens is not None
+        if ctx.attention == "triton":
+            # Imported here, as kernels.apply does: Triton compiles or interprets by the environment
+            # at import time, and a CPU-only engine never needs it.
+            from kernels.paged_attention import paged_decode_attention
+
+            return paged_decode_attention(
+                q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
+                scale=self.scale, sliding_window=self.sliding_window, num_splits=ctx.decode_splits,
+            )  # fmt: skip
         keys = self._gather(self.k_cache, ctx.decode_block_tables)
         values = self._gather(self.v_cache, ctx.decode_block_tables)
         mask = ctx.decode_mask(keys.shape[2], self.sliding_window)

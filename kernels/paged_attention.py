@@ -1,0 +1,224 @@
+"""Paged-attention decode in Triton: one query token per sequence attends to its context where the
+KV cache holds it, through the sequence's block table, with no gather of the pages.
+
+A program owns one sequence, one KV head and one share of the context. It loads the query rows of
+every query head of the KV head's group at once (grouped-query attention: the group's heads share
+each K/V load, so K and V are read once per KV head, not once per query head), walks the context
+``BLOCK_N`` tokens at a time (each token's page looked up in the block table, so any page size
+works) with an online softmax in fp32, and writes the normalised output. For short batches the
+context is split over ``num_splits`` programs per (sequence, head) (flash-decoding): each writes
+its running max, sum and unnormalised output, and a second kernel combines them.
+
+Shapes are fixed by the batch size and the block table's width alone, never by the contexts'
+lengths (read on the device), so a CUDA graph replays it for any mix of lengths.
+
+The cache layout is the engine's: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer
+for K and for V; token ``i`` of a sequence sits in page ``block_table[i // block_size]`` at row
+``i % block_size``. With a sliding window ``w``, a query at position ``L - 1`` sees the last ``w``
+tokens (positions ``L - w .. L - 1``), as Mistral and transformers compute it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# (sequence, KV head) programs below which the context is split: about two programs per SM of an H200.
+_SPLIT_BELOW_PROGRAMS = 264
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in fp32; under the interpreter bf16 tiles are upcast (it multiplies bf16 as
+    raw bits), which is exact: products of bf16 values fit fp32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale, window,
+    stride_qb, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh, stride_tb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + seq).to(tl.int32)
+    low = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    # This program's share of [low, length), in whole BLOCK_N steps.
+    per_split = tl.cdiv(tl.cdiv(length - low, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = low + split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # fmt: skip
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        page = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        slot = page * PAGE + offs_n % PAGE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_kslot + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32), PRECISION, UPCAST) * scale
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + slot[:, None] * stride_vslot + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+        m = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+        )  # fmt: skip
+    else:
+        # Partials laid out [seq, kv_head, split, BLOCK_G(, BLOCK_D)], contiguous.
+        row = (seq * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row * BLOCK_G + offs_g, m)
+        tl.store(part_l_ptr + row * BLOCK_G + offs_g, l)
+        tl.store(part_acc_ptr + (row * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Weigh each split's partial output by ``exp(m_split - m_max)`` and normalise by the weighed sums."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (seq * tl.num_programs(1) + kv_head) * NUM_SPLITS + offs_s
+    ml = rows[:, None] * BLOCK_G + offs_g[None, :]  # [S, G]
+    m = tl.load(part_m_ptr + ml)
+    l = tl.load(part_l_ptr + ml)
+    m_max = tl.max(m, axis=0)  # [G]; every sequence has >= 1 token, so some split saw one
+    weight = tl.exp(m - m_max[None, :])  # an empty split (m = -inf) weighs 0
+    total = tl.sum(l * weight, axis=0)
+    acc = tl.load(part_acc_ptr + ml[:, :, None] * BLOCK_D + offs_d[None, None, :])  # [S, G, D]
+    out = tl.sum(acc * weight[:, :, None], axis=0) / total[:, None]
+    heads = kv_head * GROUP + offs_g
+    tl.store(
+        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )  # fmt: skip
+
+
+# Under TRITON_INTERPRET=1 (CPU tests) the kernels are interpreted and bf16 dots need the upcast.
+INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int = 64) -> int:
+    """How many programs share one sequence's context: enough that the grid fills the chip, never
+    more than the longest context has ``block_n`` steps (a power of two, at most ``MAX_SPLITS``)."""
+    splits = 1
+    while batch * num_kv_heads * splits < _SPLIT_BELOW_PROGRAMS and splits < MAX_SPLITS:
+        splits *= 2
+    while splits > 1 and (splits // 2) * block_n >= max_context:
+        splits //= 2
+    return splits
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int = 1,
+    block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q [B, H, D]`` (one token per sequence, at position ``context_lens[b] - 1``, its own K/V
+    already in the cache) → ``[B, H, D]`` attention over ``context_lens[b]`` cached tokens.
+
+    ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``; ``block_tables [B, W]`` int (page
+    ids; entries past a sequence's pages are never read); ``context_lens [B]`` int, each >= 1.
+    ``H`` must be a multiple of ``Hkv``. No host synchronisation: graph-capturable.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_blocks, page, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q has head_dim {head_dim}; caches are {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} must cover {batch} sequences"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches must be contiguous in head_dim")
+    if k_cache.stride(0) != page * k_cache.stride(1) or v_cache.stride(0) != page * v_cache.stride(1):
+        raise ValueError("each cache's pages must be contiguous rows (stride(0) == block_size * stride(1))")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_g = max(16, _next_pow2(group))
+    block_d = max(16, _next_pow2(head_dim))
+    block_n = max(16, block_n)
+    if q.dtype == torch.float32:
+        precision, upcast = "ieee", False
+    else:
+        precision, upcast = "tf32", INTERPRETED
+    if num_splits > 1:
+        rows = batch * num_kv_heads * num_splits
+        part_m = torch.empty((rows, block_g), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((rows, block_g), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((rows, block_g, block_d), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
+        scale, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, PRECISION=precision, UPCAST=upcast,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_kernel[(batch, num_kv_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            num_warps=4,
+        )  # fmt: skip
+    return out
