@@ -1,4 +1,8 @@
-"""RMSNorm as Llama, Qwen2 and Mistral compute it (in fp32, then back to the input dtype)."""
+"""RMSNorm as Llama, Qwen2 and Mistral compute it (in fp32, then back to the input dtype), with the
+residual add folded in: ``norm(x, residual)`` returns ``(rmsnorm(x + residual), x + residual)``, so
+the decoder passes the residual stream along as vLLM's does. On CUDA one Triton kernel does both
+(``kernels.fused_ops``); on CPU the torch ops below, which round at the same places.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed, residual stream)``: the stream is ``x + residual``, or ``x`` without one."""
+        if x.is_cuda:
+            from kernels.fused_ops import rms_norm
+
+            out, summed = rms_norm(x, self.weight, self.eps, residual)
+            return out, summed if summed is not None else x
+        if residual is not None:
+            x = x + residual
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype), x

@@ -43,7 +43,14 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by each token's position."""
+    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by each token's position (on CUDA in place,
+    one Triton launch each; on CPU into new tensors)."""
+    if q.is_cuda:
+        from kernels.fused_ops import rotary_
+
+        rotary_(q, cos, sin)
+        rotary_(k, cos, sin)
+        return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -1,6 +1,6 @@
 """The Llama family forward (Llama, Qwen2, Mistral: one architecture with small differences):
 RMSNorm → attention with RoPE and grouped-query heads → RMSNorm → SwiGLU MLP, residuals around
-both. Qwen2 adds biases to q/k/v; Mistral (and Qwen2 optionally) uses a sliding window.
+both (each residual add folded into the next RMSNorm). Qwen2 adds biases to q/k/v; Mistral (and Qwen2 optionally) uses a sliding window.
 
 q/k/v and gate/up are fused into one multi-LoRA projection each, so each step runs four matmuls
 per layer and four LoRA calls; checkpoint tensors are mapped onto the fused weights at load.
@@ -89,10 +89,16 @@ class MLP(nn.Module):
         )
         self.down_proj = MultiLoRALinear(size, [("down_proj", config.hidden_size)], bias=bias, layer_idx=layer_idx, **lora)
         self.act = ACT2FN[config.hidden_act]
+        self.fused_silu = config.hidden_act == "silu"  # the fused kernel computes SiLU only
         self.size = size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu and gate_up.is_cuda:
+            from kernels.fused_ops import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -105,9 +111,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.mlp = MLP(config, layer_idx, **lora)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(this layer's MLP output, the residual stream before it)``: the next layer's norm adds
+        them (``x + attn(norm(x))``, then ``+ mlp(norm(...))``, with one fused add+norm each)."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class Backbone(nn.Module):
@@ -151,9 +161,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.lookup(positions)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(rope, hidden)
-        return self.model.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
