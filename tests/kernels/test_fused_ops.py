@@ -27,13 +27,14 @@ def _device(device: str, dtype: torch.dtype) -> None:
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Equal up to one rounding of the dtype (fp32 reductions may sum in another order), bf16
-    results bit-equal nearly everywhere."""
+    """Equal up to one rounding of the dtype (fp32 reductions may sum in another order; a bf16 sum
+    that nearly cancels can land one ulp of its O(1) operands apart), bf16 results bit-equal nearly
+    everywhere."""
     assert not actual.isnan().any()
     if actual.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     else:
-        torch.testing.assert_close(actual, expected, rtol=1.6e-2, atol=1e-3)
+        torch.testing.assert_close(actual, expected, rtol=1.6e-2, atol=1.6e-2)
         assert (actual == expected).float().mean() > 0.97, "nearly every element must be bit-equal"
 
 
