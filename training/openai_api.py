@@ -13,7 +13,8 @@ Decisions where OpenAI's API and this platform differ (docs/training.md says the
 - `hyperparameters` take our LoRA knobs (`r`, `lora_alpha`, `target_modules`, …) beside
   OpenAI's; unknown names are refused.
 - Checkpoints are resume points, not servable models; `fine_tuned_model_checkpoint` names them.
-- `result_files` is always empty: the metrics are in the job's events.
+- A succeeded job's `result_files` names one file, `file-results-<n>`: its metrics as OpenAI's
+  results CSV, made from its events when read (not listed among the files, not deletable alone).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db.models import QuerySet
-from django.http import FileResponse, HttpRequest
+from django.http import FileResponse, HttpRequest, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
@@ -41,6 +42,9 @@ from training.hyperparameters import from_openai, to_openai
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 
 FILE_PREFIX = "file-"
+# A succeeded job's results file (its metrics as CSV), made from its events when asked for.
+RESULTS_PREFIX = "file-results-"
+RESULTS_FILENAME = "step_metrics.csv"
 JOB_PREFIX = "ftjob-"
 EVENT_PREFIX = "ftevent-"
 CHECKPOINT_PREFIX = "ftckpt-"
@@ -93,6 +97,13 @@ def file_object(dataset: Dataset) -> dict[str, Any]:
             "status": _FILE_STATUS[dataset.status], "status_details": details, "expires_at": None}
 
 
+def results_file_object(job: TrainingJob) -> dict[str, Any]:
+    """OpenAI's File object for a succeeded job's results file."""
+    return {"id": f"{RESULTS_PREFIX}{job.pk}", "object": "file", "bytes": len(selectors.job_results_csv(job=job)),
+            "created_at": _unix(job.finished_at), "filename": RESULTS_FILENAME, "purpose": "fine-tune-results",
+            "status": "processed", "status_details": None, "expires_at": None}
+
+
 def _job_status(job: TrainingJob) -> str:
     if job.status == TrainingJob.Status.QUEUED and any(
             item is not None and item.status in services.PENDING_DATASET_STATUSES
@@ -115,7 +126,7 @@ def job_object(job: TrainingJob) -> dict[str, Any]:
         "validation_file": _prefixed(FILE_PREFIX, job.validation_dataset_id),
         "hyperparameters": hyperparameters,
         "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
-        "result_files": [], "trained_tokens": job.trained_tokens if job.is_final else None,
+        "result_files": [f"{RESULTS_PREFIX}{job.pk}"] if succeeded else [], "trained_tokens": job.trained_tokens if job.is_final else None,
         "error": ({"code": job.error_code, "message": job.error_message, "param": _ERROR_PARAM.get(job.error_code)}
                   if failed else None),
         "seed": job.seed,
@@ -181,6 +192,16 @@ class _OpenAIView(TenantScopedAPIView):
             raise NotFound(f"No such File object: {file_id!r}.", code="file_not_found", param=param)
         return dataset
 
+    def results_of(self, file_id: str) -> TrainingJob | None:
+        """The succeeded job whose results file `file_id` names; None when it names no results file."""
+        if not file_id.startswith(RESULTS_PREFIX):
+            return None
+        pk = _pk(RESULTS_PREFIX, file_id, "File object", "file_not_found")
+        job = _jobs().for_tenant(self.tenant).filter(pk=pk, status=TrainingJob.Status.SUCCEEDED).first()
+        if job is None:
+            raise NotFound(f"No such File object: {file_id!r}.", code="file_not_found")
+        return job
+
     def job(self, job_id: str) -> TrainingJob:
         pk = _pk(JOB_PREFIX, job_id, "fine-tuning job", "fine_tuning_job_not_found")
         job = _jobs().for_tenant(self.tenant).filter(pk=pk).first()
@@ -242,12 +263,16 @@ class FileView(_OpenAIView):
     @extend_schema(responses=OpenApiTypes.OBJECT, operation_id="openai_files_retrieve",
                    summary="OpenAI: a file, with status_details when invalid")
     def get(self, request: Request, file_id: str) -> Response:
-        return Response(file_object(self.file(file_id)))
+        results = self.results_of(file_id)
+        return Response(results_file_object(results) if results is not None else file_object(self.file(file_id)))
 
     @extend_schema(responses=OpenApiTypes.OBJECT,
                    operation_id="openai_files_delete",
                    summary="OpenAI: delete a file (409 while a queued or running job uses it)")
     def delete(self, request: Request, file_id: str) -> Response:
+        if self.results_of(file_id) is not None:
+            raise InvalidInput("A job's results file is made from its metrics and goes with the job; it cannot be "
+                               "deleted alone.", code="results_file_not_deletable", param="file_id")
         dataset = self.file(file_id)
         services.dataset_delete(dataset=dataset)
         return Response({"id": f"{FILE_PREFIX}{dataset.pk}", "object": "file", "deleted": True})
@@ -259,7 +284,10 @@ class FileContentView(_OpenAIView):
     @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY},
                    operation_id="openai_files_content",
                    summary="OpenAI: the file's content, as uploaded")
-    def get(self, request: Request, file_id: str) -> FileResponse:
+    def get(self, request: Request, file_id: str) -> HttpResponse | FileResponse:
+        results = self.results_of(file_id)
+        if results is not None:
+            return HttpResponse(selectors.job_results_csv(job=results), content_type="text/csv")
         dataset = self.file(file_id)
         return FileResponse(selectors.dataset_content(dataset=dataset), filename=dataset.filename,
                             content_type="application/octet-stream")

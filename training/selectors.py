@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 from typing import Any, BinaryIO
 
 from django.db.models import QuerySet
@@ -20,6 +22,27 @@ def job_events(*, job: TrainingJob) -> QuerySet[TrainingEvent]:
 
 def job_checkpoints(*, job: TrainingJob) -> QuerySet[Checkpoint]:
     return Checkpoint.objects.filter(job=job).order_by("-id")
+
+
+# The columns of OpenAI's results file of a fine-tuning job (our train_mean_token_accuracy is its
+# train_accuracy; validation accuracy is not measured here, so that column stays empty).
+RESULT_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
+_RESULT_KEYS = ("step", "train_loss", "train_mean_token_accuracy", "valid_loss", "valid_mean_token_accuracy")
+
+
+def job_results_csv(*, job: TrainingJob) -> bytes:
+    """The job's metrics as OpenAI's results CSV, one row per logged step (the last run's, where a
+    resumed run logged a step again); a cell is empty where nothing was measured."""
+    by_step: dict[int, dict] = {}
+    for data in TrainingEvent.objects.filter(job=job, type=TrainingEvent.Type.METRICS).order_by("id") \
+            .values_list("data", flat=True):
+        by_step[data["step"]] = data
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(RESULT_COLUMNS)
+    for step in sorted(by_step):
+        writer.writerow(["" if by_step[step].get(key) is None else by_step[step][key] for key in _RESULT_KEYS])
+    return out.getvalue().encode()
 
 
 def dataset_content(*, dataset: Dataset) -> BinaryIO:

@@ -243,6 +243,34 @@ def test_cancel_a_queued_job_and_events_in_openai_shape(openai_a):
     assert events[2].level == "info" and events[2].type == "message"
 
 
+def test_a_succeeded_job_has_its_metrics_as_a_results_file(openai_a, openai_b):
+    training = upload(openai_a, chat_lines())
+    job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=training.id, suffix="bot")
+    assert job.result_files == []
+    row = TrainingJob.objects.get(pk=int(job.id.removeprefix("ftjob-")))
+    results_id = f"file-results-{row.pk}"
+    with pytest.raises(openai.NotFoundError):
+        openai_a.files.retrieve(results_id)  # only a succeeded job has one
+    for step, loss, valid in ((4, 2.0, None), (8, 1.5, 1.75), (4, 1.9, None)):  # step 4 again: a resumed run
+        TrainingEvent.objects.create(job=row, type="metrics", message=f"Step {step}",
+                                     data={"step": step, "train_loss": loss, "train_mean_token_accuracy": 0.5,
+                                           **({"valid_loss": valid} if valid else {})})
+    TrainingJob.objects.filter(pk=row.pk).update(status="succeeded", version="1.0.0", finished_at=row.created_at)
+
+    assert openai_a.fine_tuning.jobs.retrieve(job.id).result_files == [results_id]
+    content = openai_a.files.content(results_id).content
+    assert content.decode().splitlines() == ["step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy",
+                                             "4,1.9,0.5,,", "8,1.5,0.5,1.75,"]
+    info = openai_a.files.retrieve(results_id)
+    assert (info.purpose, info.status, info.bytes, info.filename) == ("fine-tune-results", "processed",
+                                                                      len(content), "step_metrics.csv")
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_a.files.delete(results_id)
+    assert error_of(raised)["code"] == "results_file_not_deletable"
+    with pytest.raises(openai.NotFoundError):
+        openai_b.files.content(results_id)
+
+
 def test_checkpoints_in_openai_shape(openai_a):
     training = upload(openai_a, chat_lines())
     job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=training.id, suffix="bot")

@@ -93,6 +93,9 @@ def test_the_openai_fine_tuning_flow_runs_unchanged(processes, tenant_a, tenant_
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"] - 0.3, metrics
     assert metrics[-1]["train_mean_token_accuracy"] > metrics[0]["train_mean_token_accuracy"], metrics
     assert "valid_loss" in metrics[-1]
+    results = client.files.content(job.result_files[0]).content.decode().splitlines()
+    assert results[0].startswith("step,train_loss,train_accuracy,valid_loss") and len(results) == 1 + len(metrics)
+    assert results[-1].split(",")[:2] == ["32", str(metrics[-1]["train_loss"])]
     checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
     assert checkpoints and all(item.step_number % 8 == 0 for item in checkpoints)
     assert checkpoints[0].fine_tuned_model_checkpoint == f"support-bot:ckpt-step-{checkpoints[0].step_number}"
