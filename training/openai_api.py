@@ -126,7 +126,8 @@ def job_object(job: TrainingJob) -> dict[str, Any]:
         "validation_file": _prefixed(FILE_PREFIX, job.validation_dataset_id),
         "hyperparameters": hyperparameters,
         "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
-        "result_files": [f"{RESULTS_PREFIX}{job.pk}"] if succeeded else [], "trained_tokens": job.trained_tokens if job.is_final else None,
+        "result_files": [f"{RESULTS_PREFIX}{job.pk}"] if succeeded else [],
+        "trained_tokens": job.trained_tokens if job.is_final else None,
         "error": ({"code": job.error_code, "message": job.error_message, "param": _ERROR_PARAM.get(job.error_code)}
                   if failed else None),
         "seed": job.seed,
