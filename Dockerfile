@@ -12,8 +12,8 @@ ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
 
 WORKDIR /app
 COPY . .
-RUN pip install . && useradd --create-home --uid 1000 loraplex && mkdir -p /var/lib/loraplex /models \
-    && chown loraplex /var/lib/loraplex /models
+RUN pip install . && useradd --create-home --uid 1000 loraplex && mkdir -p /var/lib/loraplex /models /secrets \
+    && chown loraplex /var/lib/loraplex /models /secrets && chmod 700 /secrets
 USER loraplex
 
 ENV LORAPLEX_VAR_DIR=/var/lib/loraplex

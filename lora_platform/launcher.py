@@ -4,10 +4,19 @@
 Redis, a base model, a demo tenant and an admin user the first time), starts the processes of the
 platform as children (the list in `child_processes`), prints where to go, and stops the children
 cleanly on Ctrl-C or SIGTERM. If one child dies, the others are stopped too: a half-running
-platform is worse than a stopped one.
+platform is worse than a stopped one. Each child runs in a process group of its own, and stopping
+ends the whole group: a Celery worker's pool and beat processes go with it, even when the worker's
+main process was killed first.
 
 The children get this process's environment, REDIS_URL included: importing the settings starts the
 embedded Redis when REDIS_URL is unset and exports its URL, so every child shares that one server.
+That server keeps its data in var/redis/ (LORAPLEX_EMBEDDED_REDIS_PERSIST, set here), so tasks
+queued or running when the platform stopped are still there when it starts again.
+
+The serving worker requires a key (SERVING_WORKER_API_KEY) on its /v1 API; the web process calls
+it with the same key. Unless set in the environment, the key is generated once and kept in
+var/serving-worker-api-key (readable only by its owner), so every restart, and any serving worker
+started by hand on this machine, agrees on it.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ DEMO_TENANT = "demo"
 ADMIN_USERNAME = "admin"
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0
+SERVING_KEY_FILE = "serving-worker-api-key"
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,27 @@ def child_processes() -> list[ChildSpec]:
 def ensure_registry_token() -> None:
     """The web app and the serving worker share a registry token; one per run unless configured."""
     os.environ.setdefault("REGISTRY_TOKEN", secrets.token_urlsafe(32))
+
+
+def ensure_serving_worker_key(var_dir: Path) -> Path | None:
+    """SERVING_WORKER_API_KEY for the web app and the serving worker: the environment's, or the one
+    kept in var/ (generated the first time, mode 0600). Returns the file it came from (None: env)."""
+    if os.environ.get("SERVING_WORKER_API_KEY"):
+        return None
+    path = var_dir / SERVING_KEY_FILE
+    try:
+        # O_EXCL: two launchers starting at once never overwrite each other's key.
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_text().strip()
+    else:
+        key = secrets.token_urlsafe(32)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(key + "\n")
+    if not key:
+        raise SystemExit(f"{path} is empty; delete it (a new key is generated) or put a key in it.")
+    os.environ["SERVING_WORKER_API_KEY"] = key
+    return path
 
 
 def say(message: str = "") -> None:
@@ -149,7 +180,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 class Supervisor:
-    """Starts the children, watches them, and stops them all (SIGTERM, then SIGKILL) once."""
+    """Starts the children, watches them, and stops them all once: SIGTERM to each child (which stops
+    its own helpers gracefully), then SIGKILL to whatever is left of its process group."""
 
     def __init__(self, specs: list[ChildSpec]) -> None:
         self.specs = specs
@@ -180,8 +212,56 @@ class Supervisor:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 say(f"{name} did not stop within {STOP_TIMEOUT_S:.0f} s; killing it.")
-                child.kill()
-                child.wait()
+        # The group is the child's own (start_new_session): its pid is the group's id. What a child
+        # that is gone left behind (a killed Celery worker's beat and pool) is asked to stop too.
+        for child in self.children.values():
+            if child.poll() is not None:
+                _signal_group(child.pid, signal.SIGTERM)
+        grace = max(deadline, time.monotonic() + 5)
+        for name, child in self.children.items():
+            if not _group_ends(child.pid, grace):
+                say(f"{name} left processes that did not stop; killing them.")
+                _signal_group(child.pid, signal.SIGKILL)
+                _group_ends(child.pid, time.monotonic() + STOP_TIMEOUT_S)
+            child.wait()
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of the group still runs (a zombie waiting for its reaper does not count)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # After the command's closing parenthesis: state, ppid, pgrp, …
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
+
+
+def _group_ends(group: int, deadline: float) -> bool:
+    """Waits until no process of the group is left, or the deadline; whether it ended."""
+    while _group_alive(group):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _signal_group(group: int, signum: int) -> None:
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:
+        pass
 
 
 def wait_until_ready(supervisor: Supervisor, url: str) -> bool:
@@ -199,15 +279,16 @@ def wait_until_ready(supervisor: Supervisor, url: str) -> bool:
     return False
 
 
-def banner(base: str, demo_key: str | None, admin_password: str | None) -> str:
+def banner(base: str, demo_key: str | None, admin_password: str | None, serving_key_file: Path | None = None) -> str:
+    key_from = f"key in {serving_key_file}" if serving_key_file else "key: $SERVING_WORKER_API_KEY"
     lines = [
         "",
         "Loraplex is up. Ctrl-C stops it.",
         f"  Admin        {base}/admin/",
         f"  API          {base}/api/v1/",
         f"  API schema   {base}/api/schema/   (browsable: {base}/api/docs/)",
-        f"  Serving      http://{WEB_HOST}:{SERVING_PORT}/v1/   (OpenAI-compatible serving worker; "
-        f"metrics at /metrics)",
+        f"  Serving      http://{WEB_HOST}:{SERVING_PORT}/v1/   (OpenAI-compatible serving worker, operator "
+        f"only: {key_from}; metrics at /metrics)",
     ]
     if admin_password:
         lines.append(f"  Admin login  user '{ADMIN_USERNAME}', password {admin_password}   (shown this once)")
@@ -231,7 +312,12 @@ def main() -> int:
         say(f"Port {SERVING_PORT} on {WEB_HOST} is in use; stop what holds it or set LORAPLEX_SERVING_PORT.")
         return 1
     ensure_registry_token()
+    # Before the settings start the embedded Redis (when REDIS_URL is unset): keep its data in var/.
+    os.environ.setdefault("LORAPLEX_EMBEDDED_REDIS_PERSIST", "true")
     setup_django()
+    from django.conf import settings
+
+    serving_key_file = ensure_serving_worker_key(settings.VAR_DIR)
     ensure_database()
     ensure_base_model()
     demo_key = ensure_demo_tenant()
@@ -252,7 +338,7 @@ def main() -> int:
                 return 0
             say(f"The web app did not answer at {base}/api/schema/; stopping.")
             return 1
-        say(banner(base, demo_key, admin_password))
+        say(banner(base, demo_key, admin_password, serving_key_file))
         while not supervisor.stopping:
             dead = supervisor.dead_child()
             if dead is not None:

@@ -1,5 +1,8 @@
 """`make up`'s launcher: run for real on the embedded defaults, it comes up, prints where to go, and
-on SIGTERM stops every child and releases its port; its first-run set-up happens only once."""
+on SIGTERM stops every child and releases its port; its first-run set-up happens only once. The
+serving worker requires the key kept in var/, which the web process holds too; killing the Celery
+worker's main process takes its whole process tree down with the platform (no orphaned beat), and
+the embedded Redis keeps its data across restarts."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 from django.contrib.auth import get_user_model
 
 from lora_platform import launcher as launcher_module
@@ -79,8 +83,27 @@ class Launcher:
         request = urllib.request.Request(f"http://127.0.0.1:{port or self.port}{path}")
         if key:
             request.add_header("Authorization", f"Bearer {key}")
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read()
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+
+    def wait_serving_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:  # the serving worker answers /health with 503 until its model is loaded
+            try:
+                if self.get("/health", port=self.serving_port)[0] == 200:
+                    return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"serving worker not healthy:\n{self.output[-5000:]}"
+            time.sleep(0.5)
+
+    def child(self, marker: str) -> int:
+        """The pid of the launcher's direct child whose command line holds `marker`."""
+        [pid] = [pid for pid in processes_with(marker) if parent_of(pid) == self.process.pid]
+        return pid
 
     def terminate(self) -> int:
         self.process.send_signal(signal.SIGTERM)
@@ -92,6 +115,31 @@ class Launcher:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def group_members(group: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    pairs = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return dict(pair.decode().split("=", 1) for pair in pairs if b"=" in pair)
 
 
 def processes_with(marker: str) -> list[int]:
@@ -122,16 +170,10 @@ def test_launcher_comes_up_prints_where_to_go_and_stops_cleanly(tmp_path: Path) 
         assert (tmp_path / "var" / "models" / "tiny-llama" / "config.json").is_file()
         assert processes_with(f"worker-{launcher.process.pid}@"), "the Celery worker is not running"
         assert f"http://127.0.0.1:{launcher.serving_port}/v1/" in launcher.output
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:  # the serving worker answers /health with 503 until its model is loaded
-            try:
-                if launcher.get("/health", port=launcher.serving_port)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"serving worker not healthy:\n{launcher.output[-5000:]}"
-            time.sleep(0.5)
-        status, body = launcher.get("/v1/models", port=launcher.serving_port)
+        key_file = tmp_path / "var" / "serving-worker-api-key"
+        assert f"key in {key_file}" in launcher.output
+        launcher.wait_serving_healthy()
+        status, body = launcher.get("/v1/models", key=key_file.read_text().strip(), port=launcher.serving_port)
         assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny-llama"
 
         assert launcher.terminate() == 0
@@ -172,3 +214,59 @@ def test_first_run_setup_happens_once_and_secrets_are_printed_only_then() -> Non
     later = launcher_module.banner("http://h:1", None, None)
     assert key in first and password in first
     assert "shown this once" not in later and "tenants create-key demo" in later
+
+
+def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_restart(tmp_path: Path) -> None:
+    """Issue 16, items 1 and 3, against `make up` itself, twice on one var/ directory."""
+    var = tmp_path / "var"
+    first = Launcher(var, unused_port())
+    try:
+        first.wait_for("Loraplex is up")
+        key_file = var / "serving-worker-api-key"
+        key = key_file.read_text().strip()
+        assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
+        first.wait_serving_healthy()
+        # The serving worker is no side door: nothing on /v1 without the key.
+        for path in ("/v1/models", "/v1/chat/completions"):
+            assert first.get(path, port=first.serving_port)[0] == 401
+            assert first.get(path, key="not-the-key", port=first.serving_port)[0] == 401
+        assert first.get("/v1/models", key=key, port=first.serving_port)[0] == 200
+        # The web process holds the same key, to call the worker with it.
+        web_env = environ_of(first.child("lora_platform.asgi:application"))
+        assert web_env["SERVING_WORKER_API_KEY"] == key
+        broker = redis.Redis.from_url(web_env["REDIS_URL"], socket_timeout=5)
+        broker.set("loraplex-test-survives-a-restart", "yes")
+        broker.close()
+
+        celery_main = first.child(f"worker-{first.process.pid}@")
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        # Its pool and its embedded beat: children in its process group.
+        while len(group_members(celery_main)) < 3:
+            assert time.monotonic() < deadline, f"no beat/pool children of the worker:\n{first.output[-3000:]}"
+            time.sleep(0.2)
+        helpers = [pid for pid in group_members(celery_main) if pid != celery_main]
+        os.kill(celery_main, signal.SIGKILL)
+        assert first.process.wait(timeout=90) == 1
+        first._reader.join(timeout=10)
+    finally:
+        first.kill()
+    assert "worker exited with status -9; stopping the platform." in first.output
+    assert helpers and group_members(celery_main) == []  # the beat and pool children went with it
+    assert processes_with(f"worker-{first.process.pid}@") == []
+    assert port_is_free(first.port) and port_is_free(first.serving_port)
+
+    second = Launcher(var, unused_port())
+    try:
+        second.wait_for("Loraplex is up")
+        assert key_file.read_text().strip() == key  # restarts agree on the key
+        second.wait_serving_healthy()
+        assert second.get("/v1/models", key=key, port=second.serving_port)[0] == 200
+        broker = redis.Redis.from_url(environ_of(second.child("lora_platform.asgi:application"))["REDIS_URL"],
+                                      socket_timeout=5)
+        assert broker.get("loraplex-test-survives-a-restart") == b"yes"
+        broker.close()
+        assert second.terminate() == 0
+    finally:
+        second.kill()
+    assert processes_with(f"worker-{second.process.pid}@") == []
+    assert port_is_free(second.port) and port_is_free(second.serving_port)

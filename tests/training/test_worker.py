@@ -8,6 +8,7 @@ with the worker SIGKILLed mid-job: a new worker resumes from the checkpoint.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from lora_platform.storage import get_storage
 from serving.engine.artifact import manifest_verify
 from serving.models import AdapterVersion
 from training.examples import Example, encode_example
+from training import services
 from training.models import Checkpoint, TrainingEvent, TrainingJob
 from training.trainer import token_nll
 
@@ -172,3 +174,37 @@ def test_killed_worker_is_resumed_from_its_checkpoint(platform, client_a, tenant
              .order_by("id")]
     assert after[0] == step + 1 and after[-1] == job.total_steps == 120
     check_artifact(job, base_model_dir, tmp_path)
+
+
+def test_a_killed_workers_job_is_resent_by_the_sweep_and_its_scratch_folder_swept(
+        platform, client_a, tenant_a, start_worker, settings, tmp_path):
+    """Issue 16, item 3: with the broker's real visibility timeout (6 h), the sweep re-sends a job two
+    leases after its worker died; the next worker removes the scratch folder (the tenant's dataset)
+    the killed run left."""
+    scratch = tmp_path / "scratch"
+    settings.TRAINING_LEASE_SECONDS = 2
+    env = {"TRAINING_LEASE_SECONDS": 2, "TRAINING_CHECKPOINT_EVERY_STEPS": 10, "TRAINING_SCRATCH_DIR": scratch}
+    assert "CELERY_VISIBILITY_TIMEOUT" not in os.environ
+    first = start_worker(**env)
+    dataset_id = upload_ready_dataset(client_a, chat_lines(repeat=2))
+    response = client_a.post("/api/v1/training-jobs", {
+        "training_file": dataset_id, "adapter": "swept", "seed": 3,
+        "hyperparameters": {"n_epochs": 10, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
+    }, format="json")
+    job_id = response.json()["id"]
+    wait_for(lambda: Checkpoint.objects.filter(job_id=job_id).exists(), 120, "the first checkpoint", poll=0.05)
+    first.kill()
+    assert TrainingJob.objects.get(pk=job_id).status == TrainingJob.Status.RUNNING
+    [left] = list(scratch.iterdir())
+    assert left.name.startswith(f"job-{job_id}-") and (left / f"dataset-{dataset_id}.jsonl").is_file()
+
+    start_worker(**env)
+    assert not left.exists()  # swept at the worker's start
+    # The sweep (beat's, every minute) re-sends the job once its lease has been silent for two leases.
+    wait_for(lambda: services.training_jobs_sweep()["resent"] == [job_id], 30, "the sweep to re-send the job")
+    body = wait_job_final(client_a, job_id)
+    assert body["status"] == "succeeded", body
+    job = TrainingJob.objects.get(pk=job_id)
+    assert job.attempts == 2 and job.events.filter(message__startswith="Resuming from the checkpoint").exists()
+    assert AdapterVersion.objects.for_tenant(tenant_a.tenant).count() == 1
+    assert list(scratch.iterdir()) == []  # the finished run removed its own

@@ -1,0 +1,60 @@
+"""docker-compose.yml keeps the serving worker private (issue 16, item 1): no published port, and the
+web app and the serving worker run with one generated key. No Docker here, so the file is read and
+its key-sharing shell snippets are run with sh exactly as the containers would run them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def unescape(argument: str) -> str:
+    """Compose's `$$` is a literal `$` for the shell."""
+    return argument.replace("$$", "$")
+
+
+def run_with_worker_key(service: str, env: dict[str, str], secrets: Path) -> subprocess.CompletedProcess:
+    entrypoint = [unescape(part).replace("/secrets/", f"{secrets}/") for part in SERVICES[service]["entrypoint"]]
+    return subprocess.run([*entrypoint, "sh", "-c", 'printf %s "$SERVING_WORKER_API_KEY"'],
+                          env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
+
+
+def test_no_serving_worker_port_is_published_and_only_the_web_app_is_reachable() -> None:
+    published = {name for name, service in SERVICES.items() if service.get("ports")}
+    assert "serving-worker" not in published
+    assert "web" in published
+
+
+def test_setup_generates_the_key_once_with_owner_only_access(tmp_path: Path) -> None:
+    command = SERVICES["setup"]["command"][-1]
+    generate = re.search(r"\(test -s /secrets/serving-worker-api-key \|\| .*?> /secrets/serving-worker-api-key\)\)",
+                         command).group(0)
+    generate = generate.replace("/secrets/", f"{tmp_path}/")
+    subprocess.run(["sh", "-c", generate.replace("python ", "python3 ")], check=True, timeout=30)
+    key_file = tmp_path / "serving-worker-api-key"
+    key = key_file.read_text().strip()
+    assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
+    subprocess.run(["sh", "-c", generate.replace("python ", "python3 ")], check=True, timeout=30)
+    assert key_file.read_text().strip() == key  # a second `up` keeps it
+
+
+def test_web_and_serving_worker_share_the_generated_key_or_the_operators(tmp_path: Path) -> None:
+    (tmp_path / "serving-worker-api-key").write_text("generated-key\n")
+    for service in ("web", "serving-worker"):
+        assert SERVICES[service]["volumes"] == ["models:/models", "secrets:/secrets"]
+        shared = run_with_worker_key(service, {}, tmp_path)
+        assert shared.returncode == 0 and shared.stdout == "generated-key"
+        chosen = run_with_worker_key(service, {"SERVING_WORKER_API_KEY": "operator-key"}, tmp_path)
+        assert chosen.stdout == "operator-key"
+
+
+def test_without_a_key_the_serving_worker_does_not_start_open(tmp_path: Path) -> None:
+    refused = run_with_worker_key("serving-worker", {}, tmp_path)  # no key file, none in the environment
+    assert refused.returncode != 0 and refused.stdout == ""
