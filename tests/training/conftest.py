@@ -11,15 +11,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 import redis
 
 from serving.engine.tiny import build_tiny_model
-from training_support import BASE_MODEL_NAME
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gateway.conftest import WebProcess
+from training_support import BASE_MODEL_NAME, ROOT, process_env
 
 
 @pytest.fixture(scope="session")
@@ -46,17 +44,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-def database_url() -> str:
-    """The URL of the test database this process uses, for worker subprocesses."""
-    from django.db import connection
-
-    db = connection.settings_dict
-    if db["ENGINE"] == "django.db.backends.sqlite3":
-        return f"sqlite:///{db['NAME']}"
-    credentials = quote(db["USER"] or "", safe="") + (f":{quote(db['PASSWORD'], safe='')}" if db["PASSWORD"] else "")
-    return f"postgres://{credentials}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
 
 
 def purge_queues() -> None:
@@ -199,74 +186,10 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
-class WebProcess:
-    """The web app under uvicorn, as `make up` and compose run it, on a free port."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.port = unused_port()
-        self.log = log
-        self.handle = log.open("ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"web process exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/api/schema/", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"web process not ready after {timeout}s:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.handle.close()
-
-
-def process_env(settings, extra: dict[str, object]) -> dict[str, str]:
-    """The environment of a platform process on this test's database, storage and base model."""
-    env = dict(os.environ)
-    env.update({
-        "DJANGO_SETTINGS_MODULE": "lora_platform.settings",
-        "DATABASE_URL": database_url(),
-        "STORAGE_URL": settings.STORAGE_URL,
-        "BASE_MODEL_PATH": str(settings.BASE_MODEL_PATH),
-        "BASE_MODEL_NAME": settings.BASE_MODEL_NAME,
-        "LOG_LEVEL": "INFO",
-        # One compute thread: on a shared 2-core machine, OpenMP threads spinning against other
-        # processes make a tiny model's step 10-20x slower.
-        "OMP_NUM_THREADS": "1",
-        **({"S3_ENDPOINT_URL": settings.S3_ENDPOINT_URL} if settings.S3_ENDPOINT_URL else {}),
-    })
-    env.update({key: str(value) for key, value in extra.items()})
-    return env
-
-
 @pytest.fixture
 def start_web(transactional_db, tmp_path: Path, settings) -> Iterator[Callable[..., WebProcess]]:
-    """`start_web(**env)` → a ready web process on the test database with this test's settings."""
+    """`start_web(**env)` → a ready web process (the gateway suite's) on the test database with this
+    test's settings."""
     processes: list[WebProcess] = []
 
     def start(**extra: str) -> WebProcess:

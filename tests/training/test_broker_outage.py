@@ -16,10 +16,9 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from conftest import ROOT, process_env
 from lora_platform.storage import get_storage
 from training.models import Dataset, TrainingJob
-from training_support import chat_lines, jsonl, wait_for
+from training_support import ROOT, chat_lines, jsonl, process_env, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -20,9 +20,8 @@ import pytest
 from lora_platform.storage import get_storage
 from tests.gateway.conftest import WebProcess
 from tests.serving_worker.conftest import WorkerProcess
-from tests.training.conftest import database_url
 from training.models import TrainingJob
-from training_support import BASE_MODEL_NAME, QA, chat_lines, jsonl, wait_for
+from training_support import BASE_MODEL_NAME, QA, chat_lines, database_url, jsonl, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -208,3 +208,22 @@ def test_a_killed_workers_job_is_resent_by_the_sweep_and_its_scratch_folder_swep
     assert job.attempts == 2 and job.events.filter(message__startswith="Resuming from the checkpoint").exists()
     assert AdapterVersion.objects.for_tenant(tenant_a.tenant).count() == 1
     assert list(scratch.iterdir()) == []  # the finished run removed its own
+
+
+def test_lines_that_used_to_crash_the_validation_task_are_line_errors_on_a_real_worker(
+        platform, client_a, start_worker):
+    """Issue 16, item 6: a line nested 100k deep and a lone surrogate no longer leave the dataset
+    `validating` for ever; the worker reports them as line errors and stays up for the next file."""
+    start_worker()
+    deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"
+    surrogate = b'{"messages": [{"role": "user", "content": "Hi \\ud800"}, {"role": "assistant", "content": "Yo."}]}\n'
+    body = jsonl(chat_lines(1)) + deep + surrogate
+    response = client_a.post("/api/v1/datasets", {"file": SimpleUploadedFile("hostile.jsonl", body)}, format="multipart")
+    assert response.status_code == 201, response.json()
+    dataset_id = response.json()["id"]
+    report = wait_for(lambda: (lambda d: d if d["status"] in ("ready", "invalid") else None)(
+        client_a.get(f"/api/v1/datasets/{dataset_id}").json()), 120, "validation of the hostile file")
+    assert report["status"] == "invalid"
+    assert [(error["line"], error["code"]) for error in report["report"]["errors"]] == [
+        (9, "json_too_deep"), (10, "invalid_unicode")]
+    upload_ready_dataset(client_a, chat_lines(repeat=2))  # the same worker validates the next file

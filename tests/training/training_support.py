@@ -1,12 +1,17 @@
-"""Helpers the training suites share: example data and polling (fixtures live in conftest.py)."""
+"""Helpers the training suites share: example data, polling, the environment of platform processes
+(fixtures live in conftest.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
 
 BASE_MODEL_NAME = "tiny-llama"
+ROOT = Path(__file__).resolve().parents[2]
 
 # Questions with short fixed answers: a few dozen steps are enough for the adapter to learn them.
 QA = [
@@ -40,3 +45,33 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: f
             return value
         time.sleep(poll)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def database_url() -> str:
+    """The URL of the test database this process uses, for worker subprocesses."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    if db["ENGINE"] == "django.db.backends.sqlite3":
+        return f"sqlite:///{db['NAME']}"
+    credentials = quote(db["USER"] or "", safe="") + (f":{quote(db['PASSWORD'], safe='')}" if db["PASSWORD"] else "")
+    return f"postgres://{credentials}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def process_env(settings, extra: dict[str, object]) -> dict[str, str]:
+    """The environment of a platform process on this test's database, storage and base model."""
+    env = dict(os.environ)
+    env.update({
+        "DJANGO_SETTINGS_MODULE": "lora_platform.settings",
+        "DATABASE_URL": database_url(),
+        "STORAGE_URL": settings.STORAGE_URL,
+        "BASE_MODEL_PATH": str(settings.BASE_MODEL_PATH),
+        "BASE_MODEL_NAME": settings.BASE_MODEL_NAME,
+        "LOG_LEVEL": "INFO",
+        # One compute thread: on a shared 2-core machine, OpenMP threads spinning against other
+        # processes make a tiny model's step 10-20x slower.
+        "OMP_NUM_THREADS": "1",
+        **({"S3_ENDPOINT_URL": settings.S3_ENDPOINT_URL} if settings.S3_ENDPOINT_URL else {}),
+    })
+    env.update({key: str(value) for key, value in extra.items()})
+    return env
