@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,6 +43,15 @@ _VOLATILE_CONFIG_KEYS = frozenset(
     {"transformers_version", "_name_or_path", "_commit_hash", "torch_dtype", "dtype", "use_cache"}
 )
 _CHUNK = 1024 * 1024
+# Limits on the JSON files read from an artifact (adapter_config.json, manifest.json), which come
+# from tenants: PEFT writes a flat object of a few KB, a manifest lists a handful of files. Nesting
+# is checked before parsing, because `json.loads` recurses once per level (a RecursionError, not a
+# clear refusal) and an oversized file is refused before it is read whole.
+MAX_JSON_BYTES = 1024 * 1024
+MAX_JSON_DEPTH = 32
+# A JSON string, escapes included; what is left between strings holds the brackets that nest.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 class AdapterError(ValueError):
@@ -78,18 +88,36 @@ def base_config_sha256(model_dir: Path) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
-    """The parsed adapter_config.json of `adapter_dir`; AdapterError if missing or not JSON."""
-    path = Path(adapter_dir) / ADAPTER_CONFIG_NAME
+def read_artifact_json(path: Path, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The parsed JSON of one artifact file, refused with an AdapterError naming the file when it
+    is over `max_bytes`, nested deeper than `max_depth` or not JSON. FileNotFoundError passes."""
+    path = Path(path)
+    where = f"{path.name} in {path.parent}"
+    with open(path, "rb") as stream:
+        data = stream.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise AdapterError(f"{where} is larger than the {max_bytes} bytes allowed for it")
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub(b"", data)):
+        depth += 1 if match.group() in b"[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > max_depth:
+                raise AdapterError(f"{where} is nested deeper than the {max_depth} levels allowed for it")
     try:
-        config = json.loads(path.read_bytes())
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{where} is not valid JSON: {exc}") from None
+
+
+def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    """The parsed adapter_config.json of `adapter_dir`; AdapterError if missing, over the JSON
+    limits or not a JSON object."""
+    try:
+        config = read_artifact_json(Path(adapter_dir) / ADAPTER_CONFIG_NAME)
     except FileNotFoundError:
         raise AdapterError(
             f"{ADAPTER_CONFIG_NAME} is missing in {adapter_dir}: not a PEFT adapter directory"
-        ) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdapterError(
-            f"{ADAPTER_CONFIG_NAME} in {adapter_dir} is not valid JSON: {exc}"
         ) from None
     if not isinstance(config, dict):
         raise AdapterError(f"{ADAPTER_CONFIG_NAME} in {adapter_dir} is not a JSON object")
@@ -236,11 +264,9 @@ def manifest_verify(adapter_dir: Path) -> dict[str, Any]:
     adapter_dir = Path(adapter_dir)
     path = adapter_dir / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = read_artifact_json(path)
     except FileNotFoundError:
         raise AdapterError(f"{MANIFEST_NAME} is missing in {adapter_dir}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{MANIFEST_NAME} in {adapter_dir} is not valid JSON: {exc}") from None
     files = _manifest_files(manifest, adapter_dir)
     present = set(artifact_files(adapter_dir))
     for file_name, recorded in sorted(files.items()):

@@ -145,12 +145,14 @@ def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="session")
-def worker(start_worker: Callable[..., WorkerProcess], adapters: dict[str, Path]) -> WorkerProcess:
-    """The shared worker: alpha and beta loaded at start, 2 GPU slots over 3 CPU cache entries."""
+def worker(start_worker: Callable[..., WorkerProcess], adapters: dict[str, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> WorkerProcess:
+    """The shared worker, open (no key): alpha and beta loaded at start, 2 GPU slots over 3 CPU
+    cache entries; adapters may be loaded from anywhere under the session's temporary directory."""
     return start_worker(
         "--lora-modules", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}",
         "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_CPU_LORAS), "--max-lora-rank", "16",
-        "--served-model-name", "tiny-base",
+        "--served-model-name", "tiny-base", "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
     )
 
 

@@ -58,7 +58,7 @@ def test_deploy_events_and_reconcile_keep_the_worker_in_sync(
     registry, settings, redis_client, tenant_a, start_worker, make_adapter, offline, tiny_model
 ):
     worker = start_worker(
-        "--registry-url", registry, "--registry-token", TOKEN, "--redis-url", settings.REDIS_URL,
+        "--allowed-adapter-path", settings.STORAGE_URL, "--registry-url", registry, "--registry-token", TOKEN, "--redis-url", settings.REDIS_URL,
         "--registry-reconcile-interval", str(RECONCILE_S), "--heartbeat-interval", "1",
         "--worker-id", WORKER_ID, "--served-model-name", tiny_model.name,
     )

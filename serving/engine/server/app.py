@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -10,10 +9,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving.engine import AdapterError, AdapterNotFoundError
+from serving.engine.server.adapter_roots import AdapterLocationRefused
 from serving.engine.server.adapters import Source
+from serving.engine.server.auth import OperatorAuth, is_operator
+from serving.engine.server.body_limit import BodyLimit
 from serving.engine.server.chat import create_chat_completion
 from serving.engine.server.completions import create_completion
-from serving.engine.server.errors import APIError, bad_request, error_response, install_error_handlers
+from serving.engine.server.errors import APIError, bad_request, install_error_handlers
 from serving.engine.server.generation import ClientDisconnected, Outcome
 from serving.engine.server.metrics import CONTENT_TYPE
 from serving.engine.server.on_demand import ensure_loaded
@@ -25,6 +27,7 @@ from serving.engine.server.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
+from serving.engine.server.registry_sync import is_registry_name
 from serving.engine.server.worker import State, Worker
 
 # nginx's code for "the client closed the request": nobody reads it, the access log does.
@@ -45,16 +48,9 @@ def build_app(worker: Worker) -> FastAPI:
     async def _gone(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=_CLIENT_CLOSED)
 
-    if worker.args.api_key:
-        expected = f"Bearer {worker.args.api_key}".encode()
-
-        @app.middleware("http")
-        async def _require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-            if request.url.path.startswith("/v1/"):
-                presented = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(presented, expected):
-                    return error_response(APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
-            return await call_next(request)
+    # Outermost first: the key is checked before a byte of the body is read, then the body's size.
+    app.add_middleware(BodyLimit, max_bytes=worker.args.max_request_body_bytes)
+    app.add_middleware(OperatorAuth, api_key=worker.args.api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -68,15 +64,20 @@ def build_app(worker: Worker) -> FastAPI:
         return Response(worker.metrics.render(await worker.stats(), sync), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
+    async def models(request: Request) -> ModelList:
+        """`root` is where a model was loaded from for the operator; others see the model's id, as
+        storage paths and bucket names are nobody else's business."""
         engine, adapters = worker.require_ready()
+        operator = is_operator(request)
         created = int(worker.started_at)
         cards = [
-            ModelCard(id=name, created=created, root=worker.args.model, max_model_len=engine.max_model_len)
+            ModelCard(id=name, created=created, root=worker.args.model if operator else name,
+                      max_model_len=engine.max_model_len)
             for name in worker.base_model_ids
         ]
         cards += [
-            ModelCard(id=name, created=created, root=served.info.path, parent=worker.base_model_id)
+            ModelCard(id=name, created=created, root=served.info.path if operator else name,
+                      parent=worker.base_model_id)
             for name, served in sorted(adapters.all().items())
         ]
         return ModelList(data=cards)
@@ -99,18 +100,32 @@ def build_app(worker: Worker) -> FastAPI:
             outcome.fail(exc)
             raise
 
+    def _registry_names_are_the_operators(request: Request, name: str) -> None:
+        if is_registry_name(name) and not is_operator(request):
+            raise APIError(
+                409,
+                f"'{name}' has the registry's name form <tenant>/<adapter>@<version>: those names are loaded and "
+                "unloaded by the registry only. Choose a name without '/' and '@'.",
+                param="lora_name", code="registry_name",
+            )
+
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict:
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> dict:
         """Load into the CPU cache (a GPU slot is filled on first use); other requests keep running.
-        Same name, same content: 200. Same name, other content: 400 unless `load_inplace`."""
+        Same name, same content: 200. Same name, other content: 400 unless `load_inplace`.
+        A registry-form name: 409 unless the operator asks."""
         _, adapters = worker.require_ready()
+        _registry_names_are_the_operators(request, body.lora_name)
         try:
             info = await adapters.load(body.lora_name, body.lora_path, load_inplace=body.load_inplace, source=Source.API)
+        except AdapterLocationRefused as exc:
+            raise APIError(400, f"Cannot load adapter '{body.lora_name}': {exc}", param="lora_path",
+                           code="lora_path_not_allowed") from exc
         except (AdapterError, ValueError) as exc:
             raise bad_request(f"Cannot load adapter '{body.lora_name}': {exc}", param="lora_path") from exc
         return {
             "lora_name": info.name,
-            "lora_path": info.path,
+            "lora_path": body.lora_path,
             "digest": info.digest,
             "rank": info.rank,
             "lora_alpha": info.lora_alpha,
@@ -119,9 +134,11 @@ def build_app(worker: Worker) -> FastAPI:
         }
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict:
-        """Unload; the slot and CPU copy are freed once the adapter's in-flight requests finish."""
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> dict:
+        """Unload; the slot and CPU copy are freed once the adapter's in-flight requests finish.
+        A registry-form name: 409 unless the operator asks."""
         _, adapters = worker.require_ready()
+        _registry_names_are_the_operators(request, body.lora_name)
         try:
             await adapters.unload(body.lora_name)
         except AdapterNotFoundError as exc:

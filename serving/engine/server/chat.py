@@ -1,14 +1,25 @@
 """`POST /v1/chat/completions`: messages through the tokenizer's chat template, a reply out, whole
 or streamed. The prompt is built exactly as the offline `LLM.chat` builds it, so the same
-conversation gives the same tokens through either."""
+conversation gives the same tokens through either.
+
+The template and the tokenizer run on threads, never on the event loop, so a long conversation
+does not hold up other requests or `/health`. A caller's own template (`chat_template`, or
+`chat_template_kwargs.chat_template`) is code from the caller: refused with 400 unless the
+operator passed `--trust-request-chat-template`, and then rendered in a sandboxed child process
+with limits (chat_template_sandbox.py). `chat_template_kwargs` are template variables only: the
+names of `apply_chat_template`'s own parameters are refused there.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from serving.engine.server.chat_template_sandbox import TemplateRefused
 from serving.engine.server.errors import bad_request
 from serving.engine.server.generation import Delta, Generation, Outcome, start_generation
 from serving.engine.server.protocol import (
@@ -30,21 +41,60 @@ from serving.engine.server.worker import Worker
 _ROLE_ALIASES = {"developer": "system"}
 
 
-def chat_prompt_token_ids(worker: Worker, body: ChatCompletionRequest) -> list[int]:
+# apply_chat_template's own parameters: through chat_template_kwargs they would change how the
+# prompt is built (tokenize, truncation, …) rather than fill the template.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def _caller_template(worker: Worker, body: ChatCompletionRequest, variables: dict[str, Any]) -> str | None:
+    """The caller's own template, taken out of `variables`; 400 unless the operator trusts them."""
+    from_kwargs = variables.pop("chat_template", None)
+    template = body.chat_template if body.chat_template is not None else from_kwargs
+    if template is None:
+        return None
+    param = "chat_template" if body.chat_template is not None else "chat_template_kwargs.chat_template"
+    if not worker.args.trust_request_chat_template:
+        raise bad_request(
+            "This worker renders its model's own chat template only; a request's chat template is refused "
+            "(an operator can allow them with --trust-request-chat-template).", param=param)
+    if not isinstance(template, str):
+        raise bad_request("chat_template must be a string holding a Jinja template", param=param)
+    return template
+
+
+async def chat_prompt_token_ids(worker: Worker, body: ChatCompletionRequest) -> list[int]:
     engine, _ = worker.require_ready()
     tokenizer = engine.tokenizer
+    variables = dict(body.chat_template_kwargs or {})
+    template = _caller_template(worker, body, variables)
+    reserved = sorted(_RESERVED_KWARGS & set(variables))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: they are not template "
+                          "variables but parameters of how the prompt is built", param="chat_template_kwargs")
     try:
         messages = [{"role": _ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
-        )
+        if template is None:
+            text = await asyncio.to_thread(
+                tokenizer.apply_chat_template, messages, tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, **variables,
+            )
+        else:
+            text = await worker.chat_template_sandbox.render(  # type: ignore[union-attr]
+                template, messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                # As apply_chat_template: the special tokens are variables, the caller's win.
+                variables={**tokenizer.special_tokens_map, **variables},
+            )
+    except TemplateRefused as exc:
+        raise bad_request(f"The request's chat template was refused: {exc}", param="chat_template") from exc
     except Exception as exc:  # a template raises whatever its Jinja code raises
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return await asyncio.to_thread(lambda: list(tokenizer(text, add_special_tokens=False).input_ids))
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, worker: Worker, outcome: Outcome) -> Response:

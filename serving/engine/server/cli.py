@@ -1,6 +1,6 @@
 """Command line of the serving worker. Flags carry vLLM's names (`vllm serve` users can copy their
 command over); flags vLLM does not have are the worker's own (registry sync, self-registration,
-admission bound, shutdown grace period).
+admission bound, shutdown grace period, adapter roots, request body bound).
 
     python -m serving.engine.server --model PATH [--host 127.0.0.1] [--port 8100]
         [--max-loras N] [--max-cpu-loras N] [--max-lora-rank R] [--lora-modules name=path …]
@@ -15,6 +15,8 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from serving.engine.server.adapter_roots import AdapterRoots, platform_storage_url
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class ServerArgs:
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
     lora_modules: list[LoRAModule] = field(default_factory=list)
+    allowed_adapter_path: list[str] = field(default_factory=list)
+    trust_request_chat_template: bool = False
+    chat_template_timeout: float = 5.0
+    max_request_body_bytes: int = 1024 * 1024
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -65,6 +71,11 @@ class ServerArgs:
     @property
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{self.port}"
+
+
+def adapter_roots(allowed_adapter_path: Sequence[str]) -> AdapterRoots:
+    """Where adapters may be loaded from: the platform's storage and the operator's extra roots."""
+    return AdapterRoots([platform_storage_url(), *allowed_adapter_path])
 
 
 def _lora_module(text: str) -> LoRAModule:
@@ -105,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get("SERVING_WORKER_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1/* (default: $SERVING_WORKER_API_KEY; unset: open)",
+        help="the operator's key, required as `Authorization: Bearer KEY` on /v1/* "
+        "(default: $SERVING_WORKER_API_KEY; unset: open, and no caller is the operator)",
     )
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--max-loras", type=int, default=4, help="GPU adapter slots")
@@ -113,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--max-lora-rank", type=int, default=16)
     lora.add_argument(
         "--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH", help="adapters to load at start"
+    )
+    lora.add_argument(
+        "--allowed-adapter-path",
+        action="append",
+        default=[],
+        metavar="ROOT",
+        help="a directory, file:///path or s3://bucket[/prefix] adapters may be loaded from, besides the "
+        "platform's storage ($STORAGE_URL); repeatable. --lora-modules are not restricted",
     )
     engine = p.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=_positive(int), default=256)
@@ -145,6 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=_positive(int),
+        default=1024 * 1024,
+        help="larger request bodies are refused with 413 before they are read",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a caller's own chat template (chat_template, chat_template_kwargs.chat_template); "
+        "it is rendered in Jinja's sandbox in a child process with time and memory limits. Off: 400",
+    )
+    server.add_argument(
+        "--chat-template-timeout",
+        type=_positive(float),
+        default=5.0,
+        help="seconds a caller's chat template may take to render (with --trust-request-chat-template)",
+    )
     server.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     registry = p.add_argument_group("registry sync and self-registration")
     registry.add_argument("--registry-url", default=None, help="the registry's internal snapshot endpoint")
@@ -170,6 +208,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         parser.error(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     if ns.timeout_graceful_shutdown < 0:
         parser.error(f"--timeout-graceful-shutdown must be >= 0, got {ns.timeout_graceful_shutdown}")
+    try:
+        adapter_roots(ns.allowed_adapter_path)
+    except ValueError as exc:
+        parser.error(f"--allowed-adapter-path: {exc}")
     names = [m.name for m in ns.lora_modules]
     if len(set(names)) != len(names):
         parser.error(f"--lora-modules names must be unique, got {names}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -19,8 +20,9 @@ from serving.engine.server.streaming import GenerationStream, sse
 from serving.engine.server.worker import Worker
 
 
-def prompt_token_ids(worker: Worker, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-    """One prompt's token ids; text is encoded as the offline API encodes it (with BOS)."""
+async def prompt_token_ids(worker: Worker, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    """One prompt's token ids; text is encoded as the offline API encodes it (with BOS), on a
+    thread: a long prompt takes seconds to tokenize, which the event loop must not wait for."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise bad_request(
@@ -29,7 +31,8 @@ def prompt_token_ids(worker: Worker, prompt: str | list[int] | list[str] | list[
         prompt = prompt[0]
     if isinstance(prompt, str):
         engine, _ = worker.require_ready()
-        return list(engine.tokenizer(prompt).input_ids)
+        text = prompt
+        return await asyncio.to_thread(lambda: list(engine.tokenizer(text).input_ids))
     return list(prompt)
 
 

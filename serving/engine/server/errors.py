@@ -1,19 +1,25 @@
 """Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the status
 OpenAI's clients map to their exception classes (400 BadRequestError, 401 AuthenticationError,
-404 NotFoundError, 503 InternalServerError with retries)."""
+404 NotFoundError, 409 ConflictError, 503 InternalServerError with retries). Nothing leaves as
+plain text: an unexpected exception is a JSON 500 naming its type, the traceback goes to the log."""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+log = logging.getLogger(__name__)
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -75,4 +81,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        return error_response(APIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette calls this from its outermost middleware and re-raises afterwards, so uvicorn
+        # still logs the traceback; the caller gets the shape its client parses, not plain text.
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return error_response(APIError(
+            500, f"The worker failed on this request ({type(exc).__name__}); its log has the details.",
+            code="internal_error"))

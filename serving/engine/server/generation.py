@@ -168,14 +168,15 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def start_generation(body: SamplingFields, request: Request, worker: Worker, outcome: Outcome, *, kind: str,
-                           prompt_token_ids: Callable[[], list[int]], logprobs: int | None) -> tuple[Generation, Delta]:
+                           prompt_token_ids: Callable[[], Awaitable[list[int]]],
+                           logprobs: int | None) -> tuple[Generation, Delta]:
     """Check a request for `body.model`, build its prompt and sampling parameters, admit it and wait
     for its first delta. The prompt is built only once the model and fields are known good, so those
     errors come first."""
     lora_request = resolve_model(worker, body.model)
     check_supported(body)
     engine, _ = worker.require_ready()
-    ids = prompt_token_ids()
+    ids = await prompt_token_ids()
     params = sampling_params(body, prompt_len=len(ids), max_model_len=engine.max_model_len, logprobs=logprobs)
     return await Generation.start(
         worker, outcome, request, kind=kind, prompt_token_ids=ids, params=params,

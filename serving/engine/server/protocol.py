@@ -136,6 +136,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the caller's own Jinja template; refused unless --trust-request-chat-template.
+    chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     functions: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None

@@ -12,8 +12,12 @@ are applied one at a time under a lock; an event whose id is not above the last 
 is already reflected and skipped, and a snapshot older than an applied event is ignored (the next
 one will be newer), so a late snapshot never undoes a newer event.
 
-Only names that registry sync loaded itself are ever unloaded by it: adapters an operator loaded
-(`--lora-modules`, `/v1/load_lora_adapter`) are left alone.
+Names of the registry's form, `<tenant>/<adapter>@<version>`, belong to the registry, whoever
+loaded them: a served version whose loaded content differs from the registry's manifest digest is
+reloaded from its artifact (an in-place replacement is undone), and a registry-form name the
+registry does not serve is unloaded, unless it was loaded after the snapshot being applied was
+taken (it may be newer than the snapshot). Other names (`--lora-modules`, `/v1/load_lora_adapter`)
+are never touched. The public load/unload API refuses registry-form names to all but the operator.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +35,21 @@ import httpx
 import redis.asyncio as aioredis
 
 from serving.engine import AdapterError, AdapterNotFoundError
-from serving.engine.server.adapters import AdapterSet, Source
+from serving.engine.server.adapters import AdapterSet, ServedAdapter, Source
 
 log = logging.getLogger(__name__)
 
 EVENTS_CHANNEL = "loraplex:registry:events"
+# `<tenant>/<adapter>@<version>`, read broadly: any name with a '/' and then an '@' is the
+# registry's, so no near-miss spelling of a served version's name is left for others to take.
+_REGISTRY_NAME = re.compile(r"[^/]*/.*@.*", re.DOTALL)
 # Parallel artifact fetches while applying a snapshot; the engine's loader threads bound the rest.
 _PARALLEL_LOADS = 4
+
+
+def is_registry_name(name: str) -> bool:
+    """Whether `name` has the registry's form `<tenant>/<adapter>@<version>`."""
+    return _REGISTRY_NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,7 @@ class RegistrySync:
 
     async def reconcile(self, client: httpx.AsyncClient) -> None:
         async with self._lock:
+            asked_at = time.monotonic()
             response = await client.get(self._snapshot_url)
             if response.status_code != 200:
                 raise ValueError(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -121,7 +136,8 @@ class RegistrySync:
                 log.info("registry snapshot at revision %d is older than applied event %d; skipped", revision, self.stats.revision)
                 return
             desired = [ServedVersion.parse(entry) for entry in snapshot.get("adapters", [])]
-            await self._apply(desired, stale=set(self._adapters.from_source(Source.REGISTRY)))
+            stale = {name for name, served in self._registry_names().items() if served.loaded_at < asked_at}
+            await self._apply(desired, stale=stale)
             self.stats.revision = revision
             self.stats.snapshots += 1
 
@@ -161,11 +177,13 @@ class RegistrySync:
                 self._reconcile_now.set()
             self.stats.events += 1
             # `served` is the adapter's complete served set: any other version of it goes.
-            mine = self._adapters.from_source(Source.REGISTRY)
-            await self._apply(served, stale={name for name in mine if name.startswith(prefix)})
+            await self._apply(served, stale={name for name in self._registry_names() if name.startswith(prefix)})
             self.stats.revision = event_id
 
     # ---- applying ------------------------------------------------------------------------
+
+    def _registry_names(self) -> dict[str, ServedAdapter]:
+        return {name: served for name, served in self._adapters.all().items() if is_registry_name(name)}
 
     async def _apply(self, desired: Iterable[ServedVersion], *, stale: set[str]) -> None:
         """Load every desired version not loaded with its digest; unload `stale` names not desired."""
@@ -187,9 +205,9 @@ class RegistrySync:
 
     async def _load(self, version: ServedVersion) -> None:
         current = self._adapters.get(version.name)
-        if current is not None and current.source is not Source.REGISTRY:
-            log.warning("adapter %s was loaded by an operator; registry sync leaves it alone", version.name)
-            return
+        if current is not None:
+            log.warning("registry version %s is loaded with digest %s, the registry recorded %s; restoring it from %s",
+                        version.name, current.info.digest, version.manifest_sha256, version.artifact_uri)
         try:
             info = await self._adapters.load(
                 version.name, version.artifact_uri, load_inplace=True, source=Source.REGISTRY

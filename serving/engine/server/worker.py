@@ -15,7 +15,8 @@ from typing import Any
 
 from serving.engine import AsyncEngine, EngineConfig, EngineDeadError, EngineStats
 from serving.engine.server.adapters import AdapterSet, Source
-from serving.engine.server.cli import ServerArgs
+from serving.engine.server.chat_template_sandbox import ChatTemplateSandbox
+from serving.engine.server.cli import ServerArgs, adapter_roots
 from serving.engine.server.errors import APIError, overloaded
 from serving.engine.server.metrics import ServerMetrics
 from serving.engine.server.registry_sync import RegistrySync
@@ -59,6 +60,13 @@ class Worker:
         self.state = State.LOADING
         self.engine: AsyncEngine | None = None
         self.adapters: AdapterSet | None = None
+        self.adapter_roots = adapter_roots(args.allowed_adapter_path)
+        # Callers' chat templates, when the operator allows them; a rendered prompt may be twice
+        # the size of the largest body, which bounds what a template's loops can produce.
+        self.chat_template_sandbox: ChatTemplateSandbox | None = None
+        if args.trust_request_chat_template:
+            self.chat_template_sandbox = ChatTemplateSandbox(
+                timeout_s=args.chat_template_timeout, max_chars=2 * args.max_request_body_bytes)
         self.metrics = ServerMetrics()
         self.capacity = args.max_num_seqs + args.max_queued_requests
         self.started_at = time.time()
@@ -91,10 +99,11 @@ class Worker:
 
     async def _boot(self) -> None:
         try:
-            log.info("loading %s", self.args.model)
+            log.info("loading %s; adapters may be loaded from %s", self.args.model, ", ".join(self.adapter_roots.roots))
             started = time.perf_counter()
             self.engine = await asyncio.to_thread(AsyncEngine, self.config)
-            self.adapters = AdapterSet(self.engine, base_model_ids=self.base_model_ids, on_change=self._changed)
+            self.adapters = AdapterSet(self.engine, base_model_ids=self.base_model_ids, roots=self.adapter_roots,
+                                       on_change=self._changed)
             for module in self.args.lora_modules:
                 await self.adapters.load(module.name, module.path, load_inplace=False, source=Source.COMMAND_LINE)
         except Exception:
@@ -145,6 +154,8 @@ class Worker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.registration is not None:
             await self.registration.deregister()
+        if self.chat_template_sandbox is not None:
+            await self.chat_template_sandbox.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 
