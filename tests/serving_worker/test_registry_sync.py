@@ -121,3 +121,64 @@ def _last_event_id(adapter) -> int:
     from serving.models import DeploymentEvent
 
     return DeploymentEvent.objects.order_by("-id").values_list("id", flat=True).first()
+
+
+OPERATOR_KEY = "operator-key-for-sync-tests"
+
+
+def test_reconcile_restores_registry_names_whoever_changed_them(
+    registry, settings, tenant_a, start_worker, make_adapter, offline, tiny_model, tmp_path_factory
+):
+    """The attack of issue 16: a served version's name loaded over in place with other weights.
+    The operator may do it (the gateway is the operator); the next reconcile puts the registry's
+    weights back, and drops a registry name the registry does not serve. Other names stay."""
+    worker = start_worker(
+        "--api-key", OPERATOR_KEY, "--allowed-adapter-path", settings.STORAGE_URL,
+        "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
+        "--registry-url", registry, "--registry-token", TOKEN,
+        "--registry-reconcile-interval", "1", "--served-model-name", tiny_model.name,
+    )
+    http = httpx.Client(base_url=worker.url, timeout=60, headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
+    served_dir = make_adapter(r=8, target_modules=("q_proj", "v_proj"), seed=51)
+    hijack_dir = make_adapter(r=8, target_modules=("q_proj", "v_proj"), seed=52)
+    adapter = services.adapter_create(tenant=tenant_a.tenant, name="support-bot")
+    deployed = upload(adapter, served_dir, "1.0.0")
+    services.adapter_version_deploy(version=deployed, actor="test")
+    upload(adapter, hijack_dir, "2.0.0")  # ready, never deployed
+    name, undeployed = "alice-co/support-bot@1.0.0", "alice-co/support-bot@2.0.0"
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+
+    def expected(directory: Path) -> list[int]:
+        return offline.generate("Hello there", greedy, LoRARequest(directory.name, str(directory)))[0].outputs[0].token_ids
+
+    def generated(model: str) -> list[int] | None:
+        reply = http.post("/v1/completions", json={
+            "model": model, "prompt": "Hello there", "max_tokens": 10, "temperature": 0, "return_token_ids": True})
+        return reply.json()["choices"][0]["token_ids"] if reply.status_code == 200 else None
+
+    def models() -> set[str]:
+        return {card["id"] for card in http.get("/v1/models").json()["data"]}
+
+    try:
+        wait_for(lambda: name in models())
+        assert expected(served_dir) != expected(hijack_dir)
+        assert generated(name) == expected(served_dir)
+
+        replaced = http.post("/v1/load_lora_adapter",
+                             json={"lora_name": name, "lora_path": str(hijack_dir), "load_inplace": True})
+        assert replaced.status_code == 200, replaced.text
+        assert replaced.json()["digest"] != deployed.manifest_sha256  # the weights were replaced
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": undeployed, "lora_path": str(hijack_dir)})
+        assert loaded.status_code == 200, loaded.text
+        mine = http.post("/v1/load_lora_adapter", json={"lora_name": "operators-own", "lora_path": str(hijack_dir)})
+        assert mine.status_code == 200, mine.text
+
+        wait_for(lambda: generated(name) == expected(served_dir))
+        wait_for(lambda: undeployed not in models())
+        snapshots = worker.metric("loraplex_registry_snapshots_total")
+        wait_for(lambda: worker.metric("loraplex_registry_snapshots_total") >= snapshots + 2)
+        assert "operators-own" in models() and name in models()
+        assert generated("operators-own") == expected(hijack_dir)
+        assert f"registry version {name} is loaded with digest" in worker.log()
+    finally:
+        http.close()
