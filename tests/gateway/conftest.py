@@ -159,6 +159,8 @@ def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         worker = WorkerProcess(tiny_model, [
             "--served-model-name", tiny_model.name, "--redis-url", settings.REDIS_URL, "--worker-id", worker_id,
             "--heartbeat-interval", "0.5", "--api-key", WORKER_KEY, "--max-loras", "2", "--max-lora-rank", "16",
+            # Each test's storage is a directory under the session's (the `registry` fixture).
+            "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
             *args], logs / f"{worker_id}.log")
         started.append(worker)
         worker.wait_ready()

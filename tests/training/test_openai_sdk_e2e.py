@@ -45,7 +45,7 @@ def processes(platform, settings, start_worker, base_model_dir: Path, tmp_path: 
         serving = WorkerProcess(base_model_dir, [
             "--served-model-name", BASE_MODEL_NAME, "--redis-url", settings.REDIS_URL, "--worker-id", "ftapi-e2e",
             "--heartbeat-interval", "0.5", "--api-key", SERVING_KEY, "--max-loras", "2", "--max-lora-rank", "16",
-        ], tmp_path / "serving.log")
+        ], tmp_path / "serving.log", env={"STORAGE_URL": settings.STORAGE_URL})
         serving.wait_ready()
         yield lambda key: openai.OpenAI(base_url=f"{web.url}/v1", api_key=key, max_retries=0, timeout=120)
     finally:
