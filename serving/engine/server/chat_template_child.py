@@ -8,11 +8,24 @@ the filters and globals chat templates expect), so a caller's template renders a
 imports mapped plus MEMORY_BYTES, so `{{ 'x' * 10**10 }}` is a MemoryError here, not in the worker.
 """
 
+import ctypes
 import json
 import resource
+import signal
 import sys
 
 from transformers.utils.chat_template_utils import render_jinja_template
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_the_worker() -> None:
+    """A worker killed outright cannot kill its children: the kernel does it for them (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def _mapped_bytes() -> int:
@@ -43,6 +56,7 @@ def _render(job: dict, max_chars: int) -> dict:
 
 
 def main() -> None:
+    _die_with_the_worker()
     memory_bytes, max_chars = int(sys.argv[1]), int(sys.argv[2])
     limit = _mapped_bytes() + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
