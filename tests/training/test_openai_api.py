@@ -203,6 +203,23 @@ def test_a_job_waits_in_validating_files_then_queues_or_fails(openai_a):
     assert "line 1" in failed.error.message and "assistant" in failed.error.message
 
 
+def test_a_redelivered_validation_settles_a_waiting_job_once(openai_a):
+    data = upload(openai_a, chat_lines(), validate=False)
+    job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=data.id, suffix="bot")
+    dataset_id = int(data.id.removeprefix("file-"))
+    # A delivery that recorded the report and died before settling the job...
+    report = services.dataset_validate(dataset_id=dataset_id).report
+    row = TrainingJob.objects.get(pk=int(job.id.removeprefix("ftjob-")))
+    TrainingJob.objects.filter(pk=row.pk).update(total_steps=None)
+    row.events.filter(message__startswith="Files validated").delete()
+    # ...and the redelivery, twice over.
+    for _ in range(2):
+        assert services.dataset_validate(dataset_id=dataset_id).report == report
+    row.refresh_from_db()
+    assert row.total_steps == 12 and row.status == "queued"
+    assert row.events.filter(message__startswith="Files validated").count() == 1
+
+
 def test_pagination_walks_25_jobs_ten_at_a_time_each_once(openai_a, settings):
     settings.TRAINING_MAX_WAITING_JOBS = 30
     training = upload(openai_a, chat_lines(1))
