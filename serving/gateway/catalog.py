@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import close_old_connections
 from rest_framework import exceptions
 
 from serving.gateway.errors import GatewayError, model_not_found
@@ -91,13 +92,28 @@ class TtlCache(Generic[T]):
         hit, value = self.get(key)
         if not hit:
             try:
-                value = await sync_to_async(load)()
+                value = await sync_to_async(_with_connection(load))()
             except GatewayError as error:
                 value = error
             self.put(key, value)
         if isinstance(value, BaseException):
             raise value
         return value  # type: ignore[return-value]
+
+
+def _with_connection(load: Callable[[], T]) -> Callable[[], T]:
+    """`load` between connection checks, as Django does around a request: the gateway's fast path
+    (serving.gateway.asgi) sends no request signals, and a connection past CONN_MAX_AGE or broken
+    must not be reused."""
+
+    def run() -> T:
+        close_old_connections()
+        try:
+            return load()
+        finally:
+            close_old_connections()
+
+    return run
 
 
 def _cache_seconds() -> float:

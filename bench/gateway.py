@@ -1,0 +1,238 @@
+"""What the gateway adds: the same streamed requests through `/v1` on the web process and straight
+to the serving worker, in one run, alternating, so both see the same machine.
+
+Starts its own platform on the embedded defaults in a temporary directory (SQLite, embedded
+Redis, the tiny model on CPU): one serving worker, one web process under uvicorn, a tenant on a
+tier whose limits never bind. Then:
+
+1. closed loop at each `--concurrency` (1, 16, 64 by default): rounds of C concurrent streamed
+   completions, one round direct, one round through the gateway, `--rounds` times; the added
+   TTFT (to the first content chunk) and end-to-end latency, p50 and p99;
+2. open loop (Poisson arrivals) at increasing `--rates`, direct and through the gateway in
+   alternating one-second slices; the highest rate whose added p50 stays within 2 ms.
+
+    python bench/gateway.py [--rounds 30] [--concurrency 1 16 64] [--max-tokens 8]
+        [--rates 25 50 100 200 400] [--profile out.prof]
+
+`--profile` runs the web process under cProfile and writes its profile at exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_KEY = "bench-worker-key"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Sample:
+    ttft: float
+    e2e: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+class Platform:
+    """The worker and the web process, on a fresh temporary var dir."""
+
+    def __init__(self, var_dir: Path, profile: str | None) -> None:
+        self.var_dir = var_dir
+        os.environ.update(LORAPLEX_VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="lora_platform.settings",
+                          SERVING_WORKER_API_KEY=WORKER_KEY, DJANGO_DEBUG="0", LOG_LEVEL="WARNING")
+        os.environ.pop("REDIS_URL", None)
+        os.environ.pop("DATABASE_URL", None)
+        sys.path.insert(0, str(ROOT))
+        import django
+
+        django.setup()
+        from django.conf import settings
+        from django.core.management import call_command
+
+        from serving.engine.tiny import build_tiny_model
+
+        call_command("migrate", interactive=False, verbosity=0)
+        model = build_tiny_model(var_dir / "models" / "tiny-llama", arch="llama", seed=0)
+        os.environ.update(BASE_MODEL_PATH=str(model), BASE_MODEL_NAME="tiny-llama")
+        settings.BASE_MODEL_NAME = "tiny-llama"
+        self.key = self._tenant()
+        self.worker_port, self.web_port = free_port(), free_port()
+        self.worker_url = f"http://127.0.0.1:{self.worker_port}"
+        self.web_url = f"http://127.0.0.1:{self.web_port}"
+        logs = open(var_dir / "processes.log", "wb")
+        self.children = [
+            subprocess.Popen([sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port",
+                              str(self.worker_port), "--served-model-name", "tiny-llama", "--api-key", WORKER_KEY,
+                              "--redis-url", settings.REDIS_URL, "--worker-id", "bench-worker",
+                              "--heartbeat-interval", "1", "--uvicorn-log-level", "warning"],
+                             cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "uvicorn",
+                              "lora_platform.asgi:application", "--port", str(self.web_port), "--log-level", "warning"],
+                             cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT),
+        ]
+        self._wait(f"{self.worker_url}/health")
+        self._wait(f"{self.web_url}/metrics")
+
+    @staticmethod
+    def _tenant() -> str:
+        from tenants.models import Tier
+        from tenants.services import tenant_create
+
+        Tier.objects.update_or_create(name="bench", defaults=dict(
+            requests_per_minute=10_000_000, tokens_per_minute=1_000_000_000, max_tokens_per_request=512,
+            priority=0, max_concurrent_training_jobs=1, max_adapters=1, degradation_allowed=False))
+        _, key = tenant_create(slug=f"bench-{int(time.time())}", tier_name="bench")
+        return key
+
+    def _wait(self, url: str) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"{url} did not come up; see {self.var_dir / 'processes.log'}")
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.terminate()
+        for child in self.children:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+async def one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int) -> Sample:
+    body = {"model": "tiny-llama", "prompt": "The gateway adds", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    ttft = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if ttft is None and line.startswith("data: {"):
+                ttft = time.perf_counter() - start
+    return Sample(ttft=ttft or float("nan"), e2e=time.perf_counter() - start)
+
+
+async def closed_loop(p: Platform, concurrency: int, rounds: int, max_tokens: int) -> dict[str, list[Sample]]:
+    samples: dict[str, list[Sample]] = {"direct": [], "gateway": []}
+    targets = {"direct": (p.worker_url, WORKER_KEY), "gateway": (p.web_url, p.key)}
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for name, (url, key) in targets.items():  # warm-up: connections, caches
+            await asyncio.gather(*(one(client, url, key, max_tokens) for _ in range(concurrency)))
+        for index in range(rounds * 2):
+            name = ("direct", "gateway")[index % 2]
+            url, key = targets[name]
+            samples[name] += await asyncio.gather(*(one(client, url, key, max_tokens) for _ in range(concurrency)))
+    return samples
+
+
+async def open_loop(p: Platform, rate: float, seconds: float, max_tokens: int) -> dict[str, list[float]]:
+    e2e: dict[str, list[float]] = {"direct": [], "gateway": []}
+    targets = {"direct": (p.worker_url, WORKER_KEY), "gateway": (p.web_url, p.key)}
+    rng = random.Random(0)
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=2000)) as client:
+        tasks = []
+        start = time.perf_counter()
+        next_at = start
+        while next_at - start < seconds:
+            slice_index = int(next_at - start)
+            name = ("direct", "gateway")[slice_index % 2]
+            url, key = targets[name]
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+
+            async def timed(name: str = name, url: str = url, key: str = key) -> None:
+                e2e[name].append((await one(client, url, key, max_tokens)).e2e)
+
+            tasks.append(asyncio.ensure_future(timed()))
+            next_at += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+    return e2e
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:8.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rates", type=float, nargs="*", default=[25, 50, 100, 200, 400])
+    parser.add_argument("--seconds", type=float, default=10.0, help="per rate, half of it each way")
+    parser.add_argument("--profile", default=None)
+    args = parser.parse_args()
+
+    print(f"# bench/gateway.py {' '.join(sys.argv[1:])}")
+    print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        p = Platform(Path(tmp), args.profile)
+        try:
+            print(f"\nclosed loop, streamed /v1/completions, {args.max_tokens} tokens, {args.rounds} rounds each way")
+            print("concurrency | direct TTFT p50  p99 | gateway TTFT p50  p99 | added TTFT p50  p99 | "
+                  "added e2e p50  p99 (ms)")
+            for concurrency in args.concurrency:
+                s = asyncio.run(closed_loop(p, concurrency, args.rounds, args.max_tokens))
+                d_ttft, g_ttft = [x.ttft for x in s["direct"]], [x.ttft for x in s["gateway"]]
+                d_e2e, g_e2e = [x.e2e for x in s["direct"]], [x.e2e for x in s["gateway"]]
+                print(f"{concurrency:11d} | {ms(percentile(d_ttft, 50))} {ms(percentile(d_ttft, 99))} | "
+                      f"{ms(percentile(g_ttft, 50))} {ms(percentile(g_ttft, 99))} | "
+                      f"{ms(percentile(g_ttft, 50) - percentile(d_ttft, 50))} "
+                      f"{ms(percentile(g_ttft, 99) - percentile(d_ttft, 99))} | "
+                      f"{ms(percentile(g_e2e, 50) - percentile(d_e2e, 50))} "
+                      f"{ms(percentile(g_e2e, 99) - percentile(d_e2e, 99))}")
+            if args.rates:
+                print(f"\nopen loop (Poisson), {args.seconds:.0f} s per rate, alternating 1 s slices")
+                print("rate req/s | direct e2e p50 | gateway e2e p50 | added p50 (ms) | completed/s")
+                sustained = None
+                for rate in args.rates:
+                    e2e = asyncio.run(open_loop(p, rate, args.seconds, args.max_tokens))
+                    added = statistics.median(e2e["gateway"]) - statistics.median(e2e["direct"])
+                    done = (len(e2e["direct"]) + len(e2e["gateway"])) / args.seconds
+                    print(f"{rate:10.0f} | {ms(statistics.median(e2e['direct']))} | "
+                          f"{ms(statistics.median(e2e['gateway']))} | {ms(added)} | {done:8.1f}")
+                    if added <= 0.002:
+                        sustained = rate
+                print(f"\nhighest rate with added p50 <= 2 ms: {sustained if sustained is not None else 'none measured'}")
+        finally:
+            p.stop()
+
+
+if __name__ == "__main__":
+    main()

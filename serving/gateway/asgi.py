@@ -1,0 +1,126 @@
+"""The completion routes at the ASGI level, in front of Django's handler, in the web process.
+
+Django runs each of its built-in middlewares' hooks through `sync_to_async` under ASGI: about
+fifteen thread hops per request, which measured ~10 ms on the 2-core development machine, five
+times the gateway's whole budget (bench/gateway.py). None of those middlewares means anything to
+`POST /v1/chat/completions` or `/v1/completions` (no session, cookie, CSRF or HTML), so these two
+routes go straight to serving.gateway.pipeline, the code the Django views
+(serving.gateway.views) call too; every other path, `/v1/models` included, is Django's.
+
+What the middleware did for these routes is done here: the body limit (413), OpenAI-shaped errors,
+and, as Django's handler does, a client that disconnects cancels the request (which closes the
+upstream stream, so the worker aborts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing, suppress
+from typing import Any
+
+from django.conf import settings
+
+from serving.gateway import pipeline
+from serving.gateway.errors import GatewayError
+
+log = logging.getLogger(__name__)
+
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+Scope = dict[str, Any]
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _read_body(receive: Any, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"The request body is over {limit} bytes; the limit is {limit} bytes.",
+                               code="payload_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _until_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _headers(headers: dict[str, str], content_type: str) -> list[tuple[bytes, bytes]]:
+    out = [(b"content-type", content_type.encode())]
+    out += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+    return out
+
+
+async def _send_reply(reply: pipeline.Reply, send: Any) -> None:
+    if reply.stream is None:
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": _headers(reply.headers, "application/json")})
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": _headers(reply.headers, "text/event-stream")})
+    async with aclosing(reply.stream) as events:
+        async for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _error(error: GatewayError, send: Any) -> None:
+    await _send_reply(pipeline.Reply(status=error.status, headers=error.headers, body=error.body()), send)
+
+
+class GatewayRoutes:
+    """`POST` on the two completion paths here; everything else to `app` (Django)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        endpoint = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await _read_body(receive, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+        except _Disconnected:
+            return
+        except GatewayError as error:
+            await _error(error, send)
+            return
+        authorization = None
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+        work = asyncio.ensure_future(self._respond(endpoint, authorization, body, send))
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()  # the client left: cancelling closes the upstream request
+            with suppress(asyncio.CancelledError):
+                await work
+
+    async def _respond(self, endpoint: str, authorization: str | None, body: bytes, send: Any) -> None:
+        try:
+            reply = await pipeline.handle(endpoint, authorization=authorization, raw_body=body)
+        except GatewayError as error:
+            await _error(error, send)
+            return
+        except Exception:
+            log.exception("gateway request to %s failed", endpoint)
+            await _error(GatewayError(500, "Internal server error; the platform logged the details.",
+                                      code="internal_error"), send)
+            return
+        await _send_reply(reply, send)
