@@ -17,6 +17,7 @@ docs/gateway.md ("Resilience") lists every rule with its default.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
@@ -261,6 +262,8 @@ class Resilience:
             finally:
                 self.aborting.discard(canary.qualified_name)
 
-        task = asyncio.get_running_loop().create_task(abort())
+        # A fresh context: inherited from the request, sync_to_async would run the ORM on that
+        # request's thread executor, which is gone once the request ends.
+        task = asyncio.get_running_loop().create_task(abort(), context=contextvars.Context())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
