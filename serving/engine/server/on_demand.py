@@ -21,14 +21,14 @@ async def ensure_loaded(worker: Worker, body: SamplingFields) -> None:
     ref = body.loraplex_adapter
     if ref is None:
         return
-    if not worker.args.api_key:
-        raise APIError(403, "This worker has no API key, so it loads no adapter on request: start it with "
-                       "--api-key (or $SERVING_WORKER_API_KEY) shared with the gateway.", param="loraplex_adapter",
-                       code="operator_only")
     _, adapters = worker.require_ready()
     served = adapters.get(body.model)
     if served is not None and served.info.digest == ref.manifest_sha256:
         return
+    if not worker.args.api_key:
+        raise APIError(403, "This worker has no API key, so it loads no adapter on request: start it with "
+                       "--api-key (or $SERVING_WORKER_API_KEY) shared with the gateway.", param="loraplex_adapter",
+                       code="operator_only")
     try:
         info = await adapters.load(body.model, ref.artifact_uri, load_inplace=True, source=Source.REGISTRY)
     except (AdapterError, ValueError) as exc:
