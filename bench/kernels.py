@@ -20,7 +20,7 @@ sweep); ``--tune`` also puts each table entry's fastest configuration into those
 rest of the run, so the table that follows measures them. ``--precompile N`` compiles the sweep's
 kernels in N processes first (Triton's disk cache then serves the timing process). With ``--cpu``
 it instead times the torch reference's two strategies on CPU (fp32), which sets
-``kernels.reference.DENSE_MAX_MACS``.
+``kernels.cpu_lora.DENSE_MAX_MACS``.
 
     python bench/kernels.py [--out DIR] [--quick] [--sweep [--tune]] [--precompile N] [--no-table]
     python bench/kernels.py --cpu
@@ -48,7 +48,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels import LoRAMeta, lora_apply  # noqa: E402
-from kernels import reference, triton_lora  # noqa: E402
+from kernels import cpu_lora, triton_lora  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336)]
 TOKENS = [1, 16, 64, 256, 4096]
@@ -269,7 +269,7 @@ def cpu_strategies() -> None:
         meta = LoRAMeta(tokens, slots).prepare(token_slots)
         timings = []
         for threshold in (1 << 62, 0):
-            reference.DENSE_MAX_MACS = threshold
+            cpu_lora.DENSE_MAX_MACS = threshold
             timings.append(cpu_ms(lambda: lora_apply(y, x, A, B, scaling, meta)))
         base = cpu_ms(lambda: torch.nn.functional.linear(x, W))
         prep = cpu_ms(lambda: meta.prepare(token_slots))

@@ -15,7 +15,7 @@ Public API (depends on torch and triton only):
   backend=None)`` — the same for a fused q/k/v or gate/up projection: slice ``i`` writes columns
   ``slice_offsets[i] : slice_offsets[i] + Bs[i].shape[1]`` of the packed ``y`` (1 to 3 slices).
 - :func:`use_backend` ``("auto" | "torch" | "triton")`` — context manager overriding dispatch
-  (``"auto"``: Triton on CUDA tensors, the torch reference elsewhere).
+  (``"auto"``: Triton on CUDA tensors, the torch CPU backend elsewhere).
 
 Numerics and tolerances are described in docs/kernels.md.
 """

@@ -1,8 +1,8 @@
 """Public multi-LoRA entry points: argument checks and the choice of backend.
 
 ``"triton"`` runs the Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
-``"torch"`` runs the reference; ``"auto"`` (the default) picks Triton for CUDA tensors and the
-reference elsewhere. ``use_backend`` overrides the default for a block of code (tests run the
+``"torch"`` runs the torch backend (``kernels/cpu_lora.py``); ``"auto"`` (the default) picks Triton
+for CUDA tensors and the torch backend elsewhere. ``use_backend`` overrides the default for a block of code (tests run the
 engine or the kernels through the interpreter that way); a ``backend=`` argument overrides both.
 """
 
@@ -15,8 +15,8 @@ from typing import Literal
 
 import torch
 
+from kernels.cpu_lora import lora_apply_torch
 from kernels.meta import LoRAMeta
-from kernels.reference import lora_apply_torch
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")

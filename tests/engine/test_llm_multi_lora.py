@@ -20,7 +20,7 @@ import pytest
 import torch
 from peft_reference import PeftReference, assert_greedy_match
 
-import kernels.reference
+import kernels.cpu_lora
 from serving.engine import LLM, LoRARequest, SamplingParams
 
 ADAPTER_SPECS = [  # (rank, alpha, target modules)
@@ -84,7 +84,7 @@ def test_mixed_batch_matches_peft(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if device == "cpu-loop":
-        monkeypatch.setattr(kernels.reference, "DENSE_MAX_MACS", 0)
+        monkeypatch.setattr(kernels.cpu_lora, "DENSE_MAX_MACS", 0)
         device = "cpu"
     adapters = adapters_for(tiny_model_dir)
     prompts, loras = _workload(adapters)

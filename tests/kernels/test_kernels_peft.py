@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-import kernels.reference as reference
+import kernels.cpu_lora as cpu_lora
 from kernels import LoRAMeta, lora_apply_sliced
 
 HIDDEN, Q, KV = 64, 64, 16  # a GQA-shaped attention input: q is 4x wider than k and v
@@ -63,7 +63,7 @@ def _stack_slots(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tenso
 
 
 # The torch backend's two CPU paths, forced through its cost model's constants: every group in one
-# grid, or every group run one by one at its own rank (kernels/reference.py). Each must match PEFT.
+# grid, or every group run one by one at its own rank (kernels/cpu_lora.py). Each must match PEFT.
 TORCH_PATHS = {"grid": {"LOOP_GROUP_MACS": 1 << 60, "DENSE_MAX_MACS": 1 << 60}, "loop": {"DENSE_MAX_MACS": 0}}
 
 
@@ -79,7 +79,7 @@ def test_mixed_batch_matches_peft(backend: str, pass_ranks: bool, monkeypatch: p
     else:
         backend, path = backend.split("-")
         for constant, value in TORCH_PATHS[path].items():
-            monkeypatch.setattr(reference, constant, value)
+            monkeypatch.setattr(cpu_lora, constant, value)
     model = _peft_model()
     names = ["support", "__base__", "legal", "sales", "legal", "support", "__base__", "sales"] * 3
     x = torch.randn(len(names), HIDDEN)
@@ -92,7 +92,7 @@ def test_mixed_batch_matches_peft(backend: str, pass_ranks: bool, monkeypatch: p
     slots = torch.tensor([ADAPTERS[n][3] if n != "__base__" else -1 for n in names])
     meta = LoRAMeta.build(slots, NUM_SLOTS)
     if path is not None:
-        plan = reference._plan(meta, As, Bs, ranks if pass_ranks else None)
+        plan = cpu_lora._plan(meta, As, Bs, ranks if pass_ranks else None)
         looped = sorted(slot for slot, _, _ in plan.looped)
         assert (plan.grid is None, looped) == ((False, []) if path == "grid" else (True, [0, 3, 5])), plan
     lora_apply_sliced(y, x, As, Bs, scaling, meta, ranks=ranks if pass_ranks else None, backend=backend)

@@ -6,14 +6,14 @@ import pytest
 import torch
 from lora_cases import make_case
 
-import kernels.reference as reference
+import kernels.cpu_lora as cpu_lora
 from kernels import lora_apply, lora_apply_sliced
 
 
 @pytest.fixture(params=["dense", "grouped"])
 def strategy(request, monkeypatch) -> str:
     """Force the reference's strategy: small steps use all-slots GEMMs, large ones group by slot."""
-    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 1 << 40 if request.param == "dense" else 0)
+    monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", 1 << 40 if request.param == "dense" else 0)
     return request.param
 
 

@@ -1,4 +1,7 @@
-"""The torch reference of the multi-LoRA op: the oracle of the Triton kernels and the CPU path.
+"""The multi-LoRA op in torch: the engine's CPU backend (``backend="torch"``), with a cost model.
+
+The tests hold the exact oracle (fp64, ``tests/kernels/``); this module is a backend like
+``kernels/triton_lora.py``, tuned for host time on CPU.
 
 Numerics are the kernels' own, so the two agree up to fp32 summation order: the shrink
 ``h = x @ A[s, :r]^T`` accumulates in fp32; for bf16/fp16 inputs ``h`` is rounded to the input

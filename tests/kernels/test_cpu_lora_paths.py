@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lora_cases import UNIT_ROUNDOFF, Case, make_case
 
-import kernels.reference as reference
+import kernels.cpu_lora as cpu_lora
 from kernels import LoRAMeta, lora_apply_sliced
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -87,20 +87,20 @@ def negative_zeros(case: Case) -> Case:
     return dataclasses.replace(case, y=y)
 
 
-def plan_of(case: Case, meta: LoRAMeta) -> reference._Plan:
-    return reference._plan(meta, case.As, case.Bs, case.ranks)
+def plan_of(case: Case, meta: LoRAMeta) -> cpu_lora._Plan:
+    return cpu_lora._plan(meta, case.As, case.Bs, case.ranks)
 
 
 @pytest.fixture
 def grid_only(monkeypatch) -> None:
     """Every group in the grid: a looped group costs more than any padding could."""
-    monkeypatch.setattr(reference, "LOOP_GROUP_MACS", 1 << 60)
-    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 1 << 60)
+    monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", 1 << 60)
+    monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", 1 << 60)
 
 
 @pytest.fixture
 def loop_only(monkeypatch) -> None:
-    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 0)
+    monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", 0)
 
 
 # 30 tokens over slots 1..4 (a contiguous run) of 6, three without an adapter; slot 4 has 9 tokens,
@@ -203,7 +203,7 @@ def test_large_group_loops_beside_a_grid(monkeypatch, dtype: torch.dtype) -> Non
     # Padding slot 2's 80 tokens into a grid beside groups of 3 would cost far more than one
     # group's fixed cost; looping the three small groups too would not pay.
     width = 32 * 2 + 16 + 24
-    monkeypatch.setattr(reference, "LOOP_GROUP_MACS", 4 * 16 * width)
+    monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", 4 * 16 * width)
     meta = case.meta()
     plan = plan_of(case, meta)
     assert [slot for slot, _, _ in plan.looped] == [2]
@@ -230,8 +230,8 @@ def test_the_shrink_is_rounded_to_the_input_dtype(monkeypatch, path: str, dtype:
     """``h = [big + 1, -big]`` is exact in fp32, but ``big + 1`` rounds to ``big`` in the input
     dtype (a tie, to even); with ``B = [1, 1]`` the output is 0 when ``h`` is rounded as the
     kernels and PEFT round it, 1 otherwise."""
-    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
-    monkeypatch.setattr(reference, "LOOP_GROUP_MACS", 1 << 60)
+    monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
+    monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", 1 << 60)
     A = torch.tensor([[[big, 1.0], [-big / 2, -big / 2]]] * 2, dtype=dtype)
     B = torch.ones(2, 1, 2, dtype=dtype)
     x = torch.ones(3, 2, dtype=dtype)
@@ -244,8 +244,8 @@ def test_the_shrink_is_rounded_to_the_input_dtype(monkeypatch, path: str, dtype:
 @pytest.mark.parametrize("path", ["grid", "loop"])
 def test_rank_zero_and_unused_slots_add_nothing(monkeypatch, path: str) -> None:
     """Slot 2's tokens sit between slots 1 and 3 at rank 0: the grid spans slot 2 but drops its rows."""
-    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
-    monkeypatch.setattr(reference, "LOOP_GROUP_MACS", 1 << 60)
+    monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
+    monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", 1 << 60)
     case = named_case(torch.float32, RUN_SLOTS, slot_ranks=[16, 16, 0, 16, 0, 16])
     meta = case.meta()
     plan = plan_of(case, meta)
@@ -255,15 +255,15 @@ def test_rank_zero_and_unused_slots_add_nothing(monkeypatch, path: str) -> None:
     assert_matches_oracle(case, run(case, meta))
     # Every token's slot at rank 0: nothing to do at all.
     zero = named_case(torch.float32, RUN_SLOTS, slot_ranks=[16, 0, 0, 0, 0, 16])
-    assert plan_of(zero, zero.meta()) == reference._Plan(None, 0, [])
+    assert plan_of(zero, zero.meta()) == cpu_lora._Plan(None, 0, [])
     assert_matches_oracle(zero, run(zero))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["grid", "loop"])
 def test_strided_y(monkeypatch, path: str, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(reference, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
-    monkeypatch.setattr(reference, "LOOP_GROUP_MACS", 1 << 60)
+    monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
+    monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", 1 << 60)
     for layout in ("packed", "gaps"):
         case = named_case(dtype, RUN_SLOTS, [16, 8, 16, 4, 16, 8], layout)
         assert_matches_oracle(case, run(case, strided_y=True))
@@ -309,6 +309,6 @@ def cases(draw) -> Case:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases(), loop_group_macs=st.sampled_from([0, 1 << 10, 1 << 18, 1 << 60]), cap=st.sampled_from([0, 1 << 60]))
 def test_drawn_steps_on_every_path(monkeypatch, case: Case, loop_group_macs: int, cap: int) -> None:
-    monkeypatch.setattr(reference, "LOOP_GROUP_MACS", loop_group_macs)
-    monkeypatch.setattr(reference, "DENSE_MAX_MACS", cap)
+    monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", loop_group_macs)
+    monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", cap)
     assert_matches_oracle(case, run(case))
