@@ -130,21 +130,24 @@ def test_reconcile_restores_registry_names_whoever_changed_them(
     registry, settings, tenant_a, start_worker, make_adapter, offline, tiny_model, tmp_path_factory
 ):
     """The attack of issue 16: a served version's name loaded over in place with other weights.
-    The operator may do it (the gateway is the operator); the next reconcile puts the registry's
-    weights back, and drops a registry name the registry does not serve. Other names stay."""
-    worker = start_worker(
-        "--api-key", OPERATOR_KEY, "--allowed-adapter-path", settings.STORAGE_URL,
-        "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
-        "--registry-url", registry, "--registry-token", TOKEN,
-        "--registry-reconcile-interval", "1", "--served-model-name", tiny_model.name,
-    )
-    http = httpx.Client(base_url=worker.url, timeout=60, headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
+    The operator may do it (the gateway is the operator); the reconcile the change sets off puts
+    the registry's weights back and drops a registry name the registry does not serve. Other
+    names stay."""
     served_dir = make_adapter(r=8, target_modules=("q_proj", "v_proj"), seed=51)
     hijack_dir = make_adapter(r=8, target_modules=("q_proj", "v_proj"), seed=52)
     adapter = services.adapter_create(tenant=tenant_a.tenant, name="support-bot")
     deployed = upload(adapter, served_dir, "1.0.0")
     services.adapter_version_deploy(version=deployed, actor="test")
     upload(adapter, hijack_dir, "2.0.0")  # ready, never deployed
+    # Reconciles a minute apart, no deploy events: what happens within the test's waits is the
+    # reconcile the operator's change itself sets off.
+    worker = start_worker(
+        "--api-key", OPERATOR_KEY, "--allowed-adapter-path", settings.STORAGE_URL,
+        "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
+        "--registry-url", registry, "--registry-token", TOKEN,
+        "--registry-reconcile-interval", "60", "--served-model-name", tiny_model.name,
+    )
+    http = httpx.Client(base_url=worker.url, timeout=60, headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
     name, undeployed = "alice-co/support-bot@1.0.0", "alice-co/support-bot@2.0.0"
     greedy = SamplingParams(temperature=0, max_tokens=10)
 
@@ -173,10 +176,8 @@ def test_reconcile_restores_registry_names_whoever_changed_them(
         mine = http.post("/v1/load_lora_adapter", json={"lora_name": "operators-own", "lora_path": str(hijack_dir)})
         assert mine.status_code == 200, mine.text
 
-        wait_for(lambda: generated(name) == expected(served_dir))
-        wait_for(lambda: undeployed not in models())
-        snapshots = worker.metric("loraplex_registry_snapshots_total")
-        wait_for(lambda: worker.metric("loraplex_registry_snapshots_total") >= snapshots + 2)
+        wait_for(lambda: generated(name) == expected(served_dir), timeout=30)
+        wait_for(lambda: undeployed not in models(), timeout=30)
         assert "operators-own" in models() and name in models()
         assert generated("operators-own") == expected(hijack_dir)
         assert f"registry version {name} is loaded with digest" in worker.log()

@@ -123,6 +123,9 @@ def build_app(worker: Worker) -> FastAPI:
                            code="lora_path_not_allowed") from exc
         except (AdapterError, ValueError) as exc:
             raise bad_request(f"Cannot load adapter '{body.lora_name}': {exc}", param="lora_path") from exc
+        if is_registry_name(body.lora_name) and worker.sync is not None:
+            # The operator changed a name the registry owns: the registry's record wins at once.
+            worker.sync.reconcile_soon()
         return {
             "lora_name": info.name,
             "lora_path": body.lora_path,

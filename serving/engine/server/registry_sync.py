@@ -14,7 +14,8 @@ one will be newer), so a late snapshot never undoes a newer event.
 
 Names of the registry's form, `<tenant>/<adapter>@<version>`, belong to the registry, whoever
 loaded them: a served version whose loaded content differs from the registry's manifest digest is
-reloaded from its artifact (an in-place replacement is undone), and a registry-form name the
+reloaded from its artifact (an in-place replacement is undone; the operator's load of a registry
+name over the HTTP API sets off a reconcile at once), and a registry-form name the
 registry does not serve is unloaded, unless it was loaded after the snapshot being applied was
 taken (it may be newer than the snapshot). Other names (`--lora-modules`, `/v1/load_lora_adapter`)
 are never touched. The public load/unload API refuses registry-form names to all but the operator.
@@ -107,6 +108,10 @@ class RegistrySync:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def reconcile_soon(self) -> None:
+        """Reconcile now rather than at the next interval (a registry name was changed by hand)."""
+        self._reconcile_now.set()
 
     # ---- snapshot ------------------------------------------------------------------------
 
