@@ -6,5 +6,8 @@ Modules: `cli` (flags), `serve` (uvicorn and signals), `app` (routes), `worker` 
 cycle, admission, drain), `completions` / `chat` (the two OpenAI formats over `generation`),
 `protocol` (request and response bodies), `errors`, `streaming` (SSE), `adapters` (names served),
 `metrics` (Prometheus), `registry_sync` (registry snapshot and deploy events),
-`worker_registry` (this worker's entry in Redis). Operator guide: docs/serving-worker.md.
+`worker_registry` (this worker's entry in Redis), `on_demand` (the gateway's first-request loads),
+`auth` (the operator's key), `body_limit` (413), `adapter_roots` (where adapters may be read),
+`chat_template_sandbox` / `chat_template_child` (callers' templates in a child process).
+Operator guide: docs/serving-worker.md.
 """
