@@ -181,9 +181,11 @@ class RedisServer:
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
+    try:  # a server that failed to come up is stopped too
+        server.start()
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
