@@ -45,7 +45,8 @@ def admin_actor(request: HttpRequest) -> str:
 
 
 class _RegistryActions:
-    """Runs an admin action in two steps: a confirmation page, then the service call per object."""
+    """Runs an admin action in two steps: a confirmation page (the service's dry run), then the service call
+    per object."""
 
     def run_confirmed(
         self, request: HttpRequest, queryset: QuerySet, *, action: str, title: str,
@@ -68,12 +69,21 @@ class _RegistryActions:
             **self.admin_site.each_context(request),
             "title": f"{title}?",
             "action": action,
-            "items": [(obj, describe(obj)) for obj in queryset],
+            "items": [(obj, self._preview(describe, obj)) for obj in queryset],
             "form": form,
             "opts": self.model._meta,
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         }
         return TemplateResponse(request, CONFIRM_TEMPLATE, context)
+
+    @staticmethod
+    def _preview(describe: Callable[[Any], str], obj: Any) -> str:
+        """What the action will do to obj, or why the service refuses it: describe runs the service's
+        dry run first, so a refusal here is the very error the confirmed action would raise."""
+        try:
+            return describe(obj)
+        except ServiceError as error:
+            return f"Refused: {error.message}"
 
 
 class AdapterVersionInline(admin.TabularInline):
@@ -128,9 +138,8 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
     @admin.action(description="Promote the canary of selected adapters to active")
     def promote_canary(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
-            active, canary = selectors.adapter_served(adapter=adapter)
-            if canary is None:
-                return "No canary is running: nothing to promote."
+            canary = services.adapter_canary_promote(adapter=adapter, actor=admin_actor(request), dry_run=True)
+            active, _ = selectors.adapter_served(adapter=adapter)
             old = f"; {active.version} becomes deprecated" if active else ""
             return f"Canary {canary.version} ({canary.traffic_weight:.0%}) becomes the active version{old}."
 
@@ -143,9 +152,8 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
     @admin.action(description="Set the canary weight of selected adapters")
     def set_canary_weight(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
-            _, canary = selectors.adapter_served(adapter=adapter)
-            if canary is None:
-                return "No canary is running: there is no weight to set."
+            canary = services.adapter_canary_set_weight(adapter=adapter, weight=None, actor=admin_actor(request),
+                                                        dry_run=True)
             return (f"Canary {canary.version} receives {canary.traffic_weight:.0%} of traffic now; it will receive "
                     "the weight below.")
 
@@ -159,9 +167,8 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
     @admin.action(description="Abort the canary of selected adapters")
     def abort_canary(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
-            active, canary = selectors.adapter_served(adapter=adapter)
-            if canary is None:
-                return "No canary is running: nothing to abort."
+            canary = services.adapter_canary_abort(adapter=adapter, actor=admin_actor(request), dry_run=True)
+            active, _ = selectors.adapter_served(adapter=adapter)
             back = active.version if active else "the active version"
             return f"Canary {canary.version} stops and becomes deprecated; all traffic returns to {back}."
 
@@ -174,15 +181,10 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
     @admin.action(description="Roll back selected adapters to their previous version")
     def rollback(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
-            active, canary = selectors.adapter_served(adapter=adapter)
-            if active is None:
-                return "No active version: nothing to roll back."
-            if canary is not None:
-                return f"Refused: canary {canary.version} is running; abort it first."
-            target = selectors.adapter_rollback_target(adapter=adapter, active=active)
-            if target is None:
-                return f"{active.version} is the first version served: nothing earlier to roll back to."
-            return f"{active.version} becomes deprecated; {target} becomes active again."
+            target = services.adapter_rollback(adapter=adapter, actor=admin_actor(request), dry_run=True)
+            active, _ = selectors.adapter_served(adapter=adapter)
+            current = active.version if active else "the active version"
+            return f"{current} becomes deprecated; {target.version} becomes active again."
 
         return self.run_confirmed(
             request, queryset, action="rollback", title="Roll back", describe=describe,
@@ -213,8 +215,9 @@ class AdapterVersionAdmin(_RegistryActions, admin.ModelAdmin):
     @admin.action(description="Deploy selected versions (make them active)")
     def deploy(self, request: HttpRequest, queryset: QuerySet[AdapterVersion]) -> TemplateResponse | None:
         def describe(version: AdapterVersion) -> str:
+            services.adapter_version_deploy(version=version, actor=admin_actor(request), dry_run=True)
             active, _ = selectors.adapter_served(adapter=version.adapter)
-            old = f"; {active.version} becomes deprecated" if active and active.pk != version.pk else ""
+            old = f"; {active.version} becomes deprecated" if active else ""
             return f"{version.version} ({version.status}) becomes the active version{old}."
 
         return self.run_confirmed(
@@ -226,8 +229,9 @@ class AdapterVersionAdmin(_RegistryActions, admin.ModelAdmin):
     @admin.action(description="Start a canary with selected versions")
     def start_canary(self, request: HttpRequest, queryset: QuerySet[AdapterVersion]) -> TemplateResponse | None:
         def describe(version: AdapterVersion) -> str:
+            services.adapter_canary_start(version=version, weight=None, actor=admin_actor(request), dry_run=True)
             active, _ = selectors.adapter_served(adapter=version.adapter)
-            beside = active.version if active else "no active version (refused)"
+            beside = active.version if active else "the active version"
             return f"{version.version} ({version.status}) is served beside {beside} at the weight below."
 
         return self.run_confirmed(
@@ -239,8 +243,7 @@ class AdapterVersionAdmin(_RegistryActions, admin.ModelAdmin):
     @admin.action(description="Archive selected versions (never served again)")
     def archive(self, request: HttpRequest, queryset: QuerySet[AdapterVersion]) -> TemplateResponse | None:
         def describe(version: AdapterVersion) -> str:
-            if version.is_served:
-                return f"Refused: {version.version} is {version.status}; it must stop serving first."
+            services.adapter_version_archive(version=version, actor=admin_actor(request), dry_run=True)
             return f"{version.version} ({version.status}) is archived for good."
 
         return self.run_confirmed(

@@ -6,6 +6,10 @@ partial unique constraints in serving.models back the invariants up. Every state
 exactly one DeploymentEvent (the audit log) in the same transaction and publishes it on Redis once
 the transaction commits (serving.events). API views, admin actions, the `registry` command and
 training all call these functions; none of them holds a rule of its own.
+
+The deployment operations take `dry_run`: the same lock and the same checks, raising the same
+errors, and no change; the admin's confirmation pages preview an action that way. A dry run of an
+operation that takes a weight may pass `weight=None` to run only the checks that need no weight.
 """
 
 from __future__ import annotations
@@ -310,7 +314,8 @@ def adapter_version_register_published(*, tenant: Tenant, adapter_name: str, ver
 # --- deployment -------------------------------------------------------------------------------
 
 
-def adapter_version_deploy(*, version: AdapterVersion, actor: str, reason: str = "") -> AdapterVersion:
+def adapter_version_deploy(*, version: AdapterVersion, actor: str, reason: str = "",
+                           dry_run: bool = False) -> AdapterVersion:
     """Makes the version active; the previously active version becomes deprecated.
 
     Refused while a canary runs (promote or abort it first), for archived versions, for a version
@@ -327,6 +332,8 @@ def adapter_version_deploy(*, version: AdapterVersion, actor: str, reason: str =
                            code="canary_running")
         _require_no_canary(canary, "deploy another version")
         _require_servable(version)
+        if dry_run:
+            return version
         if active is not None:
             _set_status(active, Status.DEPRECATED)
         _set_status(version, Status.ACTIVE)
@@ -335,9 +342,10 @@ def adapter_version_deploy(*, version: AdapterVersion, actor: str, reason: str =
     return version
 
 
-def adapter_canary_start(*, version: AdapterVersion, weight: float, actor: str, reason: str = "") -> AdapterVersion:
+def adapter_canary_start(*, version: AdapterVersion, weight: float | None, actor: str, reason: str = "",
+                         dry_run: bool = False) -> AdapterVersion:
     """Serves the version beside the active one, to `weight` (0–1) of the adapter's traffic."""
-    weight = _weight(weight)
+    checked = None if dry_run and weight is None else _weight(weight)
     with transaction.atomic():
         adapter = _lock(version.adapter)
         version = _fresh_version(adapter, version)
@@ -350,9 +358,11 @@ def adapter_canary_start(*, version: AdapterVersion, weight: float, actor: str, 
                            code="already_active")
         _require_no_canary(canary, "start another canary")
         _require_servable(version)
-        _set_status(version, Status.CANARY, weight)
+        if dry_run or checked is None:
+            return version
+        _set_status(version, Status.CANARY, checked)
         _record(adapter=adapter, kind=Kind.CANARY_START, actor=actor, reason=reason, from_version=active,
-                to_version=version, to_weight=weight)
+                to_version=version, to_weight=checked)
     return version
 
 
@@ -364,24 +374,29 @@ def _locked_canary(adapter: Adapter) -> tuple[Adapter, AdapterVersion | None, Ad
     return adapter, active, canary
 
 
-def adapter_canary_set_weight(*, adapter: Adapter, weight: float, actor: str, reason: str = "") -> AdapterVersion:
+def adapter_canary_set_weight(*, adapter: Adapter, weight: float | None, actor: str, reason: str = "",
+                              dry_run: bool = False) -> AdapterVersion:
     """Changes the canary's share of traffic (0–1)."""
-    weight = _weight(weight)
+    checked = None if dry_run and weight is None else _weight(weight)
     with transaction.atomic():
         adapter, _, canary = _locked_canary(adapter)
         previous = canary.traffic_weight
-        if previous == weight:
-            raise Conflict(f"The canary already receives a weight of {weight}.", code="weight_unchanged")
-        _set_status(canary, Status.CANARY, weight)
+        if checked is not None and previous == checked:
+            raise Conflict(f"The canary already receives a weight of {checked}.", code="weight_unchanged")
+        if dry_run or checked is None:
+            return canary
+        _set_status(canary, Status.CANARY, checked)
         _record(adapter=adapter, kind=Kind.CANARY_WEIGHT, actor=actor, reason=reason, from_version=canary,
-                to_version=canary, from_weight=previous, to_weight=weight)
+                to_version=canary, from_weight=previous, to_weight=checked)
     return canary
 
 
-def adapter_canary_promote(*, adapter: Adapter, actor: str, reason: str = "") -> AdapterVersion:
+def adapter_canary_promote(*, adapter: Adapter, actor: str, reason: str = "", dry_run: bool = False) -> AdapterVersion:
     """The canary becomes the active version; the old active version becomes deprecated."""
     with transaction.atomic():
         adapter, active, canary = _locked_canary(adapter)
+        if dry_run:
+            return canary
         weight = canary.traffic_weight
         if active is not None:
             _set_status(active, Status.DEPRECATED)
@@ -391,10 +406,12 @@ def adapter_canary_promote(*, adapter: Adapter, actor: str, reason: str = "") ->
     return canary
 
 
-def adapter_canary_abort(*, adapter: Adapter, actor: str, reason: str = "") -> AdapterVersion:
+def adapter_canary_abort(*, adapter: Adapter, actor: str, reason: str = "", dry_run: bool = False) -> AdapterVersion:
     """Stops the canary (it becomes deprecated); all traffic returns to the active version."""
     with transaction.atomic():
         adapter, active, canary = _locked_canary(adapter)
+        if dry_run:
+            return canary
         weight = canary.traffic_weight
         _set_status(canary, Status.DEPRECATED)
         _record(adapter=adapter, kind=Kind.ABORT, actor=actor, reason=reason, from_version=canary,
@@ -402,7 +419,8 @@ def adapter_canary_abort(*, adapter: Adapter, actor: str, reason: str = "") -> A
     return canary
 
 
-def adapter_rollback(*, adapter: Adapter, actor: str, version: str | None = None, reason: str = "") -> AdapterVersion:
+def adapter_rollback(*, adapter: Adapter, actor: str, version: str | None = None, reason: str = "",
+                     dry_run: bool = False) -> AdapterVersion:
     """Makes the previously active version active again; the current one becomes deprecated.
 
     "Previously active" comes from the audit log (see selectors.adapter_rollback_target), so
@@ -431,6 +449,8 @@ def adapter_rollback(*, adapter: Adapter, actor: str, version: str | None = None
             raise Conflict(f"Version {target.version} is {target.status}; a rollback returns to a version that "
                            "served before (deprecated). Deploy it instead.", code="not_a_previous_version")
         _require_servable(target)
+        if dry_run:
+            return target
         _set_status(active, Status.DEPRECATED)
         _set_status(target, Status.ACTIVE)
         _record(adapter=adapter, kind=Kind.ROLLBACK, actor=actor, reason=reason, from_version=active,
@@ -438,7 +458,8 @@ def adapter_rollback(*, adapter: Adapter, actor: str, version: str | None = None
     return target
 
 
-def adapter_version_archive(*, version: AdapterVersion, actor: str, reason: str = "") -> AdapterVersion:
+def adapter_version_archive(*, version: AdapterVersion, actor: str, reason: str = "",
+                            dry_run: bool = False) -> AdapterVersion:
     """Retires a version for good: it is never served again (its artifact stays for the record)."""
     with transaction.atomic():
         adapter = _lock(version.adapter)
@@ -451,6 +472,8 @@ def adapter_version_archive(*, version: AdapterVersion, actor: str, reason: str 
         if version.status == Status.CANARY:
             raise Conflict(f"Version {version.version} is the running canary; abort it before archiving it.",
                            code="version_serving")
+        if dry_run:
+            return version
         _set_status(version, Status.ARCHIVED)
         _record(adapter=adapter, kind=Kind.ARCHIVE, actor=actor, reason=reason, to_version=version)
     return version

@@ -97,7 +97,8 @@ def test_abort_then_rollback(admin_client, canary_running):
 def test_refused_action_shows_the_reason_and_changes_nothing(admin_client, canary_running):
     before, events = statuses(canary_running), DeploymentEvent.objects.count()
     response = act(admin_client, ADAPTERS, "rollback", [canary_running], confirm=False)
-    assert "Refused: canary 1.2.0 is running; abort it first." in response.content.decode()
+    assert ("Refused: Version 1.2.0 is running as a canary (10% of traffic); promote or abort it before you roll "
+            "back.") in response.content.decode()
     followed = admin_client.post(ADAPTERS, {"action": "rollback", "_selected_action": [canary_running.pk],
                                             "confirm": "yes"}, follow=True)
     assert followed.status_code == 200

@@ -468,3 +468,29 @@ def test_delete_refused_while_serving_unless_forced(deployed, storage, tenant_a,
                                                                                    "1.0.0")
     assert DeploymentEvent.objects.filter(tenant=tenant_a.tenant, adapter_name="support-bot").count() == 3
     assert storage.list("") == ["adapters/alice-co/support-bot-2/1.0.0/manifest.json"]
+
+
+def test_dry_runs_check_like_the_operation_and_change_nothing(deployed):
+    """A dry run raises the operation's own refusal, and on success returns its subject untouched."""
+    v1, v2 = version(deployed, "1.0.0"), version(deployed, "1.1.0")
+    with pytest.raises(Conflict, match="already the active version"):
+        services.adapter_version_deploy(version=v1, actor=ACTOR, dry_run=True)
+    with pytest.raises(Conflict, match="has no canary running"):
+        services.adapter_canary_promote(adapter=deployed, actor=ACTOR, dry_run=True)
+    with pytest.raises(Conflict, match="first version"):
+        services.adapter_rollback(adapter=deployed, actor=ACTOR, dry_run=True)
+    with pytest.raises(InvalidInput, match="within 0 and 1"):
+        services.adapter_canary_start(version=v2, weight=1.5, actor=ACTOR, dry_run=True)
+    assert services.adapter_version_deploy(version=v2, actor=ACTOR, dry_run=True).pk == v2.pk
+    assert services.adapter_canary_start(version=v2, weight=None, actor=ACTOR, dry_run=True).pk == v2.pk
+    assert services.adapter_version_archive(version=v2, actor=ACTOR, dry_run=True).pk == v2.pk
+    assert state(deployed) == {"1.0.0": ("active", None), "1.1.0": ("ready", None)}
+    services.adapter_canary_start(version=v2, weight=0.2, actor=ACTOR)
+    with pytest.raises(Conflict, match="promote or abort it before you roll back"):
+        services.adapter_rollback(adapter=deployed, actor=ACTOR, dry_run=True)
+    with pytest.raises(Conflict, match="already receives"):
+        services.adapter_canary_set_weight(adapter=deployed, weight=0.2, actor=ACTOR, dry_run=True)
+    assert services.adapter_canary_abort(adapter=deployed, actor=ACTOR, dry_run=True).pk == v2.pk
+    assert services.adapter_canary_promote(adapter=deployed, actor=ACTOR, dry_run=True).pk == v2.pk
+    assert state(deployed) == {"1.0.0": ("active", None), "1.1.0": ("canary", 0.2)}
+    assert kinds(deployed) == ["deploy", "canary_start"]
