@@ -178,3 +178,26 @@ def test_base_config_digest_ignores_volatile_keys_but_not_shapes(tiny_model_fact
 def test_base_config_digest_of_a_non_model_directory_is_refused(tmp_path):
     with pytest.raises(AdapterError, match=r"config\.json is missing"):
         base_config_sha256(tmp_path)
+
+
+def test_artifact_json_limits_count_nesting_outside_strings_only(tmp_path):
+    from serving.engine.artifact import MAX_JSON_DEPTH, read_artifact_json
+
+    path = tmp_path / "adapter_config.json"
+    # Brackets and escaped quotes inside strings are text, not nesting.
+    tricky = {"a": "[[[{{{\\\"[[[" * 100, "b": "\\", "c": [[["deep enough"]]], "d": '"]]]}}}"'}
+    path.write_text(json.dumps(tricky))
+    assert read_artifact_json(path) == tricky
+
+    path.write_text("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)
+    assert read_artifact_json(path) is not None
+    path.write_text("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1))
+    with pytest.raises(AdapterError, match=r"adapter_config\.json in .* is nested deeper than the 32 levels"):
+        read_artifact_json(path)
+
+    path.write_text(json.dumps({"pad": "x" * 100}))
+    with pytest.raises(AdapterError, match=r"adapter_config\.json in .* is larger than the 64 bytes"):
+        read_artifact_json(path, max_bytes=64)
+    with pytest.raises(AdapterError, match="not valid JSON"):
+        path.write_text('{"r": 8')
+        read_artifact_json(path)
