@@ -100,7 +100,8 @@ class Permit:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A breaker's state and its window's figures, as one transition left them."""
+    """A breaker's state and its window's figures; while it is open, the figures of the window
+    (or the half-open trial) that opened it."""
 
     name: str
     state: State
@@ -147,7 +148,7 @@ local permits = tonumber(ARGV[8])
 local ttl = tonumber(ARGV[9])
 
 local h = redis.call('HMGET', key, 'state', 'epoch', 'ring', 'pos', 'failures', 'slows', 'opened_at',
-                     'issued', 'succeeded', 'half_at')
+                     'issued', 'succeeded', 'half_at', 'o_calls', 'o_fails', 'o_slows')
 local state = h[1] or 'closed'
 local epoch = tonumber(h[2]) or 0
 local ring = h[3] or ''
@@ -158,8 +159,11 @@ local opened_at = tonumber(h[7]) or 0
 local issued = tonumber(h[8]) or 0
 local succeeded = tonumber(h[9]) or 0
 local half_at = tonumber(h[10]) or 0
+-- The figures of the window (or trial) that last opened the breaker, reported while it is open.
+local o_calls, o_fails, o_slows = tonumber(h[11]) or 0, tonumber(h[12]) or 0, tonumber(h[13]) or 0
 local transition = ''
 local changed = false
+local calls, fails_seen, slows_seen = 0, 0, 0
 
 local function reset_window()
   ring = ''; pos = 0; failures = 0; slows = 0
@@ -167,7 +171,7 @@ end
 local function enter(to)
   state = to; epoch = epoch + 1; issued = 0; succeeded = 0; transition = to; changed = true
   reset_window()
-  if to == 'open' then opened_at = now end
+  if to == 'open' then opened_at = now; o_calls, o_fails, o_slows = calls, fails_seen, slows_seen end
   if to == 'half_open' then half_at = now end
 end
 
@@ -181,7 +185,7 @@ end
 
 local allowed = 0
 local retry = 0
-local calls, fails_seen, slows_seen = #ring, failures, slows
+calls, fails_seen, slows_seen = #ring, failures, slows
 
 if op == 'acquire' then
   if state == 'closed' then
@@ -229,10 +233,11 @@ elseif op == 'record' then
   end
 end
 
+if state == 'open' and transition == '' then calls, fails_seen, slows_seen = o_calls, o_fails, o_slows end
 if changed and op ~= 'peek' then
   redis.call('HSET', key, 'state', state, 'epoch', epoch, 'ring', ring, 'pos', pos, 'failures', failures,
              'slows', slows, 'opened_at', tostring(opened_at), 'issued', issued, 'succeeded', succeeded,
-             'half_at', tostring(half_at))
+             'half_at', tostring(half_at), 'o_calls', o_calls, 'o_fails', o_fails, 'o_slows', o_slows)
 end
 if op ~= 'peek' then redis.call('EXPIRE', key, ttl) end
 return {allowed, state, epoch, math.ceil(math.max(retry, 0) * 1000), calls, fails_seen, slows_seen, transition}
@@ -256,6 +261,7 @@ class _LocalState:
     issued: int = 0
     succeeded: int = 0
     half_at: float = 0.0
+    opened_with: tuple[int, int, int] = (0, 0, 0)
 
 
 class LocalBreakers:
@@ -272,6 +278,7 @@ class LocalBreakers:
         c = self.config
         s = self._states.setdefault(name, _LocalState())
         transition = ""
+        calls = fails_seen = slows_seen = 0
 
         def enter(to: str) -> None:
             nonlocal transition
@@ -279,6 +286,7 @@ class LocalBreakers:
             s.ring, s.pos = [], 0
             if to == "open":
                 s.opened_at = now
+                s.opened_with = (calls, fails_seen, slows_seen)
             if to == "half_open":
                 s.half_at = now
 
@@ -326,6 +334,8 @@ class LocalBreakers:
                     s.succeeded += 1
                     if s.succeeded >= c.half_open_calls:
                         enter("closed")
+        if s.state == "open" and not transition:
+            calls, fails_seen, slows_seen = s.opened_with
         return allowed, s.state, s.epoch, max(retry, 0.0), calls, fails_seen, slows_seen, transition
 
 

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long after starting a canary's abort this process leaves it alone.
+JUDGE_INTERVAL_S = 5.0
 # Usage records one process keeps while Redis is away (about 40 MB at most).
 USAGE_BACKLOG_MAX = 100_000
 
@@ -100,8 +102,8 @@ class Resilience:
     demand: DemandModel
     canary_rule: CanaryRuleConfig
     shed: ShedConfig
-    # Canaries whose abort is under way in this process (one task each).
-    aborting: set[str] = field(default_factory=set)
+    # Canaries whose abort this process started, and when (one attempt per JUDGE_INTERVAL_S).
+    aborting: dict[str, float] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
     # Usage records made while Redis was away, pushed with the first record once it is back.
     usage_backlog: list[UsageEvent] = field(default_factory=list)
@@ -144,7 +146,12 @@ class Resilience:
         served = call.target.served
         if not permit.allowed and served is not None and served.canary == version:
             BREAKER_REFUSED.labels("active_version").inc()
-            self._abort_canary_later(call, reason=f"canary {version.qualified_name}: circuit breaker open")
+            if permit.state is State.OPEN and self._may_judge(version.qualified_name):
+                # Whoever opened it may have died before aborting: judge from the breaker's figures.
+                snapshot = await self.breakers.snapshot(version.qualified_name)
+                reason = canary_abort_reason(canary=snapshot, active=None, config=self.canary_rule)
+                if reason is not None:
+                    self._abort_canary_later(call, reason=reason)
             version = served.active
             permit = await self.breakers.acquire(version.qualified_name)
         if permit.allowed:
@@ -242,12 +249,18 @@ class Resilience:
         if reason is not None:
             self._abort_canary_later(call, reason=reason)
 
+    def _may_judge(self, name: str) -> bool:
+        """False while this process's abort of `name` is recent: the served versions it sees are
+        cached (GATEWAY_CACHE_SECONDS), so the aborted canary is still picked for a moment."""
+        started = self.aborting.get(name)
+        return started is None or time.monotonic() - started > JUDGE_INTERVAL_S
+
     def _abort_canary_later(self, call: Call, *, reason: str) -> None:
         """Aborts the call's canary in the registry, off the request path, once per process at a time."""
         canary = call.target.served.canary if call.target.served else None
-        if canary is None or canary.qualified_name in self.aborting:
+        if canary is None or not self._may_judge(canary.qualified_name):
             return
-        self.aborting.add(canary.qualified_name)
+        self.aborting[canary.qualified_name] = time.monotonic()
 
         async def abort() -> None:
             from serving.canary_guard import canary_guard_abort
@@ -259,8 +272,7 @@ class Resilience:
                     CANARY_ABORTS.inc()
             except Exception:
                 log.exception("canary guard could not abort %s; the next verdict tries again", canary.qualified_name)
-            finally:
-                self.aborting.discard(canary.qualified_name)
+                self.aborting.pop(canary.qualified_name, None)
 
         # A fresh context: inherited from the request, sync_to_async would run the ORM on that
         # request's thread executor, which is gone once the request ends.

@@ -84,6 +84,9 @@ def test_minimum_calls_before_the_rate_counts(backend: str, shared_redis_url: st
         assert not permit.allowed and permit.state is State.OPEN
         assert permit.retry_after_s == pytest.approx(30.0)
         assert permit.shared is (backend == shared_redis_url)
+        # While open, its snapshot reports the window that opened it (for the canary guard's reason).
+        later = await breakers.snapshot(name)
+        assert (later.state, later.transition, later.calls, later.failures) == (State.OPEN, None, 50, 50)
 
     run(backend, body)
 
