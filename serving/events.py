@@ -1,7 +1,7 @@
 """Deploy events on Redis pub/sub: how serving workers hear that a version starts or stops serving.
 
-Channel `loraplex:registry:events`; one JSON message per audit event, published only after the
-transaction that wrote it commits. Pub/sub delivers at most once, so a worker that was away misses
+Channel `serving.wire.EVENTS_CHANNEL`; one JSON message (`serving.wire.DeployEvent`) per audit
+event, published only after the transaction that wrote it commits. Pub/sub delivers at most once, so a worker that was away misses
 messages: it reconciles from the snapshot endpoint as well, and a failed publish is logged and
 never undoes the committed change. The payload is described in docs/registry.md.
 """
@@ -16,37 +16,28 @@ import redis
 from django.conf import settings
 
 from serving.models import DeploymentEvent
+from serving.wire import EVENTS_CHANNEL, DeployEvent, ServedEntry
 
 logger = logging.getLogger(__name__)
 
-CHANNEL = "loraplex:registry:events"
 # A publish is tried once and briefly: the request that caused it has already committed.
 _SOCKET_TIMEOUT_S = 2.0
 
 
-def event_payload(*, event: DeploymentEvent, served: list[dict[str, Any]],
-                  dropped: list[dict[str, Any]]) -> dict[str, Any]:
+def event_payload(*, event: DeploymentEvent, served: list[ServedEntry],
+                  dropped: list[ServedEntry]) -> dict[str, Any]:
     """The message for one audit event.
 
     `served` is the adapter's complete served set after the change (entries shaped like the
     snapshot's), so a worker can apply it without another lookup; `dropped` lists the versions this
     change stopped serving, which a worker may unload.
     """
-    return {
-        "id": event.id,
-        "type": event.kind,
-        "at": event.created_at.isoformat(),
-        "tenant": event.tenant.slug,
-        "adapter": event.adapter_name,
-        "from_version": event.from_version or None,
-        "to_version": event.to_version or None,
-        "from_weight": event.from_weight,
-        "to_weight": event.to_weight,
-        "actor": event.actor,
-        "reason": event.reason,
-        "served": served,
-        "dropped": dropped,
-    }
+    return DeployEvent(
+        id=event.id, type=event.kind, at=event.created_at.isoformat(), tenant=event.tenant.slug,
+        adapter=event.adapter_name, from_version=event.from_version or None, to_version=event.to_version or None,
+        from_weight=event.from_weight, to_weight=event.to_weight, actor=event.actor, reason=event.reason,
+        served=served, dropped=dropped,
+    ).to_dict()
 
 
 def deploy_event_publish(payload: dict[str, Any]) -> bool:
@@ -60,7 +51,7 @@ def deploy_event_publish(payload: dict[str, Any]) -> bool:
             settings.REDIS_URL, socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=_SOCKET_TIMEOUT_S
         )
         try:
-            client.publish(CHANNEL, json.dumps(payload))
+            client.publish(EVENTS_CHANNEL, json.dumps(payload))
         finally:
             client.close()
     except Exception:

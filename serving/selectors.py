@@ -12,6 +12,7 @@ from django.db.models import Max, Prefetch, QuerySet
 from lora_platform.errors import NotFound
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import SEMVER_RE, SemVer, version_next_patch
+from serving.wire import RegistrySnapshot, ServedEntry
 from tenants.models import Tenant
 
 SERVED_STATUSES = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)
@@ -57,23 +58,16 @@ def served_weight(version: AdapterVersion, canary: AdapterVersion | None) -> flo
     return round(1.0 - float(canary.traffic_weight), 9) if canary is not None else 1.0
 
 
-def version_entry(version: AdapterVersion, *, weight: float | None) -> dict[str, Any]:
+def version_entry(version: AdapterVersion, *, weight: float | None) -> ServedEntry:
     """How the snapshot and the deploy events describe one version to serving workers."""
-    return {
-        "name": version.qualified_name,
-        "tenant": version.adapter.tenant.slug,
-        "adapter": version.adapter.name,
-        "version": version.version,
-        "status": version.status,
-        "weight": weight,
-        "artifact_uri": version.artifact_uri,
-        "manifest_sha256": version.manifest_sha256,
-        "base_model": version.base_model,
-        "rank": version.rank,
-    }
+    return ServedEntry(
+        name=version.qualified_name, tenant=version.adapter.tenant.slug, adapter=version.adapter.name,
+        version=version.version, status=version.status, weight=weight, artifact_uri=version.artifact_uri,
+        manifest_sha256=version.manifest_sha256, base_model=version.base_model, rank=version.rank,
+    )
 
 
-def adapter_served_entries(*, adapter: Adapter) -> list[dict[str, Any]]:
+def adapter_served_entries(*, adapter: Adapter) -> list[ServedEntry]:
     active, canary = adapter_served(adapter=adapter)
     return [version_entry(item, weight=served_weight(item, canary)) for item in (active, canary) if item]
 
@@ -91,12 +85,10 @@ def registry_snapshot() -> dict[str, Any]:
         .order_by("adapter__tenant__slug", "adapter__name", "status")
     )
     canaries = {item.adapter_id: item for item in served if item.status == AdapterVersion.Status.CANARY}
-    return {
-        "revision": revision,
-        "base_model": settings.BASE_MODEL_NAME,
-        "adapters": [version_entry(item, weight=served_weight(item, canaries.get(item.adapter_id)))
-                     for item in served],
-    }
+    return RegistrySnapshot(
+        revision=revision, base_model=settings.BASE_MODEL_NAME,
+        adapters=[version_entry(item, weight=served_weight(item, canaries.get(item.adapter_id))) for item in served],
+    ).to_dict()
 
 
 def adapter_rollback_target(*, adapter: Adapter, active: AdapterVersion) -> str | None:

@@ -13,7 +13,7 @@ score = w_affinity · affinity − w_queue · queue / max(queue) − w_kv · kv 
 both normalised by their maximum over the candidates. Ties are broken at random.
 
 A worker is a candidate when its heartbeat is younger than its TTL, its state is `ready`, and it
-serves the platform's base model. The key layout is the worker's (serving.engine.server.worker_registry).
+serves the platform's base model. The key layout is the wire's (serving.wire), which the worker writes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from serving.engine.server.worker_registry import WORKERS_KEY, worker_key
+from serving.wire import WORKERS_KEY, worker_key
 
 AFFINITY_GPU = 1.0
 AFFINITY_FREE_SLOT = 0.8

@@ -3,7 +3,7 @@ side; docs/serving-worker.md, this one).
 
 Three inputs, one outcome: the snapshot (`GET <registry-url>`, every active and canary version)
 at start and every `--registry-reconcile-interval` seconds, and the deploy events on Redis
-(`loraplex:registry:events`) in between. Each served version is loaded under its qualified name
+(`serving.wire.EVENTS_CHANNEL`) in between; the entries are `serving.wire`'s typed ones. Each served version is loaded under its qualified name
 `<tenant>/<adapter>@<version>` from its artifact URI; versions that stop being served are unloaded.
 Pub/sub delivers at most once, so a lost event only delays convergence until the next reconcile.
 
@@ -30,17 +30,16 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
 
 from serving.engine import AdapterError, AdapterNotFoundError
 from serving.engine.server.adapters import AdapterSet, ServedAdapter, Source
+from serving.wire import EVENTS_CHANNEL, DeployEvent, RegistrySnapshot, ServedEntry
 
 log = logging.getLogger(__name__)
 
-EVENTS_CHANNEL = "loraplex:registry:events"
 # `<tenant>/<adapter>@<version>`, read broadly: any name with a '/' and then an '@' is the
 # registry's, so no near-miss spelling of a served version's name is left for others to take.
 _REGISTRY_NAME = re.compile(r"[^/]*/.*@.*", re.DOTALL)
@@ -51,20 +50,6 @@ _PARALLEL_LOADS = 4
 def is_registry_name(name: str) -> bool:
     """Whether `name` has the registry's form `<tenant>/<adapter>@<version>`."""
     return _REGISTRY_NAME.fullmatch(name) is not None
-
-
-@dataclass(frozen=True)
-class ServedVersion:
-    name: str  # <tenant>/<adapter>@<version>
-    artifact_uri: str
-    manifest_sha256: str
-
-    @classmethod
-    def parse(cls, entry: dict[str, Any]) -> ServedVersion:
-        try:
-            return cls(str(entry["name"]), str(entry["artifact_uri"]), str(entry["manifest_sha256"]))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"registry entry without name, artifact_uri and manifest_sha256: {entry!r}") from exc
 
 
 @dataclass
@@ -135,12 +120,12 @@ class RegistrySync:
             response = await client.get(self._snapshot_url)
             if response.status_code != 200:
                 raise ValueError(f"HTTP {response.status_code}: {response.text[:300]}")
-            snapshot = response.json()
-            revision = int(snapshot.get("revision", 0))
+            snapshot = RegistrySnapshot.from_dict(response.json())
+            revision = snapshot.revision
             if revision < self.stats.revision:
                 log.info("registry snapshot at revision %d is older than applied event %d; skipped", revision, self.stats.revision)
                 return
-            desired = [ServedVersion.parse(entry) for entry in snapshot.get("adapters", [])]
+            desired = snapshot.adapters
             stale = {name for name, served in self._registry_names().items() if served.loaded_at < asked_at}
             await self._apply(desired, stale=stale)
             self.stats.revision = revision
@@ -167,11 +152,9 @@ class RegistrySync:
 
     async def _on_event(self, data: bytes | str) -> None:
         try:
-            event = json.loads(data)
-            event_id = int(event["id"])
-            prefix = f"{event['tenant']}/{event['adapter']}@"
-            served = [ServedVersion.parse(entry) for entry in event.get("served", [])]
-        except (ValueError, KeyError, TypeError) as exc:
+            event = DeployEvent.from_dict(json.loads(data))
+            event_id, prefix, served = event.id, event.name_prefix, event.served
+        except ValueError as exc:
             log.warning("ignoring a malformed deploy event (%s): %.300r", exc, data)
             return
         async with self._lock:
@@ -190,7 +173,7 @@ class RegistrySync:
     def _registry_names(self) -> dict[str, ServedAdapter]:
         return {name: served for name, served in self._adapters.all().items() if is_registry_name(name)}
 
-    async def _apply(self, desired: Iterable[ServedVersion], *, stale: set[str]) -> None:
+    async def _apply(self, desired: Iterable[ServedEntry], *, stale: set[str]) -> None:
         """Load every desired version not loaded with its digest; unload `stale` names not desired."""
         desired = list(desired)
         keep = {version.name for version in desired}
@@ -202,13 +185,13 @@ class RegistrySync:
         missing = [v for v in desired if (s := self._adapters.get(v.name)) is None or s.info.digest != v.manifest_sha256]
         gate = asyncio.Semaphore(_PARALLEL_LOADS)
 
-        async def load(version: ServedVersion) -> None:
+        async def load(version: ServedEntry) -> None:
             async with gate:
                 await self._load(version)
 
         await asyncio.gather(*(load(version) for version in missing))
 
-    async def _load(self, version: ServedVersion) -> None:
+    async def _load(self, version: ServedEntry) -> None:
         current = self._adapters.get(version.name)
         if current is not None:
             log.warning("registry version %s is loaded with digest %s, the registry recorded %s; restoring it from %s",

@@ -1,4 +1,5 @@
-"""The worker's entry in Redis, which the gateway routes by (key layout: docs/serving-worker.md).
+"""The worker's entry in Redis, which the gateway routes by (key layout: docs/serving-worker.md; the keys
+are spelled once, in serving.wire).
 
 - `loraplex:serving:worker:<worker_id>`: a JSON document (URL, base model, state, load, resident
   adapters, heartbeat time), written every heartbeat with a TTL of three heartbeats, so a worker
@@ -19,14 +20,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from serving.wire import WORKERS_KEY, worker_key
+
 log = logging.getLogger(__name__)
-
-WORKERS_KEY = "loraplex:serving:workers"
-WORKER_KEY_PREFIX = "loraplex:serving:worker:"
-
-
-def worker_key(worker_id: str) -> str:
-    return f"{WORKER_KEY_PREFIX}{worker_id}"
 
 
 class WorkerRegistration:

@@ -1,0 +1,142 @@
+"""The registry ↔ serving-worker wire: the one place both sides spell it (docs/registry.md).
+
+Django-free, so the serving worker imports it as the registry does:
+
+- `EVENTS_CHANNEL`: the Redis pub/sub channel of deploy events (one JSON `DeployEvent` each).
+- `ServedEntry`: how the snapshot (`RegistrySnapshot`) and the events describe one served version.
+- `WORKERS_KEY` / `worker_key()`: where a worker registers itself in Redis for the gateway.
+
+Each typed entry has `to_dict()` (what goes on the wire, JSON-ready) and `from_dict()` (which
+raises ValueError naming what is missing or mistyped), and `from_dict(to_dict(x)) == x`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+EVENTS_CHANNEL = "loraplex:registry:events"
+
+# A sorted set of worker ids scored by their last heartbeat, and one JSON document per worker.
+WORKERS_KEY = "loraplex:serving:workers"
+WORKER_KEY_PREFIX = "loraplex:serving:worker:"
+
+
+def worker_key(worker_id: str) -> str:
+    """The Redis key of one worker's registration document."""
+    return f"{WORKER_KEY_PREFIX}{worker_id}"
+
+
+def _field(data: Any, key: str, kinds: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"a registry entry must be a JSON object, got {data!r:.200}")
+    if key not in data:
+        raise ValueError(f"registry entry without {key!r}: {data!r:.300}")
+    value = data[key]
+    if value is None and optional:
+        return None
+    # bool is an int; a flag where a number belongs is a mistake, not a number.
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ValueError(f"registry entry field {key!r} has the wrong type: {value!r:.100}")
+    if not isinstance(value, kinds):
+        raise ValueError(f"registry entry field {key!r} has the wrong type: {value!r:.100}")
+    return value
+
+
+@dataclass(frozen=True)
+class ServedEntry:
+    """One version the registry serves (or, in an event's `dropped`, stopped serving)."""
+
+    name: str  # <tenant>/<adapter>@<version>: the worker loads it under this name
+    tenant: str
+    adapter: str
+    version: str
+    status: str
+    weight: float | None  # the share of the adapter's traffic; None where not served
+    artifact_uri: str
+    manifest_sha256: str
+    base_model: str
+    rank: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ServedEntry:
+        weight = _field(data, "weight", (int, float), optional=True)
+        return cls(
+            name=_field(data, "name", str), tenant=_field(data, "tenant", str), adapter=_field(data, "adapter", str),
+            version=_field(data, "version", str), status=_field(data, "status", str),
+            weight=None if weight is None else float(weight), artifact_uri=_field(data, "artifact_uri", str),
+            manifest_sha256=_field(data, "manifest_sha256", str), base_model=_field(data, "base_model", str),
+            rank=_field(data, "rank", int),
+        )
+
+
+@dataclass(frozen=True)
+class RegistrySnapshot:
+    """Everything workers should keep resident; `revision` is the newest audit event it reflects."""
+
+    revision: int
+    base_model: str
+    adapters: list[ServedEntry] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"revision": self.revision, "base_model": self.base_model,
+                "adapters": [entry.to_dict() for entry in self.adapters]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RegistrySnapshot:
+        adapters = _field(data, "adapters", list)
+        return cls(revision=_field(data, "revision", int), base_model=_field(data, "base_model", str),
+                   adapters=[ServedEntry.from_dict(entry) for entry in adapters])
+
+
+@dataclass(frozen=True)
+class DeployEvent:
+    """One audit event as published on `EVENTS_CHANNEL` after its transaction commits.
+
+    `served` is the adapter's complete served set after the change, so a worker applies it without
+    another lookup; `dropped` lists the versions the change stopped serving.
+    """
+
+    id: int
+    type: str
+    at: str  # ISO 8601
+    tenant: str
+    adapter: str
+    from_version: str | None
+    to_version: str | None
+    from_weight: float | None
+    to_weight: float | None
+    actor: str
+    reason: str
+    served: list[ServedEntry] = field(default_factory=list)
+    dropped: list[ServedEntry] = field(default_factory=list)
+
+    @property
+    def name_prefix(self) -> str:
+        """What every served name of this event's adapter starts with."""
+        return f"{self.tenant}/{self.adapter}@"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{key: value for key, value in asdict(self).items() if key not in ("served", "dropped")},
+                "served": [entry.to_dict() for entry in self.served],
+                "dropped": [entry.to_dict() for entry in self.dropped]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DeployEvent:
+        def weight(key: str) -> float | None:
+            value = _field(data, key, (int, float), optional=True)
+            return None if value is None else float(value)
+
+        return cls(
+            id=_field(data, "id", int), type=_field(data, "type", str), at=_field(data, "at", str),
+            tenant=_field(data, "tenant", str), adapter=_field(data, "adapter", str),
+            from_version=_field(data, "from_version", str, optional=True),
+            to_version=_field(data, "to_version", str, optional=True),
+            from_weight=weight("from_weight"), to_weight=weight("to_weight"),
+            actor=_field(data, "actor", str), reason=_field(data, "reason", str),
+            served=[ServedEntry.from_dict(entry) for entry in _field(data, "served", list)],
+            dropped=[ServedEntry.from_dict(entry) for entry in _field(data, "dropped", list)],
+        )
