@@ -1,0 +1,61 @@
+"""Load shedding through a real web process: with every worker over its queue bound, standard
+requests get 503 server_overloaded with retry-after while vip requests still queue and are served.
+
+The web process and its worker serve the base model under a name of their own, so workers other
+suites started in this session are no candidates here (one with room would rightly admit everyone).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import _make_tenant
+from tests.gateway.conftest import wait_for_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BASE = "tiny-shed"
+
+
+@pytest.fixture(scope="session")
+def shed_web(start_web):
+    # A worker is full with one request waiting or in flight from this gateway.
+    return start_web(BASE_MODEL_NAME=BASE, GATEWAY_SHED_DEFAULT_QUEUE_BOUND="1")
+
+
+def complete(web, key: str, max_tokens: int) -> httpx.Response:
+    body = {"model": BASE, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}
+    return httpx.post(f"{web.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def test_below_vip_is_shed_when_every_worker_is_full_and_vip_still_queues(registry, shed_web, start_worker,
+                                                                          tenant_a, redis_client):
+    start_worker("rs-shed", "--served-model-name", BASE, "--max-num-seqs", "1")
+    wait_for_worker(redis_client, "rs-shed")
+    vip = _make_tenant("vip-co", tier="vip")
+    assert complete(shed_web, tenant_a.key, 2).status_code == 200  # room: standard is served
+
+    with ThreadPoolExecutor(8) as pool:
+        long_vip = [pool.submit(complete, shed_web, vip.key, 256) for _ in range(3)]
+        time.sleep(0.5)  # the vip requests are in flight
+        standard = [pool.submit(complete, shed_web, tenant_a.key, 2) for _ in range(3)]
+        more_vip = pool.submit(complete, shed_web, vip.key, 2)
+        shed = [future.result() for future in standard]
+        vip_replies = [future.result() for future in [*long_vip, more_vip]]
+
+    assert all(reply.status_code == 200 for reply in vip_replies), [r.text for r in vip_replies]
+    for reply in shed:
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "server_overloaded" and "rs-shed" in error["message"]
+        assert reply.headers["retry-after"] == "1"
+    # Once the queue drains, standard traffic is admitted again.
+    deadline = time.monotonic() + 30
+    while complete(shed_web, tenant_a.key, 2).status_code != 200:
+        assert time.monotonic() < deadline, "standard requests still shed after the queue drained"
+        time.sleep(0.5)
