@@ -14,21 +14,35 @@ Public API (depends on torch and triton only):
 - :func:`lora_apply_sliced` ``(y, x, As, Bs, scaling, meta, slice_offsets=None, *, ranks=None,
   backend=None)`` — the same for a fused q/k/v or gate/up projection: slice ``i`` writes columns
   ``slice_offsets[i] : slice_offsets[i] + Bs[i].shape[1]`` of the packed ``y`` (1 to 3 slices).
+- :class:`LoRAWeights` ``(As, Bs, scaling, slice_offsets=None, *, ranks=None)`` and
+  :func:`lora_apply_weights` ``(y, x, weights, meta, *, backend=None)`` — the same with the slot
+  tensors validated once (a layer whose slots are fixed for its life; the engine's).
 - :func:`use_backend` ``("auto" | "torch" | "triton")`` — context manager overriding dispatch
   (``"auto"``: Triton on CUDA tensors, the torch CPU backend elsewhere).
 
 Numerics and tolerances are described in docs/kernels.md.
 """
 
-from kernels.apply import BACKENDS, MAX_SLICES, lora_apply, lora_apply_sliced, resolve_backend, use_backend
+from kernels.apply import (
+    BACKENDS,
+    MAX_SLICES,
+    LoRAWeights,
+    lora_apply,
+    lora_apply_sliced,
+    lora_apply_weights,
+    resolve_backend,
+    use_backend,
+)
 from kernels.meta import LoRAMeta
 
 __all__ = [
     "BACKENDS",
     "MAX_SLICES",
     "LoRAMeta",
+    "LoRAWeights",
     "lora_apply",
     "lora_apply_sliced",
+    "lora_apply_weights",
     "resolve_backend",
     "use_backend",
 ]

@@ -93,31 +93,55 @@ def lora_apply_sliced(
     slices back to back from column 0. At most three slices; all share ``x``, ``scaling`` and
     ``ranks``.
     """
-    As, Bs = tuple(As), tuple(Bs)
-    offsets = _check(y, x, As, Bs, scaling, meta, slice_offsets, ranks)
+    lora_apply_weights(y, x, LoRAWeights(As, Bs, scaling, slice_offsets, ranks=ranks), meta, backend=backend)
+
+
+class LoRAWeights:
+    """One projection's slot tensors (as :func:`lora_apply_sliced` takes them), validated once.
+
+    A layer whose slot tensors are fixed for its life (the engine's) builds this at set-up and
+    calls :func:`lora_apply_weights` each step, which checks only what changes between calls
+    (``x``, ``y``, ``meta``): the full check costs more host time than both kernel launches.
+    The tensors are written in place between calls (adapter loads); shapes never change.
+    """
+
+    def __init__(
+        self,
+        As: Sequence[torch.Tensor],
+        Bs: Sequence[torch.Tensor],
+        scaling: torch.Tensor,
+        slice_offsets: Sequence[int] | None = None,
+        *,
+        ranks: torch.Tensor | None = None,
+    ) -> None:
+        self.As, self.Bs = tuple(As), tuple(Bs)
+        self.scaling = scaling
+        self.ranks = ranks
+        self.offsets = _check_weights(self.As, self.Bs, scaling, slice_offsets, ranks)
+        A0 = self.As[0]
+        self.num_slots, self.rank, self.hidden = A0.shape
+        self.dtype, self.device = A0.dtype, A0.device
+        self.min_width = max(offset + B.shape[1] for offset, B in zip(self.offsets, self.Bs))
+
+
+def lora_apply_weights(
+    y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, meta: LoRAMeta, *, backend: Backend | None = None
+) -> None:
+    """:func:`lora_apply_sliced` with slot tensors validated once (:class:`LoRAWeights`)."""
+    _check_call(y, x, weights, meta)
+    w = weights
     if resolve_backend(x.device, backend) == "torch":
-        lora_apply_torch(y, x, As, Bs, scaling, meta, offsets, ranks)
+        lora_apply_torch(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks)
         return
     # Imported here: the Triton kernels are compiled (or, under TRITON_INTERPRET=1, interpreted)
     # according to the environment at import time, and CPU-only users never need them.
     from kernels.triton_lora import lora_apply_triton
 
-    lora_apply_triton(y, x, As, Bs, scaling, meta, offsets, ranks)
+    lora_apply_triton(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks)
 
 
-def _check(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    As: tuple[torch.Tensor, ...],
-    Bs: tuple[torch.Tensor, ...],
-    scaling: torch.Tensor,
-    meta: LoRAMeta,
-    slice_offsets: Sequence[int] | None,
-    ranks: torch.Tensor | None,
-) -> tuple[int, ...]:
-    """Validate shapes, dtypes and devices on the host (no synchronisation); return the offsets."""
-    if not 1 <= len(As) <= MAX_SLICES or len(As) != len(Bs):
-        raise ValueError(f"need 1 to {MAX_SLICES} slices with as many A as B, got {len(As)} A and {len(Bs)} B")
+def _check_call(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, meta: LoRAMeta) -> None:
+    """What changes between calls: ``x``, ``y`` and ``meta`` against the weights (no synchronisation)."""
     if x.dim() != 2 or y.dim() != 2:
         raise ValueError(f"x and y must be 2-D [T, K] and [T, N], got {tuple(x.shape)} and {tuple(y.shape)}")
     num_tokens, hidden = x.shape
@@ -129,33 +153,59 @@ def _check(
         raise TypeError(f"x must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
     if meta.device != x.device:
         raise ValueError(f"meta is on {meta.device}, x on {x.device}")
+    if weights.num_slots < meta.max_slots:
+        raise ValueError(f"A has {weights.num_slots} slots but meta allows slot ids up to {meta.max_slots - 1}")
+    if hidden != weights.hidden:
+        raise ValueError(f"A[0] must be [S={weights.num_slots}, R={weights.rank}, K={hidden}], got {tuple(weights.As[0].shape)}")
+    for name, t in (("A", weights.As[0]), ("y", y)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} is {t.dtype} but x is {x.dtype}: all must share one dtype")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if weights.min_width > y.shape[1]:
+        for i, (offset, B) in enumerate(zip(weights.offsets, weights.Bs)):
+            if offset + B.shape[1] > y.shape[1]:
+                raise ValueError(
+                    f"slice {i} (columns {offset}..{offset + B.shape[1]}) does not fit y's {y.shape[1]} columns"
+                )
+    ranks = weights.ranks
+    if ranks is not None and ranks.device.type == "cpu" and (int(ranks.min()) < 0 or int(ranks.max()) > weights.rank):
+        raise ValueError(f"ranks must lie in [0, {weights.rank}], got {ranks.tolist()}")
+
+
+def _check_weights(
+    As: tuple[torch.Tensor, ...],
+    Bs: tuple[torch.Tensor, ...],
+    scaling: torch.Tensor,
+    slice_offsets: Sequence[int] | None,
+    ranks: torch.Tensor | None,
+) -> tuple[int, ...]:
+    """Validate the slot tensors' shapes, dtypes and devices on the host; return the offsets."""
+    if not 1 <= len(As) <= MAX_SLICES or len(As) != len(Bs):
+        raise ValueError(f"need 1 to {MAX_SLICES} slices with as many A as B, got {len(As)} A and {len(Bs)} B")
     A0 = As[0]
     if A0.dim() != 3:
         raise ValueError(f"A must be [S, R, K], got shape {tuple(A0.shape)}")
-    num_slots, rank, _ = A0.shape
-    if num_slots < meta.max_slots:
-        raise ValueError(f"A has {num_slots} slots but meta allows slot ids up to {meta.max_slots - 1}")
+    num_slots, rank, hidden = A0.shape
     for i, (A, B) in enumerate(zip(As, Bs)):
         if A.shape != (num_slots, rank, hidden):
             raise ValueError(f"A[{i}] must be [S={num_slots}, R={rank}, K={hidden}], got {tuple(A.shape)}")
         if B.dim() != 3 or B.shape[0] != num_slots or B.shape[2] != rank:
             raise ValueError(f"B[{i}] must be [S={num_slots}, N, R={rank}], got {tuple(B.shape)}")
-        for name, t in ((f"A[{i}]", A), (f"B[{i}]", B), ("y", y)):
-            if t.dtype != x.dtype:
-                raise TypeError(f"{name} is {t.dtype} but x is {x.dtype}: all must share one dtype")
-            if t.device != x.device:
-                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        for name, t in ((f"A[{i}]", A), (f"B[{i}]", B)):
+            if t.dtype != A0.dtype:
+                raise TypeError(f"{name} is {t.dtype} but A[0] is {A0.dtype}: all must share one dtype")
+            if t.device != A0.device:
+                raise ValueError(f"{name} is on {t.device} but A[0] is on {A0.device}")
     if scaling.shape != (num_slots,) or not scaling.dtype.is_floating_point:
         raise ValueError(f"scaling must be a float tensor [S={num_slots}], got {scaling.dtype} {tuple(scaling.shape)}")
-    if scaling.device != x.device:
-        raise ValueError(f"scaling is on {scaling.device} but x is on {x.device}")
+    if scaling.device != A0.device:
+        raise ValueError(f"scaling is on {scaling.device} but A is on {A0.device}")
     if ranks is not None:
         if ranks.shape != (num_slots,) or ranks.dtype != torch.int32:
             raise ValueError(f"ranks must be an int32 tensor [S={num_slots}], got {ranks.dtype} {tuple(ranks.shape)}")
-        if ranks.device != x.device:
-            raise ValueError(f"ranks is on {ranks.device} but x is on {x.device}")
-        if ranks.device.type == "cpu" and (int(ranks.min()) < 0 or int(ranks.max()) > rank):
-            raise ValueError(f"ranks must lie in [0, {rank}], got {ranks.tolist()}")
+        if ranks.device != A0.device:
+            raise ValueError(f"ranks is on {ranks.device} but A is on {A0.device}")
     widths = [B.shape[1] for B in Bs]
     if slice_offsets is None:
         offsets = [sum(widths[:i]) for i in range(len(widths))]
@@ -163,11 +213,9 @@ def _check(
         offsets = [int(o) for o in slice_offsets]
         if len(offsets) != len(Bs):
             raise ValueError(f"{len(Bs)} slices but {len(offsets)} slice_offsets")
-    for i, (offset, width) in enumerate(zip(offsets, widths)):
-        if offset < 0 or offset + width > y.shape[1]:
-            raise ValueError(
-                f"slice {i} (columns {offset}..{offset + width}) does not fit y's {y.shape[1]} columns"
-            )
+    for i, offset in enumerate(offsets):
+        if offset < 0:
+            raise ValueError(f"slice {i} has a negative offset {offset}")
     spans = sorted(zip(offsets, widths))
     for (offset, width), (next_offset, _) in zip(spans, spans[1:]):
         if offset + width > next_offset:

@@ -19,6 +19,7 @@ smaller adapter costs its own rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -334,9 +335,14 @@ def shrink_config(
     about ``programs`` (default ``DECODE_SHRINK_PROGRAMS``) programs."""
     if meta.num_tokens > DECODE_MAX_TOKENS:
         return PREFILL_SHRINK[min(rank_class(rank), 64)]
-    programs = programs or DECODE_SHRINK_PROGRAMS
+    return _decode_shrink(meta.grid_tiles(16) * num_slices, hidden, rank, programs or DECODE_SHRINK_PROGRAMS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_shrink(tiles: int, hidden: int, rank: int, programs: int) -> ShrinkConfig:
+    """Cached: an engine asks the same few questions 128 times a step, and host time is its cost."""
     block_k = _block_k(256, rank, hidden)
-    tiles, split_k = meta.grid_tiles(16) * num_slices, 1
+    split_k = 1
     while tiles * split_k * 2 <= programs and split_k * 2 * block_k <= hidden:
         split_k *= 2
     return ShrinkConfig(16, block_k, split_k, 4, 3)

@@ -97,8 +97,7 @@ class ModelRunner:
         self.lora_scaling = torch.zeros(config.max_loras, device=self.device, dtype=torch.float32)
         self.lora_ranks = torch.zeros(config.max_loras, device=self.device, dtype=torch.int32)
         for layer in self.model.lora_layers():
-            layer.lora_scaling = self.lora_scaling
-            layer.lora_ranks = self.lora_ranks
+            layer.bind_slots(self.lora_scaling, self.lora_ranks)
             for name in layer.slice_names:
                 self.lora_modules[(layer.layer_idx, name)] = layer
         self.lora_meta = LoRAMeta(config.max_num_batched_tokens, config.max_loras, self.device)

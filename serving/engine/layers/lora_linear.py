@@ -5,7 +5,8 @@ gate/up of a fused MLP one, or a single slice), the layer holds preallocated slo
 ``A [max_loras, max_lora_rank, in]`` and ``B [max_loras, out_slice, max_lora_rank]``; loading an
 adapter is a copy into one slot (smaller ranks zero-padded, modules an adapter does not target
 left zero). The forward adds ``scaling[s] * B[s] @ A[s] @ x`` for each token's slot ``s`` through
-``kernels.lora_apply_sliced``, reading the step's LoRA metadata from the per-step context.
+``kernels.lora_apply_weights`` (slot tensors validated once, at ``bind_slots``), reading the step's
+LoRA metadata from the per-step context.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import lora_apply_sliced
+from kernels import LoRAWeights, lora_apply_weights
 from serving.engine.context import get_context
 
 
@@ -48,9 +49,11 @@ class MultiLoRALinear(nn.Module):
             for width in widths:
                 self.lora_A.append(torch.zeros(max_loras, max_lora_rank, in_features, device=device, dtype=dtype))
                 self.lora_B.append(torch.zeros(max_loras, width, max_lora_rank, device=device, dtype=dtype))
-        # Shared by every LoRA layer of the model; set by the model runner.
-        self.lora_scaling: torch.Tensor | None = None
-        self.lora_ranks: torch.Tensor | None = None
+        # Per slice and slot, the rank written last: rows and columns past it are zero.
+        self._filled_rank = [[0] * max_loras for _ in widths]
+        # The slots as the kernels take them, with the scalings and ranks every LoRA layer of the
+        # model shares: set by the model runner through bind_slots.
+        self.lora_weights: LoRAWeights | None = None
 
     def slice_of(self, name: str) -> tuple[int, int]:
         """``(offset, width)`` of slice ``name``'s rows in the fused weight."""
@@ -60,19 +63,31 @@ class MultiLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         lora = get_context().lora
-        if lora is not None and self.lora_A:
-            lora_apply_sliced(
-                y, x, self.lora_A, self.lora_B, self.lora_scaling, lora, self.slice_offsets, ranks=self.lora_ranks
-            )
+        if lora is not None and self.lora_weights is not None:
+            lora_apply_weights(y, x, self.lora_weights, lora)
         return y
 
+    def bind_slots(self, scaling: torch.Tensor, ranks: torch.Tensor) -> None:
+        """Share the model's per-slot ``scaling [S]`` and ``ranks [S]`` and check the slots once."""
+        self.lora_weights = LoRAWeights(self.lora_A, self.lora_B, scaling, self.slice_offsets, ranks=ranks)
+
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy one adapter's ``(A [r, in], B [out, r])`` per slice name into ``slot``; zero the rest."""
-        for name, A, B in zip(self.slice_names, self.lora_A, self.lora_B):
-            A[slot].zero_()
-            B[slot].zero_()
+        """Copy one adapter's ``(A [r, in], B [out, r])`` per slice name into ``slot``; zero the rest.
+
+        Only what the copy leaves uncovered is zeroed (the ranks past ``r``; a whole slice the
+        adapter does not target, unless it is zero already), so a full-rank adapter on every
+        module costs one copy per tensor: the hot-load's launches, not its bytes, dominate."""
+        for i, (name, A, B) in enumerate(zip(self.slice_names, self.lora_A, self.lora_B)):
             if name in weights:
                 a, b = weights[name]
                 rank = a.shape[0]
                 A[slot, :rank].copy_(a, non_blocking=True)
                 B[slot, :, :rank].copy_(b, non_blocking=True)
+                if rank < A.shape[1] and self._filled_rank[i][slot] > rank:
+                    A[slot, rank:].zero_()
+                    B[slot, :, rank:].zero_()
+                self._filled_rank[i][slot] = rank
+            elif self._filled_rank[i][slot]:
+                A[slot].zero_()
+                B[slot].zero_()
+                self._filled_rank[i][slot] = 0

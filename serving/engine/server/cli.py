@@ -50,6 +50,7 @@ class ServerArgs:
     device: str = "auto"
     load_format: str = "safetensors"
     seed: int = 0
+    enforce_eager: bool = False
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
     registry_url: str | None = None
@@ -152,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="dummy: random base weights of the model's shape (benchmarks without the weights)",
     )
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--enforce-eager", action="store_true", help="never replay CUDA graphs (vLLM's flag; graphs are CUDA-only)"
+    )
     server = p.add_argument_group("server")
     server.add_argument(
         "--max-queued-requests",

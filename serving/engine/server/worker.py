@@ -49,6 +49,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         device=args.device,
         load_format=args.load_format,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
 
 
