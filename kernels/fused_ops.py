@@ -3,8 +3,9 @@ in place, SiLU·mul. Each replaces a chain of 3 to 8 elementwise launches (in a 
 small launches cost more GPU time than their bytes: ≈ 2–3 µs each, about a thousand a step).
 
 Each kernel rounds where the torch chain it replaces rounds (to the input dtype after each op
-that torch runs in that dtype, fp32 inside RMSNorm), so results match the torch path to fp32
-reduction order: bit-equal in nearly every element, within an ulp of the input dtype elsewhere.
+that torch runs in that dtype, fp32 inside RMSNorm). Measured on the H200 in bf16: RMSNorm and
+SiLU·mul are bit-equal to the torch chain in over 97 % of elements; rotary in about 76 %, the
+rest one ulp apart (cause not established). In fp32 all three match to fp32 rounding.
 """
 
 from __future__ import annotations
