@@ -4,18 +4,37 @@ from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
+from django.utils import timezone
 
 from serving import selectors as registry_selectors
-from tenants.dashboard import Role, dashboard_view
+from tenants.dashboard import Role, dashboard_view, is_htmx
+from tenants.models import Tenant
 from training import selectors as training_selectors
-from training.models import Dataset, TrainingJob
+from training.models import Dataset
 
 RECENT_JOBS = 5
+
+
+def _quota(tenant: Tenant) -> dict[str, object]:
+    """The last minute's gateway traffic against the tier's per-minute quotas, and today's tokens."""
+    tier = tenant.tier
+    minute = registry_selectors.usage_window(tenant=tenant, seconds=60)
+    today = timezone.now().replace(hour=0, minute=0, second=0, microsecond=0)
+
+    def share(used: int, limit: int) -> int:
+        return min(100, round(100 * used / limit)) if limit else 0
+
+    return {"tier": tier, "minute": minute, "today_tokens": registry_selectors.usage_tokens_since(tenant=tenant,
+                                                                                                since=today),
+            "requests_percent": share(minute["requests"], tier.requests_per_minute),
+            "tokens_percent": share(minute["tokens"], tier.tokens_per_minute)}
 
 
 @dashboard_view(Role.VIEWER)
 def overview_view(request: HttpRequest) -> HttpResponse:
     tenant = request.dashboard.tenant
+    if is_htmx(request):
+        return render(request, "dashboard/_quota.html", _quota(tenant))
     adapters = registry_selectors.adapter_list(tenant=tenant)
     deployed = []
     for adapter in adapters:
@@ -23,10 +42,9 @@ def overview_view(request: HttpRequest) -> HttpResponse:
         if served:
             deployed.append({"adapter": adapter, "active": served.get("active"), "canary": served.get("canary")})
     jobs = training_selectors.job_list(tenant=tenant)
-    return render(request, "dashboard/overview.html", {
-        "tier": tenant.tier, "deployed": deployed, "adapter_count": len(adapters),
+    return render(request, "dashboard/overview.html", _quota(tenant) | {
+        "deployed": deployed, "adapter_count": len(adapters),
         "jobs": jobs[:RECENT_JOBS],
-        "running_jobs": jobs.filter(status__in=TrainingJob.ACTIVE_STATUSES).count(),
         "ready_datasets": training_selectors.dataset_list(tenant=tenant).filter(status=Dataset.Status.READY).count(),
         "nav": "overview",
     })

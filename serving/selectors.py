@@ -3,14 +3,17 @@ the resolution of a request's `model` to one version (for the gateway)."""
 
 from __future__ import annotations
 
+import math
 import random
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Max, Prefetch, QuerySet
+from django.db.models import Count, Max, Prefetch, QuerySet, Sum
+from django.utils import timezone
 
 from lora_platform.errors import NotFound
-from serving.models import Adapter, AdapterVersion, DeploymentEvent
+from serving.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
 from serving.versions import SEMVER_RE, SemVer, version_next_patch
 from serving.wire import RegistrySnapshot, ServedEntry
 from tenants.models import Tenant
@@ -153,3 +156,46 @@ def adapter_get(*, tenant: Tenant, name: str) -> Adapter:
     if adapter is None:
         raise NotFound(f"No adapter named '{name}'.", code="adapter_not_found", param="name")
     return adapter
+
+
+def usage_window(*, tenant: Tenant, seconds: int) -> dict[str, int]:
+    """Requests and tokens of the tenant's gateway calls in the last `seconds` (the overview's live meters)."""
+    since = timezone.now() - timedelta(seconds=seconds)
+    totals = UsageRecord.objects.for_tenant(tenant).filter(created_at__gte=since).aggregate(
+        requests=Count("id"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
+    return {"requests": totals["requests"], "tokens": (totals["prompt"] or 0) + (totals["completion"] or 0)}
+
+
+def usage_tokens_since(*, tenant: Tenant, since: datetime) -> int:
+    totals = UsageRecord.objects.for_tenant(tenant).filter(created_at__gte=since).aggregate(
+        prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
+    return (totals["prompt"] or 0) + (totals["completion"] or 0)
+
+
+def usage_by_version(*, adapter: Adapter, versions: list[str], since: datetime) -> dict[str, dict[str, Any]]:
+    """Per version of the adapter since `since`: requests, error rate, p50/p95 latency (ms), tokens.
+
+    One query for all the versions; percentiles are taken here (nearest rank), the same on every
+    database. A version without requests gets zeros and None latencies.
+    """
+    rows = (UsageRecord.objects.for_tenant(adapter.tenant)
+            .filter(adapter=adapter.name, version__in=versions, created_at__gte=since)
+            .values_list("version", "status", "latency_ms", "prompt_tokens", "completion_tokens"))
+    grouped: dict[str, list[tuple]] = {version: [] for version in versions}
+    for row in rows:
+        grouped[row[0]].append(row)
+    return {version: _usage_stats(items) for version, items in grouped.items()}
+
+
+def _usage_stats(rows: list[tuple]) -> dict[str, Any]:
+    latencies = sorted(row[2] for row in rows)
+    errors = sum(1 for row in rows if row[1] == UsageRecord.Status.UPSTREAM_ERROR)
+
+    def percentile(share: float) -> float | None:
+        if not latencies:
+            return None
+        return latencies[max(0, math.ceil(share * len(latencies)) - 1)]
+
+    return {"requests": len(rows), "errors": errors, "error_rate": errors / len(rows) if rows else 0.0,
+            "p50_ms": percentile(0.50), "p95_ms": percentile(0.95),
+            "tokens": sum(row[3] + row[4] for row in rows)}

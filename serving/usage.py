@@ -72,7 +72,9 @@ async def _flush_forever() -> None:
     while True:
         await asyncio.sleep(settings.GATEWAY_USAGE_FLUSH_SECONDS)
         try:
-            await sync_to_async(usage_records_flush)()
+            # Not thread-sensitive: this task outlives the request that started it, and that request's
+            # thread-sensitive executor is gone once it ends ("CurrentThreadExecutor already quit").
+            await sync_to_async(usage_records_flush, thread_sensitive=False)()
         except Exception:
             log.exception("usage flush failed; retrying")
 

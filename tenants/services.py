@@ -116,3 +116,17 @@ def tenant_suspend(*, slug: str) -> Tenant:
 
 def tenant_activate(*, slug: str) -> Tenant:
     return tenant_set_status(slug=slug, status=Tenant.Status.ACTIVE)
+
+
+def playground_key_issue(*, tenant: Tenant, username: str) -> tuple[ApiKey, str]:
+    """A fresh inference-only key with which the dashboard's playground calls `/v1` for a user.
+
+    Its secret lives only in that user's session (the playground page hands it to the browser);
+    a new one revokes the user's earlier playground keys in the tenant, so at most one is live.
+    The usage page lists its requests under its name like any key's.
+    """
+    name = f"playground: {username}"[:KEY_NAME_MAX_LENGTH]
+    with transaction.atomic():
+        for earlier in ApiKey.objects.filter(tenant=tenant, name=name, revoked_at__isnull=True):
+            api_key_revoke(api_key=earlier)
+        return api_key_create(tenant=tenant, name=name, scopes=[ApiKey.Scope.INFERENCE.value])

@@ -1,6 +1,6 @@
 // Loraplex dashboard behaviour: confirmations, the tenant switcher, dataset drag-and-drop with upload
-// progress, the canary slider's readout, copy buttons, the new-job token estimate and the live loss
-// chart (uPlot). Everything degrades to plain forms without JavaScript.
+// progress, the canary slider's readout, copy buttons, the new-job token estimate, the live loss
+// chart and the usage chart (uPlot), and the playground (streamed chat through /v1). Everything degrades to plain forms without JavaScript.
 (function () {
   "use strict";
 
@@ -119,9 +119,192 @@
     if (lossChart && element) lossChart.setSize({ width: element.clientWidth, height: 260 });
   });
 
+
+  // The usage chart: tokens and requests per day.
+  function renderUsageChart() {
+    var element = document.getElementById("usage-chart");
+    var source = document.getElementById("usage-data");
+    if (!element || !source || typeof uPlot === "undefined" || element.dataset.drawn) return;
+    var rows = JSON.parse(source.textContent);
+    element.dataset.drawn = "1";
+    if (!rows.length) { element.hidden = true; return; }
+    var data = [
+      rows.map(function (r) { return Date.parse(r.day + "T00:00:00Z") / 1000; }),
+      rows.map(function (r) { return r.total_tokens; }),
+      rows.map(function (r) { return r.requests; }),
+    ];
+    new uPlot({
+      width: element.clientWidth || 600, height: 220,
+      scales: { y: {}, requests: {} },
+      axes: [{}, { label: "tokens" }, { side: 1, scale: "requests", label: "requests", grid: { show: false } }],
+      series: [
+        { label: "day", value: "{YYYY}-{MM}-{DD}" },
+        { label: "tokens", stroke: "#4f46e5", fill: "rgba(79,70,229,.12)", width: 2, points: { show: true } },
+        { label: "requests", stroke: "#d97706", width: 2, scale: "requests", points: { show: true } },
+      ],
+    }, data, element);
+  }
+
+  // The playground: chat through the public gateway with the user's playground key, streamed.
+  var playgroundKey = null;
+  function getPlaygroundKey(form) {
+    if (playgroundKey) return Promise.resolve(playgroundKey);
+    var token = document.querySelector("[name=csrfmiddlewaretoken]") || null;
+    var csrf = token ? token.value : JSON.parse(document.body.getAttribute("hx-headers"))["X-CSRFToken"];
+    return fetch(form.dataset.keyUrl, { method: "POST", headers: { "X-CSRFToken": csrf }, credentials: "same-origin" })
+      .then(function (response) {
+        if (!response.ok) throw new Error("could not get a playground key (HTTP " + response.status + ")");
+        return response.json();
+      })
+      .then(function (data) { playgroundKey = data.key; return playgroundKey; });
+  }
+
+  function playgroundRequest(model) {
+    var messages = [];
+    var system = document.getElementById("pg-system").value.trim();
+    if (system) messages.push({ role: "system", content: system });
+    messages.push({ role: "user", content: document.getElementById("pg-prompt").value });
+    return {
+      model: model, messages: messages, stream: true, stream_options: { include_usage: true },
+      max_tokens: Number(document.getElementById("pg-max-tokens").value),
+      temperature: Number(document.getElementById("pg-temperature").value),
+    };
+  }
+
+  function streamInto(pane, form, key, body) {
+    var output = pane.querySelector(".pg-output");
+    var meta = pane.querySelector(".pg-meta");
+    pane.querySelector(".pg-title").textContent = body.model;
+    output.textContent = "";
+    output.classList.remove("pg-error");
+    meta.textContent = "waiting…";
+    pane.dataset.state = "streaming";
+    var started = performance.now();
+    var firstToken = null;
+    var usage = null;
+    var served = null;
+    return fetch(form.dataset.endpoint, {
+      method: "POST", body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json", "Authorization": "Bearer " + key },
+    }).then(function (response) {
+      var version = response.headers.get("x-loraplex-adapter-version");
+      served = version ? "served by version " + version : null;
+      if (response.headers.get("x-loraplex-degraded")) served = "over quota: degraded to the base model";
+      if (!response.ok) {
+        return response.json().then(function (error) {
+          throw new Error((error.error && error.error.message) || ("HTTP " + response.status));
+        });
+      }
+      var reader = response.body.getReader();
+      var decoder = new TextDecoder();
+      var buffer = "";
+      function pump() {
+        return reader.read().then(function (chunk) {
+          if (chunk.done) return;
+          buffer += decoder.decode(chunk.value, { stream: true });
+          var events = buffer.split("\n\n");
+          buffer = events.pop();
+          events.forEach(function (event) {
+            event.split("\n").forEach(function (line) {
+              if (line.indexOf("data:") !== 0) return;
+              var payload = line.slice(5).trim();
+              if (payload === "[DONE]") return;
+              var data = JSON.parse(payload);
+              if (data.usage) usage = data.usage;
+              (data.choices || []).forEach(function (choice) {
+                var text = choice.delta && choice.delta.content;
+                if (text) {
+                  if (firstToken === null) firstToken = performance.now();
+                  output.textContent += text;
+                  pane.dataset.chunks = String(Number(pane.dataset.chunks || 0) + 1);
+                }
+              });
+            });
+          });
+          return pump();
+        });
+      }
+      return pump();
+    }).then(function () {
+      var total = Math.round(performance.now() - started);
+      var parts = [];
+      if (usage) parts.push(usage.prompt_tokens + " prompt + " + usage.completion_tokens + " completion tokens");
+      if (firstToken !== null) parts.push("first token " + Math.round(firstToken - started) + " ms");
+      parts.push("total " + total + " ms");
+      if (served) parts.push(served);
+      meta.textContent = parts.join(" · ");
+      pane.dataset.state = "done";
+    }).catch(function (error) {
+      output.textContent = error.message;
+      output.classList.add("pg-error");
+      meta.textContent = "";
+      pane.dataset.state = "error";
+    });
+  }
+
+  function shellQuote(text) { return "'" + text.replace(/'/g, "'\\''") + "'"; }
+
+  function requestCode(form, kind) {
+    var body = playgroundRequest(document.getElementById("pg-model-a").value);
+    var url = form.dataset.origin + form.dataset.endpoint;
+    if (kind === "curl") {
+      return "curl " + url + " \\\n  -H \"Authorization: Bearer $LORAPLEX_API_KEY\" \\\n" +
+        "  -H 'Content-Type: application/json' \\\n  -d " + shellQuote(JSON.stringify(body, null, 2));
+    }
+    var messages = JSON.stringify(body.messages, null, 4).replace(/\n/g, "\n    ");
+    return "import os\nfrom openai import OpenAI\n\n" +
+      "client = OpenAI(base_url=" + JSON.stringify(form.dataset.origin + "/v1") + ", api_key=os.environ[\"LORAPLEX_API_KEY\"])\n" +
+      "stream = client.chat.completions.create(\n    model=" + JSON.stringify(body.model) + ",\n    messages=" + messages +
+      ",\n    max_tokens=" + body.max_tokens + ",\n    temperature=" + body.temperature + ",\n    stream=True,\n)\n" +
+      "for chunk in stream:\n    if chunk.choices and chunk.choices[0].delta.content:\n" +
+      "        print(chunk.choices[0].delta.content, end=\"\", flush=True)\n";
+  }
+
+  function setupPlayground() {
+    var form = document.getElementById("playground");
+    if (!form || form.dataset.ready) return;
+    form.dataset.ready = "1";
+    var compare = document.getElementById("pg-compare");
+    compare.addEventListener("change", function () {
+      document.getElementById("pg-model-b-field").hidden = !compare.checked;
+      document.getElementById("pg-pane-b").hidden = !compare.checked;
+      document.getElementById("pg-panes").classList.toggle("two", compare.checked);
+    });
+    form.addEventListener("submit", function (event) {
+      event.preventDefault();
+      var send = document.getElementById("pg-send");
+      send.disabled = true;
+      getPlaygroundKey(form).then(function (key) {
+        var runs = [streamInto(document.getElementById("pg-pane-a"), form, key,
+                               playgroundRequest(document.getElementById("pg-model-a").value))];
+        if (compare.checked) {
+          runs.push(streamInto(document.getElementById("pg-pane-b"), form, key,
+                               playgroundRequest(document.getElementById("pg-model-b").value)));
+        }
+        return Promise.all(runs);
+      }).catch(function (error) {
+        var pane = document.getElementById("pg-pane-a");
+        pane.querySelector(".pg-output").textContent = error.message;
+        pane.dataset.state = "error";
+      }).then(function () { send.disabled = false; });
+    });
+    form.querySelectorAll("[data-copy-request]").forEach(function (button) {
+      button.addEventListener("click", function () {
+        var code = requestCode(form, button.dataset.copyRequest);
+        document.getElementById("pg-code").hidden = false;
+        document.getElementById("pg-code-text").textContent = code;
+        var note = document.getElementById("pg-copied");
+        navigator.clipboard.writeText(code).then(function () { note.textContent = "Copied; set LORAPLEX_API_KEY to one of your keys."; },
+          function () { note.textContent = "Shown below; copy it from there."; });
+      });
+    });
+  }
+
   function setup() {
     setupDropzones();
     renderLossChart();
+    renderUsageChart();
+    setupPlayground();
     updateEstimate();
   }
   document.addEventListener("DOMContentLoaded", setup);

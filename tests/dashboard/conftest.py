@@ -11,9 +11,10 @@ import pytest
 PASSWORD = "correct-horse-battery"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fast_passwords(settings) -> None:
-    """The default hasher's work factor costs seconds per user on a shared CI machine."""
+    """The default hasher's work factor costs seconds per user on a shared CI machine (for suites whose
+    users log in only in this process: a web process of its own would not know this hasher)."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 

@@ -1,10 +1,15 @@
-"""The tenant's journey in a real browser: Debian's Chromium driven by Playwright, against the live server.
+"""The tenant's journey in a real browser: Debian's Chromium driven by Playwright, against the platform.
 
 Log in → upload a dataset with a broken line and see its line error → upload a good one (dropped
 on the drop zone) → start a job and watch its loss chart gain points → deploy the produced version
 → upload a second version and start it as a canary → move the slider → promote → roll back and
-see the timeline → create an API key and see it once. A real Celery worker (in a thread of this
-process, on the configured broker) validates and trains.
+see the timeline → chat in the playground (adapter against base) and see tokens stream → usage
+and the overview's live meters show those requests → create an API key and see it once.
+
+The parts are real: the web process is uvicorn on this run's test database (pytest-django's live
+server is WSGI, which buffers the gateway's async token stream, so it could not show streaming),
+a serving worker on the tiny model registers in Redis for the gateway, and a Celery worker (in a
+thread of this process, on the same broker) validates and trains.
 
 With LORAPLEX_SCREENSHOTS=<dir> (`make screenshots`) each page is saved there at laptop and phone
 widths. Chromium missing: skipped with the package to install, except under CI=true, where it fails.
@@ -25,6 +30,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
                   "--disable-component-update", "--disable-sync"]
 BASE_MODEL_NAME = "tiny-llama"
 PASSWORD = "correct-horse-battery"
+WORKER_KEY = "dashboard-test-worker-key"
 LAPTOP = {"width": 1280, "height": 860}
 PHONE = {"width": 390, "height": 844}
 # Generous: the CI machine is shared, and a cold tiny-model training step can take seconds there.
@@ -86,7 +92,6 @@ def platform(settings, base_model_dir: Path, tmp_path: Path) -> None:
     settings.STORAGE_URL = f"file://{tmp_path / 'storage'}"
     settings.S3_ENDPOINT_URL = None
     settings.TRAINING_LOG_EVERY_STEPS = 1  # a chart point per step
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
 @pytest.fixture
@@ -161,7 +166,32 @@ def _drop_file(page, selector: str, name: str, content: str) -> None:
     page.dispatch_event(selector, "drop", {"dataTransfer": transfer})
 
 
-def test_the_tenant_journey(browser, live_server, celery_worker, owner, base_model_dir, tmp_path):
+@pytest.fixture
+def web(transactional_db, platform, settings, base_model_dir: Path, tmp_path: Path) -> Iterator[object]:
+    """A web process (uvicorn) and a serving worker, both on this test's database, Redis and storage."""
+    from tests.gateway.conftest import WebProcess, _database_url
+    from tests.serving_worker.conftest import WorkerProcess
+
+    worker = WorkerProcess(base_model_dir, [
+        "--served-model-name", BASE_MODEL_NAME, "--redis-url", settings.REDIS_URL, "--worker-id", "dashboard-worker",
+        "--heartbeat-interval", "0.5", "--api-key", WORKER_KEY, "--max-loras", "2", "--max-lora-rank", "16",
+    ], tmp_path / "serving-worker.log")
+    web_process = WebProcess({
+        "DATABASE_URL": _database_url(), "REDIS_URL": settings.REDIS_URL, "STORAGE_URL": settings.STORAGE_URL,
+        "SERVING_WORKER_API_KEY": WORKER_KEY, "BASE_MODEL_PATH": str(base_model_dir),
+        "BASE_MODEL_NAME": BASE_MODEL_NAME, "BASE_MODEL_ALIASES": "", "LORAPLEX_VAR_DIR": str(tmp_path / "var"),
+        "DJANGO_DEBUG": "0", "GATEWAY_USAGE_FLUSH_SECONDS": "0.2",
+    }, tmp_path / "web.log")
+    try:
+        worker.wait_ready()
+        web_process.wait_ready()
+        yield web_process
+    finally:
+        web_process.stop()
+        worker.stop()
+
+
+def test_the_tenant_journey(browser, web, celery_worker, owner, base_model_dir, tmp_path):
     from playwright.sync_api import expect
 
     from serving.engine.tiny import save_random_peft_adapter
@@ -173,7 +203,7 @@ def test_the_tenant_journey(browser, live_server, celery_worker, owner, base_mod
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.on("dialog", lambda dialog: dialog.accept())
-    url = live_server.url
+    url = web.url
 
     # Log in.
     page.goto(f"{url}/")
@@ -267,6 +297,42 @@ def test_the_tenant_journey(browser, live_server, celery_worker, owner, base_mod
     shots.take(page, "adapter")
     page.goto(f"{url}/adapters/")
     shots.take(page, "adapters")
+
+    # The playground: the adapter against the base model on one prompt, streamed through /v1.
+    page.click("nav >> text=Playground")
+    page.select_option("#pg-model-a", "support-bot")
+    page.check("#pg-compare")
+    page.select_option("#pg-model-b", BASE_MODEL_NAME)
+    page.fill("#pg-max-tokens", "12")
+    page.fill("#pg-prompt", "What is the capital of Italy?")
+    page.click("#pg-send")
+    for side in ("a", "b"):
+        pane = page.locator(f"#pg-pane-{side}")
+        expect(pane).to_have_attribute("data-state", "done")
+        assert int(pane.get_attribute("data-chunks")) > 1  # the reply came in several streamed pieces
+        expect(pane.locator(".pg-meta")).to_contain_text("completion tokens")
+    expect(page.locator("#pg-pane-a .pg-meta")).to_contain_text("served by version 1.0.0")
+    page.click("button:has-text('Copy as curl')")
+    expect(page.locator("#pg-code-text")).to_contain_text('"model": "support-bot"')
+    shots.take(page, "playground", phone_too=False)
+    page.goto(f"{url}/playground/")
+    shots.take(page, "playground-empty")
+
+    # Usage shows the playground's two requests (records are flushed to the database in batches).
+    for _ in range(60):
+        page.goto(f"{url}/usage/")
+        if page.locator("#usage-requests").inner_text() == "2":
+            break
+        page.wait_for_timeout(500)
+    expect(page.locator("#usage-requests")).to_have_text("2")
+    expect(page.locator("#usage-by-key")).to_contain_text("playground: demo-owner")
+    expect(page.locator("#usage-by-adapter")).to_contain_text("support-bot")
+    expect(page.locator("#usage-chart canvas")).to_be_visible()
+    shots.take(page, "usage")
+    page.goto(f"{url}/adapters/support-bot/")
+    expect(page.locator(".side-active .usage-facts div").first.locator("dd")).to_have_text("1")
+    page.goto(f"{url}/")
+    expect(page.locator("#quota-requests")).to_have_text("2")  # the live meter: the last minute's requests
 
     # An API key, shown once.
     page.click("nav >> text=API keys")
