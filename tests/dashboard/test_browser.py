@@ -175,7 +175,7 @@ def web(transactional_db, platform, settings, base_model_dir: Path, tmp_path: Pa
     worker = WorkerProcess(base_model_dir, [
         "--served-model-name", BASE_MODEL_NAME, "--redis-url", settings.REDIS_URL, "--worker-id", "dashboard-worker",
         "--heartbeat-interval", "0.5", "--api-key", WORKER_KEY, "--max-loras", "2", "--max-lora-rank", "16",
-    ], tmp_path / "serving-worker.log")
+    ], tmp_path / "serving-worker.log", env={"STORAGE_URL": settings.STORAGE_URL})  # where it may load adapters
     web_process = WebProcess({
         "DATABASE_URL": _database_url(), "REDIS_URL": settings.REDIS_URL, "STORAGE_URL": settings.STORAGE_URL,
         "SERVING_WORKER_API_KEY": WORKER_KEY, "BASE_MODEL_PATH": str(base_model_dir),
@@ -308,7 +308,9 @@ def test_the_tenant_journey(browser, web, celery_worker, owner, base_model_dir, 
     page.click("#pg-send")
     for side in ("a", "b"):
         pane = page.locator(f"#pg-pane-{side}")
-        expect(pane).to_have_attribute("data-state", "done")
+        page.wait_for_function(f"() => ['done', 'error'].includes(document.getElementById('pg-pane-{side}')"
+                               ".dataset.state)")
+        assert pane.get_attribute("data-state") == "done", pane.locator(".pg-output").inner_text()
         assert int(pane.get_attribute("data-chunks")) > 1  # the reply came in several streamed pieces
         expect(pane.locator(".pg-meta")).to_contain_text("completion tokens")
     expect(page.locator("#pg-pane-a .pg-meta")).to_contain_text("served by version 1.0.0")
