@@ -51,6 +51,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "django.contrib.humanize",  # the dashboard's number formatting (intcomma)
     "rest_framework",
     "drf_spectacular",
     "lora_platform",
