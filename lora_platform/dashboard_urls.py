@@ -41,4 +41,8 @@ urlpatterns = [
     path("keys/", tenant_views.api_key_list_view, name="keys"),
     path("keys/create/", tenant_views.api_key_create_view, name="key-create"),
     path("keys/<int:key_id>/revoke/", tenant_views.api_key_revoke_view, name="key-revoke"),
+    path("members/", tenant_views.member_list_view, name="members"),
+    path("members/add/", tenant_views.member_add_view, name="member-add"),
+    path("members/<int:membership_id>/role/", tenant_views.member_role_view, name="member-role"),
+    path("members/<int:membership_id>/remove/", tenant_views.member_remove_view, name="member-remove"),
 ]

@@ -30,3 +30,7 @@ def memberships_of(user: object) -> list[Membership]:
 def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
     """The tenant's keys, newest first, revoked ones included (they say when they were revoked)."""
     return ApiKey.objects.filter(tenant=tenant).order_by("-created_at", "-id")
+
+
+def membership_list(*, tenant: Tenant) -> QuerySet[Membership]:
+    return Membership.objects.filter(tenant=tenant).select_related("user").order_by("role", "user__username")

@@ -130,3 +130,60 @@ def playground_key_issue(*, tenant: Tenant, username: str) -> tuple[ApiKey, str]
         for earlier in ApiKey.objects.filter(tenant=tenant, name=name, revoked_at__isnull=True):
             api_key_revoke(api_key=earlier)
         return api_key_create(tenant=tenant, name=name, scopes=[ApiKey.Scope.INFERENCE.value])
+
+
+def _owners_after(membership: Membership, role: str | None) -> int:
+    """How many owners the tenant keeps if `membership` takes `role` (None: leaves)."""
+    others = Membership.objects.filter(tenant=membership.tenant, role=Membership.Role.OWNER).exclude(pk=membership.pk)
+    return others.count() + (1 if role == Membership.Role.OWNER else 0)
+
+
+def _check_role(role: str) -> str:
+    if role not in Membership.Role.values:
+        raise InvalidInput(f"Unknown role '{role}'; roles are {', '.join(Membership.Role.values)}.",
+                           code="unknown_role", param="role")
+    return role
+
+
+@transaction.atomic
+def membership_add(*, tenant: Tenant, user_identifier: str, role: str) -> Membership:
+    """Adds an existing user (by username or email) to the tenant with `role`."""
+    _check_role(role)
+    identifier = user_identifier.strip()
+    users = get_user_model().objects
+    user = users.filter(username=identifier).first() or (
+        users.filter(email__iexact=identifier).first() if identifier else None)
+    if user is None:
+        raise InvalidInput(f"No user '{identifier}'. The platform operator creates accounts; then add them here.",
+                           code="unknown_user", param="user")
+    try:
+        with transaction.atomic():
+            return Membership.objects.create(user=user, tenant=tenant, role=role)
+    except IntegrityError:
+        raise Conflict(f"'{user.get_username()}' is already a member of '{tenant.slug}'.",
+                       code="already_member", param="user") from None
+
+
+@transaction.atomic
+def membership_set_role(*, membership: Membership, role: str) -> Membership:
+    """Changes a member's role; a tenant always keeps at least one owner."""
+    _check_role(role)
+    # The tenant's row lock serialises changes of its owners, so two demotions cannot both pass.
+    Tenant.objects.select_for_update().filter(pk=membership.tenant_id).first()
+    if membership.role == Membership.Role.OWNER and _owners_after(membership, role) == 0:
+        raise Conflict(f"'{membership.user.get_username()}' is the last owner of '{membership.tenant.slug}'; make "
+                       "someone else an owner first.", code="last_owner")
+    membership.role = role
+    membership.save(update_fields=["role"])
+    return membership
+
+
+@transaction.atomic
+def membership_remove(*, membership: Membership) -> None:
+    """Removes a member (their account stays); the last owner cannot be removed."""
+    # As in membership_set_role: one change of the tenant's owners at a time.
+    Tenant.objects.select_for_update().filter(pk=membership.tenant_id).first()
+    if membership.role == Membership.Role.OWNER and _owners_after(membership, None) == 0:
+        raise Conflict(f"'{membership.user.get_username()}' is the last owner of '{membership.tenant.slug}'; make "
+                       "someone else an owner first.", code="last_owner")
+    membership.delete()

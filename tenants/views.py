@@ -1,6 +1,8 @@
-"""Dashboard pages of the tenants app: log in and out, the tenant switcher, API keys."""
+"""Dashboard pages of the tenants app: log in and out, the tenant switcher, API keys, members."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
@@ -11,7 +13,7 @@ from django.views.decorators.http import require_POST
 from lora_platform.errors import ServiceError
 from tenants import selectors, services
 from tenants.dashboard import Role, dashboard_view, tenant_switch
-from tenants.models import ApiKey
+from tenants.models import ApiKey, Membership
 
 
 class LoginView(auth_views.LoginView):
@@ -63,3 +65,52 @@ def api_key_revoke_view(request: HttpRequest, key_id: int) -> HttpResponse:
     services.api_key_revoke(api_key=key)
     messages.success(request, f"Key lp-{key.prefix}… ({key.name}) is revoked; requests with it are refused.")
     return redirect("dashboard:keys")
+
+
+@dashboard_view(Role.VIEWER)
+def member_list_view(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/members.html", {
+        "members": selectors.membership_list(tenant=request.dashboard.tenant), "roles": Membership.Role.choices,
+        "nav": "members",
+    })
+
+
+def _member(request: HttpRequest, membership_id: int) -> Membership:
+    membership = selectors.membership_list(tenant=request.dashboard.tenant).filter(pk=membership_id).first()
+    if membership is None:
+        raise Http404(f"No member {membership_id}.")
+    return membership
+
+
+def _member_action(request: HttpRequest, action: Callable[[], object], done: str) -> HttpResponse:
+    try:
+        action()
+    except ServiceError as error:
+        messages.error(request, error.message)
+    else:
+        messages.success(request, done)
+    return redirect("dashboard:members")
+
+
+@require_POST
+@dashboard_view(Role.OWNER)
+def member_add_view(request: HttpRequest) -> HttpResponse:
+    who, role = request.POST.get("user", ""), request.POST.get("role", "")
+    return _member_action(request, lambda: services.membership_add(
+        tenant=request.dashboard.tenant, user_identifier=who, role=role), f"Added {who.strip()} as {role}.")
+
+
+@require_POST
+@dashboard_view(Role.OWNER)
+def member_role_view(request: HttpRequest, membership_id: int) -> HttpResponse:
+    membership, role = _member(request, membership_id), request.POST.get("role", "")
+    return _member_action(request, lambda: services.membership_set_role(membership=membership, role=role),
+                          f"{membership.user.get_username()} is now {role}.")
+
+
+@require_POST
+@dashboard_view(Role.OWNER)
+def member_remove_view(request: HttpRequest, membership_id: int) -> HttpResponse:
+    membership = _member(request, membership_id)
+    return _member_action(request, lambda: services.membership_remove(membership=membership),
+                          f"Removed {membership.user.get_username()}.")

@@ -348,6 +348,10 @@ def test_the_tenant_journey(browser, web, celery_worker, owner, base_model_dir, 
     assert secret not in page.content()
     shots.take(page, "keys")
 
+    page.click("nav >> text=Members")
+    expect(page.locator("#members")).to_contain_text("demo-owner")
+    shots.take(page, "members")
+
     page.goto(f"{url}/")
     expect(page.locator("text=support-bot").first).to_be_visible()
     shots.take(page, "overview")

@@ -42,7 +42,7 @@ def storage(settings, tmp_path):
 
 
 PAGES = ["dashboard:overview", "dashboard:datasets", "dashboard:jobs", "dashboard:adapters", "dashboard:keys",
-         "dashboard:usage"]
+         "dashboard:usage", "dashboard:members"]
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -272,7 +272,8 @@ POST_ROUTES = [
     ("dashboard:adapter-upload", ["x"]), ("dashboard:adapter-deploy", ["x"]), ("dashboard:adapter-canary", ["x"]),
     ("dashboard:adapter-promote", ["x"]), ("dashboard:adapter-abort", ["x"]), ("dashboard:adapter-rollback", ["x"]),
     ("dashboard:adapter-archive", ["x"]), ("dashboard:key-create", []), ("dashboard:key-revoke", [1]),
-    ("dashboard:logout", []), ("dashboard:playground-key", []),
+    ("dashboard:logout", []), ("dashboard:playground-key", []), ("dashboard:member-add", []),
+    ("dashboard:member-role", [1]), ("dashboard:member-remove", [1]),
 ]
 
 
@@ -288,7 +289,7 @@ def test_every_post_route_is_covered_by_the_csrf_test():
 
     posted = {name for name, _ in POST_ROUTES}
     reads = {"overview", "login", "datasets", "dataset", "jobs", "job-new", "job", "adapters", "adapter", "keys",
-             "playground", "usage", "usage-csv"}
+             "playground", "usage", "usage-csv", "members"}
     assert {f"dashboard:{item.name}" for item in dashboard_urls.urlpatterns} == posted | {f"dashboard:{n}" for n in reads}
 
 
@@ -317,7 +318,7 @@ def _fill(tenant, rows: range, make_version) -> None:
 @pytest.mark.parametrize("page,args", [
     ("dashboard:overview", []), ("dashboard:datasets", []), ("dashboard:jobs", []), ("dashboard:adapters", []),
     ("dashboard:keys", []), ("dashboard:job-new", []), ("dashboard:adapter", ["adapter-0"]),
-    ("dashboard:job", None), ("dashboard:usage", []), ("dashboard:playground", []),
+    ("dashboard:job", None), ("dashboard:usage", []), ("dashboard:playground", []), ("dashboard:members", []),
 ])
 def test_query_counts_do_not_grow_with_rows(as_user, people, tenant_a, make_version, page, args):
     from tenants.models import Tier
@@ -432,3 +433,32 @@ def test_the_overview_meters_count_the_last_minute(as_user, people, tenant_a):
     assert partial.context["minute"] == {"requests": 1, "tokens": 120}
     assert b'id="quota"' in partial.content and b"<h1>" not in partial.content
     assert b"every 2s [document.visibilityState === 'visible']" in partial.content
+
+
+def test_owners_manage_members_and_a_tenant_keeps_an_owner(as_user, people, tenant_a, tenant_b):
+    from tenants.models import Membership
+
+    owner = as_user(people.owner)
+    assert owner.post(reverse("dashboard:member-add"), {"user": "bob@example.com", "role": "viewer"}).status_code == 302
+    bob = Membership.objects.get(tenant=tenant_a.tenant, user=people.bob)
+    assert bob.role == "viewer"
+    again = owner.post(reverse("dashboard:member-add"), {"user": "bob", "role": "viewer"}, follow=True)
+    assert b"already a member" in again.content
+    unknown = owner.post(reverse("dashboard:member-add"), {"user": "nobody", "role": "viewer"}, follow=True)
+    assert b"No user" in unknown.content
+    owner.post(reverse("dashboard:member-role", args=[bob.pk]), {"role": "member"})
+    bob.refresh_from_db()
+    assert bob.role == "member"
+    mine = Membership.objects.get(tenant=tenant_a.tenant, user=people.owner)
+    last = owner.post(reverse("dashboard:member-role", args=[mine.pk]), {"role": "viewer"}, follow=True)
+    assert b"last owner" in last.content and Membership.objects.get(pk=mine.pk).role == "owner"
+    assert b"last owner" in owner.post(reverse("dashboard:member-remove", args=[mine.pk]), follow=True).content
+    owner.post(reverse("dashboard:member-remove", args=[bob.pk]))
+    assert not Membership.objects.filter(pk=bob.pk).exists()
+    # Members and viewers read the list but change nothing; another tenant's membership is a 404.
+    member = as_user(people.member)
+    assert b"Add a member" not in member.get(reverse("dashboard:members")).content
+    viewer_row = Membership.objects.get(tenant=tenant_a.tenant, user=people.viewer)
+    assert member.post(reverse("dashboard:member-role", args=[viewer_row.pk]), {"role": "owner"}).status_code == 403
+    bobs_own = Membership.objects.get(tenant=tenant_b.tenant, user=people.bob)
+    assert as_user(people.owner).post(reverse("dashboard:member-remove", args=[bobs_own.pk])).status_code == 404
