@@ -16,6 +16,14 @@ from tenants.scoping import TenantScopedQuerySet
 ADAPTER_NAME_PATTERN = r"[a-z0-9](?:[a-z0-9_-]{0,61}[a-z0-9])?"
 
 
+def artifact_prefix(*, tenant: str, adapter: str, version: str | None = None) -> str:
+    """Where an adapter's artifacts are stored: `adapters/<tenant>/<adapter>/` (every version, with
+    the slash) or `adapters/<tenant>/<adapter>/<version>` (one version's directory). The registry
+    and training both build keys here, so the layout of docs/registry.md is spelled once."""
+    base = f"adapters/{tenant}/{adapter}/"
+    return base if version is None else f"{base}{version}"
+
+
 class Adapter(models.Model):
     """A tenant's named adapter (`support-bot`); what the `model` field of a request names."""
 
@@ -35,7 +43,7 @@ class Adapter(models.Model):
 
     @property
     def storage_prefix(self) -> str:
-        return f"adapters/{self.tenant.slug}/{self.name}/"
+        return artifact_prefix(tenant=self.tenant.slug, adapter=self.name)
 
 
 class AdapterVersion(models.Model):

@@ -28,7 +28,7 @@ from lora_platform.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from lora_platform.storage import get_storage
 from serving import selectors, uploads
 from serving.events import deploy_event_publish, event_payload
-from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent
+from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent, artifact_prefix
 from serving.versions import version_next_patch, version_parse
 from tenants.models import Tenant
 
@@ -128,28 +128,35 @@ def _require_no_canary(canary: AdapterVersion | None, what: str) -> None:
 # --- adapters ---------------------------------------------------------------------------------
 
 
-def _validate_adapter_name(name: str) -> str:
+def adapter_name_validate(name: object, *, param: str = "name") -> str:
+    """The rule for a new adapter's name, for the registry and for training jobs (InvalidInput)."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise InvalidInput(
             f"Invalid adapter name {name!r}: use 1–63 lowercase letters, digits, '-' or '_', starting and "
             "ending with a letter or digit (it becomes the `model` of requests, e.g. 'support-bot').",
-            code="invalid_adapter_name", param="name",
+            code="invalid_adapter_name", param=param,
         )
     if name in selectors.accepted_base_models():
         raise InvalidInput(f"'{name}' is the base model's name; an adapter needs a name of its own.",
-                           code="invalid_adapter_name", param="name")
+                           code="invalid_adapter_name", param=param)
     return name
 
 
-def _adapter_create_locked(*, tenant: Tenant, name: str, description: str) -> Adapter:
-    """Creates the adapter; the caller holds the tenant's row lock, so the count is exact."""
+def adapter_room_check(*, tenant: Tenant, param: str | None = None) -> None:
+    """LimitExceeded when the tenant's tier allows no further adapter. Exact when the caller holds the
+    tenant's row lock (creation does); training checks it early too, when a job names a new adapter."""
     count = Adapter.objects.filter(tenant=tenant).count()
     limit = tenant.tier.max_adapters
     if count >= limit:
         raise LimitExceeded(
             f"Tenant '{tenant.slug}' has {count} adapters, the most its tier '{tenant.tier.name}' allows "
-            f"({limit}); delete an adapter or move to a higher tier.", code="max_adapters_reached",
+            f"({limit}); delete an adapter or move to a higher tier.", code="max_adapters_reached", param=param,
         )
+
+
+def _adapter_create_locked(*, tenant: Tenant, name: str, description: str) -> Adapter:
+    """Creates the adapter; the caller holds the tenant's row lock, so the count is exact."""
+    adapter_room_check(tenant=tenant)
     try:
         with transaction.atomic():
             return Adapter.objects.create(tenant=tenant, name=name, description=description)
@@ -163,7 +170,7 @@ def _lock_tenant(tenant: Tenant) -> Tenant:
 
 def adapter_create(*, tenant: Tenant, name: str, description: str = "") -> Adapter:
     """A new, empty adapter; counts against the tier's max adapters (LimitExceeded beyond it)."""
-    _validate_adapter_name(name)
+    adapter_name_validate(name)
     with transaction.atomic():
         return _adapter_create_locked(tenant=_lock_tenant(tenant), name=name, description=description or "")
 
@@ -232,7 +239,7 @@ def adapter_version_upload(*, adapter: Adapter, files: Sequence[UploadedFile], a
             with transaction.atomic():
                 adapter = _lock(adapter)
                 chosen = _version_for(adapter, version)
-                prefix = f"{adapter.storage_prefix}{chosen}"
+                prefix = artifact_prefix(tenant=adapter.tenant.slug, adapter=adapter.name, version=chosen)
                 manifest_sha256 = uploads.manifest_write_for(
                     staged, tenant=adapter.tenant.slug, adapter=adapter.name, version=chosen,
                 )
@@ -292,7 +299,7 @@ def adapter_version_register_published(*, tenant: Tenant, adapter_name: str, ver
         locked_tenant = _lock_tenant(tenant)
         adapter = Adapter.objects.filter(tenant=locked_tenant, name=adapter_name).first()
         if adapter is None:
-            _validate_adapter_name(adapter_name)
+            adapter_name_validate(adapter_name)
             adapter = _adapter_create_locked(tenant=locked_tenant, name=adapter_name, description="")
         adapter = _lock(adapter)
         existing = adapter.versions.filter(version=version).first()

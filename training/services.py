@@ -57,10 +57,10 @@ from lora_platform.storage import Source, get_storage
 from serving import selectors as registry_selectors
 from serving import services as registry
 from serving.engine.artifact import MANIFEST_NAME, base_config_sha256, manifest_write
-from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion
+from serving.models import Adapter, AdapterVersion, artifact_prefix
 from serving.versions import version_next_patch, version_parse
 from tenants.models import Tenant
-from training import conf
+from training import conf, dispatch
 from training.examples import Problem
 from training.hyperparameters import Hyperparameters, Limits, default_max_seq_length, resolve_hyperparameters
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
@@ -71,7 +71,6 @@ logger = logging.getLogger(__name__)
 Status = TrainingJob.Status
 # A dataset in these is still being validated: no job trains on it yet.
 PENDING_DATASET_STATUSES = (Dataset.Status.UPLOADED, Dataset.Status.VALIDATING)
-_ADAPTER_NAME_RE = re.compile(rf"^{ADAPTER_NAME_PATTERN}$")
 MAX_SEED = 2**31 - 1
 MAX_VALIDATION_FRACTION = 0.5
 # A job is saved no more often than this while it runs (metrics events are separate).
@@ -153,10 +152,7 @@ def dataset_too_large(size: int | None, limit: int, tenant: Tenant | None) -> Se
 
 
 def _send_validation(dataset_id: int) -> None:
-    # tasks imports this module; the import waits until a task is actually sent.
-    from training.tasks import dataset_validate as task
-
-    task.delay(dataset_id)
+    dispatch.task_send(dispatch.VALIDATE_DATASET, dataset_id)
     # Only a sent task is recorded: a dataset left without one is sent again by the sweep.
     Dataset.objects.filter(pk=dataset_id, status=Dataset.Status.UPLOADED).update(validation_queued_at=timezone.now())
 
@@ -317,21 +313,12 @@ def _ready_dataset(tenant: Tenant, dataset_id: Any, param: str, *, pending_ok: b
 
 
 def _check_adapter_name(tenant: Tenant, name: Any) -> bool:
-    """True when the adapter exists; InvalidInput/LimitExceeded when a new one cannot be made."""
-    if not isinstance(name, str) or not _ADAPTER_NAME_RE.match(name):
-        raise InvalidInput(f"Invalid adapter name {name!r}: use 1–63 lowercase letters, digits, '-' or '_', "
-                           "starting and ending with a letter or digit (e.g. 'support-bot').",
-                           code="invalid_adapter_name", param="adapter")
-    if name in registry_selectors.accepted_base_models():
-        raise InvalidInput(f"'{name}' is the base model's name; the adapter needs a name of its own.",
-                           code="invalid_adapter_name", param="adapter")
+    """True when the adapter exists; InvalidInput/LimitExceeded (the registry's own rule) when a new one
+    cannot be made."""
+    registry.adapter_name_validate(name, param="adapter")
     if Adapter.objects.for_tenant(tenant).filter(name=name).exists():
         return True
-    count = Adapter.objects.for_tenant(tenant).count()
-    if count >= tenant.tier.max_adapters:
-        raise LimitExceeded(f"Tenant '{tenant.slug}' has {count} adapters, the most its tier '{tenant.tier.name}' "
-                            "allows; train a new version of an existing adapter, or delete one.",
-                            code="max_adapters_reached", param="adapter")
+    registry.adapter_room_check(tenant=tenant, param="adapter")
     return False
 
 
@@ -600,11 +587,8 @@ def training_jobs_dispatch(*, tenant_id: int) -> list[int]:
 
 
 def _send_run(job_id: int) -> None:
-    # tasks imports this module; the import waits until a task is actually sent.
-    from training.tasks import training_job_run as task
-
     try:
-        task.delay(job_id)
+        dispatch.task_send(dispatch.RUN_JOB, job_id)
     except Exception:
         # Not sent (the broker is down): a queued job gives its slot back and waits again, so the
         # sweep's next dispatch sends it once the broker is back, instead of holding the slot forever.
@@ -997,7 +981,7 @@ def _delete_checkpoints(job_id: int) -> None:
 
 
 def _artifact_prefix(job: TrainingJob, version: str) -> str:
-    return f"adapters/{job.tenant.slug}/{job.adapter_name}/{version}"
+    return artifact_prefix(tenant=job.tenant.slug, adapter=job.adapter_name, version=version)
 
 
 def _artifact_source(job: TrainingJob, version: str) -> dict[str, Any] | None:
