@@ -7,6 +7,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from serving import selectors as registry_selectors
+from serving.models import AdapterVersion
 from tenants.dashboard import Role, dashboard_view, is_htmx
 from tenants.models import Tenant
 from training import selectors as training_selectors
@@ -40,7 +41,8 @@ def overview_view(request: HttpRequest) -> HttpResponse:
     for adapter in adapters:
         served = {item.status: item for item in adapter.versions.all() if item.is_served}
         if served:
-            deployed.append({"adapter": adapter, "active": served.get("active"), "canary": served.get("canary")})
+            deployed.append({"adapter": adapter, "active": served.get(AdapterVersion.Status.ACTIVE),
+                             "canary": served.get(AdapterVersion.Status.CANARY)})
     jobs = training_selectors.job_list(tenant=tenant)
     return render(request, "dashboard/overview.html", _quota(tenant) | {
         "deployed": deployed, "adapter_count": len(adapters),

@@ -54,9 +54,8 @@ def adapter_create_view(request: HttpRequest) -> HttpResponse:
 
 def _served_pair(adapter: Adapter) -> tuple[AdapterVersion | None, AdapterVersion | None]:
     """(active, canary) from the prefetched versions, without another query."""
-    versions = adapter.versions.all()
-    pick = lambda status: next((item for item in versions if item.status == status), None)  # noqa: E731
-    return pick(AdapterVersion.Status.ACTIVE), pick(AdapterVersion.Status.CANARY)
+    by_status = {item.status: item for item in adapter.versions.all() if item.is_served}
+    return by_status.get(AdapterVersion.Status.ACTIVE), by_status.get(AdapterVersion.Status.CANARY)
 
 
 @dashboard_view(Role.VIEWER)
@@ -72,8 +71,6 @@ def adapter_detail_view(request: HttpRequest, name: str) -> HttpResponse:
         "active_usage": usage.get(active.version) if active else None,
         "canary_usage": usage.get(canary.version) if canary else None,
         "adapter": adapter, "versions": versions, "active": active, "canary": canary, "rollback_to": rollback_to,
-        # The slider's starting point: the canary's share, or 10 % for a new canary.
-        "canary_percent": round(100 * canary.traffic_weight) if canary else 10,
         "canary_share": round(100 * canary.traffic_weight) if canary else 0,
         "active_share": 100 - round(100 * canary.traffic_weight) if canary else 100,
         "events": selectors.adapter_events(adapter=adapter)[:100], "nav": "adapters",
