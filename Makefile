@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # Re-installs only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test up migrate lint-imports vendor-static screenshots
+.PHONY: install test up migrate lint-imports typecheck vendor-static screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ migrate: install
 lint-imports: install
 	$(VENV)/bin/lint-imports
 
-test: lint-imports
+# mypy over the files listed in pyproject.toml ([tool.mypy]): strict on kernels/ and serving/engine/.
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: lint-imports typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 up: migrate

@@ -63,7 +63,7 @@ def set_context(context: StepContext) -> None:
 
 
 def get_context() -> StepContext:
-    context = getattr(_local, "context", None)
+    context: StepContext | None = getattr(_local, "context", None)
     if context is None:
         raise RuntimeError("no step context is set: layers run only inside ModelRunner.execute")
     return context

@@ -65,7 +65,7 @@ class ChatTemplateSandbox:
         reply = json.loads(line)
         if "error" in reply:
             raise TemplateRefused(reply["error"])
-        return reply["text"]
+        return str(reply["text"])
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         child = await asyncio.create_subprocess_exec(

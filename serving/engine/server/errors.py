@@ -6,6 +6,7 @@ plain text: an unexpected exception is a JSON 500 naming its type, the traceback
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,7 +56,7 @@ def overloaded(message: str) -> APIError:
     return APIError(503, message, code="overloaded")
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
@@ -25,7 +26,7 @@ DONE = b"data: [DONE]\n\n"
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse(payload: BaseModel | dict) -> bytes:
+def sse(payload: BaseModel | dict[str, Any]) -> bytes:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data.translate(_LINE_BREAKS)}\n\n".encode()
 

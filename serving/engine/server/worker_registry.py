@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -34,7 +35,7 @@ class WorkerRegistration:
         *,
         worker_id: str,
         interval: float,
-        describe: Callable[[], Awaitable[dict]],
+        describe: Callable[[], Awaitable[dict[str, Any]]],
     ) -> None:
         self.worker_id = worker_id
         self.interval = interval
