@@ -132,7 +132,19 @@ class Platform:
                 child.kill()
 
 
-async def one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int) -> Sample:
+ERRORS: dict[str, list[str]] = {}
+
+
+async def one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int) -> Sample | None:
+    """One streamed request; None (and the error kept in ERRORS) when it fails."""
+    try:
+        return await _one(client, url, key, max_tokens)
+    except httpx.HTTPError as exc:
+        ERRORS.setdefault(url, []).append(repr(exc))
+        return None
+
+
+async def _one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int) -> Sample:
     body = {"model": "tiny-llama", "prompt": "The gateway adds", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True}
     start = time.perf_counter()
@@ -157,7 +169,8 @@ async def closed_loop(p: Platform, concurrency: int, rounds: int, max_tokens: in
         for index in range(rounds * 2):
             name = ("direct", "gateway")[index % 2]
             url, key = targets[name]
-            samples[name] += await asyncio.gather(*(one(client, url, key, max_tokens) for _ in range(concurrency)))
+            done = await asyncio.gather(*(one(client, url, key, max_tokens) for _ in range(concurrency)))
+            samples[name] += [sample for sample in done if sample is not None]
     return samples
 
 
@@ -176,7 +189,9 @@ async def open_loop(p: Platform, rate: float, seconds: float, max_tokens: int) -
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
 
             async def timed(name: str = name, url: str = url, key: str = key) -> None:
-                e2e[name].append((await one(client, url, key, max_tokens)).e2e)
+                sample = await one(client, url, key, max_tokens)
+                if sample is not None:
+                    e2e[name].append(sample.e2e)
 
             tasks.append(asyncio.ensure_future(timed()))
             next_at += rng.expovariate(rate)
@@ -230,6 +245,11 @@ def main() -> None:
                     if added <= 0.002:
                         sustained = rate
                 print(f"\nhighest rate with added p50 <= 2 ms: {sustained if sustained is not None else 'none measured'}")
+            for url, errors in ERRORS.items():
+                print(f"failed requests to {url}: {len(errors)} ({errors[0]})")
+        except BaseException:
+            print(f"\nprocess log (tail):\n{(Path(tmp) / 'processes.log').read_text(errors='replace')[-4000:]}")
+            raise
         finally:
             p.stop()
 
