@@ -26,7 +26,7 @@ from django.db import transaction
 from lora_platform.errors import InvalidInput
 from lora_platform.storage import get_storage
 from serving import selectors, services
-from serving.models import Adapter, AdapterVersion
+from serving.models import Adapter, AdapterVersion, artifact_prefix
 from serving.versions import SemVer, version_parse
 from tenants.models import Tenant
 
@@ -127,7 +127,7 @@ def _check_adapter(entries: list[_Entry]) -> tuple[_Entry | None, _Entry | None]
 
 
 def _ensure_version(entry: _Entry, actor: str, done: list[str]) -> AdapterVersion:
-    prefix = f"adapters/{entry.tenant.slug}/{entry.name}/{entry.version}"
+    prefix = artifact_prefix(tenant=entry.tenant.slug, adapter=entry.name, version=entry.version)
     expected_uri = get_storage().uri(prefix) + "/"
     if entry.saved_path.rstrip("/") + "/" != expected_uri:
         raise _fail(entry.label, f"saved_path {entry.saved_path} is not where this platform keeps that version "
