@@ -29,7 +29,9 @@ _client: redis.Redis | None = None
 def _redis() -> redis.Redis:
     global _client
     if _client is None:
-        _client = redis.Redis.from_url(settings.REDIS_URL)
+        # Bounded: a frozen Redis must not stall the usage API or the flusher (issue 16).
+        _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=settings.REDIS_SOCKET_TIMEOUT,
+                                       socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT)
     return _client
 
 

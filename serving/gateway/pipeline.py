@@ -77,7 +77,9 @@ def resources() -> Resources:
     if found is None:
         for other in [item for item in _resources if item.is_closed()]:
             del _resources[other]
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        # Socket timeouts as a backstop under the guard's own per-call bound (a frozen Redis).
+        client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=settings.REDIS_SOCKET_TIMEOUT,
+                                         socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT)
         resilience = Resilience.from_settings(client)
         found = Resources(
             redis=client,

@@ -31,7 +31,10 @@ STARTUP_TIMEOUT_S = 180.0
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("gateway-base") / "tiny-llama", arch="llama", seed=0)
+    # A base model name of this suite's own: its session workers heartbeat into the run's shared
+    # Redis under this suite's worker key, and other suites' web processes (other keys) route by
+    # base model name, so they must never match these workers.
+    return build_tiny_model(tmp_path_factory.mktemp("gateway-base") / "gw-tiny-llama", arch="llama", seed=0)
 
 
 @pytest.fixture(scope="session")

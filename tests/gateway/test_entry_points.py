@@ -18,7 +18,7 @@ def test_the_django_view_serves_the_same_request_path(settings, registry, worker
     wait_for_worker(redis_client, "gw-worker-1")
     client = AsyncClient()
     auth = {"Authorization": f"Bearer {tenant_a.key}"}
-    reply = async_to_sync(client.post)("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 3},
+    reply = async_to_sync(client.post)("/v1/completions", {"model": "gw-tiny-llama", "prompt": "hi", "max_tokens": 3},
                                        content_type="application/json", headers=auth)
     assert reply.status_code == 200, reply.content
     assert reply.json()["usage"]["completion_tokens"] == 3 and reply["x-ratelimit-limit-requests"] == "400"

@@ -47,7 +47,7 @@ def test_usage_api_totals_equal_the_responses_usage(web, worker, registry, tenan
     api = openai.OpenAI(base_url=f"{web.url}/v1", api_key=tenant_a.key, max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "count to three"}]
     prompt = completion = 0
-    for model in ("usage-bot", "tiny-llama", "usage-bot@1.0.0"):
+    for model in ("usage-bot", "gw-tiny-llama", "usage-bot@1.0.0"):
         reply = api.chat.completions.create(model=model, messages=messages, max_tokens=5)
         prompt += reply.usage.prompt_tokens
         completion += reply.usage.completion_tokens
@@ -57,7 +57,7 @@ def test_usage_api_totals_equal_the_responses_usage(web, worker, registry, tenan
         completion += last.usage.completion_tokens
     # Bob's traffic is his own.
     openai.OpenAI(base_url=f"{web.url}/v1", api_key=tenant_b.key, max_retries=0).completions.create(
-        model="tiny-llama", prompt="x", max_tokens=3)
+        model="gw-tiny-llama", prompt="x", max_tokens=3)
 
     body = client_a.get("/api/v1/usage").json()
     assert body["totals"] == {"requests": 6, "prompt_tokens": prompt, "completion_tokens": completion,
@@ -95,7 +95,7 @@ def test_metrics_add_up_over_two_web_processes(start_web, worker, registry, tena
     for process, count in ((first, 2), (second, 3)):
         for _ in range(count):
             reply = httpx.post(f"{process.url}/v1/completions", headers={"Authorization": f"Bearer {tenant_a.key}"},
-                               json={"model": "tiny-llama", "prompt": "x", "max_tokens": 1}, timeout=60)
+                               json={"model": "gw-tiny-llama", "prompt": "x", "max_tokens": 1}, timeout=60)
             assert reply.status_code == 200, reply.text
     text = httpx.get(f"{first.url}/metrics", timeout=30).text
     assert _sample(text, "loraplex_gateway_requests_total", tier="standard", endpoint="completions", status="200") == 5
@@ -105,15 +105,15 @@ def test_metrics_add_up_over_two_web_processes(start_web, worker, registry, tena
 
 def test_a_client_that_leaves_mid_stream_aborts_the_worker_request(web, worker, registry, tenant_a, redis_client):
     wait_for_worker(redis_client, "gw-worker-1")
-    aborted = worker.metric("loraplex_requests_total", model="tiny-llama", status="aborted")
+    aborted = worker.metric("loraplex_requests_total", model="gw-tiny-llama", status="aborted")
     with httpx.stream("POST", f"{web.url}/v1/completions", headers={"Authorization": f"Bearer {tenant_a.key}"},
-                      json={"model": "tiny-llama", "prompt": "x", "max_tokens": 256, "ignore_eos": True, "stream": True},
+                      json={"model": "gw-tiny-llama", "prompt": "x", "max_tokens": 256, "ignore_eos": True, "stream": True},
                       timeout=60) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")
         request_id = stream.headers["x-request-id"]
     deadline = time.monotonic() + 30
-    while worker.metric("loraplex_requests_total", model="tiny-llama", status="aborted") <= aborted:
+    while worker.metric("loraplex_requests_total", model="gw-tiny-llama", status="aborted") <= aborted:
         assert time.monotonic() < deadline, "the worker's request was not aborted"
         time.sleep(0.2)
     from serving.models import UsageRecord

@@ -68,7 +68,7 @@ def test_over_quota_degrades_once_its_own_bucket_allows_then_429(web, ready, ada
     degraded = post(web, key)
     assert degraded.status_code == 200, degraded.text
     assert degraded.headers["x-loraplex-degraded"] == "quota"
-    assert degraded.json()["model"] == "tiny-llama"
+    assert degraded.json()["model"] == "gw-tiny-llama"
     assert "x-loraplex-adapter-version" not in degraded.headers
     assert degraded.headers["x-ratelimit-remaining-requests"] == "0"
 
