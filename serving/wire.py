@@ -5,6 +5,8 @@ Django-free, so the serving worker imports it as the registry does:
 - `EVENTS_CHANNEL`: the Redis pub/sub channel of deploy events (one JSON `DeployEvent` each).
 - `ServedEntry`: how the snapshot (`RegistrySnapshot`) and the events describe one served version.
 - `WORKERS_KEY` / `worker_key()`: where a worker registers itself in Redis for the gateway.
+- `api_key_id()`: the fingerprint of a worker's key in its registration, so a gateway routes only
+  to workers that accept the key it sends.
 
 Each typed entry has `to_dict()` (what goes on the wire, JSON-ready) and `from_dict()` (which
 raises ValueError naming what is missing or mistyped), and `from_dict(to_dict(x)) == x`.
@@ -12,6 +14,7 @@ raises ValueError naming what is missing or mistyped), and `from_dict(to_dict(x)
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,6 +28,18 @@ WORKER_KEY_PREFIX = "loraplex:serving:worker:"
 def worker_key(worker_id: str) -> str:
     """The Redis key of one worker's registration document."""
     return f"{WORKER_KEY_PREFIX}{worker_id}"
+
+
+def api_key_id(api_key: str | None) -> str | None:
+    """The fingerprint a worker publishes of its key (None for a worker without one, which accepts any).
+
+    A worker keyed differently from a gateway would answer every call with 401, which the client
+    would read as its own key being wrong; the gateway skips such workers instead. The key is 256
+    random bits, so a truncated SHA-256 of it in Redis reveals nothing usable.
+    """
+    if not api_key:
+        return None
+    return hashlib.sha256(b"loraplex-worker-key:" + api_key.encode()).hexdigest()[:16]
 
 
 def _field(data: Any, key: str, kinds: type | tuple[type, ...], *, optional: bool = False) -> Any:

@@ -38,6 +38,7 @@ from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 from serving.gateway.usage_log import UsageEvent, usage_push
 from serving.gateway.version_pick import ServedVersion, pick_version
+from serving.wire import api_key_id
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,8 @@ async def _workers(res: Resources) -> list[WorkerView]:
                 documents = await res.resilience.guard.call("worker registry", lambda: read_registry(res.redis))
                 # Redis away: the last list read stays in use (failover handles a worker gone meanwhile).
                 if documents is not None:
-                    res.workers = live_workers(documents, base_models=catalog.base_model_ids())
+                    res.workers = live_workers(documents, base_models=catalog.base_model_ids(),
+                                               key_id=api_key_id(settings.SERVING_WORKER_API_KEY))
                 res.workers_read_at = time.monotonic()
     # A cached entry whose heartbeat has since expired is dropped by the next read; meanwhile the
     # worker is still within its TTL of three heartbeats.

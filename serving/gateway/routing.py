@@ -99,9 +99,10 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def live_workers(documents: Iterable[Mapping[str, Any]], *, base_models: Iterable[str],
+def live_workers(documents: Iterable[Mapping[str, Any]], *, base_models: Iterable[str], key_id: str | None,
                  now: float | None = None) -> list[WorkerView]:
-    """The workers a request may go to: fresh heartbeat, ready, serving one of `base_models`."""
+    """The workers a request may go to: fresh heartbeat, ready, serving one of `base_models`, and
+    accepting the gateway's key (`key_id`, serving.wire.api_key_id: same key, or a worker without one)."""
     now = time.time() if now is None else now
     wanted = set(base_models)
     views = []
@@ -110,6 +111,8 @@ def live_workers(documents: Iterable[Mapping[str, Any]], *, base_models: Iterabl
             fresh = float(document["heartbeat_at"]) + float(document.get("ttl") or 15) > now
             if not fresh or document.get("state") != "ready":
                 continue
+            if document.get("api_key_id") not in (None, key_id):
+                continue  # it would refuse our key: another deployment's worker, or a misconfigured one
             view = WorkerView.parse(document)
         except (KeyError, TypeError, ValueError):
             continue  # a malformed entry is no worker to route to

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from serving.wire import WORKERS_KEY, worker_key
+from serving.wire import WORKERS_KEY, api_key_id, worker_key
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 
 ADAPTER = "alice-co/support-bot@1.0.0"
@@ -31,7 +31,7 @@ def resident(name: str = ADAPTER, *, gpu=True, cpu=True) -> dict:
 
 
 def views(*documents: dict) -> list[WorkerView]:
-    return live_workers(documents, base_models=["tiny-llama"], now=NOW)
+    return live_workers(documents, base_models=["tiny-llama"], key_id=api_key_id("gateway-key"), now=NOW)
 
 
 def test_the_worker_with_the_adapter_resident_gets_requests_until_its_queue_grows():
@@ -68,6 +68,16 @@ def test_ties_are_broken_at_random():
     rng = random.Random(7)
     counts = Counter(pick_worker(candidates, adapter=None, inflight={}, rng=rng).worker_id for _ in range(600))
     assert set(counts) == {"a", "b", "c"} and min(counts.values()) > 150
+
+
+def test_a_worker_keyed_differently_from_the_gateway_is_never_chosen():
+    # Its every answer would be a 401 that the client would take for its own key being refused.
+    ours = {**document("ours"), "api_key_id": api_key_id("gateway-key")}
+    theirs = {**document("theirs"), "api_key_id": api_key_id("another-deployment-key")}
+    open_worker = {**document("open"), "api_key_id": None}
+    assert [worker.worker_id for worker in views(ours, theirs, open_worker, document("older"))] == [
+        "ours", "open", "older"]
+    assert api_key_id("") is None and api_key_id("k") != api_key_id("k2") and len(api_key_id("k")) == 16
 
 
 def test_stale_heartbeats_other_bases_and_unready_workers_are_never_chosen():

@@ -21,6 +21,7 @@ from serving.engine.server.errors import APIError, overloaded
 from serving.engine.server.metrics import ServerMetrics
 from serving.engine.server.registry_sync import RegistrySync
 from serving.engine.server.worker_registry import WorkerRegistration
+from serving.wire import api_key_id
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,7 @@ class Worker:
             "max_num_seqs": self.args.max_num_seqs,
             "max_model_len": self.engine.max_model_len if self.engine is not None else None,
             "started_at": self.started_at,
+            "api_key_id": api_key_id(self.args.api_key),
             "requests_in_flight": len(self._inflight),
             "queue_depth": 0,
             "running": 0,
