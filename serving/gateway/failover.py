@@ -1,8 +1,9 @@
 """Failover: a request that fails before its first byte is retried once, on the next-best worker.
 
 - Retried: the worker could not be reached or dropped the connection before answering (refused,
-  reset, closed mid-headers: it died), or it answered 5xx. Nothing of the reply has reached the
-  client yet, so another worker can serve it whole.
+  reset, closed mid-headers: it died), it answered 5xx, or it refused the gateway's operator key
+  (401/403: the worker is keyed differently, a misconfiguration of that worker, not of the
+  request). Nothing of the reply has reached the client yet, so another worker can serve it whole.
 - Not retried: a read timeout (the worker may still be generating: a second copy would double the
   load exactly when a worker is slow), a 4xx (the request itself is wrong; another worker would
   say the same), and anything after the first byte (a stream already under way ends with an
@@ -36,11 +37,19 @@ W = TypeVar("W", bound=HasWorkerId)
 T = TypeVar("T")
 
 
+def key_refused(status: int | None) -> bool:
+    """Whether a worker's answer says it refused the gateway's operator key. The gateway sends
+    the one key every worker must share, so this is the worker's configuration (another key, or
+    none where an operator-only field needs one), never the client's key, which the gateway
+    checked itself."""
+    return status in (401, 403)
+
+
 def retryable(*, status: int | None, error: BaseException | None) -> bool:
     """Whether an attempt that ended before its first byte may be tried on another worker."""
     if error is not None:
         return isinstance(error, _RETRYABLE_ERRORS)
-    return status is not None and status >= 500
+    return status is not None and (status >= 500 or key_refused(status))
 
 
 def ranked(scored: Sequence[tuple[float, W]], *, rng: random.Random | None = None) -> list[W]:

@@ -338,7 +338,8 @@ def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
     used = (result.prompt_tokens + result.completion_tokens if result.usage_known
             else call.prompt_estimate + result.content_chunks if result.http_status == 200 else 0)
     status = result.status
-    http_status = result.http_status or 502
+    # A worker's refusal of the operator key reached the client as 502 (_key_refused).
+    http_status = 502 if result.key_refused else result.http_status or 502
     metrics.UPSTREAM_DURATION.labels(status).observe(result.ended_s or 0.0)
     if result.first_byte_s is not None:
         metrics.UPSTREAM_FIRST_BYTE.observe(result.first_byte_s)
@@ -461,6 +462,8 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
             if may_retry and retryable(status=result.http_status, error=None):
                 handed_off = _abandon(call, res)
                 return None
+            if result.key_refused:
+                return Reply(status=502, headers=headers, body=_key_refused(worker, result.http_status))
             return Reply(status=result.http_status, headers=headers, body=content)
         try:
             response = await res.upstream.open_stream(url, body, result=result)
@@ -473,6 +476,8 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
             if may_retry and retryable(status=response.status_code, error=None):
                 handed_off = _abandon(call, res)
                 return None
+            if result.key_refused:
+                return Reply(status=502, headers=headers, body=_key_refused(worker, response.status_code))
             return Reply(status=response.status_code, headers=headers, body=response._gateway_body)  # type: ignore[attr-defined]
         wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
         relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage)
@@ -512,3 +517,13 @@ def _abandon(call: Call, res: Resources) -> bool:
 def _upstream_unreachable(worker: WorkerView) -> bytes:
     return GatewayError(502, f"The serving worker {worker.worker_id} could not be reached; retry the request.",
                         code="upstream_unavailable").body()
+
+
+def _key_refused(worker: WorkerView, status: int) -> bytes:
+    """The client's answer when a worker refused the gateway's operator key: relaying the worker's
+    401 would tell the client its own key is wrong, which the gateway already accepted."""
+    return GatewayError(
+        502, f"The serving worker {worker.worker_id} refused the gateway's operator key (HTTP {status}): the worker "
+             "is misconfigured (its --api-key differs from the gateway's SERVING_WORKER_API_KEY, or it has none); "
+             "your API key is fine. Retry the request; an operator must fix the worker's key.",
+        code="upstream_misconfigured").body()

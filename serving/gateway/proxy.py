@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from serving.gateway.errors import error_json
+from serving.gateway.failover import key_refused
 
 DONE = b"data: [DONE]\n\n"
 _USAGE = b'"usage":{'
@@ -39,6 +40,9 @@ class UpstreamResult:
     http_status: int = 0
     # ok | client_error (the worker refused the request) | aborted (the client left) | upstream_error
     status: str = "upstream_error"
+    # The worker refused the gateway's operator key (401/403): its configuration, not the client's;
+    # an upstream_error for the worker's record, none for the adapter's breaker.
+    key_refused: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Chunks with generated content relayed, the completion's size when no usage came (a disconnect).
@@ -53,6 +57,12 @@ class UpstreamResult:
             self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             self.completion_tokens = int(usage.get("completion_tokens") or 0)
             self.usage_known = True
+
+    def refused(self, status: int, content: bytes) -> None:
+        """The worker answered `status` (not 200) with `content`."""
+        self.key_refused = key_refused(status)
+        self.status = "client_error" if status < 500 and not self.key_refused else "upstream_error"
+        self.error = content[:500].decode(errors="replace")
 
     def end(self) -> None:
         if self.ended_s is None:
@@ -92,8 +102,7 @@ class Upstream:
                 pass
             content = content.replace(*rename, 1)
         else:
-            result.status = "client_error" if response.status_code < 500 else "upstream_error"
-            result.error = content[:500].decode(errors="replace")
+            result.refused(response.status_code, content)
         result.end()
         return content
 
@@ -112,8 +121,7 @@ class Upstream:
                 content = await response.aread()
             finally:
                 await response.aclose()
-            result.status = "client_error" if response.status_code < 500 else "upstream_error"
-            result.error = content[:500].decode(errors="replace")
+            result.refused(response.status_code, content)
             result.end()
             response._gateway_body = content  # type: ignore[attr-defined]
         return response

@@ -68,12 +68,12 @@ CANARY_ABORTS = Counter("loraplex_gateway_canary_aborts_total", "Canaries aborte
 
 def breaker_outcome(result: UpstreamResult) -> Outcome:
     """The version's view of a call's final answer (after failover): a worker's 503 (loading,
-    draining, over its queue bound) is the worker's state and a 4xx or a client that left says
-    nothing of the adapter; other failures (5xx such as adapter_load_failed, no connection, a
-    timeout, a stream that broke) count against it."""
+    draining, over its queue bound) and its refusal of the operator key (misconfigured) are the
+    worker's state, and a 4xx or a client that left says nothing of the adapter; other failures
+    (5xx such as adapter_load_failed, no connection, a timeout, a stream that broke) count against it."""
     if result.status == "ok":
         return Outcome.SUCCESS
-    if result.status == "upstream_error" and result.http_status != 503:
+    if result.status == "upstream_error" and result.http_status != 503 and not result.key_refused:
         return Outcome.FAILURE
     return Outcome.IGNORED
 

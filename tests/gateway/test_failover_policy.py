@@ -31,6 +31,9 @@ def test_what_is_retried() -> None:
     assert not retryable(status=None, error=httpx.ReadTimeout("slow", request=request))
     assert retryable(status=502, error=None) and retryable(status=503, error=None)
     assert not retryable(status=400, error=None) and not retryable(status=200, error=None)
+    # A worker refusing the gateway's operator key is misconfigured; another worker may accept it.
+    assert retryable(status=401, error=None) and retryable(status=403, error=None)
+    assert not retryable(status=404, error=None) and not retryable(status=429, error=None)
 
 
 def test_one_retry_on_the_next_worker_then_the_answer_stands() -> None:

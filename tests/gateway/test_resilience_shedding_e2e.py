@@ -1,5 +1,7 @@
 """Load shedding through a real web process: with every worker over its queue bound, standard
 requests get 503 server_overloaded with retry-after while vip requests still queue and are served.
+The bound is the one the worker reports in its registration (half its `--max-queued-requests`),
+not the gateway's default for workers that report none.
 
 The web process and its worker serve the base model under a name of their own, so workers other
 suites started in this session are no candidates here (one with room would rightly admit everyone).
@@ -7,6 +9,7 @@ suites started in this session are no candidates here (one with room would right
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import _make_tenant
+from serving.wire import worker_key
 from tests.gateway.conftest import wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -23,8 +27,9 @@ BASE = "tiny-shed"
 
 @pytest.fixture(scope="session")
 def shed_web(start_web):
-    # A worker is full with one request waiting or in flight from this gateway.
-    return start_web(BASE_MODEL_NAME=BASE, GATEWAY_SHED_DEFAULT_QUEUE_BOUND="1")
+    # The default bound is far above anything this test queues: only the worker's reported bound
+    # can shed.
+    return start_web(BASE_MODEL_NAME=BASE, GATEWAY_SHED_DEFAULT_QUEUE_BOUND="1000")
 
 
 def complete(web, key: str, max_tokens: int) -> httpx.Response:
@@ -35,8 +40,12 @@ def complete(web, key: str, max_tokens: int) -> httpx.Response:
 
 def test_below_vip_is_shed_when_every_worker_is_full_and_vip_still_queues(registry, shed_web, start_worker,
                                                                           tenant_a, redis_client):
-    start_worker("rs-shed", "--served-model-name", BASE, "--max-num-seqs", "1")
+    # Room for 1 running + 4 waiting; the gateway sheds from 2 waiting (half of 4) on.
+    start_worker("rs-shed", "--served-model-name", BASE, "--max-num-seqs", "1", "--max-queued-requests", "4")
     wait_for_worker(redis_client, "rs-shed")
+    registration = json.loads(redis_client.get(worker_key("rs-shed")))
+    assert registration["max_queued_requests"] == 4
+    assert registration["gpu_memory_free_bytes"] is None  # a CPU worker has no GPU memory to report
     vip = _make_tenant("vip-co", tier="vip")
     assert complete(shed_web, tenant_a.key, 2).status_code == 200  # room: standard is served
 
@@ -53,6 +62,7 @@ def test_below_vip_is_shed_when_every_worker_is_full_and_vip_still_queues(regist
         assert reply.status_code == 503, reply.text
         error = reply.json()["error"]
         assert error["code"] == "server_overloaded" and "rs-shed" in error["message"]
+        assert "/2 waiting" in error["message"]  # judged by the reported bound
         assert reply.headers["retry-after"] == "1"
     # Once the queue drains, standard traffic is admitted again.
     deadline = time.monotonic() + 30

@@ -13,6 +13,8 @@ from collections.abc import Callable, Coroutine
 from enum import Enum
 from typing import Any
 
+import torch
+
 from serving.engine import AsyncEngine, EngineConfig, EngineDeadError, EngineStats
 from serving.engine.server.adapters import AdapterSet, Source
 from serving.engine.server.chat_template_sandbox import ChatTemplateSandbox
@@ -213,6 +215,14 @@ class Worker:
             return None
         return await self.engine.get_stats()
 
+    def gpu_memory_free_bytes(self) -> int | None:
+        """Free memory of the engine's CUDA device as the driver reports it (other processes'
+        use included); None on CPU or before the engine picked its device."""
+        if self.engine is None or self.config.torch_device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.config.torch_device)
+        return int(free)
+
     async def describe(self) -> dict:
         """This worker's entry in Redis (the gateway routes by it; docs/serving-worker.md)."""
         stats = await self.stats() if self.state is not State.FAILED else None
@@ -225,6 +235,10 @@ class Worker:
             "max_cpu_loras": self.config.max_cpu_loras,
             "max_lora_rank": self.args.max_lora_rank,
             "max_num_seqs": self.args.max_num_seqs,
+            # The waiting room past which admit() answers 503; the gateway sheds below vip at a
+            # share of it (serving.gateway.shedding).
+            "max_queued_requests": self.args.max_queued_requests,
+            "gpu_memory_free_bytes": self.gpu_memory_free_bytes(),
             "max_model_len": self.engine.max_model_len if self.engine is not None else None,
             "started_at": self.started_at,
             "api_key_id": api_key_id(self.args.api_key),
