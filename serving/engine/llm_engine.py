@@ -20,7 +20,8 @@ from serving.engine.adapter_loader import AdapterError
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, find_stop
-from serving.engine.lora_cache import Adapter, AdapterRef, LoRACache
+from serving.engine.lora_adapter import Adapter, AdapterHandle
+from serving.engine.lora_cache import LoRACache
 from serving.engine.lora_request import LoRARequest
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -123,7 +124,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = encoded if encoded is not None else self.encode(prompt)
         self.validate(token_ids, sampling_params)
-        adapter: AdapterRef | None = None
+        adapter: AdapterHandle | None = None
         if lora_request is not None:
             if self.lora_cache is None:
                 raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
@@ -190,16 +191,18 @@ class LLMEngine:
     def _fail_adapter_errors(self) -> list[RequestOutput]:
         if self.lora_cache is None:
             return []
-        failed = self.lora_cache.poll()
+        failed = dict(self.lora_cache.poll())
         outputs: list[RequestOutput] = []
-        for ref, error in failed:
-            for seq in self.scheduler.waiting():
-                if seq.adapter is ref:
-                    seq.error = error
-                    seq.finish_reason = "error"
-                    self._requests.pop(seq.request_id, None)
-                    self.scheduler.finish(seq)
-                    outputs.append(self._output(seq))
+        if not failed:
+            return outputs
+        for seq in self.scheduler.waiting():
+            error = failed.get(seq.adapter) if seq.adapter is not None else None
+            if error is not None:
+                seq.error = error
+                seq.finish_reason = "error"
+                self._requests.pop(seq.request_id, None)
+                self.scheduler.finish(seq)
+                outputs.append(self._output(seq))
         return outputs
 
     def _append_token(self, seq: Sequence, row: int, samples: SampleResult) -> None:

@@ -23,7 +23,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
 from serving.engine.decode_graphs import DecodeGraphs
 from serving.engine.layers.lora_linear import MultiLoRALinear
-from serving.engine.lora_cache import Adapter
+from serving.engine.lora_adapter import Adapter
 from serving.engine.models.llama import LlamaForCausalLM
 from serving.engine.sampler import SampleResult, Sampler
 from serving.engine.sequence import Sequence

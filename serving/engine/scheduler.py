@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.lora_cache import Adapter, LoRACache
+from serving.engine.lora_cache import LoRACache
 from serving.engine.sequence import Sequence, SequenceStatus
 
 
@@ -149,14 +149,13 @@ class Scheduler:
                 break
             seq, group = head.seq, head.seq.adapter_key
             slot = -1
-            if seq.adapter is not None and self.lora_cache is not None:
-                seq.adapter = self.lora_cache.resolved(seq.adapter)
-                if not self.lora_cache.ready(seq.adapter):
+            handle, cache = seq.adapter, self.lora_cache
+            if handle is not None and cache is not None:
+                if not cache.ready(handle):
                     self.stats.load_waits += 1
                     blocked.add(group)
                     continue
-                assert isinstance(seq.adapter, Adapter)
-                acquired = self.lora_cache.acquire_slot(seq.adapter)
+                acquired = cache.acquire_slot(handle)
                 if acquired is None:
                     self.stats.slot_waits += 1
                     if now - seq.arrival_step > self.aging:
@@ -166,8 +165,8 @@ class Scheduler:
                 slot = acquired
             num = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_allocate(seq, num):
-                if slot >= 0:
-                    self.lora_cache.release_slot(seq.adapter)  # type: ignore[union-attr, arg-type]
+                if handle is not None and cache is not None and slot >= 0:
+                    cache.release_slot(handle)
                 break
             heapq.heappop(self._waiting[group])
             self._num_waiting -= 1
@@ -202,8 +201,8 @@ class Scheduler:
         group = seq.adapter_key
         self._running_per_group[group] -= 1
         self.blocks.free(seq)
-        if seq.lora_slot >= 0 and self.lora_cache is not None:
-            self.lora_cache.release_slot(seq.adapter)  # type: ignore[arg-type]
+        if seq.lora_slot >= 0 and seq.adapter is not None and self.lora_cache is not None:
+            self.lora_cache.release_slot(seq.adapter)
         seq.lora_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:

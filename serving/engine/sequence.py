@@ -16,7 +16,7 @@ from serving.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from serving.engine.detokenizer import IncrementalDetokenizer
-    from serving.engine.lora_cache import AdapterRef
+    from serving.engine.lora_adapter import AdapterHandle
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +41,7 @@ class Sequence:
     sampling_params: SamplingParams
     detokenizer: IncrementalDetokenizer
     lora_request: LoRARequest | None = None
-    adapter: AdapterRef | None = None
+    adapter: AdapterHandle | None = None
     priority: int = 0
     arrival_step: int = 0
     arrival_time: float = field(default_factory=time.monotonic)

@@ -1,0 +1,147 @@
+"""Reading adapters from storage off the decode path, and the record of each read in flight.
+
+A read (``load_adapter``: download, validate, digest, then conversion to the model's dtype and, on
+CUDA, pinned memory so the copy into a slot is one transfer) takes from milliseconds to seconds, so
+it runs on loader threads and the engine thread only ever looks at finished futures. Reads are
+started only while the CPU cache has room for their result; the others wait in order (``queued``)
+until the cache says there is room, so a burst of loads cannot overflow it.
+
+Loads come in two kinds. A *first load* of a name is what requests for a name nobody has loaded
+wait on (one per name, so a hundred requests for a new adapter read it once). Every other read —
+a second ``add_lora`` of a name with another path, a re-read of an adapter whose CPU copy was
+evicted — is kept beside them. Every method runs on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.engine.adapter_loader import LoadedAdapter, load_adapter
+from serving.engine.lora_adapter import Adapter, AdapterHandle, Weights
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """A finished read: the validated adapter, its weights ready for a slot copy, and how long it took."""
+
+    loaded: LoadedAdapter
+    weights: Weights
+    seconds: float
+
+
+@dataclass(eq=False)
+class PendingLoad:
+    """A read from storage in flight (or queued until the CPU cache has room).
+
+    ``reload_of`` is set when this re-reads an adapter whose CPU copy was evicted; ``handles``
+    are the requests waiting on a first load (the cache points them at the adapter once loaded);
+    ``add_futures`` are ``add_lora`` calls waiting for it (``load_inplace`` each)."""
+
+    name: str
+    path: str
+    reload_of: Adapter | None = None
+    future: Future[LoadResult] | None = None
+    handles: list[AdapterHandle] = field(default_factory=list)
+    add_futures: list[tuple[Future[Adapter], bool]] = field(default_factory=list)
+
+
+class AdapterLoader:
+    def __init__(
+        self,
+        *,
+        base_config: object,
+        base_model_name: str | None,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        pin_memory: bool,
+        on_done: Callable[[], None],
+    ) -> None:
+        self._base_config = base_config
+        self._base_model_name = base_model_name
+        self._max_lora_rank = max_lora_rank
+        self._dtype = dtype
+        self._pin = pin_memory
+        # Wakes the engine thread when a read finishes, so an idle engine takes it in at once.
+        self._on_done = on_done
+        self._first: dict[str, PendingLoad] = {}  # first loads, by name
+        self._others: list[PendingLoad] = []  # re-reads, and adds beside a first load
+        self._queued: list[PendingLoad] = []  # waiting for room in the CPU cache
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
+        # What reads an adapter from storage (runs on a loader thread). Tests wrap it to hold a
+        # load in flight while they watch the engine keep decoding.
+        self.load_fn: Callable[..., LoadedAdapter] = load_adapter
+
+    def first_load(self, name: str) -> PendingLoad | None:
+        """The first load of ``name`` in flight, which new requests for the name wait on."""
+        return self._first.get(name)
+
+    def submit(self, load: PendingLoad, *, start_now: bool) -> PendingLoad:
+        """Track ``load``; read it now when the CPU cache has room (``start_now``), else queue it."""
+        if load.reload_of is None and load.name not in self._first:
+            self._first[load.name] = load
+        else:
+            self._others.append(load)
+        if start_now:
+            self._read(load)
+        else:
+            self._queued.append(load)
+        return load
+
+    def start_queued(self, has_room: Callable[[], bool]) -> None:
+        """Start queued reads, oldest first, while the CPU cache has room for them."""
+        while self._queued and has_room():
+            self._read(self._queued.pop(0))
+
+    def finished(self) -> list[PendingLoad]:
+        """Take out the loads whose read ended (well or not): first loads, then the others."""
+        done = [load for load in self._first.values() if load.future is not None and load.future.done()]
+        for load in done:
+            del self._first[load.name]
+        others = [load for load in self._others if load.future is not None and load.future.done()]
+        self._others = [load for load in self._others if load not in others]
+        return done + others
+
+    @property
+    def num_loading(self) -> int:
+        """Loads in flight or queued."""
+        return len(self._first) + len(self._others)
+
+    @property
+    def num_reading(self) -> int:
+        """Reads started and not yet taken in: their results will need a place in the CPU cache."""
+        return sum(1 for load in [*self._first.values(), *self._others] if load.future is not None)
+
+    def wait(self, timeout: float) -> None:
+        """Block until some read finishes (or ``timeout``); for callers with nothing else to do."""
+        futures = [load.future for load in [*self._first.values(), *self._others] if load.future is not None]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _read(self, load: PendingLoad) -> None:
+        load.future = self._executor.submit(self._load, load.path)
+        load.future.add_done_callback(lambda _: self._on_done())
+
+    def _load(self, path: str) -> LoadResult:
+        """Loader thread: read, validate and digest; convert to the model dtype for the slot copy."""
+        start = time.perf_counter()
+        loaded = self.load_fn(
+            path,
+            base_config=self._base_config,
+            max_lora_rank=self._max_lora_rank,
+            base_model_name=self._base_model_name,
+        )
+        weights: Weights = {}
+        for key, (a, b) in loaded.weights.items():
+            a, b = a.to(self._dtype).contiguous(), b.to(self._dtype).contiguous()
+            if self._pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            weights[key] = (a, b)
+        return LoadResult(loaded, weights, time.perf_counter() - start)
