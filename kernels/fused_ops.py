@@ -14,10 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.jit import jit
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps, stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+
+@jit
+def _rms_norm_kernel(x_ptr: tl.tensor, res_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor,
+                     res_out_ptr: tl.tensor, n: tl.tensor, eps: tl.tensor, stride_x: tl.tensor, stride_r: tl.tensor,
+                     stride_o: tl.tensor, stride_ro: tl.tensor, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr) -> None:  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -52,8 +56,10 @@ def rms_norm(
     return out, res_out
 
 
-@triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_c, HALF: tl.constexpr, BLOCK: tl.constexpr):
+@jit
+def _rotary_kernel(x_ptr: tl.tensor, cos_ptr: tl.tensor, sin_ptr: tl.tensor, stride_xt: tl.tensor,
+                   stride_xh: tl.tensor, stride_c: tl.tensor, HALF: tl.constexpr,
+                   BLOCK: tl.constexpr) -> None:  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -85,8 +91,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     )  # fmt: skip
 
 
-@triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+@jit
+def _silu_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, n: tl.tensor, stride_x: tl.tensor, stride_o: tl.tensor,
+                     BLOCK: tl.constexpr) -> None:
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

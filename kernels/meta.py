@@ -13,6 +13,8 @@ captured in a CUDA graph and replayed after new slots are copied into the captur
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 # Row-block sizes the kernels may tile tokens with. A tile table is precomputed for each so that a
@@ -30,6 +32,13 @@ def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
     if num_tokens == 0:
         return 0
     return -(-num_tokens // block_m) + min(num_tokens, num_slots)
+
+
+class _Int32On(TypedDict):
+    """Factory keywords of the int32 buffers, on the metadata's device."""
+
+    dtype: torch.dtype
+    device: torch.device
 
 
 class LoRAMeta:
@@ -63,7 +72,7 @@ class LoRAMeta:
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
         # The buffers' own device is fully qualified ("cuda:0", not "cuda"), so comparisons hold.
         self.device = self.token_slots.device
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32 = _Int32On(dtype=torch.int32, device=self.device)
         self.token_indices = torch.zeros(max_num_tokens, **i32)
         self.slot_counts = torch.zeros(max_slots, **i32)
         self.slot_starts = torch.zeros(max_slots, **i32)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.jit import jit
 from kernels.meta import LoRAMeta
 
 # Streaming multiprocessors the launch heuristics size grids for (H200: 132).
@@ -35,9 +37,11 @@ _SMS = 132
 # Steps of at most this many tokens are decode-sized: row tiles of 16 and the decode tables.
 DECODE_MAX_TOKENS = 256
 
+T = TypeVar("T")
 
-@triton.jit
-def _pick_ptr(index, p0, p1, p2):
+
+@jit
+def _pick_ptr(index: tl.tensor, p0: tl.tensor, p1: tl.tensor, p2: tl.tensor) -> tl.tensor:
     """The slice's pointer among three."""
     if index == 0:
         ptr = p0
@@ -48,15 +52,15 @@ def _pick_ptr(index, p0, p1, p2):
     return ptr
 
 
-@triton.jit
-def _pick_int(index, v0, v1, v2):
+@jit
+def _pick_int(index: tl.tensor, v0: tl.tensor, v1: tl.tensor, v2: tl.tensor) -> tl.tensor:
     """The slice's integer among three, by arithmetic: Triton turns integer arguments equal to 1 (a
     unit stride) into compile-time constants, which cannot flow out of a run-time branch."""
     return v0 * (index == 0) + v1 * (index == 1) + v2 * (index == 2)
 
 
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+@jit
+def _dot(a: tl.tensor, b: tl.tensor, acc: tl.tensor, PRECISION: tl.constexpr, UPCAST: tl.constexpr) -> tl.tensor:
     """``acc + a @ b`` with fp32 accumulation.
 
     ``UPCAST`` is set only under ``TRITON_INTERPRET=1`` for bf16: the interpreter multiplies bf16
@@ -68,9 +72,10 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.jit
-def _tile(tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank,
-          HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+@jit
+def _tile(tile_slot_ptr: tl.tensor, tile_start_ptr: tl.tensor, tile_end_ptr: tl.tensor, token_idx_ptr: tl.tensor,
+          ranks_ptr: tl.tensor, pid_m: tl.tensor, full_rank: tl.tensor, HAS_RANKS: tl.constexpr,
+          BLOCK_M: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:  # fmt: skip
     """The tile's slot, the slot's rank (clamped to the padded R: CUDA cannot range-check without
     a sync), its sorted positions, their mask and their token ids. Slot -1 marks a padding tile."""
     slot = tl.load(tile_slot_ptr + pid_m)
@@ -83,10 +88,12 @@ def _tile(tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr,
     return slot, rank, rows, row_mask, tokens
 
 
-@triton.jit
-def _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, k_lo, k_hi, stride_xt, stride_xk, stride_ak,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 K_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+@jit
+def _shrink_tile(x_ptr: tl.tensor, a_rows: tl.tensor, tokens: tl.tensor, row_mask: tl.tensor, offs_r: tl.tensor,
+                 r_mask: tl.tensor, k_lo: tl.tensor, k_hi: tl.tensor, stride_xt: tl.tensor, stride_xk: tl.tensor,
+                 stride_ak: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, K_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr) -> tl.tensor:  # fmt: skip
     """``x[tokens, k_lo:k_hi] @ A[:, k_lo:k_hi]^T`` in fp32 (``a_rows``: the slot's A rows ``offs_r``)."""
     x_rows = x_ptr + tokens[:, None] * stride_xt
     a_cols = a_rows[None, :]
@@ -106,10 +113,11 @@ def _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, k_lo, k_hi, st
     return acc
 
 
-@triton.jit
-def _expand_columns(h, scale, b_cols, y_rows, row_mask, r_mask, n_lo, n_hi, col_offset, stride_bn, stride_yn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):  # fmt: skip
+@jit
+def _expand_columns(h: tl.tensor, scale: tl.tensor, b_cols: tl.tensor, y_rows: tl.tensor, row_mask: tl.tensor,
+                    r_mask: tl.tensor, n_lo: tl.tensor, n_hi: tl.tensor, col_offset: tl.tensor, stride_bn: tl.tensor,
+                    stride_yn: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr) -> None:  # fmt: skip
     """``y[rows, col_offset + n] += scale * h @ B[n, :]^T`` for ``n`` in ``[n_lo, n_hi)``.
 
     ``h`` is ``[BLOCK_M, BLOCK_R]`` in the input dtype, ``b_cols`` the slot's B at ``n = 0`` for each
@@ -148,16 +156,18 @@ def _expand_columns(h, scale, b_cols, y_rows, row_mask, r_mask, n_lo, n_hi, col_
             y_tile = y_next
 
 
-@triton.jit
+@jit
 def _shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr,
-    tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr,
-    K, full_rank,
-    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_hk, stride_hs, stride_hp,
+    x_ptr: tl.tensor, a0_ptr: tl.tensor, a1_ptr: tl.tensor, a2_ptr: tl.tensor, h_ptr: tl.tensor,
+    tile_slot_ptr: tl.tensor, tile_start_ptr: tl.tensor, tile_end_ptr: tl.tensor, token_idx_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    K: tl.tensor, full_rank: tl.tensor,
+    stride_xt: tl.tensor, stride_xk: tl.tensor, stride_as: tl.tensor, stride_ar: tl.tensor, stride_ak: tl.tensor,
+    stride_hk: tl.tensor, stride_hs: tl.tensor, stride_hp: tl.tensor,
     HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_STAGES: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     """``h[pid_k, slice, p, :rank]`` = this program's K chunk of ``x[token(p)] @ A_slice[slot]^T``."""
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -179,16 +189,20 @@ def _shrink_kernel(
     tl.store(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit
+@jit
 def _expand_kernel(
-    h_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
-    tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, scaling_ptr,
-    full_rank, n0, n1, n2, off0, off1, off2, n_chunk,
-    stride_bs0, stride_bs1, stride_bs2, stride_bn0, stride_bn1, stride_bn2, stride_br0, stride_br1, stride_br2,
-    stride_hk, stride_hs, stride_hp, stride_yt, stride_yn,
+    h_ptr: tl.tensor, b0_ptr: tl.tensor, b1_ptr: tl.tensor, b2_ptr: tl.tensor, y_ptr: tl.tensor,
+    tile_slot_ptr: tl.tensor, tile_start_ptr: tl.tensor, tile_end_ptr: tl.tensor, token_idx_ptr: tl.tensor,
+    ranks_ptr: tl.tensor, scaling_ptr: tl.tensor,
+    full_rank: tl.tensor, n0: tl.tensor, n1: tl.tensor, n2: tl.tensor, off0: tl.tensor, off1: tl.tensor,
+    off2: tl.tensor, n_chunk: tl.tensor,
+    stride_bs0: tl.tensor, stride_bs1: tl.tensor, stride_bs2: tl.tensor,
+    stride_bn0: tl.tensor, stride_bn1: tl.tensor, stride_bn2: tl.tensor,
+    stride_br0: tl.tensor, stride_br1: tl.tensor, stride_br2: tl.tensor,
+    stride_hk: tl.tensor, stride_hs: tl.tensor, stride_hp: tl.tensor, stride_yt: tl.tensor, stride_yn: tl.tensor,
     HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     """``y[token(p), off_slice + cols] += scaling[slot] * (sum of h partials)[p] @ B_slice[slot, cols]^T``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -288,9 +302,10 @@ def rank_class(rank: int) -> int:
 def _column_chunk(width: int, block_n: int, other_programs: int, programs: int) -> int:
     """Columns per program: split ``width`` into whole blocks over enough programs that the grid
     (``other_programs`` along the other axes) reaches about ``programs``."""
-    blocks = triton.cdiv(width, block_n)
+    blocks: int = triton.cdiv(width, block_n)
     split = max(1, min(blocks, programs // max(1, other_programs)))
-    return triton.cdiv(blocks, split) * block_n
+    chunk_blocks: int = triton.cdiv(blocks, split)
+    return chunk_blocks * block_n
 
 
 def _block_k(block_k: int, rank: int, hidden: int) -> int:
@@ -299,7 +314,7 @@ def _block_k(block_k: int, rank: int, hidden: int) -> int:
     return max(16, min(block_k, _next_pow2(hidden), 16384 // block_r(rank)))
 
 
-def _three(values: Sequence, fill) -> list:
+def _three(values: Sequence[T], fill: T) -> list[T]:
     """Pad per-slice arguments to the kernels' three slots (unused slots are never read)."""
     return list(values) + [fill] * (3 - len(values))
 

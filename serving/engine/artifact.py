@@ -293,7 +293,8 @@ def manifest_verify(adapter_dir: Path) -> dict[str, Any]:
             f"{', '.join(unlisted)} in {adapter_dir} not listed in {MANIFEST_NAME}; "
             "the artifact was changed after it was published"
         )
-    return manifest
+    verified: dict[str, Any] = manifest  # _manifest_files raised unless it is a JSON object
+    return verified
 
 
 def _manifest_files(manifest: Any, adapter_dir: Path) -> dict[str, dict[str, Any]]:

@@ -16,6 +16,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from transformers import PreTrainedTokenizerBase
+
 from serving.engine.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, PromptType
 from serving.engine.lora_request import LoRARequest
@@ -39,7 +41,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self._wake = threading.Event()
         self.engine = LLMEngine(config, on_load_done=self._wake.set)
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
         self._lock = threading.Lock()
         self._stopping = False
@@ -56,7 +58,7 @@ class AsyncEngine:
         return self.engine.config
 
     @property
-    def tokenizer(self):  # -> PreTrainedTokenizerBase
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     @property
@@ -243,7 +245,7 @@ class AsyncEngine:
         except RuntimeError:
             pass  # the caller's event loop is closed: nobody is listening any more
 
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: Callable[[], object]) -> None:
         self._commands.put(command)
         self._wake.set()
 

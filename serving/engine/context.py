@@ -21,12 +21,13 @@ from kernels import LoRAMeta
 @dataclass
 class PrefillSpan:
     """One sequence's chunk of new tokens: ``length`` tokens at ``start`` in the batch, after
-    ``num_computed`` tokens already in the cache (``block_table`` covers them all)."""
+    ``num_computed`` tokens already in the cache (``block_table`` covers them all; None when there
+    are none, a first chunk attending to its own keys only)."""
 
     start: int
     length: int
     num_computed: int
-    block_table: torch.Tensor
+    block_table: torch.Tensor | None
 
 
 @dataclass

@@ -16,6 +16,15 @@ from transformers import PreTrainedTokenizerBase
 _PROMPT_CONTEXT = 5
 
 
+def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool) -> str:
+    """``tokenizer.decode`` of one sequence of ids. transformers types ``decode`` for a batch too
+    (``str | list[str]``); one flat list decodes to one string."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"{type(tokenizer).__name__}.decode of one sequence returned {type(text).__name__}")
+    return text
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool):
         self._tokenizer = tokenizer
@@ -27,9 +36,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Text that ``token_id`` adds to the output ("" while a character is incomplete)."""
         self._ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        prefix = decode_text(self._tokenizer, self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = decode_text(self._tokenizer, self._ids[self._prefix_offset :], self._skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
@@ -39,9 +47,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the output: whatever is held back, incomplete character included (as the
         replacement character, as a whole-text decode shows it)."""
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        prefix = decode_text(self._tokenizer, self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = decode_text(self._tokenizer, self._ids[self._prefix_offset :], self._skip)
         self._prefix_offset = self._read_offset = len(self._ids)
         return full[len(prefix) :]
 

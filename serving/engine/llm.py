@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
+
+from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, PromptType
@@ -53,7 +55,7 @@ class LLM:
         self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
-    def get_tokenizer(self):  # -> PreTrainedTokenizerBase
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.llm_engine.tokenizer
 
     def generate(
@@ -112,7 +114,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat
         template (which writes its own special tokens, so none are added when encoding)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # The first element tells one conversation from several (which the type checker cannot narrow).
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(Sequence[Message], messages)]
+        else:
+            conversations = list(cast(Sequence[Sequence[Message]], messages))
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in conversations:

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 from serving.engine.adapter_loader import AdapterError
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.detokenizer import IncrementalDetokenizer, find_stop
+from serving.engine.detokenizer import IncrementalDetokenizer, decode_text, find_stop
 from serving.engine.lora_adapter import Adapter, AdapterHandle
 from serving.engine.lora_cache import LoRACache
 from serving.engine.lora_request import LoRARequest
@@ -49,6 +49,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.lora_cache: LoRACache | None = None
         if config.max_loras > 0:
+            assert config.max_cpu_loras is not None  # EngineConfig.__post_init__ resolves it
             self.lora_cache = LoRACache(
                 max_loras=config.max_loras,
                 max_cpu_loras=config.max_cpu_loras,
@@ -208,6 +209,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, row: int, samples: SampleResult) -> None:
         token = samples.token_ids[row]
         params = seq.sampling_params
+        assert params.stop_token_ids is not None  # SamplingParams.__post_init__ makes it a list
         seq.token_ids.append(token)
         self._generation_tokens += 1
         if seq.logprobs is not None and samples.logprobs is not None:
@@ -242,7 +244,7 @@ class LLMEngine:
         detokenize = seq.sampling_params.detokenize
 
         def text(tid: int) -> str | None:
-            return self.tokenizer.decode([tid]) if detokenize else None
+            return decode_text(self.tokenizer, [tid], False) if detokenize else None
 
         entry = {token: Logprob(samples.logprobs[row], samples.ranks[row], text(token))}
         for rank, (tid, lp) in enumerate(zip(samples.top_ids[row][:num_top], samples.top_logprobs[row][:num_top]), 1):

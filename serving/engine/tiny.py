@@ -150,7 +150,8 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
         pair=f"{BOS_TOKEN} $A $B:1",
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
-    return PreTrainedTokenizerFast(
+    # transformers' tokenizer __init__ takes untyped **kwargs
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -213,7 +214,8 @@ def build_tiny_model(
     # fork_rng keeps the caller's global RNG untouched; the seed alone decides the weights.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # transformers' auto classes are untyped (from_config(config, **kwargs))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users' processes
@@ -252,7 +254,7 @@ def save_random_peft_adapter(
     out_dir: Path,
     *,
     r: int,
-    lora_alpha: float,
+    lora_alpha: int,
     target_modules: Sequence[str],
     seed: int,
     init_scale: float = 0.05,
@@ -288,7 +290,7 @@ def save_random_peft_adapter(
     out_dir = Path(out_dir)
     # No embedding layer is adapted; saying so stops PEFT from looking the base up (on the Hub,
     # for a name that is not a local path) to check whether the vocabulary changed.
-    model.save_pretrained(out_dir, safe_serialization=True, save_embedding_layers=False)
+    model.save_pretrained(str(out_dir), safe_serialization=True, save_embedding_layers=False)
     if base_model_name_or_path is not None:
         config_path = out_dir / "adapter_config.json"
         config = json.loads(config_path.read_text())

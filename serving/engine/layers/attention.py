@@ -86,6 +86,8 @@ class PagedAttention(nn.Module):
         if span.num_computed == 0:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
+            if span.block_table is None:
+                raise ValueError(f"a chunk after {span.num_computed} cached tokens needs their block table")
             table = span.block_table.unsqueeze(0)
             keys = self._gather(self.k_cache, table)[0, :, :total]
             values = self._gather(self.v_cache, table)[0, :, :total]

@@ -25,6 +25,11 @@ def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, fl
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to ``max_positions``, computed once in fp32."""
 
+    # Buffers (register_buffer), declared for the type checker: nn.Module's __getattr__ returns
+    # Tensor | Module.
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(
         self, config: PretrainedConfig, head_dim: int, max_positions: int, *, device: torch.device, dtype: torch.dtype
     ) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import TypedDict, Unpack, cast
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ _FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|k_pro
 
 
 def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
-    window = getattr(config, "sliding_window", None)
+    window: int | None = getattr(config, "sliding_window", None)
     if window is None:
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -50,8 +51,17 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
+class LoRASlots(TypedDict):
+    """What every multi-LoRA projection of the model is built with (passed down as keywords)."""
+
+    max_loras: int
+    max_lora_rank: int
+    device: torch.device
+    dtype: torch.dtype
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: object) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: Unpack[LoRASlots]) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -76,11 +86,12 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, *rope)
-        return self.o_proj(self.attn(q, k, v))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v))
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: object) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: Unpack[LoRASlots]) -> None:
         super().__init__()
         size = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
@@ -97,18 +108,20 @@ class MLP(nn.Module):
         if self.fused_silu and gate_up.is_cuda:
             from kernels.fused_ops import silu_mul
 
-            return self.down_proj(silu_mul(gate_up))
+            fused: torch.Tensor = self.down_proj(silu_mul(gate_up))
+            return fused
         gate, up = gate_up.split(self.size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        out: torch.Tensor = self.down_proj(self.act(gate) * up)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: object) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: Unpack[LoRASlots]) -> None:
         super().__init__()
-        norm = dict(device=lora["device"], dtype=lora["dtype"])
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        device, dtype = lora["device"], lora["dtype"]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
         self.self_attn = Attention(config, layer_idx, **lora)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
         self.mlp = MLP(config, layer_idx, **lora)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +134,7 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int, **lora: object) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, **lora: Unpack[LoRASlots]) -> None:
         super().__init__()
         device, dtype = lora["device"], lora["dtype"]
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -130,6 +143,10 @@ class Backbone(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions, device=device, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, **lora) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+
+    def decoder_layers(self) -> Iterator[DecoderLayer]:
+        """The layers, typed (an nn.ModuleList holds plain Modules to the type checker)."""
+        return (cast(DecoderLayer, layer) for layer in self.layers)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
                 f"model_type {config.model_type!r} is not supported; the engine serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.config = config
-        lora = dict(max_loras=max_loras, max_lora_rank=max_lora_rank, device=device, dtype=dtype)
+        lora = LoRASlots(max_loras=max_loras, max_lora_rank=max_lora_rank, device=device, dtype=dtype)
         self.model = Backbone(config, max_positions, **lora)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -164,17 +181,18 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(rope, hidden, residual)
-        return self.model.norm(hidden, residual)[0]
+        normed: torch.Tensor = self.model.norm(hidden, residual)[0]
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return hidden @ weight.T
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.decoder_layers()]
 
     def lora_layers(self) -> Iterator[MultiLoRALinear]:
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -199,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         for name, _ in self.named_parameters():
             target, _, kind = name.rpartition(".")
             if target.endswith(("qkv_proj", "gate_up_proj")):
-                layer: MultiLoRALinear = self.get_submodule(target)
+                layer = self._fused_layer(target)
                 block = target.rpartition(".")[0]
                 yield from (f"{block}.{module}.{kind}" for module in layer.slice_names)
             else:
@@ -211,5 +229,11 @@ class LlamaForCausalLM(nn.Module):
             return params[name]
         prefix, block, module, kind = fused.groups()
         target = f"{prefix}{block}.{'qkv_proj' if block == 'self_attn' else 'gate_up_proj'}"
-        offset, width = self.get_submodule(target).slice_of(module)
+        offset, width = self._fused_layer(target).slice_of(module)
         return params[f"{target}.{kind}"][offset : offset + width]
+
+    def _fused_layer(self, target: str) -> MultiLoRALinear:
+        layer = self.get_submodule(target)
+        if not isinstance(layer, MultiLoRALinear):
+            raise TypeError(f"{target} is a {type(layer).__name__}, not a fused projection")
+        return layer
