@@ -100,10 +100,10 @@ def lora_apply_torch(
 
 def _step(meta: LoRAMeta) -> _Step:
     step = meta.host_cache.get(_Step)
-    if step is None:
+    if not isinstance(step, _Step):  # not built yet this step (the cache holds objects of any type)
         order = meta.token_indices[: meta.num_tokens].long()
         step = meta.host_cache[_Step] = _Step(meta.host_groups(), order, order.tolist())
-    return step  # type: ignore[return-value]
+    return step
 
 
 def _plan(
@@ -120,9 +120,9 @@ def _plan(
     widths = tuple(B.shape[1] for B in Bs)
     key = (_Plan, slot_ranks, full_rank, hidden, widths, DENSE_MAX_MACS, LOOP_GROUP_MACS)
     plan = meta.host_cache.get(key)
-    if plan is None:
+    if not isinstance(plan, _Plan):
         plan = meta.host_cache[key] = _make_plan(meta, slot_ranks, full_rank, hidden, widths)
-    return plan  # type: ignore[return-value]
+    return plan
 
 
 def _make_plan(
@@ -170,8 +170,8 @@ def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _G
     """The grid of ``groups`` (ascending slots), shared by every plan of the step that grids them."""
     key = (_Grid, tuple(groups))
     grid = meta.host_cache.get(key)
-    if grid is not None:
-        return grid  # type: ignore[return-value]
+    if isinstance(grid, _Grid):
+        return grid
     # Built as host lists, then one copy each: for a decode step's few hundred cells that is cheaper
     # than a dozen small torch ops (DENSE_MAX_MACS bounds the cells). Padding repeats a group's last
     # token; an idle slot's row repeats the first group's first token.

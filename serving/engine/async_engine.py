@@ -259,9 +259,9 @@ class AsyncEngine:
             try:
                 value = fn()
             except Exception as exc:
-                loop.call_soon_threadsafe(_settle, result, None, exc)
+                loop.call_soon_threadsafe(_settle_error, result, exc)
             else:
-                loop.call_soon_threadsafe(_settle, result, value, None)
+                loop.call_soon_threadsafe(_settle_result, result, value)
 
         self._submit(command)
         return await result
@@ -272,11 +272,13 @@ class AsyncEngine:
 
 
 
-def _settle(future: asyncio.Future[T], value: T | None, error: Exception | None) -> None:
-    """Complete ``future`` unless its awaiter has gone (cancelled)."""
-    if future.done():
-        return
-    if error is not None:
+def _settle_result(future: asyncio.Future[T], value: T) -> None:
+    """Complete ``future`` with ``value`` unless its awaiter has gone (cancelled)."""
+    if not future.done():
+        future.set_result(value)
+
+
+def _settle_error(future: asyncio.Future[T], error: Exception) -> None:
+    """Fail ``future`` with ``error`` unless its awaiter has gone (cancelled)."""
+    if not future.done():
         future.set_exception(error)
-    else:
-        future.set_result(value)  # type: ignore[arg-type]
