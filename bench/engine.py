@@ -16,14 +16,15 @@ CUDA (``--shape llama3-8b``): the Llama-3-8B shape with random weights made on t
 distinct rank-16 adapters (written in PEFT's format to a RAM disk and loaded through the engine's
 own loader) against base-only, for each of ``--modes`` in one engine (``graph``: CUDA-graph
 replay; ``eager``: eager with the paged-attention kernel; ``eager-torch``: eager with the page
-gather + SDPA, the engine before both levers), the slot write of one adapter (CPU cache → GPU
-slot), and optionally transformers' base forward and PEFT's mixed batch (8 and ``--adapters``
+gather + SDPA, the engine before both levers), the mixed step (``--mixed-chunk``: batch - 1
+sequences decoding while one new prompt is prefilled), the slot write of one adapter (CPU cache →
+GPU slot), GPU memory by holder, and optionally transformers' base forward and PEFT's mixed batch (8 and ``--adapters``
 adapters, one token per sequence, no KV cache: targets.md's reference measurement).
 
     python bench/engine.py [--batch 32] [--adapters 8] [--threads 1] [--json OUT]
     python bench/engine.py --shape llama3-8b [--batch 64] [--context 512] [--adapters 32] [--json OUT]
                            [--modes graph,eager,eager-torch] [--profile-dir DIR] [--compare-transformers]
-                           [--compare-peft]
+                           [--compare-peft] [--mixed-chunk 256]
 """
 
 from __future__ import annotations
@@ -108,6 +109,37 @@ def engine_step_ms(
         assert engine.last_step_tokens == len(prompts), "every sequence must decode in each timed step"
     if profile_to is not None:
         _profile_steps(engine, profile_to)
+    for rid in engine.request_ids():
+        engine.abort_request(rid)
+    return statistics.median(times[3:]) * 1e3
+
+
+def mixed_step_ms(
+    engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None], steps: int, chunk: int
+) -> float:
+    """Median wall time of a mixed step: all but one of ``prompts`` decoding, and a new prompt of
+    ``chunk`` tokens (a one-token request, with the last of ``loras``) prefilled in the same step,
+    as under Poisson arrivals most steps of a server are."""
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True, detokenize=False)
+    for i, (prompt, lora) in enumerate(zip(prompts[:-1], loras[:-1])):
+        engine.add_request(f"m{i}", prompt, params, lora)
+    scheduler = engine.scheduler
+    while scheduler.num_waiting or any(seq.num_uncomputed_tokens != 1 for seq in scheduler.running):
+        engine.step()
+        if engine.last_step_tokens == 0:
+            engine.wait_for_loads(0.05)
+    device = engine.runner.device
+    vocab = LLAMA3_8B["vocab_size"]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    times = []
+    for step in range(steps + 3):
+        engine.add_request(f"new{step}", _prompts(1, chunk, vocab, seed=100 + step)[0], one, loras[-1])
+        _sync(device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        assert engine.last_step_tokens == len(prompts) - 1 + chunk, "each timed step decodes all and prefills one"
     for rid in engine.request_ids():
         engine.abort_request(rid)
     return statistics.median(times[3:]) * 1e3
@@ -270,6 +302,7 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
         enforce_eager="graph" not in args.modes,
     )  # fmt: skip
     results["engine_build_s"] = time.perf_counter() - start
+    results.update(_memory_gib(engine))
     prompts = _prompts(args.batch, args.context, LLAMA3_8B["vocab_size"], seed=1)
     names = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(adapters)]
     spread = [names[i % args.adapters] for i in range(args.batch)]
@@ -302,8 +335,11 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
             engine, prompts, spread, args.steps, profile / f"profile_{mode}_lora.txt" if profile else None
         )
         results[f"{mode}_lora_over_base"] = results[f"{mode}_lora_step_ms"] / results[f"{mode}_base_step_ms"]
+        if args.mixed_chunk:
+            results[f"{mode}_mixed_lora_step_ms"] = mixed_step_ms(engine, prompts, spread, args.steps, args.mixed_chunk)
         print(f"{mode}: base {results[f'{mode}_base_step_ms']:.2f} ms, {args.adapters} adapters "
-              f"{results[f'{mode}_lora_step_ms']:.2f} ms", flush=True)  # fmt: skip
+              f"{results[f'{mode}_lora_step_ms']:.2f} ms, mixed {results.get(f'{mode}_mixed_lora_step_ms', 0):.2f} ms",
+              flush=True)  # fmt: skip
         if "lora_run_total_s" not in results:
             results["lora_run_total_s"] = time.perf_counter() - start
     headline = "graph" if "graph" in args.modes else args.modes[0]
@@ -324,6 +360,23 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     if args.compare_peft:
         results.update(_peft_forward_ms(model_dir, adapters, args))
     return results
+
+
+def _memory_gib(engine: LLMEngine) -> dict[str, float]:
+    """GPU memory by what holds it, before any adapter is loaded: the base weights, the adapter
+    slots (preallocated at ``max_lora_rank``), the KV cache, the captured graphs, and all of it."""
+    runner = engine.runner
+    slots = {id(t): t for layer in runner.model.lora_layers() for t in (*layer.lora_A, *layer.lora_B)}
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    slot_bytes = sum(t.numel() * t.element_size() for t in slots.values())
+    return {
+        "memory_weights_gib": weights / 2**30,
+        "memory_lora_slots_gib": slot_bytes / 2**30,
+        "memory_per_slot_mib": slot_bytes / max(engine.config.max_loras, 1) / 2**20,
+        "memory_kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30,
+        "memory_graphs_gib": (runner.graphs.memory_bytes if runner.graphs else 0) / 2**30,
+        "memory_before_adapters_gib": torch.cuda.memory_allocated() / 2**30,
+    }
 
 
 def _slot_write_ms(engine: LLMEngine) -> float:
@@ -407,6 +460,10 @@ def main() -> int:
     parser.add_argument("--profile-dir", type=Path, help="llama3-8b: write torch.profiler tables of a few steps here")
     parser.add_argument("--compare-transformers", action="store_true", help="llama3-8b: also time transformers' forward")
     parser.add_argument("--compare-peft", action="store_true", help="llama3-8b: also time PEFT's mixed batch")
+    parser.add_argument(
+        "--mixed-chunk", type=int, default=256,
+        help="llama3-8b: also time mixed steps, batch - 1 decoding and one prompt of this many tokens (0: off)",
+    )  # fmt: skip
     parser.add_argument(
         "--modes", default="graph,eager,eager-torch", help="llama3-8b: comma-separated graph, eager, eager-torch"
     )

@@ -41,14 +41,14 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, row_seq_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     scale, window,
     stride_qb, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh, stride_tb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ROW_SEQ: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
+    seq = tl.program_id(0)  # the query row (one token)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + seq).to(tl.int32)
@@ -70,7 +70,10 @@ def _decode_kernel(
     m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    table = tables_ptr + seq.to(tl.int64) * stride_tb
+    if ROW_SEQ:
+        table = tables_ptr + tl.load(row_seq_ptr + seq).to(tl.int64) * stride_tb
+    else:
+        table = tables_ptr + seq.to(tl.int64) * stride_tb
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -161,6 +164,7 @@ def paged_decode_attention(
     num_splits: int = 1,
     block_n: int = 64,
     out: torch.Tensor | None = None,
+    row_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` (one token per sequence, at position ``context_lens[b] - 1``, its own K/V
     already in the cache) → ``[B, H, D]`` attention over ``context_lens[b]`` cached tokens.
@@ -168,6 +172,11 @@ def paged_decode_attention(
     ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``; ``block_tables [B, W]`` int (page
     ids; entries past a sequence's pages are never read); ``context_lens [B]`` int, each >= 1.
     ``H`` must be a multiple of ``Hkv``. No host synchronisation: graph-capturable.
+
+    ``row_seq [B]`` int, if given: row ``b`` reads block table ``row_seq[b]`` (``block_tables`` is
+    then per sequence, any number of rows). Tokens of one prompt chunk are then rows of their own,
+    each at its position with ``context_lens[b] = position + 1``: causal attention over the cached
+    prefix and the chunk's own keys, as a prefill computes it, in the same launch as the decodes.
     """
     batch, num_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, cache_dim = k_cache.shape
@@ -175,7 +184,7 @@ def paged_decode_attention(
         raise ValueError(f"q has head_dim {head_dim}; caches are {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
+    if (block_tables.shape[0] != batch and row_seq is None) or context_lens.shape != (batch,):
         raise ValueError(
             f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} must cover {batch} sequences"
         )
@@ -183,6 +192,8 @@ def paged_decode_attention(
         raise ValueError("q and the caches must be contiguous in head_dim")
     if k_cache.stride(0) != page * k_cache.stride(1) or v_cache.stride(0) != page * v_cache.stride(1):
         raise ValueError("each cache's pages must be contiguous rows (stride(0) == block_size * stride(1))")
+    if row_seq is not None and row_seq.shape != (batch,):
+        raise ValueError(f"row_seq {tuple(row_seq.shape)} must have one entry per query row ({batch})")
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
     if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
@@ -207,12 +218,12 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_acc = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
-        scale, sliding_window or 0,
+        q, k_cache, v_cache, block_tables, context_lens if row_seq is None else row_seq, context_lens, out,
+        part_m, part_l, part_acc, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=precision, UPCAST=upcast,
+        NUM_SPLITS=num_splits, ROW_SEQ=row_seq is not None, PRECISION=precision, UPCAST=upcast,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:

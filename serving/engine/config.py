@@ -35,12 +35,16 @@ class EngineConfig:
     safetensors (vLLM's option of that name), for benchmarks of shapes whose weights are not at hand.
     ``priority_aging_steps``: a waiting request gains one priority level (lower is served first)
     per this many engine steps, so low-priority work is delayed, never starved.
-    ``enforce_eager`` (vLLM's flag): never replay CUDA graphs. Otherwise, on CUDA, the decode
-    forward is captured at start for a ladder of batch sizes up to ``max_num_seqs``
-    (``cuda_graph_sizes`` overrides the ladder) and each pure-decode step replays the smallest that
-    fits; prefill and mixed steps run eagerly. ``attention_backend``: ``"triton"`` reads the paged
-    KV cache in place for decode tokens, ``"torch"`` gathers pages and calls SDPA; ``"auto"``
-    picks Triton on CUDA and torch on CPU (Triton runs on CPU only under ``TRITON_INTERPRET=1``).
+    ``max_flat_tokens``: with the Triton attention backend a step of at most this many tokens runs
+    flat, every token (prompt chunks' too) a row of one paged-attention launch, so its shapes
+    depend on the token count alone; longer steps attend each prompt chunk in SDPA.
+    ``enforce_eager`` (vLLM's flag): never replay CUDA graphs. Otherwise, on CUDA, the flat step's
+    forward is captured at start for a ladder of token counts up to ``max_flat_tokens`` (up to
+    ``max_num_seqs`` with the torch backend, where only pure-decode steps run flat;
+    ``cuda_graph_sizes`` overrides the ladder) and each flat step replays the smallest that fits.
+    ``attention_backend``: ``"triton"`` reads the paged KV cache in place, ``"torch"`` gathers
+    pages and calls SDPA; ``"auto"`` picks Triton on CUDA and torch on CPU (Triton runs on CPU only
+    under ``TRITON_INTERPRET=1``).
     """
 
     model: str
@@ -63,6 +67,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
     attention_backend: str = "auto"
+    max_flat_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -106,6 +111,7 @@ class EngineConfig:
             self.cuda_graph_sizes is None or (bool(self.cuda_graph_sizes) and all(n >= 1 for n in self.cuda_graph_sizes)),
             f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, got {self.cuda_graph_sizes}",
         )
+        _require(self.max_flat_tokens >= 1, f"max_flat_tokens must be >= 1, got {self.max_flat_tokens}")
         self.torch_device  # validates the device string early
 
     @property
@@ -130,11 +136,11 @@ class EngineConfig:
         return self.attention_backend
 
     def graph_sizes(self) -> list[int]:
-        """Batch sizes whose decode step is captured (ascending; empty where graphs are off):
-        1, 2, 4, 8, then every 16 up to ``max_num_seqs``, as vLLM's ladder, and ``max_num_seqs``."""
+        """Token counts whose flat step is captured (ascending; empty where graphs are off)."""
         if self.enforce_eager or self.torch_device.type != "cuda":
             return []
-        return graph_ladder(min(self.max_num_seqs, self.max_num_batched_tokens), self.cuda_graph_sizes)
+        flat_cap = self.max_flat_tokens if self.attention == "triton" else self.max_num_seqs
+        return graph_ladder(min(flat_cap, self.max_num_batched_tokens), self.cuda_graph_sizes)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -145,10 +151,13 @@ class EngineConfig:
 
 
 def graph_ladder(cap: int, sizes: list[int] | None = None) -> list[int]:
-    """Captured batch sizes up to ``cap``: ``sizes`` if given, else 1, 2, 4, 8, every 16, and ``cap``."""
+    """Captured token counts up to ``cap``: ``sizes`` if given, else 1, 2, 4, 8, every 16 up to
+    256 (vLLM's decode ladder), every 128 up to 1024 and every 256 beyond, and ``cap``: a step pads
+    to at most 1.5 × its tokens past 256, where GEMM time starts to grow with the padding."""
     if sizes is not None:
         return sorted({n for n in sizes if n <= cap})
-    return sorted({n for n in (1, 2, 4, 8, *range(16, cap + 1, 16), cap) if n <= cap})
+    steps = (1, 2, 4, 8, *range(16, 257, 16), *range(384, 1025, 128), *range(1280, cap + 1, 256))
+    return sorted({n for n in (*steps, cap) if n <= cap})
 
 
 def _require(condition: bool, message: str) -> None:

@@ -5,7 +5,13 @@ sequence's context sits in; LoRA layers read the step's adapter metadata (each t
 grouped once for all layers). Tokens are ordered decodes first (one per sequence), then each
 prefill chunk in turn. ``attention`` names the backend decode tokens attend with (``"triton"``:
 the paged kernel, reading ``decode_splits`` programs per sequence and KV head; ``"torch"``: a page
-gather and SDPA). The context is thread-local: an engine's forward runs on one thread.
+gather and SDPA).
+
+A step may also be *flat*: every token, a prompt chunk's too, is a decode row at its own position
+(``decode_context_lens`` = position + 1, the chunk's keys already written to the cache), with
+``decode_row_seq`` naming each row's sequence in the per-sequence ``decode_block_tables``; there
+are no ``prefills`` then, and one attention launch serves decodes and chunks alike (what a CUDA
+graph of a mixed step captures). The context is thread-local: an engine's forward runs on one thread.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class StepContext:
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
+    decode_row_seq: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     lora: LoRAMeta | None = None
     attention: str = "torch"

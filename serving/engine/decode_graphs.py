@@ -1,19 +1,25 @@
-"""CUDA graphs of the decode step: the whole forward (LoRA metadata ``prepare`` and the logits
-included) captured once per batch size of a ladder, replayed with the step's inputs copied into
-static buffers.
+"""Flat steps and their CUDA graphs.
 
-A pure-decode step of ``n`` sequences replays the smallest captured size ``>= n``; the rows past
+A *flat* step lays every scheduled token out as one row (decodes and prompt chunks alike): its
+token id, position, cache slot, context length (position + 1), adapter slot and sequence index,
+plus one block table per sequence and the rows whose logits are sampled. Attention then serves the
+whole step in one paged launch (``StepContext.decode_row_seq``), so the forward's shapes depend on
+the token count alone and a step with prompt chunks in it is captured like a pure decode.
+
+The whole forward (LoRA metadata ``prepare``, the sampled rows' logits) is captured once per token
+count of a ladder. A step of ``n`` tokens replays the smallest captured size ``>= n``; the rows past
 ``n`` are padding that writes its K/V into a scratch page nobody owns, attends to that one token
-and carries no adapter. Two graphs exist per size: one with the LoRA layers' kernels (any token
-has an adapter) and one without (base-only steps pay nothing for LoRA). Adapters loaded or
-swapped between steps need no re-capture: the slot tensors, scalings and ranks are fixed tensors
-the graphs read, written in place on the same stream before the next replay.
+through a table of scratch pages and carries no adapter. Two graphs exist per size: one with the
+LoRA layers' kernels (any token has an adapter) and one without (base-only steps pay nothing for
+LoRA). Adapters loaded or swapped between steps need no re-capture: the slot tensors, scalings and
+ranks are fixed tensors the graphs read, written in place on the same stream before the next replay.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,15 +28,89 @@ from serving.engine.context import StepContext, reset_context, set_context
 from serving.engine.sequence import Sequence
 
 # Rows of the packed per-token inputs (one host-to-device copy per step).
-_IDS, _POS, _SLOT, _LEN, _ADAPTER = range(5)
+IDS, POS, SLOT, LEN, ADAPTER, SEQ = range(6)
+
+
+@dataclass
+class FlatStep:
+    """A step's inputs on the host: ``rows[k][t]`` is field ``k`` of token ``t``; ``tables[s]`` is
+    sequence ``s``'s block table padded to the widest; ``sample_rows[i]`` is the token whose logits
+    ``sampled[i]`` samples from."""
+
+    rows: list[list[int]]
+    tables: list[list[int]]
+    sample_rows: list[int]
+    sampled: list[Sequence]
+    lora: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.rows[IDS])
+
+    @property
+    def max_context(self) -> int:
+        return max(self.rows[LEN])
+
+
+def flat_step(scheduled: list[tuple[Sequence, int]], block_size: int) -> FlatStep:
+    """Lay out ``scheduled`` (each sequence with its number of tokens to compute) as a flat step."""
+    rows: list[list[int]] = [[] for _ in range(SEQ + 1)]
+    tables: list[list[int]] = []
+    sample_rows: list[int] = []
+    sampled: list[Sequence] = []
+    widest = max(len(seq.block_table) for seq, _ in scheduled)
+    lora = False
+    for index, (seq, num) in enumerate(scheduled):
+        start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + num, seq.block_table
+        positions = range(start, end)
+        rows[IDS].extend(seq.token_ids[start:end])
+        rows[POS].extend(positions)
+        rows[SLOT].extend(table[p // block_size] * block_size + p % block_size for p in positions)
+        rows[LEN].extend(range(start + 1, end + 1))
+        rows[ADAPTER].extend([seq.lora_slot] * num)
+        rows[SEQ].extend([index] * num)
+        lora |= seq.lora_slot >= 0
+        tables.append(table + [0] * (widest - len(table)))
+        if end == seq.num_tokens:
+            sample_rows.append(len(rows[IDS]) - 1)
+            sampled.append(seq)
+    return FlatStep(rows, tables, sample_rows, sampled, lora)
+
+
+def flat_context(
+    inputs: torch.Tensor, tables: torch.Tensor, *, attention: str, splits: int, lora: LoRAMeta | None
+) -> StepContext:
+    """The step context of packed ``inputs [6, T]`` and per-sequence ``tables``; ``lora``, if
+    given, is prepared from the tokens' adapter slots (device ops only: capturable)."""
+    context = StepContext(
+        slot_mapping=inputs[SLOT],
+        num_decode=inputs.shape[1],
+        decode_block_tables=tables,
+        decode_context_lens=inputs[LEN],
+        decode_row_seq=inputs[SEQ],
+        attention=attention,
+        decode_splits=splits,
+    )
+    if lora is not None:
+        context.lora = lora.prepare(inputs[ADAPTER])
+    return context
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecodeGraphs:
+    """Captured flat steps of ``sizes`` tokens and at most ``max_seqs`` sequences.
+
+    ``forward(input_ids, positions, sample_rows)`` runs the model under the set step context and
+    returns the logits of ``sample_rows``."""
+
     def __init__(
         self,
         *,
         sizes: list[int],
-        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        max_seqs: int,
+        forward: Forward,
         lora_meta: LoRAMeta | None,
         block_size: int,
         max_blocks_per_seq: int,
@@ -40,7 +120,8 @@ class DecodeGraphs:
         device: torch.device,
     ) -> None:
         self.sizes = sorted(sizes)
-        self.max_batch = self.sizes[-1]
+        self.max_tokens = self.sizes[-1]
+        self.max_seqs = max_seqs
         self.block_size = block_size
         self.scratch_block = scratch_block
         self._forward = forward
@@ -48,13 +129,18 @@ class DecodeGraphs:
         self._attention = attention
         self._splits_for = splits_for
         self._device = device
-        self._pad = [0, 0, scratch_block * block_size, 1, -1]
-        self._inputs = torch.tensor([[v] * self.max_batch for v in self._pad], dtype=torch.long, device=device)
-        self._tables = torch.full((self.max_batch, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
+        # Padding rows: token 0 at position 0, K/V into the scratch page, one key, no adapter, and
+        # the extra table row (all scratch pages) past the real sequences'.
+        self._pad = [0, 0, scratch_block * block_size, 1, -1, max_seqs]
+        self._inputs = torch.tensor([[v] * self.max_tokens for v in self._pad], dtype=torch.long, device=device)
+        self._tables = torch.full((max_seqs + 1, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
+        self._samples = torch.zeros(max_seqs, dtype=torch.long, device=device)
+        self._logits: torch.Tensor | None = None
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
         self.capture_seconds = 0.0
         self.replays = 0
+        self.chunk_replays = 0  # replays of steps that carried a prompt chunk
 
     def capture(self) -> None:
         """Capture every (size, LoRA or not) graph, largest first, into one shared memory pool."""
@@ -77,55 +163,44 @@ class DecodeGraphs:
 
     def _run(self, size: int, lora: bool) -> torch.Tensor:
         inputs = self._inputs[:, :size]
-        context = StepContext(
-            slot_mapping=inputs[_SLOT],
-            num_decode=size,
-            decode_block_tables=self._tables[:size],
-            decode_context_lens=inputs[_LEN],
-            attention=self._attention,
-            decode_splits=self._splits_for(size),
-        )
-        if lora:
-            assert self._meta is not None
-            context.lora = self._meta.prepare(inputs[_ADAPTER])
+        context = flat_context(
+            inputs, self._tables, attention=self._attention, splits=self._splits_for(size),
+            lora=self._meta if lora else None,
+        )  # fmt: skip
         set_context(context)
         try:
-            return self._forward(inputs[_IDS], inputs[_POS])
+            logits = self._forward(inputs[IDS], inputs[POS], self._samples[: min(size, self.max_seqs)])
         finally:
             reset_context()
+        # Every graph writes its logits into one buffer, allocated by the first (uncaptured) run:
+        # a graph's own output would stay allocated with it (about 65 MB each at 256 rows of a
+        # 128k vocabulary).
+        if self._logits is None:
+            self._logits = torch.empty((self.max_seqs, logits.shape[1]), dtype=logits.dtype, device=self._device)
+        out = self._logits[: logits.shape[0]]
+        out.copy_(logits)
+        return out
 
-    def size_for(self, num_seqs: int) -> int | None:
-        """The captured batch size a step of ``num_seqs`` decodes replays, or None if none fits."""
-        if num_seqs > self.max_batch:
+    def size_for(self, step: FlatStep) -> int | None:
+        """The captured size ``step`` replays, or None if none holds it."""
+        if step.num_tokens > self.max_tokens or len(step.tables) > self.max_seqs:
             return None
-        return next(size for size in self.sizes if size >= num_seqs)
+        return next(size for size in self.sizes if size >= step.num_tokens)
 
-    def replay(self, seqs: list[Sequence], size: int) -> torch.Tensor:
-        """Copy the decode inputs of ``seqs`` (each with one token to compute) into the static
-        buffers, padded to ``size`` rows, replay, and return the ``[len(seqs), vocab]`` logits."""
-        block_size = self.block_size
-        rows: list[list[int]] = [[] for _ in self._pad]
-        tables: list[list[int]] = []
-        widest = max(len(seq.block_table) for seq in seqs)
-        lora = False
-        for seq in seqs:
-            position = seq.num_computed_tokens
-            table = seq.block_table
-            rows[_IDS].append(seq.token_ids[position])
-            rows[_POS].append(position)
-            rows[_SLOT].append(table[position // block_size] * block_size + position % block_size)
-            rows[_LEN].append(position + 1)
-            rows[_ADAPTER].append(seq.lora_slot)
-            lora |= seq.lora_slot >= 0
-            tables.append(table + [0] * (widest - len(table)))
-        padding = size - len(seqs)
-        if padding:
-            for row, value in zip(rows, self._pad):
-                row.extend([value] * padding)
-            tables.extend([[self.scratch_block] * widest] * padding)
+    def replay(self, step: FlatStep, size: int) -> torch.Tensor:
+        """Copy ``step``'s inputs into the static buffers, padded to ``size`` rows, replay, and
+        return the ``[len(step.sampled), vocab]`` logits."""
+        padding = size - step.num_tokens
+        rows = [row + [value] * padding for row, value in zip(step.rows, self._pad)] if padding else step.rows
         self._inputs[:, :size].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
-        self._tables[:size, :widest].copy_(torch.tensor(tables, dtype=torch.long), non_blocking=True)
-        graph, logits = self._graphs[size, lora and self._meta is not None]
+        tables = torch.tensor(step.tables, dtype=torch.long)
+        self._tables[: tables.shape[0], : tables.shape[1]].copy_(tables, non_blocking=True)
+        # Every sampled row index must lie inside this size's rows: stale ones of a larger step would not.
+        width = min(size, self.max_seqs)
+        samples = torch.tensor(step.sample_rows + [0] * (width - len(step.sample_rows)), dtype=torch.long)
+        self._samples[:width].copy_(samples, non_blocking=True)
+        graph, logits = self._graphs[size, step.lora and self._meta is not None]
         graph.replay()
         self.replays += 1
-        return logits[: len(seqs)]
+        self.chunk_replays += step.num_tokens > len(step.tables)  # some sequence computed > 1 token
+        return logits[: len(step.sampled)]

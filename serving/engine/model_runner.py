@@ -3,9 +3,11 @@ executes one scheduled step (inputs → per-step context → forward → sampled
 
 The step's host-side preparation (token ids, positions, cache slots, block tables, each token's
 adapter slot) happens before the forward; the forward itself reads only device tensors from the
-context, so no host synchronisation happens inside it. On CUDA a pure-decode step replays a
-captured graph of the whole forward (``serving.engine.decode_graphs``) unless ``enforce_eager``;
-prefill and mixed steps run eagerly.
+context, so no host synchronisation happens inside it. A pure-decode step, and with the Triton
+attention backend any step of at most ``max_flat_tokens`` tokens, runs *flat*
+(``serving.engine.decode_graphs``): every token a row of one paged-attention launch, prompt chunks
+included, so on CUDA the whole forward replays a captured graph unless ``enforce_eager`` (and runs
+the same kernels eagerly otherwise). Longer steps run eagerly with each prompt chunk in SDPA.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from transformers import PretrainedConfig
 from kernels import LoRAMeta
 from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
-from serving.engine.decode_graphs import DecodeGraphs
+from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step
 from serving.engine.layers.lora_linear import MultiLoRALinear
 from serving.engine.lora_adapter import Adapter
 from serving.engine.models.llama import LlamaForCausalLM
@@ -66,12 +68,14 @@ class ModelRunner:
         # Read at each step, so a benchmark can compare backends and eager/graphs in one process.
         self.attention = config.attention
         self.enforce_eager = config.enforce_eager
+        self.max_flat_tokens = config.max_flat_tokens
         self.graphs: DecodeGraphs | None = None
         sizes = config.graph_sizes()
         if sizes:
             self.graphs = DecodeGraphs(
                 sizes=sizes,
-                forward=self._forward_logits,
+                max_seqs=config.max_num_seqs,
+                forward=self._forward_sampled,
                 lora_meta=self.lora_meta,
                 block_size=self.block_size,
                 max_blocks_per_seq=-(-max_model_len // self.block_size),
@@ -147,9 +151,9 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Every row's logits (what a decode graph captures; the step context is set)."""
-        return self.model.compute_logits(self.model(input_ids, positions))
+    def _forward_sampled(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        """The logits of ``sample_rows`` (what a graph captures; the step context is set)."""
+        return self.model.compute_logits(self.model(input_ids, positions).index_select(0, sample_rows))
 
     def _decode_splits(self, num_decode: int, max_context: int) -> int:
         if self.attention != "triton" or num_decode == 0:
@@ -162,14 +166,9 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
         prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
-        if not prefills and self.graphs is not None and not self.enforce_eager:
-            size = self.graphs.size_for(len(decodes))
-            # A one-token chunk of a longer prompt is a "decode" here but samples nothing: eager.
-            if size is not None and all(s.num_computed_tokens + 1 == s.num_tokens for s, _ in decodes):
-                seqs = [s for s, _ in decodes]
-                logits = self.graphs.replay(seqs, size)
-                samples = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs])
-                return StepResult(seqs, samples)
+        num_tokens = sum(n for _, n in scheduled)
+        if not prefills or (self.attention == "triton" and num_tokens <= self.max_flat_tokens):
+            return self._execute_flat(flat_step(scheduled, self.block_size))
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -217,9 +216,34 @@ class ModelRunner:
             reset_context()
         if not sampled:
             return StepResult([], None)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-        samples = self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled])
-        return StepResult(sampled, samples)
+        return self._sample(sampled, self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]))
+
+    def _execute_flat(self, step: FlatStep) -> StepResult:
+        if self.graphs is not None and not self.enforce_eager:
+            size = self.graphs.size_for(step)
+            if size is not None:
+                return self._sample(step.sampled, self.graphs.replay(step, size))
+        device = self.device
+        inputs = torch.tensor(step.rows, dtype=torch.long, device=device)
+        context = flat_context(
+            inputs,
+            torch.tensor(step.tables, dtype=torch.long, device=device),
+            attention=self.attention,
+            splits=self._decode_splits(step.num_tokens, step.max_context),
+            lora=self.lora_meta if step.lora else None,
+        )
+        set_context(context)
+        try:
+            sample_rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
+            logits = self._forward_sampled(inputs[IDS], inputs[POS], sample_rows)
+        finally:
+            reset_context()
+        return self._sample(step.sampled, logits)
+
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> StepResult:
+        if not sampled:
+            return StepResult([], None)
+        return StepResult(sampled, self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled]))
 
     def _cache_slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

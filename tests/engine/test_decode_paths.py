@@ -2,7 +2,8 @@
 on CUDA graph replay against eager steps, token for token on a mixed batch of adapters and base.
 
 On CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py
-when there is no CUDA device); on CUDA (gpu mark) compiled, in fp32, with graphs on and off.
+when there is no CUDA device); on CUDA (gpu mark) compiled, in fp32, with graphs on and off (steps
+with prompt chunks replayed too: every step runs flat there).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def test_triton_attention_matches_torch(mistral_with_adapters: tuple[Path, list[
 def test_graphs_match_eager(mistral_with_adapters: tuple[Path, list[Path]]) -> None:
     model, adapters = mistral_with_adapters
     eager, _ = _generate(model, adapters, device="cuda", enforce_eager=True)
-    graphed, llm = _generate(model, adapters, device="cuda", cuda_graph_sizes=[1, 2, 4])
+    graphed, llm = _generate(model, adapters, device="cuda", cuda_graph_sizes=[1, 2, 4, 128])
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and graphs.replays > 0 and graphs.memory_bytes >= 0
+    assert graphs.chunk_replays > 0, "steps with prompt chunks must replay the captured graphs too"
     assert graphed == eager
 
 
@@ -66,6 +68,9 @@ def test_graph_ladder() -> None:
     assert graph_ladder(40) == [1, 2, 4, 8, 16, 32, 40]
     assert graph_ladder(3) == [1, 2, 3]
     assert graph_ladder(64, [48, 8, 100]) == [8, 48]
+    ladder = graph_ladder(2048)
+    assert ladder[:4] == [1, 2, 4, 8] and {256, 384, 1024, 1280, 2048} <= set(ladder) and 2304 not in ladder
+    assert all(b <= 1.5 * (a + 1) for a, b in zip(ladder, ladder[1:]) if a >= 256), "padding past 256 stays under 1.5 ×"
 
 
 def test_no_graphs_on_cpu_or_when_eager(tiny_llama_dir: Path) -> None:

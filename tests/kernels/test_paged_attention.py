@@ -84,6 +84,30 @@ def test_decode_matches_reference(device: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_flat_rows_attend_causally(device: str, window: int | None) -> None:
+    """A flat step: a prompt chunk's tokens (after a cached prefix), a whole prompt and a decode,
+    each token a row naming its sequence's table through ``row_seq`` with ``context_lens`` =
+    position + 1: each row attends to its own prefix, as causal prefill attention does."""
+    _device(device)
+    generator = torch.Generator().manual_seed(11 + (window or 0))
+    page, kv_heads, heads, head_dim = 4, 2, 8, 16
+    k_cache = torch.randn(30, page, kv_heads, head_dim, generator=generator).to(device)
+    v_cache = torch.randn(30, page, kv_heads, head_dim, generator=generator).to(device)
+    tables = torch.randperm(30, generator=generator)[:24].view(3, 8).to(device)  # per sequence
+    # sequence 0: positions 9..20 (a chunk after 9 cached tokens); 1: 0..6 (a whole prompt); 2: decode at 25
+    rows = [(0, p) for p in range(9, 21)] + [(1, p) for p in range(7)] + [(2, 25)]
+    row_seq = torch.tensor([s for s, _ in rows], device=device)
+    lens = torch.tensor([p + 1 for _, p in rows], device=device)
+    q = torch.randn(len(rows), heads, head_dim, generator=generator).to(device)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=0.25, sliding_window=window, out=out, row_seq=row_seq)
+    ref = _reference(q, k_cache, v_cache, tables[row_seq], lens, 0.25, window)
+    assert not out.isnan().any(), "every output element must be written"
+    assert (out.double().cpu() - ref).norm() / ref.norm() < 2e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_splits_agree(device: str) -> None:
     """Splitting the context changes the order of the sum only."""
     _device(device)

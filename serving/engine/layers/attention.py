@@ -7,7 +7,9 @@ graph-capturable), then attends:
   paged kernel of ``kernels.paged_attention`` reads each sequence's pages in place through its
   block table; with ``"torch"`` (CPU) every sequence's blocks are gathered into a padded
   ``[B, L]`` context and a mask hides what lies past each sequence's length;
-- each prefill chunk on its own, in torch SDPA: a first chunk attends to its own keys causally
+- in a flat step (``StepContext.decode_row_seq`` set) every token is such a decode row, prompt
+  chunks included, each attending causally up to its own position through its sequence's table;
+- otherwise each prefill chunk on its own, in torch SDPA: a first chunk attends to its own keys causally
   (no gather), a later chunk gathers its sequence's cached context and uses an offset causal mask.
 """
 
@@ -66,9 +68,13 @@ class PagedAttention(nn.Module):
             return paged_decode_attention(
                 q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
                 scale=self.scale, sliding_window=self.sliding_window, num_splits=ctx.decode_splits,
+                row_seq=ctx.decode_row_seq,
             )  # fmt: skip
-        keys = self._gather(self.k_cache, ctx.decode_block_tables)
-        values = self._gather(self.v_cache, ctx.decode_block_tables)
+        tables = ctx.decode_block_tables
+        if ctx.decode_row_seq is not None:
+            tables = tables.index_select(0, ctx.decode_row_seq)
+        keys = self._gather(self.k_cache, tables)
+        values = self._gather(self.v_cache, tables)
         mask = ctx.decode_mask(keys.shape[2], self.sliding_window)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True

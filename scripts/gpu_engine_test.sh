@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The serving engine on a CUDA machine, by stage (any of: tests engine serve, in the order given):
+# the gpu-marked engine and kernel tests, bench/engine.py and bench/serve.py on the Llama-3-8B
+# shape. Logs and JSON go to $OUT (default out/). Uses the machine's python3 (torch, triton, peft,
+# pytest there; the serving worker's other packages carried as wheels, see docs/benchmarks.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+status=0
+for stage in "$@"; do
+    case "$stage" in
+    tests)
+        timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --strict-markers" \
+            tests/kernels/test_fused_ops.py tests/kernels/test_paged_attention.py tests/kernels/test_kernels_triton.py \
+            tests/kernels/test_kernels_api.py tests/engine/test_decode_paths.py tests/engine/test_llm_multi_lora.py \
+            2>&1 | tee "$out/gpu_tests.log" || status=1 ;;
+    engine)
+        timeout 480 python3 bench/engine.py --shape llama3-8b --modes graph,eager --json "$out/bench8b.json" \
+            --profile-dir "$out" 2>&1 | tee "$out/bench8b.log" || status=1 ;;
+    serve)
+        timeout 540 python3 bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts 200 \
+            --request-rate 8,16,32,64 --random-input-len 256 --random-output-len 128 --max-num-seqs 256 --warmup 32 \
+            --json "$out/serve8b.json" 2>&1 | tee "$out/serve8b.log" || status=1 ;;
+    *) echo "unknown stage $stage (tests, engine, serve)"; exit 2 ;;
+    esac
+done
+exit $status
