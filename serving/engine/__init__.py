@@ -27,6 +27,8 @@ The asyncio engine (for the HTTP server; one engine thread, any number of caller
         ...                       # raises ValueError (bad prompt / id in use) or AdapterError
     await engine.abort(request_id)                       # the stream ends with "abort"
     await engine.add_lora(LoRARequest(name, path), load_inplace=False) -> LoRAInfo
+    await engine.prefetch_lora(LoRARequest(name, path), to_gpu=True) -> "gpu" | "cpu"
+                                                         # prewarm: never evicts a pinned/busy slot
     await engine.remove_lora(name)                       # AdapterNotFoundError if unknown
     await engine.list_loras() -> list[LoRAInfo]
     await engine.get_stats() -> EngineStats

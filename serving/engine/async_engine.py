@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, PromptType
+from serving.engine.lora_cache import Placement
 from serving.engine.lora_request import LoRARequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams
@@ -167,6 +168,46 @@ class AsyncEngine:
                     return
                 info = next(i for i in self.engine.list_loras() if i.name == lora_request.lora_name)
                 settle(functools.partial(result.set_result, info))
+
+            future.add_done_callback(done)
+
+        self._submit(start)
+        return await result
+
+    async def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool) -> Placement:
+        """Bring an adapter up ahead of its traffic (predictive prewarm) and say where it ended.
+
+        The adapter is read into the CPU cache under ``lora_request.lora_name`` on a loader thread,
+        as ``add_lora`` does (no read when that name already holds that content in memory); the
+        decode steps of other requests go on meanwhile. With ``to_gpu`` it is then copied into a
+        GPU slot, unpinned, only where a slot is empty or holds an idle adapter (no running
+        sequence and no waiting request; the least recently used such slot): a pinned or busy slot
+        is never evicted. Returns ``"gpu"`` when it is in a slot, ``"cpu"`` when it is in the CPU
+        cache only (``to_gpu=False``, or every slot pinned or busy).
+
+        Raises AdapterError as ``add_lora`` does (bad files, digest, base model, LoRA disabled),
+        and when the name is loaded from another path: a prefetch never changes what a name
+        serves. Measure its effect with ``get_stats()``: ``slot_hits`` / ``slot_misses`` (GPU-slot
+        hit rate of admissions) and ``adapter_load_stalls`` (requests that waited for a read)."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[Placement] = loop.create_future()
+
+        def settle(setter: Callable[[], None]) -> None:
+            loop.call_soon_threadsafe(lambda: None if result.done() else setter())
+
+        def start() -> None:
+            try:
+                future = self.engine.prefetch_lora(lora_request, to_gpu=to_gpu)
+            except Exception as exc:
+                settle(functools.partial(result.set_exception, exc))
+                return
+
+            def done(f: Any) -> None:  # on the engine thread, as the load is taken in (or at once)
+                error = f.exception()
+                if error is not None:
+                    settle(functools.partial(result.set_exception, error))
+                else:
+                    settle(functools.partial(result.set_result, f.result()))
 
             future.add_done_callback(done)
 

@@ -21,7 +21,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, decode_text, find_stop
 from serving.engine.lora_adapter import Adapter, AdapterHandle
-from serving.engine.lora_cache import LoRACache
+from serving.engine.lora_cache import LoRACache, Placement
 from serving.engine.lora_request import LoRARequest
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -288,6 +288,13 @@ class LLMEngine:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         return self.lora_cache.add(lora_request, load_inplace=load_inplace)
 
+    def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool) -> Future[Placement]:
+        """Bring an adapter into the CPU cache and, with ``to_gpu``, into a slot that is empty or
+        idle; the future says where it ended (``LoRACache.prefetch``)."""
+        if self.lora_cache is None:
+            raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
+        return self.lora_cache.prefetch(lora_request, to_gpu=to_gpu)
+
     def remove_lora(self, name: str) -> None:
         """Unload ``name``; its slot and CPU copy are freed once its in-flight requests finish."""
         if self.lora_cache is None:
@@ -338,6 +345,9 @@ class LLMEngine:
             slot_evictions=lora.slot_evictions if lora else 0,
             cpu_evictions=lora.cpu_evictions if lora else 0,
             slot_waits=self.scheduler.stats.slot_waits,
+            slot_hits=lora.slot_hits if lora else 0,
+            slot_misses=lora.slot_misses if lora else 0,
+            adapter_load_stalls=lora.load_stalls if lora else 0,
             gpu_slots=tuple(_label(a) for a in cache.slots()) if cache is not None else (),
             cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
             adapters=tuple(self.list_loras()),

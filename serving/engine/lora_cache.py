@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -39,6 +40,10 @@ class AdapterNotFoundError(AdapterError):
     """The name is not a loaded adapter."""
 
 
+# Where a prefetched adapter ended: in a GPU slot, or in the CPU cache only.
+Placement = Literal["gpu", "cpu"]
+
+
 @dataclass(frozen=True)
 class LoRACacheStats:
     """Totals since start."""
@@ -50,6 +55,9 @@ class LoRACacheStats:
     slot_loads: int
     slot_evictions: int
     cpu_evictions: int
+    slot_hits: int  # admissions that found their adapter in a slot
+    slot_misses: int  # admissions that had to copy their adapter into a slot first
+    load_stalls: int  # requests that waited for their adapter to be read from storage
 
 
 class LoRACache:
@@ -85,6 +93,7 @@ class LoRACache:
         self._load_failures = 0
         self._load_seconds_total = 0.0
         self._last_load_seconds = 0.0
+        self._load_stalls = 0
 
     @property
     def load_fn(self) -> Callable[..., LoadedAdapter]:
@@ -105,6 +114,9 @@ class LoRACache:
             slot_loads=self._slots.loads,
             slot_evictions=self._slots.evictions,
             cpu_evictions=self._cpu.evictions,
+            slot_hits=self._slots.hits,
+            slot_misses=self._slots.misses,
+            load_stalls=self._load_stalls,
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -149,13 +161,14 @@ class LoRACache:
     def ready(self, handle: AdapterHandle) -> bool:
         """Whether a request's adapter can enter a slot now; starts a re-read if it must."""
         adapter = handle.adapter
-        if adapter is None:
-            return False
-        if adapter.slot is not None or adapter.weights is not None:
+        if adapter is not None and (adapter.slot is not None or adapter.weights is not None):
             return True
-        if adapter.reload is None:
+        if adapter is not None and adapter.reload is None:
             name = next(iter(adapter.names), adapter.digest)
             adapter.reload = self._start_load(PendingLoad(name, adapter.path, reload_of=adapter))
+        if not handle.stalled:
+            handle.stalled = True
+            self._load_stalls += 1
         return False
 
     # ---- GPU slots ------------------------------------------------------------------------
@@ -189,6 +202,47 @@ class LoRACache:
             pending = self._start_load(PendingLoad(request.lora_name, request.lora_path))
         pending.add_futures.append((done, load_inplace))
         return done
+
+    def prefetch(self, request: LoRARequest, *, to_gpu: bool) -> Future[Placement]:
+        """Bring an adapter up ahead of its traffic (predictive prewarm); the future says where it ended.
+
+        The adapter is loaded into the CPU cache under its name, as ``add`` does (no read when the
+        name already holds that content in the CPU cache or a slot). With ``to_gpu`` it is then put
+        in a slot, unpinned, when one is empty or holds an idle adapter (no running sequence and no
+        waiting request: the least recently used such one), so it is ``"gpu"``; a pinned or busy slot
+        is never taken, and then it stays ``"cpu"``. Raises AdapterError as ``add`` does (a name
+        loaded with other content is not replaced: prefetching never changes what a name serves)."""
+        adapter = self._names.get(request.lora_name)
+        if adapter is not None and request.lora_path not in (None, adapter.path):
+            raise AdapterError(
+                f"adapter '{request.lora_name}' is loaded from {adapter.path}, not {request.lora_path}; "
+                "a prefetch does not replace it"
+            )
+        placed: Future[Placement] = Future()
+        if adapter is not None and (adapter.weights is not None or adapter.slot is not None):
+            placed.set_result(self._place(adapter, to_gpu=to_gpu))
+            return placed
+        path = request.lora_path if request.lora_path is not None else adapter.path if adapter is not None else None
+        added = self.add(LoRARequest(request.lora_name, path), load_inplace=False)
+
+        def place(done: Future[Adapter]) -> None:  # on the engine thread, as the load is taken in
+            error = done.exception()
+            if error is not None:
+                placed.set_exception(error)
+            else:
+                placed.set_result(self._place(done.result(), to_gpu=to_gpu))
+
+        added.add_done_callback(place)
+        return placed
+
+    def _place(self, adapter: Adapter, *, to_gpu: bool) -> Placement:
+        if adapter.weights is not None:
+            self._cpu.touch(adapter)
+        if to_gpu:
+            filled = adapter.slot is None
+            if self._slots.place(adapter) is not None and filled:
+                self._cpu.demote(adapter)
+        return "gpu" if adapter.slot is not None else "cpu"
 
     def remove(self, name: str) -> Adapter:
         """Forget ``name``; its slot and CPU copy are freed once no request uses them."""

@@ -33,6 +33,10 @@ class CPUCache:
             self._entries[adapter.digest] = adapter
         self._entries.move_to_end(adapter.digest)
 
+    def touch(self, adapter: Adapter) -> None:
+        """Make ``adapter``'s CPU copy the newest (it is about to be used)."""
+        self._entries.move_to_end(adapter.digest)
+
     def demote(self, adapter: Adapter) -> None:
         """Make ``adapter`` the first to go: once it is in a GPU slot, its CPU copy is only a backup."""
         self._entries.move_to_end(adapter.digest, last=False)

@@ -44,6 +44,19 @@ class SlotTable:
         """A running sequence of ``adapter`` stopped running (finished or preempted)."""
         adapter.running -= 1
 
+    def place(self, adapter: Adapter) -> int | None:
+        """Put ``adapter`` in a slot ahead of its requests, unpinned: an empty slot, else the least
+        recently used one whose adapter is idle (no running sequence, no request waiting for it).
+        None when there is no such slot: a prefetch never takes a pinned or busy slot."""
+        slot = adapter.slot
+        if slot is None:
+            slot = self._free_slot(lambda a: a.running == 0 and a.refs == 0)
+            if slot is None:
+                return None
+            self._fill(slot, adapter)
+        self._lru.move_to_end(slot)
+        return slot
+
     def free(self, adapter: Adapter) -> None:
         """Empty ``adapter``'s slot (nothing uses it any more); the slot is the first to be reused."""
         if adapter.slot is None:

@@ -47,6 +47,12 @@ class EngineStats:
     slot_evictions: int
     cpu_evictions: int
     slot_waits: int
+    # Admissions whose adapter was already in a GPU slot, and those that had to copy it in first:
+    # the GPU-slot hit rate is hits / (hits + misses). A request counts again after a preemption.
+    slot_hits: int
+    slot_misses: int
+    # Requests that had to wait for their adapter to be read from storage (each counts once).
+    adapter_load_stalls: int
     gpu_slots: tuple[str | None, ...]
     cpu_cached: tuple[str, ...]
     adapters: tuple[LoRAInfo, ...]

@@ -138,6 +138,17 @@ class _EngineCollector(_StatsCollector[EngineStats]):
         yield CounterMetricFamily(
             "loraplex_lora_load_failures", "Adapter loads that failed.", value=stats.adapter_load_failures
         )
+        yield CounterMetricFamily(
+            "loraplex_lora_slot_hits", "Admissions whose adapter was already in a GPU slot.", value=stats.slot_hits
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_slot_misses", "Admissions that had to copy their adapter into a GPU slot first.",
+            value=stats.slot_misses,
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_load_stalls", "Requests that waited for their adapter to be read from storage.",
+            value=stats.adapter_load_stalls,
+        )
 
 
 class _SyncCollector(_StatsCollector[SyncStats]):

@@ -1,0 +1,133 @@
+"""Prefetching adapters ahead of their traffic (issue #12's predictive prewarm), on the engine.
+
+A prefetch puts an adapter in the CPU cache and, where a GPU slot is empty or idle, in a slot; it
+never takes a slot that a running sequence pins or that a waiting request needs. The hit and stall
+counters it is judged by are checked here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from serving.engine import LLM, AdapterError, AsyncEngine, LoRARequest, SamplingParams
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.lora_cache import Placement
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+ARGS = dict(max_cpu_loras=4, max_lora_rank=16, max_model_len=64, num_kv_blocks=64, device="cpu", base_model_name="tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> dict[str, Path]:
+    return {
+        "a": make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=31, init_scale=0.5),
+        "b": make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=32, init_scale=0.5),
+    }
+
+
+def _settle(engine: LLMEngine, future: Future[Placement]) -> Placement:
+    """Run steps until ``future`` (a prefetch) is done; its result."""
+    while not future.done():
+        engine.step()
+        engine.wait_for_loads(0.05)
+    return future.result()
+
+
+def _slot_names(engine: LLMEngine) -> list[str | None]:
+    return list(engine.stats().gpu_slots)
+
+
+def test_a_prefetched_adapter_is_a_slot_hit_and_serves_the_same_tokens(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    reference = LLM(str(tiny_llama_dir), max_loras=1, **ARGS)
+    request.addfinalizer(reference.llm_engine.shutdown)
+    want = reference.generate("Good morning", GREEDY, lora_request=LoRARequest("a", str(adapters["a"])))[0]
+    assert reference.llm_engine.stats().slot_misses == 1 and reference.llm_engine.stats().adapter_load_stalls == 1
+
+    llm = LLM(str(tiny_llama_dir), max_loras=1, **ARGS)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    assert _settle(engine, engine.prefetch_lora(LoRARequest("a", str(adapters["a"])), to_gpu=True)) == "gpu"
+    assert _slot_names(engine) == ["a"]
+    got = llm.generate("Good morning", GREEDY, lora_request=LoRARequest("a"))[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    stats = engine.stats()
+    assert (stats.slot_hits, stats.slot_misses, stats.adapter_load_stalls) == (1, 0, 0)
+    loads = stats.adapter_loads
+    # Prefetching what is already resident reads nothing again.
+    assert _settle(engine, engine.prefetch_lora(LoRARequest("a", str(adapters["a"])), to_gpu=True)) == "gpu"
+    assert engine.stats().adapter_loads == loads
+    # To the CPU cache only: no slot is touched.
+    assert _settle(engine, engine.prefetch_lora(LoRARequest("b", str(adapters["b"])), to_gpu=False)) == "cpu"
+    assert _slot_names(engine) == ["a"] and {i.name: i.in_cpu_cache for i in engine.list_loras()} == {"a": True, "b": True}
+
+
+def test_a_prefetch_never_evicts_a_pinned_or_busy_slot_but_takes_an_idle_one(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_num_seqs=1, **ARGS)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    a, b = LoRARequest("a", str(adapters["a"])), LoRARequest("b", str(adapters["b"]))
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    # Pinned: a running sequence of "a" holds the only slot.
+    engine.add_request("pinned", "Hello there", long, a)
+    while _slot_names(engine) != ["a"] or engine.stats().num_running != 1:
+        engine.step()
+        engine.wait_for_loads(0.05)
+    assert _settle(engine, engine.prefetch_lora(b, to_gpu=True)) == "cpu"
+    assert _slot_names(engine) == ["a"]
+    engine.abort_request("pinned")
+
+    # Busy: "a" runs nothing, but a request for it waits (the only sequence slot is taken by a
+    # base-model request), so its slot is kept for it.
+    engine.add_request("base", "Hello there", long)
+    engine.step()
+    engine.add_request("waiting", "Good morning", GREEDY, LoRARequest("a"))
+    engine.step()
+    assert engine.stats().num_waiting == 1 and engine.stats().num_running == 1
+    assert _settle(engine, engine.prefetch_lora(b, to_gpu=True)) == "cpu"
+    assert _slot_names(engine) == ["a"]
+    engine.abort_request("waiting")
+
+    # Idle: nobody runs or waits for "a": the prefetch takes its slot.
+    assert _settle(engine, engine.prefetch_lora(b, to_gpu=True)) == "gpu"
+    assert _slot_names(engine) == ["b"]
+    engine.abort_request("base")
+
+
+def test_a_prefetch_does_not_replace_what_a_name_serves(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), max_loras=1, **ARGS)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    _settle(engine, engine.prefetch_lora(LoRARequest("a", str(adapters["a"])), to_gpu=False))
+    with pytest.raises(AdapterError, match="a prefetch does not replace it"):
+        engine.prefetch_lora(LoRARequest("a", str(adapters["b"])), to_gpu=True)
+    (info,) = engine.list_loras()
+    assert info.path == str(adapters["a"])
+
+
+def test_async_prefetch_reports_where_the_adapter_ended(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
+    engine = AsyncEngine.from_args(str(tiny_llama_dir), max_loras=1, **ARGS)
+    try:
+        async def run() -> tuple[str, str]:
+            first = await engine.prefetch_lora(LoRARequest("a", str(adapters["a"])), to_gpu=True)
+            second = await engine.prefetch_lora(LoRARequest("b", str(adapters["b"])), to_gpu=False)
+            return first, second
+
+        assert asyncio.run(run()) == ("gpu", "cpu")
+        stats = asyncio.run(engine.get_stats())
+        assert stats.gpu_slots == ("a",) and stats.adapter_loads == 2
+    finally:
+        engine.shutdown()
