@@ -1,4 +1,4 @@
-"""Admin for datasets and training jobs; the cancel and retry actions call training.services."""
+"""Admin for datasets and training jobs; the cancel and retry actions call training.jobs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from lora_platform.errors import ServiceError
-from training import services
+from training import datasets, jobs
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 
 
@@ -25,12 +25,12 @@ class DatasetAdmin(admin.ModelAdmin):
         return False  # datasets arrive through the API, streamed to storage with their sha256
 
     def delete_model(self, request: HttpRequest, obj: Dataset) -> None:
-        services.dataset_delete(dataset=obj)
+        datasets.dataset_delete(dataset=obj)
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Dataset]) -> None:
         for dataset in queryset:
             try:
-                services.dataset_delete(dataset=dataset)
+                datasets.dataset_delete(dataset=dataset)
             except ServiceError as error:
                 self.message_user(request, error.message, messages.ERROR)
 
@@ -85,8 +85,8 @@ class TrainingJobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cancel the selected jobs")
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[TrainingJob]) -> None:
-        self._each(request, queryset, services.training_job_cancel, "cancelled (running ones stop at their next step)")
+        self._each(request, queryset, jobs.training_job_cancel, "cancelled (running ones stop at their next step)")
 
     @admin.action(description="Retry the selected failed or cancelled jobs")
     def retry_jobs(self, request: HttpRequest, queryset: QuerySet[TrainingJob]) -> None:
-        self._each(request, queryset, services.training_job_retry, "queued again")
+        self._each(request, queryset, jobs.training_job_retry, "queued again")

@@ -1,7 +1,7 @@
 """REST for datasets and training jobs, in shapes close to OpenAI's files and fine-tuning APIs.
 
 Lists are in the one list shape of lora_platform.pagination, newest first, paged with `?limit=`
-and `?after=<id>` as OpenAI's are. Views only translate HTTP to training.services calls
+and `?after=<id>` as OpenAI's are. Views only translate HTTP to training.datasets and training.jobs calls
 and back; every rule lives there.
 """
 
@@ -23,7 +23,7 @@ from rest_framework.response import Response
 from lora_platform.errors import InvalidInput
 from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
-from training import conf, selectors, services
+from training import conf, datasets, jobs, selectors
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 
 def _page(request: Request, queryset: QuerySet, serializer: type[serializers.Serializer]) -> Response:
@@ -86,7 +86,7 @@ class DatasetUploadHandler(TemporaryFileUploadHandler):
     def receive_data_chunk(self, raw_data: bytes, start: int) -> bytes | None:
         self.received += len(raw_data)
         if self.limit is not None and self.received > self.limit:
-            raise services.dataset_too_large(None, self.limit, self.tenant)
+            raise datasets.dataset_too_large(None, self.limit, self.tenant)
         return super().receive_data_chunk(raw_data, start)
 
 
@@ -113,7 +113,7 @@ class DatasetViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
         if upload is None:
             raise InvalidInput("Upload the JSONL file as the multipart form field 'file'.", code="missing_file",
                                param="file")
-        dataset = services.dataset_create(tenant=self.tenant, source=upload, filename=upload.name, size=upload.size)
+        dataset = datasets.dataset_create(tenant=self.tenant, source=upload, filename=upload.name, size=upload.size)
         return Response(DatasetSerializer(dataset).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(responses=DatasetSerializer, summary="Get a dataset with its validation report")
@@ -128,7 +128,7 @@ class DatasetViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
     )
     def destroy(self, request: Request, pk: str) -> Response:
         dataset = self.get_object()
-        services.dataset_delete(dataset=dataset)
+        datasets.dataset_delete(dataset=dataset)
         return Response({"id": dataset.pk, "object": "dataset", "deleted": True})
 
 
@@ -249,7 +249,7 @@ class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
     def create(self, request: Request) -> Response:
         payload = TrainingJobCreateSerializer(data=request.data)
         payload.is_valid(raise_exception=True)
-        job = services.training_job_create(tenant=self.tenant, **payload.validated_data)
+        job = jobs.training_job_create(tenant=self.tenant, **payload.validated_data)
         return Response(TrainingJobSerializer(job).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(responses=TrainingJobSerializer, summary="Get a training job with its progress")
@@ -260,7 +260,7 @@ class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
                    summary="Cancel a job: a queued one at once, a running one before its next step")
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str) -> Response:
-        job = services.training_job_cancel(job=self.get_object())
+        job = jobs.training_job_cancel(job=self.get_object())
         return Response(TrainingJobSerializer(self.get_queryset().get(pk=job.pk)).data)
 
     @extend_schema(parameters=_PAGING, responses=_list_of(TrainingEventSerializer, "TrainingEventList"),

@@ -19,11 +19,14 @@ Reading them through Django settings first lets tests override them with pytest-
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 from django.conf import settings
+
+from training.hyperparameters import Limits, default_max_seq_length
 
 _DEFAULTS: dict[str, int] = {
     "TRAINING_DATASET_MAX_BYTES": 100 * 1024 * 1024,
@@ -67,3 +70,24 @@ def dataset_max_bytes(tier_name: str) -> int:
 def scratch_dir() -> Path:
     """The directory training runs keep their local files in, one folder per run."""
     return Path(_value("TRAINING_SCRATCH_DIR") or Path(tempfile.gettempdir()) / "loraplex-training")
+
+
+def _base_max_positions() -> int | None:
+    try:
+        config = json.loads((Path(settings.BASE_MODEL_PATH) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return positions if isinstance(positions, int) else None
+
+
+def limits() -> Limits:
+    """The platform's limits on hyperparameters: the settings', capped by the base model's context."""
+    cap = setting_int("TRAINING_MAX_SEQ_LENGTH")
+    positions = _base_max_positions()
+    return Limits(max_rank=settings.MAX_LORA_RANK, max_seq_length=min(cap, positions) if positions else cap)
+
+
+def max_seq_length_default() -> int:
+    """The max_seq_length a job gets when it names none (validation counts tokens with it too)."""
+    return default_max_seq_length(limits())

@@ -1,7 +1,8 @@
 """Sends the training pipeline's Celery tasks by name, so the domain imports none of training.tasks.
 
-training.tasks imports the services; the services send tasks through here, by the names the tasks
-register (`training.tasks.<name>`), so the dependency runs one way. Routing (CELERY_TASK_ROUTES)
+training.tasks imports the service modules (training.datasets, run, sweep, scratch); they send
+tasks through here, by the names the tasks register (`training.tasks.<name>`), so the dependency
+runs one way. Routing (CELERY_TASK_ROUTES)
 applies to a task sent by name as to one sent through its function. With CELERY_TASK_ALWAYS_EAGER
 (an operator's switch), a task runs in place as `delay()` would run it.
 

@@ -1,6 +1,6 @@
 """Datasets, training jobs, their events and their checkpoints.
 
-State changes live in training.services; the models hold what the database can enforce by itself
+State changes live in the service modules (training.datasets, jobs, slots, run, publishing); the models hold what the database can enforce by itself
 (one checkpoint per job and step, one produced version per job).
 """
 
@@ -41,7 +41,7 @@ class Dataset(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     # When the validation task was handed to the broker, and when a worker first began it: the
     # periodic sweep re-sends a task that was never sent and ends a validation stuck past its timeout
-    # (training.services.training_jobs_sweep).
+    # (training.sweep.training_jobs_sweep).
     validation_queued_at = models.DateTimeField(null=True, blank=True)
     validation_started_at = models.DateTimeField(null=True, blank=True)
     validated_at = models.DateTimeField(null=True, blank=True)
@@ -60,7 +60,7 @@ class TrainingJob(models.Model):
 
     queued → running → succeeded | failed | cancelled. A queued job holds one of its tenant's
     concurrent-job slots from the moment its task is sent (`dispatched_at`); see
-    training.services.training_jobs_dispatch for how waiting jobs get a slot.
+    training.slots.training_jobs_dispatch for how waiting jobs get a slot.
     """
 
     class Status(models.TextChoices):
@@ -101,7 +101,7 @@ class TrainingJob(models.Model):
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
 
     # The run that holds the job: a token per task delivery and its heartbeat. A delivery may take
-    # the job only when no other run's heartbeat is fresh (training.services.training_job_claim).
+    # the job only when no other run's heartbeat is fresh (training.run.training_job_claim).
     lease_token = models.CharField(max_length=32, blank=True, default="")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)

@@ -4,7 +4,7 @@ A team that fine-tunes with OpenAI's SDK moves here by changing `base_url` and `
 paths, request fields, objects, statuses, cursor lists and errors are OpenAI's. Each object is a
 row the management API (/api/v1/) also shows: `file-<n>` is dataset n, `ftjob-<n>` training job
 n, `ftevent-<n>` and `ftckpt-<n>` its events and checkpoints. Views only translate names and
-shapes; every rule is in training.services (and training.hyperparameters), as for /api/v1/.
+shapes; every rule is in training.datasets and training.jobs (and training.hyperparameters), as for /api/v1/.
 
 Decisions where OpenAI's API and this platform differ (docs/training.md says the same):
 - `model` is the base model's id; `suffix` is the adapter's name (without one, each job gets an
@@ -36,7 +36,7 @@ from rest_framework.response import Response
 from lora_platform.errors import InvalidInput, NotFound, ServiceError
 from lora_platform.pagination import PageRequest, list_body, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedAPIView
-from training import selectors, services
+from training import base, datasets, jobs, selectors
 from training.api import DatasetUploadHandler
 from training.hyperparameters import from_openai, to_openai
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
@@ -106,7 +106,7 @@ def results_file_object(job: TrainingJob) -> dict[str, Any]:
 
 def _job_status(job: TrainingJob) -> str:
     if job.status == TrainingJob.Status.QUEUED and any(
-            item is not None and item.status in services.PENDING_DATASET_STATUSES
+            item is not None and item.status in base.PENDING_DATASET_STATUSES
             for item in (job.dataset, job.validation_dataset)):
         return "validating_files"
     return job.status
@@ -253,7 +253,7 @@ class FilesView(_OpenAIView):
         if upload is None:
             raise InvalidInput("Upload the JSONL file as the multipart form field 'file'.", code="missing_file",
                                param="file")
-        dataset = services.dataset_create(tenant=self.tenant, source=upload, filename=upload.name, size=upload.size)
+        dataset = datasets.dataset_create(tenant=self.tenant, source=upload, filename=upload.name, size=upload.size)
         # OpenAI answers 200 with the new file object.
         return Response(file_object(dataset), status=status.HTTP_200_OK)
 
@@ -275,7 +275,7 @@ class FileView(_OpenAIView):
             raise InvalidInput("A job's results file is made from its metrics and goes with the job; it cannot be "
                                "deleted alone.", code="results_file_not_deletable", param="file_id")
         dataset = self.file(file_id)
-        services.dataset_delete(dataset=dataset)
+        datasets.dataset_delete(dataset=dataset)
         return Response({"id": f"{FILE_PREFIX}{dataset.pk}", "object": "file", "deleted": True})
 
 
@@ -331,7 +331,7 @@ class JobsView(_OpenAIView):
                       if body.get("validation_file") is not None else None)
         suffix = body.get("suffix")
         try:
-            job = services.training_job_create(
+            job = jobs.training_job_create(
                 tenant=self.tenant, training_file=training.pk,
                 validation_file=validation.pk if validation is not None else None,
                 adapter=f"ft-{secrets.token_hex(4)}" if suffix in (None, "") else suffix,
@@ -388,7 +388,7 @@ class JobCancelView(_OpenAIView):
                    operation_id="openai_jobs_cancel",
                    summary="OpenAI: cancel a job (a queued one at once, a running one before its next step)")
     def post(self, request: Request, job_id: str) -> Response:
-        job = services.training_job_cancel(job=self.job(job_id))
+        job = jobs.training_job_cancel(job=self.job(job_id))
         return Response(job_object(_jobs().get(pk=job.pk)))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from celery import Task, shared_task
 from celery.signals import worker_ready
 
-from training import conf, services
+from training import conf, datasets, run, scratch, sweep
 
 
 # A validation running longer is interrupted (SoftTimeLimitExceeded), which ends the dataset invalid;
@@ -19,12 +19,12 @@ from training import conf, services
 @shared_task(name="training.tasks.dataset_validate", ignore_result=True,
              soft_time_limit=conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS"))
 def dataset_validate(dataset_id: int) -> None:
-    services.dataset_validate(dataset_id=dataset_id)
+    datasets.dataset_validate(dataset_id=dataset_id)
 
 
 @shared_task(bind=True, name="training.tasks.training_job_run", ignore_result=True, max_retries=None)
 def training_job_run(self: Task, job_id: int) -> None:
-    claim = services.training_job_run(job_id=job_id)
+    claim = run.training_job_run(job_id=job_id)
     if claim.retry_in is not None:
         # Another delivery's run still reports: look again once its lease would have expired.
         raise self.retry(countdown=claim.retry_in)
@@ -32,10 +32,10 @@ def training_job_run(self: Task, job_id: int) -> None:
 
 @shared_task(name="training.tasks.training_jobs_sweep", ignore_result=True)
 def training_jobs_sweep() -> None:
-    services.training_jobs_sweep()
+    sweep.training_jobs_sweep()
 
 
 @worker_ready.connect
 def scratch_sweep(**_: object) -> None:
     """A starting worker removes what killed runs on this host left in the scratch folder."""
-    services.training_scratch_sweep()
+    scratch.training_scratch_sweep()

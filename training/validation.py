@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from training.examples import (
     EncodingError,
@@ -93,7 +93,13 @@ class LineTooLong(ValueError):
     pass
 
 
-def iter_lines(stream: BinaryIO, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+class Readable(Protocol):
+    """What iter_lines reads: a binary file, an S3 body, a stream that hashes what it reads."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def iter_lines(stream: Readable, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
     """The stream's lines without their end-of-line, read in chunks (S3 bodies yield chunks, not lines).
 
     Raises LineTooLong (after yielding every line before it) when a line exceeds max_line_bytes.

@@ -1,6 +1,6 @@
 """Dashboard pages of the training pipeline: datasets (upload, validation report, preview) and jobs.
 
-Views translate forms to training.services calls and back, as the REST API does; every rule
+Views translate forms to training.datasets and training.jobs calls and back, as the REST API does; every rule
 (limits, validation, job states) lives in the services.
 """
 
@@ -19,7 +19,7 @@ from django.views.decorators.http import require_POST
 
 from lora_platform.errors import InvalidInput, ServiceError
 from tenants.dashboard import Role, dashboard_view, htmx_redirect, is_htmx
-from training import selectors, services
+from training import datasets, jobs, selectors
 from training.api import DatasetUploadHandler
 from training.hyperparameters import ALL_LINEAR, SUPPORTED_TARGET_MODULES, Hyperparameters
 from training.models import Dataset, TrainingJob
@@ -43,8 +43,8 @@ _INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r"}
 
 @dashboard_view(Role.VIEWER)
 def dataset_list_view(request: HttpRequest) -> HttpResponse:
-    datasets = selectors.dataset_list(tenant=request.dashboard.tenant)
-    return render(request, "dashboard/datasets/list.html", {"datasets": datasets, "nav": "datasets"})
+    listed = selectors.dataset_list(tenant=request.dashboard.tenant)
+    return render(request, "dashboard/datasets/list.html", {"datasets": listed, "nav": "datasets"})
 
 
 @csrf_exempt
@@ -68,7 +68,7 @@ def _dataset_upload(request: HttpRequest) -> HttpResponse:
         upload = request.FILES.get("file")
         if upload is None:
             raise InvalidInput("Choose a JSONL file to upload.", code="missing_file", param="file")
-        dataset = services.dataset_create(tenant=request.dashboard.tenant, source=upload, filename=upload.name,
+        dataset = datasets.dataset_create(tenant=request.dashboard.tenant, source=upload, filename=upload.name,
                                           size=upload.size)
     except ServiceError as error:
         messages.error(request, error.message)
@@ -103,7 +103,7 @@ def _dataset_context(dataset: Dataset) -> dict[str, Any]:
 def dataset_delete_view(request: HttpRequest, dataset_id: int) -> HttpResponse:
     dataset = selectors.dataset_get(tenant=request.dashboard.tenant, dataset_id=dataset_id)
     try:
-        services.dataset_delete(dataset=dataset)
+        datasets.dataset_delete(dataset=dataset)
     except ServiceError as error:
         messages.error(request, error.message)
         return redirect("dashboard:dataset", dataset_id)
@@ -116,8 +116,8 @@ def dataset_delete_view(request: HttpRequest, dataset_id: int) -> HttpResponse:
 
 @dashboard_view(Role.VIEWER)
 def job_list_view(request: HttpRequest) -> HttpResponse:
-    jobs = selectors.job_list(tenant=request.dashboard.tenant)
-    return render(request, "dashboard/training/list.html", {"jobs": jobs, "nav": "training"})
+    listed = selectors.job_list(tenant=request.dashboard.tenant)
+    return render(request, "dashboard/training/list.html", {"jobs": listed, "nav": "training"})
 
 
 def _job_form_context(request: HttpRequest, values: dict[str, Any], error: ServiceError | None) -> dict[str, Any]:
@@ -171,7 +171,7 @@ def job_create_view(request: HttpRequest) -> HttpResponse:
                            for name in HYPERPARAMETER_HELP}
         targets = values["targets"]
         hyperparameters["target_modules"] = ALL_LINEAR if not targets or ALL_LINEAR in targets else targets
-        job = services.training_job_create(
+        job = jobs.training_job_create(
             tenant=request.dashboard.tenant, training_file=_form_id("training_file", values["training_file"]),
             validation_file=_form_id("validation_file", values["validation_file"]),
             validation_fraction=_form_number("validation_fraction", values["validation_fraction"], False),
@@ -203,7 +203,7 @@ def job_detail_view(request: HttpRequest, job_id: int) -> HttpResponse:
 def job_cancel_view(request: HttpRequest, job_id: int) -> HttpResponse:
     job = selectors.job_get(tenant=request.dashboard.tenant, job_id=job_id)
     try:
-        services.training_job_cancel(job=job)
+        jobs.training_job_cancel(job=job)
     except ServiceError as error:
         messages.error(request, error.message)
     else:

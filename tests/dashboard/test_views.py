@@ -16,7 +16,7 @@ from django.utils import timezone
 from serving import services as registry
 from serving.models import Adapter, DeploymentEvent
 from tenants.models import ApiKey
-from training import services as training
+from training import datasets, jobs
 from training.models import Dataset, TrainingJob
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fast_passwords")]
@@ -30,9 +30,9 @@ BROKEN = GOOD.splitlines(keepends=True)[0] + b'{"messages": [{"role": "user", "c
 def upload(tenant, content: bytes, name: str = "data.jsonl", validate: bool = True) -> Dataset:
     from django.core.files.uploadedfile import SimpleUploadedFile
 
-    dataset = training.dataset_create(tenant=tenant, source=SimpleUploadedFile(name, content), filename=name,
+    dataset = datasets.dataset_create(tenant=tenant, source=SimpleUploadedFile(name, content), filename=name,
                                       size=len(content))
-    return training.dataset_validate(dataset_id=dataset.pk) if validate else dataset
+    return datasets.dataset_validate(dataset_id=dataset.pk) if validate else dataset
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def test_another_tenants_objects_are_404(as_user, people, tenant_b, make_version
     dataset = upload(tenant_b.tenant, GOOD)
     adapter = registry.adapter_create(tenant=tenant_b.tenant, name="bobs-bot")
     make_version(adapter, "1.0.0")
-    job = training.training_job_create(tenant=tenant_b.tenant, training_file=dataset.pk, adapter="bobs-bot")
+    job = jobs.training_job_create(tenant=tenant_b.tenant, training_file=dataset.pk, adapter="bobs-bot")
     key = ApiKey.objects.filter(tenant=tenant_b.tenant).first()
     client = as_user(people.owner)
     assert client.get(reverse("dashboard:dataset", args=[dataset.pk])).status_code == 404
@@ -178,7 +178,7 @@ def test_dataset_upload_and_its_line_numbered_report(as_user, people, tenant_a, 
     assert response.status_code == 302 and response["Location"] == reverse("dashboard:dataset", args=[dataset.pk])
     pending = client.get(response["Location"])
     assert b"every 2s [document.visibilityState === 'visible']" in pending.content
-    training.dataset_validate(dataset_id=dataset.pk)
+    datasets.dataset_validate(dataset_id=dataset.pk)
     report = client.get(response["Location"])
     assert b"invalid_json" in report.content
     assert report.context["report"]["errors"][0]["line"] == 2

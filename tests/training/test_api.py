@@ -15,7 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from lora_platform.storage import get_storage
 from serving.services import adapter_create
 from tenants.services import tenant_create
-from training import services
+from training import datasets, jobs, slots
 from training.models import Dataset, TrainingEvent, TrainingJob
 from training_support import chat_lines, jsonl
 
@@ -29,7 +29,7 @@ def upload(client, data: bytes, name: str = "train.jsonl"):
 def ready_dataset(client, rows: list | None = None) -> int:
     response = upload(client, jsonl(rows or chat_lines()))
     assert response.status_code == 201, response.json()
-    services.dataset_validate(dataset_id=response.json()["id"])
+    datasets.dataset_validate(dataset_id=response.json()["id"])
     return response.json()["id"]
 
 
@@ -52,7 +52,7 @@ def test_upload_streams_to_storage_with_its_sha256_then_validates(platform, clie
     (key,) = stored_keys()
     assert key.startswith("datasets/alice-co/") and get_storage().get_bytes(key) == data
 
-    services.dataset_validate(dataset_id=body["id"])
+    datasets.dataset_validate(dataset_id=body["id"])
     detail = client_a.get(f"/api/v1/datasets/{body['id']}").json()
     assert detail["status"] == "ready" and detail["format"] == "chat" and detail["num_examples"] == 16
     stats = detail["report"]["stats"]
@@ -73,7 +73,7 @@ def test_upload_streams_to_storage_with_its_sha256_then_validates(platform, clie
 ])
 def test_bad_files_are_invalid_with_line_numbers_and_cannot_train(platform, client_a, data, code, line):
     dataset_id = upload(client_a, data).json()["id"]
-    services.dataset_validate(dataset_id=dataset_id)
+    datasets.dataset_validate(dataset_id=dataset_id)
     detail = client_a.get(f"/api/v1/datasets/{dataset_id}").json()
     assert detail["status"] == "invalid"
     assert (detail["report"]["errors"][0]["line"], detail["report"]["errors"][0]["code"]) == (line, code)
@@ -115,7 +115,7 @@ def test_over_the_size_limit_is_413_and_nothing_is_kept(platform, settings, clie
 def test_the_streaming_limit_holds_when_the_declared_size_lies(platform, settings, tenant_a):
     settings.TRAINING_DATASET_MAX_BYTES = 100
     with pytest.raises(Exception) as refused:
-        services.dataset_create(tenant=tenant_a.tenant, source=SimpleUploadedFile("x.jsonl", b"x" * 500),
+        datasets.dataset_create(tenant=tenant_a.tenant, source=SimpleUploadedFile("x.jsonl", b"x" * 500),
                                 filename="x.jsonl", size=10)
     assert getattr(refused.value, "code", None) == "dataset_too_large"
     assert not Dataset.objects.exists() and stored_keys() == []
@@ -186,9 +186,9 @@ def test_concurrent_job_limit_queues_the_excess_and_refuses_beyond_the_waiting_r
     dataset_id = ready_dataset(api_client)
 
     first = create_job(api_client, dataset_id).json()["id"]
-    assert services.training_jobs_dispatch(tenant_id=tenant.pk) == [first]
+    assert slots.training_jobs_dispatch(tenant_id=tenant.pk) == [first]
     second = create_job(api_client, dataset_id, adapter="other-bot").json()["id"]
-    assert services.training_jobs_dispatch(tenant_id=tenant.pk) == []
+    assert slots.training_jobs_dispatch(tenant_id=tenant.pk) == []
 
     refused = create_job(api_client, dataset_id, adapter="third-bot")
     assert refused.status_code == 403
@@ -198,7 +198,7 @@ def test_concurrent_job_limit_queues_the_excess_and_refuses_beyond_the_waiting_r
 
     cancelled = api_client.post(f"/api/v1/training-jobs/{first}/cancel").json()
     assert cancelled["status"] == "cancelled"
-    assert services.training_jobs_dispatch(tenant_id=tenant.pk) == [second]
+    assert slots.training_jobs_dispatch(tenant_id=tenant.pk) == [second]
 
 
 def test_dataset_delete_is_refused_while_a_job_uses_it(platform, client_a, django_capture_on_commit_callbacks):
@@ -249,7 +249,7 @@ def test_cancel_and_retry(platform, client_a):
     again = client_a.post(f"/api/v1/training-jobs/{job_id}/cancel")
     assert again.status_code == 409 and again.json()["error"]["code"] == "job_finished"
 
-    job = services.training_job_retry(job=TrainingJob.objects.get(pk=job_id))
+    job = jobs.training_job_retry(job=TrainingJob.objects.get(pk=job_id))
     assert job.status == TrainingJob.Status.QUEUED and job.cancel_requested_at is None
     messages = [event.message for event in TrainingEvent.objects.filter(job=job).order_by("id")]
     assert messages[-2:] == ["Job cancelled.", "Job retried."]

@@ -20,7 +20,7 @@ from django.db import close_old_connections
 
 from lora_platform.storage import get_storage
 from tenants.services import api_key_create
-from training import services
+from training import datasets, slots
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 from training_support import BASE_MODEL_NAME, chat_lines, jsonl
 
@@ -57,7 +57,7 @@ def upload(client: openai.OpenAI, rows: list | bytes, name: str = "train.jsonl",
     data = rows if isinstance(rows, bytes) else jsonl(rows)
     created = client.files.create(file=(name, data), purpose="fine-tune")
     if validate:
-        services.dataset_validate(dataset_id=int(created.id.removeprefix("file-")))
+        datasets.dataset_validate(dataset_id=int(created.id.removeprefix("file-")))
     return created
 
 
@@ -73,7 +73,7 @@ def test_file_upload_retrieve_content_list_delete(openai_a, django_capture_on_co
     assert created.id.startswith("file-") and created.object == "file" and created.purpose == "fine-tune"
     assert (created.bytes, created.filename, created.status) == (len(data), "train.jsonl", "uploaded")
     assert created.status_details is None
-    services.dataset_validate(dataset_id=int(created.id.removeprefix("file-")))
+    datasets.dataset_validate(dataset_id=int(created.id.removeprefix("file-")))
 
     fetched = openai_a.files.retrieve(created.id)
     assert fetched.status == "processed" and fetched.created_at == created.created_at
@@ -188,15 +188,15 @@ def test_a_job_waits_in_validating_files_then_queues_or_fails(openai_a):
     good = upload(openai_a, chat_lines(), validate=False)
     waiting = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=good.id, suffix="bot")
     assert waiting.status == "validating_files"
-    assert services.training_jobs_dispatch(tenant_id=TrainingJob.objects.get().tenant_id) == []
-    services.dataset_validate(dataset_id=int(good.id.removeprefix("file-")))
+    assert slots.training_jobs_dispatch(tenant_id=TrainingJob.objects.get().tenant_id) == []
+    datasets.dataset_validate(dataset_id=int(good.id.removeprefix("file-")))
     queued = openai_a.fine_tuning.jobs.retrieve(waiting.id)
     assert queued.status == "queued"
     assert TrainingJob.objects.get(pk=int(waiting.id.removeprefix("ftjob-"))).total_steps == 12
 
     bad = upload(openai_a, b'{"messages": [{"role": "user", "content": "no reply"}]}\n', validate=False)
     doomed = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=bad.id, suffix="bot")
-    services.dataset_validate(dataset_id=int(bad.id.removeprefix("file-")))
+    datasets.dataset_validate(dataset_id=int(bad.id.removeprefix("file-")))
     failed = openai_a.fine_tuning.jobs.retrieve(doomed.id)
     assert failed.status == "failed" and failed.finished_at is not None
     assert (failed.error.code, failed.error.param) == ("invalid_training_file", "training_file")
@@ -208,13 +208,13 @@ def test_a_redelivered_validation_settles_a_waiting_job_once(openai_a):
     job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=data.id, suffix="bot")
     dataset_id = int(data.id.removeprefix("file-"))
     # A delivery that recorded the report and died before settling the job...
-    report = services.dataset_validate(dataset_id=dataset_id).report
+    report = datasets.dataset_validate(dataset_id=dataset_id).report
     row = TrainingJob.objects.get(pk=int(job.id.removeprefix("ftjob-")))
     TrainingJob.objects.filter(pk=row.pk).update(total_steps=None)
     row.events.filter(message__startswith="Files validated").delete()
     # ...and the redelivery, twice over.
     for _ in range(2):
-        assert services.dataset_validate(dataset_id=dataset_id).report == report
+        assert datasets.dataset_validate(dataset_id=dataset_id).report == report
     row.refresh_from_db()
     assert row.total_steps == 12 and row.status == "queued"
     assert row.events.filter(message__startswith="Files validated").count() == 1

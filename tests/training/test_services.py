@@ -14,7 +14,7 @@ from django.utils import timezone
 from lora_platform.storage import get_storage
 from serving.models import AdapterVersion
 from tenants.models import Tier
-from training import services
+from training import datasets, jobs, run, scratch, slots, sweep
 from training.models import Checkpoint, Dataset, TrainingJob
 from training_support import chat_lines, jsonl
 
@@ -26,14 +26,14 @@ SMALL = {"n_epochs": 2, "batch_size": 4, "learning_rate": 1e-2, "r": 4, "lora_al
 @pytest.fixture
 def dataset(platform, tenant_a, settings) -> Dataset:
     settings.TRAINING_CHECKPOINT_EVERY_STEPS = 2
-    created = services.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="t.jsonl")
-    return services.dataset_validate(dataset_id=created.pk)
+    created = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="t.jsonl")
+    return datasets.dataset_validate(dataset_id=created.pk)
 
 
 def new_job(tenant_a, dataset: Dataset, **fields) -> TrainingJob:
-    job = services.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot",
+    job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot",
                                        hyperparameters=SMALL, seed=1, **fields)
-    services.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    slots.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
     return job
 
 
@@ -43,7 +43,7 @@ def artifact_manifests(tenant_slug: str) -> list[str]:
 
 def test_a_redelivery_after_publishing_registers_the_same_artifact_once(tenant_a, dataset, one_thread):
     job = new_job(tenant_a, dataset)
-    services.training_job_run(job_id=job.pk)
+    run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED and job.version == "1.0.0"
     digest = job.adapter_version.manifest_sha256
@@ -53,7 +53,7 @@ def test_a_redelivery_after_publishing_registers_the_same_artifact_once(tenant_a
     TrainingJob.objects.filter(pk=job.pk).update(status=TrainingJob.Status.RUNNING, lease_token="dead",
                                                  heartbeat_at=timezone.now() - timedelta(hours=1),
                                                  finished_at=None)
-    services.training_job_run(job_id=job.pk)
+    run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED and job.attempts == 2
     assert job.adapter_version.manifest_sha256 == digest
@@ -61,22 +61,22 @@ def test_a_redelivery_after_publishing_registers_the_same_artifact_once(tenant_a
     assert AdapterVersion.objects.count() == 1 and artifact_manifests("alice-co") == [
         "adapters/alice-co/support-bot/1.0.0/manifest.json"]
 
-    claim = services.training_job_run(job_id=job.pk)
+    claim = run.training_job_run(job_id=job.pk)
     assert claim.job is None and claim.reason == "the job has already succeeded"
     assert AdapterVersion.objects.count() == 1
 
 
 def test_a_live_run_makes_a_redelivery_wait_for_its_lease(tenant_a, dataset):
     job = new_job(tenant_a, dataset)
-    assert services.training_job_claim(job_id=job.pk).token
-    second = services.training_job_claim(job_id=job.pk)
+    assert run.training_job_claim(job_id=job.pk).token
+    second = run.training_job_claim(job_id=job.pk)
     assert second.job is None and 0 < second.retry_in <= 60 and second.reason == "another run holds the job"
 
 
 def test_when_registration_fails_the_artifact_is_deleted(tenant_a, dataset, one_thread):
     job = new_job(tenant_a, dataset)
     Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_adapters=0)
-    services.training_job_run(job_id=job.pk)
+    run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.FAILED and job.error_code == "max_adapters_reached"
     assert job.error_message.startswith("The trained adapter could not be registered: Tenant 'alice-co' has 0 adapters")
@@ -84,9 +84,9 @@ def test_when_registration_fails_the_artifact_is_deleted(tenant_a, dataset, one_
     assert job.version == "" and job.checkpoints.exists()
 
     Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_adapters=5)
-    services.training_job_retry(job=job)
-    services.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
-    services.training_job_run(job_id=job.pk)
+    jobs.training_job_retry(job=job)
+    slots.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED and job.adapter_version.version == "1.0.0"
     assert job.events.filter(message="Resuming from the checkpoint of step 2.").exists()
@@ -94,11 +94,11 @@ def test_when_registration_fails_the_artifact_is_deleted(tenant_a, dataset, one_
 
 def test_versions_auto_increment_and_requested_ones_are_kept(tenant_a, dataset, one_thread):
     first = new_job(tenant_a, dataset)
-    services.training_job_run(job_id=first.pk)
+    run.training_job_run(job_id=first.pk)
     second = new_job(tenant_a, dataset)
-    services.training_job_run(job_id=second.pk)
+    run.training_job_run(job_id=second.pk)
     third = new_job(tenant_a, dataset, version="2.0.0-rc.1")
-    services.training_job_run(job_id=third.pk)
+    run.training_job_run(job_id=third.pk)
     versions = sorted(AdapterVersion.objects.values_list("version", flat=True))
     assert versions == ["1.0.0", "1.0.1", "2.0.0-rc.1"]
     assert all(v.status == AdapterVersion.Status.READY for v in AdapterVersion.objects.all())
@@ -106,23 +106,23 @@ def test_versions_auto_increment_and_requested_ones_are_kept(tenant_a, dataset, 
 
 def test_cancelling_a_job_whose_worker_is_gone_ends_it_at_once(tenant_a, dataset):
     job = new_job(tenant_a, dataset)
-    services.training_job_claim(job_id=job.pk)
+    run.training_job_claim(job_id=job.pk)
     TrainingJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(hours=1))
-    cancelled = services.training_job_cancel(job=job)
+    cancelled = jobs.training_job_cancel(job=job)
     assert cancelled.status == TrainingJob.Status.CANCELLED and not Checkpoint.objects.exists()
-    assert services.training_job_run(job_id=job.pk).reason == "the job has already cancelled"
+    assert run.training_job_run(job_id=job.pk).reason == "the job has already cancelled"
 
 
 def test_the_sweep_fills_free_slots_and_resends_lost_tasks(tenant_a, dataset):
-    job = services.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot")
+    job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot")
     assert job.total_steps == 2 * 3  # 8 examples in batches of 4, 3 epochs by default
-    assert services.training_jobs_sweep()["dispatched"] == [job.pk]
-    assert services.training_jobs_sweep() == NOTHING
+    assert sweep.training_jobs_sweep()["dispatched"] == [job.pk]
+    assert sweep.training_jobs_sweep() == NOTHING
 
     TrainingJob.objects.filter(pk=job.pk).update(dispatched_at=timezone.now() - timedelta(days=1))
     Dataset.objects.filter(pk=dataset.pk).update(status=Dataset.Status.UPLOADED,
                                                  validation_queued_at=timezone.now() - timedelta(days=1))
-    assert services.training_jobs_sweep() == {**NOTHING, "resent": [job.pk], "validations": [dataset.pk]}
+    assert sweep.training_jobs_sweep() == {**NOTHING, "resent": [job.pk], "validations": [dataset.pk]}
     assert job.events.filter(level="warning", message__contains="its task was sent again").exists()
 
 
@@ -133,38 +133,38 @@ def test_the_sweep_resends_a_running_job_two_leases_after_its_last_heartbeat(ten
     """Not after the broker's visibility timeout (6 h): a killed worker's job is taken over in minutes."""
     settings.TRAINING_LEASE_SECONDS = 60
     job = new_job(tenant_a, dataset)
-    services.training_job_claim(job_id=job.pk)
+    run.training_job_claim(job_id=job.pk)
     TrainingJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=90),
                                                  dispatched_at=timezone.now() - timedelta(seconds=600))
-    assert services.training_jobs_sweep() == NOTHING  # one lease and a half: the run may be slow
+    assert sweep.training_jobs_sweep() == NOTHING  # one lease and a half: the run may be slow
 
     TrainingJob.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=130))
-    assert services.training_jobs_sweep() == {**NOTHING, "resent": [job.pk]}
-    assert services.training_jobs_sweep() == NOTHING  # the resent task gets two leases to start
-    claim = services.training_job_claim(job_id=job.pk)
+    assert sweep.training_jobs_sweep() == {**NOTHING, "resent": [job.pk]}
+    assert sweep.training_jobs_sweep() == NOTHING  # the resent task gets two leases to start
+    claim = run.training_job_claim(job_id=job.pk)
     assert claim.token and claim.job.attempts == 2
 
 
 def test_the_sweep_sends_a_validation_never_sent_and_ends_one_stuck_past_its_timeout(tenant_a, platform, settings):
     settings.TRAINING_VALIDATION_TIMEOUT_SECONDS = 600
-    unsent = services.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="a.jsonl")
+    unsent = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="a.jsonl")
     assert unsent.validation_queued_at is None  # the test's transaction never commits: nothing was sent
-    assert services.training_jobs_sweep() == NOTHING  # just uploaded: its task may still be on its way
+    assert sweep.training_jobs_sweep() == NOTHING  # just uploaded: its task may still be on its way
     Dataset.objects.filter(pk=unsent.pk).update(created_at=timezone.now() - timedelta(seconds=61))
-    assert services.training_jobs_sweep() == {**NOTHING, "validations": [unsent.pk]}
+    assert sweep.training_jobs_sweep() == {**NOTHING, "validations": [unsent.pk]}
 
-    stuck = services.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="b.jsonl")
+    stuck = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="b.jsonl")
     Dataset.objects.filter(pk=stuck.pk).update(status=Dataset.Status.VALIDATING, validation_queued_at=timezone.now(),
                                                validation_started_at=timezone.now() - timedelta(seconds=599))
-    assert services.training_jobs_sweep()["validations_timed_out"] == []
+    assert sweep.training_jobs_sweep()["validations_timed_out"] == []
     Dataset.objects.filter(pk=stuck.pk).update(validation_started_at=timezone.now() - timedelta(seconds=601))
-    assert services.training_jobs_sweep()["validations_timed_out"] == [stuck.pk]
+    assert sweep.training_jobs_sweep()["validations_timed_out"] == [stuck.pk]
     stuck.refresh_from_db()
     assert stuck.status == Dataset.Status.INVALID
     assert [error["code"] for error in stuck.report["errors"]] == ["validation_timeout"]
     assert "did not finish within 600 s" in stuck.report["errors"][0]["message"]
     # A late delivery of its task leaves the verdict alone.
-    assert services.dataset_validate(dataset_id=stuck.pk).status == Dataset.Status.INVALID
+    assert datasets.dataset_validate(dataset_id=stuck.pk).status == Dataset.Status.INVALID
 
 
 def test_a_validation_that_crashes_ends_the_dataset_invalid_with_a_message(tenant_a, platform, settings, tmp_path,
@@ -173,8 +173,8 @@ def test_a_validation_that_crashes_ends_the_dataset_invalid_with_a_message(tenan
     shutil.copytree(base_model_dir, broken)
     (broken / "tokenizer.json").write_text("{not json")
     settings.BASE_MODEL_PATH = broken
-    created = services.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="t.jsonl")
-    dataset = services.dataset_validate(dataset_id=created.pk)
+    created = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="t.jsonl")
+    dataset = datasets.dataset_validate(dataset_id=created.pk)
     assert dataset.status == Dataset.Status.INVALID and dataset.validation_started_at is not None
     [error] = dataset.report["errors"]
     assert error["code"] == "validation_failed" and "Validation stopped unexpectedly" in error["message"]
@@ -182,7 +182,7 @@ def test_a_validation_that_crashes_ends_the_dataset_invalid_with_a_message(tenan
 
 def test_scratch_folders_of_dead_runs_on_this_host_are_swept_and_live_ones_kept(settings, tmp_path):
     settings.TRAINING_SCRATCH_DIR = str(tmp_path / "scratch")
-    mine = services._scratch_create(7)
+    mine = scratch.scratch_create(7)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = socket.gethostname()
@@ -191,13 +191,13 @@ def test_scratch_folders_of_dead_runs_on_this_host_are_swept_and_live_ones_kept(
     (orphan / "dataset-1.jsonl").write_text("tenant data")
     elsewhere = tmp_path / "scratch" / f"job-9-another-host-{dead.pid}-x2"
     elsewhere.mkdir()
-    assert services.training_scratch_sweep() == [orphan]
+    assert scratch.training_scratch_sweep() == [orphan]
     assert mine.is_dir() and elsewhere.is_dir() and not orphan.exists()
 
 
 def test_a_validation_file_gives_the_valid_loss(tenant_a, dataset, one_thread):
     job = new_job(tenant_a, dataset, validation_file=dataset.pk)
-    services.training_job_run(job_id=job.pk)
+    run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED and job.valid_loss is not None
     last = job.events.filter(type="metrics").order_by("-id").first()

@@ -21,7 +21,7 @@ from lora_platform.storage import get_storage
 from serving.engine.artifact import manifest_verify
 from serving.models import AdapterVersion
 from training.examples import Example, encode_example
-from training import services
+from training import sweep
 from training.models import Checkpoint, TrainingEvent, TrainingJob
 from training.trainer import token_nll
 
@@ -201,7 +201,7 @@ def test_a_killed_workers_job_is_resent_by_the_sweep_and_its_scratch_folder_swep
     start_worker(**env)
     assert not left.exists()  # swept at the worker's start
     # The sweep (beat's, every minute) re-sends the job once its lease has been silent for two leases.
-    wait_for(lambda: services.training_jobs_sweep()["resent"] == [job_id], 30, "the sweep to re-send the job")
+    wait_for(lambda: sweep.training_jobs_sweep()["resent"] == [job_id], 30, "the sweep to re-send the job")
     body = wait_job_final(client_a, job_id)
     assert body["status"] == "succeeded", body
     job = TrainingJob.objects.get(pk=job_id)

@@ -1,0 +1,109 @@
+"""What every part of the training pipeline shares: after-commit sends, job events and endings, the lease.
+
+The pipeline is split by job (datasets, jobs, slots, sweep, run, publishing, scratch); each part
+ends jobs, writes their events and sends tasks after its commit the same way, so those pieces live
+here and the parts import them from here rather than from each other.
+
+Broker outages. Tasks are sent after the commit that needs them (`after_commit`); a send that
+fails is logged and never fails the request nor undoes what it committed: an unsent validation is
+sent by the sweep, and a job whose task was not sent gives its slot back and is dispatched again.
+
+Locks. Slots and versions are decided under the tenant's row lock, a job's state under its own.
+A lock taken through a join names `of=("self",)`: PostgreSQL would otherwise lock the joined rows
+too (a tenant's tier), serialising every tenant of that tier.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from lora_platform.errors import ServiceError
+from lora_platform.storage import get_storage
+from training import conf
+from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+
+logger = logging.getLogger(__name__)
+
+Status = TrainingJob.Status
+# A dataset in these is still being validated: no job trains on it yet.
+PENDING_DATASET_STATUSES = (Dataset.Status.UPLOADED, Dataset.Status.VALIDATING)
+
+
+def after_commit(action: Callable[[], object]) -> None:
+    """Runs `action` once the transaction commits. A failure (say, the broker is down) is logged and
+    never undoes the committed change; the periodic sweep re-sends a task that was not sent.
+
+    The action's errors are caught here rather than by `on_commit(..., robust=True)`: Django's
+    robust path names the failed callable by `__qualname__`, which a functools.partial lacks, so its
+    own AttributeError escaped into the caller (a 500 for a committed upload, whose file the
+    caller's clean-up then deleted).
+    """
+
+    def run() -> None:
+        try:
+            action()
+        except Exception:
+            logger.exception("After-commit action %r failed; the periodic sweep repairs what it left undone",
+                             action)
+
+    transaction.on_commit(run)
+
+
+class JobFailure(ServiceError):
+    """Training cannot go on for a reason the tenant can act on; the job fails with this message."""
+
+
+class LeaseLost(Exception):
+    """Another delivery took the job over (this run's heartbeat was too old); stop without writing."""
+
+
+def event(job: TrainingJob, message: str, *, level: str = TrainingEvent.Level.INFO,
+          type: str = TrainingEvent.Type.MESSAGE, data: dict[str, Any] | None = None) -> TrainingEvent:
+    """Adds a line to the job's log."""
+    return TrainingEvent.objects.create(job=job, level=level, type=type, message=message, data=data or {})
+
+
+def finish(job: TrainingJob, status: str, message: str, *, level: str = TrainingEvent.Level.INFO,
+           data: dict[str, Any] | None = None) -> None:
+    """Ends the (locked) job: final status, lease released, one event."""
+    job.status = status
+    job.finished_at = timezone.now()
+    job.lease_token = ""
+    job.estimated_finish = None
+    job.save()
+    event(job, message, level=level, data=data)
+
+
+def lease_seconds() -> int:
+    return conf.setting_int("TRAINING_LEASE_SECONDS")
+
+
+def lease_age(job: TrainingJob) -> float | None:
+    """Seconds since the last heartbeat of the run holding the job; None when no run holds it."""
+    if not job.lease_token or job.heartbeat_at is None:
+        return None
+    return (timezone.now() - job.heartbeat_at).total_seconds()
+
+
+def lease_fresh(job: TrainingJob) -> bool:
+    """True while the run holding the job reports (its heartbeat is younger than a lease)."""
+    age = lease_age(job)
+    return age is not None and age < lease_seconds()
+
+
+def checkpoints_delete(job_id: int) -> None:
+    """Deletes the job's checkpoints, files and rows (a cancelled job, or one that starts over)."""
+    storage = get_storage()
+    for checkpoint in Checkpoint.objects.filter(job_id=job_id):
+        storage.delete_prefix(checkpoint.storage_prefix)
+        checkpoint.delete()
+
+
+def held_out(num_examples: int, fraction: float) -> int:
+    """How many of the training examples a `validation_fraction` holds out (at least one, if any)."""
+    return max(1, round(num_examples * fraction)) if fraction else 0

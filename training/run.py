@@ -1,0 +1,336 @@
+"""The run of one job on a worker: its lease, heartbeat, the trainer's hooks, checkpoints, how it ends.
+
+Redelivery. Celery may deliver a job's task again (a killed worker, the visibility timeout). A
+delivery must hold the job's lease to run it: `training_job_claim` grants it when no other run's
+heartbeat is fresh, so two runs never train one job at once, and a later run resumes from the last
+checkpoint. What the run publishes is idempotent too (training.publishing).
+
+The run never imports the job lifecycle (training.jobs): it ends the job itself, and asks
+training.slots to start the next one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+
+from lora_platform.errors import NotFound
+from lora_platform.storage import get_storage
+from serving.engine.artifact import base_config_sha256
+from training import conf
+from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, event, finish, held_out,
+                           lease_age, lease_seconds)
+from training.examples import EncodedExample, EncodingError, encode_example
+from training.hyperparameters import Hyperparameters
+from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+from training.publishing import CancelledLate, artifact_prefix_of, own_artifact, publish_and_register, register
+from training.scratch import scratch_create
+from training.slots import training_jobs_dispatch
+from training.validation import iter_lines, iter_valid_examples
+
+logger = logging.getLogger(__name__)
+
+# A job is saved no more often than this while it runs (metrics events are separate).
+PROGRESS_INTERVAL_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of asking for a job's lease: a token to run with, or why not (and when to ask again)."""
+
+    job: TrainingJob | None
+    token: str = ""
+    retry_in: float | None = None
+    reason: str = ""
+
+
+def training_job_claim(*, job_id: int) -> Claim:
+    """The lease of a job for this delivery, if the job still needs a run and no live run holds it."""
+    with transaction.atomic():
+        job = TrainingJob.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=job_id).first()
+        if job is None:
+            return Claim(None, reason="the job no longer exists")
+        if job.is_final:
+            return Claim(None, reason=f"the job has already {job.status}")
+        age = lease_age(job)
+        if age is not None and age < lease_seconds():
+            return Claim(None, retry_in=max(1.0, lease_seconds() - age), reason="another run holds the job")
+        if job.cancel_requested_at is not None:
+            finish(job, Status.CANCELLED, "Job cancelled.")
+            after_commit(partial(checkpoints_delete, job.pk))
+            after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            return Claim(None, reason="the job was cancelled")
+        lost = job.status == Status.RUNNING
+        token = secrets.token_hex(16)
+        now = timezone.now()
+        job.lease_token, job.heartbeat_at = token, now
+        job.attempts += 1
+        job.status = Status.RUNNING
+        job.started_at = job.started_at or now
+        job.dispatched_at = job.dispatched_at or now
+        job.save()
+        if lost:
+            event(job, f"The previous worker stopped reporting; attempt {job.attempts} takes over.",
+                  level=TrainingEvent.Level.WARNING)
+        else:
+            event(job, f"Training started (attempt {job.attempts}).")
+    return Claim(job, token=token)
+
+
+def training_job_run(*, job_id: int) -> Claim:
+    """Runs a job to its end for this delivery (the Celery task's body); returns the claim it got.
+
+    A claim without a job means there is nothing to do now (finished, cancelled, or held by a
+    live run, in which case `retry_in` says when to look again).
+    """
+    claim = training_job_claim(job_id=job_id)
+    if claim.job is None:
+        return claim
+    job = claim.job
+    workspace = scratch_create(job.pk)
+    try:
+        with _heartbeat(job.pk, claim.token):
+            _run_claimed(job, claim.token, workspace)
+    except LeaseLost:
+        logger.warning("Training job %s was taken over by another run; this run stops", job.pk)
+    except CancelledLate:
+        _end_cancelled(job, claim.token)
+    except JobFailure as failure:
+        _end_failed(job, claim.token, failure.code, failure.message)
+    except Exception as error:
+        logger.exception("Training job %s failed", job.pk)
+        _end_failed(job, claim.token, "internal_error",
+                    f"Training failed unexpectedly ({type(error).__name__}: {error}). Retry the job; if it fails "
+                    "again, contact the platform operator.")
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+        training_jobs_dispatch(tenant_id=job.tenant_id)
+    return claim
+
+
+@contextmanager
+def _heartbeat(job_id: int, token: str) -> Iterator[None]:
+    """Refreshes the lease from a thread, so a long step (or a slow upload) never looks like a dead worker."""
+    stop = threading.Event()
+    interval = max(0.5, lease_seconds() / 4)
+
+    def beat() -> None:
+        try:
+            while not stop.wait(interval):
+                try:
+                    TrainingJob.objects.filter(pk=job_id, lease_token=token).update(heartbeat_at=timezone.now())
+                except DatabaseError:
+                    # A missed beat only matters if the database stays away for a whole lease.
+                    logger.warning("Training job %s: heartbeat not recorded", job_id, exc_info=True)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=beat, name=f"training-job-{job_id}-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
+    from training.trainer import CheckpointMismatch, LoraTrainer, TrainingSetupError, TrainingStopped, load_base
+
+    if job.version and own_artifact(job, job.version):
+        event(job, f"Version {job.version} was already published by an earlier attempt; registering it.")
+        register(job, token, artifact_prefix_of(job, job.version))
+        return
+    dataset = job.dataset
+    if dataset is None:
+        raise JobFailure("The job's dataset was deleted; create a new job.", code="dataset_not_found")
+    base = load_base(str(settings.BASE_MODEL_PATH))
+    hp = Hyperparameters.from_dict(job.hyperparameters)
+    train, valid = _load_examples(job, dataset, hp, base.tokenizer, workspace)
+    hooks = _JobHooks(job, token)
+    try:
+        trainer = LoraTrainer(
+            base, hp, seed=job.seed, train=train, valid=valid, hooks=hooks, work_dir=workspace / "run",
+            fingerprint=_fingerprint(job), base_model_name=settings.BASE_MODEL_NAME,
+            checkpoint_every=conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
+            log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"),
+        )
+        resume = _fetch_checkpoint(job, workspace)
+        try:
+            result = trainer.run(resume_from=resume)
+        except CheckpointMismatch:
+            event(job, "The last checkpoint does not match this job's data or settings; starting over.",
+                  level=TrainingEvent.Level.WARNING)
+            checkpoints_delete(job.pk)
+            result = trainer.run()
+    except TrainingSetupError as error:
+        raise JobFailure(str(error), code="invalid_training_setup") from None
+    except TrainingStopped:
+        hooks.raise_if_lease_lost()
+        _end_cancelled(job, token)
+        return
+    publish_and_register(job, token, result.adapter_dir)
+
+
+def _load_examples(job: TrainingJob, dataset: Dataset, hp: Hyperparameters, tokenizer: Any,
+                   workspace: Path) -> tuple[list[EncodedExample], list[EncodedExample]]:
+    """The job's training and held-out examples, encoded; JobFailure when none has tokens to learn."""
+    def encoded(source: Dataset) -> list[EncodedExample]:
+        path = get_storage().download(source.storage_key, workspace / f"dataset-{source.pk}.jsonl")
+        try:
+            with path.open("rb") as stream:
+                return [encode_example(example, tokenizer, hp.max_seq_length)
+                        for example in iter_valid_examples(iter_lines(stream), source.format)]
+        except (ValueError, EncodingError) as error:
+            raise JobFailure(f"Dataset {source.pk} cannot be trained on: {error}.", code="dataset_unusable") from None
+
+    examples = encoded(dataset)
+    if job.validation_dataset is not None:
+        train, valid = examples, encoded(job.validation_dataset)
+    else:
+        order = list(range(len(examples)))
+        random.Random(job.seed).shuffle(order)
+        held = set(order[:held_out(len(examples), job.validation_fraction)])
+        train = [example for index, example in enumerate(examples) if index not in held]
+        valid = [example for index, example in enumerate(examples) if index in held]
+    usable = [example for example in train if example.num_trained_tokens]
+    truncated = sum(example.truncated for example in train)
+    if truncated:
+        event(job, f"{truncated} example(s) are longer than max_seq_length ({hp.max_seq_length}) and were "
+                   f"truncated; {len(train) - len(usable)} lost every token to learn and are skipped.",
+              level=TrainingEvent.Level.WARNING)
+    if not usable:
+        raise JobFailure(f"No training example has tokens to learn from within max_seq_length "
+                         f"({hp.max_seq_length}); raise it or shorten the examples.", code="no_trainable_examples")
+    return usable, [example for example in valid if example.num_trained_tokens]
+
+
+def _fingerprint(job: TrainingJob) -> str:
+    """What a checkpoint must have been trained on to be resumed by this job."""
+    parts = {
+        "dataset": job.dataset.sha256 if job.dataset else None,
+        "validation": job.validation_dataset.sha256 if job.validation_dataset else None,
+        "fraction": job.validation_fraction, "hyperparameters": job.hyperparameters, "seed": job.seed,
+        "base": base_config_sha256(Path(settings.BASE_MODEL_PATH)),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+class _JobHooks:
+    """The trainer's hooks for one job: cancellation, progress, metrics events, checkpoints."""
+
+    def __init__(self, job: TrainingJob, token: str) -> None:
+        self.job = job
+        self.token = token
+        self.lease_lost = False
+        self.started = timezone.now()
+        self.first_step: int | None = None
+        self.last_saved = 0.0
+        self.pending: dict[str, Any] = {}
+
+    def _mine(self) -> Any:
+        return TrainingJob.objects.filter(pk=self.job.pk, lease_token=self.token)
+
+    def should_stop(self) -> bool:
+        row = TrainingJob.objects.filter(pk=self.job.pk).values("lease_token", "cancel_requested_at").first()
+        self.lease_lost = row is None or row["lease_token"] != self.token
+        return row is None or self.lease_lost or row["cancel_requested_at"] is not None
+
+    def raise_if_lease_lost(self) -> None:
+        if self.lease_lost:
+            raise LeaseLost()
+
+    def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
+        if self.first_step is None:
+            self.first_step, self.started = step - 1, timezone.now()
+        elapsed = (timezone.now() - self.started).total_seconds()
+        done = step - self.first_step
+        eta = timezone.now() + timedelta(seconds=elapsed / done * (total_steps - step)) if done else None
+        self.pending = {"step": step, "total_steps": total_steps, "epoch": epoch, "trained_tokens": trained_tokens,
+                        "estimated_finish": eta}
+        if time.monotonic() - self.last_saved >= PROGRESS_INTERVAL_SECONDS or step == total_steps:
+            self.last_saved = time.monotonic()
+            self._save_progress()
+
+    def _save_progress(self) -> None:
+        if self.pending and not self._mine().update(**self.pending):
+            self.lease_lost = True
+            raise LeaseLost()
+
+    def on_log(self, metrics: Any) -> None:
+        data = metrics.to_dict()
+        self._mine().update(train_loss=metrics.train_loss,
+                            **({"valid_loss": metrics.valid_loss} if metrics.valid_loss is not None else {}))
+        valid = f", valid loss {metrics.valid_loss:.4f}" if metrics.valid_loss is not None else ""
+        event(self.job, f"Step {metrics.step}/{metrics.total_steps}: train loss {metrics.train_loss:.4f}{valid}",
+              type=TrainingEvent.Type.METRICS, data=data)
+
+    def on_checkpoint(self, step: int, directory: Path, metrics: dict[str, Any]) -> None:
+        storage = get_storage()
+        prefix = f"checkpoints/{self.job.tenant.slug}/{self.job.pk}/step-{step:08d}"
+        # Debris of a run killed while it saved this very step (no row points at it).
+        storage.delete_prefix(prefix)
+        from training.trainer import STATE_FILE
+
+        storage.publish_directory(directory, prefix, marker=STATE_FILE)
+        Checkpoint.objects.update_or_create(job=self.job, step=step,
+                                            defaults={"storage_prefix": prefix, "metrics": metrics})
+        event(self.job, f"Checkpoint saved at step {step}.", data={"step": step})
+        kept = conf.setting_int("TRAINING_CHECKPOINTS_KEPT")
+        for old in Checkpoint.objects.filter(job=self.job).order_by("-step")[max(1, kept):]:
+            storage.delete_prefix(old.storage_prefix)
+            old.delete()
+
+
+def _fetch_checkpoint(job: TrainingJob, workspace: Path) -> Path | None:
+    checkpoint = Checkpoint.objects.filter(job=job).order_by("-step").first()
+    if checkpoint is None:
+        return None
+    target = workspace / f"resume-{checkpoint.step}"
+    try:
+        get_storage().download_prefix(checkpoint.storage_prefix, target)
+    except NotFound:
+        event(job, f"Checkpoint of step {checkpoint.step} is missing from storage; starting over.",
+              level=TrainingEvent.Level.WARNING)
+        checkpoints_delete(job.pk)
+        return None
+    event(job, f"Resuming from the checkpoint of step {checkpoint.step}.", data={"step": checkpoint.step})
+    return target
+
+
+def _end_cancelled(job: TrainingJob, token: str) -> None:
+    with transaction.atomic():
+        locked = TrainingJob.objects.select_for_update().get(pk=job.pk)
+        if locked.lease_token == token and not locked.is_final:
+            finish(locked, Status.CANCELLED, f"Job cancelled at step {locked.step}; nothing was published.")
+            after_commit(partial(checkpoints_delete, job.pk))
+
+
+def _end_failed(job: TrainingJob, token: str, code: str, message: str) -> None:
+    with transaction.atomic():
+        locked = TrainingJob.objects.select_for_update().get(pk=job.pk)
+        if locked.lease_token != token or locked.is_final:
+            return
+        locked.error_code, locked.error_message = code[:64], message
+        if locked.version != locked.requested_version:
+            # An assigned version was never registered (nothing of it is left in storage): a retry picks
+            # a free one, rather than insisting on one that may have been taken meanwhile.
+            locked.version = ""
+        finish(locked, Status.FAILED, message, level=TrainingEvent.Level.ERROR, data={"code": code})
