@@ -21,17 +21,18 @@ tokens (positions ``L - w .. L - 1``), as Mistral and transformers compute it.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.jit import jit
 
 # (sequence, KV head) programs below which the context is split: about two programs per SM of an H200.
 _SPLIT_BELOW_PROGRAMS = 264
 MAX_SPLITS = 16
 
 
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+@jit
+def _dot(a: tl.tensor, b: tl.tensor, acc: tl.tensor, PRECISION: tl.constexpr, UPCAST: tl.constexpr) -> tl.tensor:
     """``acc + a @ b`` in fp32; under the interpreter bf16 tiles are upcast (it multiplies bf16 as
     raw bits), which is exact: products of bf16 values fit fp32."""
     if UPCAST:
@@ -39,15 +40,18 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.jit
+@jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, row_seq_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale, window,
-    stride_qb, stride_qh, stride_kslot, stride_kh, stride_vslot, stride_vh, stride_tb, stride_ob, stride_oh,
+    q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, tables_ptr: tl.tensor, row_seq_ptr: tl.tensor,
+    lens_ptr: tl.tensor, out_ptr: tl.tensor, part_m_ptr: tl.tensor, part_l_ptr: tl.tensor,
+    part_acc_ptr: tl.tensor,
+    scale: tl.tensor, window: tl.tensor,
+    stride_qb: tl.tensor, stride_qh: tl.tensor, stride_kslot: tl.tensor, stride_kh: tl.tensor,
+    stride_vslot: tl.tensor, stride_vh: tl.tensor, stride_tb: tl.tensor, stride_ob: tl.tensor, stride_oh: tl.tensor,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ROW_SEQ: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     seq = tl.program_id(0)  # the query row (one token)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,12 +109,13 @@ def _decode_kernel(
         tl.store(part_acc_ptr + (row * BLOCK_G + offs_g[:, None]) * BLOCK_D + offs_d[None, :], acc)
 
 
-@triton.jit
+@jit
 def _combine_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
+    part_m_ptr: tl.tensor, part_l_ptr: tl.tensor, part_acc_ptr: tl.tensor, out_ptr: tl.tensor,
+    stride_ob: tl.tensor, stride_oh: tl.tensor,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     """Weigh each split's partial output by ``exp(m_split - m_max)`` and normalise by the weighed sums."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
