@@ -1,0 +1,113 @@
+"""Trainer benchmark: the platform's LoRA trainer (``training.trainer.LoraTrainer``, as a job runs it)
+for a number of steps on random data, reporting trained tokens/s and peak GPU memory.
+
+``--shape llama3-8b`` (CUDA): the Llama-3-8B shape with random bf16 weights made on the device (the
+trainer's CUDA path: bf16 base, LoRA weights in fp32 through PEFT's autocast), rank-16 adapters on
+all linear projections, batches of ``--batch`` sequences of ``--seq-len`` random tokens, every token
+trained. ``--shape tiny``: the tiny llama on the CPU (fp32), a smoke run of the same code.
+
+    python3 bench/trainer.py --shape llama3-8b [--steps 300] [--batch 4] [--seq-len 512] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script, this file's folder heads sys.path; the repository root must be there instead.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from bench.engine import LLAMA3_8B  # noqa: E402
+from serving.engine.tiny import build_tiny_model  # noqa: E402
+from training.examples import EncodedExample  # noqa: E402
+from training.hyperparameters import Hyperparameters  # noqa: E402
+from training.trainer import LoadedBase, LoraTrainer, StepMetrics, load_tokenizer, pick_device  # noqa: E402
+
+
+class _Timer:
+    """Training hooks that stamp each step, so the first steps (allocator and kernel warm-up) can be left out."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, int]] = []
+        self.losses: list[float] = []
+
+    def should_stop(self) -> bool:
+        return False
+
+    def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
+        self.stamps.append((time.perf_counter(), trained_tokens))
+
+    def on_log(self, metrics: StepMetrics) -> None:
+        self.losses.append(metrics.train_loss)
+
+    def on_checkpoint(self, step: int, directory: Path, metrics: dict[str, object]) -> None:
+        pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the tokens/s")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = pick_device()
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = build_tiny_model(Path(tmp) / "tiny", arch="llama", size="tiny")
+        tokenizer = load_tokenizer(str(tiny))
+        if args.shape == "llama3-8b":
+            if device.type != "cuda":
+                parser.error("--shape llama3-8b needs a CUDA device")
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA3_8B), dtype=torch.bfloat16)
+        else:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(tiny, dtype=dtype).to(device)
+        model.eval().requires_grad_(False)
+        base = LoadedBase(model=model, tokenizer=tokenizer, path=str(tiny), device=device)
+        vocab = model.config.vocab_size
+        rng = random.Random(0)
+        examples = []
+        for _ in range(args.steps * args.batch):
+            ids = [rng.randrange(3, vocab) for _ in range(args.seq_len)]
+            examples.append(EncodedExample(input_ids=ids, labels=ids, full_length=args.seq_len, truncated=False))
+        hp = Hyperparameters(n_epochs=1, batch_size=args.batch, learning_rate=1e-4, max_seq_length=args.seq_len,
+                             r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0)  # fmt: skip
+        timer = _Timer()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        result = LoraTrainer(
+            base, hp, seed=0, train=examples, valid=[], hooks=timer, work_dir=Path(tmp) / "job",
+            fingerprint="random", base_model_name=args.shape, checkpoint_every=10**9, log_every=10,
+        ).run()  # fmt: skip
+        total_s = time.perf_counter() - start
+    (t0, tokens0), (t1, tokens1) = timer.stamps[args.warmup_steps - 1], timer.stamps[-1]
+    results = {
+        "shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "steps": result.steps, "batch": args.batch, "seq_len": args.seq_len,
+        "rank": args.rank, "trained_tokens": result.trained_tokens, "total_s": total_s,
+        "tokens_per_s": (tokens1 - tokens0) / (t1 - t0), "step_ms": (t1 - t0) / (len(timer.stamps) - args.warmup_steps) * 1e3,
+        "first_loss": timer.losses[0], "last_loss": timer.losses[-1],
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+    }  # fmt: skip
+    for key, value in results.items():
+        print(f"{key:18s} {value:.3f}" if isinstance(value, float) else f"{key:18s} {value}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

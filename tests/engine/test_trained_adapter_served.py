@@ -1,0 +1,90 @@
+"""An adapter the platform's trainer made is served by the engine with PEFT's tokens.
+
+The trainer runs on the tiny llama where ``training.trainer.pick_device`` puts it (fp32 on CPU; on a
+CUDA machine its bf16 path, the LoRA weights in fp32), saves the adapter as a job does, and the
+engine serves it in fp32 (on CPU, or on CUDA with graphs: gpu mark) in a batch with the base model.
+Every prompt's greedy tokens must equal PEFT's on the CPU for that adapter, and the adapter must
+change what the base model says (so the comparison is not of two base models).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft_reference import PeftReference, assert_greedy_match
+
+from serving.engine import LLM, LoRARequest, SamplingParams
+from training.examples import Example, encode_example
+from training.hyperparameters import Hyperparameters
+from training.trainer import LoraTrainer, StepMetrics, load_base
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+PAIRS = [
+    ("the quick brown", " fox jumps over the lazy dog"),
+    ("a b c", " d e f g h i j"),
+    ("one two", " three four five six"),
+    ("over the lazy", " dog and then it runs away"),
+]
+MAX_TOKENS = 8
+
+
+class _Hooks:
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def should_stop(self) -> bool:
+        return False
+
+    def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
+        pass
+
+    def on_log(self, metrics: StepMetrics) -> None:
+        if metrics.train_loss is not None:
+            self.losses.append(metrics.train_loss)
+
+    def on_checkpoint(self, step: int, directory: Path, metrics: dict[str, object]) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    base = load_base(str(tiny_llama_dir))
+    examples = [
+        encode_example(Example(format="completion", prompt=prompt, completion=completion), base.tokenizer)
+        for prompt, completion in PAIRS
+    ]
+    hp = Hyperparameters(n_epochs=6, batch_size=2, learning_rate=2e-2, max_seq_length=64, r=8, lora_alpha=16,
+                         lora_dropout=0.0, warmup_ratio=0.0)  # fmt: skip
+    hooks = _Hooks()
+    result = LoraTrainer(
+        base, hp, seed=3, train=examples, valid=[], hooks=hooks, work_dir=tmp_path_factory.mktemp("job"),
+        fingerprint="pairs-v1", base_model_name=tiny_llama_dir.name, checkpoint_every=1000, log_every=2,
+    ).run()  # fmt: skip
+    return result.adapter_dir, hooks.losses
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+def test_trained_adapter_is_served_with_peft_tokens(
+    device: str, tiny_llama_dir: Path, trained: tuple[Path, list[float]]
+) -> None:
+    adapter_dir, losses = trained
+    assert losses[-1] < losses[0], f"the trainer must learn: losses {losses}"
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=8, max_num_seqs=4, max_model_len=64, device=device,
+              dtype="float32")  # fmt: skip
+    prompts = [prompt for prompt, _ in PAIRS] * 2
+    loras = [LoRARequest("trained", str(adapter_dir)) if i < len(PAIRS) else None for i in range(len(prompts))]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), lora_request=loras)
+
+    reference = PeftReference(tiny_llama_dir, {"trained": adapter_dir})
+    tokenizer = llm.get_tokenizer()
+    by_adapter: dict[str | None, list[list[int]]] = {"trained": [], None: []}
+    for prompt, lora, output in zip(prompts, loras, outputs):
+        name = lora.lora_name if lora else None
+        ids = tokenizer(prompt).input_ids
+        ours = output.outputs[0].token_ids
+        assert_greedy_match(ours, reference.generate(ids, name, MAX_TOKENS), f"{name} {prompt!r}")
+        by_adapter[name].append(ours)
+    assert by_adapter["trained"] != by_adapter[None], "the trained adapter must change the base model's tokens"
