@@ -84,6 +84,7 @@ def openai_exception_handler(exc: Exception, context: dict[str, Any]) -> Respons
     response = drf_exception_handler(exc, context)
     if response is None:
         return None
+    code: str | None
     if isinstance(exc, exceptions.ValidationError):
         message, param = _validation_message(exc.detail)
         code = "invalid_request"
@@ -91,8 +92,8 @@ def openai_exception_handler(exc: Exception, context: dict[str, Any]) -> Respons
         detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
         message = str(detail)
         param = None
-        code = exc.get_codes() if isinstance(exc, exceptions.APIException) else None
-        code = code if isinstance(code, str) else None
+        codes = exc.get_codes() if isinstance(exc, exceptions.APIException) else None
+        code = codes if isinstance(codes, str) else None
     if response.status_code == status.HTTP_401_UNAUTHORIZED:
         code = code if code not in (None, "not_authenticated", "authentication_failed") else "invalid_api_key"
     response.data = error_body(

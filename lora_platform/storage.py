@@ -18,6 +18,7 @@ or plain boto3 reads without it.
 
 from __future__ import annotations
 
+import builtins  # `builtins.list` in the classes, whose `list` method shadows the type
 import hashlib
 import io
 import os
@@ -194,7 +195,9 @@ class BlobStorage(ABC):
         """`file:///abs/path` or `s3://bucket/key`: readable without Django (serving workers, boto3)."""
 
     @abstractmethod
-    def _publish(self, files: list[tuple[str, Path]], prefix: str, marker: str) -> list[PutResult]: ...
+    def _publish(
+        self, files: builtins.list[tuple[str, Path]], prefix: str, marker: str
+    ) -> builtins.list[PutResult]: ...
 
     def get_bytes(self, key: str) -> bytes:
         with self.open(key) as stream:
@@ -213,7 +216,7 @@ class BlobStorage(ABC):
             partial.unlink(missing_ok=True)
         return path
 
-    def download_prefix(self, prefix: str, local_dir: Path) -> list[Path]:
+    def download_prefix(self, prefix: str, local_dir: Path) -> builtins.list[Path]:
         """Copies every object under prefix into local_dir, keeping the relative layout."""
         prefix = validate_prefix(prefix)
         keys = self.list(prefix)
@@ -221,7 +224,9 @@ class BlobStorage(ABC):
             raise NotFound(f"Nothing is stored under '{prefix}/'.", code="storage_prefix_not_found")
         return [self.download(key, Path(local_dir) / key[len(prefix) + 1:]) for key in keys]
 
-    def publish_directory(self, local_dir: Path, prefix: str, *, marker: str = "manifest.json") -> list[PutResult]:
+    def publish_directory(
+        self, local_dir: Path, prefix: str, *, marker: str = "manifest.json"
+    ) -> builtins.list[PutResult]:
         """Publishes local_dir's files under prefix at once, the marker last; Conflict if already there.
 
         Readers treat `<prefix>/<marker>` as the sign that the artifact is complete. Whatever was
@@ -319,7 +324,7 @@ class LocalStorage(BlobStorage):
     def uri(self, key: str) -> str:
         return self._path(key).as_uri()
 
-    def _publish(self, files: list[tuple[str, Path]], prefix: str, marker: str) -> list[PutResult]:
+    def _publish(self, files: builtins.list[tuple[str, Path]], prefix: str, marker: str) -> builtins.list[PutResult]:
         # The directory is assembled beside the root and renamed into place in one step.
         staging = self._staging_path()
         final = self.root / prefix
@@ -392,7 +397,9 @@ class S3Storage(BlobStorage):
                 stream.close()
         if metadata and metadata["sha256"] != reader.sha256:
             self.client.delete_object(Bucket=self.bucket, Key=self._full(key))
-            raise Conflict(f"'{source}' changed while it was being stored; nothing was kept.")
+            # Only a Path or a mutable buffer gets here; a buffer's repr would put its bytes in the message.
+            what = f"'{source}'" if isinstance(source, os.PathLike) else "The buffer"
+            raise Conflict(f"{what} changed while it was being stored; nothing was kept.")
         return PutResult(key=key, sha256=reader.sha256, size=reader.size)
 
     def open(self, key: str) -> BinaryIO:
@@ -414,7 +421,7 @@ class S3Storage(BlobStorage):
                 return None
             raise
 
-    def _list_full(self, full_prefix: str) -> list[str]:
+    def _list_full(self, full_prefix: str) -> builtins.list[str]:
         keys: list[str] = []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full_prefix):
             keys.extend(item["Key"] for item in page.get("Contents", []))
@@ -428,7 +435,7 @@ class S3Storage(BlobStorage):
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._full(validate_key(key)))
 
-    def _delete_full(self, full_keys: list[str]) -> None:
+    def _delete_full(self, full_keys: builtins.list[str]) -> None:
         for start in range(0, len(full_keys), 1000):  # the DeleteObjects limit
             batch = [{"Key": key} for key in full_keys[start:start + 1000]]
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
@@ -441,7 +448,7 @@ class S3Storage(BlobStorage):
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._full(validate_key(key))}"
 
-    def _publish(self, files: list[tuple[str, Path]], prefix: str, marker: str) -> list[PutResult]:
+    def _publish(self, files: builtins.list[tuple[str, Path]], prefix: str, marker: str) -> builtins.list[PutResult]:
         # S3 has no rename: stage, verify, copy into place with the marker last, drop the stage.
         staging = f"{self.base}{STAGING_SEGMENT}/{uuid.uuid4().hex}/"
         final = f"{self.base}{prefix}/"

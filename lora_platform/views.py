@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
 from serving import selectors as registry_selectors
 from serving.models import AdapterVersion
-from tenants.dashboard import Role, dashboard_view, is_htmx
+from tenants.dashboard import DashboardRequest, Role, dashboard_view, is_htmx
 from tenants.models import Tenant
 from training import selectors as training_selectors
 from training.models import Dataset
@@ -32,7 +32,7 @@ def _quota(tenant: Tenant) -> dict[str, object]:
 
 
 @dashboard_view(Role.VIEWER)
-def overview_view(request: HttpRequest) -> HttpResponse:
+def overview_view(request: DashboardRequest) -> HttpResponse:
     tenant = request.dashboard.tenant
     if is_htmx(request):
         return render(request, "dashboard/_quota.html", _quota(tenant))

@@ -44,13 +44,13 @@ def admin_actor(request: HttpRequest) -> str:
     return f"admin:{request.user.get_username()}"
 
 
-class _RegistryActions:
+class _RegistryActions(admin.ModelAdmin):
     """Runs an admin action in two steps: a confirmation page (the service's dry run), then the service call
     per object."""
 
     def run_confirmed(
         self, request: HttpRequest, queryset: QuerySet, *, action: str, title: str,
-        describe: Callable[[Any], str], perform: Callable[[Any, dict[str, Any]], None], needs_weight: bool = False,
+        describe: Callable[[Any], str], perform: Callable[[Any, dict[str, Any]], object], needs_weight: bool = False,
     ) -> TemplateResponse | None:
         confirmed = request.POST.get("confirm") == "yes"
         form = ActionForm(request.POST if confirmed else None, needs_weight=needs_weight)

@@ -34,7 +34,7 @@ from lora_platform.pagination import list_body, list_schema, page_request, pagin
 from serving import selectors, services, usage
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import VERSION_PATH_PATTERN, SemVer
-from tenants.scoping import TenantScopedViewSet
+from tenants.scoping import TenantScopedViewSet, request_auth, request_tenant
 
 # request.auth of a serving worker that presented the registry token.
 REGISTRY_WORKER = "registry-worker"
@@ -44,7 +44,7 @@ _REASON = serializers.CharField(max_length=2000, required=False, allow_blank=Tru
 
 def request_actor(request: Request) -> str:
     """How the audit log names the caller: the API key's prefix, or the dashboard user's name."""
-    auth = request.auth
+    auth = request_auth(request)
     if auth.api_key is None and getattr(request.user, "is_authenticated", False):
         return f"user:{request.user.get_username()}"
     return auth.actor
@@ -52,7 +52,8 @@ def request_actor(request: Request) -> str:
 
 class VersionSerializer(serializers.ModelSerializer):
     model = serializers.SerializerMethodField(help_text="The `model` value that pins this version.")
-    source = serializers.SerializerMethodField()
+    # DRF's metaclass pops declared fields off the class, so this never shadows Field.source as drf-stubs think.
+    source = serializers.SerializerMethodField()  # type: ignore[assignment]
 
     class Meta:
         model = AdapterVersion
@@ -193,7 +194,8 @@ class AdapterViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
         if page.after is not None:
             adapters = adapters.filter(name__gt=page.after)
         rows, has_more = take(adapters, page.limit)
-        return Response(list_body(AdapterSerializer(rows, many=True).data, has_more=has_more, id_key="name"))
+        serialized = AdapterSerializer(rows, many=True).data  # a ReturnList (drf-stubs call it a ReturnDict)
+        return Response(list_body(serialized, has_more=has_more, id_key="name"))  # type: ignore[arg-type]
 
     @extend_schema(request=AdapterCreateSerializer, responses={201: AdapterSerializer}, summary="Create an adapter")
     def create(self, request: Request) -> Response:
@@ -226,8 +228,8 @@ class AdapterViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
             if page.after is not None:
                 versions = [item for item in versions if SemVer(item.version) < _version_cursor(page.after)]
             rows, has_more = take(versions, page.limit)
-            return Response(list_body(VersionSerializer(rows, many=True).data, has_more=has_more,
-                                      id_key="version"))
+            serialized = VersionSerializer(rows, many=True).data  # a ReturnList (drf-stubs call it a ReturnDict)
+            return Response(list_body(serialized, has_more=has_more, id_key="version"))  # type: ignore[arg-type]
         if request.content_type.split(";")[0] != "multipart/form-data":
             raise InvalidInput("Upload the adapter as multipart/form-data: adapter_config.json and "
                                "adapter_model.safetensors, or one .zip/.tar.gz.", code="multipart_required")
@@ -319,7 +321,8 @@ class AdapterViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
         if after is not None:
             events = events.filter(pk__lt=after)
         rows, has_more = take(events, page.limit)
-        return Response(list_body(EventSerializer(rows, many=True).data, has_more=has_more))
+        serialized = EventSerializer(rows, many=True).data  # a ReturnList (drf-stubs call it a ReturnDict)
+        return Response(list_body(serialized, has_more=has_more))  # type: ignore[arg-type]
 
 
 def _version_cursor(after: str) -> SemVer:
@@ -401,4 +404,4 @@ class UsageView(APIView):
         query.is_valid(raise_exception=True)
         # What the gateway recorded so far is counted, not only what the last batch wrote.
         usage.usage_records_flush()
-        return Response(usage.usage_summary(tenant=request.auth.tenant, **query.validated_data))
+        return Response(usage.usage_summary(tenant=request_tenant(request), **query.validated_data))

@@ -119,6 +119,13 @@ class AdapterVersion(models.Model):
     def is_served(self) -> bool:
         return self.status in (self.Status.ACTIVE, self.Status.CANARY)
 
+    @property
+    def canary_weight(self) -> float:
+        """A canary's traffic weight, which a canary always has (adapter_version_weight_only_on_canary)."""
+        if self.traffic_weight is None:
+            raise ValueError(f"{self.qualified_name} is {self.status}, not a canary: it has no traffic weight.")
+        return self.traffic_weight
+
 
 class DeploymentEvent(models.Model):
     """The audit log: one row per state change of the registry, written in the same transaction.

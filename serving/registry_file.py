@@ -90,8 +90,9 @@ def _parse(document: Any) -> list[_Entry]:
         missing = [key for key in REQUIRED_KEYS if raw.get(key) in (None, "")]
         unknown = sorted(set(raw) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
         if missing or unknown:
-            raise _fail(where, "; ".join(filter(None, [missing and f"missing {', '.join(missing)}",
-                                                       unknown and f"unknown key(s) {', '.join(unknown)}"])) + ".")
+            problems = [f"missing {', '.join(missing)}"] if missing else []
+            problems += [f"unknown key(s) {', '.join(unknown)}"] if unknown else []
+            raise _fail(where, "; ".join(problems) + ".")
         if raw["tenant"] not in tenants:
             raise _fail(where, f"no tenant '{raw['tenant']}'; create it first (manage.py tenants create).")
         if raw["status"] not in Status.values:
@@ -101,13 +102,15 @@ def _parse(document: Any) -> list[_Entry]:
         except InvalidInput as error:
             raise _fail(where, error.message) from None
         weight = raw.get("traffic_weight")
-        if raw["status"] == Status.CANARY and (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                                               or not 0 <= weight <= 1):
-            raise _fail(where, f"a canary needs a traffic_weight from 0 to 1, got {weight!r}.")
+        canary_weight = None
+        if raw["status"] == Status.CANARY:
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
+                raise _fail(where, f"a canary needs a traffic_weight from 0 to 1, got {weight!r}.")
+            canary_weight = float(weight)
         entries.append(_Entry(
             index=index, tenant=tenants[raw["tenant"]], name=str(raw["name"]), version=str(raw["version"]),
             saved_path=str(raw["saved_path"]), status=raw["status"], rank=raw.get("rank"),
-            base_model=raw.get("base_model"), weight=float(weight) if raw["status"] == Status.CANARY else None,
+            base_model=raw.get("base_model"), weight=canary_weight,
         ))
     return entries
 

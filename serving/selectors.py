@@ -56,9 +56,9 @@ def adapter_served(*, adapter: Adapter) -> tuple[AdapterVersion | None, AdapterV
 def served_weight(version: AdapterVersion, canary: AdapterVersion | None) -> float:
     """The share of the adapter's traffic a served version receives."""
     if version.status == AdapterVersion.Status.CANARY:
-        return float(version.traffic_weight)
+        return version.canary_weight
     # Rounded so that 1 - 0.7 reads 0.3 in events, snapshots and exported files.
-    return round(1.0 - float(canary.traffic_weight), 9) if canary is not None else 1.0
+    return round(1.0 - canary.canary_weight, 9) if canary is not None else 1.0
 
 
 def version_entry(version: AdapterVersion, *, weight: float | None) -> ServedEntry:
@@ -138,7 +138,7 @@ def adapter_resolve(*, tenant: Tenant, model: str, rng: random.Random | None = N
     if active is None:
         raise NotFound(f"The adapter '{name}' has no active version; deploy one first.",
                        code="model_not_deployed", param="model")
-    if canary is not None and (rng or random).random() < canary.traffic_weight:
+    if canary is not None and (rng or random).random() < canary.canary_weight:
         return canary
     return active
 

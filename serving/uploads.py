@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, Any
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
@@ -119,6 +119,11 @@ def manifest_write_for(staged: StagedAdapter, *, tenant: str, adapter: str, vers
     return adapter_digest(staged.directory)
 
 
+def _mapping(value: object) -> dict[str, Any]:
+    """A manifest section, or an empty one when it is missing or not a mapping (which then fails the checks)."""
+    return value if isinstance(value, dict) else {}
+
+
 def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version: str) -> PublishedArtifact:
     """Checks an artifact already in storage (a training job's) as thoroughly as an upload.
 
@@ -139,13 +144,13 @@ def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version
             raise InvalidInput(f"The artifact at '{prefix}/' fails verification: {_plain(error, directory)}",
                                code="artifact_corrupt") from None
         expected = {"tenant": tenant, "name": adapter, "version": version}
-        named = manifest.get("adapter") if isinstance(manifest.get("adapter"), dict) else {}
+        named = _mapping(manifest.get("adapter"))
         if {key: named.get(key) for key in expected} != expected:
             raise InvalidInput(f"The manifest at '{prefix}/' names {named}, not {expected}.", code="manifest_mismatch")
         if not isinstance(manifest.get("source"), dict) or manifest["source"].get("kind") not in SOURCE_KINDS:
             raise InvalidInput(f"The manifest at '{prefix}/' has no valid source (kind one of "
                                f"{', '.join(SOURCE_KINDS)}).", code="invalid_manifest")
-        base = manifest.get("base_model") if isinstance(manifest.get("base_model"), dict) else {}
+        base = _mapping(manifest.get("base_model"))
         if base.get("name") not in accepted_base_models():
             raise InvalidInput(f"The artifact at '{prefix}/' was built for base model '{base.get('name')}', but this "
                                f"platform serves '{settings.BASE_MODEL_NAME}'.", code="base_model_mismatch")
@@ -203,7 +208,7 @@ class _Budget:
 class _BoundedStream:
     """A stream that refuses to yield more than `limit` bytes (what a .tar.gz may expand to, headers included)."""
 
-    def __init__(self, stream: IO[bytes], limit: int, budget: _Budget) -> None:
+    def __init__(self, stream: IO[bytes] | gzip.GzipFile, limit: int, budget: _Budget) -> None:
         self._stream = stream
         self._left = limit
         self._budget = budget
@@ -227,12 +232,11 @@ def _collect(files: Sequence[UploadedFile], directory: Path) -> None:
             "or one .zip/.tar.gz with them at its root.", code="no_files",
         )
     budget = _Budget()
-    if len(files) == 1 and _is_archive(files[0].name or ""):
-        upload = files[0]
-        if upload.name.lower().endswith(".zip"):
-            _unpack_zip(upload, directory, budget)
+    if len(files) == 1 and _is_archive(archive_name := files[0].name or ""):
+        if archive_name.lower().endswith(".zip"):
+            _unpack_zip(files[0], archive_name, directory, budget)
         else:
-            _unpack_tar(upload, directory, budget)
+            _unpack_tar(files[0], archive_name, directory, budget)
     else:
         archives = [upload.name for upload in files if _is_archive(upload.name or "")]
         if archives:
@@ -331,15 +335,15 @@ def _member_name(raw: str) -> str | None:
     return parts[0]
 
 
-def _unpack_zip(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
+def _unpack_zip(upload: UploadedFile, archive_name: str, directory: Path, budget: _Budget) -> None:
     try:
         archive = zipfile.ZipFile(upload)
     except (zipfile.BadZipFile, OSError):
-        raise InvalidInput(f"'{upload.name}' is not a valid zip archive.", code="invalid_archive") from None
+        raise InvalidInput(f"'{archive_name}' is not a valid zip archive.", code="invalid_archive") from None
     with archive:
         entries = archive.infolist()
         for entry in entries:  # every name and size is checked before any byte is extracted
-            budget.admit(upload.name, entry.filename, entry.file_size)
+            budget.admit(archive_name, entry.filename, entry.file_size)
             _member_name(entry.filename)
         for entry in entries:
             name = _member_name(entry.filename)
@@ -355,29 +359,30 @@ def _unpack_zip(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
                 with archive.open(entry) as stream:
                     budget.copy(stream, target)
             except (zipfile.BadZipFile, RuntimeError, OSError, EOFError) as error:
-                raise InvalidInput(f"Could not unpack '{entry.filename}' from '{upload.name}': {error}.",
+                raise InvalidInput(f"Could not unpack '{entry.filename}' from '{archive_name}': {error}.",
                                    code="invalid_archive") from None
 
 
-def _unpack_tar(upload: UploadedFile, directory: Path, budget: _Budget) -> None:
+def _unpack_tar(upload: UploadedFile, archive_name: str, directory: Path, budget: _Budget) -> None:
     """Streams the archive (tarfile's "r|" mode): each entry is admitted by the budget from its header,
     before its bytes are read or skipped; the decompressed stream itself is bounded as well."""
     upload.seek(0)
     compressed = upload.read(2) == _GZIP_MAGIC
     upload.seek(0)
-    raw: IO[bytes] = gzip.GzipFile(fileobj=upload, mode="rb") if compressed else upload
+    raw: IO[bytes] | gzip.GzipFile = gzip.GzipFile(fileobj=upload, mode="rb") if compressed else upload
     stream = _BoundedStream(raw, budget.limit + _TAR_HEADER_ALLOWANCE, budget)
     try:
-        archive = tarfile.open(fileobj=stream, mode="r|")
+        # Stream mode only reads its file; typeshed asks every mode for a seekable, writable one.
+        archive = tarfile.open(fileobj=stream, mode="r|")  # type: ignore[call-overload]
     except (tarfile.TarError, OSError, EOFError, zlib.error):
-        raise InvalidInput(f"'{upload.name}' is not a valid .tar.gz archive.", code="invalid_archive") from None
+        raise InvalidInput(f"'{archive_name}' is not a valid .tar.gz archive.", code="invalid_archive") from None
     with archive:
         try:
             for member in archive:
-                budget.admit(upload.name, member.name, member.size)
-                _unpack_tar_member(archive, member, upload.name, directory, budget)
+                budget.admit(archive_name, member.name, member.size)
+                _unpack_tar_member(archive, member, archive_name, directory, budget)
         except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
-            raise InvalidInput(f"'{upload.name}' is not a valid .tar.gz archive: {error}.",
+            raise InvalidInput(f"'{archive_name}' is not a valid .tar.gz archive: {error}.",
                                code="invalid_archive") from None
 
 
@@ -393,6 +398,7 @@ def _unpack_tar_member(archive: tarfile.TarFile, member: tarfile.TarInfo, archiv
     if target is None:
         return
     stream = archive.extractfile(member)
+    assert stream is not None, "a regular file (isfile above) always has its bytes"
     try:
         budget.copy(stream, target)
     except (tarfile.TarError, OSError, EOFError, zlib.error) as error:

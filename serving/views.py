@@ -25,7 +25,7 @@ from serving.usage import GROUP_BY, usage_summary
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.api_keys import parse_key
-from tenants.dashboard import Role, dashboard_actor, dashboard_view
+from tenants.dashboard import DashboardRequest, Role, dashboard_actor, dashboard_view
 from tenants.models import ApiKey
 
 
@@ -34,14 +34,14 @@ USAGE_COMPARISON_WINDOW = timedelta(hours=24)
 
 
 @dashboard_view(Role.VIEWER)
-def adapter_list_view(request: HttpRequest) -> HttpResponse:
+def adapter_list_view(request: DashboardRequest) -> HttpResponse:
     adapters = selectors.adapter_list(tenant=request.dashboard.tenant)
     return render(request, "dashboard/adapters/list.html", {"adapters": adapters, "nav": "adapters"})
 
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_create_view(request: HttpRequest) -> HttpResponse:
+def adapter_create_view(request: DashboardRequest) -> HttpResponse:
     try:
         adapter = services.adapter_create(tenant=request.dashboard.tenant, name=request.POST.get("name", "").strip(),
                                           description=request.POST.get("description", "").strip())
@@ -59,7 +59,7 @@ def _served_pair(adapter: Adapter) -> tuple[AdapterVersion | None, AdapterVersio
 
 
 @dashboard_view(Role.VIEWER)
-def adapter_detail_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_detail_view(request: DashboardRequest, name: str) -> HttpResponse:
     adapter = selectors.adapter_get(tenant=request.dashboard.tenant, name=name)
     active, canary = _served_pair(adapter)
     versions = selectors.versions_by_precedence(adapter.versions.all())
@@ -71,8 +71,8 @@ def adapter_detail_view(request: HttpRequest, name: str) -> HttpResponse:
         "active_usage": usage.get(active.version) if active else None,
         "canary_usage": usage.get(canary.version) if canary else None,
         "adapter": adapter, "versions": versions, "active": active, "canary": canary, "rollback_to": rollback_to,
-        "canary_share": round(100 * canary.traffic_weight) if canary else 0,
-        "active_share": 100 - round(100 * canary.traffic_weight) if canary else 100,
+        "canary_share": round(100 * canary.canary_weight) if canary else 0,
+        "active_share": 100 - round(100 * canary.canary_weight) if canary else 100,
         "events": selectors.adapter_events(adapter=adapter)[:100], "nav": "adapters",
     })
 
@@ -86,7 +86,7 @@ def _percent_weight(raw: str) -> float:
                            code="invalid_weight", param="weight") from None
 
 
-def _act(request: HttpRequest, name: str, action: Callable[[Adapter, str, str], Any], done: str) -> HttpResponse:
+def _act(request: DashboardRequest, name: str, action: Callable[[Adapter, str, str], Any], done: str) -> HttpResponse:
     """Runs one registry service call for the tenant's adapter `name`; the outcome is a flash message."""
     adapter = selectors.adapter_get(tenant=request.dashboard.tenant, name=name)
     try:
@@ -104,7 +104,7 @@ def _version(adapter: Adapter, request: HttpRequest) -> AdapterVersion:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_upload_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_upload_view(request: DashboardRequest, name: str) -> HttpResponse:
     files = request.FILES.getlist("files")
 
     def upload(adapter: Adapter, actor: str, reason: str) -> AdapterVersion:
@@ -119,7 +119,7 @@ def adapter_upload_view(request: HttpRequest, name: str) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_deploy_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_deploy_view(request: DashboardRequest, name: str) -> HttpResponse:
     return _act(request, name, lambda adapter, actor, reason: services.adapter_version_deploy(
         version=_version(adapter, request), actor=actor, reason=reason),
         f"Version {request.POST.get('version', '')} is active.")
@@ -127,7 +127,7 @@ def adapter_deploy_view(request: HttpRequest, name: str) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_canary_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_canary_view(request: DashboardRequest, name: str) -> HttpResponse:
     """Starts a canary (a version is named) or changes the running canary's weight (none is)."""
     raw = request.POST.get("weight", "")
 
@@ -143,21 +143,21 @@ def adapter_canary_view(request: HttpRequest, name: str) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_promote_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_promote_view(request: DashboardRequest, name: str) -> HttpResponse:
     return _act(request, name, lambda adapter, actor, reason: services.adapter_canary_promote(
         adapter=adapter, actor=actor, reason=reason), "The canary is promoted to active.")
 
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_abort_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_abort_view(request: DashboardRequest, name: str) -> HttpResponse:
     return _act(request, name, lambda adapter, actor, reason: services.adapter_canary_abort(
         adapter=adapter, actor=actor, reason=reason), "The canary is aborted; all traffic goes to the active version.")
 
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_rollback_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_rollback_view(request: DashboardRequest, name: str) -> HttpResponse:
     return _act(request, name, lambda adapter, actor, reason: services.adapter_rollback(
         adapter=adapter, actor=actor, reason=reason, version=request.POST.get("version", "").strip() or None),
         "Rolled back.")
@@ -165,7 +165,7 @@ def adapter_rollback_view(request: HttpRequest, name: str) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def adapter_archive_view(request: HttpRequest, name: str) -> HttpResponse:
+def adapter_archive_view(request: DashboardRequest, name: str) -> HttpResponse:
     return _act(request, name, lambda adapter, actor, reason: services.adapter_version_archive(
         version=_version(adapter, request), actor=actor, reason=reason),
         f"Version {request.POST.get('version', '')} is archived.")
@@ -184,7 +184,7 @@ def _model_choices(adapters: list[Adapter]) -> list[dict[str, str]]:
         active, canary = _served_pair(adapter)
         if active is None:
             continue
-        split = f", canary {canary.version} at {round(100 * canary.traffic_weight)}%" if canary else ""
+        split = f", canary {canary.version} at {round(100 * canary.canary_weight)}%" if canary else ""
         choices.append({"value": adapter.name, "label": f"{adapter.name} (active {active.version}{split})"})
         for version in (active, canary):
             if version is not None:
@@ -194,7 +194,7 @@ def _model_choices(adapters: list[Adapter]) -> list[dict[str, str]]:
 
 
 @dashboard_view(Role.MEMBER)
-def playground_view(request: HttpRequest) -> HttpResponse:
+def playground_view(request: DashboardRequest) -> HttpResponse:
     tenant = request.dashboard.tenant
     choices = _model_choices(list(selectors.adapter_list(tenant=tenant)))
     first_adapter = next((item["value"] for item in choices[1:] if "@" not in item["value"]), choices[0]["value"])
@@ -207,7 +207,7 @@ def playground_view(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def playground_key_view(request: HttpRequest) -> JsonResponse:
+def playground_key_view(request: DashboardRequest) -> JsonResponse:
     """The user's playground key for this tenant (inference scope), issued once per session.
 
     The browser calls `/v1` with it, so the playground's requests take the public path with its
@@ -242,7 +242,7 @@ def _usage_period(request: HttpRequest) -> tuple[int, datetime]:
 
 
 @dashboard_view(Role.VIEWER)
-def usage_view(request: HttpRequest) -> HttpResponse:
+def usage_view(request: DashboardRequest) -> HttpResponse:
     tenant = request.dashboard.tenant
     days, start = _usage_period(request)
     by = {group: usage_summary(tenant=tenant, start=start, end=None, group_by=group) for group in GROUP_BY}
@@ -261,7 +261,7 @@ def usage_view(request: HttpRequest) -> HttpResponse:
 
 
 @dashboard_view(Role.VIEWER)
-def usage_csv_view(request: HttpRequest) -> HttpResponse:
+def usage_csv_view(request: DashboardRequest) -> HttpResponse:
     """The usage table grouped by `group` (day, adapter or key) over the chosen period, as CSV."""
     group = request.GET.get("group", "day")
     if group not in GROUP_BY:

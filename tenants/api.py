@@ -74,7 +74,8 @@ class ApiKeyViewSet(mixins.RetrieveModelMixin, mixins.DestroyModelMixin, TenantS
         if after is not None:
             keys = keys.filter(pk__lt=after)
         rows, has_more = take(keys.order_by("-id"), page.limit)
-        return Response(list_body(ApiKeySerializer(rows, many=True).data, has_more=has_more))
+        serialized = ApiKeySerializer(rows, many=True).data  # a ReturnList (drf-stubs call it a ReturnDict)
+        return Response(list_body(serialized, has_more=has_more))  # type: ignore[arg-type]
 
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer},
                    summary="Create an API key (the full key is returned once)")

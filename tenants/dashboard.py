@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import wraps
-from typing import Any
+from typing import Any, cast
 
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -24,7 +24,7 @@ from tenants.models import Membership, Tenant
 from tenants.selectors import memberships_of
 
 Role = Membership.Role
-_RANK = {Role.VIEWER: 0, Role.MEMBER: 1, Role.OWNER: 2}
+_RANK: dict[str, int] = {Role.VIEWER: 0, Role.MEMBER: 1, Role.OWNER: 2}
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,12 @@ class TenantContext:
     def auth(self) -> TenantAuth:
         """The same TenantAuth the session-authenticated API would build for this request."""
         return TenantAuth(tenant=self.tenant, role=self.role)
+
+
+class DashboardRequest(HttpRequest):
+    """The request a `dashboard_view` hands its view: an HttpRequest that carries its TenantContext."""
+
+    dashboard: TenantContext
 
 
 def tenant_context(request: HttpRequest) -> TenantContext | None:
@@ -91,9 +97,11 @@ def dashboard_view(role: str = Role.VIEWER) -> Callable[[Callable[..., HttpRespo
             if not context.can(role):
                 raise PermissionDenied(f"This needs the {role} role; yours in '{context.tenant.slug}' is "
                                        f"{context.role}.")
-            request.dashboard = context
+            # From here on the request carries its context: it is the DashboardRequest the view expects.
+            dashboard_request = cast(DashboardRequest, request)
+            dashboard_request.dashboard = context
             try:
-                return view(request, *args, **kwargs)
+                return view(dashboard_request, *args, **kwargs)
             except NotFound as error:
                 raise Http404(error.message) from None
 

@@ -29,23 +29,25 @@ class TenantScopedQuerySet(models.QuerySet):
         return self.filter(**{path: tenant})
 
 
-def request_tenant(request: Request) -> Tenant:
+def request_auth(request: Request) -> TenantAuth:
+    """The TenantAuth our authentication classes set (DRF types `request.auth` as a token)."""
     auth = request.auth
     if not isinstance(auth, TenantAuth):
-        raise PermissionError("request_tenant() called on a request without tenant authentication")
-    return auth.tenant
+        raise PermissionError("request_auth() called on a request without tenant authentication")
+    return auth
 
 
-class _TenantScoped:
+def request_tenant(request: Request) -> Tenant:
+    return request_auth(request).tenant
+
+
+class _TenantScoped(generics.GenericAPIView):
     """The scoping logic shared by viewsets and plain generic views."""
 
-    request: Request
-    queryset: models.QuerySet
-
     def get_queryset(self) -> models.QuerySet:
-        model = self.queryset.model
-        path = getattr(model, "TENANT_PATH", "tenant")
-        scoped = self.queryset.all().filter(**{path: request_tenant(self.request)})
+        unscoped = super().get_queryset()  # the class's `queryset`, fresh for this request
+        path = getattr(unscoped.model, "TENANT_PATH", "tenant")
+        scoped = unscoped.filter(**{path: request_tenant(self.request)})
         return self.scope_queryset(scoped)
 
     def scope_queryset(self, queryset: models.QuerySet) -> models.QuerySet:
@@ -58,7 +60,7 @@ class _TenantScoped:
 
     @property
     def tenant_auth(self) -> TenantAuth:
-        return self.request.auth
+        return request_auth(self.request)
 
 
 class TenantScopedViewSet(_TenantScoped, viewsets.GenericViewSet):

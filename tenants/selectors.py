@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypedDict
+
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import AnonymousUser
 from django.db.models import Count, Q, QuerySet
 
 from lora_platform.errors import NotFound
 from tenants.models import ApiKey, Membership, Tenant
 
+if TYPE_CHECKING:  # django-stubs-ext is a dev dependency; only the annotations name it
+    from django_stubs_ext import WithAnnotations
 
-def tenant_list() -> QuerySet[Tenant]:
+
+class _KeyCount(TypedDict):
+    active_key_count: int
+
+
+def tenant_list() -> QuerySet[WithAnnotations[Tenant, _KeyCount]]:
     """Every tenant with its tier, annotated with `active_key_count` (keys not revoked)."""
     return Tenant.objects.select_related("tier").annotate(
         active_key_count=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True))
@@ -22,9 +33,11 @@ def tenant_by_slug(slug: str) -> Tenant:
     return tenant
 
 
-def memberships_of(user: object) -> list[Membership]:
+def memberships_of(user: AbstractBaseUser | AnonymousUser) -> list[Membership]:
     """The user's memberships with their tenants and tiers, by tenant slug (the dashboard's switcher)."""
-    return list(Membership.objects.filter(user=user).select_related("tenant__tier").order_by("tenant__slug"))
+    if user.pk is None:  # the anonymous user
+        return []
+    return list(Membership.objects.filter(user_id=user.pk).select_related("tenant__tier").order_by("tenant__slug"))
 
 
 def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:

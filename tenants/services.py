@@ -6,6 +6,7 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
+from django.db.models import CharField, Model
 from django.utils import timezone
 from django.utils.text import slugify
 
@@ -16,9 +17,19 @@ from tenants.selectors import tenant_by_slug
 from tenants.tiers import DEFAULT_TIERS
 
 DEFAULT_SCOPES = [ApiKey.Scope.INFERENCE.value, ApiKey.Scope.MANAGE.value]
-SLUG_MAX_LENGTH = Tenant._meta.get_field("slug").max_length
-NAME_MAX_LENGTH = Tenant._meta.get_field("name").max_length
-KEY_NAME_MAX_LENGTH = ApiKey._meta.get_field("name").max_length
+
+
+def _max_length(model: type[Model], name: str) -> int:
+    """The max_length of a model's CharField (a CharField always has one)."""
+    field = model._meta.get_field(name)
+    if not isinstance(field, CharField) or field.max_length is None:
+        raise TypeError(f"{model.__name__}.{name} is not a CharField with a max_length")
+    return field.max_length
+
+
+SLUG_MAX_LENGTH = _max_length(Tenant, "slug")
+NAME_MAX_LENGTH = _max_length(Tenant, "name")
+KEY_NAME_MAX_LENGTH = _max_length(ApiKey, "name")
 
 
 def tiers_seed() -> list[Tier]:

@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 
 from lora_platform.errors import ServiceError
 from tenants import selectors, services
-from tenants.dashboard import Role, dashboard_view, tenant_switch
+from tenants.dashboard import DashboardRequest, Role, dashboard_view, tenant_switch
 from tenants.models import ApiKey, Membership
 
 
@@ -23,13 +23,13 @@ class LoginView(auth_views.LoginView):
 
 @require_POST
 @dashboard_view(Role.VIEWER)
-def tenant_switch_view(request: HttpRequest) -> HttpResponse:
+def tenant_switch_view(request: DashboardRequest) -> HttpResponse:
     context = tenant_switch(request, slug=request.POST.get("tenant", ""))
     messages.info(request, f"Now acting for {context.tenant.name}.")
     return redirect("dashboard:overview")
 
 
-def _keys_page(request: HttpRequest, *, created: tuple[ApiKey, str] | None = None,
+def _keys_page(request: DashboardRequest, *, created: tuple[ApiKey, str] | None = None,
                error: ServiceError | None = None, status: int = 200) -> HttpResponse:
     tenant = request.dashboard.tenant
     return render(request, "dashboard/keys.html", {
@@ -40,13 +40,13 @@ def _keys_page(request: HttpRequest, *, created: tuple[ApiKey, str] | None = Non
 
 
 @dashboard_view(Role.VIEWER)
-def api_key_list_view(request: HttpRequest) -> HttpResponse:
+def api_key_list_view(request: DashboardRequest) -> HttpResponse:
     return _keys_page(request)
 
 
 @require_POST
 @dashboard_view(Role.OWNER)
-def api_key_create_view(request: HttpRequest) -> HttpResponse:
+def api_key_create_view(request: DashboardRequest) -> HttpResponse:
     """Answers with the page itself, not a redirect: the full key is in this response and nowhere else."""
     try:
         created = services.api_key_create(tenant=request.dashboard.tenant, name=request.POST.get("name", ""),
@@ -58,7 +58,7 @@ def api_key_create_view(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.OWNER)
-def api_key_revoke_view(request: HttpRequest, key_id: int) -> HttpResponse:
+def api_key_revoke_view(request: DashboardRequest, key_id: int) -> HttpResponse:
     key = selectors.api_key_list(tenant=request.dashboard.tenant).filter(pk=key_id).first()
     if key is None:
         raise Http404(f"No API key {key_id}.")
@@ -68,14 +68,14 @@ def api_key_revoke_view(request: HttpRequest, key_id: int) -> HttpResponse:
 
 
 @dashboard_view(Role.VIEWER)
-def member_list_view(request: HttpRequest) -> HttpResponse:
+def member_list_view(request: DashboardRequest) -> HttpResponse:
     return render(request, "dashboard/members.html", {
         "members": selectors.membership_list(tenant=request.dashboard.tenant), "roles": Membership.Role.choices,
         "nav": "members",
     })
 
 
-def _member(request: HttpRequest, membership_id: int) -> Membership:
+def _member(request: DashboardRequest, membership_id: int) -> Membership:
     membership = selectors.membership_list(tenant=request.dashboard.tenant).filter(pk=membership_id).first()
     if membership is None:
         raise Http404(f"No member {membership_id}.")
@@ -94,7 +94,7 @@ def _member_action(request: HttpRequest, action: Callable[[], object], done: str
 
 @require_POST
 @dashboard_view(Role.OWNER)
-def member_add_view(request: HttpRequest) -> HttpResponse:
+def member_add_view(request: DashboardRequest) -> HttpResponse:
     who, role = request.POST.get("user", ""), request.POST.get("role", "")
     return _member_action(request, lambda: services.membership_add(
         tenant=request.dashboard.tenant, user_identifier=who, role=role), f"Added {who.strip()} as {role}.")
@@ -102,7 +102,7 @@ def member_add_view(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.OWNER)
-def member_role_view(request: HttpRequest, membership_id: int) -> HttpResponse:
+def member_role_view(request: DashboardRequest, membership_id: int) -> HttpResponse:
     membership, role = _member(request, membership_id), request.POST.get("role", "")
     return _member_action(request, lambda: services.membership_set_role(membership=membership, role=role),
                           f"{membership.user.get_username()} is now {role}.")
@@ -110,7 +110,7 @@ def member_role_view(request: HttpRequest, membership_id: int) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.OWNER)
-def member_remove_view(request: HttpRequest, membership_id: int) -> HttpResponse:
+def member_remove_view(request: DashboardRequest, membership_id: int) -> HttpResponse:
     membership = _member(request, membership_id)
     return _member_action(request, lambda: services.membership_remove(membership=membership),
                           f"Removed {membership.user.get_username()}.")

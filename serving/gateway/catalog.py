@@ -136,13 +136,15 @@ def _load_caller(header: str) -> Caller:
         raise GatewayError(401, str(exc.detail), code="invalid_api_key") from None
     except exceptions.PermissionDenied as exc:
         raise GatewayError(403, str(exc.detail), code="tenant_suspended") from None
+    key = auth.api_key
+    assert key is not None, "api_key_authenticate authenticates by key"
     if not auth.has_scope(ApiKey.Scope.INFERENCE):
         raise GatewayError(
-            403, f"This API key (lp-{auth.api_key.prefix}…) lacks the 'inference' scope; create a key with it "
+            403, f"This API key (lp-{key.prefix}…) lacks the 'inference' scope; create a key with it "
             "to call /v1.", code="insufficient_scope")
     tier = auth.tenant.tier
     return Caller(
-        tenant_id=auth.tenant.id, tenant=auth.tenant.slug, key_prefix=auth.api_key.prefix,
+        tenant_id=auth.tenant.id, tenant=auth.tenant.slug, key_prefix=key.prefix,
         tier=TierLimits(name=tier.name, requests_per_minute=tier.requests_per_minute,
                         tokens_per_minute=tier.tokens_per_minute, max_tokens_per_request=tier.max_tokens_per_request,
                         priority=tier.priority, degradation_allowed=tier.degradation_allowed),
@@ -185,7 +187,7 @@ def _load_target(caller: Caller, model: str) -> Target:
     return Target(served=ServedSet(
         active=_served(active, caller.tenant, name),
         canary=_served(canary, caller.tenant, name) if canary else None,
-        canary_weight=float(canary.traffic_weight) if canary else 0.0,
+        canary_weight=canary.canary_weight if canary else 0.0,
     ))
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from serving.gateway import catalog, metrics, pipeline
@@ -22,9 +24,9 @@ def _error(error: GatewayError) -> HttpResponse:
     return response
 
 
-def _reply(reply: pipeline.Reply) -> HttpResponse:
+def _reply(reply: pipeline.Reply) -> HttpResponseBase:
     if reply.stream is not None:
-        response: HttpResponse = StreamingHttpResponse(reply.stream, status=reply.status,
+        response: HttpResponseBase = StreamingHttpResponse(reply.stream, status=reply.status,
                                                        content_type="text/event-stream")
     else:
         response = HttpResponse(reply.body, status=reply.status, content_type=_JSON)
@@ -33,9 +35,9 @@ def _reply(reply: pipeline.Reply) -> HttpResponse:
     return response
 
 
-def _completion_view(endpoint: str) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
+def _completion_view(endpoint: str) -> Callable[[HttpRequest], Coroutine[Any, Any, HttpResponseBase]]:
     @csrf_exempt
-    async def view(request: HttpRequest) -> HttpResponse:
+    async def view(request: HttpRequest) -> HttpResponseBase:
         if request.method != "POST":
             return _error(GatewayError(405, f"Use POST for {request.path}.", code="method_not_allowed"))
         try:
