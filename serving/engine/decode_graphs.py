@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import LoRAMeta
@@ -94,6 +95,13 @@ def flat_context(
     if lora is not None:
         context.lora = lora.prepare(inputs[ADAPTER])
     return context
+
+
+def host_tensor(rows: list[list[int]] | list[int]) -> torch.Tensor:
+    """An int64 CPU tensor of (rectangular) nested lists, through numpy: 3–4 × faster than
+    ``torch.tensor`` on lists of Python ints (0.23 against 0.77 ms for 64 block tables of 37 pages
+    on the development machine), and a step builds several."""
+    return torch.from_numpy(np.array(rows, dtype=np.int64))
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -192,12 +200,12 @@ class DecodeGraphs:
         return the ``[len(step.sampled), vocab]`` logits."""
         padding = size - step.num_tokens
         rows = [row + [value] * padding for row, value in zip(step.rows, self._pad)] if padding else step.rows
-        self._inputs[:, :size].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
-        tables = torch.tensor(step.tables, dtype=torch.long)
+        self._inputs[:, :size].copy_(host_tensor(rows), non_blocking=True)
+        tables = host_tensor(step.tables)
         self._tables[: tables.shape[0], : tables.shape[1]].copy_(tables, non_blocking=True)
         # Every sampled row index must lie inside this size's rows: stale ones of a larger step would not.
         width = min(size, self.max_seqs)
-        samples = torch.tensor(step.sample_rows + [0] * (width - len(step.sample_rows)), dtype=torch.long)
+        samples = host_tensor(step.sample_rows + [0] * (width - len(step.sample_rows)))
         self._samples[:width].copy_(samples, non_blocking=True)
         graph, logits = self._graphs[size, step.lora and self._meta is not None]
         graph.replay()

@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 from kernels import LoRAMeta
 from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
-from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step
+from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
 from serving.engine.layers.lora_linear import MultiLoRALinear
 from serving.engine.lora_adapter import Adapter
 from serving.engine.models.llama import LlamaForCausalLM
@@ -224,10 +224,10 @@ class ModelRunner:
             if size is not None:
                 return self._sample(step.sampled, self.graphs.replay(step, size))
         device = self.device
-        inputs = torch.tensor(step.rows, dtype=torch.long, device=device)
+        inputs = host_tensor(step.rows).to(device)
         context = flat_context(
             inputs,
-            torch.tensor(step.tables, dtype=torch.long, device=device),
+            host_tensor(step.tables).to(device),
             attention=self.attention,
             splits=self._decode_splits(step.num_tokens, step.max_context),
             lora=self.lora_meta if step.lora else None,
