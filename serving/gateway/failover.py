@@ -54,8 +54,8 @@ def retryable(*, status: int | None, error: BaseException | None) -> bool:
 
 def ranked(scored: Sequence[tuple[float, W]], *, rng: random.Random | None = None) -> list[W]:
     """Workers best first (ties in random order), each worker once."""
-    rng = rng or random
-    order = sorted(scored, key=lambda item: (-item[0], rng.random()))
+    draw = (rng or random).random
+    order = sorted(scored, key=lambda item: (-item[0], draw()))
     seen: set[str] = set()
     workers = []
     for _, worker in order:

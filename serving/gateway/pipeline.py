@@ -18,7 +18,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,7 @@ class Reply:
     status: int
     headers: dict[str, str]
     body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
+    stream: AsyncGenerator[bytes, None] | None = None  # closed (aclose) by whoever sends it
 
 
 @dataclass
@@ -307,7 +307,7 @@ def upstream_body(call: Call) -> dict[str, Any]:
     else:
         body["model"] = call.worker.base_model  # type: ignore[union-attr]
     max_tokens = call.max_tokens
-    context = call.worker.max_model_len if call.worker else None  # type: ignore[union-attr]
+    context = call.worker.max_model_len if call.worker else None
     if requested_max_tokens(call.body, call.endpoint) is None and context:
         # The tier's limit, bounded by what the context leaves after the (estimated) prompt.
         max_tokens = max(1, min(max_tokens, context - call.prompt_estimate))
@@ -482,7 +482,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
         wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
         relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage)
 
-        async def stream() -> AsyncIterator[bytes]:
+        async def stream() -> AsyncGenerator[bytes, None]:
             try:
                 async for event in relay:
                     yield event

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -93,9 +94,10 @@ class DemandModel:
     async def predicted_rates(self, now: float) -> dict[str, float]:
         """Every known adapter's predicted request rate (per second) over the coming lookahead."""
         c = self.config
-        ewma_raw = await self._redis.hgetall(EWMA_KEY)
+        # The client does not decode responses: fields and values are bytes.
+        ewma_raw = cast("dict[bytes, bytes]", await self._redis.hgetall(EWMA_KEY))
         ahead = now + c.lookahead_s
-        hour_raw = await self._redis.hgetall(f"{HOUR_KEY}{hour_of(ahead)}")
+        hour_raw = cast("dict[bytes, bytes]", await self._redis.hgetall(f"{HOUR_KEY}{hour_of(ahead)}"))
         # That hour's counts were last decayed on the day of its last request; as of its latest
         # occurrence before `ahead` (today's if under way, else yesterday's) they are worth less.
         last_day = hour_raw.pop(b"_day", None)

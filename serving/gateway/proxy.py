@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +128,7 @@ class Upstream:
 
 
 async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rename: tuple[bytes, bytes],
-                       client_wants_usage: bool) -> AsyncIterator[bytes]:
+                       client_wants_usage: bool) -> AsyncGenerator[bytes, None]:
     """The client's SSE events from the worker's, one by one; closes the upstream however it ends."""
     buffer = b""
     done = failed = False

@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
@@ -150,7 +150,7 @@ async def read_registry(client: aioredis.Redis, *, now: float | None = None) -> 
     """Every registry document of a worker whose heartbeat is recent (one round trip each way)."""
     now = time.time() if now is None else now
     # Members older than the longest TTL a worker uses are stale; the documents' own TTL decides.
-    ids = await client.zrangebyscore(WORKERS_KEY, now - 600, "+inf")
+    ids = cast("list[bytes | str]", await client.zrangebyscore(WORKERS_KEY, now - 600, "+inf"))  # no scores
     if not ids:
         return []
     raw = await client.mget([worker_key(item.decode() if isinstance(item, bytes) else item) for item in ids])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -51,7 +51,8 @@ def usage_push(pipe: aioredis.client.Pipeline, event: UsageEvent) -> None:
 def usage_pop(client: redis.Redis, count: int) -> list[UsageEvent]:
     """Take up to `count` records off the queue, oldest first (LPOP is atomic: two flushers never
     take the same record). Malformed entries are dropped."""
-    raw = client.lpop(QUEUE_KEY, count) or []
+    # With a count, LPOP answers a list (or None when the queue is empty).
+    raw = cast("list[bytes | str] | None", client.lpop(QUEUE_KEY, count)) or []
     events = []
     for item in raw:
         try:
