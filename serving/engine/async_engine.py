@@ -24,7 +24,7 @@ from serving.engine.lora_cache import Placement
 from serving.engine.lora_request import LoRARequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams
-from serving.engine.stats import EngineStats, LoRAInfo
+from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -213,6 +213,11 @@ class AsyncEngine:
 
         self._submit(start)
         return await result
+
+    async def verify_slots(self) -> list[SlotRepair]:
+        """Check every occupied GPU slot's checksum (between two steps); each slot that changed since
+        it was written is repaired from storage in the background and listed here."""
+        return await self._call(self.engine.verify_slots)
 
     async def remove_lora(self, name: str) -> None:
         """Unload ``name`` (AdapterNotFoundError if it is not loaded). Requests already using it

@@ -29,7 +29,8 @@ from serving.engine.sampler import SampleResult
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
-from serving.engine.stats import EngineStats, LoRAInfo
+from serving.engine.slot_integrity import SlotChecksums
+from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
 
 PromptType = str | dict[str, Any]
 
@@ -48,7 +49,12 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.lora_cache: LoRACache | None = None
+        self.slot_checksums: SlotChecksums | None = None
         if config.max_loras > 0:
+            slot_tensors = [t for layer in self.runner.model.lora_layers() for t in (*layer.lora_A, *layer.lora_B)]
+            self.slot_checksums = SlotChecksums(
+                [*slot_tensors, self.runner.lora_scaling, self.runner.lora_ranks], config.max_loras
+            )
             assert config.max_cpu_loras is not None  # EngineConfig.__post_init__ resolves it
             self.lora_cache = LoRACache(
                 max_loras=config.max_loras,
@@ -58,7 +64,7 @@ class LLMEngine:
                 base_model_name=config.base_model_name,
                 dtype=self.runner.dtype,
                 pin_memory=self.runner.device.type == "cuda",
-                write_slot=self.runner.write_slot,
+                write_slot=self._write_slot,
                 on_load_done=on_load_done,
             )
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache)
@@ -295,6 +301,25 @@ class LLMEngine:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         return self.lora_cache.prefetch(lora_request, to_gpu=to_gpu)
 
+    def verify_slots(self) -> list[SlotRepair]:
+        """Check every occupied GPU slot against the checksum taken when it was written; start the
+        repair (a re-read from storage, ``LoRACache.repair``) of each that differs. One device
+        synchronisation: call it between steps, never from inside one."""
+        if self.lora_cache is None or self.slot_checksums is None:
+            return []
+        occupied = [slot for slot, adapter in enumerate(self.lora_cache.slots()) if adapter is not None]
+        repairs = []
+        for slot in self.slot_checksums.mismatched(occupied):
+            adapter = self.lora_cache.repair(slot)
+            if adapter is not None:
+                repairs.append(SlotRepair(slot=slot, digest=adapter.digest, names=tuple(sorted(adapter.names))))
+        return repairs
+
+    def _write_slot(self, slot: int, adapter: Adapter) -> None:
+        self.runner.write_slot(slot, adapter)
+        assert self.slot_checksums is not None
+        self.slot_checksums.record(slot)
+
     def remove_lora(self, name: str) -> None:
         """Unload ``name``; its slot and CPU copy are freed once its in-flight requests finish."""
         if self.lora_cache is None:
@@ -348,6 +373,9 @@ class LLMEngine:
             slot_hits=lora.slot_hits if lora else 0,
             slot_misses=lora.slot_misses if lora else 0,
             adapter_load_stalls=lora.load_stalls if lora else 0,
+            slot_checks=self.slot_checksums.checks if self.slot_checksums is not None else 0,
+            slot_corruptions=self.slot_checksums.mismatches if self.slot_checksums is not None else 0,
+            slot_repairs=lora.slot_repairs if lora else 0,
             gpu_slots=tuple(_label(a) for a in cache.slots()) if cache is not None else (),
             cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
             adapters=tuple(self.list_loras()),

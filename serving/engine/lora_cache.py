@@ -58,6 +58,7 @@ class LoRACacheStats:
     slot_hits: int  # admissions that found their adapter in a slot
     slot_misses: int  # admissions that had to copy their adapter into a slot first
     load_stalls: int  # requests that waited for their adapter to be read from storage
+    slot_repairs: int  # slots rewritten from storage after failing their checksum
 
 
 class LoRACache:
@@ -94,6 +95,7 @@ class LoRACache:
         self._load_seconds_total = 0.0
         self._last_load_seconds = 0.0
         self._load_stalls = 0
+        self._slot_repairs = 0
 
     @property
     def load_fn(self) -> Callable[..., LoadedAdapter]:
@@ -117,6 +119,7 @@ class LoRACache:
             slot_hits=self._slots.hits,
             slot_misses=self._slots.misses,
             load_stalls=self._load_stalls,
+            slot_repairs=self._slot_repairs,
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -244,6 +247,26 @@ class LoRACache:
                 self._cpu.demote(adapter)
         return "gpu" if adapter.slot is not None else "cpu"
 
+    def repair(self, slot: int) -> Adapter | None:
+        """``slot`` no longer holds what was copied in (its checksum failed): bring it back from storage.
+
+        Its adapter is re-read from storage (the digest checked against the one it was loaded
+        with, as every re-read is) rather than from the CPU copy, which may be what went bad. Until
+        the read is in, a slot no running sequence pins is emptied, so no new request runs on it
+        (they wait for the read, as after a CPU eviction); a pinned one is rewritten in place once
+        the read is in. Returns the adapter, or None for an empty slot."""
+        adapter = self._slots.slots()[slot]
+        if adapter is None:
+            return None
+        adapter.repairing = True
+        self._cpu.discard(adapter)
+        if adapter.running == 0:
+            self._slots.free(adapter)
+        if adapter.reload is None:
+            name = next(iter(adapter.names), adapter.digest)
+            adapter.reload = self._start_load(PendingLoad(name, adapter.path, reload_of=adapter))
+        return adapter
+
     def remove(self, name: str) -> Adapter:
         """Forget ``name``; its slot and CPU copy are freed once no request uses them."""
         adapter = self._names.pop(name, None)
@@ -314,6 +337,7 @@ class LoRACache:
                 done.set_exception(error)
             if load.reload_of is not None:
                 load.reload_of.reload = None
+                load.reload_of.repairing = False
                 failed.extend((handle, error) for handle in load.reload_of.handles)
                 self._let_go(load.reload_of)
             else:
@@ -325,6 +349,14 @@ class LoRACache:
         adapter = self._take_in(result, load.path)
         if load.reload_of is not None:
             load.reload_of.reload = None
+        if adapter.repairing:
+            # Back where it was (a pinned slot in place; else the slot it left, first to be reused).
+            adapter.repairing = False
+            if adapter.slot is not None:
+                self._slots.rewrite(adapter)
+                self._slot_repairs += 1
+            elif self._slots.place(adapter) is not None:
+                self._slot_repairs += 1
         for done, load_inplace in load.add_futures:
             try:
                 self._bind(load.name, adapter, load_inplace=load_inplace)

@@ -23,6 +23,15 @@ class LoRAInfo:
 
 
 @dataclass(frozen=True)
+class SlotRepair:
+    """A GPU slot whose checksum failed: which adapter it held (its re-read from storage is under way)."""
+
+    slot: int
+    digest: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """Counters are totals since start; the rest is the state after the last step."""
 
@@ -53,6 +62,10 @@ class EngineStats:
     slot_misses: int
     # Requests that had to wait for their adapter to be read from storage (each counts once).
     adapter_load_stalls: int
+    # Slot integrity: verifications run, slots found changed since written, slots rewritten.
+    slot_checks: int
+    slot_corruptions: int
+    slot_repairs: int
     gpu_slots: tuple[str | None, ...]
     cpu_cached: tuple[str, ...]
     adapters: tuple[LoRAInfo, ...]

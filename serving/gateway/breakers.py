@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -71,6 +71,21 @@ class BreakerConfig:
     half_open_calls: int = 5
     # An idle breaker's key expires after this; an expired key reads as a fresh CLOSED breaker.
     idle_ttl_s: int = 86400
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> BreakerConfig:
+        """The thresholds from the GATEWAY_BREAKER_* variables the web process's settings read, for a
+        process without Django settings (a serving worker reporting a corrupted slot) to judge alike."""
+        d = cls()
+        return cls(
+            window_size=int(environ.get("GATEWAY_BREAKER_WINDOW", d.window_size)),
+            minimum_calls=int(environ.get("GATEWAY_BREAKER_MINIMUM_CALLS", d.minimum_calls)),
+            failure_rate_threshold=float(environ.get("GATEWAY_BREAKER_FAILURE_RATE", d.failure_rate_threshold)),
+            slow_call_rate_threshold=float(environ.get("GATEWAY_BREAKER_SLOW_CALL_RATE", d.slow_call_rate_threshold)),
+            slow_call_duration_s=float(environ.get("GATEWAY_BREAKER_SLOW_CALL_SECONDS", d.slow_call_duration_s)),
+            cooldown_s=float(environ.get("GATEWAY_BREAKER_COOLDOWN_SECONDS", d.cooldown_s)),
+            half_open_calls=int(environ.get("GATEWAY_BREAKER_HALF_OPEN_CALLS", d.half_open_calls)),
+        )
 
     def __post_init__(self) -> None:
         if not 1 <= self.minimum_calls <= self.window_size:

@@ -136,6 +136,16 @@ def build_app(worker: Worker) -> FastAPI:
             "load_seconds": info.load_seconds,
         }
 
+    @app.post("/v1/verify_lora_slots")
+    async def verify_lora_slots() -> dict:
+        """Check every GPU slot's checksum now (as the periodic check does): each slot whose content
+        changed since it was written is reloaded from storage and listed; on registry versions it
+        counts as a circuit-breaker failure. Behind the worker's key like every /v1 route."""
+        worker.require_ready()
+        assert worker.slot_guard is not None  # set before the worker is ready
+        repairs = await worker.slot_guard.verify()
+        return {"repaired": [{"slot": r.slot, "digest": r.digest, "names": list(r.names)} for r in repairs]}
+
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> dict:
         """Unload; the slot and CPU copy are freed once the adapter's in-flight requests finish.

@@ -53,6 +53,7 @@ class ServerArgs:
     enforce_eager: bool = False
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
+    slot_verify_interval: float = 60.0
     registry_url: str | None = None
     registry_token: str | None = None
     registry_reconcile_interval: float = 30.0
@@ -187,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds a caller's chat template may take to render (with --trust-request-chat-template)",
     )
+    server.add_argument(
+        "--slot-verify-interval",
+        type=float,
+        default=60.0,
+        help="seconds between checks of every GPU slot's checksum (a changed slot is reloaded from storage); 0: "
+        "only on request (POST /v1/verify_lora_slots)",
+    )
     server.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     registry = p.add_argument_group("registry sync and self-registration")
     registry.add_argument("--registry-url", default=None, help="the registry's internal snapshot endpoint")
@@ -210,6 +218,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         parser.error("--registry-url needs --registry-token (or $REGISTRY_TOKEN)")
     if ns.max_queued_requests < 0:
         parser.error(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
+    if ns.slot_verify_interval < 0:
+        parser.error(f"--slot-verify-interval must be >= 0, got {ns.slot_verify_interval}")
     if ns.timeout_graceful_shutdown < 0:
         parser.error(f"--timeout-graceful-shutdown must be >= 0, got {ns.timeout_graceful_shutdown}")
     try:

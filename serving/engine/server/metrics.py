@@ -66,6 +66,11 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.slot_breaker_failures = Counter(
+            "loraplex_lora_slot_breaker_failures",
+            "Circuit-breaker failures this worker recorded for registry versions whose GPU slot was corrupted.",
+            registry=self.registry,
+        )
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
         self._sync = _SyncCollector()
@@ -144,6 +149,17 @@ class _EngineCollector(_StatsCollector[EngineStats]):
         yield CounterMetricFamily(
             "loraplex_lora_slot_misses", "Admissions that had to copy their adapter into a GPU slot first.",
             value=stats.slot_misses,
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_slot_checks", "Checks of every occupied GPU slot's checksum.", value=stats.slot_checks
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_slot_corruptions", "GPU slots whose content changed since they were written.",
+            value=stats.slot_corruptions,
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_slot_repairs", "GPU slots rewritten from storage after failing their checksum.",
+            value=stats.slot_repairs,
         )
         yield CounterMetricFamily(
             "loraplex_lora_load_stalls", "Requests that waited for their adapter to be read from storage.",

@@ -22,6 +22,7 @@ from serving.engine.server.cli import ServerArgs, adapter_roots
 from serving.engine.server.errors import APIError, overloaded
 from serving.engine.server.metrics import ServerMetrics
 from serving.engine.server.registry_sync import RegistrySync
+from serving.engine.server.slot_guard import SlotGuard
 from serving.engine.server.worker_registry import WorkerRegistration
 from serving.wire import api_key_id
 
@@ -88,6 +89,7 @@ class Worker:
                 describe=self.describe,
             )
         self.sync: RegistrySync | None = None
+        self.slot_guard: SlotGuard | None = None
 
     @property
     def base_model_id(self) -> str:
@@ -123,6 +125,9 @@ class Worker:
             time.perf_counter() - started, self.base_model_id, self.engine.max_model_len, len(self.args.lora_modules),
         )
         self._changed()
+        self.slot_guard = SlotGuard(self.engine, interval=self.args.slot_verify_interval, redis_url=self.args.redis_url,
+                                    breaker_failures=self.metrics.slot_breaker_failures)
+        self._spawn(self.slot_guard.run(), "slot-verify")
         if self.args.registry_url:
             self.sync = RegistrySync(
                 self.adapters,
@@ -160,6 +165,8 @@ class Worker:
             await self.registration.deregister()
         if self.chat_template_sandbox is not None:
             await self.chat_template_sandbox.close()
+        if self.slot_guard is not None:
+            await self.slot_guard.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 
