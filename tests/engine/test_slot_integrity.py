@@ -14,6 +14,7 @@ import torch
 from peft_reference import PeftReference, assert_greedy_match
 
 from serving.engine import LLM, LoRARequest, SamplingParams
+from serving.engine.slot_integrity import SlotChecksums
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,3 +75,32 @@ def test_an_unchanged_slot_passes_every_check(
         llm.generate(PROMPT, GREEDY, lora_request=LoRARequest(f"a{i % 2}", str(path)))
         assert llm.llm_engine.verify_slots() == []
     assert llm.llm_engine.stats().slot_corruptions == 0
+
+
+_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                               reason="needs a CUDA device")]),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_a_one_bit_change_is_seen_and_recording_never_synchronises(device: str) -> None:
+    """The sum is over bits: flipping the lowest bit of one bf16 element (a change a float sum would
+    round away) is seen in that slot only. On CUDA, recording runs under sync-debug "error"."""
+    tensors = [torch.randn(4, 16, 64, dtype=torch.bfloat16, device=device) * 100,
+               torch.rand(4, device=device), torch.arange(4, dtype=torch.int32, device=device)]
+    sums = SlotChecksums(tensors, num_slots=4)
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for slot in range(4):
+            sums.record(slot)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert sums.mismatched([0, 1, 2, 3]) == []
+    bits = tensors[0].view(torch.int16)
+    bits[2, 3, 5] ^= 1
+    assert sums.mismatched([0, 1, 2, 3]) == [2]
+    assert sums.mismatched([0, 1, 3]) == [], "only occupied slots are judged"
