@@ -93,3 +93,29 @@ def test_a_corrupted_slot_is_detected_repaired_and_counted_on_the_breaker(
 
         assert client.post("/v1/verify_lora_slots", headers=AUTH).json() == {"repaired": []}
         assert _completion(client) == before, "the repaired slot serves what it served before"
+
+
+def test_the_periodic_check_finds_a_corrupted_slot_by_itself(
+    redis_client: object, tiny_model: Path, make_adapter: Callable[..., Path]
+) -> None:
+    adapter = make_adapter(r=8, target_modules=("q_proj", "v_proj"), seed=62)
+    args = ServerArgs(model=str(tiny_model), device="cpu", api_key=KEY, lora_modules=[LoRAModule("local", str(adapter))],
+                      max_loras=2, max_lora_rank=16, max_model_len=256, num_gpu_blocks_override=128,
+                      slot_verify_interval=0.2)
+    worker = Worker(args)
+    with TestClient(build_app(worker)) as client:
+        _wait(lambda: client.get("/health").status_code == 200, "the worker to be ready")
+        body = {"model": "local", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+        assert client.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+        _wait(lambda: _metric(client, "loraplex_lora_slot_checks_total") >= 1, "a periodic check")
+        assert _metric(client, "loraplex_lora_slot_corruptions_total") == 0
+
+        assert worker.engine is not None
+        engine = worker.engine.engine
+        (info,) = engine.list_loras()
+        assert info.gpu_slot is not None
+        next(iter(engine.runner.model.lora_layers())).lora_A[0][info.gpu_slot, 1, 2] -= 0.5
+
+        _wait(lambda: _metric(client, "loraplex_lora_slot_repairs_total") == 1, "the periodic check to repair it")
+        assert _metric(client, "loraplex_lora_slot_corruptions_total") == 1
+        assert _metric(client, "loraplex_lora_slot_breaker_failures_total") == 0, "a local name has no breaker"
