@@ -4,3 +4,11 @@ from django.apps import AppConfig
 class TrainingConfig(AppConfig):
     name = "training"
     verbose_name = "Datasets and training jobs"
+
+    def ready(self) -> None:
+        # The registry counts the names active jobs hold for their new adapters against the tier's
+        # limit (docs/training.md, "Adapter names"); it imports nothing of training to do so.
+        from serving import services as registry
+        from training import selectors
+
+        registry.adapter_name_holds_register(selectors.adapter_names_held)

@@ -55,14 +55,14 @@ def _ready_dataset(tenant: Tenant, dataset_id: Any, param: str, *, pending_ok: b
     return dataset
 
 
-def _check_adapter_name(tenant: Tenant, name: Any) -> bool:
-    """True when the adapter exists; InvalidInput/LimitExceeded (the registry's own rule) when a new one
-    cannot be made."""
-    registry.adapter_name_validate(name, param="adapter")
-    if Adapter.objects.for_tenant(tenant).filter(name=name).exists():
-        return True
-    registry.adapter_room_check(tenant=tenant, param="adapter")
-    return False
+def _check_adapter_room(tenant: Tenant, name: str) -> None:
+    """LimitExceeded (the registry's own rule) when `name` is a new adapter the tier has no room for.
+
+    The job then holds that room until it ends (docs/training.md, "Adapter names"), so it fails
+    here rather than at publishing, hours later. The caller holds the tenant's row lock.
+    """
+    if not Adapter.objects.for_tenant(tenant).filter(name=name).exists():
+        registry.adapter_room_check(tenant=tenant, name=name, param="adapter")
 
 
 def _check_requested_version(tenant: Tenant, adapter_name: str, version: Any) -> str:
@@ -135,7 +135,8 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
             raise InvalidInput("'validation_fraction' needs a validated training file; wait for its status "
                                "'ready', or give a 'validation_file'.", param="validation_fraction")
         fraction = 0.0 if pending else _validation_fraction(validation_fraction, dataset, validation)
-        _check_adapter_name(locked, adapter)
+        registry.adapter_name_validate(adapter, param="adapter")
+        _check_adapter_room(locked, adapter)
         requested = _check_requested_version(locked, adapter, version)
         _check_waiting_room(locked)
         job = TrainingJob.objects.create(
@@ -278,6 +279,9 @@ def training_job_retry(*, job: TrainingJob) -> TrainingJob:
         if job.dataset is None or job.dataset.status != Dataset.Status.READY:
             raise Conflict(f"The dataset of training job {job.pk} was deleted; create a new job.",
                            code="dataset_not_found")
+        # Locked after the job, in the order publishing locks them (a job, then its tenant).
+        _check_adapter_room(Tenant.objects.select_for_update(of=("self",)).select_related("tier")
+                            .get(pk=job.tenant_id), job.adapter_name)
         job.status = Status.QUEUED
         job.error_code = job.error_message = ""
         job.dispatched_at = job.cancel_requested_at = job.finished_at = job.heartbeat_at = None

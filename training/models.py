@@ -1,7 +1,8 @@
 """Datasets, training jobs, their events and their checkpoints.
 
-State changes live in the service modules (training.datasets, jobs, slots, run, publishing); the models hold what the database can enforce by itself
-(one checkpoint per job and step, one produced version per job).
+State changes live in the service modules (training.datasets, jobs, slots, run, publishing); the
+models hold what the database can enforce by itself (one checkpoint per job and step, one produced
+version per job).
 """
 
 from __future__ import annotations

@@ -1,25 +1,23 @@
 """Two transactions racing on one adapter leave one valid state (PostgreSQL: real row locks).
 
-Each race starts two threads (each with its own database connection) at a barrier. A pre_save hook
-sleeps inside the transaction to widen the window in which, without the adapter row lock, both
-would read the same state and both write; with the lock the second waits and then sees the first's
+Each race starts two threads (each with its own database connection) at a barrier (tests.races).
+A pre_save hook sleeps inside the transaction to widen the window in which, without the adapter row
+lock, both would read the same state and both write; with the lock the second waits and then sees the first's
 result. The outcome must be one of the states the two serial orders produce, with one audit event
 per successful operation and nothing else raised.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
-from django.db import connections
 from django.db.models.signals import pre_save
 
 from lora_platform.errors import Conflict
 from serving import services
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
+from tests.races import race
 
 pytestmark = [
     # The flush after each test wipes the seeded tiers; the tenant fixtures re-seed them
@@ -41,28 +39,6 @@ def widened_window():
     pre_save.connect(_slow_save, sender=AdapterVersion)
     yield
     pre_save.disconnect(_slow_save, sender=AdapterVersion)
-
-
-def race(first: Callable[[], object], second: Callable[[], object]) -> list[object]:
-    """Runs both at once; each result is the return value or the exception raised."""
-    barrier = threading.Barrier(2)
-    results: list[object] = [None, None]
-
-    def run(index: int, call: Callable[[], object]) -> None:
-        try:
-            barrier.wait()
-            results[index] = call()
-        except Exception as error:  # the race's outcome, inspected by the test
-            results[index] = error
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=run, args=(index, call)) for index, call in enumerate((first, second))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    return results
 
 
 def served_state(adapter: Adapter) -> dict[str, str | tuple[str, float]]:
