@@ -262,6 +262,12 @@ GATEWAY_PROCESSES = env_int("GATEWAY_PROCESSES", env_int("WEB_CONCURRENCY", 1))
 GATEWAY_PREWARM_TAU_SECONDS = float(os.environ.get("GATEWAY_PREWARM_TAU_SECONDS", "300"))
 GATEWAY_PREWARM_DAILY_DECAY = float(os.environ.get("GATEWAY_PREWARM_DAILY_DECAY", "0.5"))
 GATEWAY_PREWARM_LOOKAHEAD_SECONDS = float(os.environ.get("GATEWAY_PREWARM_LOOKAHEAD_SECONDS", "900"))
+# The prewarm loop (serving.gateway.prewarm_loop): one round per interval across all gateway
+# processes (0: no loop); at most this many versions, each predicted at least this many requests
+# per hour.
+GATEWAY_PREWARM_INTERVAL_SECONDS = float(os.environ.get("GATEWAY_PREWARM_INTERVAL_SECONDS", "30"))
+GATEWAY_PREWARM_MAX_ADAPTERS = env_int("GATEWAY_PREWARM_MAX_ADAPTERS", 256)
+GATEWAY_PREWARM_MIN_PER_HOUR = float(os.environ.get("GATEWAY_PREWARM_MIN_PER_HOUR", "0"))
 
 LOGGING = {
     "version": 1,

@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
+from django.db.models import Q
 from rest_framework import exceptions
 
 from serving.gateway.errors import GatewayError, model_not_found
@@ -195,6 +196,32 @@ async def target_for(caller: Caller, model: str) -> Target:
     """What `model` names in the caller's tenant; the same 404 for unknown and foreign names."""
     return await _targets.get_or_load((caller.tenant_id, caller.key_prefix, model),
                                       lambda: _load_target(caller, model))
+
+
+def _load_served_versions(names: list[str]) -> dict[str, ServedVersion]:
+    wanted: dict[tuple[str, str, str], str] = {}
+    for name in names:
+        tenant, slash, rest = name.partition("/")
+        adapter, at, version = rest.rpartition("@")
+        if slash and at:
+            wanted[(tenant, adapter, version)] = name
+    if not wanted:
+        return {}
+    query = Q()
+    for tenant, adapter, version in wanted:
+        query |= Q(adapter__tenant__slug=tenant, adapter__name=adapter, version=version)
+    found: dict[str, ServedVersion] = {}
+    for row in AdapterVersion.objects.filter(query, status__in=_SERVED).select_related("adapter__tenant"):
+        qualified = wanted.get((row.adapter.tenant.slug, row.adapter.name, row.version))
+        if qualified is not None:
+            found[qualified] = _served(row, row.adapter.tenant.slug, row.adapter.name)
+    return found
+
+
+async def served_versions(names: list[str]) -> dict[str, ServedVersion]:
+    """The versions among `names` (`<tenant>/<adapter>@<version>`) still served (active or canary),
+    by name, for the prewarm loop: one query, uncached (the loop runs every tens of seconds)."""
+    return await sync_to_async(_with_connection(lambda: _load_served_versions(names)))()
 
 
 @dataclass(frozen=True)

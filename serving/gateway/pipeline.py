@@ -13,6 +13,7 @@ Refusals are GatewayErrors; views turn everything into HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from serving.gateway.breakers import Permit
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import MAX_ATTEMPTS, ranked, retryable
 from serving.gateway.local_buckets import GuardedBuckets
+from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
 from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
 from serving.gateway.quotas import Admission, Bucket, TokenBuckets, ratelimit_headers
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
@@ -67,6 +69,7 @@ class Resources:
     workers_read_at: float = -math.inf
     workers_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     flusher: asyncio.Task | None = None
+    prewarmer: asyncio.Task | None = None
 
 
 _resources: dict[asyncio.AbstractEventLoop, Resources] = {}
@@ -92,7 +95,28 @@ def resources() -> Resources:
         from serving.usage import usage_flusher_start
 
         found.flusher = usage_flusher_start()
+        found.prewarmer = _prewarm_start(found)
     return found
+
+
+def _prewarm_start(res: Resources) -> asyncio.Task | None:
+    """The prewarm loop on this loop (serving.gateway.prewarm_loop), unless its interval is 0."""
+    if settings.GATEWAY_PREWARM_INTERVAL_SECONDS <= 0:
+        return None
+    config = PrewarmLoopConfig(interval_s=settings.GATEWAY_PREWARM_INTERVAL_SECONDS,
+                               max_adapters=settings.GATEWAY_PREWARM_MAX_ADAPTERS,
+                               min_rate=settings.GATEWAY_PREWARM_MIN_PER_HOUR / 3600.0)
+
+    async def workers() -> list[WorkerView]:
+        return res.resilience.usable_workers(await _workers(res))
+
+    prewarmer = Prewarmer(redis=res.redis, demand=res.resilience.demand, guard=res.resilience.guard, workers=workers,
+                          served=catalog.served_versions, client=res.upstream.client,
+                          api_key=settings.SERVING_WORKER_API_KEY, config=config)
+    # A fresh context: inherited from the first request, the registry lookups (sync_to_async) would
+    # run on that request's thread executor, which is gone once it ends.
+    return asyncio.get_running_loop().create_task(prewarmer.run(), name="gateway-prewarm",
+                                                  context=contextvars.Context())
 
 
 @dataclass

@@ -79,6 +79,11 @@ class Upstream:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The pool itself, for the gateway's own calls to workers (the prewarm loop)."""
+        return self._client
+
     async def aclose(self) -> None:
         await self._client.aclose()
 

@@ -60,6 +60,8 @@ class WorkerView:
     started_at: float = 0.0
     max_queued_requests: int | None = None
     gpu_memory_free_bytes: int | None = None
+    # The CPU cache under the slots (the prewarm loop fills both; serving.gateway.prewarm_plan).
+    max_cpu_loras: int = 0
 
     @classmethod
     def parse(cls, document: Mapping[str, Any]) -> WorkerView:
@@ -79,6 +81,7 @@ class WorkerView:
             started_at=float(document.get("started_at") or 0.0),
             max_queued_requests=_optional_int(document.get("max_queued_requests")),
             gpu_memory_free_bytes=_optional_int(document.get("gpu_memory_free_bytes")),
+            max_cpu_loras=int(document.get("max_cpu_loras") or 0),
         )
 
     def affinity(self, adapter: str | None) -> float:

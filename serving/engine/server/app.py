@@ -19,12 +19,14 @@ from serving.engine.server.errors import APIError, bad_request, install_error_ha
 from serving.engine.server.generation import ClientDisconnected, Outcome
 from serving.engine.server.metrics import CONTENT_TYPE
 from serving.engine.server.on_demand import ensure_loaded
+from serving.engine.server.prefetch import PrefetchItem, prefetch
 from serving.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    PrefetchLoRAAdaptersRequest,
     UnloadLoRAAdapterRequest,
 )
 from serving.engine.server.registry_sync import is_registry_name
@@ -145,6 +147,23 @@ def build_app(worker: Worker) -> FastAPI:
         assert worker.slot_guard is not None  # set before the worker is ready
         repairs = await worker.slot_guard.verify()
         return {"repaired": [{"slot": r.slot, "digest": r.digest, "names": list(r.names)} for r in repairs]}
+
+    @app.post("/v1/prefetch_lora_adapters")
+    async def prefetch_lora_adapters(body: PrefetchLoRAAdaptersRequest, request: Request) -> dict:
+        """The operator's (the gateway's prewarm loop): load registry versions into the CPU cache
+        and, where `to_gpu`, a free or idle GPU slot, ahead of their traffic (server.prefetch)."""
+        engine, adapters = worker.require_ready()
+        if not is_operator(request):
+            raise APIError(403, "Prefetching reads storage and fills GPU slots: only the operator may, with this "
+                           "worker's --api-key (a worker without a key has no operator).", code="operator_only")
+        items = [PrefetchItem(name=entry.lora_name, artifact_uri=entry.artifact_uri,
+                              manifest_sha256=entry.manifest_sha256, to_gpu=entry.to_gpu) for entry in body.adapters]
+        for item in items:
+            if not is_registry_name(item.name):
+                raise APIError(400, f"'{item.name}' is not a registry version name (<tenant>/<adapter>@<version>); "
+                               "prefetch serves the registry's versions only.", param="adapters", code="not_registry_name")
+        results = await prefetch(engine, adapters, items)
+        return {"data": [{"lora_name": r.name, "cpu": r.cpu, "gpu": r.gpu, "error": r.error} for r in results]}
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> dict:

@@ -171,6 +171,18 @@ class LoadLoRAAdapterRequest(_Request):
     load_inplace: bool = False
 
 
+class PrefetchAdapter(RegistryAdapterRef):
+    lora_name: str = Field(min_length=1)
+    # Also into a GPU slot (one that is free or idle: never a pinned or busy one).
+    to_gpu: bool = False
+
+
+class PrefetchLoRAAdaptersRequest(_Request):
+    """Registry versions to load ahead of their traffic, most wanted first (server.prefetch)."""
+
+    adapters: list[PrefetchAdapter] = Field(max_length=4096)
+
+
 class UnloadLoRAAdapterRequest(_Request):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None

@@ -1,0 +1,86 @@
+"""The prewarm loop on real parts: demand recorded in Redis, deployed versions in the registry, a
+real serving worker with two GPU slots. One round puts the two most wanted versions in its slots
+and the third in its CPU cache, as its registration then shows; another gateway process in the
+same interval finds the lock taken; the worker's prefetch endpoint is the operator's only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from serving import services
+from serving.gateway import catalog
+from serving.gateway.prewarm import DemandModel
+from serving.gateway.prewarm_loop import PREFETCH_PATH, Prewarmer, PrewarmLoopConfig
+from serving.gateway.redis_guard import RedisGuard
+from serving.gateway.routing import WorkerView
+from serving.wire import worker_key
+from tests.gateway.conftest import WORKER_KEY, upload_version, wait_for_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def registration(redis_client, worker_id: str) -> dict:
+    return json.loads(redis_client.get(worker_key(worker_id)))
+
+
+def test_a_round_fills_the_slots_with_the_most_wanted_then_the_cpu_cache(
+        registry, start_worker, tenant_a, adapter_dirs, redis_client):
+    from django.conf import settings
+
+    worker = start_worker("pw-worker", "--max-cpu-loras", "4")
+    wait_for_worker(redis_client, "pw-worker")
+    names = []
+    for index, directory in enumerate(adapter_dirs):
+        adapter = services.adapter_create(tenant=tenant_a.tenant, name=f"bot-{index}")
+        version = upload_version(adapter, directory, "1.0.0")
+        services.adapter_version_deploy(version=version, actor="test")
+        names.append(f"{tenant_a.tenant.slug}/bot-{index}@1.0.0")
+    # An archived version with demand is not prefetched: it is no longer served.
+    retired = services.adapter_create(tenant=tenant_a.tenant, name="retired")
+    upload_version(retired, adapter_dirs[0], "1.0.0")
+
+    async def scenario() -> tuple:
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        demand = DemandModel(client)
+        now = time.time()
+        for name, count in zip([*names, f"{tenant_a.tenant.slug}/retired@1.0.0"], (3, 5, 1, 9)):
+            for _ in range(count):
+                await demand.record(name, now)
+
+        async def workers() -> list[WorkerView]:
+            return [WorkerView.parse(registration(redis_client, "pw-worker"))]
+
+        async with httpx.AsyncClient(timeout=60) as http:
+            def prewarmer() -> Prewarmer:
+                return Prewarmer(redis=client, demand=demand, guard=RedisGuard(timeout_s=5), workers=workers,
+                                 served=catalog.served_versions, client=http, api_key=WORKER_KEY,
+                                 config=PrewarmLoopConfig(interval_s=60))
+
+            first = await prewarmer().round(now)
+            second = await prewarmer().round(now)  # another process, the same interval
+        await client.aclose()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first is not None and (first.planned, first.gpu, first.cpu, first.failed) == (3, 2, 1, 0), first
+    assert second is None
+
+    def places() -> dict[str, str]:
+        entry = registration(redis_client, "pw-worker")
+        return {a["name"]: "gpu" if a["gpu"] else "cpu" if a["cpu"] else "-" for a in entry["adapters"]}
+
+    deadline = time.monotonic() + 10
+    while places() != {names[1]: "gpu", names[0]: "gpu", names[2]: "cpu"}:
+        assert time.monotonic() < deadline, places()
+        time.sleep(0.2)
+
+    # The endpoint reads storage and fills slots: not for a caller without the operator key.
+    body = {"adapters": [{"lora_name": names[2], "artifact_uri": "file:///elsewhere", "manifest_sha256": "0" * 64,
+                          "to_gpu": True}]}
+    assert httpx.post(f"{worker.url}{PREFETCH_PATH}", json=body, timeout=30).status_code == 401
