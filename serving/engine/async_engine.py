@@ -9,11 +9,11 @@ Adapter loads run on loader threads, so a load never pauses the steps of other r
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
@@ -28,6 +28,7 @@ from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 
 # How long the engine thread sleeps when idle before re-checking; commands and finished adapter
 # loads wake it at once, so this only bounds the delay after a missed wake-up.
@@ -148,31 +149,11 @@ class AsyncEngine:
         the name is loaded with other content and ``load_inplace`` is False. With ``load_inplace``
         the name is re-pointed at once: requests already running keep the old weights, every later
         request gets the new ones."""
-        loop = asyncio.get_running_loop()
-        result: asyncio.Future[LoRAInfo] = loop.create_future()
 
-        def settle(setter: Callable[[], None]) -> None:
-            loop.call_soon_threadsafe(lambda: None if result.done() else setter())
+        def describe(_: object) -> LoRAInfo:
+            return next(i for i in self.engine.list_loras() if i.name == lora_request.lora_name)
 
-        def start() -> None:
-            try:
-                future = self.engine.add_lora(lora_request, load_inplace=load_inplace)
-            except Exception as exc:
-                settle(functools.partial(result.set_exception, exc))
-                return
-
-            def done(f: Any) -> None:  # runs on the engine thread, inside step()'s poll
-                error = f.exception()
-                if error is not None:
-                    settle(functools.partial(result.set_exception, error))
-                    return
-                info = next(i for i in self.engine.list_loras() if i.name == lora_request.lora_name)
-                settle(functools.partial(result.set_result, info))
-
-            future.add_done_callback(done)
-
-        self._submit(start)
-        return await result
+        return await self._await_load(lambda: self.engine.add_lora(lora_request, load_inplace=load_inplace), describe)
 
     async def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool) -> Placement:
         """Bring an adapter up ahead of its traffic (predictive prewarm) and say where it ended.
@@ -189,30 +170,7 @@ class AsyncEngine:
         and when the name is loaded from another path: a prefetch never changes what a name
         serves. Measure its effect with ``get_stats()``: ``slot_hits`` / ``slot_misses`` (GPU-slot
         hit rate of admissions) and ``adapter_load_stalls`` (requests that waited for a read)."""
-        loop = asyncio.get_running_loop()
-        result: asyncio.Future[Placement] = loop.create_future()
-
-        def settle(setter: Callable[[], None]) -> None:
-            loop.call_soon_threadsafe(lambda: None if result.done() else setter())
-
-        def start() -> None:
-            try:
-                future = self.engine.prefetch_lora(lora_request, to_gpu=to_gpu)
-            except Exception as exc:
-                settle(functools.partial(result.set_exception, exc))
-                return
-
-            def done(f: Any) -> None:  # on the engine thread, as the load is taken in (or at once)
-                error = f.exception()
-                if error is not None:
-                    settle(functools.partial(result.set_exception, error))
-                else:
-                    settle(functools.partial(result.set_result, f.result()))
-
-            future.add_done_callback(done)
-
-        self._submit(start)
-        return await result
+        return await self._await_load(lambda: self.engine.prefetch_lora(lora_request, to_gpu=to_gpu), lambda p: p)
 
     async def verify_slots(self) -> list[SlotRepair]:
         """Check every occupied GPU slot's checksum (between two steps); each slot that changed since
@@ -312,6 +270,37 @@ class AsyncEngine:
         self._submit(command)
         return await result
 
+    async def _await_load(self, start: Callable[[], Future[T]], then: Callable[[T], R]) -> R:
+        """Run ``start`` on the engine thread and await the adapter load it returns; ``then`` turns
+        the load's result into the answer, on the engine thread too (the load completes inside a
+        step's poll, so the engine's state may be read there)."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[R] = loop.create_future()
+
+        def fail(error: BaseException) -> None:
+            loop.call_soon_threadsafe(_settle_error, result, error)
+
+        def done(load: Future[T]) -> None:
+            error = load.exception()
+            if error is not None:
+                fail(error)
+                return
+            try:
+                value = then(load.result())
+            except Exception as exc:
+                fail(exc)
+            else:
+                loop.call_soon_threadsafe(_settle_result, result, value)
+
+        def command() -> None:
+            try:
+                start().add_done_callback(done)
+            except Exception as exc:
+                fail(exc)
+
+        self._submit(command)
+        return await result
+
     def _check_alive(self) -> None:
         if not self.is_running:
             raise EngineDeadError("the engine is shut down")
@@ -324,7 +313,7 @@ def _settle_result(future: asyncio.Future[T], value: T) -> None:
         future.set_result(value)
 
 
-def _settle_error(future: asyncio.Future[T], error: Exception) -> None:
+def _settle_error(future: asyncio.Future[T], error: BaseException) -> None:
     """Fail ``future`` with ``error`` unless its awaiter has gone (cancelled)."""
     if not future.done():
         future.set_exception(error)
