@@ -264,7 +264,8 @@ def model_get(caller: Caller, model: str) -> ModelEntry:
         if entry.id == model:
             return entry
     target = _load_target(caller, model)
-    version = target.pinned or target.served.active  # type: ignore[union-attr]
+    version = target.pinned or (target.served.active if target.served else None)
+    assert version is not None, "a model other than the base resolves to a pin or an adapter's served set"
     adapter = Adapter.objects.get(tenant_id=caller.tenant_id, name=version.adapter)
     return ModelEntry(id=model, created=int(adapter.created_at.timestamp()), owned_by=caller.tenant,
                       parent=settings.BASE_MODEL_NAME, root=f"{version.adapter}@{version.version}")

@@ -229,8 +229,8 @@ def tenant_buckets(caller: Caller) -> tuple[Bucket, Bucket, Bucket]:
     )
 
 
-def _over_quota(call: Call, retry_after_s: float) -> GatewayError:
-    requests_state, tokens_state = call.admission.states  # type: ignore[union-attr]
+def _over_quota(call: Call, admission: Admission, retry_after_s: float) -> GatewayError:
+    requests_state, tokens_state = admission.states
     short = "requests" if requests_state.wait_s >= tokens_state.wait_s else "tokens"
     limit = call.caller.tier.requests_per_minute if short == "requests" else call.caller.tier.tokens_per_minute
     retry = max(1, math.ceil(retry_after_s))
@@ -265,7 +265,7 @@ async def admit(call: Call, res: Resources) -> None:
             return
         retry_after = min(retry_after, degraded.retry_after_s)
     metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
-    raise _over_quota(call, retry_after)
+    raise _over_quota(call, call.admission, retry_after)
 
 
 def degradable(call: Call) -> bool:
@@ -281,8 +281,9 @@ def choose_version(call: Call) -> ServedVersion | None:
         return None
     if target.pinned is not None:
         return target.pinned
+    assert target.served is not None, "a target is the base model, a pinned version or an adapter's served set"
     user = call.body.get("user")
-    return pick_version(target.served, user=user if isinstance(user, str) else None)  # type: ignore[arg-type]
+    return pick_version(target.served, user=user if isinstance(user, str) else None)
 
 
 async def _workers(res: Resources) -> list[WorkerView]:
@@ -319,7 +320,7 @@ async def choose_worker(call: Call, res: Resources) -> WorkerView:
     return worker
 
 
-def upstream_body(call: Call) -> dict[str, Any]:
+def upstream_body(call: Call, worker: WorkerView) -> dict[str, Any]:
     """The worker's request: the internal name, the version's artifact (so a worker that does not
     hold it loads it, verified by digest), the tier's priority and the effective max_tokens."""
     body = {key: value for key, value in call.body.items() if key not in _GATEWAY_FIELDS}
@@ -329,9 +330,9 @@ def upstream_body(call: Call) -> dict[str, Any]:
         body["loraplex_adapter"] = {"artifact_uri": call.version.artifact_uri,
                                     "manifest_sha256": call.version.manifest_sha256}
     else:
-        body["model"] = call.worker.base_model  # type: ignore[union-attr]
+        body["model"] = worker.base_model
     max_tokens = call.max_tokens
-    context = call.worker.max_model_len if call.worker else None
+    context = worker.max_model_len
     if requested_max_tokens(call.body, call.endpoint) is None and context:
         # The tier's limit, bounded by what the context leaves after the (estimated) prompt.
         max_tokens = max(1, min(max_tokens, context - call.prompt_estimate))
@@ -467,7 +468,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
     worker = call.worker
     assert worker is not None
     url = f"{worker.url}{ENDPOINTS[call.endpoint]}"
-    body = upstream_body(call)
+    body = upstream_body(call, worker)
     rename = rename_model(body["model"], settings.BASE_MODEL_NAME if call.degraded else call.model)
     result = UpstreamResult(worker_id=worker.worker_id)
     res.inflight[worker.worker_id] = res.inflight.get(worker.worker_id, 0) + 1
@@ -502,7 +503,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
                 return None
             if result.key_refused:
                 return Reply(status=502, headers=headers, body=_key_refused(worker, response.status_code))
-            return Reply(status=response.status_code, headers=headers, body=response._gateway_body)  # type: ignore[attr-defined]
+            return Reply(status=response.status_code, headers=headers, body=result.refused_body)
         wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
         relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage)
 

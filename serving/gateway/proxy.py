@@ -51,6 +51,8 @@ class UpstreamResult:
     first_byte_s: float | None = None
     ended_s: float | None = None
     error: str = ""
+    # A refusal's whole body (error keeps its first 500 characters), relayed to the client as it came.
+    refused_body: bytes = b""
 
     def take_usage(self, usage: dict[str, Any] | None) -> None:
         if isinstance(usage, dict):
@@ -63,6 +65,7 @@ class UpstreamResult:
         self.key_refused = key_refused(status)
         self.status = "client_error" if status < 500 and not self.key_refused else "upstream_error"
         self.error = content[:500].decode(errors="replace")
+        self.refused_body = content
 
     def end(self) -> None:
         if self.ended_s is None:
@@ -112,7 +115,8 @@ class Upstream:
         return content
 
     async def open_stream(self, url: str, body: dict[str, Any], *, result: UpstreamResult) -> httpx.Response:
-        """The upstream response with its headers read; the caller relays it or reads its error."""
+        """The upstream response with its headers read, for the caller to relay; a refusal (not 200) comes
+        read and closed, its body in result.refused_body."""
         request = self._client.build_request("POST", url, json=body, headers=self._headers)
         try:
             response = await self._client.send(request, stream=True)
@@ -128,7 +132,6 @@ class Upstream:
                 await response.aclose()
             result.refused(response.status_code, content)
             result.end()
-            response._gateway_body = content  # type: ignore[attr-defined]
         return response
 
 
