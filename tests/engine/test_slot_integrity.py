@@ -62,6 +62,33 @@ def test_a_slot_written_in_place_is_detected_and_repaired_from_storage(
     assert_greedy_match(again.outputs[0].token_ids, want, "after the repair")
 
 
+def test_a_pinned_slot_is_rewritten_in_place(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, make_adapter: Callable[..., Path]
+) -> None:
+    """A slot a running sequence pins cannot be emptied: it is rewritten where it is once the
+    re-read is in, and the sequence's later steps run on the repaired weights."""
+    path = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=42, init_scale=0.5)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=2, max_lora_rank=16, device="cpu", max_model_len=64,
+              num_kv_blocks=64)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    engine.add_request("long", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                       LoRARequest("tuned", str(path)))
+    while engine.stats().num_running != 1:
+        engine.step()
+        engine.wait_for_loads(0.05)
+    with torch.no_grad():
+        next(iter(engine.runner.model.lora_layers())).lora_B[0][0, 1, 1] += 1.0
+    (repair,) = engine.verify_slots()
+    assert repair.slot == 0 and engine.list_loras()[0].gpu_slot == 0, "the pinned slot keeps its adapter"
+    while engine.stats().slot_repairs == 0:
+        engine.wait_for_loads(0.05)
+        engine.step()
+    assert engine.verify_slots() == [] and engine.list_loras()[0].gpu_slot == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_an_unchanged_slot_passes_every_check(
     request: pytest.FixtureRequest, tiny_llama_dir: Path, make_adapter: Callable[..., Path]
 ) -> None:
