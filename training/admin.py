@@ -37,7 +37,8 @@ class DatasetAdmin(admin.ModelAdmin):
 
 class TrainingEventInline(admin.TabularInline):
     model = TrainingEvent
-    fields = ["created_at", "level", "type", "message"]
+    # A tuple, so that both attributes may hold it (the stubs type `fields` wider than `readonly_fields`).
+    fields = ("created_at", "level", "type", "message")
     readonly_fields = fields
     extra = 0
     can_delete = False
@@ -49,7 +50,7 @@ class TrainingEventInline(admin.TabularInline):
 
 class CheckpointInline(admin.TabularInline):
     model = Checkpoint
-    fields = ["step", "storage_prefix", "metrics", "created_at"]
+    fields = ("step", "storage_prefix", "metrics", "created_at")
     readonly_fields = fields
     extra = 0
     can_delete = False

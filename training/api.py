@@ -33,7 +33,8 @@ def _page(request: Request, queryset: QuerySet, serializer: type[serializers.Ser
     if after is not None:
         queryset = queryset.filter(pk__lt=after)
     rows, has_more = take(queryset.order_by("-id"), page.limit)
-    return Response(list_body(serializer(rows, many=True).data, has_more=has_more))
+    serialized = serializer(rows, many=True).data  # a ReturnList (drf-stubs call it a ReturnDict)
+    return Response(list_body(serialized, has_more=has_more))  # type: ignore[arg-type]
 
 
 _PAGING = paging_parameters("the id")

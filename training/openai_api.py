@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime
+from collections.abc import Iterable
 from typing import Any
 
 from django.db.models import QuerySet
@@ -29,13 +30,14 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.negotiation import BaseContentNegotiation
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import BaseParser, FormParser, JSONParser, MultiPartParser
+from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from lora_platform.errors import InvalidInput, NotFound, ServiceError
 from lora_platform.pagination import PageRequest, list_body, page_request, paging_parameters, take
-from tenants.scoping import TenantScopedAPIView
+from tenants.scoping import TenantScopedAPIView, TenantScopedQuerySet
 from training import base, datasets, jobs, selectors
 from training.api import DatasetUploadHandler
 from training.hyperparameters import from_openai, to_openai
@@ -53,11 +55,11 @@ PURPOSE = "fine-tune"
 JOB_FIELDS = frozenset({"model", "training_file", "validation_file", "hyperparameters", "method", "suffix", "seed",
                         "metadata", "integrations"})
 # Services name the adapter `adapter`; here it is OpenAI's `suffix`.
-_PARAM_NAMES = {"adapter": "suffix"}
+_PARAM_NAMES: dict[str | None, str | None] = {"adapter": "suffix"}
 
-_FILE_STATUS = {Dataset.Status.UPLOADED: "uploaded", Dataset.Status.VALIDATING: "uploaded",
-                Dataset.Status.READY: "processed", Dataset.Status.INVALID: "error"}
-_EVENT_LEVEL = {TrainingEvent.Level.WARNING: "warn"}
+_FILE_STATUS: dict[str, str] = {Dataset.Status.UPLOADED: "uploaded", Dataset.Status.VALIDATING: "uploaded",
+                                Dataset.Status.READY: "processed", Dataset.Status.INVALID: "error"}
+_EVENT_LEVEL: dict[str, str] = {TrainingEvent.Level.WARNING: "warn"}
 _ERROR_PARAM = {"invalid_training_file": "training_file", "invalid_validation_file": "validation_file"}
 STATUS_DETAIL_ERRORS = 5
 
@@ -165,12 +167,14 @@ class _IgnoreAccept(BaseContentNegotiation):
     """OpenAI's API answers JSON (or a file's bytes) whatever `Accept` says; the SDK asks for a file's
     content with `Accept: application/binary`, which no renderer names."""
 
-    def select_parser(self, request: Request, parsers: list) -> Any:
+    def select_parser(self, request: Request, parsers: Iterable[BaseParser]) -> BaseParser | None:
         return next((parser for parser in parsers if parser.media_type == request.content_type.split(";")[0]),
                     None)
 
-    def select_renderer(self, request: Request, renderers: list, format_suffix: str | None = None) -> tuple:
-        return renderers[0], renderers[0].media_type
+    def select_renderer(self, request: Request, renderers: Iterable[BaseRenderer],
+                        format_suffix: str | None = None) -> tuple[BaseRenderer, str]:
+        renderer = next(iter(renderers))
+        return renderer, renderer.media_type
 
 
 class _OpenAIView(TenantScopedAPIView):
@@ -211,7 +215,7 @@ class _OpenAIView(TenantScopedAPIView):
         return job
 
 
-def _jobs() -> QuerySet[TrainingJob]:
+def _jobs() -> TenantScopedQuerySet:
     return TrainingJob.objects.select_related("tenant", "dataset", "validation_dataset")
 
 
@@ -242,7 +246,8 @@ class FilesView(_OpenAIView):
                    operation_id="openai_files_create",
                    summary="OpenAI: upload a JSONL file (multipart `file`, `purpose=fine-tune`)")
     def post(self, request: Request) -> Response:
-        purpose = request.data.get("purpose")
+        form = request.data if isinstance(request.data, dict) else {}  # a multipart form: a QueryDict
+        purpose = form.get("purpose")
         if not purpose:
             raise InvalidInput("Missing required parameter: 'purpose' (use 'fine-tune').", code="missing_purpose",
                                param="purpose")

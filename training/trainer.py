@@ -65,7 +65,8 @@ def load_base(path: str) -> LoadedBase:
     """The base model and tokenizer at `path`, loaded once per process (bf16 on CUDA, fp32 on CPU)."""
     device = pick_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    # transformers wraps PreTrainedModel.to in a decorator whose stub takes the model, not a device.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)  # type: ignore[arg-type]
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
@@ -259,8 +260,10 @@ class LoraTrainer:
     def run(self, resume_from: Path | None = None) -> TrainResult:
         torch.manual_seed(self.seed)
         target_modules = resolve_target_modules(self.base.model, self.hp.target_modules)
-        config = LoraConfig(r=self.hp.r, lora_alpha=self.hp.lora_alpha, lora_dropout=self.hp.lora_dropout,
-                            target_modules=target_modules, bias="none", task_type="CAUSAL_LM")
+        # PEFT scales by lora_alpha / r and takes any number; its annotation says int.
+        config = LoraConfig(r=self.hp.r, lora_alpha=self.hp.lora_alpha,  # type: ignore[arg-type]
+                            lora_dropout=self.hp.lora_dropout, target_modules=target_modules, bias="none",
+                            task_type="CAUSAL_LM")
         model = get_peft_model(self.base.model, config)
         try:
             return self._train(model, target_modules, resume_from)
@@ -321,7 +324,7 @@ class LoraTrainer:
                 valid_loss = self._valid_loss(model) if evaluate else None
                 metrics = StepMetrics(step=step, total_steps=total, epoch=round(epoch_progress, 4),
                                       train_loss=last_train_loss, valid_loss=valid_loss,
-                                      learning_rate=scheduler.get_last_lr()[0], trained_tokens=trained_tokens,
+                                      learning_rate=float(scheduler.get_last_lr()[0]), trained_tokens=trained_tokens,
                                       train_mean_token_accuracy=accuracy)
                 self.hooks.on_log(metrics)
             if checkpoint_due:

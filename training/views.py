@@ -1,13 +1,13 @@
 """Dashboard pages of the training pipeline: datasets (upload, validation report, preview) and jobs.
 
-Views translate forms to training.datasets and training.jobs calls and back, as the REST API does; every rule
-(limits, validation, job states) lives in the services.
+Views translate forms to training.datasets and training.jobs calls and back, as the REST API does;
+every rule (limits, validation, job states) lives in those services.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from django.conf import settings
 from django.contrib import messages
@@ -18,7 +18,7 @@ from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_POST
 
 from lora_platform.errors import InvalidInput, ServiceError
-from tenants.dashboard import Role, dashboard_view, htmx_redirect, is_htmx
+from tenants.dashboard import DashboardRequest, Role, dashboard_view, htmx_redirect, is_htmx
 from training import datasets, jobs, selectors
 from training.api import DatasetUploadHandler
 from training.hyperparameters import ALL_LINEAR, SUPPORTED_TARGET_MODULES, Hyperparameters
@@ -42,7 +42,7 @@ _INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r"}
 
 
 @dashboard_view(Role.VIEWER)
-def dataset_list_view(request: HttpRequest) -> HttpResponse:
+def dataset_list_view(request: DashboardRequest) -> HttpResponse:
     listed = selectors.dataset_list(tenant=request.dashboard.tenant)
     return render(request, "dashboard/datasets/list.html", {"datasets": listed, "nav": "datasets"})
 
@@ -61,15 +61,16 @@ def dataset_upload_view(request: HttpRequest) -> HttpResponse:
 @require_POST
 @dashboard_view(Role.MEMBER)
 @csrf_protect
-def _dataset_upload(request: HttpRequest) -> HttpResponse:
+def _dataset_upload(request: DashboardRequest) -> HttpResponse:
     # The handler reads the tenant (for its limit) from request.auth, as on the API.
-    request.auth = request.dashboard.auth
+    request.auth = request.dashboard.auth  # type: ignore[attr-defined]  # the attribute DRF's Request sets
     try:
         upload = request.FILES.get("file")
         if upload is None:
             raise InvalidInput("Choose a JSONL file to upload.", code="missing_file", param="file")
-        dataset = datasets.dataset_create(tenant=request.dashboard.tenant, source=upload, filename=upload.name,
-                                          size=upload.size)
+        # An UploadedFile is a binary file object (the stubs type it as a File of any string type).
+        dataset = datasets.dataset_create(tenant=request.dashboard.tenant, source=cast(BinaryIO, upload),
+                                          filename=upload.name or "", size=upload.size)
     except ServiceError as error:
         messages.error(request, error.message)
         return htmx_redirect(request, reverse("dashboard:datasets"))
@@ -78,7 +79,7 @@ def _dataset_upload(request: HttpRequest) -> HttpResponse:
 
 
 @dashboard_view(Role.VIEWER)
-def dataset_detail_view(request: HttpRequest, dataset_id: int) -> HttpResponse:
+def dataset_detail_view(request: DashboardRequest, dataset_id: int) -> HttpResponse:
     dataset = selectors.dataset_get(tenant=request.dashboard.tenant, dataset_id=dataset_id)
     template = "dashboard/datasets/_report.html" if is_htmx(request) else "dashboard/datasets/detail.html"
     return render(request, template, _dataset_context(dataset) | {"nav": "datasets"})
@@ -100,7 +101,7 @@ def _dataset_context(dataset: Dataset) -> dict[str, Any]:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def dataset_delete_view(request: HttpRequest, dataset_id: int) -> HttpResponse:
+def dataset_delete_view(request: DashboardRequest, dataset_id: int) -> HttpResponse:
     dataset = selectors.dataset_get(tenant=request.dashboard.tenant, dataset_id=dataset_id)
     try:
         datasets.dataset_delete(dataset=dataset)
@@ -115,12 +116,12 @@ def dataset_delete_view(request: HttpRequest, dataset_id: int) -> HttpResponse:
 
 
 @dashboard_view(Role.VIEWER)
-def job_list_view(request: HttpRequest) -> HttpResponse:
+def job_list_view(request: DashboardRequest) -> HttpResponse:
     listed = selectors.job_list(tenant=request.dashboard.tenant)
     return render(request, "dashboard/training/list.html", {"jobs": listed, "nav": "training"})
 
 
-def _job_form_context(request: HttpRequest, values: dict[str, Any], error: ServiceError | None) -> dict[str, Any]:
+def _job_form_context(request: DashboardRequest, values: dict[str, Any], error: ServiceError | None) -> dict[str, Any]:
     defaults = Hyperparameters()
     max_rank = settings.MAX_LORA_RANK
     hyperparameters = [
@@ -138,7 +139,7 @@ def _job_form_context(request: HttpRequest, values: dict[str, Any], error: Servi
 
 
 @dashboard_view(Role.MEMBER)
-def job_new_view(request: HttpRequest) -> HttpResponse:
+def job_new_view(request: DashboardRequest) -> HttpResponse:
     values = {"training_file": request.GET.get("dataset", "")}
     return render(request, "dashboard/training/new.html", _job_form_context(request, values, None))
 
@@ -155,20 +156,21 @@ def _form_number(name: str, raw: str, integer: bool) -> int | float | None:
 
 
 def _form_id(name: str, raw: str) -> int | None:
-    return None if not raw.strip() else _form_number(name, raw, True)
+    number = _form_number(name, raw, True)
+    return None if number is None else int(number)
 
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def job_create_view(request: HttpRequest) -> HttpResponse:
+def job_create_view(request: DashboardRequest) -> HttpResponse:
     form = request.POST
     values: dict[str, Any] = {key: form.get(key, "") for key in
                               ("training_file", "validation_file", "adapter", "version", "validation_fraction",
                                "seed", *HYPERPARAMETER_HELP)}
     values["targets"] = form.getlist("target_modules")
     try:
-        hyperparameters = {name: _form_number(name, values[name], name in _INTEGER_FIELDS)
-                           for name in HYPERPARAMETER_HELP}
+        hyperparameters: dict[str, Any] = {name: _form_number(name, values[name], name in _INTEGER_FIELDS)
+                                           for name in HYPERPARAMETER_HELP}
         targets = values["targets"]
         hyperparameters["target_modules"] = ALL_LINEAR if not targets or ALL_LINEAR in targets else targets
         job = jobs.training_job_create(
@@ -192,7 +194,7 @@ def _job_context(job: TrainingJob) -> dict[str, Any]:
 
 
 @dashboard_view(Role.VIEWER)
-def job_detail_view(request: HttpRequest, job_id: int) -> HttpResponse:
+def job_detail_view(request: DashboardRequest, job_id: int) -> HttpResponse:
     job = selectors.job_get(tenant=request.dashboard.tenant, job_id=job_id)
     template = "dashboard/training/_progress.html" if is_htmx(request) else "dashboard/training/detail.html"
     return render(request, template, _job_context(job) | {"nav": "training"})
@@ -200,7 +202,7 @@ def job_detail_view(request: HttpRequest, job_id: int) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-def job_cancel_view(request: HttpRequest, job_id: int) -> HttpResponse:
+def job_cancel_view(request: DashboardRequest, job_id: int) -> HttpResponse:
     job = selectors.job_get(tenant=request.dashboard.tenant, job_id=job_id)
     try:
         jobs.training_job_cancel(job=job)
