@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from django.db import connections
+from django.db.models.signals import pre_save
 
 
 def race(first: Callable[[], object], second: Callable[[], object]) -> list[object]:
@@ -28,3 +31,18 @@ def race(first: Callable[[], object], second: Callable[[], object]) -> list[obje
     for thread in threads:
         thread.join(timeout=60)
     return results
+
+
+def _slow_save(sender: object, **kwargs: object) -> None:
+    time.sleep(0.05)
+
+
+@contextmanager
+def slow_saves(model: type) -> Iterator[None]:
+    """Each save of `model` waits a little inside its transaction: without the lock a race is about,
+    both sides would then read the same state and both write."""
+    pre_save.connect(_slow_save, sender=model)
+    try:
+        yield
+    finally:
+        pre_save.disconnect(_slow_save, sender=model)

@@ -1,23 +1,20 @@
 """Two transactions racing on one adapter leave one valid state (PostgreSQL: real row locks).
 
 Each race starts two threads (each with its own database connection) at a barrier (tests.races).
-A pre_save hook sleeps inside the transaction to widen the window in which, without the adapter row
-lock, both would read the same state and both write; with the lock the second waits and then sees the first's
-result. The outcome must be one of the states the two serial orders produce, with one audit event
-per successful operation and nothing else raised.
+A pre_save hook (tests.races.slow_saves) sleeps inside the transaction to widen the window in
+which, without the adapter row lock, both would read the same state and both write; with the lock
+the second waits and then sees the first's result. The outcome must be one of the states the two
+serial orders produce, with one audit event per successful operation and nothing else raised.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from django.db.models.signals import pre_save
 
 from lora_platform.errors import Conflict
 from serving import services
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
-from tests.races import race
+from tests.races import race, slow_saves
 
 pytestmark = [
     # The flush after each test wipes the seeded tiers; the tenant fixtures re-seed them
@@ -30,15 +27,10 @@ ACTOR = "api-key:race"
 ROUNDS = 3
 
 
-def _slow_save(sender, **kwargs) -> None:
-    time.sleep(0.05)
-
-
 @pytest.fixture
 def widened_window():
-    pre_save.connect(_slow_save, sender=AdapterVersion)
-    yield
-    pre_save.disconnect(_slow_save, sender=AdapterVersion)
+    with slow_saves(AdapterVersion):
+        yield
 
 
 def served_state(adapter: Adapter) -> dict[str, str | tuple[str, float]]:

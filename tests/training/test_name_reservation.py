@@ -9,16 +9,13 @@ holds the room, and nothing of it is left.
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from django.db.models.signals import pre_save
 
 from lora_platform.errors import LimitExceeded
 from serving import services as registry
 from serving.models import Adapter
 from tenants.models import Tier
-from tests.races import race
+from tests.races import race, slow_saves
 from training import jobs
 from training.models import Dataset, TrainingEvent, TrainingJob
 
@@ -85,16 +82,10 @@ def test_the_room_comes_back_when_the_jobs_holding_it_end_and_a_retry_needs_it_a
     assert held.status == TrainingJob.Status.CANCELLED
 
 
-def _slow_save(sender, **kwargs) -> None:
-    time.sleep(0.05)
-
-
 @pytest.fixture
 def widened_window():
-    """Each job's insert waits a little inside its transaction, so unlocked checks would both pass."""
-    pre_save.connect(_slow_save, sender=TrainingJob)
-    yield
-    pre_save.disconnect(_slow_save, sender=TrainingJob)
+    with slow_saves(TrainingJob):
+        yield
 
 
 @pytest.mark.django_db(transaction=True)
