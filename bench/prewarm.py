@@ -30,8 +30,8 @@ p50/p99 (request sent → first token event), measured by the client. (The engin
 stall counters see only what reaches the engine: the worker loads a version it does not hold
 before it hands the request over.)
 
-    python bench/prewarm.py [--adapters 1000] [--slots 32] [--cpu-cache 128] [--requests 3000]
-                            [--day-seconds 75] [--load-latency-ms 100] [--interval-minutes 5]
+    python bench/prewarm.py [--adapters 1000] [--slots 32] [--cpu-cache 128] [--requests 1500]
+                            [--day-seconds 150] [--load-latency-ms 100] [--interval-minutes 5]
                             [--history-days 3] [--seed 0]
 
 Needs Redis for the demand model: REDIS_URL (use a database of its own: the prewarm keys are
@@ -337,8 +337,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--cpu-cache", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--day-seconds", type=float, default=75.0, help="wall seconds per simulated day")
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--day-seconds", type=float, default=150.0, help="wall seconds per simulated day")
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--load-latency-ms", type=float, default=100.0)
     parser.add_argument("--interval-minutes", type=float, default=5.0, help="prewarm rounds, simulated minutes")
