@@ -79,6 +79,9 @@ def test_a_prefetch_never_evicts_a_pinned_or_busy_slot_but_takes_an_idle_one(
     a, b = LoRARequest("a", str(adapters["a"])), LoRARequest("b", str(adapters["b"]))
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
+    # "b" read into the CPU cache first, so each placement below is decided at once: a storage read
+    # under load could outlast the 30 tokens of the sequence that holds the slot.
+    assert _settle(engine, engine.prefetch_lora(b, to_gpu=False)) == "cpu"
     # Pinned: a running sequence of "a" holds the only slot.
     engine.add_request("pinned", "Hello there", long, a)
     while _slot_names(engine) != ["a"] or engine.stats().num_running != 1:
