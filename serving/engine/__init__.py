@@ -39,6 +39,20 @@ Lower priority values are served first (vLLM's convention). Adapters are keyed b
 a name only points at one. Adapter problems raise ``AdapterError`` with a message naming them.
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names _LAZY imports, for the type checker
+    from serving.engine.adapter_loader import AdapterError
+    from serving.engine.async_engine import AsyncEngine, EngineDeadError
+    from serving.engine.config import EngineConfig
+    from serving.engine.llm import LLM
+    from serving.engine.llm_engine import LLMEngine
+    from serving.engine.lora_cache import AdapterNotFoundError
+    from serving.engine.lora_request import LoRARequest
+    from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from serving.engine.sampling_params import SamplingParams
+    from serving.engine.stats import EngineStats, LoRAInfo
+
 # Imported on first use (PEP 562): Django processes import serving.engine.artifact and
 # serving.engine.adapter_loader for upload checks, and must not pay for torch and the engine.
 _LAZY = {

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -16,9 +17,8 @@ from serving.engine.server.body_limit import BodyLimit
 from serving.engine.server.chat import create_chat_completion
 from serving.engine.server.completions import create_completion
 from serving.engine.server.errors import APIError, bad_request, install_error_handlers
-from serving.engine.server.generation import ClientDisconnected, Outcome
+from serving.engine.server.generation import ClientDisconnected
 from serving.engine.server.metrics import CONTENT_TYPE
-from serving.engine.server.on_demand import ensure_loaded
 from serving.engine.server.prefetch import PrefetchItem, prefetch
 from serving.engine.server.protocol import (
     ChatCompletionRequest,
@@ -86,21 +86,11 @@ def build_app(worker: Worker) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _generate(create_completion, body, request)
+        return await create_completion(body, request, worker)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(create_chat_completion, body, request)
-
-    async def _generate(handler: Callable[..., Awaitable[Response]], body: CompletionRequest | ChatCompletionRequest,
-                        request: Request) -> Response:
-        outcome = Outcome(worker, body.model)
-        try:
-            await ensure_loaded(worker, body)
-            return await handler(body, request, worker, outcome)
-        except BaseException as exc:
-            outcome.fail(exc)
-            raise
+        return await create_chat_completion(body, request, worker)
 
     def _registry_names_are_the_operators(request: Request, name: str) -> None:
         if is_registry_name(name) and not is_operator(request):
@@ -112,7 +102,7 @@ def build_app(worker: Worker) -> FastAPI:
             )
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> dict:
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
         """Load into the CPU cache (a GPU slot is filled on first use); other requests keep running.
         Same name, same content: 200. Same name, other content: 400 unless `load_inplace`.
         A registry-form name: 409 unless the operator asks."""
@@ -139,7 +129,7 @@ def build_app(worker: Worker) -> FastAPI:
         }
 
     @app.post("/v1/verify_lora_slots")
-    async def verify_lora_slots() -> dict:
+    async def verify_lora_slots() -> dict[str, Any]:
         """Check every GPU slot's checksum now (as the periodic check does): each slot whose content
         changed since it was written is reloaded from storage and listed; on registry versions it
         counts as a circuit-breaker failure. Behind the worker's key like every /v1 route."""
@@ -149,7 +139,7 @@ def build_app(worker: Worker) -> FastAPI:
         return {"repaired": [{"slot": r.slot, "digest": r.digest, "names": list(r.names)} for r in repairs]}
 
     @app.post("/v1/prefetch_lora_adapters")
-    async def prefetch_lora_adapters(body: PrefetchLoRAAdaptersRequest, request: Request) -> dict:
+    async def prefetch_lora_adapters(body: PrefetchLoRAAdaptersRequest, request: Request) -> dict[str, Any]:
         """The operator's (the gateway's prewarm loop): load registry versions into the CPU cache
         and, where `to_gpu`, a free or idle GPU slot, ahead of their traffic (server.prefetch)."""
         engine, adapters = worker.require_ready()
@@ -166,7 +156,7 @@ def build_app(worker: Worker) -> FastAPI:
         return {"data": [{"lora_name": r.name, "cpu": r.cpu, "gpu": r.gpu, "error": r.error} for r in results]}
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> dict:
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
         """Unload; the slot and CPU copy are freed once the adapter's in-flight requests finish.
         A registry-form name: 409 unless the operator asks."""
         _, adapters = worker.require_ready()

@@ -21,7 +21,8 @@ from starlette.responses import Response
 
 from serving.engine.server.chat_template_sandbox import TemplateRefused
 from serving.engine.server.errors import bad_request
-from serving.engine.server.generation import Delta, Generation, Outcome, start_generation
+from serving.engine import AsyncEngine
+from serving.engine.server.generation import Delta, Generation, GenerationRequest
 from serving.engine.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -66,8 +67,7 @@ def _caller_template(worker: Worker, body: ChatCompletionRequest, variables: dic
     return template
 
 
-async def chat_prompt_token_ids(worker: Worker, body: ChatCompletionRequest) -> list[int]:
-    engine, _ = worker.require_ready()
+async def chat_prompt_token_ids(worker: Worker, engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
     tokenizer = engine.tokenizer
     variables = dict(body.chat_template_kwargs or {})
     template = _caller_template(worker, body, variables)
@@ -97,15 +97,16 @@ async def chat_prompt_token_ids(worker: Worker, body: ChatCompletionRequest) -> 
     return await asyncio.to_thread(lambda: list(tokenizer(text, add_special_tokens=False).input_ids))
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, worker: Worker, outcome: Outcome) -> Response:
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    generation, first = await start_generation(
-        body, request, worker, outcome, kind="chatcmpl",
-        prompt_token_ids=lambda: chat_prompt_token_ids(worker, body), logprobs=top,
-    )
+def generation_request(worker: Worker, body: ChatCompletionRequest) -> GenerationRequest:
+    return GenerationRequest(kind="chatcmpl", body=body, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                             prompt=lambda engine: chat_prompt_token_ids(worker, engine, body))
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, worker: Worker) -> Response:
+    generation, first = await Generation.start(worker, request, generation_request(worker, body))
     if body.stream:
         return GenerationStream(_chunks(generation, first, body), generation)
-    deltas = await generation.collect(first, request)
+    deltas = await generation.collect(first)
     last = deltas[-1]
     choice = ChatChoice(
         message=ChatResponseMessage(content="".join(d.text for d in deltas)),

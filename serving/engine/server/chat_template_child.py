@@ -13,6 +13,7 @@ import json
 import resource
 import signal
 import sys
+from typing import Any, cast
 
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -36,15 +37,16 @@ def _mapped_bytes() -> int:
     return 0
 
 
-def _render(job: dict, max_chars: int) -> dict:
+def _render(job: dict[str, Any], max_chars: int) -> dict[str, Any]:
     try:
-        rendered, _ = render_jinja_template(
+        # Annotated `-> str`, it returns (the rendered conversations, their generation indices).
+        rendered, _ = cast(tuple[list[str], list[Any]], render_jinja_template(
             conversations=[job["messages"]],
             chat_template=job["template"],
             add_generation_prompt=job["add_generation_prompt"],
             continue_final_message=job["continue_final_message"],
             **job["variables"],
-        )
+        ))
     except MemoryError:
         return {"error": "rendering it needed more memory than a caller's template may use"}
     except Exception as exc:  # whatever the template's Jinja code raises

@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from serving.engine.server.adapter_roots import AdapterRoots, platform_storage_url
 
@@ -94,8 +95,11 @@ def _lora_module(text: str) -> LoRAModule:
     return LoRAModule(name=name, path=path)
 
 
-def _positive(kind: type) -> Callable[[str], float]:
-    def parse(text: str):
+N = TypeVar("N", int, float)
+
+
+def _positive(kind: Callable[[str], N]) -> Callable[[str], N]:
+    def parse(text: str) -> N:
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from serving.engine import AsyncEngine
 from serving.engine.server.errors import bad_request
-from serving.engine.server.generation import Delta, Generation, Outcome, start_generation
+from serving.engine.server.generation import Delta, Generation, GenerationRequest
 from serving.engine.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -20,7 +22,7 @@ from serving.engine.server.streaming import GenerationStream, sse
 from serving.engine.server.worker import Worker
 
 
-async def prompt_token_ids(worker: Worker, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+async def prompt_token_ids(engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
     """One prompt's token ids; text is encoded as the offline API encodes it (with BOS), on a
     thread: a long prompt takes seconds to tokenize, which the event loop must not wait for."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -30,20 +32,22 @@ async def prompt_token_ids(worker: Worker, prompt: str | list[int] | list[str] |
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
-        engine, _ = worker.require_ready()
         text = prompt
         return await asyncio.to_thread(lambda: list(engine.tokenizer(text).input_ids))
-    return list(prompt)
+    # What is left of the union is one prompt of token ids.
+    return list(cast(list[int], prompt))
 
 
-async def create_completion(body: CompletionRequest, request: Request, worker: Worker, outcome: Outcome) -> Response:
-    generation, first = await start_generation(
-        body, request, worker, outcome, kind="cmpl",
-        prompt_token_ids=lambda: prompt_token_ids(worker, body.prompt), logprobs=body.logprobs,
-    )
+def generation_request(body: CompletionRequest) -> GenerationRequest:
+    return GenerationRequest(kind="cmpl", body=body, logprobs=body.logprobs,
+                             prompt=lambda engine: prompt_token_ids(engine, body.prompt))
+
+
+async def create_completion(body: CompletionRequest, request: Request, worker: Worker) -> Response:
+    generation, first = await Generation.start(worker, request, generation_request(body))
     if body.stream:
         return GenerationStream(_chunks(generation, first, body), generation)
-    deltas = await generation.collect(first, request)
+    deltas = await generation.collect(first)
     text = "".join(d.text for d in deltas)
     last = deltas[-1]
     choice = CompletionChoice(

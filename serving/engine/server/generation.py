@@ -1,6 +1,14 @@
-"""Running one HTTP generation request on the engine, shared by completions and chat: the model
-name resolved to an adapter, sampling parameters checked against the context, admission, the
-engine's cumulative outputs turned into deltas, latency metrics, and abort when the client leaves.
+"""Running one HTTP generation request on the engine, shared by completions and chat.
+
+completions.py and chat.py build a `GenerationRequest` once from the parsed body; `Generation`
+runs it: the model name resolved to an adapter, the fields checked, the prompt built, sampling
+parameters checked against the context, admission, the engine's cumulative outputs turned into
+deltas, latency metrics, and abort when the client leaves.
+
+A request's whole life is one async generator (`Generation._lifetime`), so how it ended is decided
+and recorded once, in that generator's `finally` (loraplex_requests_total): an error raised on
+the way names the status, the engine's last output names it otherwise, and a request closed or
+cancelled before the engine finished it was aborted.
 
 The first delta is awaited before any response is sent, so errors the engine raises at the start
 (a bad prompt, an adapter that cannot be loaded) become proper HTTP errors, also for streams.
@@ -11,50 +19,53 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.requests import Request
 
-from serving.engine import AdapterError, AdapterNotFoundError, EngineDeadError, LoRARequest, SamplingParams
-from serving.engine.outputs import Logprob
+from serving.engine import (
+    AdapterError,
+    AdapterNotFoundError,
+    AsyncEngine,
+    EngineDeadError,
+    Logprob,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+)
 from serving.engine.server import metrics as outcomes
+from serving.engine.server.adapters import AdapterSet
 from serving.engine.server.errors import APIError, bad_request, model_not_found
-from serving.engine.server.protocol import UsageInfo, SamplingFields
+from serving.engine.server.on_demand import ensure_loaded
+from serving.engine.server.protocol import SamplingFields, UsageInfo
 from serving.engine.server.worker import Worker
 
 T = TypeVar("T")
+
+# The prompt's token ids, from the ready engine (its tokenizer).
+PromptBuilder = Callable[[AsyncEngine], Awaitable[list[int]]]
 
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the response was complete."""
 
 
-class Outcome:
-    """The one record of how a request ended (loraplex_requests_total); the first call wins."""
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation request as the engine is asked it, built once from the parsed HTTP body."""
 
-    def __init__(self, worker: Worker, model: str) -> None:
-        self._metrics = worker.metrics
-        self.model = model
-        self._done = False
+    kind: str  # the request id's prefix: "cmpl", "chatcmpl"
+    body: SamplingFields
+    logprobs: int | None  # most likely tokens to report per position; None: no logprobs
+    # Called only once the model and the fields are known good, so those errors come first.
+    prompt: PromptBuilder
 
-    def finish(self, status: str) -> None:
-        if not self._done:
-            self._done = True
-            self._metrics.requests.labels(self.model, status).inc()
-
-    def fail(self, error: BaseException) -> None:
-        if isinstance(error, APIError):
-            status = {400: outcomes.BAD_REQUEST, 404: outcomes.NOT_FOUND, 503: outcomes.UNAVAILABLE}.get(
-                error.status, outcomes.ERROR
-            )
-        elif isinstance(error, (ClientDisconnected, asyncio.CancelledError)):
-            status = outcomes.ABORTED
-        else:
-            status = outcomes.ERROR
-        self.finish(status)
+    @property
+    def model(self) -> str:
+        return self.body.model
 
 
 @dataclass
@@ -81,10 +92,9 @@ class Usage:
         )
 
 
-def resolve_model(worker: Worker, model: str) -> LoRARequest | None:
+def resolve_model(adapters: AdapterSet, base_model_ids: list[str], model: str) -> LoRARequest | None:
     """None for the base model, the adapter's request for a loaded adapter name, else 404."""
-    _, adapters = worker.require_ready()
-    if model in worker.base_model_ids:
+    if model in base_model_ids:
         return None
     if adapters.get(model) is None:
         raise model_not_found(model)
@@ -167,154 +177,168 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-async def start_generation(body: SamplingFields, request: Request, worker: Worker, outcome: Outcome, *, kind: str,
-                           prompt_token_ids: Callable[[], Awaitable[list[int]]],
-                           logprobs: int | None) -> tuple[Generation, Delta]:
-    """Check a request for `body.model`, build its prompt and sampling parameters, admit it and wait
-    for its first delta. The prompt is built only once the model and fields are known good, so those
-    errors come first."""
-    lora_request = resolve_model(worker, body.model)
-    check_supported(body)
-    engine, _ = worker.require_ready()
-    ids = await prompt_token_ids()
-    params = sampling_params(body, prompt_len=len(ids), max_model_len=engine.max_model_len, logprobs=logprobs)
-    return await Generation.start(
-        worker, outcome, request, kind=kind, prompt_token_ids=ids, params=params,
-        lora_request=lora_request, priority=body.priority,
-    )
-
-
 class Generation:
-    """One admitted request on the engine, yielding deltas.
+    """One generation request from its arrival to its end, yielding deltas.
 
-    However it ends — the last token, an error, the client leaving (the stream is cancelled), the
-    worker draining — `close()` aborts the engine request if it is unfinished, so its KV blocks and
-    adapter slot are freed at once, releases its admission and records the outcome.
+    However it ends — the last token, an error, the client leaving (the stream is cancelled or
+    closed), the worker draining — `_lifetime`'s `finally` aborts the engine request if it is
+    unfinished, so its KV blocks and adapter slot are freed at once, releases its admission,
+    counts its tokens and records the outcome. The owner of a started generation calls `aclose()`
+    when the response ends (idempotent).
     """
 
-    def __init__(self, worker: Worker, outcome: Outcome, *, kind: str, prompt_token_ids: list[int],
-                 params: SamplingParams, lora_request: LoRARequest | None, priority: int) -> None:
+    def __init__(self, worker: Worker, request: Request, job: GenerationRequest) -> None:
         self._worker = worker
-        self._engine, _ = worker.require_ready()
-        self._outcome = outcome
-        self.request_id = f"{kind}-{uuid.uuid4().hex}"
+        self._request = request
+        self.job = job
+        self.request_id = f"{job.kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.usage = Usage(prompt_tokens=len(prompt_token_ids))
-        self.prompt_token_ids = prompt_token_ids
-        self._params = params
-        self._lora_request = lora_request
-        self._priority = priority
+        # Set once the prompt is built (before the first delta).
+        self.prompt_token_ids: list[int] = []
+        self.usage = Usage(prompt_tokens=0)
+        self.finished = False
+        self._engine: AsyncEngine | None = None
         self._arrival = time.perf_counter()
         self._last_token_at: float | None = None
         self._text_sent = 0
         self._tokens_sent = 0
-        self.finished = False
-        self._closed = False
-        self._stream: AsyncIterator[Delta] | None = None
+        self._events = self._lifetime()
+
+    @classmethod
+    async def start(cls, worker: Worker, request: Request, job: GenerationRequest) -> tuple[Generation, Delta]:
+        """Check, admit and run `job` up to its first delta (or the HTTP error that prevents one)."""
+        generation = cls(worker, request, job)
+        # _lifetime yields at least once or raises.
+        return generation, await anext(generation._events)
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of tokens (for logprobs), usable to the end of the stream, draining included."""
-        return self._engine.tokenizer.decode(token_ids)
-
-    @classmethod
-    async def start(cls, worker: Worker, outcome: Outcome, request: Request, **kwargs: object) -> tuple[Generation, Delta]:
-        """Admit the request and wait for its first delta (or the error that prevents one)."""
-        generation = cls(worker, outcome, **kwargs)  # type: ignore[arg-type]
-        worker.admit(generation.request_id)
-        try:
-            first = await unless_disconnected(request, generation.next())
-        except BaseException as exc:
-            error = _as_api_error(exc)
-            outcome.fail(error)
-            generation.close()
-            if error is exc:
-                raise
-            raise error from exc
-        if first is None:
-            generation.close()
-            raise APIError(500, "The engine ended the request without output.")
-        return generation, first
+        if self._engine is None:
+            raise RuntimeError("decode() before the generation started")
+        text: str = self._engine.tokenizer.decode(token_ids)
+        return text
 
     async def next(self) -> Delta | None:
         """The next delta, or None after the last one."""
-        if self._stream is None:
-            self._stream = self._run()
-        if self.finished:
-            return None
-        try:
-            return await anext(self._stream)
-        except StopAsyncIteration:
-            return None
+        return await anext(self._events, None)
 
-    async def _run(self) -> AsyncIterator[Delta]:
-        metrics = self._worker.metrics
-        async for output in self._engine.generate(
-            {"prompt_token_ids": self.prompt_token_ids},
-            self._params,
-            self.request_id,
-            lora_request=self._lora_request,
-            priority=self._priority,
-        ):
-            completion = output.outputs[0]
-            new_ids = completion.token_ids[self._tokens_sent:]
-            now = time.perf_counter()
-            if new_ids:
-                if self._last_token_at is None:
-                    metrics.ttft.observe(now - self._arrival)
-                else:
-                    # Outputs a lagging reader coalesced share the gap evenly.
-                    gap = (now - self._last_token_at) / len(new_ids)
-                    for _ in new_ids:
-                        metrics.itl.observe(gap)
-                self._last_token_at = now
-            delta = Delta(
-                text=completion.text[self._text_sent:],
-                token_ids=list(new_ids),
-                logprobs=completion.logprobs[self._tokens_sent:] if completion.logprobs is not None else None,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-            )
-            self._text_sent = len(completion.text)
-            self._tokens_sent = len(completion.token_ids)
-            self.usage.completion_tokens = self._tokens_sent
-            if output.finished:
-                self.finished = True
-                metrics.e2e.observe(now - self._arrival)
-                self._outcome.finish(outcomes.ABORTED if completion.finish_reason == "abort" else outcomes.OK)
-            yield delta
+    async def aclose(self) -> None:
+        """End the request now if it has not ended (it counts as aborted unless the engine
+        finished it). Does not wait: nothing in `_lifetime`'s `finally` suspends."""
+        await self._events.aclose()
 
-    async def collect(self, first: Delta, request: Request) -> list[Delta]:
-        """The whole output, `first` included, for a reply that is not streamed; closes the
-        generation however it ends."""
-        try:
-            return [first, *await self.rest(request)]
-        finally:
-            self.close()
+    async def collect(self, first: Delta) -> list[Delta]:
+        """The whole output, `first` included, for a reply that is not streamed, aborting if the
+        client leaves meanwhile; ends the generation however it ends."""
 
-    async def rest(self, request: Request) -> list[Delta]:
-        """Every remaining delta, aborting if the client leaves meanwhile."""
-
-        async def collect() -> list[Delta]:
+        async def rest() -> list[Delta]:
             return [delta async for delta in self._deltas()]
 
-        return await unless_disconnected(request, collect())
+        try:
+            return [first, *await unless_disconnected(self._request, rest())]
+        finally:
+            await self.aclose()
 
     async def _deltas(self) -> AsyncIterator[Delta]:
         while (delta := await self.next()) is not None:
             yield delta
 
-    def close(self) -> None:
-        """Abort if unfinished, release admission, record the outcome; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.finished:
-            self._worker.abort_soon(self.request_id)
-            self._outcome.finish(outcomes.ABORTED)
+    async def _lifetime(self) -> AsyncGenerator[Delta, None]:
+        job, worker = self.job, self._worker
+        status = outcomes.ABORTED  # closed or cancelled before the engine finished it
+        admitted = False
+        try:
+            engine, adapters = worker.require_ready()
+            self._engine = engine
+            await ensure_loaded(worker, adapters, job.body)
+            lora_request = resolve_model(adapters, worker.base_model_ids, job.model)
+            check_supported(job.body)
+            self.prompt_token_ids = await job.prompt(engine)
+            self.usage = Usage(prompt_tokens=len(self.prompt_token_ids))
+            params = sampling_params(job.body, prompt_len=len(self.prompt_token_ids),
+                                     max_model_len=engine.max_model_len, logprobs=job.logprobs)
+            worker.admit(self.request_id)
+            admitted = True
+            outputs = engine.generate(
+                {"prompt_token_ids": self.prompt_token_ids}, params, self.request_id,
+                lora_request=lora_request, priority=job.body.priority,
+            )
+            output: RequestOutput | None = await self._first_output(outputs)
+            while output is not None:
+                delta = self._delta(output)
+                if output.finished:
+                    status = outcomes.ABORTED if delta.finish_reason == "abort" else outcomes.OK
+                yield delta
+                if self.finished:
+                    return
+                output = await anext(outputs, None)
+        except BaseException as exc:
+            if not self.finished:  # a close after the last delta changes nothing
+                status = _status(exc)
+            raise
+        finally:
+            if admitted:
+                if not self.finished:
+                    worker.abort_soon(self.request_id)
+                worker.metrics.prompt_tokens.labels(job.model).inc(self.usage.prompt_tokens)
+                worker.metrics.generation_tokens.labels(job.model).inc(self.usage.completion_tokens)
+                worker.release(self.request_id)
+            worker.metrics.requests.labels(job.model, status).inc()
+
+    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The engine's first output, as the HTTP error for what prevents one."""
+        try:
+            first = await unless_disconnected(self._request, anext(outputs, None))
+        except BaseException as exc:
+            error = _as_api_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        if first is None:
+            raise APIError(500, "The engine ended the request without output.")
+        return first
+
+    def _delta(self, output: RequestOutput) -> Delta:
+        """What `output` adds to what was sent; observes the latency metrics."""
         metrics = self._worker.metrics
-        metrics.prompt_tokens.labels(self._outcome.model).inc(self.usage.prompt_tokens)
-        metrics.generation_tokens.labels(self._outcome.model).inc(self.usage.completion_tokens)
-        self._worker.release(self.request_id)
+        completion = output.outputs[0]
+        new_ids = completion.token_ids[self._tokens_sent:]
+        now = time.perf_counter()
+        if new_ids:
+            if self._last_token_at is None:
+                metrics.ttft.observe(now - self._arrival)
+            else:
+                # Outputs a lagging reader coalesced share the gap evenly.
+                gap = (now - self._last_token_at) / len(new_ids)
+                for _ in new_ids:
+                    metrics.itl.observe(gap)
+            self._last_token_at = now
+        delta = Delta(
+            text=completion.text[self._text_sent:],
+            token_ids=list(new_ids),
+            logprobs=completion.logprobs[self._tokens_sent:] if completion.logprobs is not None else None,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        self._text_sent = len(completion.text)
+        self._tokens_sent = len(completion.token_ids)
+        self.usage.completion_tokens = self._tokens_sent
+        if output.finished:
+            self.finished = True
+            metrics.e2e.observe(now - self._arrival)
+        return delta
+
+
+_STATUS_OF_HTTP = {400: outcomes.BAD_REQUEST, 404: outcomes.NOT_FOUND, 503: outcomes.UNAVAILABLE}
+
+
+def _status(error: BaseException) -> str:
+    """The outcome of a request that `error` ended before the engine finished it."""
+    if isinstance(error, APIError):
+        return _STATUS_OF_HTTP.get(error.status, outcomes.ERROR)
+    if isinstance(error, ClientDisconnected | asyncio.CancelledError | GeneratorExit):
+        return outcomes.ABORTED
+    return outcomes.ERROR
 
 
 def _as_api_error(exc: BaseException) -> BaseException:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from serving.engine import EngineStats
@@ -92,21 +92,21 @@ class _StatsCollector(Collector, Generic[S]):
 
     stats: S | None = None
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         if self.stats is not None:
             yield from self._families(self.stats)
 
     @abstractmethod
-    def _families(self, stats: S) -> Iterator: ...
+    def _families(self, stats: S) -> Iterator[Metric]: ...
 
 
 class _EngineCollector(_StatsCollector[EngineStats]):
     """Engine state at scrape time; nothing while the model is still loading."""
 
-    def _families(self, stats: EngineStats) -> Iterator:
+    def _families(self, stats: EngineStats) -> Iterator[Metric]:
         yield GaugeMetricFamily("loraplex_num_requests_waiting", "Requests queued in the engine.", value=stats.num_waiting)
         yield GaugeMetricFamily("loraplex_num_requests_running", "Sequences in the running batch.", value=stats.num_running)
         yield GaugeMetricFamily(
@@ -170,7 +170,7 @@ class _EngineCollector(_StatsCollector[EngineStats]):
 class _SyncCollector(_StatsCollector[SyncStats]):
     """Registry sync's progress: how an operator sees that a worker converges."""
 
-    def _families(self, stats: SyncStats) -> Iterator:
+    def _families(self, stats: SyncStats) -> Iterator[Metric]:
         yield CounterMetricFamily("loraplex_registry_snapshots", "Registry snapshots applied.", value=stats.snapshots)
         yield CounterMetricFamily(
             "loraplex_registry_snapshot_failures", "Registry snapshots that could not be fetched.",

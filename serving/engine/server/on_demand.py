@@ -10,18 +10,18 @@ worker's API key can make it read storage: on a worker without one the field is 
 from __future__ import annotations
 
 from serving.engine import AdapterError
-from serving.engine.server.adapters import Source
+from serving.engine.server.adapters import AdapterSet, Source
 from serving.engine.server.errors import APIError
 from serving.engine.server.protocol import SamplingFields
 from serving.engine.server.worker import Worker
 
 
-async def ensure_loaded(worker: Worker, body: SamplingFields) -> None:
-    """Load `body.model` from `body.loraplex_adapter` unless it is loaded with that digest."""
+async def ensure_loaded(worker: Worker, adapters: AdapterSet, body: SamplingFields) -> None:
+    """Load `body.model` from `body.loraplex_adapter` into `adapters` (the ready worker's) unless it
+    is loaded with that digest."""
     ref = body.loraplex_adapter
     if ref is None:
         return
-    _, adapters = worker.require_ready()
     served = adapters.get(body.model)
     if served is not None and served.info.digest == ref.manifest_sha256:
         return

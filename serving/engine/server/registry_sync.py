@@ -84,7 +84,7 @@ class RegistrySync:
         """Reconcile now and periodically, and follow deploy events, until cancelled."""
         tasks = [asyncio.create_task(self._reconcile_loop(), name="registry-reconcile")]
         if self._redis_url:
-            tasks.append(asyncio.create_task(self._follow_events(), name="registry-events"))
+            tasks.append(asyncio.create_task(self._follow_events(self._redis_url), name="registry-events"))
         else:
             log.warning("no Redis URL: deploy events are not followed; the registry is polled every %.0fs", self._interval)
         try:
@@ -133,9 +133,9 @@ class RegistrySync:
 
     # ---- events --------------------------------------------------------------------------
 
-    async def _follow_events(self) -> None:
+    async def _follow_events(self, redis_url: str) -> None:
         while True:
-            client = aioredis.Redis.from_url(self._redis_url)
+            client = aioredis.Redis.from_url(redis_url)
             try:
                 async with client.pubsub() as pubsub:
                     await pubsub.subscribe(EVENTS_CHANNEL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -63,7 +64,8 @@ def serve(args: ServerArgs) -> int:
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=args.timeout_graceful_shutdown + _BACKSTOP_S,
+        # uvicorn takes whole seconds; rounding up only lengthens the backstop.
+        timeout_graceful_shutdown=math.ceil(args.timeout_graceful_shutdown + _BACKSTOP_S),
         lifespan="on",
     )
     server = _WorkerServer(config, worker)

@@ -46,7 +46,7 @@ class GenerationStream(StreamingResponse):
     """An SSE response that closes its generation however the response ends.
 
     Starlette cancels a streaming response when the client disconnects; the body iterator may then
-    be left suspended and only finalised later. Closing here, synchronously, aborts the engine
+    be left suspended and only finalised later. Closing here (it does not wait) aborts the engine
     request at once."""
 
     def __init__(self, chunks: AsyncIterator[bytes], generation: Generation) -> None:
@@ -61,4 +61,4 @@ class GenerationStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._generation.close()
+            await self._generation.aclose()

@@ -79,7 +79,7 @@ class Worker:
         # Set by the server: ends the process when the worker cannot start.
         self.request_stop: Callable[[], None] = lambda: None
         self._inflight: set[str] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.registration: WorkerRegistration | None = None
         if args.redis_url:
             self.registration = WorkerRegistration(
@@ -182,17 +182,23 @@ class Worker:
     # ---- requests ------------------------------------------------------------------------
 
     def require_ready(self) -> tuple[AsyncEngine, AdapterSet]:
+        """The engine and the adapters, or the 503 that says why there are none."""
         if self.state is State.READY and self.engine is not None and self.adapters is not None:
             return self.engine, self.adapters
+        raise self._not_ready()
+
+    def _not_ready(self) -> APIError:
         if self.state is State.DRAINING:
-            raise APIError(503, "The worker is shutting down; send the request to another worker.", code="draining")
+            return APIError(503, "The worker is shutting down; send the request to another worker.", code="draining")
         if self.state is State.FAILED:
-            raise APIError(503, "The worker failed to start; see its log.", code="failed")
-        raise APIError(503, "The model is still loading; retry shortly.", code="loading")
+            return APIError(503, "The worker failed to start; see its log.", code="failed")
+        return APIError(503, "The model is still loading; retry shortly.", code="loading")
 
     def admit(self, request_id: str) -> None:
-        """Count a request in, or refuse it with 503 when the queue is over its bound."""
-        self.require_ready()
+        """Count a request in, or refuse it with 503 when the worker stopped being ready since the
+        request began (a drain) or the queue is over its bound."""
+        if self.state is not State.READY:
+            raise self._not_ready()
         if len(self._inflight) >= self.capacity:
             raise overloaded(
                 f"The worker is at capacity: {len(self._inflight)} requests in flight "
@@ -230,7 +236,7 @@ class Worker:
         free, _ = torch.cuda.mem_get_info(self.config.torch_device)
         return int(free)
 
-    async def describe(self) -> dict:
+    async def describe(self) -> dict[str, Any]:
         """This worker's entry in Redis (the gateway routes by it; docs/serving-worker.md)."""
         stats = await self.stats() if self.state is not State.FAILED else None
         document: dict[str, Any] = {
