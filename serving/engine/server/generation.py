@@ -36,6 +36,7 @@ from serving.engine import (
     RequestOutput,
     SamplingParams,
 )
+from serving.engine.detokenizer import decode_text
 from serving.engine.server import metrics as outcomes
 from serving.engine.server.adapters import AdapterSet
 from serving.engine.server.errors import APIError, bad_request, model_not_found
@@ -215,8 +216,7 @@ class Generation:
         """Text of tokens (for logprobs), usable to the end of the stream, draining included."""
         if self._engine is None:
             raise RuntimeError("decode() before the generation started")
-        text: str = self._engine.tokenizer.decode(token_ids)
-        return text
+        return decode_text(self._engine.tokenizer, token_ids, skip_special_tokens=False)
 
     async def next(self) -> Delta | None:
         """The next delta, or None after the last one."""
