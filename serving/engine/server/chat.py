@@ -19,9 +19,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from serving.engine import AsyncEngine
 from serving.engine.server.chat_template_sandbox import TemplateRefused
 from serving.engine.server.errors import bad_request
-from serving.engine import AsyncEngine
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
 from serving.engine.server.protocol import (
     ChatChoice,
