@@ -91,13 +91,7 @@ def engine_step_ms(
     With ``profile_to``, three more steps run under torch.profiler: its table (ops by device and
     host time) is written there, and the device's busy time per step is returned in the file."""
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, detokenize=False)
-    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
-        engine.add_request(f"r{i}", prompt, params, lora)
-    scheduler = engine.scheduler
-    while scheduler.num_waiting or any(seq.num_uncomputed_tokens != 1 for seq in scheduler.running):
-        engine.step()
-        if engine.last_step_tokens == 0:
-            engine.wait_for_loads(0.05)
+    _start_decoding(engine, prompts, loras, params, prefix="r")
     device = engine.runner.device
     times = []
     for _ in range(steps + 3):
@@ -114,6 +108,18 @@ def engine_step_ms(
     return statistics.median(times[3:]) * 1e3
 
 
+def _start_decoding(engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None],
+                    params: SamplingParams, *, prefix: str) -> None:
+    """Adds one request per prompt and steps until every one is past its prefill (decoding)."""
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"{prefix}{i}", prompt, params, lora)
+    scheduler = engine.scheduler
+    while scheduler.num_waiting or any(seq.num_uncomputed_tokens != 1 for seq in scheduler.running):
+        engine.step()
+        if engine.last_step_tokens == 0:
+            engine.wait_for_loads(0.05)
+
+
 def mixed_step_ms(
     engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None], steps: int, chunk: int
 ) -> float:
@@ -121,13 +127,7 @@ def mixed_step_ms(
     ``chunk`` tokens (a one-token request, with the last of ``loras``) prefilled in the same step,
     as under Poisson arrivals most steps of a server are."""
     params = SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True, detokenize=False)
-    for i, (prompt, lora) in enumerate(zip(prompts[:-1], loras[:-1])):
-        engine.add_request(f"m{i}", prompt, params, lora)
-    scheduler = engine.scheduler
-    while scheduler.num_waiting or any(seq.num_uncomputed_tokens != 1 for seq in scheduler.running):
-        engine.step()
-        if engine.last_step_tokens == 0:
-            engine.wait_for_loads(0.05)
+    _start_decoding(engine, prompts[:-1], loras[:-1], params, prefix="m")
     device = engine.runner.device
     vocab = LLAMA3_8B["vocab_size"]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
