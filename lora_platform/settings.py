@@ -262,6 +262,9 @@ GATEWAY_PROCESSES = env_int("GATEWAY_PROCESSES", env_int("WEB_CONCURRENCY", 1))
 GATEWAY_PREWARM_TAU_SECONDS = float(os.environ.get("GATEWAY_PREWARM_TAU_SECONDS", "300"))
 GATEWAY_PREWARM_DAILY_DECAY = float(os.environ.get("GATEWAY_PREWARM_DAILY_DECAY", "0.5"))
 GATEWAY_PREWARM_LOOKAHEAD_SECONDS = float(os.environ.get("GATEWAY_PREWARM_LOOKAHEAD_SECONDS", "900"))
+# How many seconds of observation the hour-of-day profile is worth against the EWMA's recent
+# requests in the prediction (serving.gateway.prewarm: a larger value trusts the profile more).
+GATEWAY_PREWARM_PRIOR_SECONDS = float(os.environ.get("GATEWAY_PREWARM_PRIOR_SECONDS", "3600"))
 # The prewarm loop (serving.gateway.prewarm_loop): one round per interval across all gateway
 # processes (0: no loop); at most this many versions, each predicted at least this many requests
 # per hour.

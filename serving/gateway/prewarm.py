@@ -9,9 +9,17 @@ an hour-of-day profile, kept in Redis from the gateway's traffic.
   `daily_decay` (0.5) per day passed, so the profile follows shifting habits within days. As a
   rate: count × (1 − daily_decay) / 3600 (the steady state of that geometric sum is one day's
   count divided by (1 − daily_decay)).
-- Prediction for the next `lookahead_s` (900 s): the larger of the EWMA now and the profile's rate
-  for the hour that `now + lookahead_s` falls in, so an adapter that is busy now stays warm and one
-  that is busy every morning is loaded before the morning starts.
+- Prediction for the next `lookahead_s` (900 s): a Bayesian (gamma-Poisson) estimate that takes
+  the profile's rate for the hour that `now + lookahead_s` falls in as the prior, worth `prior_s`
+  (3600 s) of observation, and the EWMA's evidence as the observation: the EWMA times tau is the
+  decayed count of recent requests over an exposure of tau, so
+  rate = (profile × prior_s + EWMA × tau) / (prior_s + tau). One request (a count of 1) then
+  counts for ~1 request an hour, not the 12 an hour the bare EWMA reads for ~12 minutes, so a
+  one-off request does not outrank an adapter that is steadily busy at that hour; a burst of many
+  requests still does, and an adapter busy every morning is loaded before the morning starts.
+  (The previous rule, the larger of the two, let the EWMA of a single request outrank all but the
+  hottest entries of the profile at the traffic of bench/prewarm.py, and prewarm lost to plain
+  LRU there; docs/benchmarks.md.)
 
 Recording is one Lua script per request (atomic across gateway processes); `top` reads the
 figures (one HGETALL per key) and ranks them off the request path. Clocks are injected (`now`),
@@ -38,6 +46,15 @@ class PrewarmConfig:
     tau_s: float = 300.0
     daily_decay: float = 0.5
     lookahead_s: float = 900.0
+    prior_s: float = 3600.0  # how much observation the hour-of-day profile is worth as the prior
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One adapter's figures, requests per second: its EWMA now, its profile for the coming hour."""
+
+    recent: float = 0.0
+    hourly: float = 0.0
 
 
 # KEYS[1] the EWMA hash, KEYS[2] this hour's hash. ARGV: name, now, tau, day, daily_decay.
@@ -91,8 +108,9 @@ class DemandModel:
         await self._record(keys=[EWMA_KEY, f"{HOUR_KEY}{hour_of(now)}"],
                            args=[name, repr(now), c.tau_s, day_of(now), c.daily_decay])
 
-    async def predicted_rates(self, now: float) -> dict[str, float]:
-        """Every known adapter's predicted request rate (per second) over the coming lookahead."""
+    async def observed(self, now: float) -> dict[str, Observed]:
+        """Every known adapter's two figures: its EWMA now and its profile's rate for the hour
+        the lookahead falls in (per second)."""
         c = self.config
         # The client does not decode responses: fields and values are bytes.
         ewma_raw = cast("dict[bytes, bytes]", await self._redis.hgetall(EWMA_KEY))
@@ -104,16 +122,23 @@ class DemandModel:
         latest = day_of(ahead) if hour_of(now) == hour_of(ahead) else day_of(ahead) - 1
         decay_days = max(0, latest - int(last_day)) if last_day is not None else 0
         factor = c.daily_decay ** decay_days
-        rates: dict[str, float] = {}
+        out: dict[str, Observed] = {}
         for field, value in ewma_raw.items():
             rate_text, at_text = value.decode().split(" ")
             rate, at = float(rate_text), float(at_text)
-            rates[field.decode()] = rate * math.exp(-max(0.0, now - at) / c.tau_s)
+            out[field.decode()] = Observed(recent=rate * math.exp(-max(0.0, now - at) / c.tau_s))
         for field, value in hour_raw.items():
             name = field.decode()
             hourly = float(value) * factor * (1.0 - c.daily_decay) / 3600.0
-            rates[name] = max(rates.get(name, 0.0), hourly)
-        return rates
+            out[name] = Observed(recent=out[name].recent if name in out else 0.0, hourly=hourly)
+        return out
+
+    async def predicted_rates(self, now: float) -> dict[str, float]:
+        """Every known adapter's predicted request rate (per second) over the coming lookahead:
+        the posterior mean with the hour's profile as the prior (module docstring)."""
+        c = self.config
+        return {name: (o.hourly * c.prior_s + o.recent * c.tau_s) / (c.prior_s + c.tau_s)
+                for name, o in (await self.observed(now)).items()}
 
     async def top(self, k: int, now: float) -> list[tuple[str, float]]:
         """The `k` adapters with the highest predicted rate, highest first (ties by name)."""
