@@ -36,7 +36,8 @@ The asyncio engine (for the HTTP server; one engine thread, any number of caller
     engine.shutdown()
 
 Lower priority values are served first (vLLM's convention). Adapters are keyed by content digest;
-a name only points at one. Adapter problems raise ``AdapterError`` with a message naming them.
+a name only points at one. Adapter problems raise ``AdapterError`` with a message naming them; a
+request stopped because its GPU slot failed its checksum raises ``SlotCorruptedError``.
 """
 
 from typing import TYPE_CHECKING
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # the names _LAZY imports, for the type checker
     from serving.engine.lora_request import LoRARequest
     from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from serving.engine.sampling_params import SamplingParams
+    from serving.engine.slot_integrity import SlotCorruptedError
     from serving.engine.stats import EngineStats, LoRAInfo
 
 # Imported on first use (PEP 562): Django processes import serving.engine.artifact and
@@ -68,6 +70,7 @@ _LAZY = {
     "Logprob": "serving.engine.outputs",
     "RequestOutput": "serving.engine.outputs",
     "SamplingParams": "serving.engine.sampling_params",
+    "SlotCorruptedError": "serving.engine.slot_integrity",
     "EngineStats": "serving.engine.stats",
     "LoRAInfo": "serving.engine.stats",
 }
@@ -99,4 +102,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "SlotCorruptedError",
 ]

@@ -28,8 +28,8 @@ from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.engine.sampler import SampleResult
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
-from serving.engine.sequence import Sequence
-from serving.engine.slot_integrity import SlotChecksums
+from serving.engine.sequence import Sequence, SequenceStatus
+from serving.engine.slot_integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
 
 PromptType = str | dict[str, Any]
@@ -69,6 +69,8 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache)
         self._requests: dict[str, Sequence] = {}
+        # Requests ended between steps (verify_slots), handed out by the next step with its own outputs.
+        self._ended: list[RequestOutput] = []
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self.last_step_tokens = 0
@@ -173,7 +175,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that progressed or ended."""
-        outputs = self._fail_adapter_errors()
+        outputs, self._ended = self._ended, []
+        outputs += self._fail_adapter_errors()
         plan = self.scheduler.schedule()
         self.last_step_tokens = sum(num for _, num in plan.scheduled)
         if not plan.scheduled:
@@ -302,18 +305,42 @@ class LLMEngine:
         return self.lora_cache.prefetch(lora_request, to_gpu=to_gpu)
 
     def verify_slots(self) -> list[SlotRepair]:
-        """Check every occupied GPU slot against the checksum taken when it was written; start the
-        repair (a re-read from storage, ``LoRACache.repair``) of each that differs. One device
-        synchronisation: call it between steps, never from inside one."""
+        """Check every occupied GPU slot against the checksum taken when it was written; stop what
+        ran on each that differs (``_stop_corrupted``) and start its repair (a re-read from storage,
+        ``LoRACache.repair``). One device synchronisation: call it between steps, never from inside
+        one. The requests stopped here end in the next ``step()``'s outputs."""
         if self.lora_cache is None or self.slot_checksums is None:
             return []
         occupied = [slot for slot, adapter in enumerate(self.lora_cache.slots()) if adapter is not None]
         repairs = []
         for slot in self.slot_checksums.mismatched(occupied):
+            self._stop_corrupted(slot)
             adapter = self.lora_cache.repair(slot)
             if adapter is not None:
                 repairs.append(SlotRepair(slot=slot, digest=adapter.digest, names=tuple(sorted(adapter.names))))
         return repairs
+
+    def _stop_corrupted(self, slot: int) -> None:
+        """No sequence keeps running on a corrupted slot, so it can be emptied and refilled without a
+        step reading it. One that has produced a token (running, or waiting after a preemption) ends
+        with SlotCorruptedError: that output came from the bad weights and cannot be taken back. One
+        that has produced nothing yet (its prefill under way) only loses KV entries computed with
+        the bad weights: it is queued again and served whole once the slot is repaired."""
+        assert self.lora_cache is not None
+        adapter = self.lora_cache.slots()[slot]
+        bound = [seq for seq in self.scheduler.running if seq.lora_slot == slot]
+        bound += [seq for seq in self.scheduler.waiting() if seq.adapter is not None and seq.adapter.adapter is adapter]
+        for seq in bound:
+            if seq.num_output_tokens == 0:
+                if seq.status is SequenceStatus.RUNNING:
+                    self.scheduler.requeue(seq)
+                continue
+            assert seq.adapter is not None
+            seq.error = SlotCorruptedError(seq.adapter.name, slot)
+            seq.finish_reason = "error"
+            self._requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+            self._ended.append(self._output(seq))
 
     def _write_slot(self, slot: int, adapter: Adapter) -> None:
         self.runner.write_slot(slot, adapter)

@@ -42,7 +42,7 @@ class Adapter:
     handles: set[AdapterHandle] = field(default_factory=set)  # unfinished requests that use it
     running: int = 0  # running sequences: they pin the slot
     reload: PendingLoad | None = None
-    repairing: bool = False  # its slot failed a checksum: the re-read in flight rewrites it
+    repairing: bool = False  # its slot failed a checksum: the re-read in flight puts it back in one
 
     @property
     def refs(self) -> int:

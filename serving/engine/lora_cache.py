@@ -251,17 +251,18 @@ class LoRACache:
         """``slot`` no longer holds what was copied in (its checksum failed): bring it back from storage.
 
         Its adapter is re-read from storage (the digest checked against the one it was loaded
-        with, as every re-read is) rather than from the CPU copy, which may be what went bad. Until
-        the read is in, a slot no running sequence pins is emptied, so no new request runs on it
-        (they wait for the read, as after a CPU eviction); a pinned one is rewritten in place once
-        the read is in. Returns the adapter, or None for an empty slot."""
+        with, as every re-read is) rather than from the CPU copy, which may be what went bad. The
+        caller has stopped every sequence running on the slot (``LLMEngine.verify_slots``), so the
+        slot is emptied until the read is in: no request runs on it meanwhile (new ones wait for
+        the read, as after a CPU eviction) and nothing reads it while it is refilled. Returns the
+        adapter, or None for an empty slot."""
         adapter = self._slots.slots()[slot]
         if adapter is None:
             return None
+        assert adapter.running == 0, "a slot is repaired only once nothing runs on it"
         adapter.repairing = True
         self._cpu.discard(adapter)
-        if adapter.running == 0:
-            self._slots.free(adapter)
+        self._slots.free(adapter)
         if adapter.reload is None:
             name = next(iter(adapter.names), adapter.digest)
             adapter.reload = self._start_load(PendingLoad(name, adapter.path, reload_of=adapter))
@@ -350,12 +351,9 @@ class LoRACache:
         if load.reload_of is not None:
             load.reload_of.reload = None
         if adapter.repairing:
-            # Back where it was (a pinned slot in place; else the slot it left, first to be reused).
+            # Back in a slot: the one it left, first to be reused, unless another took it meanwhile.
             adapter.repairing = False
-            if adapter.slot is not None:
-                self._slots.rewrite(adapter)
-                self._slot_repairs += 1
-            elif self._slots.place(adapter) is not None:
+            if self._slots.place(adapter) is not None:
                 self._slot_repairs += 1
         for done, load_inplace in load.add_futures:
             try:

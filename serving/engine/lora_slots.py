@@ -57,12 +57,6 @@ class SlotTable:
         self._lru.move_to_end(slot)
         return slot
 
-    def rewrite(self, adapter: Adapter) -> None:
-        """Copy ``adapter`` again into the slot it holds (its content there went bad)."""
-        assert adapter.slot is not None and adapter.weights is not None
-        self._write(adapter.slot, adapter)
-        self.loads += 1
-
     def free(self, adapter: Adapter) -> None:
         """Empty ``adapter``'s slot (nothing uses it any more); the slot is the first to be reused."""
         if adapter.slot is None:

@@ -108,6 +108,11 @@ class Scheduler:
         if seq.adapter is not None and self.lora_cache is not None:
             self.lora_cache.release(seq.adapter)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Stop running ``seq`` and queue it again, to be prefilled anew (a preemption by recompute):
+        for a sequence whose KV entries can no longer be trusted."""
+        self._preempt(seq)
+
     def schedule(self) -> SchedulerOutput:
         now = self.step_count
         self.step_count += 1

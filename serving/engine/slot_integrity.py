@@ -48,3 +48,18 @@ class SlotChecksums:
         bad = [slot for slot in slots if differs[slot]]
         self.mismatches += len(bad)
         return bad
+
+
+class SlotCorruptedError(RuntimeError):
+    """A request was stopped because the GPU slot it ran on failed its checksum: the tokens it had
+    produced came from weights that were no longer its adapter's. Nothing is wrong with the request
+    or the adapter in storage (the slot is being reloaded from there), so a retry is served right."""
+
+    def __init__(self, name: str, slot: int) -> None:
+        super().__init__(
+            f"adapter '{name}' was stopped mid-generation: GPU slot {slot} it ran on failed its checksum "
+            "(its weights changed in memory), so the output so far is not the adapter's; the slot is being "
+            "reloaded from storage, retry the request"
+        )
+        self.name = name
+        self.slot = slot

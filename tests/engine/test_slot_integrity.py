@@ -13,8 +13,8 @@ import pytest
 import torch
 from peft_reference import PeftReference, assert_greedy_match
 
-from serving.engine import LLM, LoRARequest, SamplingParams
-from serving.engine.slot_integrity import SlotChecksums
+from serving.engine import LLM, LoRARequest, RequestOutput, SamplingParams
+from serving.engine.slot_integrity import SlotChecksums, SlotCorruptedError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,31 +62,72 @@ def test_a_slot_written_in_place_is_detected_and_repaired_from_storage(
     assert_greedy_match(again.outputs[0].token_ids, want, "after the repair")
 
 
-def test_a_pinned_slot_is_rewritten_in_place(
+def test_what_runs_on_a_corrupted_slot_is_stopped_before_the_slot_is_rewritten(
     request: pytest.FixtureRequest, tiny_llama_dir: Path, make_adapter: Callable[..., Path]
 ) -> None:
-    """A slot a running sequence pins cannot be emptied: it is rewritten where it is once the
-    re-read is in, and the sequence's later steps run on the repaired weights."""
+    """A sequence that produced tokens on a slot found corrupted ends with SlotCorruptedError and
+    frees its KV blocks; one still in its prefill, and one still waiting, have produced nothing and
+    are served whole from the repaired slot, as a later request is: PEFT's tokens each time."""
     path = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=42, init_scale=0.5)
     llm = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=2, max_lora_rank=16, device="cpu", max_model_len=64,
-              num_kv_blocks=64)
+              num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=4)
     request.addfinalizer(llm.llm_engine.shutdown)
     engine = llm.llm_engine
-    engine.add_request("long", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                       LoRARequest("tuned", str(path)))
-    while engine.stats().num_running != 1:
-        engine.step()
-        engine.wait_for_loads(0.05)
+    tokenizer = llm.get_tokenizer()
+    prompts = {rid: tokenizer(text).input_ids for rid, text in (
+        ("decoding", PROMPT), ("prefilling", "Once upon a time there was a little girl who lived in a village near"),
+        ("waiting", "The capital of France is"))}
+    peft = PeftReference(tiny_llama_dir, {"tuned": path})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = {rid: peft.generate(ids, "tuned", params.max_tokens or 0) for rid, ids in prompts.items()}
+    lora = LoRARequest("tuned", str(path))
+
+    engine.add_request("decoding", {"prompt_token_ids": prompts["decoding"]}, params, lora)
+    outputs: dict[str, RequestOutput] = {}
+
+    def step() -> None:
+        for output in engine.step():
+            outputs[output.request_id] = output
+        engine.wait_for_loads(0.01)
+
+    while "decoding" not in outputs or len(outputs["decoding"].outputs[0].token_ids) < 2:
+        step()
+    # A prompt longer than a step's budget (4 tokens) is prefilled over several steps; the one
+    # after it cannot run (max_num_seqs=2) and waits.
+    engine.add_request("prefilling", {"prompt_token_ids": prompts["prefilling"]}, params, lora)
+    engine.add_request("waiting", {"prompt_token_ids": prompts["waiting"]}, params, lora)
+    step()
+    running = {seq.request_id: seq for seq in engine.scheduler.running}
+    assert set(running) == {"decoding", "prefilling"} and running["prefilling"].num_output_tokens == 0
+    assert 0 < running["prefilling"].num_computed_tokens < len(prompts["prefilling"])
+    emitted = len(outputs["decoding"].outputs[0].token_ids)
+
     with torch.no_grad():
         next(iter(engine.runner.model.lora_layers())).lora_B[0][0, 1, 1] += 1.0
     (repair,) = engine.verify_slots()
-    assert repair.slot == 0 and engine.list_loras()[0].gpu_slot == 0, "the pinned slot keeps its adapter"
-    while engine.stats().slot_repairs == 0:
-        engine.wait_for_loads(0.05)
-        engine.step()
-    assert engine.verify_slots() == [] and engine.list_loras()[0].gpu_slot == 0
+    assert repair.slot == 0 and repair.names == ("tuned",)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 2, 0), \
+        "nothing runs on the slot and the stopped sequences' KV blocks are free, before the next step"
+    assert engine.list_loras()[0].gpu_slot is None, "the slot is empty until the re-read is in"
+
+    step()
+    stopped = outputs["decoding"]
+    assert stopped.finished and stopped.outputs[0].finish_reason == "error"
+    assert isinstance(stopped.error, SlotCorruptedError) and "'tuned'" in str(stopped.error)
+    assert len(stopped.outputs[0].token_ids) == emitted, "not one more token from the corrupted slot"
+    assert set(engine.request_ids()) == {"prefilling", "waiting"}
+
     while engine.has_unfinished_requests():
-        engine.step()
+        step()
+    for rid in ("prefilling", "waiting"):
+        assert outputs[rid].error is None and outputs[rid].outputs[0].finish_reason == "length"
+        assert_greedy_match(outputs[rid].outputs[0].token_ids, want[rid], f"{rid}, served after the repair")
+    stats = engine.stats()
+    assert (stats.slot_corruptions, stats.slot_repairs, stats.num_preemptions) == (1, 1, 1)
+    assert stats.kv_blocks_used == 0 and engine.verify_slots() == []
+    again = llm.generate({"prompt_token_ids": prompts["decoding"]}, params, lora_request=LoRARequest("tuned"))[0]
+    assert_greedy_match(again.outputs[0].token_ids, want["decoding"], "a later request")
 
 
 def test_an_unchanged_slot_passes_every_check(

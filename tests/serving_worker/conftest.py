@@ -8,19 +8,25 @@ leftovers.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
+from serving.engine.server.app import build_app
+from serving.engine.server.cli import ServerArgs
+from serving.engine.server.worker import Worker
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
 from tests.conftest import free_port
 
@@ -154,6 +160,37 @@ def worker(start_worker: Callable[..., WorkerProcess], adapters: dict[str, Path]
         "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_CPU_LORAS), "--max-lora-rank", "16",
         "--served-model-name", "tiny-base", "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
     )
+
+
+@contextlib.contextmanager
+def serve_in_process(args: ServerArgs) -> Iterator[tuple[Worker, str]]:
+    """A worker's real app under uvicorn on a thread of this process, ready: `(worker, url)`.
+
+    For tests that reach into the engine while HTTP requests run on it (write into a GPU slot as
+    a stray kernel would, corrupt a sequence's state so the real step fails), which a worker
+    process does not allow, and that need real streaming, which Starlette's test client lacks."""
+    port = free_port()
+    worker = Worker(args)
+    server = uvicorn.Server(uvicorn.Config(build_app(worker), host="127.0.0.1", port=port, lifespan="on",
+                                           log_level="warning"))
+    worker.request_stop = lambda: setattr(server, "should_exit", True)
+    thread = threading.Thread(target=server.run, name="in-process-worker", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            assert thread.is_alive() and time.monotonic() < deadline, "the in-process worker did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield worker, url
+    finally:
+        server.should_exit = True
+        thread.join(60)
 
 
 @pytest.fixture(scope="session")

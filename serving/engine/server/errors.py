@@ -52,6 +52,16 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+# A request stopped because its adapter's GPU slot failed its checksum (engine SlotCorruptedError).
+SLOT_CORRUPTED = "adapter_slot_corrupted"
+
+
+def slot_corrupted(message: str) -> APIError:
+    """503: the worker's state (the slot is being reloaded), not the request's or the adapter's, so
+    the gateway fails over before the first byte and its breaker does not count it (docs/resilience.md)."""
+    return APIError(503, message, code=SLOT_CORRUPTED)
+
+
 def overloaded(message: str) -> APIError:
     return APIError(503, message, code="overloaded")
 

@@ -35,11 +35,12 @@ from serving.engine import (
     LoRARequest,
     RequestOutput,
     SamplingParams,
+    SlotCorruptedError,
 )
 from serving.engine.detokenizer import decode_text
 from serving.engine.server import metrics as outcomes
 from serving.engine.server.adapters import AdapterSet
-from serving.engine.server.errors import APIError, bad_request, model_not_found
+from serving.engine.server.errors import SLOT_CORRUPTED, APIError, bad_request, model_not_found, slot_corrupted
 from serving.engine.server.on_demand import ensure_loaded
 from serving.engine.server.protocol import SamplingFields, UsageInfo
 from serving.engine.server.worker import Worker
@@ -271,7 +272,7 @@ class Generation:
                 yield delta
                 if self.finished:
                     return
-                output = await anext(outputs, None)
+                output = await _next_output(outputs)
         except BaseException as exc:
             if not self.finished:  # a close after the last delta changes nothing
                 status = _status(exc)
@@ -329,12 +330,23 @@ class Generation:
         return delta
 
 
+async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """The engine's next output; a request stopped on a corrupted slot as its HTTP error (a stream
+    sends it as its error event, a whole reply as its status)."""
+    try:
+        return await anext(outputs, None)
+    except SlotCorruptedError as exc:
+        raise slot_corrupted(str(exc)) from exc
+
+
 _STATUS_OF_HTTP = {400: outcomes.BAD_REQUEST, 404: outcomes.NOT_FOUND, 503: outcomes.UNAVAILABLE}
 
 
 def _status(error: BaseException) -> str:
     """The outcome of a request that `error` ended before the engine finished it."""
     if isinstance(error, APIError):
+        if error.code == SLOT_CORRUPTED:
+            return outcomes.ERROR  # it was served, from bad weights, and stopped: a failure, not a refusal
         return _STATUS_OF_HTTP.get(error.status, outcomes.ERROR)
     if isinstance(error, ClientDisconnected | asyncio.CancelledError | GeneratorExit):
         return outcomes.ABORTED
@@ -345,6 +357,8 @@ def _as_api_error(exc: BaseException) -> BaseException:
     """The HTTP error for what stopped a request from starting."""
     if isinstance(exc, APIError | ClientDisconnected | asyncio.CancelledError):
         return exc
+    if isinstance(exc, SlotCorruptedError):
+        return slot_corrupted(str(exc))
     if isinstance(exc, AdapterNotFoundError):
         return APIError(404, f"{exc} (it was unloaded meanwhile)", param="model", code="model_not_found")
     if isinstance(exc, AdapterError):

@@ -1,7 +1,8 @@
 """Server-sent events in OpenAI's framing: `data: <json>\\n\\n` per chunk and `data: [DONE]` last.
 
 A stream that fails after it started cannot change its status any more; it sends the error as one
-`data: {"error": …}` event before `[DONE]`, as vLLM does, so clients see why it stopped.
+`data: {"error": …}` event before `[DONE]`, as vLLM does, so clients see why it stopped (an
+`APIError` with its own status and code, e.g. `adapter_slot_corrupted`; anything else as a 500).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from serving.engine.server.errors import error_body
+from serving.engine.server.errors import APIError, error_body
 from serving.engine.server.generation import Generation
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
             yield chunk
+    except APIError as exc:  # an error the worker names (a stopped request): its status and code
+        log.warning("stream ended with an error: %s", exc.message)
+        yield sse(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
     except Exception as exc:
         log.exception("stream failed")
         yield sse(error_body(500, f"The stream failed: {exc}"))
