@@ -88,7 +88,7 @@ class AsyncEngine:
         """Stream a request's cumulative outputs; the last one has ``finished=True``.
 
         Raises ValueError for a bad prompt or a request id in use, AdapterError when its adapter
-        cannot be loaded. Leaving the loop early (a client disconnect) aborts the request.
+        cannot be loaded, SlotCorruptedError when its adapter's GPU slot failed its checksum under it. Leaving the loop early (a client disconnect) aborts the request.
         """
         self._check_alive()
         encoded = self.engine.encode(prompt)
@@ -174,7 +174,9 @@ class AsyncEngine:
 
     async def verify_slots(self) -> list[SlotRepair]:
         """Check every occupied GPU slot's checksum (between two steps); each slot that changed since
-        it was written is repaired from storage in the background and listed here."""
+        it was written is repaired from storage in the background and listed here. The requests
+        that had produced tokens from such a slot end at once with SlotCorruptedError; those that
+        had produced nothing wait for the repair (LLMEngine.verify_slots)."""
         return await self._call(self.engine.verify_slots)
 
     async def remove_lora(self, name: str) -> None:

@@ -314,22 +314,25 @@ class LLMEngine:
         occupied = [slot for slot, adapter in enumerate(self.lora_cache.slots()) if adapter is not None]
         repairs = []
         for slot in self.slot_checksums.mismatched(occupied):
-            self._stop_corrupted(slot)
+            stopped = self._stop_corrupted(slot)
             adapter = self.lora_cache.repair(slot)
             if adapter is not None:
-                repairs.append(SlotRepair(slot=slot, digest=adapter.digest, names=tuple(sorted(adapter.names))))
+                repairs.append(SlotRepair(slot=slot, digest=adapter.digest, names=tuple(sorted(adapter.names)),
+                                          stopped=stopped))
         return repairs
 
-    def _stop_corrupted(self, slot: int) -> None:
+    def _stop_corrupted(self, slot: int) -> int:
         """No sequence keeps running on a corrupted slot, so it can be emptied and refilled without a
         step reading it. One that has produced a token (running, or waiting after a preemption) ends
         with SlotCorruptedError: that output came from the bad weights and cannot be taken back. One
         that has produced nothing yet (its prefill under way) only loses KV entries computed with
-        the bad weights: it is queued again and served whole once the slot is repaired."""
+        the bad weights: it is queued again and served whole once the slot is repaired. Returns
+        the number stopped."""
         assert self.lora_cache is not None
         adapter = self.lora_cache.slots()[slot]
         bound = [seq for seq in self.scheduler.running if seq.lora_slot == slot]
         bound += [seq for seq in self.scheduler.waiting() if seq.adapter is not None and seq.adapter.adapter is adapter]
+        ended_before = len(self._ended)
         for seq in bound:
             if seq.num_output_tokens == 0:
                 if seq.status is SequenceStatus.RUNNING:
@@ -341,6 +344,7 @@ class LLMEngine:
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq)
             self._ended.append(self._output(seq))
+        return len(self._ended) - ended_before
 
     def _write_slot(self, slot: int, adapter: Adapter) -> None:
         self.runner.write_slot(slot, adapter)

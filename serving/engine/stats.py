@@ -24,11 +24,13 @@ class LoRAInfo:
 
 @dataclass(frozen=True)
 class SlotRepair:
-    """A GPU slot whose checksum failed: which adapter it held (its re-read from storage is under way)."""
+    """A GPU slot whose checksum failed: which adapter it held (its re-read from storage is under
+    way) and how many requests were stopped because they had produced tokens from it."""
 
     slot: int
     digest: str
     names: tuple[str, ...]
+    stopped: int
 
 
 @dataclass(frozen=True)

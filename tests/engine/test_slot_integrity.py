@@ -105,7 +105,7 @@ def test_what_runs_on_a_corrupted_slot_is_stopped_before_the_slot_is_rewritten(
     with torch.no_grad():
         next(iter(engine.runner.model.lora_layers())).lora_B[0][0, 1, 1] += 1.0
     (repair,) = engine.verify_slots()
-    assert repair.slot == 0 and repair.names == ("tuned",)
+    assert (repair.slot, repair.names, repair.stopped) == (0, ("tuned",), 1)
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 2, 0), \
         "nothing runs on the slot and the stopped sequences' KV blocks are free, before the next step"
@@ -128,6 +128,31 @@ def test_what_runs_on_a_corrupted_slot_is_stopped_before_the_slot_is_rewritten(
     assert stats.kv_blocks_used == 0 and engine.verify_slots() == []
     again = llm.generate({"prompt_token_ids": prompts["decoding"]}, params, lora_request=LoRARequest("tuned"))[0]
     assert_greedy_match(again.outputs[0].token_ids, want["decoding"], "a later request")
+
+
+def test_a_sequence_waiting_again_after_a_preemption_is_stopped_too(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, make_adapter: Callable[..., Path]
+) -> None:
+    """A preempted sequence holds no slot, but the tokens it waits to resume from came from it."""
+    path = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=43, init_scale=0.5)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_cpu_loras=2, max_lora_rank=16, device="cpu", max_model_len=64,
+              num_kv_blocks=64)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    engine.add_request("resumed", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                       LoRARequest("tuned", str(path)))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens < 2:
+        engine.step()
+        engine.wait_for_loads(0.01)
+    (seq,) = engine.scheduler.running
+    engine.scheduler.requeue(seq)  # what a preemption under KV pressure leaves: waiting, with its tokens
+    with torch.no_grad():
+        next(iter(engine.runner.model.lora_layers())).lora_A[0][0, 2, 3] -= 1.0
+    (repair,) = engine.verify_slots()
+    assert repair.stopped == 1
+    (output,) = engine.step()
+    assert isinstance(output.error, SlotCorruptedError) and output.outputs[0].finish_reason == "error"
+    assert not engine.has_unfinished_requests() and engine.stats().kv_blocks_used == 0
 
 
 def test_an_unchanged_slot_passes_every_check(

@@ -61,7 +61,7 @@ def test_requests_decoding_on_a_corrupted_slot_are_stopped_with_an_error(
                 next(iter(engine.runner.model.lora_layers())).lora_B[0][info.gpu_slot, 0, 0] += 0.5
 
             reply = httpx.post(f"{url}/v1/verify_lora_slots", timeout=60)
-            assert reply.json() == {"repaired": [{"slot": info.gpu_slot, "digest": info.digest, "names": [NAME]}]}
+            assert reply.json() == {"repaired": [{"slot": info.gpu_slot, "digest": info.digest, "names": [NAME], "stopped": 2}]}
             rest = list(lines)
 
         assert rest[-1] == "data: [DONE]"

@@ -85,7 +85,7 @@ def test_a_corrupted_slot_is_detected_repaired_and_counted_on_the_breaker(
 
         assert client.post("/v1/verify_lora_slots").status_code == 401, "the operator's key is needed"
         reply = client.post("/v1/verify_lora_slots", headers=AUTH)
-        assert reply.json() == {"repaired": [{"slot": info.gpu_slot, "digest": info.digest, "names": [VERSION]}]}
+        assert reply.json() == {"repaired": [{"slot": info.gpu_slot, "digest": info.digest, "names": [VERSION], "stopped": 0}]}
         _wait(lambda: _metric(client, "loraplex_lora_slot_repairs_total") == 1, "the repair")
         assert _metric(client, "loraplex_lora_slot_corruptions_total") == 1
         assert _metric(client, "loraplex_lora_slot_breaker_failures_total") == 1

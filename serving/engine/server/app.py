@@ -131,12 +131,14 @@ def build_app(worker: Worker) -> FastAPI:
     @app.post("/v1/verify_lora_slots")
     async def verify_lora_slots() -> dict[str, Any]:
         """Check every GPU slot's checksum now (as the periodic check does): each slot whose content
-        changed since it was written is reloaded from storage and listed; on registry versions it
-        counts as a circuit-breaker failure. Behind the worker's key like every /v1 route."""
+        changed since it was written is reloaded from storage and listed, with the number of requests
+        stopped because they had produced tokens from it; on registry versions it counts as a
+        circuit-breaker failure. Behind the worker's key like every /v1 route."""
         worker.require_ready()
         assert worker.slot_guard is not None  # set before the worker is ready
         repairs = await worker.slot_guard.verify()
-        return {"repaired": [{"slot": r.slot, "digest": r.digest, "names": list(r.names)} for r in repairs]}
+        return {"repaired": [{"slot": r.slot, "digest": r.digest, "names": list(r.names), "stopped": r.stopped}
+                             for r in repairs]}
 
     @app.post("/v1/prefetch_lora_adapters")
     async def prefetch_lora_adapters(body: PrefetchLoRAAdaptersRequest, request: Request) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The worker's slot-integrity guard (issue #12, seed §8.2): checks every GPU slot's checksum on
 request and every ``--slot-verify-interval`` seconds, and reports what it found.
 
-The check and the repair are the engine's (``AsyncEngine.verify_slots``: a slot whose content
-changed since it was written is re-read from storage, digest-verified, and rewritten); it runs on
-the engine thread between two steps, never inside one. What this adds is the reporting: a log
+The check and the repair are the engine's (``AsyncEngine.verify_slots``: the requests that had
+produced tokens from a slot whose content changed since it was written are stopped, then the slot
+is re-read from storage, digest-verified, and rewritten); it runs on the engine thread between two
+steps, never inside one. What this adds is the reporting: a log
 line, ``/metrics`` (``loraplex_lora_slot_corruptions_total`` and its neighbours, from the engine's
 counters) and one failure on the shared circuit breaker of every registry version the slot held.
 
@@ -48,8 +49,9 @@ class SlotGuard:
         """Check every occupied slot now; the slots found changed (their repair is under way)."""
         repairs = await self._engine.verify_slots()
         for repair in repairs:
-            log.error("GPU slot %d no longer holds adapter %s (%s): its checksum changed; reloading it from storage",
-                      repair.slot, repair.digest[:12], ", ".join(repair.names) or "no name")
+            log.error("GPU slot %d no longer holds adapter %s (%s): its checksum changed; %d request(s) that had "
+                      "produced tokens from it stopped, reloading it from storage", repair.slot, repair.digest[:12],
+                      ", ".join(repair.names) or "no name", repair.stopped)
             for name in repair.names:
                 if is_registry_name(name):
                     await self._record_failure(name)
