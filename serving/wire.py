@@ -7,6 +7,8 @@ Django-free, so the serving worker imports it as the registry does:
 - `WORKERS_KEY` / `worker_key()`: where a worker registers itself in Redis for the gateway.
 - `api_key_id()`: the fingerprint of a worker's key in its registration, so a gateway routes only
   to workers that accept the key it sends.
+- `SLOT_CORRUPTED`: the error code of a request the worker stopped because its adapter's GPU slot
+  failed its checksum, which the gateway must not charge to the version again.
 
 Each typed entry has `to_dict()` (what goes on the wire, JSON-ready) and `from_dict()` (which
 raises ValueError naming what is missing or mistyped), and `from_dict(to_dict(x)) == x`.
@@ -23,6 +25,11 @@ EVENTS_CHANNEL = "loraplex:registry:events"
 # A sorted set of worker ids scored by their last heartbeat, and one JSON document per worker.
 WORKERS_KEY = "loraplex:serving:workers"
 WORKER_KEY_PREFIX = "loraplex:serving:worker:"
+
+# The `code` of a worker's error (a 503, or a stream's error event) for a request stopped because
+# its adapter's GPU slot failed its checksum: the worker has charged the version's breaker for it
+# already, so the gateway counts it as the worker's state (docs/resilience.md, "Slot integrity").
+SLOT_CORRUPTED = "adapter_slot_corrupted"
 
 
 def worker_key(worker_id: str) -> str:

@@ -51,6 +51,9 @@ class UpstreamResult:
     first_byte_s: float | None = None
     ended_s: float | None = None
     error: str = ""
+    # The `code` of the worker's own error (its refusal's body or its stream's error event), "" when
+    # it sent none; serving.gateway.resilience.breaker_outcome reads it.
+    error_code: str = ""
     # A refusal's whole body (error keeps its first 500 characters), relayed to the client as it came.
     refused_body: bytes = b""
 
@@ -65,6 +68,7 @@ class UpstreamResult:
         self.key_refused = key_refused(status)
         self.status = "client_error" if status < 500 and not self.key_refused else "upstream_error"
         self.error = content[:500].decode(errors="replace")
+        self.error_code = error_code(content)
         self.refused_body = content
 
     def end(self) -> None:
@@ -153,6 +157,7 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
                 if event.startswith(_ERROR_EVENT):
                     failed = True
                     result.error = event[6:506].decode(errors="replace")
+                    result.error_code = error_code(event[6:])
                     yield event
                     continue
                 if _USAGE in event:
@@ -185,6 +190,15 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
     finally:
         result.end()
         await response.aclose()
+
+
+def error_code(content: bytes) -> str:
+    """The `code` of an OpenAI-shaped error body (`{"error": {"code": ...}}`), "" when it has none."""
+    try:
+        code = json.loads(content)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return code if isinstance(code, str) else ""
 
 
 def stream_error_event(message: str, *, code: str = "upstream_error") -> bytes:

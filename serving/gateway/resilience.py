@@ -37,6 +37,7 @@ from serving.gateway.prewarm import DemandModel, PrewarmConfig
 from serving.gateway.redis_guard import RedisGuard
 from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
 from serving.gateway.usage_log import UsageEvent
+from serving.wire import SLOT_CORRUPTED
 
 if TYPE_CHECKING:
     from serving.gateway.pipeline import Call
@@ -66,14 +67,25 @@ EJECTIONS = Counter("loraplex_gateway_worker_ejections_total", "Workers ejected 
 CANARY_ABORTS = Counter("loraplex_gateway_canary_aborts_total", "Canaries aborted by the canary guard.")
 
 
+# Worker error codes that report the worker's state, whatever the status or the point of the reply
+# they arrive at: a stream stopped by a corrupted GPU slot ends with such an error event after its
+# first token (the worker charged the version's breaker once itself for the corruption).
+WORKER_STATE_CODES = frozenset({SLOT_CORRUPTED})
+
+
 def breaker_outcome(result: UpstreamResult) -> Outcome:
     """The version's view of a call's final answer (after failover): a worker's 503 (loading,
-    draining, over its queue bound) and its refusal of the operator key (misconfigured) are the
-    worker's state, and a 4xx or a client that left says nothing of the adapter; other failures
-    (5xx such as adapter_load_failed, no connection, a timeout, a stream that broke) count against it."""
+    draining, over its queue bound, a corrupted slot), its refusal of the operator key
+    (misconfigured) and an error whose code is in WORKER_STATE_CODES (a stream stopped by a
+    corrupted slot) are the worker's state, and a 4xx or a client that left says nothing of the
+    adapter; other failures (5xx such as adapter_load_failed, no connection, a timeout, a stream
+    that broke or ended with any other error event) count against it. The canary guard judges by
+    the breaker's figures, so this is its rule too."""
     if result.status == "ok":
         return Outcome.SUCCESS
-    if result.status == "upstream_error" and result.http_status != 503 and not result.key_refused:
+    worker_state = (result.http_status == 503 or result.key_refused
+                    or result.error_code in WORKER_STATE_CODES)
+    if result.status == "upstream_error" and not worker_state:
         return Outcome.FAILURE
     return Outcome.IGNORED
 

@@ -1,5 +1,6 @@
 """SSE relay alone: events pass through one by one with `model` renamed, the usage chunk is read
-and dropped unless asked for, and a failing upstream ends the stream with an error event."""
+and dropped unless asked for, a failing upstream ends the stream with an error event, and a
+worker's error event is passed on with its code read for the breaker."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from serving.gateway.breakers import Outcome
 from serving.gateway.proxy import DONE, UpstreamResult, relay_stream, rename_model
+from serving.gateway.resilience import breaker_outcome
 
 INTERNAL = "alice-co/support-bot@1.0.0"
 
@@ -82,3 +85,16 @@ def test_a_stream_cut_before_done_is_an_error_and_a_worker_error_event_is_passed
     worker_error = event({"error": {"message": "engine died", "type": "api_error", "param": None, "code": None}})
     out, result = relay([chunk("a"), worker_error, DONE], wants_usage=False)
     assert out[1] == worker_error and out[-1] == DONE and result.status == "upstream_error"
+
+
+def test_a_stream_stopped_by_a_corrupted_slot_is_relayed_and_is_the_workers_state_for_the_breaker():
+    stopped = event({"error": {"message": "GPU slot 0 of 'support-bot' failed its checksum", "type": "service_unavailable",
+                               "param": None, "code": "adapter_slot_corrupted"}})
+    out, result = relay([chunk("a"), stopped, DONE], wants_usage=False)
+    assert out[1:] == [stopped, DONE]
+    assert (result.status, result.error_code) == ("upstream_error", "adapter_slot_corrupted")
+    assert breaker_outcome(result) is Outcome.IGNORED
+
+    other = event({"error": {"message": "The stream failed", "type": "api_error", "param": None, "code": "boom"}})
+    _, result = relay([chunk("a"), other, DONE], wants_usage=False)
+    assert result.error_code == "boom" and breaker_outcome(result) is Outcome.FAILURE

@@ -9,6 +9,7 @@ leftovers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import re
@@ -168,9 +169,10 @@ def serve_in_process(args: ServerArgs) -> Iterator[tuple[Worker, str]]:
 
     For tests that reach into the engine while HTTP requests run on it (write into a GPU slot as
     a stray kernel would, corrupt a sequence's state so the real step fails), which a worker
-    process does not allow, and that need real streaming, which Starlette's test client lacks."""
+    process does not allow, and that need real streaming, which Starlette's test client lacks.
+    The worker is told its port, so a registration in Redis (`redis_url`) advertises where it is."""
     port = free_port()
-    worker = Worker(args)
+    worker = Worker(dataclasses.replace(args, port=port))
     server = uvicorn.Server(uvicorn.Config(build_app(worker), host="127.0.0.1", port=port, lifespan="on",
                                            log_level="warning"))
     worker.request_stop = lambda: setattr(server, "should_exit", True)

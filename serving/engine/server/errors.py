@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.wire import SLOT_CORRUPTED
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -52,13 +54,11 @@ def model_not_found(model: str) -> APIError:
     )
 
 
-# A request stopped because its adapter's GPU slot failed its checksum (engine SlotCorruptedError).
-SLOT_CORRUPTED = "adapter_slot_corrupted"
-
-
 def slot_corrupted(message: str) -> APIError:
-    """503: the worker's state (the slot is being reloaded), not the request's or the adapter's, so
-    the gateway fails over before the first byte and its breaker does not count it (docs/resilience.md)."""
+    """A request stopped because its adapter's GPU slot failed its checksum (engine
+    SlotCorruptedError). 503: the worker's state (the slot is being reloaded), not the request's or
+    the adapter's, so the gateway fails over before the first byte, and its breaker counts it
+    neither as a 503 nor as a stream's error event (docs/resilience.md)."""
     return APIError(503, message, code=SLOT_CORRUPTED)
 
 

@@ -40,10 +40,11 @@ from serving.engine import (
 from serving.engine.detokenizer import decode_text
 from serving.engine.server import metrics as outcomes
 from serving.engine.server.adapters import AdapterSet
-from serving.engine.server.errors import SLOT_CORRUPTED, APIError, bad_request, model_not_found, slot_corrupted
+from serving.engine.server.errors import APIError, bad_request, model_not_found, slot_corrupted
 from serving.engine.server.on_demand import ensure_loaded
 from serving.engine.server.protocol import SamplingFields, UsageInfo
 from serving.engine.server.worker import Worker
+from serving.wire import SLOT_CORRUPTED
 
 T = TypeVar("T")
 
