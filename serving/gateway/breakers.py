@@ -137,16 +137,6 @@ class Snapshot:
         return self.slow_calls / self.calls if self.calls else 0.0
 
 
-def outcome_for_response(status: int | None) -> Outcome:
-    """The breaker's view of an upstream answer: None (connection failure, timeout) or 5xx is a
-    failure, a 4xx is the client's fault and says nothing about the adapter, the rest succeed."""
-    if status is None or status >= 500:
-        return Outcome.FAILURE
-    if 400 <= status < 500:
-        return Outcome.IGNORED
-    return Outcome.SUCCESS
-
-
 # Window entries, one character per call: bit 0 = failed, bit 1 = slow.
 _OK, _FAILED, _SLOW = 0, 1, 2
 
