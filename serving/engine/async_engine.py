@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -155,22 +155,25 @@ class AsyncEngine:
 
         return await self._await_load(lambda: self.engine.add_lora(lora_request, load_inplace=load_inplace), describe)
 
-    async def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool) -> Placement:
+    async def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool, keep: Collection[str] = ()) -> Placement:
         """Bring an adapter up ahead of its traffic (predictive prewarm) and say where it ended.
 
         The adapter is read into the CPU cache under ``lora_request.lora_name`` on a loader thread,
         as ``add_lora`` does (no read when that name already holds that content in memory); the
         decode steps of other requests go on meanwhile. With ``to_gpu`` it is then copied into a
         GPU slot, unpinned, only where a slot is empty or holds an idle adapter (no running
-        sequence and no waiting request; the least recently used such slot): a pinned or busy slot
-        is never evicted. Returns ``"gpu"`` when it is in a slot, ``"cpu"`` when it is in the CPU
-        cache only (``to_gpu=False``, or every slot pinned or busy).
+        sequence and no waiting request; the least recently used such slot) and holds none of the
+        names in ``keep`` (the others a prewarm round wants in a slot, so one placement does not
+        evict another): a pinned, busy or kept slot is never evicted. Returns ``"gpu"`` when it is
+        in a slot, ``"cpu"`` when it is in the CPU cache only (``to_gpu=False``, or every slot
+        pinned, busy or kept).
 
         Raises AdapterError as ``add_lora`` does (bad files, digest, base model, LoRA disabled),
         and when the name is loaded from another path: a prefetch never changes what a name
         serves. Measure its effect with ``get_stats()``: ``slot_hits`` / ``slot_misses`` (GPU-slot
         hit rate of admissions) and ``adapter_load_stalls`` (requests that waited for a read)."""
-        return await self._await_load(lambda: self.engine.prefetch_lora(lora_request, to_gpu=to_gpu), lambda p: p)
+        return await self._await_load(lambda: self.engine.prefetch_lora(lora_request, to_gpu=to_gpu, keep=keep),
+                                      lambda p: p)
 
     async def verify_slots(self) -> list[SlotRepair]:
         """Check every occupied GPU slot's checksum (between two steps); each slot that changed since

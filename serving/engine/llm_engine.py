@@ -8,7 +8,7 @@ thread. It is not thread-safe: one thread calls everything (``encode`` aside).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -297,12 +297,14 @@ class LLMEngine:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         return self.lora_cache.add(lora_request, load_inplace=load_inplace)
 
-    def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool) -> Future[Placement]:
+    def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool,
+                      keep: Collection[str] = ()) -> Future[Placement]:
         """Bring an adapter into the CPU cache and, with ``to_gpu``, into a slot that is empty or
-        idle; the future says where it ended (``LoRACache.prefetch``)."""
+        idle and holds none of the names in ``keep``; the future says where it ended
+        (``LoRACache.prefetch``)."""
         if self.lora_cache is None:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
-        return self.lora_cache.prefetch(lora_request, to_gpu=to_gpu)
+        return self.lora_cache.prefetch(lora_request, to_gpu=to_gpu, keep=keep)
 
     def verify_slots(self) -> list[SlotRepair]:
         """Check every occupied GPU slot against the checksum taken when it was written; stop what

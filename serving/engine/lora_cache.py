@@ -21,7 +21,7 @@ thread; loader threads only read storage and hand back a future.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -206,15 +206,19 @@ class LoRACache:
         pending.add_futures.append((done, load_inplace))
         return done
 
-    def prefetch(self, request: LoRARequest, *, to_gpu: bool) -> Future[Placement]:
+    def prefetch(self, request: LoRARequest, *, to_gpu: bool, keep: Collection[str] = ()) -> Future[Placement]:
         """Bring an adapter up ahead of its traffic (predictive prewarm); the future says where it ended.
 
         The adapter is loaded into the CPU cache under its name, as ``add`` does (no read when the
         name already holds that content in the CPU cache or a slot). With ``to_gpu`` it is then put
         in a slot, unpinned, when one is empty or holds an idle adapter (no running sequence and no
-        waiting request: the least recently used such one), so it is ``"gpu"``; a pinned or busy slot
-        is never taken, and then it stays ``"cpu"``. Raises AdapterError as ``add`` does (a name
-        loaded with other content is not replaced: prefetching never changes what a name serves)."""
+        waiting request: the least recently used such one) that is not one of the names in ``keep``
+        (the others the same prefetch wants in a slot), so it is ``"gpu"``; a pinned, busy or kept
+        slot is never taken, and then it stays ``"cpu"``. Its CPU copy stays the newest rather than
+        the first to go, as an on-demand fill's is: a predicted adapter that an on-demand load
+        pushes out of its slot is put back by the next prefetch without a read. Raises AdapterError
+        as ``add`` does (a name loaded with other content is not replaced: prefetching never
+        changes what a name serves)."""
         adapter = self._names.get(request.lora_name)
         if adapter is not None and request.lora_path not in (None, adapter.path):
             raise AdapterError(
@@ -223,7 +227,7 @@ class LoRACache:
             )
         placed: Future[Placement] = Future()
         if adapter is not None and (adapter.weights is not None or adapter.slot is not None):
-            placed.set_result(self._place(adapter, to_gpu=to_gpu))
+            placed.set_result(self._place(adapter, to_gpu=to_gpu, keep=keep))
             return placed
         path = request.lora_path if request.lora_path is not None else adapter.path if adapter is not None else None
         added = self.add(LoRARequest(request.lora_name, path), load_inplace=False)
@@ -233,18 +237,18 @@ class LoRACache:
             if error is not None:
                 placed.set_exception(error)
             else:
-                placed.set_result(self._place(done.result(), to_gpu=to_gpu))
+                placed.set_result(self._place(done.result(), to_gpu=to_gpu, keep=keep))
 
         added.add_done_callback(place)
         return placed
 
-    def _place(self, adapter: Adapter, *, to_gpu: bool) -> Placement:
+    def _place(self, adapter: Adapter, *, to_gpu: bool, keep: Collection[str]) -> Placement:
         if adapter.weights is not None:
             self._cpu.touch(adapter)
         if to_gpu:
-            filled = adapter.slot is None
-            if self._slots.place(adapter) is not None and filled:
-                self._cpu.demote(adapter)
+            kept = {self._names[name] for name in keep if name in self._names}
+            kept.discard(adapter)
+            self._slots.place(adapter, kept)
         return "gpu" if adapter.slot is not None else "cpu"
 
     def repair(self, slot: int) -> Adapter | None:

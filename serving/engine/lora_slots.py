@@ -9,7 +9,7 @@ an allocation. The table only places and counts; what may be freed is the cache'
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from serving.engine.lora_adapter import Adapter
 
@@ -44,13 +44,15 @@ class SlotTable:
         """A running sequence of ``adapter`` stopped running (finished or preempted)."""
         adapter.running -= 1
 
-    def place(self, adapter: Adapter) -> int | None:
+    def place(self, adapter: Adapter, keep: Collection[Adapter] = ()) -> int | None:
         """Put ``adapter`` in a slot ahead of its requests, unpinned: an empty slot, else the least
-        recently used one whose adapter is idle (no running sequence, no request waiting for it).
-        None when there is no such slot: a prefetch never takes a pinned or busy slot."""
+        recently used one whose adapter is idle (no running sequence, no request waiting for it)
+        and not in ``keep`` (what the same prefetch wants in a slot too: one predicted adapter must
+        not push out another). None when there is no such slot: a prefetch never takes a pinned
+        or busy slot."""
         slot = adapter.slot
         if slot is None:
-            slot = self._free_slot(lambda a: a.running == 0 and a.refs == 0)
+            slot = self._free_slot(lambda a: a.running == 0 and a.refs == 0 and a not in keep)
             if slot is None:
                 return None
             self._fill(slot, adapter)

@@ -29,6 +29,7 @@ def adapters(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> dict[st
     return {
         "a": make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=31, init_scale=0.5),
         "b": make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=32, init_scale=0.5),
+        "c": make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=33, init_scale=0.5),
     }
 
 
@@ -106,6 +107,43 @@ def test_a_prefetch_never_evicts_a_pinned_or_busy_slot_but_takes_an_idle_one(
     assert _settle(engine, engine.prefetch_lora(b, to_gpu=True)) == "gpu"
     assert _slot_names(engine) == ["b"]
     engine.abort_request("base")
+
+
+def test_a_prefetch_does_not_evict_what_the_same_round_keeps(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), max_loras=2, **ARGS)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    a, b, c = (LoRARequest(name, str(adapters[name])) for name in ("a", "b", "c"))
+    assert _settle(engine, engine.prefetch_lora(a, to_gpu=True)) == "gpu"
+    assert _settle(engine, engine.prefetch_lora(b, to_gpu=True)) == "gpu"
+    # "a" is the least recently used slot, so plain LRU would give it to "c"; the round keeps it.
+    assert _settle(engine, engine.prefetch_lora(c, to_gpu=True, keep={"a", "c"})) == "gpu"
+    assert sorted(n for n in _slot_names(engine) if n) == ["a", "c"]
+    # Every idle slot kept: the version waits in the CPU cache rather than evict one.
+    assert _settle(engine, engine.prefetch_lora(b, to_gpu=True, keep={"a", "b", "c"})) == "cpu"
+    assert sorted(n for n in _slot_names(engine) if n) == ["a", "c"]
+    assert {i.name: i.in_cpu_cache for i in engine.list_loras()}["b"]
+
+
+def test_a_prefetched_adapter_pushed_out_of_its_slot_comes_back_without_a_read(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), max_loras=1, **{**ARGS, "max_cpu_loras": 2})
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    a, b = LoRARequest("a", str(adapters["a"])), LoRARequest("b", str(adapters["b"]))
+    assert _settle(engine, engine.prefetch_lora(b, to_gpu=False)) == "cpu"
+    assert _settle(engine, engine.prefetch_lora(a, to_gpu=True)) == "gpu"
+    # An on-demand request for "c" needs a CPU entry (the cache is full: "b", "a") and the slot.
+    # The prefetched "a" kept its CPU copy as the newest, so "b" goes, not "a".
+    llm.generate("Good morning", GREEDY, lora_request=LoRARequest("c", str(adapters["c"])))
+    assert _slot_names(engine) == ["c"]
+    assert {i.name: i.in_cpu_cache for i in engine.list_loras()} == {"a": True, "b": False, "c": True}
+    loads = engine.stats().adapter_loads
+    assert _settle(engine, engine.prefetch_lora(a, to_gpu=True)) == "gpu"
+    assert engine.stats().adapter_loads == loads
 
 
 def test_a_prefetch_does_not_replace_what_a_name_serves(

@@ -1,7 +1,8 @@
 """The prewarm loop on real parts: demand recorded in Redis, deployed versions in the registry, a
 real serving worker with two GPU slots. One round puts the two most wanted versions in its slots
 and the third in its CPU cache, as its registration then shows; another gateway process in the
-same interval finds the lock taken; the worker's prefetch endpoint is the operator's only."""
+same interval finds the lock taken; a prefetch never evicts a version it also lists for a slot;
+the worker's prefetch endpoint is the operator's only."""
 
 from __future__ import annotations
 
@@ -79,6 +80,19 @@ def test_a_round_fills_the_slots_with_the_most_wanted_then_the_cpu_cache(
     while places() != {names[1]: "gpu", names[0]: "gpu", names[2]: "cpu"}:
         assert time.monotonic() < deadline, places()
         time.sleep(0.2)
+
+    # A call never evicts one of its own slot versions for another: with both slots holding versions
+    # it lists for a slot, a third listed for one stays in the CPU cache (plain LRU order would
+    # have given it the least recently used of the two).
+    catalogued = asyncio.run(catalog.served_versions(names))
+    body = {"adapters": [{"lora_name": name, "artifact_uri": catalogued[name].artifact_uri,
+                          "manifest_sha256": catalogued[name].manifest_sha256, "to_gpu": True}
+                         for name in (names[2], names[1], names[0])]}
+    response = httpx.post(f"{worker.url}{PREFETCH_PATH}", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {WORKER_KEY}"})
+    assert response.status_code == 200, response.text
+    assert {e["lora_name"]: e["gpu"] for e in response.json()["data"]} == {names[2]: False, names[1]: True,
+                                                                            names[0]: True}
 
     # The endpoint reads storage and fills slots: not for a caller without the operator key.
     body = {"adapters": [{"lora_name": names[2], "artifact_uri": "file:///elsewhere", "manifest_sha256": "0" * 64,
