@@ -355,6 +355,8 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     engine.shutdown()
     del engine, runner
     torch.cuda.empty_cache()
+    # The engine's figures before the peers' (slow to build): a run cut short still reports them.
+    print(f"engine results: {json.dumps(results)}", flush=True)
     if args.compare_transformers:
         results["transformers_base_forward_ms"] = _transformers_forward_ms(model_dir, args)
     if args.compare_peft:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import platform
 import random
 import shutil
@@ -254,6 +255,35 @@ def launched_worker(args: argparse.Namespace) -> Iterator[subprocess.Popen]:
                 process.kill()
 
 
+@contextlib.contextmanager
+def sampled(out: Path, processes: dict[str, subprocess.Popen | None], rate: float) -> Iterator[None]:
+    """py-spy samples of each process (None: this one, the load generator) while the block runs.
+
+    Raw (collapsed) stacks per thread with idle samples kept, so a thread's busy share and where it
+    goes can be read off the file (`grep -c`), for the worker's engine thread and event loop alike.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, process in processes.items():
+        pid = process.pid if process is not None else os.getpid()
+        command = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--idle", "--threads",
+                   "--subprocesses", "--rate", "200", "-o", str(out / f"py-spy-{name}-{rate:g}.txt")]
+        spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    try:
+        yield
+    finally:
+        for spy in spies:  # py-spy writes its file on SIGINT
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            try:
+                _, err = spy.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                err = b"timed out"
+            if spy.returncode:
+                print(f"py-spy exited with {spy.returncode}: {err.decode(errors='replace')[-500:]}", flush=True)
+
+
 def _wait_ready(base_url: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -293,7 +323,11 @@ def main() -> int:
     launch.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: --num-adapters)")
     launch.add_argument("--max-num-seqs", type=int, default=256)
     launch.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--py-spy-dir", type=Path, default=None,
+                   help="sample the worker (--launch) and this load generator with py-spy during the last rate")
     args = p.parse_args()
+    if args.py_spy_dir is not None and not args.launch:
+        p.error("--py-spy-dir samples a launched worker: it needs --launch")
     try:
         rates = [float(rate) for rate in args.request_rate.split(",")]
     except ValueError:
@@ -301,10 +335,12 @@ def main() -> int:
     if args.max_loras is None:
         args.max_loras = args.num_adapters
     summaries = []
-    with launched_worker(args) if args.launch else contextlib.nullcontext():
-        for rate in rates:
+    with launched_worker(args) if args.launch else contextlib.nullcontext() as worker:
+        for i, rate in enumerate(rates):
             args.request_rate = rate
-            results, duration = asyncio.run(run_load(args))
+            profiled = args.py_spy_dir is not None and i == len(rates) - 1
+            with sampled(args.py_spy_dir, {"worker": worker, "client": None}, rate) if profiled else contextlib.nullcontext():
+                results, duration = asyncio.run(run_load(args))
             summary = {"request_rate": rate, **summarize(results, duration)}
             print(f"request rate {rate} req/s")
             print_summary(summary, args)

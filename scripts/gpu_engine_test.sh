@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine serve trainer,
 # in the order given): the gpu-marked engine and kernel tests, bench/engine.py, bench/serve.py and
-# bench/trainer.py on the Llama-3-8B shape. Logs and JSON go to $OUT (default out/). Uses the
+# bench/trainer.py on the Llama-3-8B shape. Logs and JSON go to $OUT (default out/). SERVE_RATES,
+# TRAINER_STEPS and ENGINE_ARGS (extra bench/engine.py flags, e.g. --compare-peft) change a stage's run;
+# STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a device call. The serve stage samples
+# the worker and the load generator with py-spy (on PATH) during its last rate. Uses the
 # machine's python3 (torch, triton, peft, pytest there); the packages it lacks travel as wheels on
 # PYTHONPATH (docs/benchmarks.md lists them: boto3 … uvicorn for the engine, celery and its
 # dependencies for anything importing training, which imports lora_platform).
@@ -11,23 +14,27 @@ out="${OUT:-out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
 status=0
+limit="${STAGE_TIMEOUT:-480}"
 for stage in "$@"; do
     case "$stage" in
     tests)
-        timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --strict-markers" \
+        timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --strict-markers" \
             tests/kernels/test_fused_ops.py tests/kernels/test_paged_attention.py tests/kernels/test_kernels_triton.py \
-            tests/kernels/test_kernels_api.py tests/engine/test_decode_paths.py tests/engine/test_llm_multi_lora.py \
-            tests/engine/test_trained_adapter_served.py \
-            2>&1 | tee "$out/gpu_tests.log" || status=1 ;;
+            tests/engine/test_decode_paths.py tests/engine/test_llm_multi_lora.py \
+            tests/engine/test_trained_adapter_served.py tests/engine/test_slot_integrity.py \
+            2>&1 | tee "$out/gpu_tests.log" || status=1
+        # No gpu mark here, but its dispatch test asks for the Triton backend on a CUDA device.
+        timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
+            tests/kernels/test_kernels_api.py 2>&1 | tee -a "$out/gpu_tests.log" || status=1 ;;
     engine)
-        timeout 480 python3 bench/engine.py --shape llama3-8b --modes graph,eager --json "$out/bench8b.json" \
+        timeout "$limit" python3 bench/engine.py --shape llama3-8b --modes graph,eager ${ENGINE_ARGS:-} --json "$out/bench8b.json" \
             --profile-dir "$out" 2>&1 | tee "$out/bench8b.log" || status=1 ;;
     serve)
-        timeout 540 python3 bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts 200 \
-            --request-rate 8,16,32,64 --random-input-len 256 --random-output-len 128 --max-num-seqs 256 --warmup 32 \
-            --json "$out/serve8b.json" 2>&1 | tee "$out/serve8b.log" || status=1 ;;
+        timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts 200 \
+            --request-rate "${SERVE_RATES:-8,16,32,64,96,128}" --random-input-len 256 --random-output-len 128 \
+            --max-num-seqs 256 --warmup 32 --py-spy-dir "$out" --json "$out/serve8b.json" 2>&1 | tee "$out/serve8b.log" || status=1 ;;
     trainer)
-        timeout 480 python3 bench/trainer.py --shape llama3-8b --steps 300 --json "$out/trainer8b.json" \
+        timeout "$limit" python3 bench/trainer.py --shape llama3-8b --steps "${TRAINER_STEPS:-300}" --json "$out/trainer8b.json" \
             2>&1 | tee "$out/trainer8b.log" || status=1 ;;
     *) echo "unknown stage $stage (tests, engine, serve, trainer)"; exit 2 ;;
     esac
