@@ -30,6 +30,7 @@ adapters, one token per sequence, no KV cache: targets.md's reference measuremen
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -38,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Run as a script, this file's folder heads sys.path; the repository root must be there instead.
@@ -121,31 +123,40 @@ def _start_decoding(engine: LLMEngine, prompts: list[dict[str, list[int]]], lora
 
 
 def mixed_step_ms(
-    engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None], steps: int, chunk: int
+    engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None], steps: int, chunk: int,
+    profile_to: Path | None = None,
 ) -> float:
     """Median wall time of a mixed step: all but one of ``prompts`` decoding, and a new prompt of
     ``chunk`` tokens (a one-token request, with the last of ``loras``) prefilled in the same step,
-    as under Poisson arrivals most steps of a server are."""
+    as under Poisson arrivals most steps of a server are. ``profile_to``: as in ``engine_step_ms``."""
     params = SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True, detokenize=False)
     _start_decoding(engine, prompts[:-1], loras[:-1], params, prefix="m")
     device = engine.runner.device
     vocab = LLAMA3_8B["vocab_size"]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
     times = []
-    for step in range(steps + 3):
+    added = itertools.count()
+
+    def add_one() -> None:
+        step = next(added)
         engine.add_request(f"new{step}", _prompts(1, chunk, vocab, seed=100 + step)[0], one, loras[-1])
+
+    for _ in range(steps + 3):
+        add_one()
         _sync(device)
         start = time.perf_counter()
         engine.step()
         _sync(device)
         times.append(time.perf_counter() - start)
         assert engine.last_step_tokens == len(prompts) - 1 + chunk, "each timed step decodes all and prefills one"
+    if profile_to is not None:
+        _profile_steps(engine, profile_to, before_step=add_one)
     for rid in engine.request_ids():
         engine.abort_request(rid)
     return statistics.median(times[3:]) * 1e3
 
 
-def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3) -> None:
+def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3, before_step: Callable[[], None] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
@@ -153,6 +164,8 @@ def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3) -> None:
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(steps):
+            if before_step is not None:
+                before_step()
             engine.step()
         _sync(engine.runner.device)
     wall = (time.perf_counter() - start) / steps * 1e3
@@ -336,7 +349,9 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
         )
         results[f"{mode}_lora_over_base"] = results[f"{mode}_lora_step_ms"] / results[f"{mode}_base_step_ms"]
         if args.mixed_chunk:
-            results[f"{mode}_mixed_lora_step_ms"] = mixed_step_ms(engine, prompts, spread, args.steps, args.mixed_chunk)
+            results[f"{mode}_mixed_lora_step_ms"] = mixed_step_ms(
+                engine, prompts, spread, args.steps, args.mixed_chunk, profile / f"profile_{mode}_mixed.txt" if profile else None
+            )
         print(f"{mode}: base {results[f'{mode}_base_step_ms']:.2f} ms, {args.adapters} adapters "
               f"{results[f'{mode}_lora_step_ms']:.2f} ms, mixed {results.get(f'{mode}_mixed_lora_step_ms', 0):.2f} ms",
               flush=True)  # fmt: skip

@@ -322,7 +322,9 @@ def main() -> int:
     launch.add_argument("--rank", type=int, default=16)
     launch.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: --num-adapters)")
     launch.add_argument("--max-num-seqs", type=int, default=256)
-    launch.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # The worker's own default: a larger budget lets a burst of prompts make steps over the
+    # captured ladder (max_flat_tokens, 2048), which run eagerly and stall every decode meanwhile.
+    launch.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--py-spy-dir", type=Path, default=None,
                    help="sample the worker (--launch) and this load generator with py-spy during the last rate")
     args = p.parse_args()

@@ -143,6 +143,16 @@ class DecodeGraphs:
         self._inputs = torch.tensor([[v] * self.max_tokens for v in self._pad], dtype=torch.long, device=device)
         self._tables = torch.full((max_seqs + 1, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
         self._samples = torch.zeros(max_seqs, dtype=torch.long, device=device)
+        # Pinned host mirrors of the three: a step's inputs are written into them with numpy (no
+        # padded Python lists) and copied without a staging copy. `_copied` marks when the last
+        # copies are done, so a step never rewrites a mirror that a copy still reads.
+        self._host_inputs = self._inputs.cpu().pin_memory()
+        self._host_tables = self._tables.cpu().pin_memory()
+        self._host_samples = self._samples.cpu().pin_memory()
+        self._np_inputs, self._np_tables = self._host_inputs.numpy(), self._host_tables.numpy()
+        self._np_samples = self._host_samples.numpy()
+        self._pad_column = np.array(self._pad, dtype=np.int64)[:, None]
+        self._copied: torch.cuda.Event | None = None
         self._logits: torch.Tensor | None = None
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
@@ -198,15 +208,23 @@ class DecodeGraphs:
     def replay(self, step: FlatStep, size: int) -> torch.Tensor:
         """Copy ``step``'s inputs into the static buffers, padded to ``size`` rows, replay, and
         return the ``[len(step.sampled), vocab]`` logits."""
-        padding = size - step.num_tokens
-        rows = [row + [value] * padding for row, value in zip(step.rows, self._pad)] if padding else step.rows
-        self._inputs[:, :size].copy_(host_tensor(rows), non_blocking=True)
-        tables = host_tensor(step.tables)
-        self._tables[: tables.shape[0], : tables.shape[1]].copy_(tables, non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()
+        count, seqs, width = step.num_tokens, len(step.tables), min(size, self.max_seqs)
+        inputs, tables, samples = self._np_inputs, self._np_tables, self._np_samples
+        inputs[:, :count] = step.rows
+        inputs[:, count:size] = self._pad_column
+        # Whole rows of the tables (contiguous); the columns past this step's widest are never read.
+        tables[:seqs, : len(step.tables[0])] = step.tables
         # Every sampled row index must lie inside this size's rows: stale ones of a larger step would not.
-        width = min(size, self.max_seqs)
-        samples = host_tensor(step.sample_rows + [0] * (width - len(step.sample_rows)))
-        self._samples[:width].copy_(samples, non_blocking=True)
+        samples[: len(step.sample_rows)] = step.sample_rows
+        samples[len(step.sample_rows) : width] = 0
+        # The inputs' whole buffer (6 × max_tokens, under 100 KB) is one contiguous copy; a column
+        # slice would not be.
+        self._inputs.copy_(self._host_inputs, non_blocking=True)
+        self._tables[:seqs].copy_(self._host_tables[:seqs], non_blocking=True)
+        self._samples[:width].copy_(self._host_samples[:width], non_blocking=True)
+        self._copied = torch.cuda.current_stream(self._device).record_event()
         graph, logits = self._graphs[size, step.lora and self._meta is not None]
         graph.replay()
         self.replays += 1

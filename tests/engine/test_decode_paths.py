@@ -70,7 +70,7 @@ def test_graph_ladder() -> None:
     assert graph_ladder(64, [48, 8, 100]) == [8, 48]
     ladder = graph_ladder(2048)
     assert ladder[:4] == [1, 2, 4, 8] and {256, 384, 1024, 1280, 2048} <= set(ladder) and 2304 not in ladder
-    assert all(b <= 1.5 * (a + 1) for a, b in zip(ladder, ladder[1:]) if a >= 256), "padding past 256 stays under 1.5 ×"
+    assert all(b <= 1.25 * (a + 1) for a, b in zip(ladder, ladder[1:]) if a >= 256), "padding past 256 stays under 1.25 ×"
 
 
 def test_no_graphs_on_cpu_or_when_eager(tiny_llama_dir: Path) -> None:
