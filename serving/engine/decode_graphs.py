@@ -140,18 +140,26 @@ class DecodeGraphs:
         # Padding rows: token 0 at position 0, K/V into the scratch page, one key, no adapter, and
         # the extra table row (all scratch pages) past the real sequences'.
         self._pad = [0, 0, scratch_block * block_size, 1, -1, max_seqs]
-        self._inputs = torch.tensor([[v] * self.max_tokens for v in self._pad], dtype=torch.long, device=device)
-        self._tables = torch.full((max_seqs + 1, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
-        self._samples = torch.zeros(max_seqs, dtype=torch.long, device=device)
-        # Pinned host mirrors of the three: a step's inputs are written into them with numpy (no
-        # padded Python lists) and copied without a staging copy. `_copied` marks when the last
-        # copies are done, so a step never rewrites a mirror that a copy still reads.
-        self._host_inputs = self._inputs.cpu().pin_memory()
-        self._host_tables = self._tables.cpu().pin_memory()
-        self._host_samples = self._samples.cpu().pin_memory()
-        self._np_inputs, self._np_tables = self._host_inputs.numpy(), self._host_tables.numpy()
-        self._np_samples = self._host_samples.numpy()
+        # The static inputs live in one device buffer (the packed rows, the sampled rows, the
+        # tables), mirrored in pinned host memory: a step writes its inputs into the mirror with
+        # numpy (no padded Python lists) and one copy of the mirror's used prefix moves them, with
+        # no staging copy and one GIL round trip (the event loop holds the GIL much of the time).
+        # `_copied` marks when the last copy is done, so a step never rewrites what it still reads.
+        rows_end = len(self._pad) * self.max_tokens
+        self._tables_offset = rows_end + max_seqs
+        host = torch.empty(self._tables_offset + (max_seqs + 1) * max_blocks_per_seq, dtype=torch.long).pin_memory()
+        self._host = host
+        self._np_inputs = host[:rows_end].view(len(self._pad), self.max_tokens).numpy()
+        self._np_samples = host[rows_end : self._tables_offset].numpy()
+        self._np_tables = host[self._tables_offset :].view(max_seqs + 1, max_blocks_per_seq).numpy()
         self._pad_column = np.array(self._pad, dtype=np.int64)[:, None]
+        self._np_inputs[:] = self._pad_column
+        self._np_samples[:] = 0
+        self._np_tables[:] = scratch_block
+        self._buffer = host.to(device)
+        self._inputs = self._buffer[:rows_end].view(len(self._pad), self.max_tokens)
+        self._samples = self._buffer[rows_end : self._tables_offset]
+        self._tables = self._buffer[self._tables_offset :].view(max_seqs + 1, max_blocks_per_seq)
         self._copied: torch.cuda.Event | None = None
         self._logits: torch.Tensor | None = None
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -211,19 +219,16 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()
         count, seqs, width = step.num_tokens, len(step.tables), min(size, self.max_seqs)
-        inputs, tables, samples = self._np_inputs, self._np_tables, self._np_samples
-        inputs[:, :count] = step.rows
-        inputs[:, count:size] = self._pad_column
-        # Whole rows of the tables (contiguous); the columns past this step's widest are never read.
-        tables[:seqs, : len(step.tables[0])] = step.tables
+        self._np_inputs[:, :count] = step.rows
+        self._np_inputs[:, count:size] = self._pad_column
         # Every sampled row index must lie inside this size's rows: stale ones of a larger step would not.
-        samples[: len(step.sample_rows)] = step.sample_rows
-        samples[len(step.sample_rows) : width] = 0
-        # The inputs' whole buffer (6 × max_tokens, under 100 KB) is one contiguous copy; a column
-        # slice would not be.
-        self._inputs.copy_(self._host_inputs, non_blocking=True)
-        self._tables[:seqs].copy_(self._host_tables[:seqs], non_blocking=True)
-        self._samples[:width].copy_(self._host_samples[:width], non_blocking=True)
+        self._np_samples[: len(step.sample_rows)] = step.sample_rows
+        self._np_samples[len(step.sample_rows) : width] = 0
+        # Whole table rows go (the prefix stays contiguous); the columns past this step's widest
+        # are never read. The inputs' unused columns (under 100 KB in all) go too.
+        self._np_tables[:seqs, : len(step.tables[0])] = step.tables
+        used = self._tables_offset + seqs * self._np_tables.shape[1]
+        self._buffer[:used].copy_(self._host[:used], non_blocking=True)
         self._copied = torch.cuda.current_stream(self._device).record_event()
         graph, logits = self._graphs[size, step.lora and self._meta is not None]
         graph.replay()
