@@ -230,8 +230,8 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing its requests")
                 self._fail_all(exc)
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            if outputs:
+                self._deliver_step(outputs)
             if self.engine.last_step_tokens == 0:
                 self._wake.wait(_IDLE_WAIT_S)
 
@@ -242,6 +242,23 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
             finally:
                 self._deliver(request_id, error)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, in one hop per caller loop: at a few hundred running requests, a
+        ``call_soon_threadsafe`` per output (a lock, a self-pipe write and a loop wake-up each)
+        is most of the engine thread's delivery cost and floods the HTTP loop's ready queue."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | Exception], RequestOutput]]] = {}
+        with self._lock:
+            streams = self._streams
+            for output in outputs:
+                target = streams.get(output.request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], output))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass  # the caller's event loop is closed: nobody is listening any more
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         with self._lock:
@@ -310,6 +327,11 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine is shut down")
 
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[RequestOutput | Exception], RequestOutput]]) -> None:
+    for stream, output in batch:
+        stream.put_nowait(output)
 
 
 def _settle_result(future: asyncio.Future[T], value: T) -> None:

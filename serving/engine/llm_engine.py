@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 from serving.engine.adapter_loader import AdapterError
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.detokenizer import IncrementalDetokenizer, decode_text, find_stop
+from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode, find_stop
 from serving.engine.lora_adapter import Adapter, AdapterHandle
 from serving.engine.lora_cache import LoRACache, Placement
 from serving.engine.lora_request import LoRARequest
@@ -40,6 +40,7 @@ class LLMEngine:
         self.config = config
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
+        self._decode = fast_decode(self.tokenizer)
         context = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
         if config.max_model_len is not None and context is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens")
@@ -146,7 +147,7 @@ class LLMEngine:
             prompt=text,
             prompt_token_ids=token_ids,
             sampling_params=sampling_params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, sampling_params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self._decode, token_ids, sampling_params.skip_special_tokens),
             lora_request=lora_request,
             adapter=adapter,
             priority=priority,
@@ -253,7 +254,7 @@ class LLMEngine:
         detokenize = seq.sampling_params.detokenize
 
         def text(tid: int) -> str | None:
-            return decode_text(self.tokenizer, [tid], False) if detokenize else None
+            return self._decode([tid], False) if detokenize else None
 
         entry = {token: Logprob(samples.logprobs[row], samples.ranks[row], text(token))}
         for rank, (tid, lp) in enumerate(zip(samples.top_ids[row][:num_top], samples.top_logprobs[row][:num_top]), 1):
