@@ -142,18 +142,21 @@ class AsyncEngine:
 
     # ---- adapters -------------------------------------------------------------------------
 
-    async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> LoRAInfo:
+    async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False, *,
+                       background: bool = False) -> LoRAInfo:
         """Load an adapter into the CPU cache under its name (off the decode path) and describe it.
 
         Raises AdapterError with the reason (bad files, rank, modules, digest, base model), or when
         the name is loaded with other content and ``load_inplace`` is False. With ``load_inplace``
         the name is re-pointed at once: requests already running keep the old weights, every later
-        request gets the new ones."""
+        request gets the new ones. ``background`` (a prefetch's load) reads on the prefetch thread,
+        so requests waiting for reads never queue behind it."""
 
         def describe(_: object) -> LoRAInfo:
             return next(i for i in self.engine.list_loras() if i.name == lora_request.lora_name)
 
-        return await self._await_load(lambda: self.engine.add_lora(lora_request, load_inplace=load_inplace), describe)
+        return await self._await_load(
+            lambda: self.engine.add_lora(lora_request, load_inplace=load_inplace, background=background), describe)
 
     async def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool, keep: Collection[str] = ()) -> Placement:
         """Bring an adapter up ahead of its traffic (predictive prewarm) and say where it ended.

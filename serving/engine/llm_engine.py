@@ -292,11 +292,13 @@ class LLMEngine:
 
     # ---- adapters -------------------------------------------------------------------------
 
-    def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> Future[Adapter]:
-        """Start loading an adapter under its name; the future resolves once it is in the CPU cache."""
+    def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False, *,
+                 background: bool = False) -> Future[Adapter]:
+        """Start loading an adapter under its name; the future resolves once it is in the CPU cache.
+        ``background``: a prefetch's read, on the prefetch thread (``LoRACache.add``)."""
         if self.lora_cache is None:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
-        return self.lora_cache.add(lora_request, load_inplace=load_inplace)
+        return self.lora_cache.add(lora_request, load_inplace=load_inplace, background=background)
 
     def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool,
                       keep: Collection[str] = ()) -> Future[Placement]:

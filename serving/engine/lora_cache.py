@@ -193,8 +193,9 @@ class LoRACache:
 
     # ---- named adapters (the server's load / unload) ---------------------------------------
 
-    def add(self, request: LoRARequest, *, load_inplace: bool) -> Future[Adapter]:
-        """Load ``request`` into the CPU cache under its name; the future holds the adapter."""
+    def add(self, request: LoRARequest, *, load_inplace: bool, background: bool = False) -> Future[Adapter]:
+        """Load ``request`` into the CPU cache under its name; the future holds the adapter. A
+        ``background`` read (a prefetch's) goes to the prefetch thread, not the request threads."""
         if self.max_loras == 0:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         if request.lora_path is None:
@@ -202,7 +203,7 @@ class LoRACache:
         done: Future[Adapter] = Future()
         pending = self._loader.first_load(request.lora_name)
         if pending is None or pending.path != request.lora_path:
-            pending = self._start_load(PendingLoad(request.lora_name, request.lora_path))
+            pending = self._start_load(PendingLoad(request.lora_name, request.lora_path, background=background))
         pending.add_futures.append((done, load_inplace))
         return done
 
@@ -230,7 +231,7 @@ class LoRACache:
             placed.set_result(self._place(adapter, to_gpu=to_gpu, keep=keep))
             return placed
         path = request.lora_path if request.lora_path is not None else adapter.path if adapter is not None else None
-        added = self.add(LoRARequest(request.lora_name, path), load_inplace=False)
+        added = self.add(LoRARequest(request.lora_name, path), load_inplace=False, background=True)
 
         def place(done: Future[Adapter]) -> None:  # on the engine thread, as the load is taken in
             error = done.exception()

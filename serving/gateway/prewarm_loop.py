@@ -14,7 +14,10 @@ and a process that dies simply stops taking the lock. A round:
    registry (`served`: the Django side, so an aborted or archived version is not prefetched);
 4. the plan over the live workers (serving.gateway.prewarm_plan);
 5. each worker's part, in one `POST /v1/prefetch_lora_adapters` per worker with the operator key,
-   the workers in parallel. The worker never evicts a pinned or busy slot for it.
+   the workers in parallel. The worker never evicts a pinned or busy slot for it, nor one holding
+   another version of the same call's slot part; it answers once the slot placements are done
+   and reads the CPU-only ones after (`queued`), until the next round's call supersedes them, so
+   a round takes about as long as its slot placements and rounds keep to their interval.
 
 Nothing here is on a request's path; a round that fails (Redis away, a worker down) is logged
 and the next one starts afresh. While Redis is away the lock cannot be taken and no round runs.
@@ -56,11 +59,13 @@ class PrewarmLoopConfig:
 
 @dataclass
 class RoundReport:
-    """What one round did: versions placed in slots / CPU caches as the workers answered."""
+    """What one round did: versions placed in slots / CPU caches as the workers answered, and
+    those queued for the CPU caches after the answer."""
 
     planned: int = 0
     gpu: int = 0
     cpu: int = 0
+    queued: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -89,8 +94,8 @@ class Prewarmer:
             try:
                 report = await self.round(time.time())
                 if report is not None and (report.failed or report.planned):
-                    log.info("prewarm: %d planned, %d in GPU slots, %d in CPU caches, %d failed%s", report.planned,
-                             report.gpu, report.cpu, report.failed,
+                    log.info("prewarm: %d planned, %d in GPU slots, %d in CPU caches, %d queued for them, "
+                             "%d failed%s", report.planned, report.gpu, report.cpu, report.queued, report.failed,
                              f" ({'; '.join(report.errors[:3])})" if report.errors else "")
             except Exception:
                 log.exception("prewarm round failed; the next one starts afresh")
@@ -143,6 +148,8 @@ class Prewarmer:
                 report.gpu += 1
             elif entry.get("cpu"):
                 report.cpu += 1
+            elif entry.get("queued"):
+                report.queued += 1
             if entry.get("error"):
                 report.failed += 1
                 report.errors.append(f"{worker.worker_id}: {entry.get('lora_name')}: {entry['error']}")

@@ -8,6 +8,7 @@ counters it is judged by are checked here too.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -144,6 +145,34 @@ def test_a_prefetched_adapter_pushed_out_of_its_slot_comes_back_without_a_read(
     loads = engine.stats().adapter_loads
     assert _settle(engine, engine.prefetch_lora(a, to_gpu=True)) == "gpu"
     assert engine.stats().adapter_loads == loads
+
+
+def test_prefetch_reads_never_hold_up_a_request_waiting_for_its_adapter(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), max_loras=1, **ARGS)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    assert engine.lora_cache is not None
+    read, gate, threads = engine.lora_cache.load_fn, threading.Event(), {}
+
+    def storage(path: str, *args: object, **kwargs: object) -> object:  # a loader thread
+        threads[Path(path).name] = threading.current_thread().name
+        if path != str(adapters["c"]):
+            gate.wait(30)  # the prefetches' storage answers only when the test says
+        return read(path, *args, **kwargs)
+
+    engine.lora_cache.load_fn = storage
+    held = [engine.prefetch_lora(LoRARequest(name, str(adapters[name])), to_gpu=False) for name in ("a", "b")]
+    # Two prefetch reads under way would have taken both request loader threads; the request for
+    # "c" is served while they wait.
+    out = llm.generate("Good morning", GREEDY, lora_request=LoRARequest("c", str(adapters["c"])))[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens and not gate.is_set()
+    assert threads[adapters["c"].name].startswith("lora-load")
+    assert threads[adapters["a"].name].startswith("lora-prefetch")
+    gate.set()
+    assert [_settle(engine, future) for future in held] == ["cpu", "cpu"]
+    assert threads[adapters["b"].name].startswith("lora-prefetch")
 
 
 def test_a_prefetch_does_not_replace_what_a_name_serves(

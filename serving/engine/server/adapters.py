@@ -53,8 +53,10 @@ class AdapterSet:
     def all(self) -> dict[str, ServedAdapter]:
         return dict(self._served)
 
-    async def load(self, name: str, path: str, *, load_inplace: bool, source: Source) -> LoRAInfo:
+    async def load(self, name: str, path: str, *, load_inplace: bool, source: Source,
+                   background: bool = False) -> LoRAInfo:
         """Load (or, with `load_inplace`, replace) `name`; AdapterError with the engine's reason.
+        `background`: a prefetch's load, read where requests never wait behind it.
 
         Loading a name again with the same content is a no-op that succeeds. A location outside
         the allowed roots raises AdapterLocationRefused before anything is read."""
@@ -62,7 +64,8 @@ class AdapterSet:
             raise ValueError(f"'{name}' is the base model's id; choose another adapter name")
         location = path if source is Source.COMMAND_LINE else self._roots.check(path)
         async with self._locks[name]:
-            info = await self._engine.add_lora(LoRARequest(name, location), load_inplace=load_inplace)
+            info = await self._engine.add_lora(LoRARequest(name, location), load_inplace=load_inplace,
+                                               background=background)
             previous = self._served.get(name)
             self._served[name] = ServedAdapter(info=info, source=source, loaded_at=time.monotonic())
         if previous is None or previous.info.digest != info.digest:

@@ -19,7 +19,7 @@ from serving.engine.server.completions import create_completion
 from serving.engine.server.errors import APIError, bad_request, install_error_handlers
 from serving.engine.server.generation import ClientDisconnected
 from serving.engine.server.metrics import CONTENT_TYPE
-from serving.engine.server.prefetch import PrefetchItem, prefetch
+from serving.engine.server.prefetch import PrefetchItem, Prefetcher
 from serving.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,10 +37,13 @@ _CLIENT_CLOSED = 499
 
 
 def build_app(worker: Worker) -> FastAPI:
+    prefetcher = Prefetcher()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await worker.start()
         yield
+        await prefetcher.close()
         await worker.stop()
 
     app = FastAPI(title="Loraplex serving worker", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -143,7 +146,8 @@ def build_app(worker: Worker) -> FastAPI:
     @app.post("/v1/prefetch_lora_adapters")
     async def prefetch_lora_adapters(body: PrefetchLoRAAdaptersRequest, request: Request) -> dict[str, Any]:
         """The operator's (the gateway's prewarm loop): load registry versions into the CPU cache
-        and, where `to_gpu`, a free or idle GPU slot, ahead of their traffic (server.prefetch)."""
+        and, where `to_gpu`, a free or idle GPU slot, ahead of their traffic (server.prefetch); it
+        answers once the slot placements are done, the CPU-only ones `queued`."""
         engine, adapters = worker.require_ready()
         if not is_operator(request):
             raise APIError(403, "Prefetching reads storage and fills GPU slots: only the operator may, with this "
@@ -154,8 +158,9 @@ def build_app(worker: Worker) -> FastAPI:
             if not is_registry_name(item.name):
                 raise APIError(400, f"'{item.name}' is not a registry version name (<tenant>/<adapter>@<version>); "
                                "prefetch serves the registry's versions only.", param="adapters", code="not_registry_name")
-        results = await prefetch(engine, adapters, items)
-        return {"data": [{"lora_name": r.name, "cpu": r.cpu, "gpu": r.gpu, "error": r.error} for r in results]}
+        results = await prefetcher.prefetch(engine, adapters, items)
+        return {"data": [{"lora_name": r.name, "cpu": r.cpu, "gpu": r.gpu, "queued": r.queued, "error": r.error}
+                         for r in results]}
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
