@@ -266,8 +266,11 @@ def sampled(out: Path, processes: dict[str, subprocess.Popen | None], rate: floa
     spies = []
     for name, process in processes.items():
         pid = process.pid if process is not None else os.getpid()
-        command = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--idle", "--threads",
-                   "--subprocesses", "--rate", "200", "-o", str(out / f"py-spy-{name}-{rate:g}.txt")]
+        # A worker's children (an engine core of its own, say) are sampled with it; this process's
+        # children are the worker itself, sampled on its own.
+        children = ["--subprocesses"] if process is not None else []
+        command = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--idle", "--threads", *children,
+                   "--rate", "200", "-o", str(out / f"py-spy-{name}-{rate:g}.txt")]
         spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
         yield

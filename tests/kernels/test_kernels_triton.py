@@ -55,7 +55,7 @@ CASES = {
                          dtype=torch.bfloat16, slot_ranks=[8, 16, 64, 16] * 4, pass_ranks=True, unused_slots=5),
     "gate-up-fp16-gaps": dict(num_tokens=200, num_slots=16, rank=16, hidden=256, widths=[64, 64],
                               dtype=torch.float16, extra_columns=8, unused_slots=3),
-    "prefill-bf16": dict(num_tokens=300, num_slots=8, rank=16, hidden=128, widths=[128], dtype=torch.bfloat16),
+    "prefill-bf16": dict(num_tokens=600, num_slots=8, rank=16, hidden=128, widths=[128], dtype=torch.bfloat16),
     "rank-128": dict(num_tokens=20, num_slots=3, rank=128, hidden=64, widths=[32], slot_ranks=[128, 16, 70],
                      pass_ranks=True, unused_slots=0),
     "rank-256": dict(num_tokens=5, num_slots=2, rank=256, hidden=32, widths=[16], slot_ranks=[256, 40],
