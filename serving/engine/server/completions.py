@@ -18,7 +18,7 @@ from serving.engine.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from serving.engine.server.streaming import GenerationStream, sse
+from serving.engine.server.streaming import GenerationStream, SseTemplate, sse
 from serving.engine.server.worker import Worker
 
 
@@ -70,8 +70,15 @@ async def _chunks(generation: Generation, first: Delta, body: CompletionRequest)
     offset = 0
     delta: Delta | None = first
     sent_prompt_ids = False
+    # The chunk of a token mid-stream (no logprobs, no finish, no usage, prompt ids sent), which
+    # is nearly every chunk, from a template; the others are built whole.
+    plain = None if usage_each or body.logprobs is not None else _plain_chunk(generation, body)
     while delta is not None:
-        if delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs is not None):
+        if (plain is not None and delta.finish_reason is None and delta.stop_reason is None
+                and (sent_prompt_ids or not body.return_token_ids) and (delta.text or body.return_token_ids and delta.token_ids)):
+            yield plain.render(delta.text, delta.token_ids)
+            offset += len(delta.text)
+        elif delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs is not None):
             choice = CompletionChoice(
                 text=delta.text,
                 logprobs=_logprobs(generation, [delta], offset=offset, top=body.logprobs or 0) if body.logprobs is not None else None,
@@ -92,6 +99,12 @@ async def _chunks(generation: Generation, first: Delta, body: CompletionRequest)
             id=generation.request_id, created=generation.created, model=body.model, choices=[],
             usage=generation.usage.info(),
         ))
+
+
+def _plain_chunk(generation: Generation, body: CompletionRequest) -> SseTemplate:
+    choice = CompletionChoice(text=SseTemplate.TEXT_MARK, token_ids=SseTemplate.IDS_MARK if body.return_token_ids else None)
+    payload = CompletionResponse(id=generation.request_id, created=generation.created, model=body.model, choices=[choice])
+    return SseTemplate(payload, "text", "token_ids" if body.return_token_ids else None)
 
 
 def _logprobs(generation: Generation, deltas: list[Delta], *, offset: int, top: int) -> CompletionLogprobs:
