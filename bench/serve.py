@@ -255,6 +255,43 @@ def launched_worker(args: argparse.Namespace) -> Iterator[subprocess.Popen]:
                 process.kill()
 
 
+# How the worker's py-spy samples are read (docs/benchmarks.md quotes these shares): the engine
+# thread's by the first of these frames found in a sample's stack, the event loop's as busy unless
+# its innermost frame is the loop's wait.
+_ENGINE_SHARES = [
+    ("idle", ("Condition.wait", "Event.wait")),
+    ("sampler (waits for the GPU)", ("Sampler.__call__",)),
+    ("replay host work", ("DecodeGraphs.replay",)),
+    ("detokenize", ("detokenizer", "decode_text")),
+    ("flat step layout", ("flat_step",)),
+    ("eager forward, LoRA prepare", ("ModelRunner.execute",)),
+    ("schedule", ("Scheduler.schedule",)),
+    ("deliver outputs", ("_deliver", "call_soon")),
+    ("rest of the step", ("LLMEngine.step",)),
+]
+
+
+def sample_shares(path: Path) -> dict[str, dict[str, float]]:
+    """Per thread of a raw py-spy file (``--threads --idle``): the share of its samples by kind."""
+    counts: dict[str, dict[str, int]] = {}
+    for line in path.read_text().splitlines():
+        stack, _, number = line.rpartition(" ")
+        frames = stack.split(";")
+        if len(frames) < 2:
+            continue
+        thread = frames[1].rpartition(": ")[2]
+        if thread == "engine-core":
+            joined = ";".join(frames[2:])
+            kind = next((name for name, marks in _ENGINE_SHARES if any(m in joined for m in marks)), "other")
+        elif thread == "MainThread":
+            kind = "idle" if any(m in frames[-1] for m in ("Runner.run", "select")) else "busy"
+        else:
+            continue
+        counts.setdefault(thread, {})
+        counts[thread][kind] = counts[thread].get(kind, 0) + int(number)
+    return {t: {k: n / sum(c.values()) for k, n in sorted(c.items(), key=lambda kv: -kv[1])} for t, c in counts.items()}
+
+
 @contextlib.contextmanager
 def sampled(out: Path, processes: dict[str, subprocess.Popen | None], rate: float) -> Iterator[None]:
     """py-spy samples of each process (None: this one, the load generator) while the block runs.
@@ -285,6 +322,10 @@ def sampled(out: Path, processes: dict[str, subprocess.Popen | None], rate: floa
                 err = b"timed out"
             if spy.returncode:
                 print(f"py-spy exited with {spy.returncode}: {err.decode(errors='replace')[-500:]}", flush=True)
+        worker_file = out / f"py-spy-worker-{rate:g}.txt"
+        if worker_file.exists():
+            for thread, shares in sample_shares(worker_file).items():
+                print(f"worker {thread}: " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()), flush=True)
 
 
 def _wait_ready(base_url: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
