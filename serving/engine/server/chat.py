@@ -35,7 +35,7 @@ from serving.engine.server.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
 )
-from serving.engine.server.streaming import GenerationStream, sse
+from serving.engine.server.streaming import GenerationStream, SseTemplate, sse
 from serving.engine.server.worker import Worker
 
 # OpenAI's `developer` role is what chat templates call `system`.
@@ -136,8 +136,12 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
     # OpenAI's first chunk carries the role and no content.
     yield chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")), usage=usage_each, prompt_ids=True)
     delta: Delta | None = first
+    # A token's chunk mid-stream (no logprobs, no finish, no usage) from a template, as completions do.
+    plain = None if usage_each or body.logprobs else _plain_chunk(generation, body)
     while delta is not None:
-        if delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
+        if plain is not None and delta.finish_reason is None and (delta.text or body.return_token_ids and delta.token_ids):
+            yield plain.render(delta.text, delta.token_ids)
+        elif delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
             yield chunk(ChatChunkChoice(
                 delta=ChatDelta(content=delta.text),
                 logprobs=_logprobs(generation, [delta], body.top_logprobs or 0) if body.logprobs else None,
@@ -148,6 +152,13 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
         delta = await generation.next()
     if body.stream_options and body.stream_options.include_usage:
         yield chunk(None, usage=True)
+
+
+def _plain_chunk(generation: Generation, body: ChatCompletionRequest) -> SseTemplate:
+    choice = ChatChunkChoice(delta=ChatDelta(content=SseTemplate.TEXT_MARK),
+                             token_ids=SseTemplate.IDS_MARK if body.return_token_ids else None)
+    payload = ChatCompletionChunk(id=generation.request_id, created=generation.created, model=body.model, choices=[choice])
+    return SseTemplate(payload, "content", "token_ids" if body.return_token_ids else None)
 
 
 def _logprobs(generation: Generation, deltas: list[Delta], top: int) -> ChatLogprobs:
