@@ -26,7 +26,8 @@ Two runs on one trace, each on a fresh worker:
 Figures per run: GPU-slot hit rate (the request's adapter was in a slot as it arrived),
 adapter-load stalls (requests that arrived while their adapter was in neither a slot nor the CPU
 cache, so they wait for storage, on the worker's on-demand path or in the engine), and TTFT
-p50/p99 (request sent → first token event), measured by the client. (The engine's own hit and
+p50/p99 (request sent → first token event), measured by the client, also split by where the
+adapter was as the request arrived (slot, CPU cache, storage: the p99 is made of the last). (The engine's own hit and
 stall counters see only what reaches the engine: the worker loads a version it does not hold
 before it hands the request over.)
 
@@ -134,6 +135,9 @@ class RunFigures:
     lag_max: float = 0.0
     rounds: int = 0
     prefetched_gpu: int = 0
+    # TTFT by where the adapter was as the request arrived ('gpu', 'cpu', 'storage'): what the
+    # p99 is made of.
+    by_place: dict[str, list[float]] = field(default_factory=dict)
 
     def line(self) -> str:
         n = len(self.ttft) + self.failed
@@ -143,7 +147,15 @@ class RunFigures:
         return (f"{self.name:8s} requests {n:5d}  GPU-slot hit rate {self.hits / max(1, n):6.1%}  "
                 f"load stalls {self.stalls:5d} ({self.stalls / max(1, n):5.1%})  TTFT p50 {p50:7.1f} ms  "
                 f"p99 {p99:7.1f} ms  failed {self.failed}  max lag {self.lag_max * 1000:.0f} ms"
-                + (f"  prewarm rounds {self.rounds} (GPU placements {self.prefetched_gpu})" if self.rounds else ""))
+                + (f"  prewarm rounds {self.rounds} (GPU placements {self.prefetched_gpu})" if self.rounds else "")
+                + "\n         TTFT by where the adapter was: " + "; ".join(
+                    f"{place} {len(ts)} p50 {_quantile(ts, 0.5) * 1000:.1f} p99 {_quantile(ts, 0.99) * 1000:.1f} ms"
+                    for place, ts in sorted(self.by_place.items())))
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class WorkerUnderTest:
@@ -259,6 +271,7 @@ async def replay(name: str, *, model: Path, storage: Path, versions: list[Served
                 if first is None:
                     raise RuntimeError("no token event")
                 figures.ttft.append(first)
+                figures.by_place.setdefault(place, []).append(first)
         except Exception as exc:
             figures.failed += 1
             if figures.failed <= 3:
