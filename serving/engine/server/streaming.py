@@ -3,6 +3,8 @@
 A stream that fails after it started cannot change its status any more; it sends the error as one
 `data: {"error": …}` event before `[DONE]`, as vLLM does, so clients see why it stopped (an
 `APIError` with its own status and code, e.g. `adapter_slot_corrupted`; anything else as a 500).
+Whatever ends a stream by an exception is logged (WARNING or above) with the request id, so a
+client's cut-off stream can be matched to the worker's log.
 """
 
 from __future__ import annotations
@@ -69,16 +71,16 @@ class SseTemplate:
         return b"".join((self._head, encoded, self._mid, ids, self._tail))
 
 
-async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def guarded(chunks: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
     """The chunks, then `[DONE]`; an error becomes an error event first."""
     try:
         async for chunk in chunks:
             yield chunk
     except APIError as exc:  # an error the worker names (a stopped request): its status and code
-        log.warning("stream ended with an error: %s", exc.message)
+        log.warning("stream %s ended with an error: %s", request_id, exc.message)
         yield sse(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
     except Exception as exc:
-        log.exception("stream failed")
+        log.exception("stream %s failed", request_id)
         yield sse(error_body(500, f"The stream failed: {exc}"))
     yield DONE
 
@@ -92,7 +94,7 @@ class GenerationStream(StreamingResponse):
 
     def __init__(self, chunks: AsyncIterator[bytes], generation: Generation) -> None:
         super().__init__(
-            guarded(chunks),
+            guarded(chunks, generation.request_id),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -101,5 +103,10 @@ class GenerationStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except Exception as exc:
+            # Past the headers, an exception here (a send that failed, the client gone) can only
+            # close the connection: the client sees it cut mid-stream, so the log must say which.
+            log.warning("stream %s cut off by %r", self._generation.request_id, exc)
+            raise
         finally:
             await self._generation.aclose()
