@@ -59,7 +59,8 @@ class Result:
     error: str = ""
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
+                      run_start: float | None = None) -> Result:
     body = {
         "model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
@@ -67,8 +68,17 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
     start = time.perf_counter()
     last = None
     result = Result(ok=False, prompt_tokens=len(prompt))
+    # For a failure's message: when the request was written and how far its response got.
+    chunks, sent = -1, None
+
+    async def trace(event: str, info: dict) -> None:
+        nonlocal sent
+        if event == "http11.send_request_body.complete":
+            sent = time.perf_counter() - start
+
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as response:
+            chunks = 0
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -76,6 +86,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                chunks += 1
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
                     return result
@@ -89,7 +100,10 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                         result.itl.append(now - last)
                     last = now
     except httpx.HTTPError as exc:
-        result.error = repr(exc)
+        got = "before the response's headers" if chunks < 0 else f"after {chunks} events"
+        began = "" if run_start is None else f", begun {start - run_start:.1f}s into the run"
+        wrote = "unsent" if sent is None else f"sent at {sent:.1f}s"
+        result.error = f"{exc!r} {got}, {time.perf_counter() - start:.1f}s in ({wrote}){began}"
         return result
     result.e2e = time.perf_counter() - start
     result.ok = last is not None
@@ -108,7 +122,12 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
         use_base = not args.adapters or rng.random() < args.base_fraction
         model = args.model if use_base else rng.choice(args.adapters)
         requests.append((model, prompt, length(args.random_output_len)))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # A fresh connection per request, as vLLM's benchmark_serving has (a session per request): a
+    # kept-alive one races the worker's keep-alive timeout (uvicorn's 5 s). At 256 streams on a
+    # few cores this process's event loop lags seconds between taking an idle connection from the
+    # pool and writing on it, so the worker had closed it meanwhile and about one request in 1,000
+    # failed with ReadError('') before any response (docs/benchmarks.md).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits, headers=_auth(args)) as client:
         # Warm-up (kernel compilation, first slot loads) is not measured.
         await asyncio.gather(*(one_request(client, m, p[:32], 4) for m, p, _ in requests[: args.warmup]))
@@ -116,7 +135,7 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
 
         async def limited(model: str, prompt: list[int], output_len: int) -> Result:
             async with gate:
-                return await one_request(client, model, prompt, output_len)
+                return await one_request(client, model, prompt, output_len, start)
 
         tasks = []
         start = time.perf_counter()
