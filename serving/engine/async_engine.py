@@ -153,7 +153,8 @@ class AsyncEngine:
         so requests waiting for reads never queue behind it."""
 
         def describe(_: object) -> LoRAInfo:
-            return next(i for i in self.engine.list_loras() if i.name == lora_request.lora_name)
+            (info,) = self.engine.list_loras([lora_request.lora_name])
+            return info
 
         return await self._await_load(
             lambda: self.engine.add_lora(lora_request, load_inplace=load_inplace, background=background), describe)
@@ -190,8 +191,9 @@ class AsyncEngine:
         finish with it; its GPU slot and CPU copy are freed when the last one does."""
         await self._call(lambda: self.engine.remove_lora(name))
 
-    async def list_loras(self) -> list[LoRAInfo]:
-        return await self._call(self.engine.list_loras)
+    async def list_loras(self, names: Collection[str] | None = None) -> list[LoRAInfo]:
+        """The loaded adapters, or only those of ``names`` loaded (LLMEngine.list_loras)."""
+        return await self._call(lambda: self.engine.list_loras(names))
 
     async def get_stats(self) -> EngineStats:
         """Queue depth, running sequences, KV use, slot and cache residency, load counters."""

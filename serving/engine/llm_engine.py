@@ -362,9 +362,18 @@ class LLMEngine:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         self.lora_cache.remove(name)
 
-    def list_loras(self) -> list[LoRAInfo]:
+    def list_loras(self, names: Collection[str] | None = None) -> list[LoRAInfo]:
+        """The loaded adapters by name, or only ``names`` (those of them loaded, in their order):
+        a caller about a few names (a prefetch call, a load's description) must not build an entry
+        for every adapter on the engine thread, where its cost delays every request's next step
+        (1,000 bound registry versions made each such call O(all) twice per prefetch phase)."""
         if self.lora_cache is None:
             return []
+        cache = self.lora_cache
+        if names is None:
+            pairs = sorted(cache.named().items())
+        else:
+            pairs = [(name, a) for name in names if (a := cache.get(name)) is not None]
         return [
             LoRAInfo(
                 name=name,
@@ -378,7 +387,7 @@ class LLMEngine:
                 active_requests=a.refs,
                 load_seconds=a.load_seconds,
             )
-            for name, a in sorted(self.lora_cache.named().items())
+            for name, a in pairs
         ]
 
     def stats(self) -> EngineStats:

@@ -285,6 +285,11 @@ class LoRACache:
     def named(self) -> dict[str, Adapter]:
         return dict(self._names)
 
+    def get(self, name: str) -> Adapter | None:
+        """The adapter ``name`` is bound to, None if it is not loaded (no copy of every name: a
+        caller about a few names costs the engine thread nothing per adapter loaded)."""
+        return self._names.get(name)
+
     def slots(self) -> list[Adapter | None]:
         return self._slots.slots()
 

@@ -201,3 +201,20 @@ def test_async_prefetch_reports_where_the_adapter_ended(tiny_llama_dir: Path, ad
         assert stats.gpu_slots == ("a",) and stats.adapter_loads == 2
     finally:
         engine.shutdown()
+
+
+def test_listing_named_adapters_describes_only_those_loaded_in_the_order_asked(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    # What a prefetch call and a load's description use, instead of an entry for every adapter.
+    llm = LLM(str(tiny_llama_dir), max_loras=1, **ARGS)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    assert _settle(engine, engine.prefetch_lora(LoRARequest("b", str(adapters["b"])), to_gpu=True)) == "gpu"
+    assert _settle(engine, engine.prefetch_lora(LoRARequest("a", str(adapters["a"])), to_gpu=False)) == "cpu"
+    everything = {info.name: info for info in engine.list_loras()}
+    assert list(everything) == ["a", "b"]
+    named = engine.list_loras(["b", "missing", "a"])
+    assert named == [everything["b"], everything["a"]], "the loaded ones of the names, as asked, same entries"
+    assert named[0].gpu_slot is not None and named[1].gpu_slot is None and named[1].in_cpu_cache
+    assert engine.list_loras([]) == [] and engine.list_loras(["missing"]) == []

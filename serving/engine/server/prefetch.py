@@ -108,7 +108,9 @@ class Prefetcher:
                      results: dict[str, PrefetchResult], keep: frozenset[str], call: int) -> None:
         if not items:
             return
-        infos = {info.name: info for info in await engine.list_loras()}
+        # Only the call's names: an entry per adapter loaded would be O(all) on the engine thread
+        # per phase, a delay every request in flight pays.
+        infos = {info.name: info for info in await engine.list_loras([item.name for item in items])}
 
         def in_memory(item: PrefetchItem) -> bool:
             served, info = adapters.get(item.name), infos.get(item.name)
