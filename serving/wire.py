@@ -31,6 +31,15 @@ WORKER_KEY_PREFIX = "loraplex:serving:worker:"
 # already, so the gateway counts it as the worker's state (docs/resilience.md, "Slot integrity").
 SLOT_CORRUPTED = "adapter_slot_corrupted"
 
+# Idle connections between the gateway and a worker: the worker keeps one open for
+# WORKER_KEEP_ALIVE_S and the gateway's pool drops its own well before, after UPSTREAM_IDLE_S. With
+# both at the libraries' default 5 s, a gateway loop lagging under load takes a pooled connection
+# that still looks open and writes its request just after the worker closed it: a ReadError before
+# the first byte, retried elsewhere but charged to that worker (seen with bench/serve.py's client at
+# 256 streams, docs/benchmarks.md). The side that closes first must be the client.
+WORKER_KEEP_ALIVE_S = 75
+UPSTREAM_IDLE_S = 30.0
+
 
 def worker_key(worker_id: str) -> str:
     """The Redis key of one worker's registration document."""

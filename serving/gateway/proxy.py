@@ -24,6 +24,7 @@ import httpx
 
 from serving.gateway.errors import error_json
 from serving.gateway.failover import key_refused
+from serving.wire import UPSTREAM_IDLE_S
 
 DONE = b"data: [DONE]\n\n"
 _USAGE = b'"usage":{'
@@ -83,7 +84,8 @@ class Upstream:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=UPSTREAM_IDLE_S),
         )
 
     @property

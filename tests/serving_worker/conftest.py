@@ -25,8 +25,8 @@ import httpx
 import pytest
 import uvicorn
 
-from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs
+from serving.engine.server.serve import uvicorn_config
 from serving.engine.server.worker import Worker
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
 from tests.conftest import free_port
@@ -173,8 +173,8 @@ def serve_in_process(args: ServerArgs) -> Iterator[tuple[Worker, str]]:
     The worker is told its port, so a registration in Redis (`redis_url`) advertises where it is."""
     port = free_port()
     worker = Worker(dataclasses.replace(args, port=port))
-    server = uvicorn.Server(uvicorn.Config(build_app(worker), host="127.0.0.1", port=port, lifespan="on",
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(worker, dataclasses.replace(worker.args, host="127.0.0.1",
+                                                                        uvicorn_log_level="warning")))
     worker.request_stop = lambda: setattr(server, "should_exit", True)
     thread = threading.Thread(target=server.run, name="in-process-worker", daemon=True)
     thread.start()

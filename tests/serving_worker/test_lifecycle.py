@@ -99,3 +99,26 @@ def test_overload_api_key_and_graceful_shutdown(start_worker):
     assert "grace period over: aborting 3 request(s)" in worker.log()
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{worker.url}/health", timeout=2)
+
+
+def test_an_idle_connection_outlives_the_gateways_pool_expiry(worker):
+    """The worker keeps an idle keep-alive connection open past the 5 s uvicorn default, so the
+    gateway's pool (which drops its idle connections after UPSTREAM_IDLE_S) is always the side that
+    closes first; at the default, the second request on this socket finds it closed."""
+    import http.client
+
+    from serving.wire import UPSTREAM_IDLE_S, WORKER_KEEP_ALIVE_S
+
+    assert UPSTREAM_IDLE_S < WORKER_KEEP_ALIVE_S
+    connection = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=10)
+    try:
+        sockets = []
+        for _ in range(2):
+            connection.request("GET", "/health")
+            response = connection.getresponse()
+            assert response.status == 200 and response.read() == b'{"status":"ready"}'
+            sockets.append(connection.sock)
+            time.sleep(6.5)
+        assert sockets[0] is sockets[1], "the worker closed the idle connection"
+    finally:
+        connection.close()

@@ -21,6 +21,7 @@ import uvicorn
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs, parse_args
 from serving.engine.server.worker import Worker
+from serving.wire import WORKER_KEEP_ALIVE_S
 
 # The engine thread and the event loop share the GIL: the engine releases it around each CUDA call
 # and must take it back from a loop busy streaming tokens, and at CPython's default 5 ms switch
@@ -62,18 +63,24 @@ class _WorkerServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(args: ServerArgs) -> int:
-    """Run until SIGTERM; the exit status (0, or 1 when the worker could not start)."""
-    worker = Worker(args)
-    config = uvicorn.Config(
+def uvicorn_config(worker: Worker, args: ServerArgs) -> uvicorn.Config:
+    """The worker's HTTP server: its app, address, logging, shutdown backstop and keep-alive."""
+    return uvicorn.Config(
         build_app(worker),
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
         # uvicorn takes whole seconds; rounding up only lengthens the backstop.
         timeout_graceful_shutdown=math.ceil(args.timeout_graceful_shutdown + _BACKSTOP_S),
+        timeout_keep_alive=WORKER_KEEP_ALIVE_S,
         lifespan="on",
     )
+
+
+def serve(args: ServerArgs) -> int:
+    """Run until SIGTERM; the exit status (0, or 1 when the worker could not start)."""
+    worker = Worker(args)
+    config = uvicorn_config(worker, args)
     server = _WorkerServer(config, worker)
     worker.request_stop = server.request_stop
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
