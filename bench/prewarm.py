@@ -245,12 +245,13 @@ def serve_worker(model: str, storage: str, slots: int, cpu_cache: int, port: int
 
 
 def run_gateway(url: str, redis_url: str, versions: list[ServedVersion], prewarm: bool, interval_s: float,
-                max_adapters: int, scale: float, started: float, stop: Any, results: Any) -> None:
+                max_adapters: int, scale: float, start: Any, stop: Any, results: Any) -> None:
     """The gateway side's process (production runs the prewarm loop in the gateway, not in the
     worker nor beside the clients): with `prewarm`, a round every `interval_s` simulated seconds
-    on the simulated clock (`started` is the day's start on the machine's monotonic clock), with
-    the product's Prewarmer, demand model and plan; without, the same process idles, so both
-    halves have the same processes. Puts (rounds, GPU placements) in `results` once `stop` is set."""
+    on the simulated clock, with the product's Prewarmer, demand model and plan; without, the same
+    process idles, so both halves have the same processes. Puts "ready" in `results` once set up,
+    takes the day's start (the machine's monotonic clock) from `start`, and puts (rounds, GPU
+    placements) in `results` once `stop` is set."""
     logging.basicConfig(level=logging.WARNING)
 
     async def run() -> tuple[int, int]:
@@ -270,6 +271,8 @@ def run_gateway(url: str, redis_url: str, versions: list[ServedVersion], prewarm
                               client=client, api_key=KEY,
                               config=PrewarmLoopConfig(interval_s=interval_s, max_adapters=max_adapters))
         rounds = gpu = 0
+        results.put("ready")
+        started = await asyncio.to_thread(start.get)
         while time.monotonic() < started:
             await asyncio.sleep(0.01)
         while not stop.is_set():
@@ -303,7 +306,7 @@ async def replay(name: str, *, model: Path, storage: Path, versions: list[Served
     port = 20000 + random.randrange(20000)
     url = f"http://127.0.0.1:{port}"
     context = multiprocessing.get_context("spawn")
-    ready, results, stop = context.Queue(), context.Queue(), context.Event()
+    ready, start, results, stop = context.Queue(), context.Queue(), context.Queue(), context.Event()
     worker = context.Process(target=serve_worker, name="bench-worker",
                              args=(str(model), str(storage), args.slots, args.cpu_cache, port,
                                    args.load_latency_ms / 1000, ready))
@@ -311,11 +314,16 @@ async def replay(name: str, *, model: Path, storage: Path, versions: list[Served
     if await asyncio.to_thread(ready.get) != "ready":
         raise RuntimeError("the worker failed to start")
     scale = args.day_seconds / DAY  # wall seconds per simulated second
-    started = time.monotonic() + 5.0  # the gateway process's imports and clients are up by then
     gateway = context.Process(target=run_gateway, name="bench-gateway",
                               args=(url, redis_url, versions, prewarm, args.interval_minutes * 60, args.max_adapters,
-                                    scale, started, stop, results))
+                                    scale, start, stop, results))
     gateway.start()
+    # The day starts once the gateway side has imported and set up (seconds of CPU on this
+    # machine: overlapping the day's start, they lagged the first arrivals by 4 s).
+    if await asyncio.to_thread(results.get) != "ready":
+        raise RuntimeError("the gateway side failed to start")
+    started = time.monotonic() + 0.5
+    start.put(started)
     client = httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=500))
     ttft: dict[int, float] = {}
 
