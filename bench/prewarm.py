@@ -65,6 +65,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -149,6 +150,8 @@ class RunFigures:
     lag_max: float = 0.0
     rounds: int = 0
     prefetched_gpu: int = 0
+    # Storage reads in the worker: on the prefetch thread (prewarm) / on the request loader threads.
+    reads: dict[str, int] = field(default_factory=dict)
     # TTFT by where the adapter was as the request arrived ('gpu', 'cpu', 'storage'): what the
     # p99 is made of.
     by_place: dict[str, list[float]] = field(default_factory=dict)
@@ -162,6 +165,8 @@ class RunFigures:
                 f"load stalls {self.stalls:5d} ({self.stalls / max(1, n):5.1%})  TTFT p50 {p50:7.1f} ms  "
                 f"p99 {p99:7.1f} ms  failed {self.failed}  max lag {self.lag_max * 1000:.0f} ms"
                 + (f"  prewarm rounds {self.rounds} (GPU placements {self.prefetched_gpu})" if self.rounds else "")
+                + f"\n         storage reads: prefetch {self.reads.get('prefetch', 0)}, "
+                  f"on-demand {self.reads.get('on-demand', 0)}"
                 + "\n         TTFT by where the adapter was: " + "; ".join(
                     f"{place} {len(ts)} p50 {_quantile(ts, 0.5) * 1000:.1f} p99 {_quantile(ts, 0.99) * 1000:.1f} ms"
                     for place, ts in sorted(self.by_place.items())))
@@ -184,6 +189,9 @@ class Places:
         self.app = app
         self.worker = worker
         self.places: dict[int, str] = {}
+        # Storage reads by kind, counted by the loader threads (`GET /bench/reads`).
+        self.reads = {"prefetch": 0, "on-demand": 0}
+        self.reads_lock = threading.Lock()
 
     def where(self, name: str) -> str:
         cache = self.worker.engine.engine.lora_cache  # type: ignore[union-attr]
@@ -199,8 +207,9 @@ class Places:
                 headers = dict(scope["headers"])
                 if b"x-bench-seq" in headers:
                     self.places[int(headers[b"x-bench-seq"])] = self.where(headers[b"x-bench-adapter"].decode())
-            elif scope["path"] in ("/bench/places", "/bench/describe"):
-                document = self.places if scope["path"] == "/bench/places" else await self.worker.describe()
+            elif scope["path"] in ("/bench/places", "/bench/describe", "/bench/reads"):
+                document = (self.places if scope["path"] == "/bench/places" else self.reads
+                            if scope["path"] == "/bench/reads" else await self.worker.describe())
                 body = json.dumps(document).encode()
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", b"application/json")]})
@@ -219,7 +228,8 @@ def serve_worker(model: str, storage: str, slots: int, cpu_cache: int, port: int
                        "--num-gpu-blocks-override", "1024", "--allowed-adapter-path", storage,
                        "--max-num-seqs", "64", "--uvicorn-log-level", "warning", "--worker-id", "bench"])
     worker = Worker(args)
-    server = uvicorn.Server(uvicorn.Config(Places(build_app(worker), worker), host="127.0.0.1", port=port,
+    places = Places(build_app(worker), worker)
+    server = uvicorn.Server(uvicorn.Config(places, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
 
     async def run() -> None:
@@ -234,6 +244,10 @@ def serve_worker(model: str, storage: str, slots: int, cpu_cache: int, port: int
         read = cache.load_fn
 
         def slow_read(*a: Any, **kw: Any) -> Any:  # on a loader thread
+            # The prefetch thread's name is serving.engine.lora_loader's thread_name_prefix.
+            kind = "prefetch" if threading.current_thread().name.startswith("lora-prefetch") else "on-demand"
+            with places.reads_lock:
+                places.reads[kind] += 1
             time.sleep(latency_s)
             return read(*a, **kw)
 
@@ -371,6 +385,7 @@ async def replay(name: str, *, model: Path, storage: Path, versions: list[Served
     await asyncio.gather(*tasks)
     stop.set()
     places = {int(seq): place for seq, place in (await client.get(f"{url}/bench/places")).json().items()}
+    figures.reads = (await client.get(f"{url}/bench/reads")).json()
     await client.aclose()
     figures.rounds, figures.prefetched_gpu = await asyncio.to_thread(results.get)
     await asyncio.to_thread(gateway.join)

@@ -271,6 +271,8 @@ GATEWAY_PREWARM_PRIOR_SECONDS = float(os.environ.get("GATEWAY_PREWARM_PRIOR_SECO
 GATEWAY_PREWARM_INTERVAL_SECONDS = float(os.environ.get("GATEWAY_PREWARM_INTERVAL_SECONDS", "30"))
 GATEWAY_PREWARM_MAX_ADAPTERS = env_int("GATEWAY_PREWARM_MAX_ADAPTERS", 256)
 GATEWAY_PREWARM_MIN_PER_HOUR = float(os.environ.get("GATEWAY_PREWARM_MIN_PER_HOUR", "0"))
+# Requests expected before the next round for a CPU-only prefetch's storage read (docs/resilience.md).
+GATEWAY_PREWARM_MIN_EXPECTED = float(os.environ.get("GATEWAY_PREWARM_MIN_EXPECTED", "1"))
 
 LOGGING = {
     "version": 1,

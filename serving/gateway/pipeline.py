@@ -105,7 +105,8 @@ def _prewarm_start(res: Resources) -> asyncio.Task | None:
         return None
     config = PrewarmLoopConfig(interval_s=settings.GATEWAY_PREWARM_INTERVAL_SECONDS,
                                max_adapters=settings.GATEWAY_PREWARM_MAX_ADAPTERS,
-                               min_rate=settings.GATEWAY_PREWARM_MIN_PER_HOUR / 3600.0)
+                               min_rate=settings.GATEWAY_PREWARM_MIN_PER_HOUR / 3600.0,
+                               min_expected=settings.GATEWAY_PREWARM_MIN_EXPECTED)
 
     async def workers() -> list[WorkerView]:
         return res.resilience.usable_workers(await _workers(res))

@@ -55,6 +55,10 @@ class PrewarmLoopConfig:
     interval_s: float = 30.0
     max_adapters: int = 256
     min_rate: float = 0.0
+    # A version goes into a CPU cache by a storage read only if its predicted rate × interval_s
+    # (the requests expected before the next round ranks afresh) reaches this; slot placements
+    # and versions already in memory are not held to it (docs/resilience.md, "Predictive prewarm").
+    min_expected: float = 1.0
 
 
 @dataclass
@@ -113,7 +117,10 @@ class Prewarmer:
         served = await self._served(names) if names else {}
         names = [name for name in names if name in served]
         workers = await self._workers()
-        plan = plan_prefetch(names, workers)
+        wanted = set(names)
+        readable = {name for name, rate in ranked
+                    if name in wanted and rate * self.config.interval_s >= self.config.min_expected}
+        plan = plan_prefetch(names, workers, readable)
         by_id = {worker.worker_id: worker for worker in workers}
         report = RoundReport(planned=sum(len(items) for items in plan.values()))
         await asyncio.gather(*(self._send(by_id[worker_id], items, served, report)

@@ -8,11 +8,18 @@ left in this plan, else to the worker with the most slots left, so new placement
 workers. The following versions go to CPU caches the same way, until those are planned full; the
 rest of the ranking is left to on-demand loading. A worker's CPU cache also holds a copy of what
 its slots hold, so slot placements count against it too. Each version gets one worker.
+
+A CPU-only placement that would need a storage read (the chosen worker holds the version in
+neither a slot nor its CPU cache) is planned only for the `readable` versions, those whose
+predicted requests justify a read (the loop decides: serving.gateway.prewarm_loop); the others are
+left to on-demand loading. Such reads are speculative CPU work on the worker (digest check,
+deserialisation) that competes with its requests, and over a long tail they mostly evict each
+other unread (docs/resilience.md, "Predictive prewarm").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from serving.gateway.routing import WorkerView
@@ -24,8 +31,10 @@ class Placement:
     to_gpu: bool
 
 
-def plan_prefetch(ranked: Sequence[str], workers: Sequence[WorkerView]) -> dict[str, list[Placement]]:
-    """worker_id → its placements, most wanted first (workers with nothing to do are left out)."""
+def plan_prefetch(ranked: Sequence[str], workers: Sequence[WorkerView],
+                  readable: Collection[str] | None = None) -> dict[str, list[Placement]]:
+    """worker_id → its placements, most wanted first (workers with nothing to do are left out).
+    `readable`: the versions a CPU-only placement may read from storage (None: all)."""
     gpu_left = {w.worker_id: w.max_loras for w in workers}
     cpu_left = {w.worker_id: max(w.max_cpu_loras, w.max_loras) for w in workers}
     gpu_names = list(dict.fromkeys(ranked))[:sum(gpu_left.values())]
@@ -50,6 +59,9 @@ def plan_prefetch(ranked: Sequence[str], workers: Sequence[WorkerView]) -> dict[
         holders = [w for w in open_workers if name in w.adapters]
         # The first of the emptiest: ties go to the workers' order.
         target = holders[0] if holders else max(open_workers, key=lambda w: budget[w.worker_id])
+        if not to_gpu and readable is not None and name not in readable \
+                and target.adapters.get(name) not in ("gpu", "cpu"):
+            continue
         chosen[name] = (target.worker_id, to_gpu)
         cpu_left[target.worker_id] -= 1
         if to_gpu:

@@ -40,3 +40,13 @@ def test_a_version_in_a_slot_keeps_it_and_the_others_go_around_it() -> None:
 
 def test_no_workers_no_plan() -> None:
     assert plan_prefetch(["v0"], []) == {}
+
+
+def test_a_cpu_only_read_is_planned_only_for_readable_versions() -> None:
+    # v0 takes the slot; v1 and v3 would need a storage read, v2 is in the CPU cache already.
+    # Only v1 is worth a read: v3 is left to on-demand loading, v2 is still touched (no read).
+    workers = [worker("w1", slots=1, cpu=4, adapters={"v2": "cpu", "v3": "loaded"})]
+    plan = plan_prefetch(["v0", "v1", "v2", "v3"], workers, readable={"v0", "v1"})
+    assert plan == {"w1": [Placement("v0", True), Placement("v1", False), Placement("v2", False)]}
+    # A slot placement is not held to it.
+    assert plan_prefetch(["v0"], workers, readable=set()) == {"w1": [Placement("v0", True)]}
