@@ -2,7 +2,8 @@
 
 Every change goes through serving.services, after a confirmation page that says what will happen,
 and is audited with the admin user (`admin:<username>`). Rows are read-only here: versions come
-from uploads and training, states change only through the actions below.
+from uploads and training, states change only through the actions below, and each action needs the
+model's change permission: view-only staff read the registry but never move it.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
         _, canary = selectors.adapter_served(adapter=adapter)
         return f"{canary.version} ({canary.traffic_weight:.0%})" if canary else "—"
 
-    @admin.action(description="Promote the canary of selected adapters to active")
+    @admin.action(description="Promote the canary of selected adapters to active", permissions=("change",))
     def promote_canary(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
             canary = services.adapter_canary_promote(adapter=adapter, actor=admin_actor(request), dry_run=True)
@@ -149,7 +150,7 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
                 adapter=adapter, actor=admin_actor(request), reason=data["reason"]),
         )
 
-    @admin.action(description="Set the canary weight of selected adapters")
+    @admin.action(description="Set the canary weight of selected adapters", permissions=("change",))
     def set_canary_weight(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
             canary = services.adapter_canary_set_weight(adapter=adapter, weight=None, actor=admin_actor(request),
@@ -164,7 +165,7 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
                 adapter=adapter, weight=data["weight"], actor=admin_actor(request), reason=data["reason"]),
         )
 
-    @admin.action(description="Abort the canary of selected adapters")
+    @admin.action(description="Abort the canary of selected adapters", permissions=("change",))
     def abort_canary(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
             canary = services.adapter_canary_abort(adapter=adapter, actor=admin_actor(request), dry_run=True)
@@ -178,7 +179,7 @@ class AdapterAdmin(_RegistryActions, admin.ModelAdmin):
                 adapter=adapter, actor=admin_actor(request), reason=data["reason"]),
         )
 
-    @admin.action(description="Roll back selected adapters to their previous version")
+    @admin.action(description="Roll back selected adapters to their previous version", permissions=("change",))
     def rollback(self, request: HttpRequest, queryset: QuerySet[Adapter]) -> TemplateResponse | None:
         def describe(adapter: Adapter) -> str:
             target = services.adapter_rollback(adapter=adapter, actor=admin_actor(request), dry_run=True)
@@ -212,7 +213,7 @@ class AdapterVersionAdmin(_RegistryActions, admin.ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
 
-    @admin.action(description="Deploy selected versions (make them active)")
+    @admin.action(description="Deploy selected versions (make them active)", permissions=("change",))
     def deploy(self, request: HttpRequest, queryset: QuerySet[AdapterVersion]) -> TemplateResponse | None:
         def describe(version: AdapterVersion) -> str:
             services.adapter_version_deploy(version=version, actor=admin_actor(request), dry_run=True)
@@ -226,7 +227,7 @@ class AdapterVersionAdmin(_RegistryActions, admin.ModelAdmin):
                 version=version, actor=admin_actor(request), reason=data["reason"]),
         )
 
-    @admin.action(description="Start a canary with selected versions")
+    @admin.action(description="Start a canary with selected versions", permissions=("change",))
     def start_canary(self, request: HttpRequest, queryset: QuerySet[AdapterVersion]) -> TemplateResponse | None:
         def describe(version: AdapterVersion) -> str:
             services.adapter_canary_start(version=version, weight=None, actor=admin_actor(request), dry_run=True)
@@ -240,7 +241,7 @@ class AdapterVersionAdmin(_RegistryActions, admin.ModelAdmin):
                 version=version, weight=data["weight"], actor=admin_actor(request), reason=data["reason"]),
         )
 
-    @admin.action(description="Archive selected versions (never served again)")
+    @admin.action(description="Archive selected versions (never served again)", permissions=("change",))
     def archive(self, request: HttpRequest, queryset: QuerySet[AdapterVersion]) -> TemplateResponse | None:
         def describe(version: AdapterVersion) -> str:
             services.adapter_version_archive(version=version, actor=admin_actor(request), dry_run=True)

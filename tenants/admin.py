@@ -69,13 +69,13 @@ class TenantAdmin(admin.ModelAdmin):
         self.message_user(request, f"Tenant '{tenant.slug}' created. Its first API key, shown once: {key}",
                           messages.WARNING)
 
-    @admin.action(description="Suspend selected tenants (their keys and sessions get 403)")
+    @admin.action(description="Suspend selected tenants (their keys and sessions get 403)", permissions=("change",))
     def suspend_tenants(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> None:
         for tenant in queryset:
             services.tenant_suspend(slug=tenant.slug)
         self.message_user(request, f"Suspended {queryset.count()} tenant(s).")
 
-    @admin.action(description="Activate selected tenants")
+    @admin.action(description="Activate selected tenants", permissions=("change",))
     def activate_tenants(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> None:
         for tenant in queryset:
             services.tenant_activate(slug=tenant.slug)

@@ -84,10 +84,10 @@ class TrainingJobAdmin(admin.ModelAdmin):
         if count:
             self.message_user(request, f"{count} job(s) {done}.", messages.SUCCESS)
 
-    @admin.action(description="Cancel the selected jobs")
+    @admin.action(description="Cancel the selected jobs", permissions=("change",))
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[TrainingJob]) -> None:
         self._each(request, queryset, jobs.training_job_cancel, "cancelled (running ones stop at their next step)")
 
-    @admin.action(description="Retry the selected failed or cancelled jobs")
+    @admin.action(description="Retry the selected failed or cancelled jobs", permissions=("change",))
     def retry_jobs(self, request: HttpRequest, queryset: QuerySet[TrainingJob]) -> None:
         self._each(request, queryset, jobs.training_job_retry, "queued again")
