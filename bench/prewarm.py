@@ -79,7 +79,7 @@ import httpx  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 import uvicorn  # noqa: E402
 
-from serving.engine.artifact import adapter_digest  # noqa: E402
+from serving.engine.lora.artifact import adapter_digest  # noqa: E402
 from serving.engine.server.app import build_app  # noqa: E402
 from serving.engine.server.cli import parse_args  # noqa: E402
 from serving.engine.server.worker import State, Worker  # noqa: E402
@@ -244,7 +244,7 @@ def serve_worker(model: str, storage: str, slots: int, cpu_cache: int, port: int
         read = cache.load_fn
 
         def slow_read(*a: Any, **kw: Any) -> Any:  # on a loader thread
-            # The prefetch thread's name is serving.engine.lora_loader's thread_name_prefix.
+            # The prefetch thread's name is serving.engine.lora.loader's thread_name_prefix.
             kind = "prefetch" if threading.current_thread().name.startswith("lora-prefetch") else "on-demand"
             with places.reads_lock:
                 places.reads[kind] += 1

@@ -21,7 +21,7 @@ for stage in "$@"; do
         timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --strict-markers" \
             tests/kernels/test_fused_ops.py tests/kernels/test_paged_attention.py tests/kernels/test_kernels_triton.py \
             tests/engine/test_decode_paths.py tests/engine/test_llm_multi_lora.py \
-            tests/engine/test_trained_adapter_served.py tests/engine/test_slot_integrity.py \
+            tests/engine/test_trained_adapter_served.py tests/engine/lora/test_integrity.py \
             2>&1 | tee "$out/gpu_tests.log" || status=1
         # No gpu mark here, but its dispatch test asks for the Triton backend on a CUDA device.
         timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \

@@ -38,8 +38,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from lora_platform.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
 from lora_platform.storage import get_storage
-from serving.engine.adapter_loader import validate_adapter_dir
-from serving.engine.artifact import (
+from serving.engine.lora.reader import validate_adapter_dir
+from serving.engine.lora.artifact import (
     ADAPTER_CONFIG_NAME,
     MANIFEST_NAME,
     SOURCE_KINDS,

@@ -17,7 +17,7 @@ from django.db import transaction
 from lora_platform.errors import ServiceError
 from lora_platform.storage import get_storage
 from serving import services as registry
-from serving.engine.artifact import MANIFEST_NAME, base_config_sha256, manifest_write
+from serving.engine.lora.artifact import MANIFEST_NAME, base_config_sha256, manifest_write
 from serving.models import AdapterVersion, artifact_prefix
 from serving.versions import version_next_patch
 from tenants.models import Tenant

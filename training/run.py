@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from lora_platform.errors import NotFound
 from lora_platform.storage import get_storage
-from serving.engine.artifact import base_config_sha256
+from serving.engine.lora.artifact import base_config_sha256
 from training import conf
 from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, event, finish, held_out,
                            lease_age, lease_seconds)

@@ -43,34 +43,34 @@ request stopped because its GPU slot failed its checksum raises ``SlotCorruptedE
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names _LAZY imports, for the type checker
-    from serving.engine.adapter_loader import AdapterError
     from serving.engine.async_engine import AsyncEngine, EngineDeadError
     from serving.engine.config import EngineConfig
     from serving.engine.llm import LLM
     from serving.engine.llm_engine import LLMEngine
-    from serving.engine.lora_cache import AdapterNotFoundError
-    from serving.engine.lora_request import LoRARequest
+    from serving.engine.lora.cache import AdapterNotFoundError
+    from serving.engine.lora.integrity import SlotCorruptedError
+    from serving.engine.lora.reader import AdapterError
+    from serving.engine.lora.request import LoRARequest
     from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from serving.engine.sampling_params import SamplingParams
-    from serving.engine.slot_integrity import SlotCorruptedError
     from serving.engine.stats import EngineStats, LoRAInfo
 
-# Imported on first use (PEP 562): Django processes import serving.engine.artifact and
-# serving.engine.adapter_loader for upload checks, and must not pay for torch and the engine.
+# Imported on first use (PEP 562): Django processes import serving.engine.lora.artifact and
+# serving.engine.lora.reader for upload checks, and must not pay for torch and the engine.
 _LAZY = {
-    "AdapterError": "serving.engine.adapter_loader",
+    "AdapterError": "serving.engine.lora.reader",
     "AsyncEngine": "serving.engine.async_engine",
     "EngineDeadError": "serving.engine.async_engine",
     "EngineConfig": "serving.engine.config",
     "LLM": "serving.engine.llm",
     "LLMEngine": "serving.engine.llm_engine",
-    "AdapterNotFoundError": "serving.engine.lora_cache",
-    "LoRARequest": "serving.engine.lora_request",
+    "AdapterNotFoundError": "serving.engine.lora.cache",
+    "LoRARequest": "serving.engine.lora.request",
     "CompletionOutput": "serving.engine.outputs",
     "Logprob": "serving.engine.outputs",
     "RequestOutput": "serving.engine.outputs",
     "SamplingParams": "serving.engine.sampling_params",
-    "SlotCorruptedError": "serving.engine.slot_integrity",
+    "SlotCorruptedError": "serving.engine.lora.integrity",
     "EngineStats": "serving.engine.stats",
     "LoRAInfo": "serving.engine.stats",
 }

@@ -20,8 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, PromptType
-from serving.engine.lora_cache import Placement
-from serving.engine.lora_request import LoRARequest
+from serving.engine.lora.cache import Placement
+from serving.engine.lora.request import LoRARequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair

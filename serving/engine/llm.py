@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, PromptType
-from serving.engine.lora_request import LoRARequest
+from serving.engine.lora.request import LoRARequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams
 

@@ -16,20 +16,20 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from serving.engine.adapter_loader import AdapterError
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode, find_stop
-from serving.engine.lora_adapter import Adapter, AdapterHandle
-from serving.engine.lora_cache import LoRACache, Placement
-from serving.engine.lora_request import LoRARequest
+from serving.engine.lora.cache import LoRACache, Placement
+from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
+from serving.engine.lora.reader import AdapterError
+from serving.engine.lora.records import AdapterHandle, CachedAdapter
+from serving.engine.lora.request import LoRARequest
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.engine.sampler import SampleResult
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence, SequenceStatus
-from serving.engine.slot_integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
 
 PromptType = str | dict[str, Any]
@@ -293,7 +293,7 @@ class LLMEngine:
     # ---- adapters -------------------------------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False, *,
-                 background: bool = False) -> Future[Adapter]:
+                 background: bool = False) -> Future[CachedAdapter]:
         """Start loading an adapter under its name; the future resolves once it is in the CPU cache.
         ``background``: a prefetch's read, on the prefetch thread (``LoRACache.add``)."""
         if self.lora_cache is None:
@@ -351,7 +351,7 @@ class LLMEngine:
             self._ended.append(self._output(seq))
         return len(self._ended) - ended_before
 
-    def _write_slot(self, slot: int, adapter: Adapter) -> None:
+    def _write_slot(self, slot: int, adapter: CachedAdapter) -> None:
         self.runner.write_slot(slot, adapter)
         assert self.slot_checksums is not None
         self.slot_checksums.record(slot)
@@ -431,7 +431,7 @@ class LLMEngine:
             self.lora_cache.shutdown()
 
 
-def _label(adapter: Adapter | None) -> str | None:
+def _label(adapter: CachedAdapter | None) -> str | None:
     """An adapter's name for metrics (its first name, else its digest), None for an empty slot."""
     if adapter is None:
         return None

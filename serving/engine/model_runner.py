@@ -25,7 +25,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
 from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
 from serving.engine.layers.lora_linear import MultiLoRALinear
-from serving.engine.lora_adapter import Adapter
+from serving.engine.lora.records import CachedAdapter
 from serving.engine.models.llama import LlamaForCausalLM
 from serving.engine.sampler import SampleResult, Sampler
 from serving.engine.sequence import Sequence
@@ -134,7 +134,7 @@ class ModelRunner:
 
     # ---- adapters -------------------------------------------------------------------------
 
-    def write_slot(self, slot: int, adapter: Adapter) -> None:
+    def write_slot(self, slot: int, adapter: CachedAdapter) -> None:
         """Copy ``adapter`` into GPU slot ``slot`` of every LoRA layer (untargeted modules zeroed)."""
         assert adapter.weights is not None
         by_layer: dict[MultiLoRALinear, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.engine.lora_request import LoRARequest
+from serving.engine.lora.request import LoRARequest
 
 
 @dataclass

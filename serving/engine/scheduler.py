@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.lora_cache import LoRACache
+from serving.engine.lora.cache import LoRACache
 from serving.engine.sequence import Sequence, SequenceStatus
 
 

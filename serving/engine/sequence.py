@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serving.engine.lora_request import LoRARequest
+from serving.engine.lora.request import LoRARequest
 from serving.engine.outputs import Logprob
 from serving.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from serving.engine.detokenizer import IncrementalDetokenizer
-    from serving.engine.lora_adapter import AdapterHandle
+    from serving.engine.lora.records import AdapterHandle
 
 
 class SequenceStatus(enum.Enum):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from serving.engine import LLM, AdapterError, LLMEngine, LoRARequest, SamplingParams
-from serving.engine.adapter_loader import load_adapter
+from serving.engine.lora.reader import load_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

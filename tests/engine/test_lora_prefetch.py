@@ -17,7 +17,7 @@ import pytest
 
 from serving.engine import LLM, AdapterError, AsyncEngine, LoRARequest, SamplingParams
 from serving.engine.llm_engine import LLMEngine
-from serving.engine.lora_cache import Placement
+from serving.engine.lora.cache import Placement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,7 @@ import pytest
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.lora_request import LoRARequest
+from serving.engine.lora.request import LoRARequest
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.sequence import Sequence, SequenceStatus

@@ -19,8 +19,8 @@ from transformers import AutoConfig
 
 from lora_platform.errors import InvalidInput, LimitExceeded
 from serving import services
-from serving.engine.adapter_loader import load_adapter
-from serving.engine.artifact import adapter_digest, base_config_sha256, manifest_verify, manifest_write
+from serving.engine.lora.artifact import adapter_digest, base_config_sha256, manifest_verify, manifest_write
+from serving.engine.lora.reader import load_adapter
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from tests.serving.conftest import BASE_ALIAS, adapter_files, config_with
 

@@ -18,10 +18,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_platform.storage import get_storage
-from serving.engine.artifact import manifest_verify
+from serving.engine.lora.artifact import manifest_verify
 from serving.models import AdapterVersion
-from training.examples import Example, encode_example
 from training import sweep
+from training.examples import Example, encode_example
 from training.models import Checkpoint, TrainingEvent, TrainingJob
 from training.trainer import token_nll
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from serving.engine.artifact import AdapterError
+from serving.engine.lora.artifact import AdapterError
 
 # What `STORAGE_URL` means when the worker's environment has none: the platform's default
 # (lora_platform/settings.py), `var/storage` under `LORAPLEX_VAR_DIR` or the project directory.

@@ -33,16 +33,16 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from serving.engine.adapter_loader import AdapterError
 from serving.engine.async_engine import AsyncEngine
-from serving.engine.lora_cache import Placement
-from serving.engine.lora_request import LoRARequest
+from serving.engine.lora.cache import Placement
+from serving.engine.lora.reader import AdapterError
+from serving.engine.lora.request import LoRARequest
 from serving.engine.server.adapters import AdapterSet, Source
 
 log = logging.getLogger(__name__)
 
 # A prefetch reads from storage one version at a time, whatever the calls in flight, on the engine's
-# prefetch thread (serving.engine.lora_loader): the requests' loader threads are left to on-demand
+# prefetch thread (serving.engine.lora.loader): the requests' loader threads are left to on-demand
 # loads. (A round that queued a hundred reads on those threads put every request for an adapter
 # not yet loaded behind all of them: TTFT p99 of seconds in bench/prewarm.py.)
 

@@ -16,7 +16,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from serving.engine.adapter_loader import (
+from serving.engine.lora.reader import (
     SUPPORTED_MODULES,
     AdapterError,
     BaseShapes,
@@ -24,7 +24,7 @@ from serving.engine.adapter_loader import (
     load_adapter,
     validate_adapter_dir,
 )
-from serving.engine.artifact import adapter_digest, base_config_sha256, manifest_write
+from serving.engine.lora.artifact import adapter_digest, base_config_sha256, manifest_write
 
 WEIGHTS = "adapter_model.safetensors"
 KEY = "base_model.model.model.layers.{layer}.{parent}.{module}.lora_{which}.weight"

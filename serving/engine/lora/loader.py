@@ -1,4 +1,4 @@
-"""Reading adapters from storage off the decode path, and the record of each read in flight.
+"""Reading adapters from storage off the decode path; each read in flight is a ``records.PendingLoad``.
 
 A read (``load_adapter``: download, validate, digest, then conversion to the model's dtype and, on
 CUDA, pinned memory so the copy into a slot is one transfer) takes from milliseconds to seconds, so
@@ -22,39 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 
 import torch
 
-from serving.engine.adapter_loader import LoadedAdapter, load_adapter
-from serving.engine.lora_adapter import Adapter, AdapterHandle, Weights
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """A finished read: the validated adapter, its weights ready for a slot copy, and how long it took."""
-
-    loaded: LoadedAdapter
-    weights: Weights
-    seconds: float
-
-
-@dataclass(eq=False)
-class PendingLoad:
-    """A read from storage in flight (or queued until the CPU cache has room).
-
-    ``reload_of`` is set when this re-reads an adapter whose CPU copy was evicted; ``handles``
-    are the requests waiting on a first load (the cache points them at the adapter once loaded);
-    ``add_futures`` are ``add_lora`` calls waiting for it (``load_inplace`` each); ``background``
-    marks a prefetch's read (the prefetch thread)."""
-
-    name: str
-    path: str
-    reload_of: Adapter | None = None
-    background: bool = False
-    future: Future[LoadResult] | None = None
-    handles: list[AdapterHandle] = field(default_factory=list)
-    add_futures: list[tuple[Future[Adapter], bool]] = field(default_factory=list)
+from serving.engine.lora.reader import LoadedAdapter, Weights, load_adapter
+from serving.engine.lora.records import LoadResult, PendingLoad
 
 
 class AdapterLoader:

@@ -14,7 +14,7 @@ import torch
 from peft_reference import PeftReference, assert_greedy_match
 
 from serving.engine import LLM, LoRARequest, RequestOutput, SamplingParams
-from serving.engine.slot_integrity import SlotChecksums, SlotCorruptedError
+from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,13 +2,13 @@
 
 Three tiers, as S-LoRA and vLLM have them, each a part of its own:
 
-- ``max_loras`` GPU slots (``lora_slots.SlotTable``), preallocated at ``max_lora_rank`` in every
+- ``max_loras`` GPU slots (``gpu_slots.SlotTable``), preallocated at ``max_lora_rank`` in every
   LoRA layer. An adapter in a slot is pinned while any running sequence uses it; unpinned ones
   stay resident and are evicted least-recently-used when another adapter needs the slot.
-- A CPU cache of at most ``max_cpu_loras`` adapters (``lora_cpu_cache.CPUCache``). An entry must
+- A CPU cache of at most ``max_cpu_loras`` adapters (``cpu_cache.CPUCache``). An entry must
   stay while a waiting request needs it to enter a slot; loads that would overflow the cache wait
   for room.
-- Storage, read by ``lora_loader.AdapterLoader`` on loader threads, off the decode path. Requests
+- Storage, read by ``loader.AdapterLoader`` on loader threads, off the decode path. Requests
   for an adapter being loaded wait; everything else keeps running.
 
 This module is what ties them together: it binds names to contents, hands each request a stable
@@ -28,12 +28,12 @@ from typing import Literal
 
 import torch
 
-from serving.engine.adapter_loader import AdapterError, LoadedAdapter
-from serving.engine.lora_adapter import Adapter, AdapterHandle
-from serving.engine.lora_cpu_cache import CPUCache
-from serving.engine.lora_loader import AdapterLoader, LoadResult, PendingLoad
-from serving.engine.lora_request import LoRARequest
-from serving.engine.lora_slots import SlotTable
+from serving.engine.lora.cpu_cache import CPUCache
+from serving.engine.lora.gpu_slots import SlotTable
+from serving.engine.lora.loader import AdapterLoader
+from serving.engine.lora.reader import AdapterError, LoadedAdapter
+from serving.engine.lora.records import AdapterHandle, CachedAdapter, LoadResult, PendingLoad
+from serving.engine.lora.request import LoRARequest
 
 
 class AdapterNotFoundError(AdapterError):
@@ -72,14 +72,14 @@ class LoRACache:
         base_model_name: str | None,
         dtype: torch.dtype,
         pin_memory: bool,
-        write_slot: Callable[[int, Adapter], None],
+        write_slot: Callable[[int, CachedAdapter], None],
         on_load_done: Callable[[], None],
     ) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self.max_lora_rank = max_lora_rank
-        self._names: dict[str, Adapter] = {}
-        self._by_digest: dict[str, Adapter] = {}
+        self._names: dict[str, CachedAdapter] = {}
+        self._by_digest: dict[str, CachedAdapter] = {}
         self._slots = SlotTable(max_loras, write_slot)
         self._cpu = CPUCache(max_cpu_loras)
         self._loader = AdapterLoader(
@@ -193,14 +193,14 @@ class LoRACache:
 
     # ---- named adapters (the server's load / unload) ---------------------------------------
 
-    def add(self, request: LoRARequest, *, load_inplace: bool, background: bool = False) -> Future[Adapter]:
+    def add(self, request: LoRARequest, *, load_inplace: bool, background: bool = False) -> Future[CachedAdapter]:
         """Load ``request`` into the CPU cache under its name; the future holds the adapter. A
         ``background`` read (a prefetch's) goes to the prefetch thread, not the request threads."""
         if self.max_loras == 0:
             raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         if request.lora_path is None:
             raise AdapterError(f"adapter '{request.lora_name}' needs a path to load from")
-        done: Future[Adapter] = Future()
+        done: Future[CachedAdapter] = Future()
         pending = self._loader.first_load(request.lora_name)
         if pending is None or pending.path != request.lora_path:
             pending = self._start_load(PendingLoad(request.lora_name, request.lora_path, background=background))
@@ -233,7 +233,7 @@ class LoRACache:
         path = request.lora_path if request.lora_path is not None else adapter.path if adapter is not None else None
         added = self.add(LoRARequest(request.lora_name, path), load_inplace=False, background=True)
 
-        def place(done: Future[Adapter]) -> None:  # on the engine thread, as the load is taken in
+        def place(done: Future[CachedAdapter]) -> None:  # on the engine thread, as the load is taken in
             error = done.exception()
             if error is not None:
                 placed.set_exception(error)
@@ -243,7 +243,7 @@ class LoRACache:
         added.add_done_callback(place)
         return placed
 
-    def _place(self, adapter: Adapter, *, to_gpu: bool, keep: Collection[str]) -> Placement:
+    def _place(self, adapter: CachedAdapter, *, to_gpu: bool, keep: Collection[str]) -> Placement:
         if adapter.weights is not None:
             self._cpu.touch(adapter)
         if to_gpu:
@@ -252,7 +252,7 @@ class LoRACache:
             self._slots.place(adapter, kept)
         return "gpu" if adapter.slot is not None else "cpu"
 
-    def repair(self, slot: int) -> Adapter | None:
+    def repair(self, slot: int) -> CachedAdapter | None:
         """``slot`` no longer holds what was copied in (its checksum failed): bring it back from storage.
 
         Its adapter is re-read from storage (the digest checked against the one it was loaded
@@ -273,7 +273,7 @@ class LoRACache:
             adapter.reload = self._start_load(PendingLoad(name, adapter.path, reload_of=adapter))
         return adapter
 
-    def remove(self, name: str) -> Adapter:
+    def remove(self, name: str) -> CachedAdapter:
         """Forget ``name``; its slot and CPU copy are freed once no request uses them."""
         adapter = self._names.pop(name, None)
         if adapter is None:
@@ -282,18 +282,18 @@ class LoRACache:
         self._let_go(adapter)
         return adapter
 
-    def named(self) -> dict[str, Adapter]:
+    def named(self) -> dict[str, CachedAdapter]:
         return dict(self._names)
 
-    def get(self, name: str) -> Adapter | None:
+    def get(self, name: str) -> CachedAdapter | None:
         """The adapter ``name`` is bound to, None if it is not loaded (no copy of every name: a
         caller about a few names costs the engine thread nothing per adapter loaded)."""
         return self._names.get(name)
 
-    def slots(self) -> list[Adapter | None]:
+    def slots(self) -> list[CachedAdapter | None]:
         return self._slots.slots()
 
-    def cpu_resident(self) -> list[Adapter]:
+    def cpu_resident(self) -> list[CachedAdapter]:
         return self._cpu.resident()
 
     @property
@@ -381,11 +381,11 @@ class LoRACache:
         # A load nobody waits for any more (its requests were aborted, its add refused) is freed.
         self._let_go(adapter)
 
-    def _take_in(self, result: LoadResult, path: str) -> Adapter:
+    def _take_in(self, result: LoadResult, path: str) -> CachedAdapter:
         loaded = result.loaded
         adapter = self._by_digest.get(loaded.digest)
         if adapter is None:
-            adapter = Adapter(
+            adapter = CachedAdapter(
                 digest=loaded.digest,
                 path=path,
                 rank=loaded.rank,
@@ -399,7 +399,7 @@ class LoRACache:
         self._cpu.put(adapter, result.weights)
         return adapter
 
-    def _bind(self, name: str, adapter: Adapter, *, load_inplace: bool) -> None:
+    def _bind(self, name: str, adapter: CachedAdapter, *, load_inplace: bool) -> None:
         current = self._names.get(name)
         if current is adapter:
             return
@@ -414,7 +414,7 @@ class LoRACache:
         self._names[name] = adapter
         adapter.names.add(name)
 
-    def _let_go(self, adapter: Adapter) -> None:
+    def _let_go(self, adapter: CachedAdapter) -> None:
         """One holder of ``adapter`` (a name, a request, a re-read) let go: once nothing holds it,
         free its slot and CPU copy. This is the only place an adapter is freed, and it is called
         only where a holder goes, so no unused adapter ever stays resident."""
@@ -425,7 +425,7 @@ class LoRACache:
         self._by_digest.pop(adapter.digest, None)
 
 
-def _ready_adapter(handle: AdapterHandle) -> Adapter:
+def _ready_adapter(handle: AdapterHandle) -> CachedAdapter:
     if handle.adapter is None:
         raise AdapterError(f"adapter '{handle.name}' is still loading")  # a scheduler bug, not a user error
     return handle.adapter

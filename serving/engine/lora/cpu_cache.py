@@ -11,37 +11,38 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from serving.engine.lora_adapter import Adapter, Weights
+from serving.engine.lora.reader import Weights
+from serving.engine.lora.records import CachedAdapter
 
 
 class CPUCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: OrderedDict[str, Adapter] = OrderedDict()  # digest -> adapter, LRU first
+        self._entries: OrderedDict[str, CachedAdapter] = OrderedDict()  # digest -> adapter, LRU first
         self.evictions = 0
 
-    def __contains__(self, adapter: Adapter) -> bool:
+    def __contains__(self, adapter: CachedAdapter) -> bool:
         return adapter.digest in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, adapter: Adapter, weights: Weights) -> None:
+    def put(self, adapter: CachedAdapter, weights: Weights) -> None:
         """Keep ``weights`` as ``adapter``'s CPU copy unless it has one; either way it is now the newest."""
         if adapter.weights is None:
             adapter.weights = weights
             self._entries[adapter.digest] = adapter
         self._entries.move_to_end(adapter.digest)
 
-    def touch(self, adapter: Adapter) -> None:
+    def touch(self, adapter: CachedAdapter) -> None:
         """Make ``adapter``'s CPU copy the newest (it is about to be used)."""
         self._entries.move_to_end(adapter.digest)
 
-    def demote(self, adapter: Adapter) -> None:
+    def demote(self, adapter: CachedAdapter) -> None:
         """Make ``adapter`` the first to go: once it is in a GPU slot, its CPU copy is only a backup."""
         self._entries.move_to_end(adapter.digest, last=False)
 
-    def make_room(self, pending: int, evictable: Callable[[Adapter], bool]) -> bool:
+    def make_room(self, pending: int, evictable: Callable[[CachedAdapter], bool]) -> bool:
         """Whether one more entry fits beside ``pending`` reads in flight, evicting what may go."""
         while len(self._entries) + pending >= self.capacity:
             victim = next((a for a in self._entries.values() if evictable(a)), None)
@@ -50,17 +51,17 @@ class CPUCache:
             self.evict(victim)
         return True
 
-    def evict(self, adapter: Adapter) -> None:
+    def evict(self, adapter: CachedAdapter) -> None:
         """Drop ``adapter``'s CPU copy to make room (counted as an eviction)."""
         del self._entries[adapter.digest]
         adapter.weights = None
         self.evictions += 1
 
-    def discard(self, adapter: Adapter) -> None:
+    def discard(self, adapter: CachedAdapter) -> None:
         """Drop ``adapter``'s CPU copy because nothing uses the adapter any more (not an eviction)."""
         self._entries.pop(adapter.digest, None)
         adapter.weights = None
 
-    def resident(self) -> list[Adapter]:
+    def resident(self) -> list[CachedAdapter]:
         """The cached adapters, least recently used first."""
         return list(self._entries.values())

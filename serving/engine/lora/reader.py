@@ -40,7 +40,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from serving.engine.artifact import (
+from serving.engine.lora.artifact import (
     ADAPTER_CONFIG_NAME,
     MANIFEST_NAME,
     AdapterError,
@@ -75,6 +75,8 @@ _LORA_KEY = re.compile(
 )
 _ANY_LORA_KEY = re.compile(r"(?:^|\.)(?P<module>\w+)\.lora_\w+")
 
+# (layer index, module name) -> (A[r, in], B[out, r]): fp32 as read, the model's dtype once the
+# loader has converted them for a slot copy.
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -126,7 +128,7 @@ class LoadedAdapter:
     """An adapter in CPU memory: `weights[(layer, module)] = (A[r, in], B[out, r])`, fp32.
 
     The LoRA output of a module is `scaling * (x @ A.T) @ B.T`. `digest` is the artifact's content
-    digest (serving.engine.artifact.adapter_digest); caches key adapters by it.
+    digest (serving.engine.lora.artifact.adapter_digest); caches key adapters by it.
     """
 
     digest: str
