@@ -1,7 +1,8 @@
-"""How long `/health` takes to answer while a request that used to stall the worker runs (issue 16,
-item 4): a caller's chat template looping 10,000 × 10,000 times (with --trust-request-chat-template,
-so it renders in the sandbox until its deadline) and a prompt of about 900 KB (tokenized off the
-event loop). Starts a worker on the tiny model, polls /health every 50 ms, prints the latencies.
+"""How long `/health` takes to answer while a request that used to stall the worker runs
+(docs/serving-worker.md, "What an operator must set", its last paragraph): a caller's chat template
+looping 10,000 × 10,000 times (with --trust-request-chat-template, so it renders in the sandbox
+until its deadline) and a prompt of about 900 KB (tokenized off the event loop). Starts a worker on
+the tiny model, polls /health every 50 ms, prints the latencies.
 
     python bench/worker_stalls.py [--chat-template-timeout 5]
 """

@@ -1,4 +1,5 @@
-"""Prefetching adapters ahead of their traffic (issue #12's predictive prewarm), on the engine.
+"""Prefetching adapters ahead of their traffic (docs/resilience.md, "Predictive prewarm"),
+on the engine.
 
 A prefetch puts an adapter in the CPU cache and, where a GPU slot is empty or idle, in a slot; it
 never takes a slot that a running sequence pins or that a waiting request needs. The hit and stall

@@ -1,6 +1,6 @@
-"""`POST /v1/prefetch_lora_adapters` (issue #12's prewarm) on the worker's real app: it answers once
-the slot placements are done, reads the CPU-only versions after the answer, and a newer call
-supersedes what an older one had not read yet.
+"""`POST /v1/prefetch_lora_adapters` (docs/resilience.md, "Predictive prewarm") on the worker's real
+app: it answers once the slot placements are done, reads the CPU-only versions after the answer, and
+a newer call supersedes what an older one had not read yet.
 
 The worker runs in this process (its real app and lifespan, over Starlette's test client), so the
 test can hold the engine's storage reads as a slow object store would.

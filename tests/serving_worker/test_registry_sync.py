@@ -130,7 +130,7 @@ OPERATOR_KEY = "operator-key-for-sync-tests"
 def test_reconcile_restores_registry_names_whoever_changed_them(
     registry, settings, tenant_a, start_worker, make_adapter, offline, tiny_model, tmp_path_factory
 ):
-    """The attack of issue 16: a served version's name loaded over in place with other weights.
+    """An attack on the registry's names: a served version's name loaded over in place with other weights.
     The operator may do it (the gateway is the operator); the reconcile the change sets off puts
     the registry's weights back and drops a registry name the registry does not serve. Other
     names stay."""

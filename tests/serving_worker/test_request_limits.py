@@ -1,7 +1,8 @@
-"""Requests that would stall a worker (issue 16, item 4), sent to real worker processes: a caller's
-own chat template is refused unless the operator trusts them, and then renders in a sandboxed
-child with a deadline and a memory cap; templating and tokenizing run off the event loop, so
-`/health` answers while they run; a body over the bound is refused with 413 before it is read."""
+"""Requests that would stall a worker (docs/serving-worker.md, "What an operator must set", its last
+paragraph), sent to real worker processes: a caller's own chat template is refused unless the
+operator trusts them, and then renders in a sandboxed child with a deadline and a memory cap;
+templating and tokenizing run off the event loop, so `/health` answers while they run; a body over
+the bound is refused with 413 before it is read."""
 
 from __future__ import annotations
 

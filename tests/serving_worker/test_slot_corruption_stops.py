@@ -1,7 +1,8 @@
-"""A GPU slot found corrupted while requests decode on it (issue #14): each request that already
-produced tokens from it is stopped before the slot is rewritten, a stream with an error event and
-`[DONE]`, a whole reply with 503 `adapter_slot_corrupted`; both count as `error`, their KV blocks
-are freed, and the next request is served from the repaired slot with PEFT's tokens.
+"""A GPU slot found corrupted while requests decode on it (docs/resilience.md, "Slot integrity"):
+each request that already produced tokens from it is stopped before the slot is rewritten, a stream
+with an error event and `[DONE]`, a whole reply with 503 `adapter_slot_corrupted`; both count as
+`error`, their KV blocks are freed, and the next request is served from the repaired slot with
+PEFT's tokens.
 
 The worker runs in this process under uvicorn (`serve_in_process`), so the test can write into a
 slot tensor as a stray kernel would while real HTTP streams run on it."""

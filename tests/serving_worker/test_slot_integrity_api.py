@@ -1,6 +1,6 @@
-"""Slot integrity through the worker (issue #12): a slot corrupted in place is found by
-`POST /v1/verify_lora_slots` (behind the worker's key), repaired from storage, shown in /metrics,
-and counted as one failure on the version's shared circuit breaker.
+"""Slot integrity through the worker (docs/resilience.md, "Slot integrity"): a slot corrupted in
+place is found by `POST /v1/verify_lora_slots` (behind the worker's key), repaired from storage,
+shown in /metrics, and counted as one failure on the version's shared circuit breaker.
 
 The worker runs in this process (its real app and lifespan, over Starlette's test client), so the
 test can write into a slot tensor as a stray kernel would.

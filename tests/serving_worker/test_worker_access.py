@@ -1,9 +1,10 @@
-"""Who may use a worker and what it reveals (issue 16, items 1, 7 and 8), as the attack run tried
-it against real worker processes: without the operator's key nothing under /v1/ answers; the
-`Bearer` scheme is read in any case; registry names (`<tenant>/<adapter>@<version>`) cannot be
-loaded over or unloaded by anyone but the operator; `/v1/models` shows storage paths to the
-operator only; adapters load from the allowed roots only, and every other location, local or S3,
-gets one refusal that tells nothing about it; a hostile adapter_config.json is a 400 naming it."""
+"""Who may use a worker and what it reveals (docs/serving-worker.md, "What an operator must set"),
+as the attack run tried it against real worker processes: without the operator's key nothing under
+/v1/ answers; the `Bearer` scheme is read in any case; registry names
+(`<tenant>/<adapter>@<version>`) cannot be loaded over or unloaded by anyone but the operator;
+`/v1/models` shows storage paths to the operator only; adapters load from the allowed roots only,
+and every other location, local or S3, gets one refusal that tells nothing about it; a hostile
+adapter_config.json is a 400 naming it."""
 
 from __future__ import annotations
 

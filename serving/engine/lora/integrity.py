@@ -1,4 +1,5 @@
-"""Slot integrity (the design seed's §8.2 checksum): is what a GPU slot holds still what was copied in?
+"""Slot integrity (docs/resilience.md, "Slot integrity"): is what a GPU slot holds still what was
+copied in?
 
 A slot's weights sit in device memory for hours; a stray write (a kernel bug, a bad copy, faulty
 memory) would silently change what one tenant's requests get. So each slot's content is summed

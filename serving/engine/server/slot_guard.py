@@ -1,5 +1,5 @@
-"""The worker's slot-integrity guard (issue #12, seed §8.2): checks every GPU slot's checksum on
-request and every ``--slot-verify-interval`` seconds, and reports what it found.
+"""The worker's slot-integrity guard (docs/resilience.md, "Slot integrity"): checks every GPU slot's
+checksum on request and every ``--slot-verify-interval`` seconds, and reports what it found.
 
 The check and the repair are the engine's (``AsyncEngine.verify_slots``: the requests that had
 produced tokens from a slot whose content changed since it was written are stopped, then the slot

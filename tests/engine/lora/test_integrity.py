@@ -1,4 +1,5 @@
-"""Slot integrity (issue #12, seed §8.2): a GPU slot changed in place is detected and repaired.
+"""Slot integrity (docs/resilience.md, "Slot integrity"): a GPU slot changed in place is detected
+and repaired.
 
 The test writes into a slot tensor as a stray kernel would, sees ``verify_slots`` name the slot,
 and sees the slot rewritten from storage, after which the adapter gives PEFT's tokens again.
