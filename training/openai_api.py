@@ -29,11 +29,13 @@ from django.http import FileResponse, HttpRequest, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
+from rest_framework.metadata import SimpleMetadata
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.parsers import BaseParser, FormParser, JSONParser, MultiPartParser
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from lora_platform.errors import InvalidInput, NotFound, ServiceError
 from lora_platform.pagination import PageRequest, list_body, page_request, paging_parameters, take
@@ -177,10 +179,20 @@ class _IgnoreAccept(BaseContentNegotiation):
         return renderer, renderer.media_type
 
 
+class _NoFieldsMetadata(SimpleMetadata):
+    """OPTIONS names the view and what it parses and renders, without describing request fields: these
+    views take OpenAI's shapes with no DRF serializer, and SimpleMetadata's field description asks the
+    view for one (AssertionError, a 500, before this). The schema (/api/schema/) describes the bodies."""
+
+    def determine_actions(self, request: Request, view: APIView) -> dict[str, Any]:
+        return {}
+
+
 class _OpenAIView(TenantScopedAPIView):
     """The caller's rows only: another tenant's file or job is as missing as one that never was."""
 
     content_negotiation_class = _IgnoreAccept
+    metadata_class = _NoFieldsMetadata
 
     def handle_exception(self, exc: Exception) -> Response:
         response = super().handle_exception(exc)
