@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 import math
 import time
@@ -36,6 +35,7 @@ from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
 from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
 from serving.gateway.quotas import Admission, Bucket, TokenBuckets, ratelimit_headers
+from serving.gateway.request_fields import decode_body, forwarded
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 from serving.gateway.usage_log import UsageEvent, usage_push
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Degraded requests run after every tier's own (the engine serves lower values first).
 DEGRADED_PRIORITY = 10
-# Fields only the gateway reads; the worker never sees them.
-_GATEWAY_FIELDS = ("allow_degradation",)
 # A rough token count of text before the worker tokenizes it (≈ 4 bytes a token for BPE
 # vocabularies); the reservation is corrected with the worker's real usage when the request ends.
 _BYTES_PER_TOKEN = 4
@@ -159,17 +157,8 @@ class Call:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw or b"null")
-    except ValueError as exc:
-        raise invalid_request(f"The request body is not valid JSON: {exc}.") from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_request("'model' is required: an adapter name, 'name@version', or the base model's id.",
-                              param="model")
-    return body
+    """The request's JSON object, checked once (serving.gateway.request_fields)."""
+    return decode_body(raw)
 
 
 def requested_max_tokens(body: dict[str, Any], endpoint: str) -> int | None:
@@ -324,8 +313,7 @@ async def choose_worker(call: Call, res: Resources) -> WorkerView:
 def upstream_body(call: Call, worker: WorkerView) -> dict[str, Any]:
     """The worker's request: the internal name, the version's artifact (so a worker that does not
     hold it loads it, verified by digest), the tier's priority and the effective max_tokens."""
-    body = {key: value for key, value in call.body.items() if key not in _GATEWAY_FIELDS}
-    body.pop("max_completion_tokens", None)
+    body = forwarded(call.body, call.endpoint)
     if call.version is not None:
         body["model"] = call.version.qualified_name
         body["loraplex_adapter"] = {"artifact_uri": call.version.artifact_uri,
@@ -424,7 +412,12 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes) -
     caller = await catalog.caller_for(authorization)
     body = parse_body(raw_body)
     model = body["model"]
-    target = await catalog.target_for(caller, model)
+    try:
+        target = await catalog.target_for(caller, model)
+    except GatewayError as error:
+        if error.status == 404:
+            raise await _charged_refusal(caller, endpoint, error, res) from None
+        raise
     call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target,
                 max_tokens=check_tier_limits(body, endpoint, caller))
     try:
@@ -440,6 +433,27 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes) -
         await _release(call, res)
         raise
     return await forward(call, res)
+
+
+async def _charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:
+    """A model the caller cannot have (404) still costs one request from its bucket, so a flood of
+    unknown names is rate-limited as any other flood: the refusal with the rate-limit headers, or
+    429 once the bucket is empty. The refusal may be a cached one: it is copied, never changed."""
+    requests_bucket, tokens_bucket, _ = tenant_buckets(caller)
+    admission = await res.buckets.admit([(requests_bucket, 1), (tokens_bucket, 0)])
+    headers = ratelimit_headers(*admission.states)
+    metrics.REQUESTS.labels(caller.tier.name, endpoint, "404" if admission.admitted else "429").inc()
+    if admission.admitted:
+        return GatewayError(refusal.status, refusal.message, code=refusal.code, param=refusal.param,
+                            headers={**refusal.headers, **headers})
+    metrics.RATE_LIMITED.labels(caller.tier.name).inc()
+    retry_after_s = admission.retry_after_s
+    return GatewayError(
+        429, f"Rate limit reached for tenant '{caller.tenant}' ('{caller.tier.name}' tier: "
+             f"{caller.tier.requests_per_minute} requests per minute; requests for unknown models count too). "
+             f"Retry in {retry_after_s:.2f} s.", code="rate_limit_exceeded",
+        headers={**headers, "retry-after": str(max(1, math.ceil(retry_after_s))),
+                 "retry-after-ms": str(math.ceil(retry_after_s * 1000))})
 
 
 async def _release(call: Call, res: Resources) -> None:
@@ -482,11 +496,11 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
                 content = await res.upstream.call(url, body, result=result, rename=rename)
             except httpx.HTTPError as exc:
                 if may_retry and retryable(status=None, error=exc):
-                    handed_off = _abandon(call, res)
+                    handed_off = _abandon(call, result, res)
                     return None
                 return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
             if may_retry and retryable(status=result.http_status, error=None):
-                handed_off = _abandon(call, res)
+                handed_off = _abandon(call, result, res)
                 return None
             if result.key_refused:
                 return Reply(status=502, headers=headers, body=_key_refused(worker, result.http_status))
@@ -495,12 +509,12 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
             response = await res.upstream.open_stream(url, body, result=result)
         except httpx.HTTPError as exc:
             if may_retry and retryable(status=None, error=exc):
-                handed_off = _abandon(call, res)
+                handed_off = _abandon(call, result, res)
                 return None
             return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
         if response.status_code != 200:
             if may_retry and retryable(status=response.status_code, error=None):
-                handed_off = _abandon(call, res)
+                handed_off = _abandon(call, result, res)
                 return None
             if result.key_refused:
                 return Reply(status=502, headers=headers, body=_key_refused(worker, response.status_code))
@@ -528,7 +542,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
             settle(call, result, res)
 
 
-def _abandon(call: Call, res: Resources) -> bool:
+def _abandon(call: Call, result: UpstreamResult, res: Resources) -> bool:
     """An attempt that failed before its first byte and is retried elsewhere: it leaves the
     worker's in-flight count and counts against the worker; the request is settled once, by the
     attempt that answers. True (the attempt is handed off to the retry)."""
@@ -536,7 +550,7 @@ def _abandon(call: Call, res: Resources) -> bool:
     assert worker is not None
     res.inflight[worker.worker_id] = max(0, res.inflight.get(worker.worker_id, 1) - 1)
     metrics.IN_FLIGHT.dec()
-    res.resilience.attempt_done(worker, failed=True, live=len(res.workers))
+    res.resilience.attempt_done(worker, result, live=len(res.workers))
     return True
 
 

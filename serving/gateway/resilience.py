@@ -90,6 +90,25 @@ def breaker_outcome(result: UpstreamResult) -> Outcome:
     return Outcome.IGNORED
 
 
+# Worker error codes that are the adapter's, not the worker's: its artifact could not be loaded or
+# does not match the registry's digest. They count on the version's breaker (that is what it is
+# for), never toward the worker's ejection: a tenant's broken adapter must not take a worker out of
+# routing for every other tenant.
+ADAPTER_FAULT_CODES = frozenset({"adapter_load_failed", "adapter_digest_mismatch"})
+
+
+def worker_failed(result: UpstreamResult) -> bool | None:
+    """An attempt's outcome for its worker's outlier record: True (a failure: no connection, a
+    timeout, a 5xx, a broken stream, a refusal of the operator key), False (a success), or None
+    when it says nothing of the worker, which then counts neither way: the caller's own fault
+    (the worker refused the request, 4xx), a caller that left, or an ADAPTER_FAULT_CODES error."""
+    if result.status == "ok":
+        return False
+    if result.status != "upstream_error" or result.error_code in ADAPTER_FAULT_CODES:
+        return None
+    return True
+
+
 def _breaker_config() -> BreakerConfig:
     return BreakerConfig(
         window_size=settings.GATEWAY_BREAKER_WINDOW, minimum_calls=settings.GATEWAY_BREAKER_MINIMUM_CALLS,
@@ -207,9 +226,10 @@ class Resilience:
             raise GatewayError(503, shed.message, code="server_overloaded",
                                headers={**call.headers, "retry-after": str(max(1, math.ceil(shed.retry_after_s)))})
 
-    def attempt_done(self, worker: WorkerView, *, failed: bool, live: int) -> None:
-        """One attempt on `worker` is over (failed: connection failure or 5xx)."""
-        if self.outliers.record(self.instance(worker), failed=failed, live=live):
+    def attempt_done(self, worker: WorkerView, result: UpstreamResult, *, live: int) -> None:
+        """One attempt on `worker` is over: counted on its outlier record as `worker_failed` says."""
+        failed = worker_failed(result)
+        if failed is not None and self.outliers.record(self.instance(worker), failed=failed, live=live):
             EJECTIONS.inc()
 
     # ---- the outcome ------------------------------------------------------------------------
@@ -231,7 +251,7 @@ class Resilience:
         """The call's final attempt is over: count it against its worker now and, off the reply's
         path, on its version's breaker (call_done)."""
         if call.worker is not None:
-            self.attempt_done(call.worker, failed=result.status == "upstream_error", live=live)
+            self.attempt_done(call.worker, result, live=live)
         task = asyncio.get_running_loop().create_task(self.call_done(call, result))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)

@@ -1,0 +1,99 @@
+"""What the gateway takes from a caller's completion request: the body decoded and checked once,
+and the allow-list of fields forwarded to a serving worker.
+
+- The body must be UTF-8 JSON whose strings are all encodable: JSON lets a string hold a lone
+  surrogate (`"\\ud800"`), which Python decodes into a `str` that no UTF-8 encoder accepts (the
+  database, the hash of `user`, the worker's request would each fail with a 500). Refused here,
+  once, with a 400 naming the field; the walk over the body only runs when the text holds a
+  surrogate escape at all, so ordinary requests pay one substring search.
+- `model` is at most MODEL_MAX_CHARS characters (an adapter name is at most 63, a version 64:
+  `name@version` fits in 128; OpenAI's ids are short too), refused before any lookup, so no cache
+  or query ever sees a megabyte name.
+- Fields named `loraplex_*` are the workers' internal protocol (`loraplex_adapter` makes a
+  worker load an artifact): a caller sending one gets a 400 naming it.
+- The worker's request is built from FORWARDED only: the OpenAI (and vLLM-extension) fields the
+  worker accepts (serving/engine/server/protocol.py). Anything else a client sends (`user`,
+  `metadata`, `store`, …) is dropped, as OpenAI and vLLM ignore fields they do not use; the
+  gateway writes `model`, `max_tokens`, `priority` and `loraplex_adapter` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from serving.gateway.errors import invalid_request
+
+MODEL_MAX_CHARS = 256
+INTERNAL_PREFIX = "loraplex_"
+
+# SamplingFields of the worker's protocol, less those the gateway writes itself.
+_SAMPLING = frozenset({
+    "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
+    # Refused by the worker unless at their defaults (its 400 names them): forwarded so the caller hears so.
+    "n", "presence_penalty", "frequency_penalty", "logit_bias",
+})
+FORWARDED: dict[str, frozenset[str]] = {
+    "completions": _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"},
+    "chat": _SAMPLING | {"messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
+                         "chat_template_kwargs", "chat_template", "tools", "functions", "response_format"},
+}
+
+# A `\uD800`-`\uDFFF` escape (either case): the only way a surrogate gets into UTF-8 JSON text.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object; 400 for a body that is not UTF-8, not JSON, not an object, or
+    holds a lone surrogate, an internal field, or no usable `model`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid_request(f"The request body is not valid UTF-8 (byte {exc.start}).") from None
+    try:
+        body = json.loads(text or "null")
+    except ValueError as exc:
+        raise invalid_request(f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+        _refuse_surrogates(body, "")
+    for name in body:
+        if name.startswith(INTERNAL_PREFIX):
+            raise invalid_request(f"'{name}' is an internal field of Loraplex's serving workers; the public API does "
+                                  "not accept it. Remove it from the request.", param=name, code="internal_field")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request("'model' is required: an adapter name, 'name@version', or the base model's id.",
+                              param="model")
+    if len(model) > MODEL_MAX_CHARS:
+        raise invalid_request(f"'model' is {len(model)} characters long; a model name is at most {MODEL_MAX_CHARS} "
+                              "characters.", param="model", code="model_name_too_long")
+    return body
+
+
+def _refuse_surrogates(value: Any, path: str) -> None:
+    """400 naming the first string (key or value) at or under `path` that holds a surrogate."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise invalid_request(f"'{path or 'body'}' holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                                  "valid Unicode text; send each character as itself or as a surrogate pair.",
+                                  param=path or None, code="invalid_unicode")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if _SURROGATE.search(key):
+                _refuse_surrogates(key, f"{path}.<key>" if path else "<key>")
+            _refuse_surrogates(item, where)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_surrogates(item, f"{path}[{index}]")
+
+
+def forwarded(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """The caller's fields the worker gets (FORWARDED for the endpoint), in the caller's order."""
+    allowed = FORWARDED[endpoint]
+    return {name: value for name, value in body.items() if name in allowed}

@@ -1,0 +1,115 @@
+"""What the gateway takes from a caller's body and what it forwards: the body decoded and checked
+once (lone surrogates, internal `loraplex_*` fields, the model name's length), the worker's
+request built from an allow-list, and which outcomes count toward a worker's ejection."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.gateway.catalog import Caller, Target, TierLimits
+from serving.gateway.errors import GatewayError
+from serving.gateway.pipeline import Call, upstream_body
+from serving.gateway.proxy import UpstreamResult
+from serving.gateway.request_fields import FORWARDED, MODEL_MAX_CHARS, decode_body
+from serving.gateway.resilience import worker_failed
+from serving.gateway.routing import WorkerView
+from serving.gateway.version_pick import ServedVersion
+
+CALLER = Caller(tenant_id=1, tenant="alice-co", key_prefix="abc",
+                tier=TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=100_000,
+                                max_tokens_per_request=256, priority=1, degradation_allowed=True))
+WORKER = WorkerView(worker_id="w1", url="http://w1", base_model="tiny", served_model_names=("tiny",), max_loras=2,
+                    max_model_len=2048, queue_depth=0, kv_cache_usage=0.0)
+VERSION = ServedVersion(tenant="alice-co", adapter="bot", version="1.0.0", artifact_uri="file:///a",
+                        manifest_sha256="0" * 64, status="active")
+
+
+def refusal(raw: bytes) -> GatewayError:
+    with pytest.raises(GatewayError) as caught:
+        decode_body(raw)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field():
+    for raw, param in [
+        (rb'{"model": "\ud800"}', "model"),
+        (rb'{"model": "bot", "user": "x\uDC00y"}', "user"),
+        (rb'{"model": "bot", "messages": [{"role": "user", "content": "hi \ud800"}]}', "messages[0].content"),
+        (rb'{"model": "bot", "prompt": "p", "stop": ["ok", "\udbff"]}', "stop[1]"),
+        (rb'{"model": "bot", "metadata": {"\ud800": 1}}', "metadata.<key>"),
+    ]:
+        error = refusal(raw)
+        assert error.code == "invalid_unicode" and error.param == param, (raw, error.param)
+        assert "surrogate" in error.message
+        json.loads(error.body())  # the refusal itself encodes
+    # The same surrogate sent as raw (invalid) UTF-8 bytes is not UTF-8.
+    assert "UTF-8" in refusal(b'{"model": "\xed\xa0\x80"}').message
+
+
+def test_surrogate_pairs_and_other_escapes_are_text():
+    body = decode_body(rb'{"model": "bot", "messages": [{"role": "user", "content": "\ud83d\ude00 \u00e9"}]}')
+    assert body["messages"][0]["content"] == "\U0001f600 \u00e9"
+
+
+def test_internal_fields_from_the_caller_are_refused_by_name():
+    for name in ("loraplex_adapter", "loraplex_anything"):
+        error = refusal(json.dumps({"model": "tiny", "prompt": "p", name: {"artifact_uri": "file:///etc"}}).encode())
+        assert error.code == "internal_field" and error.param == name and name in error.message
+
+
+def test_a_model_name_over_the_bound_is_refused_before_any_lookup():
+    assert decode_body(json.dumps({"model": "m" * MODEL_MAX_CHARS}).encode())["model"] == "m" * MODEL_MAX_CHARS
+    error = refusal(json.dumps({"model": "m" * (MODEL_MAX_CHARS + 1)}).encode())
+    assert error.code == "model_name_too_long" and error.param == "model"
+    assert str(MODEL_MAX_CHARS) in error.message and str(MODEL_MAX_CHARS + 1) in error.message
+
+
+def call(endpoint: str, body: dict, *, version: ServedVersion | None = None) -> Call:
+    return Call(endpoint=endpoint, caller=CALLER, body=body, model=body["model"],
+                target=Target(base=version is None, pinned=version), max_tokens=16, version=version)
+
+
+def test_the_workers_request_holds_only_allowed_fields():
+    body = {"model": "bot", "prompt": "p", "temperature": 0.5, "stop": ["x"], "user": "u-1", "metadata": {"a": 1},
+            "store": True, "allow_degradation": False, "priority": -100, "max_completion_tokens": 3,
+            "stream": True, "stream_options": {"include_usage": False}, "service_tier": "flex"}
+    sent = upstream_body(call("completions", body, version=VERSION), WORKER)
+    gateway_written = {"model", "max_tokens", "priority", "loraplex_adapter"}
+    assert set(sent) <= FORWARDED["completions"] | gateway_written
+    assert sent["model"] == "alice-co/bot@1.0.0" and sent["priority"] == 1 and sent["max_tokens"] == 16
+    assert sent["loraplex_adapter"] == {"artifact_uri": "file:///a", "manifest_sha256": "0" * 64}
+    assert sent["temperature"] == 0.5 and sent["stop"] == ["x"] and sent["stream_options"] == {"include_usage": True}
+    for dropped in ("user", "metadata", "store", "allow_degradation", "max_completion_tokens", "service_tier"):
+        assert dropped not in sent
+    chat = upstream_body(call("chat", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_k": 3,
+                                       "user": "u", "prompt": "not chat's"}), WORKER)
+    assert set(chat) == {"model", "messages", "top_k", "max_tokens", "priority"}
+    assert chat["model"] == "tiny"  # the base model: no loraplex_adapter at all
+
+
+def result(status: int, code: str = "", *, ok: bool = False) -> UpstreamResult:
+    outcome = UpstreamResult(worker_id="w1")
+    if ok:
+        outcome.status = "ok"
+    else:
+        outcome.refused(status, json.dumps({"error": {"code": code}}).encode())
+    return outcome
+
+
+def test_only_the_workers_own_failures_count_toward_its_ejection():
+    assert worker_failed(result(200, ok=True)) is False
+    assert worker_failed(result(500, "internal_error")) is True
+    assert worker_failed(result(503, "loading")) is True
+    assert worker_failed(result(401, "invalid_api_key")) is True  # the worker's key is misconfigured
+    assert worker_failed(UpstreamResult(worker_id="w1")) is True  # no answer at all
+    # The caller's fault, or the adapter's: neither a failure nor a success of the worker.
+    assert worker_failed(result(400, "invalid_request")) is None
+    assert worker_failed(result(404, "model_not_found")) is None
+    assert worker_failed(result(500, "adapter_load_failed")) is None
+    assert worker_failed(result(500, "adapter_digest_mismatch")) is None
+    aborted = UpstreamResult(worker_id="w1")
+    aborted.status = "aborted"
+    assert worker_failed(aborted) is None
