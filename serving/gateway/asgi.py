@@ -7,9 +7,11 @@ times the gateway's whole budget (bench/gateway.py). None of those middlewares m
 routes go straight to serving.gateway.pipeline, the code the Django views
 (serving.gateway.views) call too; every other path, `/v1/models` included, is Django's.
 
-What the middleware did for these routes is done here: the body limit (413), OpenAI-shaped errors,
-and, as Django's handler does, a client that disconnects cancels the request (which closes the
-upstream stream, so the worker aborts).
+What the middleware did for these routes is done here: ALLOWED_HOSTS (a Host Django would refuse
+is a 400 here too, logged to `django.security.DisallowedHost` as Django logs it), the body limit
+(413), OpenAI-shaped errors, and, as Django's handler does, a client that disconnects cancels the
+request (which closes the upstream stream, so the worker aborts). A request with more than one
+`Authorization` header is a 400: which one counts would otherwise be a guess.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from contextlib import aclosing, suppress
 from typing import Any
 
 from django.conf import settings
+from django.http.request import split_domain_port, validate_host
 
 from serving.gateway import pipeline
 from serving.gateway.errors import GatewayError
 
 log = logging.getLogger(__name__)
+_host_log = logging.getLogger("django.security.DisallowedHost")
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 Scope = dict[str, Any]
@@ -48,6 +52,48 @@ async def _read_body(receive: Any, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _request_headers(scope: Scope) -> tuple[list[str], str | None, str | None]:
+    """(every `Authorization` value, `Host`, `X-Forwarded-Host`) of the request, in one pass."""
+    authorization: list[str] = []
+    host = forwarded_host = None
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            authorization.append(value.decode("latin-1"))
+        elif name == b"host":
+            host = value.decode("latin-1")
+        elif name == b"x-forwarded-host":
+            forwarded_host = value.decode("latin-1")
+    return authorization, host, forwarded_host
+
+
+def _check_host(scope: Scope, host: str | None, forwarded_host: str | None) -> None:
+    """HttpRequest.get_host()'s rule: the Host (or, with USE_X_FORWARDED_HOST, X-Forwarded-Host)
+    must match ALLOWED_HOSTS (in DEBUG with none set, localhost's names)."""
+    if settings.USE_X_FORWARDED_HOST and forwarded_host:
+        host = forwarded_host
+    elif host is None:
+        server = scope.get("server") or ("", None)
+        host = server[0] if server[1] in (None, 80, 443) else f"{server[0]}:{server[1]}"
+    allowed = settings.ALLOWED_HOSTS
+    if settings.DEBUG and not allowed:
+        allowed = [".localhost", "127.0.0.1", "[::1]"]
+    domain, _ = split_domain_port(host)
+    if domain and validate_host(domain, allowed):
+        return
+    _host_log.warning("Invalid HTTP_HOST header: %r. You may need to add %r to ALLOWED_HOSTS.", host, domain)
+    raise GatewayError(400, f"The Host header {host!r} is not a host this server answers to; send one of its own "
+                       "names (Django's ALLOWED_HOSTS).", code="disallowed_host")
+
+
+def one_authorization(values: list[str]) -> str | None:
+    """The one `Authorization` value, None without one; 400 for several (the same rule as the
+    Django views' for /v1, which see them joined by commas)."""
+    if len(values) > 1:
+        raise GatewayError(400, f"The request has {len(values)} Authorization headers; send exactly one: "
+                           "'Authorization: Bearer lp-<prefix>.<secret>'.", code="duplicate_authorization")
+    return values[0] if values else None
 
 
 async def _until_disconnect(receive: Any) -> None:
@@ -91,16 +137,15 @@ class GatewayRoutes:
             await self.app(scope, receive, send)
             return
         try:
+            authorizations, host, forwarded_host = _request_headers(scope)
+            _check_host(scope, host, forwarded_host)
+            authorization = one_authorization(authorizations)
             body = await _read_body(receive, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
         except _Disconnected:
             return
         except GatewayError as error:
             await _error(error, send)
             return
-        authorization = None
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
         work = asyncio.ensure_future(self._respond(endpoint, authorization, body, send))
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         try:

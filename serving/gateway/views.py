@@ -35,14 +35,24 @@ def _reply(reply: pipeline.Reply) -> HttpResponseBase:
     return response
 
 
+def _authorization(request: HttpRequest) -> str | None:
+    """The request's `Authorization`; 400 when it holds several values (Django joins repeated
+    headers with commas, and no key has one), as serving.gateway.asgi refuses two headers."""
+    value = request.headers.get("Authorization")
+    if value is not None and "," in value:
+        raise GatewayError(400, "The Authorization header holds more than one value (two Authorization headers, or "
+                           "a comma in one); send exactly one: 'Authorization: Bearer lp-<prefix>.<secret>'.",
+                           code="duplicate_authorization")
+    return value
+
+
 def _completion_view(endpoint: str) -> Callable[[HttpRequest], Coroutine[Any, Any, HttpResponseBase]]:
     @csrf_exempt
     async def view(request: HttpRequest) -> HttpResponseBase:
         if request.method != "POST":
             return _error(GatewayError(405, f"Use POST for {request.path}.", code="method_not_allowed"))
         try:
-            reply = await pipeline.handle(endpoint, authorization=request.headers.get("Authorization"),
-                                          raw_body=request.body)
+            reply = await pipeline.handle(endpoint, authorization=_authorization(request), raw_body=request.body)
         except GatewayError as error:
             return _error(error)
         return _reply(reply)
@@ -63,7 +73,7 @@ def _card(entry: catalog.ModelEntry) -> dict:
 async def models(request: HttpRequest) -> HttpResponse:
     """`GET /v1/models`: the base model and the caller's deployed adapters, nothing of others."""
     try:
-        caller = await catalog.caller_for(request.headers.get("Authorization"))
+        caller = await catalog.caller_for(_authorization(request))
     except GatewayError as error:
         return _error(error)
     entries = await sync_to_async(catalog.model_list)(caller)
@@ -74,7 +84,7 @@ async def models(request: HttpRequest) -> HttpResponse:
 async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
     """`GET /v1/models/{id}`: one model the caller may request; the same 404 for others' names."""
     try:
-        caller = await catalog.caller_for(request.headers.get("Authorization"))
+        caller = await catalog.caller_for(_authorization(request))
         entry = await sync_to_async(catalog.model_get)(caller, model)
     except GatewayError as error:
         return _error(error)
