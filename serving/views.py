@@ -220,7 +220,7 @@ def playground_key_view(request: DashboardRequest) -> JsonResponse:
     live = parsed is not None and ApiKey.objects.filter(tenant=tenant, prefix=parsed.prefix,
                                                         revoked_at__isnull=True).exists()
     if not live:
-        _, full_key = tenant_services.playground_key_issue(tenant=tenant, username=request.user.get_username())
+        _, full_key = tenant_services.playground_key_issue(tenant=tenant, user=request.user)
         keys[str(tenant.pk)] = full_key
         request.session[PLAYGROUND_SESSION_KEY] = keys
     return JsonResponse({"key": full_key})

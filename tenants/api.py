@@ -3,6 +3,7 @@ shape of lora_platform.pagination)."""
 
 from __future__ import annotations
 
+from django.contrib.auth import get_user_model
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status
 from rest_framework.request import Request
@@ -12,6 +13,7 @@ from rest_framework.views import APIView
 from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants import services
 from tenants.models import ApiKey, Tenant, Tier
+from tenants.permissions import CanManageApiKeys
 from tenants.scoping import TenantScopedViewSet, request_tenant
 
 
@@ -33,9 +35,13 @@ class TenantSerializer(serializers.ModelSerializer):
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
+    created_by: serializers.SlugRelatedField = serializers.SlugRelatedField(
+        slug_field=get_user_model().USERNAME_FIELD, read_only=True,
+        help_text="The member who created it (its keys are revoked when they leave); null for the operator's keys.")
+
     class Meta:
         model = ApiKey
-        fields = ["id", "name", "prefix", "scopes", "created_at", "last_used_at", "revoked_at"]
+        fields = ["id", "name", "prefix", "scopes", "created_by", "created_at", "last_used_at", "revoked_at"]
         read_only_fields = fields
 
 
@@ -61,8 +67,10 @@ class TenantView(APIView):
 
 
 class ApiKeyViewSet(mixins.RetrieveModelMixin, mixins.DestroyModelMixin, TenantScopedViewSet):
-    queryset = ApiKey.objects.all()
+    queryset = ApiKey.objects.select_related("created_by")
     serializer_class = ApiKeySerializer
+    # Owners only for create and revoke, as on the dashboard (tenants.permissions).
+    permission_classes = [CanManageApiKeys]
 
     @extend_schema(parameters=paging_parameters("the id"),
                    responses=list_schema(ApiKeySerializer, "ApiKeyList", serializers.IntegerField),
@@ -83,7 +91,8 @@ class ApiKeyViewSet(mixins.RetrieveModelMixin, mixins.DestroyModelMixin, TenantS
         payload = ApiKeyCreateSerializer(data=request.data)
         payload.is_valid(raise_exception=True)
         key, full_key = services.api_key_create(
-            tenant=self.tenant, name=payload.validated_data["name"], scopes=payload.validated_data.get("scopes")
+            tenant=self.tenant, name=payload.validated_data["name"], scopes=payload.validated_data.get("scopes"),
+            created_by=self.tenant_auth.key_creator,
         )
         data = ApiKeySerializer(key).data | {"key": full_key}
         return Response(data, status=status.HTTP_201_CREATED)

@@ -8,3 +8,6 @@ class TenantsConfig(AppConfig):
     def ready(self) -> None:
         # Registers the OpenAPI descriptions of our authentication classes with drf-spectacular.
         from tenants import schema  # noqa: F401
+        from tenants import receivers
+
+        receivers.connect()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.contrib.auth.models import AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 from django.utils import timezone
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication, SessionAuthentication
@@ -31,6 +31,13 @@ class TenantAuth:
     tenant: Tenant
     api_key: ApiKey | None = None
     role: str | None = None  # the membership role of a session user
+    user: User | None = None  # the session's user
+
+    @property
+    def key_creator(self) -> User | None:
+        """Whom a key this caller creates is recorded as created by (and revoked with): the
+        session's user, or the creator of the calling key (None for the operator's keys)."""
+        return self.api_key.created_by if self.api_key is not None else self.user
 
     @property
     def actor(self) -> str:
@@ -107,10 +114,10 @@ class TenantSessionAuthentication(SessionAuthentication):
         if result is None:
             return None
         user = result[0]
-        memberships = Membership.objects.select_related("tenant", "tenant__tier").filter(user=user)
+        memberships = Membership.objects.select_related("tenant", "tenant__tier", "user").filter(user=user)
         chosen = request._request.session.get(SESSION_TENANT_KEY)
         membership = (memberships.filter(tenant_id=chosen).first() if chosen else None) or memberships.first()
         if membership is None:
             raise exceptions.PermissionDenied("This user is not a member of any tenant.")
         _refuse_suspended(membership.tenant)
-        return user, TenantAuth(tenant=membership.tenant, role=membership.role)
+        return user, TenantAuth(tenant=membership.tenant, role=membership.role, user=membership.user)

@@ -15,6 +15,7 @@ from functools import wraps
 from typing import Any, cast
 
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 
@@ -53,9 +54,11 @@ class TenantContext:
 
 
 class DashboardRequest(HttpRequest):
-    """The request a `dashboard_view` hands its view: an HttpRequest that carries its TenantContext."""
+    """The request a `dashboard_view` hands its view: an HttpRequest that carries its TenantContext,
+    for a logged-in user."""
 
     dashboard: TenantContext
+    user: User
 
 
 def tenant_context(request: HttpRequest) -> TenantContext | None:

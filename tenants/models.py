@@ -80,6 +80,10 @@ class ApiKey(models.Model):
     prefix = models.CharField(max_length=16, unique=True)
     secret_hash = models.CharField(max_length=64)
     scopes = models.JSONField(default=list)
+    # Who made it (a tenant owner, or the user a playground key is for): removing that member from
+    # the tenant revokes it. None for the operator's keys (`tenant_create`, `manage.py tenants`).
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
+                                   related_name="created_api_keys")
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)

@@ -42,7 +42,7 @@ def memberships_of(user: AbstractBaseUser | AnonymousUser) -> list[Membership]:
 
 def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
     """The tenant's keys, newest first, revoked ones included (they say when they were revoked)."""
-    return ApiKey.objects.filter(tenant=tenant).order_by("-created_at", "-id")
+    return ApiKey.objects.filter(tenant=tenant).select_related("created_by").order_by("-created_at", "-id")
 
 
 def membership_list(*, tenant: Tenant) -> QuerySet[Membership]:

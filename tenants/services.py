@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
@@ -15,6 +18,8 @@ from tenants.api_keys import generate_key, hash_secret
 from tenants.models import ApiKey, Membership, Tenant, Tier
 from tenants.selectors import tenant_by_slug
 from tenants.tiers import DEFAULT_TIERS
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SCOPES = [ApiKey.Scope.INFERENCE.value, ApiKey.Scope.MANAGE.value]
 
@@ -49,8 +54,13 @@ def _tier_by_name(name: str) -> Tier:
     return tier
 
 
-def api_key_create(*, tenant: Tenant, name: str, scopes: list[str] | None = None) -> tuple[ApiKey, str]:
-    """A new key for the tenant: (the row, the full key, which is never retrievable again)."""
+def api_key_create(*, tenant: Tenant, name: str, scopes: list[str] | None = None,
+                   created_by: User | None = None) -> tuple[ApiKey, str]:
+    """A new key for the tenant: (the row, the full key, which is never retrievable again).
+
+    `created_by` is the member it belongs to (revoked when they leave the tenant); None for the
+    operator's keys. Who may create keys is the callers' business (tenants.permissions).
+    """
     scopes = list(DEFAULT_SCOPES if scopes is None else scopes)
     unknown = sorted(set(scopes) - set(ApiKey.Scope.values))
     if unknown:
@@ -65,7 +75,7 @@ def api_key_create(*, tenant: Tenant, name: str, scopes: list[str] | None = None
     full_key, parts = generate_key()
     key = ApiKey.objects.create(
         tenant=tenant, name=name.strip(), prefix=parts.prefix, secret_hash=hash_secret(parts.secret),
-        scopes=sorted(set(scopes)),
+        scopes=sorted(set(scopes)), created_by=created_by,
     )
     return key, full_key
 
@@ -129,18 +139,36 @@ def tenant_activate(*, slug: str) -> Tenant:
     return tenant_set_status(slug=slug, status=Tenant.Status.ACTIVE)
 
 
-def playground_key_issue(*, tenant: Tenant, username: str) -> tuple[ApiKey, str]:
+def playground_key_issue(*, tenant: Tenant, user: User) -> tuple[ApiKey, str]:
     """A fresh inference-only key with which the dashboard's playground calls `/v1` for a user.
 
     Its secret lives only in that user's session (the playground page hands it to the browser);
     a new one revokes the user's earlier playground keys in the tenant, so at most one is live.
     The usage page lists its requests under its name like any key's.
     """
-    name = f"playground: {username}"[:KEY_NAME_MAX_LENGTH]
+    name = f"playground: {user.get_username()}"[:KEY_NAME_MAX_LENGTH]
     with transaction.atomic():
-        for earlier in ApiKey.objects.filter(tenant=tenant, name=name, revoked_at__isnull=True):
+        # By creator too: an owner's key that happens to bear this name is not the playground's.
+        for earlier in ApiKey.objects.filter(tenant=tenant, name=name, created_by=user, revoked_at__isnull=True):
             api_key_revoke(api_key=earlier)
-        return api_key_create(tenant=tenant, name=name, scopes=[ApiKey.Scope.INFERENCE.value])
+        return api_key_create(tenant=tenant, name=name, scopes=[ApiKey.Scope.INFERENCE.value], created_by=user)
+
+
+def api_keys_revoke_created_by(*, tenant: Tenant, user: User) -> list[ApiKey]:
+    """Revokes the live keys `user` created in `tenant` (they leave it); the keys revoked.
+
+    There is no audit table for keys: each revocation is a log line naming the key and its creator.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        keys = list(ApiKey.objects.select_for_update().filter(tenant=tenant, created_by_id=user.pk,
+                                                              revoked_at__isnull=True))
+        ApiKey.objects.filter(pk__in=[key.pk for key in keys]).update(revoked_at=now)
+    for key in keys:
+        key.revoked_at = now
+        log.info("API key lp-%s… (%s) of tenant %s revoked: its creator %s left the tenant", key.prefix, key.name,
+                 tenant.slug, user.get_username())
+    return keys
 
 
 def _owners_after(membership: Membership, role: str | None) -> int:
@@ -190,11 +218,14 @@ def membership_set_role(*, membership: Membership, role: str) -> Membership:
 
 
 @transaction.atomic
-def membership_remove(*, membership: Membership) -> None:
-    """Removes a member (their account stays); the last owner cannot be removed."""
+def membership_remove(*, membership: Membership) -> list[ApiKey]:
+    """Removes a member (their account stays) and revokes the keys they created in the tenant, in
+    one transaction; the keys revoked. The last owner cannot be removed."""
     # As in membership_set_role: one change of the tenant's owners at a time.
     Tenant.objects.select_for_update().filter(pk=membership.tenant_id).first()
     if membership.role == Membership.Role.OWNER and _owners_after(membership, None) == 0:
         raise Conflict(f"'{membership.user.get_username()}' is the last owner of '{membership.tenant.slug}'; make "
                        "someone else an owner first.", code="last_owner")
+    revoked = api_keys_revoke_created_by(tenant=membership.tenant, user=membership.user)
     membership.delete()
+    return revoked

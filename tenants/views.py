@@ -14,6 +14,7 @@ from lora_platform.errors import ServiceError
 from tenants import selectors, services
 from tenants.dashboard import DashboardRequest, Role, dashboard_view, tenant_switch
 from tenants.models import ApiKey, Membership
+from tenants.permissions import KEY_MANAGER_ROLE
 
 
 class LoginView(auth_views.LoginView):
@@ -45,19 +46,19 @@ def api_key_list_view(request: DashboardRequest) -> HttpResponse:
 
 
 @require_POST
-@dashboard_view(Role.OWNER)
+@dashboard_view(KEY_MANAGER_ROLE)
 def api_key_create_view(request: DashboardRequest) -> HttpResponse:
     """Answers with the page itself, not a redirect: the full key is in this response and nowhere else."""
     try:
         created = services.api_key_create(tenant=request.dashboard.tenant, name=request.POST.get("name", ""),
-                                          scopes=request.POST.getlist("scopes"))
+                                          scopes=request.POST.getlist("scopes"), created_by=request.user)
     except ServiceError as error:
         return _keys_page(request, error=error, status=400)
     return _keys_page(request, created=created)
 
 
 @require_POST
-@dashboard_view(Role.OWNER)
+@dashboard_view(KEY_MANAGER_ROLE)
 def api_key_revoke_view(request: DashboardRequest, key_id: int) -> HttpResponse:
     key = selectors.api_key_list(tenant=request.dashboard.tenant).filter(pk=key_id).first()
     if key is None:
@@ -108,9 +109,24 @@ def member_role_view(request: DashboardRequest, membership_id: int) -> HttpRespo
                           f"{membership.user.get_username()} is now {role}.")
 
 
+def _removed(name: str, revoked: list[ApiKey]) -> str:
+    if not revoked:
+        return f"Removed {name}."
+    if len(revoked) == 1:
+        return f"Removed {name}; the API key {name} created is revoked."
+    return f"Removed {name}; the {len(revoked)} API keys {name} created are revoked."
+
+
 @require_POST
 @dashboard_view(Role.OWNER)
 def member_remove_view(request: DashboardRequest, membership_id: int) -> HttpResponse:
+    """Removing a member also revokes the keys they created here (the confirmation says so)."""
     membership = _member(request, membership_id)
-    return _member_action(request, lambda: services.membership_remove(membership=membership),
-                          f"Removed {membership.user.get_username()}.")
+    name = membership.user.get_username()
+    try:
+        revoked = services.membership_remove(membership=membership)
+    except ServiceError as error:
+        messages.error(request, error.message)
+    else:
+        messages.success(request, _removed(name, revoked))
+    return redirect("dashboard:members")

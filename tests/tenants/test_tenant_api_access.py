@@ -144,8 +144,9 @@ def member_client(tenant, role: str, *, enforce_csrf: bool = False) -> APIClient
     return client
 
 
-def test_session_member_reads_and_writes_for_their_tenant(tenant_a, tenant_b) -> None:
-    client = member_client(tenant_a.tenant, Membership.Role.MEMBER)
+def test_session_owner_reads_and_writes_keys_for_their_tenant(tenant_a, tenant_b) -> None:
+    # Owners only: a member's session is refused (tests/tenants/test_api_key_permissions.py).
+    client = member_client(tenant_a.tenant, Membership.Role.OWNER)
     assert client.get("/api/v1/tenant").json()["slug"] == "alice-co"
     created = client.post("/api/v1/api-keys", {"name": "from-dashboard"}, format="json")
     assert created.status_code == 201
