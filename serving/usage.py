@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -14,6 +16,8 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncDay
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from serving.gateway.usage_log import UsageEvent, usage_pop, usage_requeue
 from serving.models import UsageRecord
@@ -23,16 +27,41 @@ log = logging.getLogger(__name__)
 
 GROUP_BY = ("day", "adapter", "key")
 
-_client: redis.Redis | None = None
+# What an unreachable, restarting or frozen Redis raises (as serving.gateway.redis_guard counts it).
+_OUTAGE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+
+
+@dataclass
+class _Queue:
+    """The Redis that holds the queued records: a client for REDIS_URL, and until when (time.monotonic)
+    the usage API leaves it alone after finding it away."""
+
+    url: str
+    client: redis.Redis
+    away_until: float = 0.0
+
+
+_queue: _Queue | None = None
+
+
+def _queue_for_settings() -> _Queue:
+    global _queue
+    url = settings.REDIS_URL
+    if _queue is None or _queue.url != url:
+        if _queue is not None:
+            _queue.client.close()
+        # Bounded, and one attempt: a frozen Redis must not stall the usage API or the flusher (issues 16
+        # and 23). Retries are spelled out because redis-py's defaults vary (a client made without a URL
+        # retries a timed-out command 10 times, multiplying the wait); the flusher retries on its own
+        # schedule and the usage API answers from the database instead.
+        _queue = _Queue(url, redis.Redis.from_url(url, socket_timeout=settings.REDIS_SOCKET_TIMEOUT,
+                                                  socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT,
+                                                  retry=Retry(NoBackoff(), 0)))
+    return _queue
 
 
 def _redis() -> redis.Redis:
-    global _client
-    if _client is None:
-        # Bounded: a frozen Redis must not stall the usage API or the flusher (issue 16).
-        _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=settings.REDIS_SOCKET_TIMEOUT,
-                                       socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT)
-    return _client
+    return _queue_for_settings().client
 
 
 def _record(event: UsageEvent) -> UsageRecord:
@@ -68,6 +97,24 @@ def usage_records_flush(*, batch: int | None = None) -> int:
         written += len(records)
         if len(events) < size:
             return written
+
+
+def usage_records_flush_for_read() -> bool:
+    """Flush before a read of the usage: True when every record the gateway queued is now in the
+    database; False when Redis is unreachable (or was found so within GATEWAY_REDIS_RETRY_SECONDS),
+    so the database's rows are all a reader gets. A Redis found away is left alone for that long, as
+    the gateway's redis_guard does, so a frozen Redis costs one socket timeout, not one per request."""
+    queue = _queue_for_settings()
+    if time.monotonic() < queue.away_until:
+        return False
+    try:
+        usage_records_flush()
+    except _OUTAGE as exc:
+        queue.away_until = time.monotonic() + settings.GATEWAY_REDIS_RETRY_SECONDS
+        log.warning("Redis unreachable (%s: %s): usage is answered from the database without the records "
+                    "still queued", type(exc).__name__, exc)
+        return False
+    return True
 
 
 async def _flush_forever() -> None:
