@@ -66,16 +66,16 @@ class Target:
 
 async def _get_or_load(cache: TtlCache[T], key: Hashable, load: Callable[[], T]) -> T:
     """The cached value of `key`, or `load()`'s (in a thread, as the ORM needs), cached either way:
-    a refusal (GatewayError) is cached and re-raised like a value."""
+    a refusal (GatewayError) is cached without its traceback, and a copy raised on every hit."""
     hit, value = cache.get(key)
     if not hit:
         try:
             value = await sync_to_async(_with_connection(load))()
         except GatewayError as error:
-            value = error
+            value = error.with_traceback(None)  # the load's frames (and what they hold) are not kept
         cache.put(key, value)
-    if isinstance(value, BaseException):
-        raise value
+    if isinstance(value, GatewayError):
+        raise value.fresh()
     return value  # type: ignore[return-value]
 
 

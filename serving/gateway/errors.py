@@ -29,6 +29,12 @@ class GatewayError(Exception):
     def error_type(self) -> str:
         return _TYPE_BY_STATUS.get(self.status, "api_error")
 
+    def fresh(self) -> GatewayError:
+        """A new error with the same answer, to raise in place of a cached one: raising the cached
+        object itself would grow its traceback with every request that hit it (and keep their
+        frames, bodies included, alive as long as the cache keeps it)."""
+        return GatewayError(self.status, self.message, code=self.code, param=self.param, headers=self.headers)
+
     def body(self) -> bytes:
         return error_json(self.message, error_type=self.error_type, code=self.code, param=self.param)
 

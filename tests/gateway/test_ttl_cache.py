@@ -98,3 +98,29 @@ def test_the_catalog_frees_expired_model_lookups(settings, tenant_a):
     asyncio.run(lookups(["one-more"]))
     assert len(catalog._targets) == 1
     catalog.caches_clear()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cached_refusal_is_raised_as_a_copy_and_keeps_no_request_frames(tenant_a):
+    """Raising the cached object itself would chain every hit's frames (bodies included) onto it."""
+    from serving.gateway import catalog
+
+    catalog.caches_clear()
+
+    async def twice() -> list[BaseException]:
+        caller = await catalog.caller_for(f"Bearer {tenant_a.key}")
+        raised = []
+        for _ in range(2):
+            try:
+                await catalog.target_for(caller, "no-such-model")
+            except catalog.GatewayError as error:
+                raised.append(error)
+        return raised
+
+    first, second = asyncio.run(twice())
+    assert first is not second and first.status == second.status == 404 and str(first) == str(second)
+    caller_key = next(iter(catalog._targets._entries))
+    hit, cached = catalog._targets.get(caller_key)
+    assert hit and isinstance(cached, catalog.GatewayError)
+    assert cached is not first and cached is not second and cached.__traceback__ is None
+    catalog.caches_clear()
