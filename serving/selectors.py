@@ -15,7 +15,7 @@ from django.utils import timezone
 from lora_platform.errors import NotFound
 from serving.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
 from serving.versions import SEMVER_RE, SemVer, version_next_patch
-from serving.wire import RegistrySnapshot, ServedEntry
+from serving.wire.registry import RegistrySnapshot, ServedEntry
 from tenants.models import Tenant
 
 SERVED_STATUSES = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)

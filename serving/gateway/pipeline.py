@@ -40,7 +40,7 @@ from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 from serving.gateway.usage_log import UsageEvent, usage_push
 from serving.gateway.version_pick import ServedVersion, pick_version
-from serving.wire import api_key_id
+from serving.wire.registry import api_key_id
 
 log = logging.getLogger(__name__)
 

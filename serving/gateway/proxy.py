@@ -24,7 +24,7 @@ import httpx
 
 from serving.gateway.errors import error_json
 from serving.gateway.failover import key_refused
-from serving.wire import UPSTREAM_IDLE_S
+from serving.wire.registry import UPSTREAM_IDLE_S
 
 DONE = b"data: [DONE]\n\n"
 _USAGE = b'"usage":{'

@@ -37,7 +37,7 @@ from serving.gateway.prewarm import DemandModel, PrewarmConfig
 from serving.gateway.redis_guard import RedisGuard
 from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
 from serving.gateway.usage_log import UsageEvent
-from serving.wire import SLOT_CORRUPTED
+from serving.wire.registry import SLOT_CORRUPTED
 
 if TYPE_CHECKING:
     from serving.gateway.pipeline import Call

@@ -13,7 +13,7 @@ score = w_affinity · affinity − w_queue · queue / max(queue) − w_kv · kv 
 both normalised by their maximum over the candidates. Ties are broken at random.
 
 A worker is a candidate when its heartbeat is younger than its TTL, its state is `ready`, and it
-serves the platform's base model. The key layout is the wire's (serving.wire), which the worker writes.
+serves the platform's base model. The key layout is the wire's (serving.wire.registry), which the worker writes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from serving.wire import WORKERS_KEY, worker_key
+from serving.wire.registry import WORKERS_KEY, worker_key
 
 AFFINITY_GPU = 1.0
 AFFINITY_FREE_SLOT = 0.8
@@ -105,7 +105,7 @@ def _optional_int(value: Any) -> int | None:
 def live_workers(documents: Iterable[Mapping[str, Any]], *, base_models: Iterable[str], key_id: str | None,
                  now: float | None = None) -> list[WorkerView]:
     """The workers a request may go to: fresh heartbeat, ready, serving one of `base_models`, and
-    accepting the gateway's key (`key_id`, serving.wire.api_key_id: same key, or a worker without one)."""
+    accepting the gateway's key (`key_id`, serving.wire.registry.api_key_id: same key, or a worker without one)."""
     now = time.time() if now is None else now
     wanted = set(base_models)
     views = []

@@ -207,7 +207,7 @@ def upload_version(adapter, directory: Path, version: str):
 
 def wait_for_worker(redis_client, worker_id: str, timeout: float = 30.0) -> None:
     """Until the worker's registration is back (tests flush Redis; heartbeats every 0.5 s)."""
-    from serving.wire import worker_key
+    from serving.wire.registry import worker_key
 
     deadline = time.monotonic() + timeout
     while redis_client.get(worker_key(worker_id)) is None:

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from serving.wire import WORKERS_KEY, api_key_id, worker_key
+from serving.wire.registry import WORKERS_KEY, api_key_id, worker_key
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 
 ADAPTER = "alice-co/support-bot@1.0.0"

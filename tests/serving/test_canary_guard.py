@@ -10,7 +10,7 @@ from django.db import connections
 
 from serving import services
 from serving.canary_guard import canary_guard_abort
-from serving.wire import EVENTS_CHANNEL as CHANNEL
+from serving.wire.registry import EVENTS_CHANNEL as CHANNEL
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 
 ACTOR = "api-key:test"

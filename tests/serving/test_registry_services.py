@@ -10,7 +10,7 @@ from django.db import IntegrityError, connection, transaction
 
 from lora_platform.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving import selectors, services
-from serving.wire import EVENTS_CHANNEL as CHANNEL
+from serving.wire.registry import EVENTS_CHANNEL as CHANNEL
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import version_next_patch, version_parse
 

@@ -15,7 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from serving import services
 from serving.engine import LoRARequest, SamplingParams
-from serving.wire import WORKERS_KEY, worker_key
+from serving.wire.registry import WORKERS_KEY, worker_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.wire import SLOT_CORRUPTED
+from serving.wire.registry import SLOT_CORRUPTED
 
 log = logging.getLogger(__name__)
 

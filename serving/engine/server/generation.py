@@ -44,7 +44,7 @@ from serving.engine.server.errors import APIError, bad_request, model_not_found,
 from serving.engine.server.on_demand import ensure_loaded
 from serving.engine.server.protocol import SamplingFields, UsageInfo
 from serving.engine.server.worker import Worker
-from serving.wire import SLOT_CORRUPTED
+from serving.wire.registry import SLOT_CORRUPTED
 
 T = TypeVar("T")
 

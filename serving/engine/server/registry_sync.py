@@ -3,7 +3,7 @@ side; docs/serving-worker.md, this one).
 
 Three inputs, one outcome: the snapshot (`GET <registry-url>`, every active and canary version)
 at start and every `--registry-reconcile-interval` seconds, and the deploy events on Redis
-(`serving.wire.EVENTS_CHANNEL`) in between; the entries are `serving.wire`'s typed ones. Each served version is loaded under its qualified name
+(`serving.wire.registry.EVENTS_CHANNEL`) in between; the entries are `serving.wire.registry`'s typed ones. Each served version is loaded under its qualified name
 `<tenant>/<adapter>@<version>` from its artifact URI; versions that stop being served are unloaded.
 Pub/sub delivers at most once, so a lost event only delays convergence until the next reconcile.
 
@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 
 from serving.engine import AdapterError, AdapterNotFoundError
 from serving.engine.server.adapters import AdapterSet, ServedAdapter, Source
-from serving.wire import EVENTS_CHANNEL, DeployEvent, RegistrySnapshot, ServedEntry
+from serving.wire.registry import EVENTS_CHANNEL, DeployEvent, RegistrySnapshot, ServedEntry
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import uvicorn
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs, parse_args
 from serving.engine.server.worker import Worker
-from serving.wire import WORKER_KEEP_ALIVE_S
+from serving.wire.registry import WORKER_KEEP_ALIVE_S
 
 # The engine thread and the event loop share the GIL: the engine releases it around each CUDA call
 # and must take it back from a loop busy streaming tokens, and at CPython's default 5 ms switch

@@ -24,7 +24,7 @@ from serving.engine.server.metrics import ServerMetrics
 from serving.engine.server.registry_sync import RegistrySync
 from serving.engine.server.slot_guard import SlotGuard
 from serving.engine.server.worker_registry import WorkerRegistration
-from serving.wire import api_key_id
+from serving.wire.registry import api_key_id
 
 log = logging.getLogger(__name__)
 
