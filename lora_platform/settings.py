@@ -141,6 +141,22 @@ REDIS_URL = redis_url_from_env(VAR_DIR)
 # Seconds any Redis command (and connecting) may take before it fails: a frozen Redis must not stall
 # requests that send tasks or read token buckets (redis-py's own default waits forever).
 REDIS_SOCKET_TIMEOUT = float(os.environ.get("REDIS_SOCKET_TIMEOUT") or 2)
+# Django's cache lives in the same Redis, so every web process shares it: the sign-in throttle's
+# counters (tenants.login_throttle) hold across processes and restarts.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "loraplex-cache",
+        "OPTIONS": {"socket_timeout": REDIS_SOCKET_TIMEOUT, "socket_connect_timeout": REDIS_SOCKET_TIMEOUT},
+    }
+}
+# Every password sign-in (dashboard, admin) goes through the throttle: past this many failures per
+# account, or per client address, in the window, attempts are refused until the window ends.
+AUTHENTICATION_BACKENDS = ["tenants.auth_backends.ThrottledModelBackend"]
+LOGIN_FAILURES_PER_ACCOUNT = env_int("LOGIN_FAILURES_PER_ACCOUNT", 5)
+LOGIN_FAILURES_PER_ADDRESS = env_int("LOGIN_FAILURES_PER_ADDRESS", 20)
+LOGIN_FAILURE_WINDOW_SECONDS = env_int("LOGIN_FAILURE_WINDOW_SECONDS", 15 * 60)
 STORAGE_URL = os.environ.get("STORAGE_URL", f"file://{VAR_DIR / 'storage'}")
 S3_ENDPOINT_URL = os.environ.get("S3_ENDPOINT_URL") or None
 
