@@ -12,11 +12,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from drf_spectacular.drainage import set_override
 from drf_spectacular.utils import OpenApiParameter, inline_serializer
 from rest_framework import serializers
 from rest_framework.request import Request
 
-from lora_platform.errors import InvalidInput
+from serving.wire.errors import InvalidInput
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
@@ -88,7 +89,8 @@ def list_body(data: Sequence[dict[str, Any]], *, has_more: bool, id_key: str = "
 def paging_parameters(cursor: str = "the id") -> list[OpenApiParameter]:
     """The `limit` and `after` query parameters, for a list's schema."""
     return [
-        OpenApiParameter("limit", int, description=f"Rows per page (1–{MAX_LIMIT}, default {DEFAULT_LIMIT})."),
+        OpenApiParameter("limit", {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": DEFAULT_LIMIT},
+                         description=f"Rows per page (1–{MAX_LIMIT}, default {DEFAULT_LIMIT})."),
         OpenApiParameter("after", str, description=f"Return the rows after this one: {cursor} of the last row of "
                                                    "the previous page (its `last_id`)."),
     ]
@@ -96,7 +98,11 @@ def paging_parameters(cursor: str = "the id") -> list[OpenApiParameter]:
 
 def list_schema(serializer: type[serializers.Serializer], name: str,
                 id_type: type[serializers.Field] = serializers.CharField) -> serializers.Serializer:
-    """The schema of a list of `serializer` rows whose ids are of `id_type`."""
-    return inline_serializer(name, {"object": serializers.CharField(), "data": serializer(many=True),
-                                    "has_more": serializers.BooleanField(),
-                                    "first_id": id_type(allow_null=True), "last_id": id_type(allow_null=True)})
+    """The schema of a list of `serializer` rows whose ids are of `id_type`: the list object itself,
+    never an array of them (drf-spectacular wraps a `list` action's response in an array unless told
+    `many=False`)."""
+    envelope = inline_serializer(name, {"object": serializers.ChoiceField(choices=["list"]),
+                                        "data": serializer(many=True), "has_more": serializers.BooleanField(),
+                                        "first_id": id_type(allow_null=True), "last_id": id_type(allow_null=True)})
+    set_override(envelope, "many", False)
+    return envelope

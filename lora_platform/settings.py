@@ -202,7 +202,8 @@ REST_FRAMEWORK = {
         "rest_framework.parsers.MultiPartParser",
         "rest_framework.parsers.FormParser",
     ],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # drf-spectacular's, plus the 4xx answers of each operation with the error body.
+    "DEFAULT_SCHEMA_CLASS": "lora_platform.api_schema.AutoSchema",
     "EXCEPTION_HANDLER": "lora_platform.api_errors.openai_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }

@@ -20,7 +20,8 @@ from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from lora_platform.errors import InvalidInput
+from lora_platform.api_schema import error_response
+from serving.wire.errors import InvalidInput
 from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
 from training import conf, datasets, jobs, selectors
@@ -38,6 +39,7 @@ def _page(request: Request, queryset: QuerySet, serializer: type[serializers.Ser
 
 
 _PAGING = paging_parameters("the id")
+_NO_SUCH_FILE = "No such dataset (training_file or validation_file) in the caller's tenant."
 
 
 def _list_of(serializer: type[serializers.Serializer], name: str) -> serializers.Serializer:
@@ -245,7 +247,8 @@ class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
     def list(self, request: Request) -> Response:
         return _page(request, self.get_queryset(), TrainingJobSerializer)
 
-    @extend_schema(request=TrainingJobCreateSerializer, responses={201: TrainingJobSerializer},
+    @extend_schema(request=TrainingJobCreateSerializer,
+                   responses={201: TrainingJobSerializer, 404: error_response(_NO_SUCH_FILE)},
                    summary="Create a training job (queued; it starts when the tier has a free slot)")
     def create(self, request: Request) -> Response:
         payload = TrainingJobCreateSerializer(data=request.data)

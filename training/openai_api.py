@@ -37,7 +37,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from lora_platform.errors import InvalidInput, NotFound, ServiceError
+from lora_platform.api_schema import error_response
+from serving.wire.errors import InvalidInput, NotFound, ServiceError
 from lora_platform.pagination import PageRequest, list_body, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedAPIView, TenantScopedQuerySet
 from training import base, datasets, jobs, selectors
@@ -325,7 +326,10 @@ class JobsView(_OpenAIView):
         rows, has_more = _newest_first(self.get_queryset(), page_request(request), JOB_PREFIX)
         return Response(list_body([job_object(row) for row in rows], has_more=has_more))
 
-    @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT,
+    @extend_schema(request=OpenApiTypes.OBJECT,
+                   responses={200: OpenApiTypes.OBJECT,
+                              404: error_response("No such file (training_file or validation_file) in the caller's "
+                                                  "tenant.")},
                    operation_id="openai_jobs_create",
                    summary="OpenAI: create a fine-tuning job (model = the base model, suffix = the adapter)")
     def post(self, request: Request) -> Response:
