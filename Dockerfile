@@ -18,4 +18,4 @@ USER loraplex
 
 ENV LORAPLEX_VAR_DIR=/var/lib/loraplex
 EXPOSE 8000
-CMD ["uvicorn", "lora_platform.asgi:application", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["uvicorn", "lora_platform.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--http", "lora_platform.asgi:HTTPProtocol"]

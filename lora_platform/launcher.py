@@ -50,6 +50,14 @@ class ChildSpec:
     argv: list[str]
 
 
+def web_argv(host: str, port: int) -> list[str]:
+    """The web process's command line (docker-compose.yml and the Dockerfile run the same). Its
+    HTTP protocol bounds how long a request may take to send its headers, how long an idle
+    connection is kept and how many connections one client may hold (docs/web-server.md)."""
+    return [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", host, "--port", str(port),
+            "--http", "lora_platform.asgi:HTTPProtocol", "--log-level", "warning"]
+
+
 def child_processes() -> list[ChildSpec]:
     """The platform's processes: web, Celery worker, and one serving worker synced to the registry."""
     from django.conf import settings
@@ -57,8 +65,7 @@ def child_processes() -> list[ChildSpec]:
     python = sys.executable
     snapshot_url = f"http://{WEB_HOST}:{WEB_PORT}/api/v1/internal/registry/snapshot"
     return [
-        ChildSpec("web", [python, "-m", "uvicorn", "lora_platform.asgi:application",
-                          "--host", WEB_HOST, "--port", str(WEB_PORT), "--log-level", "warning"]),
+        ChildSpec("web", web_argv(WEB_HOST, WEB_PORT)),
         ChildSpec("worker", [python, "-m", "celery", "-A", "lora_platform", "worker",
                              "--queues", "quick,training", "--concurrency", "1", "--loglevel", "INFO",
                              # One machine, one worker: it also runs the beat schedule (the

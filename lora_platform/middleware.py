@@ -49,6 +49,10 @@ class BodySizeLimitMiddleware(_SyncAndAsync):
     Django would otherwise raise RequestDataTooBig deep inside a view as a generic 400; checking the
     declared length here gives the caller a 413 that names the limit. Streaming uploads enforce the
     same limit again while they read, since Content-Length can lie.
+
+    Under uvicorn this comes too late for the disk: Django's ASGI handler has spooled the body to a
+    temporary file before any middleware runs. lora_platform.body_limit refuses first there, on
+    every route; this stays for Django's own handlers (the WSGI entry point, the test client).
     """
 
     def before(self, request: HttpRequest) -> HttpResponse | None:

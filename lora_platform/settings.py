@@ -136,6 +136,12 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = env_int("FILE_UPLOAD_MAX_MEMORY_SIZE", 2 * 1024 * 
 # Multipart uploads (datasets, adapters) stream to disk above FILE_UPLOAD_MAX_MEMORY_SIZE; this caps
 # their total size. Per-feature limits (dataset bytes per tier, adapter bytes) are checked as well.
 MAX_UPLOAD_BYTES = env_int("MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
+# The web server's connections (docs/web-server.md): seconds a request may take to send its headers
+# (408 past it), seconds an idle keep-alive connection is kept, connections one client address may
+# hold at once (0: no cap). Read by lora_platform.asgi's HTTPProtocol.
+WEB_HEADER_TIMEOUT_SECONDS = float(os.environ.get("WEB_HEADER_TIMEOUT_SECONDS") or 10)
+WEB_KEEP_ALIVE_SECONDS = float(os.environ.get("WEB_KEEP_ALIVE_SECONDS") or 5)
+WEB_MAX_CONNECTIONS_PER_CLIENT = env_int("WEB_MAX_CONNECTIONS_PER_CLIENT", 256)
 
 REDIS_URL = redis_url_from_env(VAR_DIR)
 # Seconds any Redis command (and connecting) may take before it fails: a frozen Redis must not stall

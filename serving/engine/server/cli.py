@@ -54,6 +54,8 @@ class ServerArgs:
     enforce_eager: bool = False
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
+    header_timeout: float = 10.0
+    max_connections_per_client: int = 0
     slot_verify_interval: float = 60.0
     registry_url: str | None = None
     registry_token: str | None = None
@@ -175,6 +177,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
     server.add_argument(
+        "--header-timeout",
+        type=_positive(float),
+        default=10.0,
+        help="seconds a request may take to send its headers (from its first byte, or from the connection's "
+        "opening); past it 408 and the connection is closed. Idle connections are kept 75 s between requests",
+    )
+    server.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=0,
+        help="connections one client address may hold at once; more are refused with 503 (0: no cap; the "
+        "gateway keeps up to 1000 per web process)",
+    )
+    server.add_argument(
         "--max-request-body-bytes",
         type=_positive(int),
         default=1024 * 1024,
@@ -224,6 +240,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         parser.error(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     if ns.slot_verify_interval < 0:
         parser.error(f"--slot-verify-interval must be >= 0, got {ns.slot_verify_interval}")
+    if ns.max_connections_per_client < 0:
+        parser.error(f"--max-connections-per-client must be >= 0, got {ns.max_connections_per_client}")
     if ns.timeout_graceful_shutdown < 0:
         parser.error(f"--timeout-graceful-shutdown must be >= 0, got {ns.timeout_graceful_shutdown}")
     try:

@@ -21,6 +21,7 @@ import uvicorn
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs, parse_args
 from serving.engine.server.worker import Worker
+from serving.http_guard import guarded_h11_protocol
 from serving.wire.registry import WORKER_KEEP_ALIVE_S
 
 # The engine thread and the event loop share the GIL: the engine releases it around each CUDA call
@@ -64,11 +65,14 @@ class _WorkerServer(uvicorn.Server):
 
 
 def uvicorn_config(worker: Worker, args: ServerArgs) -> uvicorn.Config:
-    """The worker's HTTP server: its app, address, logging, shutdown backstop and keep-alive."""
+    """The worker's HTTP server: its app, address, logging, shutdown backstop, keep-alive, header
+    timeout and per-client connection cap (serving.http_guard)."""
     return uvicorn.Config(
         build_app(worker),
         host=args.host,
         port=args.port,
+        http=guarded_h11_protocol(header_timeout_s=args.header_timeout,
+                                  max_connections_per_client=args.max_connections_per_client),
         log_level=args.uvicorn_log_level,
         # uvicorn takes whole seconds; rounding up only lengthens the backstop.
         timeout_graceful_shutdown=math.ceil(args.timeout_graceful_shutdown + _BACKSTOP_S),
