@@ -36,7 +36,7 @@ class TenantSerializer(serializers.ModelSerializer):
 
 class ApiKeySerializer(serializers.ModelSerializer):
     created_by: serializers.SlugRelatedField = serializers.SlugRelatedField(
-        slug_field=get_user_model().USERNAME_FIELD, read_only=True,
+        slug_field=get_user_model().USERNAME_FIELD, read_only=True, allow_null=True,
         help_text="The member who created it (revoked when they leave the tenant); null for the operator's keys.")
 
     class Meta:
