@@ -16,7 +16,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from lora_platform.errors import ServiceError
+from serving.wire.errors import ServiceError
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

@@ -18,7 +18,7 @@ from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from lora_platform.errors import ServiceError
+from serving.wire.errors import ServiceError
 from serving import selectors, services
 from serving.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
 

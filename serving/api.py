@@ -29,7 +29,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from lora_platform.errors import InvalidInput, NotFound
+from serving.wire.errors import InvalidInput, NotFound
 from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from serving import selectors, services, usage
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent

@@ -23,7 +23,7 @@ from typing import Any
 
 from django.db import transaction
 
-from lora_platform.errors import InvalidInput
+from serving.wire.errors import InvalidInput
 from lora_platform.storage import get_storage
 from serving import selectors, services
 from serving.models import Adapter, AdapterVersion, artifact_prefix

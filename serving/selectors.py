@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db.models import Count, Max, Prefetch, QuerySet, Sum
 from django.utils import timezone
 
-from lora_platform.errors import NotFound
+from serving.wire.errors import NotFound
 from serving.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
 from serving.versions import SEMVER_RE, SemVer, version_next_patch
 from serving.wire.registry import RegistrySnapshot, ServedEntry

@@ -24,7 +24,7 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, transaction
 
-from lora_platform.errors import Conflict, InvalidInput, LimitExceeded, NotFound
+from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from lora_platform.storage import get_storage
 from serving import selectors, uploads
 from serving.events import deploy_event_publish, event_payload

@@ -36,7 +36,7 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from transformers import AutoConfig, PretrainedConfig
 
-from lora_platform.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
+from serving.wire.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
 from lora_platform.storage import get_storage
 from serving.engine.lora.reader import validate_adapter_dir
 from serving.engine.lora.artifact import (

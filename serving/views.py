@@ -18,7 +18,7 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from lora_platform.errors import InvalidInput, ServiceError
+from serving.wire.errors import InvalidInput, ServiceError
 from serving import selectors, services
 from serving.models import Adapter, AdapterVersion
 from serving.usage import GROUP_BY, usage_summary

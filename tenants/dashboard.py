@@ -19,7 +19,7 @@ from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 
-from lora_platform.errors import NotFound
+from serving.wire.errors import NotFound
 from tenants.authentication import SESSION_TENANT_KEY, TenantAuth
 from tenants.models import Membership, Tenant
 from tenants.selectors import memberships_of

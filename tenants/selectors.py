@@ -8,7 +8,7 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
 from django.db.models import Count, Q, QuerySet
 
-from lora_platform.errors import NotFound
+from serving.wire.errors import NotFound
 from tenants.models import ApiKey, Membership, Tenant
 
 if TYPE_CHECKING:  # django-stubs-ext is a dev dependency; only the annotations name it

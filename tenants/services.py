@@ -13,7 +13,7 @@ from django.db.models import CharField, Model
 from django.utils import timezone
 from django.utils.text import slugify
 
-from lora_platform.errors import Conflict, InvalidInput
+from serving.wire.errors import Conflict, InvalidInput
 from tenants.api_keys import generate_key, hash_secret
 from tenants.models import ApiKey, Membership, Tenant, Tier
 from tenants.selectors import tenant_by_slug

@@ -12,7 +12,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from lora_platform.errors import ServiceError
+from serving.wire.errors import ServiceError
 from tenants import login_throttle, selectors, services
 from tenants.dashboard import DashboardRequest, Role, dashboard_view, tenant_switch
 from tenants.models import ApiKey, Membership

@@ -21,7 +21,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from lora_platform.api_schema import error_response
-from lora_platform.errors import InvalidInput
+from serving.wire.errors import InvalidInput
 from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
 from training import conf, datasets, jobs, selectors

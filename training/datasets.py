@@ -18,8 +18,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from lora_platform.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, ServiceError
-from lora_platform.storage import Source, get_storage
+from serving.wire.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, ServiceError
+from lora_platform.storage import get_storage
+from serving.wire.storage import Source
 from tenants.models import Tenant
 from training import conf, dispatch
 from training.base import after_commit

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lora_platform.errors import InvalidInput
+from serving.wire.errors import InvalidInput
 
 ALL_LINEAR = "all-linear"
 # The projections the serving engine can apply LoRA to (design.md, Engine): an adapter on anything

@@ -17,7 +17,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from lora_platform.errors import Conflict, InvalidInput, LimitExceeded, NotFound
+from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving import selectors as registry_selectors
 from serving import services as registry
 from serving.models import Adapter, AdapterVersion

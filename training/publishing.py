@@ -14,7 +14,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from lora_platform.errors import ServiceError
+from serving.wire.errors import ServiceError
 from lora_platform.storage import get_storage
 from serving import services as registry
 from serving.engine.lora.artifact import MANIFEST_NAME, base_config_sha256, manifest_write

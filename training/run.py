@@ -31,7 +31,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from lora_platform.errors import NotFound
+from serving.wire.errors import NotFound
 from lora_platform.storage import get_storage
 from serving.engine.lora.artifact import base_config_sha256
 from training import conf

@@ -17,7 +17,7 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_POST
 
-from lora_platform.errors import InvalidInput, ServiceError
+from serving.wire.errors import InvalidInput, ServiceError
 from tenants.dashboard import DashboardRequest, Role, dashboard_view, htmx_redirect, is_htmx
 from training import datasets, jobs, selectors
 from training.api import DatasetUploadHandler

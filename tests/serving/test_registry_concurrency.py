@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_platform.errors import Conflict
+from serving.wire.errors import Conflict
 from serving import services
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from tests.races import race, slow_saves

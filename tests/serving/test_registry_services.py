@@ -8,7 +8,7 @@ import random
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from lora_platform.errors import Conflict, InvalidInput, LimitExceeded, NotFound
+from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving import selectors, services
 from serving.wire.registry import EVENTS_CHANNEL as CHANNEL
 from serving.models import Adapter, AdapterVersion, DeploymentEvent

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from rest_framework.test import APIClient
 from transformers import AutoConfig
 
-from lora_platform.errors import InvalidInput, LimitExceeded
+from serving.wire.errors import InvalidInput, LimitExceeded
 from serving import services
 from serving.engine.lora.artifact import adapter_digest, base_config_sha256, manifest_verify, manifest_write
 from serving.engine.lora.reader import load_adapter

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_platform.errors import LimitExceeded
+from serving.wire.errors import LimitExceeded
 from serving import services as registry
 from serving.models import Adapter
 from tenants.models import Tier

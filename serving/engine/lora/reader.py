@@ -2,8 +2,8 @@
 
 An adapter is a directory in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`,
 optionally the artifact's `manifest.json`), given as a local path, a `file://` URI or an
-`s3://bucket/prefix` (downloaded with boto3, honouring `S3_ENDPOINT_URL` and the usual `AWS_*`
-variables). Only safetensors is read; a pickled `.bin` is refused without being opened.
+`s3://bucket/prefix` (downloaded through the platform's own blob storage, serving.wire.s3, honouring
+`S3_ENDPOINT_URL` and the usual `AWS_*` variables). Only safetensors is read; a pickled `.bin` is refused without being opened.
 
 `validate_adapter_dir` checks everything that can be checked without reading the weights (the
 config, the manifest digests, the tensor names, dtypes and shapes from the safetensors header): the
@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,7 +33,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-import boto3
 import torch
 from botocore.exceptions import BotoCoreError, ClientError
 from safetensors import safe_open
@@ -48,6 +46,8 @@ from serving.engine.lora.artifact import (
     manifest_verify,
     read_adapter_config,
 )
+from serving.wire.errors import ServiceError
+from serving.wire.s3 import S3Storage
 
 __all__ = [
     "SUPPORTED_MODULES",
@@ -405,41 +405,25 @@ def _local_copy(source: str | Path) -> Iterator[Path]:
 def download_s3_prefix(uri: str, dest_dir: Path) -> Path:
     """Download the objects under `s3://bucket/prefix/` into `dest_dir`, whole or not at all.
 
-    The objects are fetched into a sibling temporary directory that is renamed to `dest_dir`
-    (which must not exist). Artifacts are flat: a nested key is refused. Uses `S3_ENDPOINT_URL`
-    when set; credentials come from boto3's usual sources.
+    The blob storage's own download (serving.wire.s3): a sibling temporary directory renamed to
+    `dest_dir`, which must not exist. Artifacts are flat: a nested key is refused before anything
+    is fetched. Uses `S3_ENDPOINT_URL` when set; credentials come from boto3's usual sources.
     """
-    parsed = urlparse(uri)
-    bucket, prefix = parsed.netloc, parsed.path.strip("/")
-    if parsed.scheme != "s3" or not bucket:
-        raise AdapterError(f"{uri} is not an s3://bucket/prefix URI")
-    key_prefix = f"{prefix}/" if prefix else ""
+    try:
+        storage, prefix = S3Storage.at(uri, endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
+    except ServiceError as exc:
+        raise AdapterError(f"{uri} does not name an adapter artifact: {exc.message}") from None
     dest_dir = Path(dest_dir)
     if dest_dir.exists():
         raise AdapterError(f"download target {dest_dir} already exists")
-    dest_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest_dir.name}.", dir=dest_dir.parent))
     try:
-        client = boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
-        count = 0
-        for page in client.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=key_prefix
-        ):
-            for item in page.get("Contents", []):
-                name = item["Key"][len(key_prefix):]
-                if "/" in name or name in ("", ".", ".."):
-                    raise AdapterError(
-                        f"s3://{bucket}/{item['Key']} is nested under {uri}; an adapter artifact "
-                        "is a flat directory"
-                    )
-                client.download_file(bucket, item["Key"], str(staging / name))
-                count += 1
-        if count == 0:
-            raise AdapterError(f"no adapter at {uri}: no objects under that prefix")
-        staging.chmod(0o755)
-        os.rename(staging, dest_dir)
+        storage.download_prefix(prefix, dest_dir, flat=True)
+    except ServiceError as exc:
+        if exc.code == "storage_prefix_not_found":
+            raise AdapterError(f"no adapter at {uri}: no objects under that prefix") from None
+        if exc.code == "nested_object":
+            raise AdapterError(f"{exc.message}; an adapter artifact is a flat directory") from None
+        raise AdapterError(f"cannot download the adapter at {uri}: {exc.message}") from None
     except (BotoCoreError, ClientError) as exc:
         raise AdapterError(f"cannot download the adapter at {uri}: {exc}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return dest_dir

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from django.core.management.base import BaseCommand, CommandError
 
-from lora_platform.errors import ServiceError
+from serving.wire.errors import ServiceError
 from serving.registry_file import registry_export, registry_import
 from tenants.models import Tenant
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from lora_platform.errors import ServiceError
+from serving.wire.errors import ServiceError
 from tenants import selectors, services
 from tenants.models import ApiKey
 

@@ -1,4 +1,5 @@
-"""One suite, two backends: a local directory and S3 over HTTP on the moto server."""
+"""The blob storage (serving.wire.storage, serving.wire.s3): one suite, two backends, a local directory
+and S3 over HTTP on the moto server."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ from pathlib import Path
 import boto3
 import pytest
 
-from lora_platform.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
-from lora_platform.storage import STAGING_SEGMENT, LocalStorage, PutResult, S3Storage, get_storage, storage_from_url
+from serving.wire.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from serving.wire.s3 import S3Storage
+from serving.wire.storage import STAGING_SEGMENT, LocalStorage, PutResult
 
 
 @pytest.fixture(params=["local", "s3"])
 def storage(request: pytest.FixtureRequest, tmp_path: Path):
     if request.param == "local":
-        return storage_from_url(f"file://{tmp_path / 'blobs'}")
+        return LocalStorage(tmp_path / "blobs")
     bucket = request.getfixturevalue("s3_bucket")
-    return storage_from_url(f"s3://{bucket}/base", endpoint_url=request.getfixturevalue("moto_s3_endpoint"))
+    return S3Storage(bucket, "base", endpoint_url=request.getfixturevalue("moto_s3_endpoint"))
 
 
 def everything_written(storage) -> list[str]:
@@ -238,19 +240,51 @@ def test_a_failed_publish_leaves_nothing(storage, tmp_path: Path, monkeypatch: p
     assert not storage.exists("adapters/t/a/1.0.0/manifest.json")
 
 
-def test_get_storage_follows_settings(settings, tmp_path: Path, s3_bucket: str) -> None:
-    settings.STORAGE_URL = "file://relative/blobs"
-    settings.BASE_DIR = tmp_path
-    local = get_storage()
-    assert isinstance(local, LocalStorage) and local.root == (tmp_path / "relative" / "blobs").resolve()
-    assert local.uri("k") == (tmp_path / "relative" / "blobs" / "k").resolve().as_uri()
+def test_download_prefix_is_all_or_nothing_and_flat_on_request(storage, tmp_path: Path) -> None:
+    storage.put("art/1/adapter_config.json", b"{}")
+    storage.put("art/1/sub/extra.txt", b"x")
+    target = tmp_path / "downloads" / "adapter"
 
-    settings.STORAGE_URL = f"s3://{s3_bucket}/pre/fix"
-    settings.S3_ENDPOINT_URL = os.environ["S3_ENDPOINT_URL"]
-    remote = get_storage()
-    remote.put("k", b"v")
-    assert remote.uri("k") == f"s3://{s3_bucket}/pre/fix/k"
-    assert get_storage() is remote
+    with pytest.raises(InvalidInput, match=r"art/1/sub/extra\.txt is nested under .*art/1/") as refused:
+        storage.download_prefix("art/1", target, flat=True)
+    assert refused.value.code == "nested_object"
+    assert list(target.parent.iterdir()) == []
 
-    with pytest.raises(InvalidInput, match="Unsupported STORAGE_URL"):
-        storage_from_url("ftp://host/x")
+    storage.put("art/2/adapter_config.json", b"{}")
+    assert storage.download_prefix("art/2", target, flat=True) == [target / "adapter_config.json"]
+    with pytest.raises(Conflict, match="exists already") as exists:
+        storage.download_prefix("art/1", target)
+    assert exists.value.code == "download_target_exists"
+    assert [p.name for p in target.parent.iterdir()] == ["adapter"]
+    assert [p.name for p in target.iterdir()] == ["adapter_config.json"]
+
+
+def test_a_failed_download_leaves_no_directory(storage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage.put("art/1/a.json", b"{}")
+    storage.put("art/1/b.json", b"{}")
+    real_download = type(storage).download
+
+    def download_or_fail(self, key: str, path: Path) -> Path:
+        if key.endswith("b.json"):
+            raise OSError("disk full")
+        return real_download(self, key, path)
+
+    # The second object fails, after the first was written.
+    monkeypatch.setattr(type(storage), "download", download_or_fail)
+    with pytest.raises(OSError, match="disk full"):
+        storage.download_prefix("art/1", tmp_path / "out" / "adapter")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_s3_storage_at_reads_back_a_uri(s3_bucket: str, moto_s3_endpoint: str) -> None:
+    storage = S3Storage(s3_bucket, "base", endpoint_url=moto_s3_endpoint)
+    storage.put("adapters/t/a/1.0.0/manifest.json", b"{}")
+
+    again, key = S3Storage.at(storage.uri("adapters/t/a/1.0.0") + "/", endpoint_url=moto_s3_endpoint)
+
+    assert (again.bucket, key) == (s3_bucket, "base/adapters/t/a/1.0.0")
+    assert again.list(key) == ["base/adapters/t/a/1.0.0/manifest.json"]
+    for uri, problem in [("file:///x/y", "not an s3://bucket/key URI"), ("s3:///key", "not an s3://bucket/key URI"),
+                         (f"s3://{s3_bucket}/", "non-empty"), (f"s3://{s3_bucket}/a/../b", "'..' segment")]:
+        with pytest.raises(InvalidInput, match=problem):
+            S3Storage.at(uri)

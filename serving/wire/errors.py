@@ -1,4 +1,6 @@
-"""Domain errors that services raise; the API layer turns each into an OpenAI-shaped JSON error.
+"""The errors every side raises and answers in OpenAI's shape: Django-free, so the platform's services,
+the blob storage (serving.wire.storage) and the serving worker's reader raise and catch the same
+classes; the API layer (lora_platform.api_errors) turns each into an OpenAI-shaped JSON error.
 
 Services must not know about HTTP, but each failure has one natural status, so it is carried here
 rather than re-decided in every view.
