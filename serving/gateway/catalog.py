@@ -4,6 +4,8 @@ names (the base model, an adapter's served versions, or a pinned version), cache
 The cache keeps the ORM off the request path: each entry lives GATEWAY_CACHE_SECONDS (0.5 s by
 default), so a revoked key, a suspended tenant or a new deployment holds on every gateway process
 within that time, with at most one query per key and per model per process in that window.
+Callers choose what is cached (any header, any `model`), so each cache is bounded by entries and
+bytes and frees what expired (serving.gateway.ttl_cache).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from serving.gateway.ttl_cache import TtlCache
 from serving.gateway.version_pick import ServedSet, ServedVersion
 from serving.models import Adapter, AdapterVersion
 from serving.versions import SEMVER_RE
+from serving.wire.names import parse_qualified_name
 from tenants.authentication import api_key_authenticate
 from tenants.models import ApiKey
 
@@ -189,10 +192,11 @@ async def target_for(caller: Caller, model: str) -> Target:
 def _load_served_versions(names: list[str]) -> dict[str, ServedVersion]:
     wanted: dict[tuple[str, str, str], str] = {}
     for name in names:
-        tenant, slash, rest = name.partition("/")
-        adapter, at, version = rest.rpartition("@")
-        if slash and at:
-            wanted[(tenant, adapter, version)] = name
+        try:
+            parts = parse_qualified_name(name)
+        except ValueError:
+            continue  # not a registry name: nothing the registry serves
+        wanted[(parts.tenant, parts.adapter, parts.version)] = name
     if not wanted:
         return {}
     query = Q()

@@ -156,11 +156,6 @@ class Call:
 # ---- steps ---------------------------------------------------------------------------------
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object, checked once (serving.gateway.request_fields)."""
-    return decode_body(raw)
-
-
 def requested_max_tokens(body: dict[str, Any], endpoint: str) -> int | None:
     names = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)
     for name in names:
@@ -410,7 +405,7 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes) -
     """One completion request, from its HTTP parts to the reply."""
     res = resources()
     caller = await catalog.caller_for(authorization)
-    body = parse_body(raw_body)
+    body = decode_body(raw_body)  # checked once: serving.gateway.request_fields
     model = body["model"]
     try:
         target = await catalog.target_for(caller, model)
@@ -479,7 +474,7 @@ async def forward(call: Call, res: Resources) -> Reply:
 
 async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | None:
     """One upstream attempt on `call.worker`; None when it failed before its first byte and
-    `may_retry` (the attempt is then counted against the worker and not settled)."""
+    `may_retry` (the attempt is then counted on the worker's record and not settled)."""
     worker = call.worker
     assert worker is not None
     url = f"{worker.url}{ENDPOINTS[call.endpoint]}"
@@ -544,8 +539,8 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
 
 def _abandon(call: Call, result: UpstreamResult, res: Resources) -> bool:
     """An attempt that failed before its first byte and is retried elsewhere: it leaves the
-    worker's in-flight count and counts against the worker; the request is settled once, by the
-    attempt that answers. True (the attempt is handed off to the retry)."""
+    worker's in-flight count and counts on the worker's record as `resilience.worker_failed` says
+    (an adapter's load failure does not); the request is settled once, by the attempt that answers. True (the attempt is handed off to the retry)."""
     worker = call.worker
     assert worker is not None
     res.inflight[worker.worker_id] = max(0, res.inflight.get(worker.worker_id, 1) - 1)
