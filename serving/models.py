@@ -10,6 +10,7 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from serving.wire import names
 from tenants.models import Tenant
 from tenants.scoping import TenantScopedQuerySet
 
@@ -113,7 +114,7 @@ class AdapterVersion(models.Model):
     @property
     def qualified_name(self) -> str:
         """`<tenant>/<adapter>@<version>`: how serving workers and the gateway name a version."""
-        return f"{self.adapter.tenant.slug}/{self.adapter.name}@{self.version}"
+        return names.qualified_name(tenant=self.adapter.tenant.slug, adapter=self.adapter.name, version=self.version)
 
     @property
     def is_served(self) -> bool:

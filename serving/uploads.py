@@ -50,6 +50,7 @@ from serving.engine.lora.artifact import (
     manifest_write,
 )
 from serving.selectors import accepted_base_models
+from serving.wire.names import qualified_name
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 REQUIRED_FILES = (ADAPTER_CONFIG_NAME, WEIGHTS_NAME)
@@ -114,7 +115,7 @@ def manifest_write_for(staged: StagedAdapter, *, tenant: str, adapter: str, vers
     manifest_write(
         staged.directory, tenant=tenant, name=adapter, version=version, base_model_name=settings.BASE_MODEL_NAME,
         base_config_sha256=base_config_sha256(Path(settings.BASE_MODEL_PATH)), source_kind="upload",
-        source_id=f"{tenant}/{adapter}@{version}",
+        source_id=qualified_name(tenant=tenant, adapter=adapter, version=version),
     )
     return adapter_digest(staged.directory)
 

@@ -10,6 +10,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from serving.wire.names import qualified_name
+
 
 @dataclass(frozen=True)
 class ServedVersion:
@@ -25,7 +27,7 @@ class ServedVersion:
     @property
     def qualified_name(self) -> str:
         """`<tenant>/<adapter>@<version>`: the name between the gateway and serving workers."""
-        return f"{self.tenant}/{self.adapter}@{self.version}"
+        return qualified_name(tenant=self.tenant, adapter=self.adapter, version=self.version)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from serving.wire import names
+
 EVENTS_CHANNEL = "loraplex:registry:events"
 
 # A sorted set of worker ids scored by their last heartbeat, and one JSON document per worker.
@@ -148,7 +150,7 @@ class DeployEvent:
     @property
     def name_prefix(self) -> str:
         """What every served name of this event's adapter starts with."""
-        return f"{self.tenant}/{self.adapter}@"
+        return names.name_prefix(tenant=self.tenant, adapter=self.adapter)
 
     def to_dict(self) -> dict[str, Any]:
         return {**{key: value for key, value in asdict(self).items() if key not in ("served", "dropped")},

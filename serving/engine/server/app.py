@@ -29,8 +29,8 @@ from serving.engine.server.protocol import (
     PrefetchLoRAAdaptersRequest,
     UnloadLoRAAdapterRequest,
 )
-from serving.engine.server.registry_sync import is_registry_name
 from serving.engine.server.worker import State, Worker
+from serving.wire.names import in_registry_form
 
 # nginx's code for "the client closed the request": nobody reads it, the access log does.
 _CLIENT_CLOSED = 499
@@ -96,7 +96,7 @@ def build_app(worker: Worker) -> FastAPI:
         return await create_chat_completion(body, request, worker)
 
     def _registry_names_are_the_operators(request: Request, name: str) -> None:
-        if is_registry_name(name) and not is_operator(request):
+        if in_registry_form(name) and not is_operator(request):
             raise APIError(
                 409,
                 f"'{name}' has the registry's name form <tenant>/<adapter>@<version>: those names are loaded and "
@@ -118,7 +118,7 @@ def build_app(worker: Worker) -> FastAPI:
                            code="lora_path_not_allowed") from exc
         except (AdapterError, ValueError) as exc:
             raise bad_request(f"Cannot load adapter '{body.lora_name}': {exc}", param="lora_path") from exc
-        if is_registry_name(body.lora_name) and worker.sync is not None:
+        if in_registry_form(body.lora_name) and worker.sync is not None:
             # The operator changed a name the registry owns: the registry's record wins at once.
             worker.sync.reconcile_soon()
         return {
@@ -155,7 +155,7 @@ def build_app(worker: Worker) -> FastAPI:
         items = [PrefetchItem(name=entry.lora_name, artifact_uri=entry.artifact_uri,
                               manifest_sha256=entry.manifest_sha256, to_gpu=entry.to_gpu) for entry in body.adapters]
         for item in items:
-            if not is_registry_name(item.name):
+            if not in_registry_form(item.name):
                 raise APIError(400, f"'{item.name}' is not a registry version name (<tenant>/<adapter>@<version>); "
                                "prefetch serves the registry's versions only.", param="adapters", code="not_registry_name")
         results = await prefetcher.prefetch(engine, adapters, items)

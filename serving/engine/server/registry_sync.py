@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,20 +35,13 @@ import redis.asyncio as aioredis
 
 from serving.engine import AdapterError, AdapterNotFoundError
 from serving.engine.server.adapters import AdapterSet, ServedAdapter, Source
+from serving.wire.names import in_registry_form
 from serving.wire.registry import EVENTS_CHANNEL, DeployEvent, RegistrySnapshot, ServedEntry
 
 log = logging.getLogger(__name__)
 
-# `<tenant>/<adapter>@<version>`, read broadly: any name with a '/' and then an '@' is the
-# registry's, so no near-miss spelling of a served version's name is left for others to take.
-_REGISTRY_NAME = re.compile(r"[^/]*/.*@.*", re.DOTALL)
 # Parallel artifact fetches while applying a snapshot; the engine's loader threads bound the rest.
 _PARALLEL_LOADS = 4
-
-
-def is_registry_name(name: str) -> bool:
-    """Whether `name` has the registry's form `<tenant>/<adapter>@<version>`."""
-    return _REGISTRY_NAME.fullmatch(name) is not None
 
 
 @dataclass
@@ -171,7 +163,7 @@ class RegistrySync:
     # ---- applying ------------------------------------------------------------------------
 
     def _registry_names(self) -> dict[str, ServedAdapter]:
-        return {name: served for name, served in self._adapters.all().items() if is_registry_name(name)}
+        return {name: served for name, served in self._adapters.all().items() if in_registry_form(name)}
 
     async def _apply(self, desired: Iterable[ServedEntry], *, stale: set[str]) -> None:
         """Load every desired version not loaded with its digest; unload `stale` names not desired."""

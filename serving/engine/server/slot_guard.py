@@ -26,10 +26,10 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from serving.engine.async_engine import AsyncEngine, EngineDeadError
-from serving.engine.server.registry_sync import is_registry_name
 from serving.engine.stats import SlotRepair
 from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome
 from serving.gateway.redis_guard import RedisGuard
+from serving.wire.names import in_registry_form
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class SlotGuard:
                       "produced tokens from it stopped, reloading it from storage", repair.slot, repair.digest[:12],
                       ", ".join(repair.names) or "no name", repair.stopped)
             for name in repair.names:
-                if is_registry_name(name):
+                if in_registry_form(name):
                     await self._record_failure(name)
         return repairs
 
