@@ -99,6 +99,12 @@ class ApiKeyAuthentication(BaseAuthentication):
         header = request.META.get("HTTP_AUTHORIZATION")
         if header is None:
             return None
+        if "," in header:
+            # Django joins repeated headers with a comma, and no key holds one: two credentials are
+            # ambiguous, so neither is tried (the gateway's /v1 routes answer the same).
+            raise exceptions.ParseError(
+                "Send one Authorization header: two were sent. Expected 'Authorization: Bearer lp-<prefix>.<secret>'.",
+                code="duplicate_authorization")
         return AnonymousUser(), api_key_authenticate(header)
 
     def authenticate_header(self, request: Request) -> str:

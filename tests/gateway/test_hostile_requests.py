@@ -76,7 +76,7 @@ def test_a_lone_surrogate_in_a_field_is_a_400(web, ready, tenant_a, field):
     assert error["code"] == "invalid_unicode" and "surrogate" in error["message"]
 
 
-def test_two_authorization_headers_are_a_400_on_every_v1_route(web, ready, tenant_a, tenant_b):
+def test_two_authorization_headers_are_a_400_on_every_route(web, ready, tenant_a, tenant_b):
     from django.conf import settings
 
     twice = [("Authorization", f"Bearer {tenant_a.key}"), ("Authorization", f"Bearer {tenant_b.key}")]
@@ -86,6 +86,9 @@ def test_two_authorization_headers_are_a_400_on_every_v1_route(web, ready, tenan
         httpx.post(f"{web.url}/v1/chat/completions", headers=twice, timeout=60,
                    json={**body, "messages": [{"role": "user", "content": "hi"}]}),
         httpx.get(f"{web.url}/v1/models", headers=twice, timeout=60),
+        # The management API and OpenAI's files route (DRF) refuse it the same way.
+        httpx.get(f"{web.url}/api/v1/tenant", headers=twice, timeout=60),
+        httpx.get(f"{web.url}/v1/files", headers=twice, timeout=60),
     ]
     for reply in replies:
         assert reply.status_code == 400, reply.text
