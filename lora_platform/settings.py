@@ -246,8 +246,8 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "inte
 CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
-# Periodic repairs, sent by `celery -A lora_platform beat`: training slots freed without a
-# follow-up dispatch and training tasks the broker lost (training.sweep.training_jobs_sweep).
+# Periodic repairs, sent by `celery -A lora_platform beat`: room under a tenant's concurrent-job limit
+# left without a follow-up dispatch and training tasks the broker lost (training.sweep.training_jobs_sweep).
 CELERY_BEAT_SCHEDULE = {
     "training-jobs-sweep": {"task": "training.tasks.training_jobs_sweep", "schedule": 60.0},
 }

@@ -249,7 +249,7 @@ class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
 
     @extend_schema(request=TrainingJobCreateSerializer,
                    responses={201: TrainingJobSerializer, 404: error_response(_NO_SUCH_FILE)},
-                   summary="Create a training job (queued; it starts when the tier has a free slot)")
+                   summary="Create a training job (queued; it starts when the tier's concurrent-job limit has room)")
     def create(self, request: Request) -> Response:
         payload = TrainingJobCreateSerializer(data=request.data)
         payload.is_valid(raise_exception=True)

@@ -1,14 +1,14 @@
 """What every part of the training pipeline shares: after-commit sends, job events and endings, the lease.
 
-The pipeline is split by job (datasets, jobs, slots, sweep, run, publishing, scratch); each part
+The pipeline is split by job (datasets, jobs, concurrency, sweep, run, publishing, scratch); each part
 ends jobs, writes their events and sends tasks after its commit the same way, so those pieces live
 here and the parts import them from here rather than from each other.
 
 Broker outages. Tasks are sent after the commit that needs them (`after_commit`); a send that
 fails is logged and never fails the request nor undoes what it committed: an unsent validation is
-sent by the sweep, and a job whose task was not sent gives its slot back and is dispatched again.
+sent by the sweep, and a job whose task was not sent stops counting toward the limit and is dispatched again.
 
-Locks. Slots and versions are decided under the tenant's row lock, a job's state under its own.
+Locks. Concurrency and versions are decided under the tenant's row lock, a job's state under its own.
 A lock taken through a join names `of=("self",)`: PostgreSQL would otherwise lock the joined rows
 too (a tenant's tier), serialising every tenant of that tier.
 """

@@ -8,7 +8,7 @@ Reading them through Django settings first lets tests override them with pytest-
 | TRAINING_DATASET_MAX_BYTES | 100 MiB | largest dataset upload |
 | TRAINING_DATASET_MAX_BYTES_BY_TIER | "" | per-tier overrides, `vip=1073741824,batch=52428800` |
 | TRAINING_MAX_SEQ_LENGTH | 4096 | platform cap on max_seq_length (the base model's context also caps it) |
-| TRAINING_MAX_WAITING_JOBS | 10 | jobs a tenant may have waiting for a slot, beyond its tier's concurrent jobs |
+| TRAINING_MAX_WAITING_JOBS | 10 | jobs a tenant may have waiting, beyond its tier's concurrent jobs |
 | TRAINING_CHECKPOINT_EVERY_STEPS | 100 | steps between checkpoints |
 | TRAINING_CHECKPOINTS_KEPT | 2 | newest checkpoints kept per job |
 | TRAINING_LOG_EVERY_STEPS | 10 | steps between metrics events |

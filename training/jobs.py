@@ -1,6 +1,6 @@
 """Training jobs: creation (every input checked first), cancel, retry, and settling jobs that waited for their files.
 
-A created job waits for a slot (training.slots); beyond the slots a tenant may have
+A created job waits for room under its tenant's concurrent-job limit (training.concurrency); beyond those a tenant may have
 TRAINING_MAX_WAITING_JOBS waiting, and more is refused (LimitExceeded). A job created while its
 files are still being validated (OpenAI's `validating_files`) is settled by
 `training_jobs_release` once they are.
@@ -28,7 +28,7 @@ from training.base import (PENDING_DATASET_STATUSES, Status, after_commit, check
                            held_out, lease_fresh)
 from training.hyperparameters import Hyperparameters, resolve_hyperparameters
 from training.models import Dataset, TrainingEvent, TrainingJob
-from training.slots import holds_slot, training_jobs_dispatch
+from training.concurrency import counts_toward_limit, training_jobs_dispatch
 
 MAX_SEED = 2**31 - 1
 MAX_VALIDATION_FRACTION = 0.5
@@ -113,7 +113,7 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
                         validation_fraction: Any = None, version: Any = None,
                         hyperparameters: dict[str, Any] | None = None, seed: Any = None, base_model: Any = None,
                         metadata: Any = None, await_validation: bool = False) -> TrainingJob:
-    """A queued job; it starts once the tenant has a free slot (module docstring).
+    """A queued job; it starts once the tenant's concurrent-job limit has room (module docstring).
 
     Every input is checked first (datasets ready and the tenant's, adapter name and tier's adapter
     limit, version, hyperparameters against the platform limits, base model, metadata, waiting-job
@@ -191,7 +191,7 @@ def training_jobs_release(*, dataset_id: int) -> list[int]:
 
     A job created while its files were being validated (OpenAI's `validating_files`) fails when one
     of them is invalid, saying which lines are wrong; once all are ready its steps are planned and
-    it joins the queue for a slot. Idempotent: a settled job is left as it is.
+    it joins the queue again. Idempotent: a settled job is left as it is.
     """
     failed: list[int] = []
     tenants: set[int] = set()
@@ -237,14 +237,14 @@ def _invalid_file(job: TrainingJob) -> tuple[str, str] | None:
 
 def _check_waiting_room(tenant: Tenant) -> None:
     jobs = TrainingJob.objects.for_tenant(tenant)
-    slots = tenant.tier.max_concurrent_training_jobs
-    holding = jobs.filter(holds_slot()).count()
+    concurrent = tenant.tier.max_concurrent_training_jobs
+    holding = jobs.filter(counts_toward_limit()).count()
     waiting = jobs.filter(status=Status.QUEUED, dispatched_at__isnull=True).count()
     limit = conf.setting_int("TRAINING_MAX_WAITING_JOBS")
-    if holding >= slots and waiting >= limit:
+    if holding >= concurrent and waiting >= limit:
         raise LimitExceeded(
             f"Tenant '{tenant.slug}' is at its training job limit: {holding} job(s) running (tier "
-            f"'{tenant.tier.name}' allows {slots} at a time) and {waiting} waiting (at most {limit}). Wait for "
+            f"'{tenant.tier.name}' allows {concurrent} at a time) and {waiting} waiting (at most {limit}). Wait for "
             "a job to finish or cancel one.", code="training_job_limit_reached",
         )
 

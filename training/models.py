@@ -1,6 +1,6 @@
 """Datasets, training jobs, their events and their checkpoints.
 
-State changes live in the service modules (training.datasets, jobs, slots, run, publishing); the
+State changes live in the service modules (training.datasets, jobs, concurrency, run, publishing); the
 models hold what the database can enforce by itself (one checkpoint per job and step, one produced
 version per job).
 """
@@ -59,9 +59,9 @@ class Dataset(models.Model):
 class TrainingJob(models.Model):
     """One LoRA training run on the shared base model, producing one adapter version.
 
-    queued → running → succeeded | failed | cancelled. A queued job holds one of its tenant's
-    concurrent-job slots from the moment its task is sent (`dispatched_at`); see
-    training.slots.training_jobs_dispatch for how waiting jobs get a slot.
+    queued → running → succeeded | failed | cancelled. A queued job counts toward its tenant's
+    concurrent-job limit from the moment its task is sent (`dispatched_at`); see
+    training.concurrency.training_jobs_dispatch for how waiting jobs start.
     """
 
     class Status(models.TextChoices):

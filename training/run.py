@@ -6,7 +6,7 @@ heartbeat is fresh, so two runs never train one job at once, and a later run res
 checkpoint. What the run publishes is idempotent too (training.publishing).
 
 The run never imports the job lifecycle (training.jobs): it ends the job itself, and asks
-training.slots to start the next one.
+training.concurrency to start the next one.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from training.hyperparameters import Hyperparameters
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 from training.publishing import CancelledLate, artifact_prefix_of, own_artifact, publish_and_register, register
 from training.scratch import scratch_create
-from training.slots import training_jobs_dispatch
+from training.concurrency import training_jobs_dispatch
 from training.validation import iter_lines, iter_valid_examples
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The periodic repair (a Celery beat task): fills free slots, re-sends lost tasks, ends stuck validations.
+"""The periodic repair (a Celery beat task): starts the waiting jobs the limit has room for, re-sends lost tasks, ends stuck validations.
 
 A killed worker, a message the broker lost and a task never sent while the broker was down all
 leave a job or a dataset waiting for a task that will not come; the sweep finds them by their
@@ -21,7 +21,7 @@ from training.base import Status, after_commit, event, lease_seconds
 from training.datasets import validation_record, validation_send
 from training.examples import Problem
 from training.models import Dataset, TrainingEvent, TrainingJob
-from training.slots import run_send, training_jobs_dispatch
+from training.concurrency import run_send, training_jobs_dispatch
 from training.validation import ValidationReport
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ UNSENT_TASK_SECONDS = 60
 
 
 def training_jobs_sweep() -> dict[str, list[int]]:
-    """The periodic repair: fills free slots everywhere, re-sends tasks that were lost, ends stuck validations.
+    """The periodic repair: starts waiting jobs wherever the limit has room, re-sends tasks that were lost, ends stuck validations.
 
     - A running job whose run has not reported for two leases is re-sent (its worker was killed, and
       its unacknowledged task would come back only after the broker's visibility timeout); the

@@ -71,8 +71,8 @@ def test_uploads_and_jobs_survive_a_stopped_then_frozen_redis_and_run_once_it_is
                                 "seed": 1}, timeout=REQUEST_TIMEOUT_S)
     assert response.status_code == 201, response.text
     job = TrainingJob.objects.get(pk=response.json()["id"])
-    # Not sent, so it holds no slot: the next dispatch sends it (before: `queued` with dispatched_at
-    # set, never started, holding a tier slot).
+    # Not sent, so it does not count toward the limit: the next dispatch sends it (before: `queued` with
+    # dispatched_at set, never started, counting toward the tier's limit).
     assert job.status == "queued" and job.dispatched_at is None
 
     own_redis.start()

@@ -20,7 +20,7 @@ from django.db import close_old_connections
 
 from lora_platform.storage import get_storage
 from tenants.services import api_key_create
-from training import datasets, slots
+from training import concurrency, datasets
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 from training_support import BASE_MODEL_NAME, chat_lines, jsonl
 
@@ -188,7 +188,7 @@ def test_a_job_waits_in_validating_files_then_queues_or_fails(openai_a):
     good = upload(openai_a, chat_lines(), validate=False)
     waiting = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=good.id, suffix="bot")
     assert waiting.status == "validating_files"
-    assert slots.training_jobs_dispatch(tenant_id=TrainingJob.objects.get().tenant_id) == []
+    assert concurrency.training_jobs_dispatch(tenant_id=TrainingJob.objects.get().tenant_id) == []
     datasets.dataset_validate(dataset_id=int(good.id.removeprefix("file-")))
     queued = openai_a.fine_tuning.jobs.retrieve(waiting.id)
     assert queued.status == "queued"

@@ -14,7 +14,7 @@ from django.utils import timezone
 from lora_platform.storage import get_storage
 from serving.models import AdapterVersion
 from tenants.models import Tier
-from training import datasets, jobs, run, scratch, slots, sweep
+from training import concurrency, datasets, jobs, run, scratch, sweep
 from training.models import Checkpoint, Dataset, TrainingJob
 from training_support import chat_lines, jsonl
 
@@ -33,7 +33,7 @@ def dataset(platform, tenant_a, settings) -> Dataset:
 def new_job(tenant_a, dataset: Dataset, **fields) -> TrainingJob:
     job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot",
                                        hyperparameters=SMALL, seed=1, **fields)
-    slots.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
     return job
 
 
@@ -85,7 +85,7 @@ def test_when_registration_fails_the_artifact_is_deleted(tenant_a, dataset, one_
 
     Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_adapters=5)
     jobs.training_job_retry(job=job)
-    slots.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
     run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED and job.adapter_version.version == "1.0.0"
@@ -113,7 +113,7 @@ def test_cancelling_a_job_whose_worker_is_gone_ends_it_at_once(tenant_a, dataset
     assert run.training_job_run(job_id=job.pk).reason == "the job has already cancelled"
 
 
-def test_the_sweep_fills_free_slots_and_resends_lost_tasks(tenant_a, dataset):
+def test_the_sweep_starts_waiting_jobs_and_resends_lost_tasks(tenant_a, dataset):
     job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot")
     assert job.total_steps == 2 * 3  # 8 examples in batches of 4, 3 epochs by default
     assert sweep.training_jobs_sweep()["dispatched"] == [job.pk]
