@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "lora_platform",
+    "dashboard",
     "tenants",
     "serving",
     "training",

@@ -27,5 +27,5 @@ urlpatterns = [
     # OpenAI's files and fine-tuning API (/v1/files, /v1/fine_tuning/…).
     path("v1/", include("training.openai_urls")),
     # Last: the dashboard owns every path the others leave.
-    path("", include("lora_platform.dashboard_urls")),
+    path("", include("dashboard.urls")),
 ]

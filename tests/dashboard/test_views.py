@@ -285,7 +285,7 @@ def test_every_form_needs_its_csrf_token(people, route, args):
 
 
 def test_every_post_route_is_covered_by_the_csrf_test():
-    from lora_platform import dashboard_urls
+    from dashboard import urls as dashboard_urls
 
     posted = {name for name, _ in POST_ROUTES}
     reads = {"overview", "login", "datasets", "dataset", "jobs", "job-new", "job", "adapters", "adapter", "keys",

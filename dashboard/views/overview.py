@@ -6,9 +6,9 @@ from django.http import HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
+from dashboard.htmx import is_htmx
+from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from serving import selectors as registry_selectors
-from serving.models import AdapterVersion
-from tenants.dashboard import DashboardRequest, Role, dashboard_view, is_htmx
 from tenants.models import Tenant
 from training import selectors as training_selectors
 from training.models import Dataset
@@ -39,10 +39,9 @@ def overview_view(request: DashboardRequest) -> HttpResponse:
     adapters = registry_selectors.adapter_list(tenant=tenant)
     deployed = []
     for adapter in adapters:
-        served = {item.status: item for item in adapter.versions.all() if item.is_served}
-        if served:
-            deployed.append({"adapter": adapter, "active": served.get(AdapterVersion.Status.ACTIVE),
-                             "canary": served.get(AdapterVersion.Status.CANARY)})
+        active, canary = registry_selectors.adapter_served_prefetched(adapter)
+        if active or canary:
+            deployed.append({"adapter": adapter, "active": active, "canary": canary})
     jobs = training_selectors.job_list(tenant=tenant)
     return render(request, "dashboard/overview.html", _quota(tenant) | {
         "deployed": deployed, "adapter_count": len(adapters),

@@ -17,7 +17,7 @@ from typing import Any, cast
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse
 
 from serving.wire.errors import NotFound
 from tenants.authentication import SESSION_TENANT_KEY, TenantAuth
@@ -111,17 +111,3 @@ def dashboard_view(role: str = Role.VIEWER) -> Callable[[Callable[..., HttpRespo
         return wrapped
 
     return decorate
-
-
-def is_htmx(request: HttpRequest) -> bool:
-    """Whether htmx sent the request (it then wants a fragment, not a whole page)."""
-    return request.headers.get("HX-Request") == "true"
-
-
-def htmx_redirect(request: HttpRequest, url: str) -> HttpResponse:
-    """A redirect that htmx follows as a full page load (HX-Redirect), or a plain 302."""
-    if is_htmx(request):
-        response = HttpResponse(status=204)
-        response["HX-Redirect"] = url
-        return response
-    return HttpResponseRedirect(url)

@@ -1,54 +1,19 @@
-"""Dashboard pages of the tenants app: log in and out, the tenant switcher, API keys, members."""
+"""The tenant's people and access: its API keys (create, list, revoke) and its members (add, role, remove)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from django.contrib import messages
-from django.contrib.auth import views as auth_views
-from django.contrib.auth.forms import AuthenticationForm
-from django.core.exceptions import ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from serving.wire.errors import ServiceError
-from tenants import login_throttle, selectors, services
-from tenants.dashboard import DashboardRequest, Role, dashboard_view, tenant_switch
+from tenants import selectors, services
 from tenants.models import ApiKey, Membership
 from tenants.permissions import KEY_MANAGER_ROLE
-
-
-class LoginForm(AuthenticationForm):
-    """Django's login form, saying so when the sign-in throttle refused the attempt."""
-
-    error_messages = {
-        **AuthenticationForm.error_messages,
-        "invalid_login": "Your username and password did not match. Try again.",
-    }
-
-    def clean(self) -> dict[str, object]:
-        try:
-            return super().clean()
-        except ValidationError:
-            refusal = login_throttle.refusal_of(self.request) if self.request is not None else None
-            if refusal is not None:
-                raise ValidationError(refusal.message, code="throttled") from None
-            raise
-
-
-class LoginView(auth_views.LoginView):
-    template_name = "dashboard/login.html"
-    authentication_form = LoginForm
-    redirect_authenticated_user = True
-
-
-@require_POST
-@dashboard_view(Role.VIEWER)
-def tenant_switch_view(request: DashboardRequest) -> HttpResponse:
-    context = tenant_switch(request, slug=request.POST.get("tenant", ""))
-    messages.info(request, f"Now acting for {context.tenant.name}.")
-    return redirect("dashboard:overview")
 
 
 def _keys_page(request: DashboardRequest, *, created: tuple[ApiKey, str] | None = None,
