@@ -3,6 +3,8 @@
 Clients of the OpenAI API already parse this shape, so the management API uses it too; no API path
 ever answers with an HTML page (errors raised outside DRF views are converted by
 lora_platform.middleware.ApiJsonErrorsMiddleware).
+The body and its status → type table are serving.wire.errors', the one the gateway and the serving
+worker answer with too.
 """
 
 from __future__ import annotations
@@ -16,29 +18,14 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from serving.wire.errors import ServiceError
-
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-def error_body(message: str, *, error_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+from serving.wire.errors import ServiceError, error_body
+from serving.wire.errors import error_type as type_of_status
 
 
 def error_response(status_code: int, message: str, *, code: str | None = None, param: str | None = None,
                    error_type: str | None = None, headers: dict[str, str] | None = None) -> JsonResponse:
     """A plain Django JSON error, for code outside DRF (middleware, URL handlers, the gateway)."""
-    body = error_body(message, error_type=error_type or _TYPE_BY_STATUS.get(status_code, "api_error"),
+    body = error_body(message, error_type=error_type or type_of_status(status_code),
                       code=code, param=param)
     response = JsonResponse(body, status=status_code)
     for name, value in (headers or {}).items():
@@ -98,7 +85,7 @@ def openai_exception_handler(exc: Exception, context: dict[str, Any]) -> Respons
         code = code if code not in (None, "not_authenticated", "authentication_failed") else "invalid_api_key"
     response.data = error_body(
         message,
-        error_type=_TYPE_BY_STATUS.get(response.status_code, "api_error"),
+        error_type=type_of_status(response.status_code),
         code=code,
         param=param,
     )

@@ -33,7 +33,7 @@ from django.http import HttpRequest
 from django.urls import Resolver404, resolve
 from rest_framework.exceptions import APIException
 
-from lora_platform.api_errors import error_body
+from serving.wire.errors import error_body
 from tenants.authentication import api_key_authenticate
 from tenants.models import Membership, Tenant
 

@@ -437,7 +437,6 @@ class BaseModelUnavailable(ServiceError):
     """The platform's own base model is missing, so no adapter can be checked against it."""
 
     status_code = 503
-    error_type = "api_error"
     code = "base_model_unavailable"
 
 

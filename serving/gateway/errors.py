@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import json
 
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-}
+from serving.wire import errors as wire
 
 
 class GatewayError(Exception):
@@ -27,7 +21,7 @@ class GatewayError(Exception):
 
     @property
     def error_type(self) -> str:
-        return _TYPE_BY_STATUS.get(self.status, "api_error")
+        return wire.error_type(self.status)
 
     def fresh(self) -> GatewayError:
         """A new error with the same answer, to raise in place of a cached one: raising the cached
@@ -40,7 +34,7 @@ class GatewayError(Exception):
 
 
 def error_json(message: str, *, error_type: str, code: str | None, param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}}).encode()
+    return json.dumps(wire.error_body(message, error_type=error_type, code=code, param=param)).encode()
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> GatewayError:

@@ -1,19 +1,64 @@
-"""The errors every side raises and answers in OpenAI's shape: Django-free, so the platform's services,
-the blob storage (serving.wire.storage) and the serving worker's reader raise and catch the same
-classes; the API layer (lora_platform.api_errors) turns each into an OpenAI-shaped JSON error.
+"""OpenAI's error body and the errors every side raises in it: Django-free, so the gateway, the
+management API (lora_platform.api_errors) and the serving worker (serving.engine.server.errors) answer
+with one body and one status → type table, and the platform's services, the blob storage
+(serving.wire.storage) and the worker's reader raise and catch the same classes.
+
+The body is OpenAI's: `{"error": {"message", "type", "param", "code"}}` (`error_body`). The type is
+`error_type(status)`, from the one table `TYPE_BY_STATUS`; anything it does not name is "api_error".
+
+The table, decided against what OpenAI's API and SDK do:
+- 404 is "invalid_request_error", as OpenAI's API answers an unknown model
+  (`{"type": "invalid_request_error", "code": "model_not_found"}`) or file. The three tables this
+  one replaced disagreed (the gateway said so; the management API and the worker said
+  "not_found_error", which is Anthropic's type, not OpenAI's). What a missing thing is goes in
+  `code` (model_not_found, not_found, ...).
+- The OpenAI SDK picks its exception class by status alone (400 BadRequestError, 401
+  AuthenticationError, 403 PermissionDeniedError, 404 NotFoundError, 409 ConflictError, 429
+  RateLimitError, 5xx InternalServerError, with retries on 409, 429 and 5xx) and shows `type` as it
+  came, so the table changes no client's control flow.
+- 401 stays "authentication_error", 403 "permission_error", 409 "conflict_error", 429
+  "rate_limit_error", where the three tables agreed (OpenAI itself sends "invalid_request_error"
+  with code invalid_api_key on a 401; the type names the class of problem more usefully here).
+- A service's LimitExceeded (403) is "permission_error" with its code (limit_exceeded, ...); it
+  had a type of its own, "limit_exceeded_error", that no OpenAI client knows.
+- 5xx are "api_error", as the gateway and the API answered them (the worker's own
+  "internal_server_error" and "service_unavailable" went with its table).
 
 Services must not know about HTTP, but each failure has one natural status, so it is carried here
-rather than re-decided in every view.
+rather than re-decided in every view; its type follows from the status.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error type of an HTTP status (module docstring)."""
+    return TYPE_BY_STATUS.get(status, "api_error")
+
+
+def error_body(message: str, *, error_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body, JSON-ready."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 class ServiceError(Exception):
     """A request the platform refuses, with a message that tells the caller what to change."""
 
     status_code = 400
-    error_type = "invalid_request_error"
     code = "invalid_request"
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
@@ -23,6 +68,10 @@ class ServiceError(Exception):
             self.code = code
         self.param = param
 
+    @property
+    def error_type(self) -> str:
+        return error_type(self.status_code)
+
 
 class InvalidInput(ServiceError):
     """The input itself is wrong (a field, a file, a parameter)."""
@@ -30,7 +79,6 @@ class InvalidInput(ServiceError):
 
 class NotFound(ServiceError):
     status_code = 404
-    error_type = "not_found_error"
     code = "not_found"
 
 
@@ -38,7 +86,6 @@ class Conflict(ServiceError):
     """The input is fine but the current state forbids it (a duplicate name, a resource in use)."""
 
     status_code = 409
-    error_type = "conflict_error"
     code = "conflict"
 
 
@@ -46,11 +93,9 @@ class LimitExceeded(ServiceError):
     """A tier or platform limit stands in the way (max adapters, max concurrent jobs, file size)."""
 
     status_code = 403
-    error_type = "limit_exceeded_error"
     code = "limit_exceeded"
 
 
 class PayloadTooLarge(ServiceError):
     status_code = 413
-    error_type = "invalid_request_error"
     code = "payload_too_large"

@@ -27,7 +27,7 @@ def error_of(response) -> dict:
 def test_unknown_api_paths_are_json_404(client_a, url: str) -> None:
     response = client_a.get(url)
     assert response.status_code == 404
-    assert error_of(response) == {"message": f"No route for GET {url}.", "type": "not_found_error",
+    assert error_of(response) == {"message": f"No route for GET {url}.", "type": "invalid_request_error",
                                   "code": "not_found", "param": None}
 
 

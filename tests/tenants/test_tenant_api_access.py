@@ -58,7 +58,7 @@ def test_tenant_b_cannot_list_read_or_revoke_tenant_a_keys(client_a, client_b, t
     read = client_b.get(f"/api/v1/api-keys/{a_key.id}")
     assert read.status_code == 404 and error_of(read)["code"] == "not_found"
     revoke = client_b.delete(f"/api/v1/api-keys/{a_key.id}")
-    assert revoke.status_code == 404 and error_of(revoke)["type"] == "not_found_error"
+    assert revoke.status_code == 404 and error_of(revoke)["type"] == "invalid_request_error"
 
     a_key.refresh_from_db()
     assert a_key.revoked_at is None

@@ -1,7 +1,8 @@
 """Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with the status
 OpenAI's clients map to their exception classes (400 BadRequestError, 401 AuthenticationError,
 404 NotFoundError, 409 ConflictError, 503 InternalServerError with retries). Nothing leaves as
-plain text: an unexpected exception is a JSON 500 naming its type, the traceback goes to the log."""
+plain text: an unexpected exception is a JSON 500 naming its type, the traceback goes to the log.
+The body and its status → type table are serving.wire.errors', shared with the gateway and the API."""
 
 from __future__ import annotations
 
@@ -13,20 +14,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.wire import errors as wire
 from serving.wire.registry import SLOT_CORRUPTED
 
 log = logging.getLogger(__name__)
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
 
 
 class APIError(Exception):
@@ -67,7 +58,7 @@ def overloaded(message: str) -> APIError:
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+    return wire.error_body(message, error_type=wire.error_type(status), code=code, param=param)
 
 
 def error_response(error: APIError) -> JSONResponse:
