@@ -30,8 +30,12 @@ lint-imports: install
 typecheck: install
 	REDIS_URL=redis://mypy-never-connects.invalid:6379/0 $(VENV)/bin/mypy
 
+# The suite on two pytest-xdist workers, each file whole on one worker; each worker has its own test
+# database, Redis database and temporary directory (docs/testing.md). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+
 test: lint-imports typecheck
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 up: migrate
 	$(PY) -m lora_platform.launcher

@@ -30,6 +30,27 @@ POSTGRESQL_SKIP = "needs PostgreSQL (row locks: select_for_update); SQLite has n
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "postgresql: takes row locks; skipped, and announced, on SQLite")
+    try:
+        from django.db.models.signals import post_migrate
+    except ImportError:  # the accelerator machine has no Django
+        return
+    post_migrate.connect(_tiers_reseed, dispatch_uid="tests-tiers-reseed")
+
+
+def _tiers_reseed(sender: object, using: str, **kwargs: object) -> None:
+    """Every test starts from the migrated database, tiers included.
+
+    A transactional test ends with a flush, which empties every table, the seed migration's tiers
+    too; the flush then sends post_migrate (as Django's content types and permissions rely on), and
+    this puts the tiers back. Without it, a test that reads the seeded tiers passed only while it ran
+    before every transactional test: pytest-django's order in one process, but not under xdist,
+    where a worker runs whole files (--dist loadfile) and so one file's transactional tests before
+    another file's plain ones.
+    """
+    if getattr(sender, "label", None) == "tenants" and using == "default":
+        from tenants.services import tiers_seed
+
+        tiers_seed()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

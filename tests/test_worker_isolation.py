@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lora_platform.embedded_redis import celery_redis_url
-from tests.worker_isolation import worker_index, worker_redis_url
+from tests.worker_isolation import CONTROLLER_REDIS_URL, worker_index, worker_redis_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +49,18 @@ def test_what_is_not_a_worker_or_a_redis_url_is_refused_by_name() -> None:
         worker_redis_url("memcached://cache:11211", 1)
 
 
-def test_two_workers_of_one_run_get_their_own_redis_database(tmp_path: Path) -> None:
-    """A real `pytest -n 2` run: each worker's settings (and so Celery, and every process it starts)
-    point at a database of their own on the run's Redis."""
+def test_this_worker_uses_its_own_redis_database(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Each worker's settings (and so Celery, and every process it starts) point at a database of
+    their own on the run's Redis. Under xdist (`make test`) this worker checks itself against the URL
+    its controller handed on; in a plain run, a real `pytest -n 2` is started and both are checked."""
+    workerinput = getattr(request.config, "workerinput", None)
+    if workerinput is not None:
+        from django.conf import settings
+
+        wanted = worker_redis_url(workerinput[CONTROLLER_REDIS_URL], worker_index(workerinput["workerid"]))
+        assert settings.REDIS_URL == os.environ["REDIS_URL"] == wanted
+        assert settings.CELERY_BROKER_URL == settings.CELERY_RESULT_BACKEND == celery_redis_url(wanted)
+        return
     (tmp_path / "test_recorder.py").write_text(RECORDER)
     out = tmp_path / "out"
     out.mkdir()

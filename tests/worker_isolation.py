@@ -23,7 +23,11 @@ import os
 import re
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
+import pytest
+
 WORKER_ENV = "PYTEST_XDIST_WORKER"
+# The controller's REDIS_URL, handed to each worker (tests/test_worker_isolation.py checks against it).
+CONTROLLER_REDIS_URL = "controller_redis_url"
 
 
 def worker_index(worker_id: str) -> int:
@@ -61,3 +65,8 @@ def _isolate_this_worker() -> None:
 
 
 _isolate_this_worker()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on the controller
+def pytest_configure_node(node: object) -> None:
+    node.workerinput[CONTROLLER_REDIS_URL] = os.environ.get("REDIS_URL", "")  # type: ignore[attr-defined]

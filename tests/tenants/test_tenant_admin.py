@@ -7,7 +7,7 @@ import re
 import pytest
 from django.test import Client
 
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, Tenant, Tier
 
 pytestmark = pytest.mark.django_db
 
@@ -50,8 +50,9 @@ def test_revoke_action(admin, tenant_a, tenant_b) -> None:
 
 
 def test_adding_a_tenant_shows_its_first_key_once(admin) -> None:
+    # By name: after a transactional test's flush the tiers are seeded again under new ids.
     response = admin.post("/admin/tenants/tenant/add/", {
-        "slug": "acme", "name": "Acme", "tier": 1, "status": "active",
+        "slug": "acme", "name": "Acme", "tier": Tier.objects.get(name="standard").pk, "status": "active",
         "memberships-TOTAL_FORMS": 0, "memberships-INITIAL_FORMS": 0,
         "api_keys-TOTAL_FORMS": 0, "api_keys-INITIAL_FORMS": 0,
     }, follow=True)
