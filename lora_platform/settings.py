@@ -210,8 +210,8 @@ REST_FRAMEWORK = {
         "rest_framework.parsers.FormParser",
     ],
     # drf-spectacular's, plus the 4xx answers of each operation with the error body.
-    "DEFAULT_SCHEMA_CLASS": "lora_platform.api_schema.AutoSchema",
-    "EXCEPTION_HANDLER": "lora_platform.api_errors.openai_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "api.schema.AutoSchema",
+    "EXCEPTION_HANDLER": "api.errors.openai_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 
