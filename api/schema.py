@@ -1,5 +1,5 @@
 """The OpenAPI schema's error responses: every operation documents the 4xx answers it gives, with
-the one error body of lora_platform.api_errors (OpenAI's `{"error": {...}}`).
+the one error body of api.errors (OpenAI's `{"error": {...}}`).
 
 drf-spectacular documents only the success of each operation, so a client generated from the schema
 (or schemathesis) met 400, 401, 403, 404 and 409 as undocumented. `AutoSchema` adds, to what each

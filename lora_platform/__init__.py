@@ -1,4 +1,4 @@
-"""The Django project package (wiring only): settings, URLs, ASGI/WSGI, the Celery app, storage.
+"""The Django project package (wiring only): settings, URLs, ASGI/WSGI, the Celery app, the launcher.
 
 It is not named `platform/` as the design card had it: that name shadows Python's own `platform`
 module, which Django, Celery and redis-py import.

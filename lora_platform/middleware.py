@@ -9,7 +9,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
-from lora_platform.api_errors import error_response
+from api.errors import error_response
 
 API_PREFIXES = ("/api/", "/v1/")
 
@@ -76,7 +76,7 @@ class BodySizeLimitMiddleware(_SyncAndAsync):
 class ApiJsonErrorsMiddleware(_SyncAndAsync):
     """Under /api/ and /v1/, every error response that is not JSON becomes an OpenAI-shaped one.
 
-    DRF views already answer errors in JSON (api_errors.openai_exception_handler), but some errors
+    DRF views already answer errors in JSON (api.errors.openai_exception_handler), but some errors
     happen outside them: an unknown path (404), a method a plain Django view does not allow (405), an
     uncaught exception (500, an HTML debug page when DEBUG is on), a CSRF or host check (400/403).
     Converting the finished response here catches all of them in one place, whatever DEBUG is; other

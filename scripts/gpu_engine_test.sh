@@ -7,7 +7,7 @@
 # the worker and the load generator with py-spy (on PATH) during its last rate. Uses the
 # machine's python3 (torch, triton, peft, pytest there); the packages it lacks travel as wheels on
 # PYTHONPATH (docs/benchmarks.md lists them: boto3 … uvicorn for the engine, celery and its
-# dependencies for anything importing training, which imports lora_platform).
+# dependencies for anything importing training, which imports Celery).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"

@@ -2,7 +2,7 @@
 
 Views only translate HTTP to serving.services / serving.selectors calls and back; every rule
 (states, limits, validation of artifacts) lives there. Lists are in the one list shape of
-lora_platform.pagination: adapters by name (cursor: a name), versions newest first by semantic
+api.pagination: adapters by name (cursor: a name), versions newest first by semantic
 version (cursor: a version), audit events newest first (cursor: an event id).
 """
 
@@ -30,7 +30,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from serving.wire.errors import InvalidInput, NotFound
-from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
+from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from serving import selectors, services, usage
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import VERSION_PATH_PATTERN, SemVer

@@ -24,7 +24,7 @@ from typing import Any
 from django.db import transaction
 
 from serving.wire.errors import InvalidInput
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from serving import selectors, services
 from serving.models import Adapter, AdapterVersion, artifact_prefix
 from serving.versions import SemVer, version_parse

@@ -25,7 +25,7 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, transaction
 
 from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from serving import selectors, uploads
 from serving.events import deploy_event_publish, event_payload
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent, artifact_prefix

@@ -4,7 +4,8 @@
 project directory, settings.BASE_DIR) and `s3://bucket/prefix` (`S3_ENDPOINT_URL` for MinIO,
 credentials from the usual `AWS_*`). The storage classes are Django-free (serving.wire.storage,
 serving.wire.s3) because the serving worker reads the same artifacts; this module is the Django
-side of it.
+side of it. It sits in serving, whose artifacts it mostly holds, and training reaches it here as it
+reaches the registry (lora_platform, the project's wiring, is imported by no app).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from django.core.files.uploadedfile import UploadedFile
 from transformers import AutoConfig, PretrainedConfig
 
 from serving.wire.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from serving.engine.lora.reader import validate_adapter_dir
 from serving.engine.lora.artifact import (
     ADAPTER_CONFIG_NAME,

@@ -1,5 +1,5 @@
 """REST: the caller's tenant and tier, and the tenant's API keys (listed newest first, in the one list
-shape of lora_platform.pagination)."""
+shape of api.pagination)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
+from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants import services
 from tenants.models import ApiKey, Tenant, Tier
 from tenants.permissions import CanManageApiKeys

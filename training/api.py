@@ -1,6 +1,6 @@
 """REST for datasets and training jobs, in shapes close to OpenAI's files and fine-tuning APIs.
 
-Lists are in the one list shape of lora_platform.pagination, newest first, paged with `?limit=`
+Lists are in the one list shape of api.pagination, newest first, paged with `?limit=`
 and `?after=<id>` as OpenAI's are. Views only translate HTTP to training.datasets and training.jobs calls
 and back; every rule lives there.
 """
@@ -20,9 +20,9 @@ from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from lora_platform.api_schema import error_response
+from api.schema import error_response
 from serving.wire.errors import InvalidInput
-from lora_platform.pagination import list_body, list_schema, page_request, paging_parameters, take
+from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
 from training import conf, datasets, jobs, selectors
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob

@@ -8,11 +8,14 @@ applies to a task sent by name as to one sent through its function. With CELERY_
 
 Every task of the pipeline is `ignore_result=True`; a task sent by name must say so itself, or
 Celery subscribes to its result on Redis at send time, which hangs while Redis is frozen.
+
+The app is Celery's current one (the project's, lora_platform.celery, made current when the settings
+package loads), as `shared_task` finds it for the tasks: no app imports the project package.
 """
 
 from __future__ import annotations
 
-from lora_platform.celery import app
+from celery import current_app as app
 
 VALIDATE_DATASET = "training.tasks.dataset_validate"
 RUN_JOB = "training.tasks.training_job_run"

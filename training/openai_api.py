@@ -37,9 +37,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from lora_platform.api_schema import error_response
+from api.schema import error_response
 from serving.wire.errors import InvalidInput, NotFound, ServiceError
-from lora_platform.pagination import PageRequest, list_body, page_request, paging_parameters, take
+from api.pagination import PageRequest, list_body, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedAPIView, TenantScopedQuerySet
 from training import base, datasets, jobs, selectors
 from training.api import DatasetUploadHandler

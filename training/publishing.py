@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 
 from serving.wire.errors import ServiceError
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from serving import services as registry
 from serving.engine.lora.artifact import MANIFEST_NAME, base_config_sha256, manifest_write
 from serving.models import AdapterVersion, artifact_prefix

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 from django.db.models import QuerySet
 
 from serving.wire.errors import NotFound
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from tenants.models import Tenant
 from training.examples import Example, load_json_line, parse_example
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob

@@ -1,5 +1,5 @@
 """OpenAI's error body and the errors every side raises in it: Django-free, so the gateway, the
-management API (lora_platform.api_errors) and the serving worker (serving.engine.server.errors) answer
+management API (api.errors) and the serving worker (serving.engine.server.errors) answer
 with one body and one status → type table, and the platform's services, the blob storage
 (serving.wire.storage) and the worker's reader raise and catch the same classes.
 

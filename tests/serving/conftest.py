@@ -38,7 +38,7 @@ def registry_settings(settings, tmp_path: Path, tiny_base_dir: Path) -> Path:
 
 @pytest.fixture
 def storage(registry_settings: Path):
-    from lora_platform.storage import get_storage
+    from serving.storage import get_storage
 
     return get_storage()
 

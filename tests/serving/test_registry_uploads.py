@@ -131,7 +131,7 @@ def test_upload_to_s3_storage(client_a, adapter, peft_adapter, settings, s3_buck
                               tiny_base_dir):
     settings.STORAGE_URL = f"s3://{s3_bucket}/platform"
     settings.S3_ENDPOINT_URL = moto_s3_endpoint
-    from lora_platform.storage import get_storage
+    from serving.storage import get_storage
 
     response = upload(client_a, adapter_files(peft_adapter), version="2.0.0")
     assert response.status_code == 201, response.json()

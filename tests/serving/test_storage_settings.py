@@ -1,4 +1,4 @@
-"""The platform's storage wiring (lora_platform.storage): settings → the storage instance."""
+"""The platform's storage wiring (serving.storage): settings → the storage instance."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_platform.storage import get_storage, storage_from_url
+from serving.storage import get_storage, storage_from_url
 from serving.wire.errors import InvalidInput
 from serving.wire.storage import LocalStorage
 

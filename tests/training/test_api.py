@@ -12,7 +12,7 @@ import json
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from serving.services import adapter_create
 from tenants.services import tenant_create
 from training import concurrency, datasets, jobs

@@ -18,7 +18,7 @@ from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
 
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from tenants.services import api_key_create
 from training import concurrency, datasets
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from tests.gateway.conftest import WebProcess
 from tests.serving_worker.conftest import WorkerProcess
 from training.models import TrainingJob

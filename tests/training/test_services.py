@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from serving.models import AdapterVersion
 from tenants.models import Tier
 from training import concurrency, datasets, jobs, run, scratch, sweep

@@ -17,7 +17,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_platform.storage import get_storage
+from serving.storage import get_storage
 from serving.engine.lora.artifact import manifest_verify
 from serving.models import AdapterVersion
 from training import sweep

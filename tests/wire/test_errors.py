@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lora_platform.api_errors import error_response
+from api.errors import error_response
 from serving.engine.server.errors import error_body as worker_error_body
 from serving.gateway.errors import GatewayError
 from serving.wire.errors import TYPE_BY_STATUS, Conflict, LimitExceeded, NotFound, error_type
