@@ -71,17 +71,17 @@ async def run_one(weight: float, requests: int, concurrency: int, seed: int) -> 
     from django.conf import settings
 
     from serving.gateway import catalog
-    from serving.gateway.pipeline import Call
     from serving.gateway.proxy import UpstreamResult
-    from serving.gateway.resilience import Resilience
+    from serving.gateway.records import Call
     from serving.gateway.version_pick import pick_version
+    from serving.gateway.wiring import resilience_build
     from serving.models import DeploymentEvent
 
     # A name of this run: breakers in Redis outlive the run (their keys expire after a day idle).
     slug = f"bench-{int(weight * 1000)}-{seed}-{os.getpid()}"
     key, canary = await sync_to_async(make_adapter)(slug, weight)
     client = aioredis.Redis.from_url(settings.REDIS_URL)
-    resilience = Resilience.from_settings(client)
+    resilience = resilience_build(client)
     rng = random.Random(seed)
     caller = await catalog.caller_for(f"Bearer {key}")
     counts = {"requests": 0, "canary_calls": 0}

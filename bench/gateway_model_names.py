@@ -1,7 +1,7 @@
 """The web process's memory after completion requests that each name a new, long `model` (issue 23,
 item 1: 350 requests with a distinct 1.9 MB name took a web process from 385 MB to 2,441 MB).
 
-Runs the gateway's request path (serving.gateway.pipeline.handle, what the ASGI route calls) in
+Runs the gateway's request path (serving.gateway.wiring.handle, what the ASGI route calls) in
 this process, with a valid key, and prints this process's RSS before and after, and what the
 gateway's key and model caches hold. Needs DATABASE_URL (migrated here) and REDIS_URL:
 
@@ -29,7 +29,7 @@ django.setup()
 import psutil  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 
-from serving.gateway import catalog, pipeline  # noqa: E402
+from serving.gateway import catalog, wiring  # noqa: E402
 from serving.gateway.errors import GatewayError  # noqa: E402
 from tenants.services import tenant_create, tiers_seed  # noqa: E402
 
@@ -55,7 +55,7 @@ async def flood(key: str, requests: int, model_bytes: int) -> Counter[int]:
         model = f"{index}-".ljust(model_bytes, "m")
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
         try:
-            reply = await pipeline.handle("chat", authorization=f"Bearer {key}", raw_body=body.encode())
+            reply = await wiring.handle("chat", authorization=f"Bearer {key}", raw_body=body.encode())
             statuses[reply.status] += 1
         except GatewayError as error:
             statuses[error.status] += 1

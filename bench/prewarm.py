@@ -86,7 +86,7 @@ from serving.engine.server.worker import State, Worker  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 from serving.gateway.prewarm import KEY_PREFIX, DemandModel  # noqa: E402
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig  # noqa: E402
-from serving.gateway.redis_guard import RedisGuard  # noqa: E402
+from serving.wire.redis_guard import RedisGuard  # noqa: E402
 from serving.gateway.routing import WorkerView  # noqa: E402
 from serving.gateway.version_pick import ServedVersion  # noqa: E402
 

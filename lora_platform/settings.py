@@ -13,6 +13,15 @@ from pathlib import Path
 import dj_database_url
 
 from lora_platform.embedded_redis import celery_redis_url, redis_url_from_env
+from serving.gateway.canary_rule import CanaryRuleConfig
+from serving.gateway.config import GatewayConfig
+from serving.gateway.outliers import OutlierConfig
+from serving.gateway.prewarm import PrewarmConfig
+from serving.gateway.prewarm_loop import PrewarmLoopConfig
+from serving.gateway.routing import Weights
+from serving.gateway.shedding import ShedConfig
+from serving.wire.breakers import BreakerConfig
+from serving.wire.redis_guard import RedisGuardConfig
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("LORAPLEX_VAR_DIR", BASE_DIR / "var"))
@@ -181,21 +190,10 @@ REGISTRY_TOKEN = os.environ.get("REGISTRY_TOKEN", "")
 # The public gateway (/v1, docs/gateway.md). The serving workers' shared API key: the gateway sends
 # it on every call, and only callers holding it may have a worker load a registry version.
 SERVING_WORKER_API_KEY = os.environ.get("SERVING_WORKER_API_KEY", "")
-# How long a web process trusts its cached API keys, tiers and served versions: a revoked key, a
-# suspended tenant or a deployment holds everywhere within this time.
-GATEWAY_CACHE_SECONDS = float(os.environ.get("GATEWAY_CACHE_SECONDS", "0.5"))
-# How long the worker list read from Redis is reused (heartbeats are seconds apart anyway).
-GATEWAY_WORKERS_CACHE_SECONDS = float(os.environ.get("GATEWAY_WORKERS_CACHE_SECONDS", "0.25"))
-GATEWAY_UPSTREAM_TIMEOUT = float(os.environ.get("GATEWAY_UPSTREAM_TIMEOUT", "600"))
-# Token buckets hold this many minutes of the tier's rate (2: a burst of twice the per-minute rate).
-GATEWAY_BUCKET_BURST = float(os.environ.get("GATEWAY_BUCKET_BURST", "2"))
-# Worker scoring: affinity, queue and KV-cache weights (the endpoint picker's defaults).
-GATEWAY_WEIGHT_AFFINITY = float(os.environ.get("GATEWAY_WEIGHT_AFFINITY", "1"))
-GATEWAY_WEIGHT_QUEUE = float(os.environ.get("GATEWAY_WEIGHT_QUEUE", "2"))
-GATEWAY_WEIGHT_KV = float(os.environ.get("GATEWAY_WEIGHT_KV", "2"))
-# Usage records wait in Redis and are written in batches of this size, at least every interval.
-GATEWAY_USAGE_BATCH = env_int("GATEWAY_USAGE_BATCH", 500)
-GATEWAY_USAGE_FLUSH_SECONDS = float(os.environ.get("GATEWAY_USAGE_FLUSH_SECONDS", "1"))
+# The gateway's settings, one instance per policy, each read from its GATEWAY_* variables by its
+# own dataclass (defaults there; .env.example lists them): docs/gateway.md, "Configuration".
+GATEWAY = GatewayConfig.from_environ()
+GATEWAY_WEIGHTS = Weights.from_environ()
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -253,50 +251,17 @@ CELERY_BEAT_SCHEDULE = {
     "training-jobs-sweep": {"task": "training.tasks.training_jobs_sweep", "schedule": 60.0},
 }
 
-# Gateway resilience (docs/gateway.md, "Resilience"): circuit breakers per adapter version,
+# Gateway resilience (docs/gateway.md, "Resilience"): circuit breakers per adapter version (the
+# serving worker reads the same GATEWAY_BREAKER_* through the same BreakerConfig.from_environ),
 # canary auto-abort, outlier ejection of workers, load shedding, the Redis-outage fallback, and the
-# demand model behind prewarming. Rates are fractions (0.3 = 30 %).
-GATEWAY_BREAKER_WINDOW = env_int("GATEWAY_BREAKER_WINDOW", 100)
-GATEWAY_BREAKER_MINIMUM_CALLS = env_int("GATEWAY_BREAKER_MINIMUM_CALLS", 50)
-GATEWAY_BREAKER_FAILURE_RATE = float(os.environ.get("GATEWAY_BREAKER_FAILURE_RATE", "0.3"))
-GATEWAY_BREAKER_SLOW_CALL_RATE = float(os.environ.get("GATEWAY_BREAKER_SLOW_CALL_RATE", "0.5"))
-# A call is slow when the worker's first byte takes at least this long.
-GATEWAY_BREAKER_SLOW_CALL_SECONDS = float(os.environ.get("GATEWAY_BREAKER_SLOW_CALL_SECONDS", "30"))
-GATEWAY_BREAKER_COOLDOWN_SECONDS = float(os.environ.get("GATEWAY_BREAKER_COOLDOWN_SECONDS", "30"))
-GATEWAY_BREAKER_HALF_OPEN_CALLS = env_int("GATEWAY_BREAKER_HALF_OPEN_CALLS", 5)
-# A canary is aborted when its breaker opens, or when its failure rate exceeds the active
-# version's by more than the margin, both over at least the minimum of calls.
-GATEWAY_CANARY_ABORT_MARGIN = float(os.environ.get("GATEWAY_CANARY_ABORT_MARGIN", "0.1"))
-GATEWAY_CANARY_ABORT_MIN_CALLS = env_int("GATEWAY_CANARY_ABORT_MIN_CALLS", 50)
-GATEWAY_OUTLIER_CONSECUTIVE_FAILURES = env_int("GATEWAY_OUTLIER_CONSECUTIVE_FAILURES", 5)
-GATEWAY_OUTLIER_EJECTION_SECONDS = float(os.environ.get("GATEWAY_OUTLIER_EJECTION_SECONDS", "30"))
-GATEWAY_OUTLIER_MAX_EJECTION_SECONDS = float(os.environ.get("GATEWAY_OUTLIER_MAX_EJECTION_SECONDS", "300"))
-GATEWAY_OUTLIER_MAX_EJECTED_FRACTION = float(os.environ.get("GATEWAY_OUTLIER_MAX_EJECTED_FRACTION", "0.5"))
-# Shedding: a worker is full when its waiting queue reaches this share of its max_queued_requests
-# (or the default bound when it does not report one).
-GATEWAY_SHED_QUEUE_FRACTION = float(os.environ.get("GATEWAY_SHED_QUEUE_FRACTION", "0.5"))
-GATEWAY_SHED_DEFAULT_QUEUE_BOUND = env_int("GATEWAY_SHED_DEFAULT_QUEUE_BOUND", 256)
-GATEWAY_SHED_RETRY_AFTER = float(os.environ.get("GATEWAY_SHED_RETRY_AFTER", "1"))
-# Every hot-path Redis call gets this long; after a failure Redis is skipped for the retry interval.
-GATEWAY_REDIS_TIMEOUT = float(os.environ.get("GATEWAY_REDIS_TIMEOUT", "0.25"))
-GATEWAY_REDIS_RETRY_SECONDS = float(os.environ.get("GATEWAY_REDIS_RETRY_SECONDS", "1"))
-# How many gateway (web) processes share the quotas: during a Redis outage each process admits
-# its share of a tier's rate from process-local buckets.
-GATEWAY_PROCESSES = env_int("GATEWAY_PROCESSES", env_int("WEB_CONCURRENCY", 1))
-GATEWAY_PREWARM_TAU_SECONDS = float(os.environ.get("GATEWAY_PREWARM_TAU_SECONDS", "300"))
-GATEWAY_PREWARM_DAILY_DECAY = float(os.environ.get("GATEWAY_PREWARM_DAILY_DECAY", "0.5"))
-GATEWAY_PREWARM_LOOKAHEAD_SECONDS = float(os.environ.get("GATEWAY_PREWARM_LOOKAHEAD_SECONDS", "900"))
-# How many seconds of observation the hour-of-day profile is worth against the EWMA's recent
-# requests in the prediction (serving.gateway.prewarm: a larger value trusts the profile more).
-GATEWAY_PREWARM_PRIOR_SECONDS = float(os.environ.get("GATEWAY_PREWARM_PRIOR_SECONDS", "3600"))
-# The prewarm loop (serving.gateway.prewarm_loop): one round per interval across all gateway
-# processes (0: no loop); at most this many versions, each predicted at least this many requests
-# per hour.
-GATEWAY_PREWARM_INTERVAL_SECONDS = float(os.environ.get("GATEWAY_PREWARM_INTERVAL_SECONDS", "30"))
-GATEWAY_PREWARM_MAX_ADAPTERS = env_int("GATEWAY_PREWARM_MAX_ADAPTERS", 256)
-GATEWAY_PREWARM_MIN_PER_HOUR = float(os.environ.get("GATEWAY_PREWARM_MIN_PER_HOUR", "0"))
-# Requests expected before the next round for a CPU-only prefetch's storage read (docs/resilience.md).
-GATEWAY_PREWARM_MIN_EXPECTED = float(os.environ.get("GATEWAY_PREWARM_MIN_EXPECTED", "1"))
+# demand model and loop behind prewarming. Rates are fractions (0.3 = 30 %).
+GATEWAY_BREAKERS = BreakerConfig.from_environ()
+GATEWAY_CANARY_ABORT = CanaryRuleConfig.from_environ()
+GATEWAY_OUTLIERS = OutlierConfig.from_environ()
+GATEWAY_SHEDDING = ShedConfig.from_environ()
+GATEWAY_REDIS = RedisGuardConfig.from_environ()
+GATEWAY_PREWARM = PrewarmConfig.from_environ()
+GATEWAY_PREWARM_LOOP = PrewarmLoopConfig.from_environ()
 
 LOGGING = {
     "version": 1,

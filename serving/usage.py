@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 GROUP_BY = ("day", "adapter", "key")
 
-# What an unreachable, restarting or frozen Redis raises (as serving.gateway.redis_guard counts it).
+# What an unreachable, restarting or frozen Redis raises (as serving.wire.redis_guard counts it).
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
 
 
@@ -80,7 +80,7 @@ def usage_records_flush(*, batch: int | None = None) -> int:
     A batch the database refuses goes back on the queue for the next flush. Records of a tenant
     deleted meanwhile are dropped, and a record already written (same request id) is not repeated.
     """
-    size = batch or settings.GATEWAY_USAGE_BATCH
+    size = batch or settings.GATEWAY.usage_batch
     written = 0
     while True:
         events = usage_pop(_redis(), size)
@@ -110,7 +110,7 @@ def usage_records_flush_for_read() -> bool:
     try:
         usage_records_flush()
     except _OUTAGE as exc:
-        queue.away_until = time.monotonic() + settings.GATEWAY_REDIS_RETRY_SECONDS
+        queue.away_until = time.monotonic() + settings.GATEWAY_REDIS.retry_interval_s
         log.warning("Redis unreachable (%s: %s): usage is answered from the database without the records "
                     "still queued", type(exc).__name__, exc)
         return False
@@ -119,7 +119,7 @@ def usage_records_flush_for_read() -> bool:
 
 async def _flush_forever() -> None:
     while True:
-        await asyncio.sleep(settings.GATEWAY_USAGE_FLUSH_SECONDS)
+        await asyncio.sleep(settings.GATEWAY.usage_flush_s)
         try:
             # Not thread-sensitive: this task outlives the request that started it, and that request's
             # thread-sensitive executor is gone once it ends ("CurrentThreadExecutor already quit").

@@ -1,9 +1,11 @@
-"""The public OpenAI-compatible gateway (`/v1/…` on the web process).
+"""The public OpenAI-compatible gateway (`/v1/…` on the web process), Django only at its edge.
 
-Thin async Django views (`views`) over one request path (`pipeline`) that calls policy modules
-without Django, each tested alone: `quotas` (Redis token buckets), `version_pick` (canary weight,
-sticky users), `routing` (worker choice from the Redis worker registry), `proxy` (the upstream
-call and SSE passthrough), `usage_log` (usage records off the request path) and `metrics`.
-`catalog` is the Django side: API keys, tiers and served versions, cached per process.
-docs/gateway.md describes the behaviour.
+Edge (may import Django): `asgi` (the completion routes' one entry point), `views` (`/v1/models`,
+`/metrics`), `catalog` (the database port: keys, tiers, served versions, cached per process) and
+`wiring` (builds the pipeline from the settings). Everything else is Django-free and named in an
+import-linter contract: `pipeline` (the request path) over `records` and the `ports` it is handed,
+`resilience` and the policies (`quotas`, `version_pick`, `routing`, `proxy`, `failover`,
+`outliers`, `shedding`, `canary_rule`, `prewarm*`, `usage_log`, ...), each tested alone. The
+circuit breaker and the Redis guard, which the serving worker runs too, are in serving.wire.
+docs/gateway.md describes the behaviour and the layout.
 """

@@ -4,8 +4,10 @@ Django runs each of its built-in middlewares' hooks through `sync_to_async` unde
 fifteen thread hops per request, which measured ~10 ms on the 2-core development machine, five
 times the gateway's whole budget (bench/gateway.py). None of those middlewares means anything to
 `POST /v1/chat/completions` or `/v1/completions` (no session, cookie, CSRF or HTML), so these two
-routes go straight to serving.gateway.pipeline, the code the Django views
-(serving.gateway.views) call too; every other path, `/v1/models` included, is Django's.
+paths go straight to serving.gateway.pipeline (through serving.gateway.wiring, which builds it from
+the settings): this is their one entry point. Another method on them is a 405 here; every other
+path, `/v1/models` included, is Django's. Django's own URL map (served alone under WSGI or by its
+test client) answers the two paths with a 404 saying this application serves them.
 
 What the middleware did for these routes is done here: ALLOWED_HOSTS (a Host Django would refuse
 is a 400 here too, logged to `django.security.DisallowedHost` as Django logs it), the body limit
@@ -24,8 +26,9 @@ from typing import Any
 from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
-from serving.gateway import pipeline
+from serving.gateway import wiring
 from serving.gateway.errors import GatewayError
+from serving.gateway.records import Reply
 
 log = logging.getLogger(__name__)
 _host_log = logging.getLogger("django.security.DisallowedHost")
@@ -107,7 +110,7 @@ def _headers(headers: dict[str, str], content_type: str) -> list[tuple[bytes, by
     return out
 
 
-async def _send_reply(reply: pipeline.Reply, send: Any) -> None:
+async def _send_reply(reply: Reply, send: Any) -> None:
     if reply.stream is None:
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": _headers(reply.headers, "application/json")})
@@ -122,23 +125,27 @@ async def _send_reply(reply: pipeline.Reply, send: Any) -> None:
 
 
 async def _error(error: GatewayError, send: Any) -> None:
-    await _send_reply(pipeline.Reply(status=error.status, headers=error.headers, body=error.body()), send)
+    await _send_reply(Reply(status=error.status, headers=error.headers, body=error.body()), send)
 
 
 class GatewayRoutes:
-    """`POST` on the two completion paths here; everything else to `app` (Django)."""
+    """The two completion paths here (POST: the pipeline; other methods: 405); everything else to
+    `app` (Django)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         endpoint = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if endpoint is None or scope.get("method") != "POST":
+        if endpoint is None:
             await self.app(scope, receive, send)
             return
         try:
             authorizations, host, forwarded_host = _request_headers(scope)
             _check_host(scope, host, forwarded_host)
+            if scope.get("method") != "POST":
+                raise GatewayError(405, f"Use POST for {scope['path']}.", code="method_not_allowed",
+                                   headers={"allow": "POST"})
             authorization = one_authorization(authorizations)
             body = await _read_body(receive, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
         except _Disconnected:
@@ -159,7 +166,7 @@ class GatewayRoutes:
 
     async def _respond(self, endpoint: str, authorization: str | None, body: bytes, send: Any) -> None:
         try:
-            reply = await pipeline.handle(endpoint, authorization=authorization, raw_body=body)
+            reply = await wiring.handle(endpoint, authorization=authorization, raw_body=body)
         except GatewayError as error:
             await _error(error, send)
             return

@@ -1,9 +1,13 @@
 """The gateway's view of the database: who is calling (API key → tenant → tier) and what a `model`
 names (the base model, an adapter's served versions, or a pinned version), cached per process.
 
-The cache keeps the ORM off the request path: each entry lives GATEWAY_CACHE_SECONDS (0.5 s by
-default), so a revoked key, a suspended tenant or a new deployment holds on every gateway process
-within that time, with at most one query per key and per model per process in that window.
+This module is the gateway's one database port (serving.gateway.ports.Catalog): the pipeline is
+handed it by serving.gateway.wiring and never imports it; the /v1/models views use it directly.
+
+The cache keeps the ORM off the request path: each entry lives GATEWAY_CACHE_SECONDS
+(settings.GATEWAY.cache_s, 0.5 s by default), so a revoked key, a suspended tenant or a new
+deployment holds on every gateway process within that time, with at most one query per key and
+per model per process in that window.
 Callers choose what is cached (any header, any `model`), so each cache is bounded by entries and
 bytes and frees what expired (serving.gateway.ttl_cache).
 """
@@ -21,6 +25,7 @@ from django.db.models import Q
 from rest_framework import exceptions
 
 from serving.gateway.errors import GatewayError, model_not_found
+from serving.gateway.records import Caller, Target, TierLimits
 from serving.gateway.ttl_cache import TtlCache
 from serving.gateway.version_pick import ServedSet, ServedVersion
 from serving.models import Adapter, AdapterVersion
@@ -31,40 +36,6 @@ from tenants.models import ApiKey
 
 T = TypeVar("T")
 _SERVED = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)
-
-
-@dataclass(frozen=True)
-class TierLimits:
-    name: str
-    requests_per_minute: int
-    tokens_per_minute: int
-    max_tokens_per_request: int
-    priority: int
-    degradation_allowed: bool
-
-
-@dataclass(frozen=True)
-class Caller:
-    """An authenticated inference caller: its tenant, its key's public prefix, its tier's limits."""
-
-    tenant_id: int
-    tenant: str
-    key_prefix: str
-    tier: TierLimits
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a request's `model` resolved to: the base model, an adapter's served set, or a pin."""
-
-    base: bool = False
-    served: ServedSet | None = None
-    pinned: ServedVersion | None = None
-
-    @property
-    def adapter(self) -> str | None:
-        version = self.pinned or (self.served.active if self.served else None)
-        return version.adapter if version else None
 
 
 async def _get_or_load(cache: TtlCache[T], key: Hashable, load: Callable[[], T]) -> T:
@@ -98,10 +69,10 @@ def _with_connection(load: Callable[[], T]) -> Callable[[], T]:
 
 
 def _cache_seconds() -> float:
-    return settings.GATEWAY_CACHE_SECONDS
+    return settings.GATEWAY.cache_s
 
 
-# Per process and per cache. Within GATEWAY_CACHE_SECONDS (0.5 s) no process sees anywhere near
+# Per process and per cache. Within settings.GATEWAY.cache_s (0.5 s) no process sees anywhere near
 # 20,000 distinct keys or models; the byte bound holds whatever callers send (serving.gateway.ttl_cache).
 CACHE_MAX_ENTRIES = 20_000
 CACHE_MAX_BYTES = 32 * 1024 * 1024

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from serving.gateway.quotas import Admission, Bucket, BucketState, TokenBuckets
-from serving.gateway.redis_guard import RedisGuard
+from serving.wire.redis_guard import RedisGuard
 
 
 @dataclass

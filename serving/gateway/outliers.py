@@ -17,21 +17,33 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+
+from serving.wire.env import env_float, env_int
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class OutlierConfig:
-    """settings.GATEWAY_OUTLIER_*."""
+    """Ejection of failing workers (settings.GATEWAY_OUTLIERS, from GATEWAY_OUTLIER_*)."""
 
     consecutive_failures: int = 5
     base_ejection_s: float = 30.0
     max_ejection_s: float = 300.0
     max_ejection_fraction: float = 0.5
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> OutlierConfig:
+        return cls(
+            consecutive_failures=env_int(environ, "GATEWAY_OUTLIER_CONSECUTIVE_FAILURES", cls.consecutive_failures),
+            base_ejection_s=env_float(environ, "GATEWAY_OUTLIER_EJECTION_SECONDS", cls.base_ejection_s),
+            max_ejection_s=env_float(environ, "GATEWAY_OUTLIER_MAX_EJECTION_SECONDS", cls.max_ejection_s),
+            max_ejection_fraction=env_float(environ, "GATEWAY_OUTLIER_MAX_EJECTED_FRACTION", cls.max_ejection_fraction),
+        )
 
 
 @dataclass

@@ -7,7 +7,10 @@ Each step is one function below, so later policies hook in at one place: `choose
 a version is chosen, `choose_worker` where a worker is chosen, `settle` where the outcome of the
 upstream call is known. The resilience rules (serving.gateway.resilience: breakers, canary guard,
 outlier ejection, shedding, failover, the Redis-outage fallback) hook in at those places.
-Refusals are GatewayErrors; views turn everything into HTTP.
+Refusals are GatewayErrors; the edge (serving.gateway.asgi) turns everything into HTTP.
+
+Django-free: the database is the `Catalog` in `Resources` (serving.gateway.ports), and every
+setting arrives as a config built once; serving.gateway.wiring builds both, per event loop.
 """
 
 from __future__ import annotations
@@ -17,25 +20,24 @@ import contextvars
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
-from django.conf import settings
 
-from serving.gateway import catalog, metrics
-from serving.gateway.catalog import Caller, Target
-from serving.gateway.breakers import Permit
+from serving.gateway import metrics
+from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import MAX_ATTEMPTS, ranked, retryable
 from serving.gateway.local_buckets import GuardedBuckets
+from serving.gateway.ports import Catalog
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
 from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
-from serving.gateway.quotas import Admission, Bucket, TokenBuckets, ratelimit_headers
-from serving.gateway.request_fields import decode_body, forwarded
+from serving.gateway.quotas import Admission, Bucket, ratelimit_headers
+from serving.gateway.records import Call, Caller, Reply, Target
+from serving.gateway.request_fields import decode_body, estimate_prompt_tokens, forwarded, requested_max_tokens
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 from serving.gateway.usage_log import UsageEvent, usage_push
@@ -47,125 +49,57 @@ log = logging.getLogger(__name__)
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Degraded requests run after every tier's own (the engine serves lower values first).
 DEGRADED_PRIORITY = 10
-# A rough token count of text before the worker tokenizes it (≈ 4 bytes a token for BPE
-# vocabularies); the reservation is corrected with the worker's real usage when the request ends.
-_BYTES_PER_TOKEN = 4
-_TOKENS_PER_MESSAGE = 4
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the steps read, built once (serving.gateway.wiring, from the settings' instances)."""
+
+    gateway: GatewayConfig
+    weights: Weights
+    # The serving workers' shared key: only workers holding it are routed to (SERVING_WORKER_API_KEY).
+    worker_api_key: str
+    # The base model's id, the name a degraded reply carries (BASE_MODEL_NAME).
+    base_model_name: str
 
 
 @dataclass
 class Resources:
     """Per event loop (clients bind to the loop that made them): Redis, the buckets, the pool to
-    the workers, the worker list cache and this process's in-flight count per worker."""
+    the workers, the catalog, the worker list cache and this process's in-flight count per worker."""
 
     redis: aioredis.Redis
     buckets: GuardedBuckets
     upstream: Upstream
     resilience: Resilience
+    catalog: Catalog
+    config: PipelineConfig
     inflight: dict[str, int] = field(default_factory=dict)
     workers: list[WorkerView] = field(default_factory=list)
     workers_read_at: float = -math.inf
     workers_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    flusher: asyncio.Task | None = None
-    prewarmer: asyncio.Task | None = None
+    flusher: asyncio.Task[None] | None = None
+    prewarmer: asyncio.Task[None] | None = None
 
 
-_resources: dict[asyncio.AbstractEventLoop, Resources] = {}
-
-
-def resources() -> Resources:
-    loop = asyncio.get_running_loop()
-    found = _resources.get(loop)
-    if found is None:
-        for other in [item for item in _resources if item.is_closed()]:
-            del _resources[other]
-        # Socket timeouts as a backstop under the guard's own per-call bound (a frozen Redis).
-        client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=settings.REDIS_SOCKET_TIMEOUT,
-                                         socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT)
-        resilience = Resilience.from_settings(client)
-        found = Resources(
-            redis=client,
-            buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=settings.GATEWAY_PROCESSES),
-            upstream=Upstream(api_key=settings.SERVING_WORKER_API_KEY, timeout_s=settings.GATEWAY_UPSTREAM_TIMEOUT),
-            resilience=resilience,
-        )
-        _resources[loop] = found
-        from serving.usage import usage_flusher_start
-
-        found.flusher = usage_flusher_start()
-        found.prewarmer = _prewarm_start(found)
-    return found
-
-
-def _prewarm_start(res: Resources) -> asyncio.Task | None:
+def prewarm_start(res: Resources, config: PrewarmLoopConfig) -> asyncio.Task[None] | None:
     """The prewarm loop on this loop (serving.gateway.prewarm_loop), unless its interval is 0."""
-    if settings.GATEWAY_PREWARM_INTERVAL_SECONDS <= 0:
+    if config.interval_s <= 0:
         return None
-    config = PrewarmLoopConfig(interval_s=settings.GATEWAY_PREWARM_INTERVAL_SECONDS,
-                               max_adapters=settings.GATEWAY_PREWARM_MAX_ADAPTERS,
-                               min_rate=settings.GATEWAY_PREWARM_MIN_PER_HOUR / 3600.0,
-                               min_expected=settings.GATEWAY_PREWARM_MIN_EXPECTED)
 
     async def workers() -> list[WorkerView]:
         return res.resilience.usable_workers(await _workers(res))
 
     prewarmer = Prewarmer(redis=res.redis, demand=res.resilience.demand, guard=res.resilience.guard, workers=workers,
-                          served=catalog.served_versions, client=res.upstream.client,
-                          api_key=settings.SERVING_WORKER_API_KEY, config=config)
+                          served=res.catalog.served_versions, client=res.upstream.client,
+                          api_key=res.config.worker_api_key, config=config)
     # A fresh context: inherited from the first request, the registry lookups (sync_to_async) would
     # run on that request's thread executor, which is gone once it ends.
     return asyncio.get_running_loop().create_task(prewarmer.run(), name="gateway-prewarm",
                                                   context=contextvars.Context())
 
 
-@dataclass
-class Reply:
-    """What the view sends: a whole body, or a stream of SSE events."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes = b""
-    stream: AsyncGenerator[bytes, None] | None = None  # closed (aclose) by whoever sends it
-
-
-@dataclass
-class Call:
-    """One request's state as it moves through the steps."""
-
-    endpoint: str
-    caller: Caller
-    body: dict[str, Any]
-    model: str
-    target: Target
-    max_tokens: int
-    reserved_tokens: int = 0
-    prompt_estimate: int = 0
-    admission: Admission | None = None
-    degraded: bool = False
-    version: ServedVersion | None = None
-    # The version's circuit-breaker permit (None on the base model).
-    permit: Permit | None = None
-    worker: WorkerView | None = None
-    # The next-best workers, best first: where a failure before the first byte is retried.
-    fallbacks: list[WorkerView] = field(default_factory=list)
-    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
-    started: float = field(default_factory=time.perf_counter)
-    headers: dict[str, str] = field(default_factory=dict)
-
-
 # ---- steps ---------------------------------------------------------------------------------
-
-
-def requested_max_tokens(body: dict[str, Any], endpoint: str) -> int | None:
-    names = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)
-    for name in names:
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise invalid_request(f"'{name}' must be a positive integer, got {value!r}.", param=name)
-        return value
-    return None
 
 
 def check_tier_limits(body: dict[str, Any], endpoint: str, caller: Caller) -> int:
@@ -181,31 +115,10 @@ def check_tier_limits(body: dict[str, Any], endpoint: str, caller: Caller) -> in
     return asked if asked is not None else limit
 
 
-def estimate_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
-    if endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return 0
-        total = 0
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-            total += _TOKENS_PER_MESSAGE + math.ceil(len(str(content or "").encode()) / _BYTES_PER_TOKEN)
-        return total
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        if prompt and all(isinstance(item, int) for item in prompt):
-            return len(prompt)
-        return sum(len(item) if isinstance(item, list) else math.ceil(len(str(item).encode()) / _BYTES_PER_TOKEN)
-                   for item in prompt)
-    return math.ceil(len(str(prompt or "").encode()) / _BYTES_PER_TOKEN)
-
-
-def tenant_buckets(caller: Caller) -> tuple[Bucket, Bucket, Bucket]:
-    """(requests, tokens, degraded requests) buckets of the caller's tenant."""
+def tenant_buckets(caller: Caller, burst: float) -> tuple[Bucket, Bucket, Bucket]:
+    """(requests, tokens, degraded requests) buckets of the caller's tenant, each holding `burst`
+    minutes of its rate (the degraded one a minute's)."""
     tier = caller.tier
-    burst = settings.GATEWAY_BUCKET_BURST
     return (
         Bucket.per_minute(f"{caller.tenant}:requests", tier.requests_per_minute, burst=burst),
         Bucket.per_minute(f"{caller.tenant}:tokens", tier.tokens_per_minute, burst=burst),
@@ -231,7 +144,7 @@ def _over_quota(call: Call, admission: Admission, retry_after_s: float) -> Gatew
 async def admit(call: Call, res: Resources) -> None:
     """Reserve 1 request and prompt + max_tokens tokens, both or neither; over quota, degrade where
     allowed, else 429."""
-    requests_bucket, tokens_bucket, degraded_bucket = tenant_buckets(call.caller)
+    requests_bucket, tokens_bucket, degraded_bucket = tenant_buckets(call.caller, res.config.gateway.bucket_burst)
     call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
     call.reserved_tokens = call.prompt_estimate + call.max_tokens
     call.admission = await res.buckets.admit([(requests_bucket, 1), (tokens_bucket, call.reserved_tokens)])
@@ -273,15 +186,15 @@ def choose_version(call: Call) -> ServedVersion | None:
 
 async def _workers(res: Resources) -> list[WorkerView]:
     """Live workers, read from Redis at most every GATEWAY_WORKERS_CACHE_SECONDS per process."""
-    now = time.monotonic()
-    if now - res.workers_read_at > settings.GATEWAY_WORKERS_CACHE_SECONDS:
+    every = res.config.gateway.workers_cache_s
+    if time.monotonic() - res.workers_read_at > every:
         async with res.workers_lock:
-            if time.monotonic() - res.workers_read_at > settings.GATEWAY_WORKERS_CACHE_SECONDS:
+            if time.monotonic() - res.workers_read_at > every:
                 documents = await res.resilience.guard.call("worker registry", lambda: read_registry(res.redis))
                 # Redis away: the last list read stays in use (failover handles a worker gone meanwhile).
                 if documents is not None:
-                    res.workers = live_workers(documents, base_models=catalog.base_model_ids(),
-                                               key_id=api_key_id(settings.SERVING_WORKER_API_KEY))
+                    res.workers = live_workers(documents, base_models=res.catalog.base_model_ids(),
+                                               key_id=api_key_id(res.config.worker_api_key))
                 res.workers_read_at = time.monotonic()
     # A cached entry whose heartbeat has since expired is dropped by the next read; meanwhile the
     # worker is still within its TTL of three heartbeats.
@@ -292,8 +205,7 @@ async def choose_worker(call: Call, res: Resources) -> WorkerView:
     """The best worker for the call's version (affinity, queue, KV) among those not ejected, and the
     next-best ones in `call.fallbacks`; 503 when none is live or, below vip, when all are full."""
     candidates = res.resilience.usable_workers(await _workers(res))
-    weights = Weights(affinity=settings.GATEWAY_WEIGHT_AFFINITY, queue=settings.GATEWAY_WEIGHT_QUEUE,
-                      kv=settings.GATEWAY_WEIGHT_KV)
+    weights = res.config.weights
     adapter = call.version.qualified_name if call.version else None
     worker = pick_worker(candidates, adapter=adapter, inflight=res.inflight, weights=weights)
     if worker is None:
@@ -378,10 +290,10 @@ async def _record(call: Call, event: UsageEvent, used: int, res: Resources) -> N
     record means the refund is done. While Redis is away the refund goes to this process's
     buckets and the record waits in memory, pushed with the first record once Redis is back."""
     refund = call.reserved_tokens - used if call.reserved_tokens and call.reserved_tokens != used else 0
-    _, tokens_bucket, _ = tenant_buckets(call.caller)
+    _, tokens_bucket, _ = tenant_buckets(call.caller, res.config.gateway.bucket_burst)
     events = [*res.resilience.usage_backlog_take(), event]
 
-    async def execute() -> list:
+    async def execute() -> list[Any]:
         async with res.redis.pipeline(transaction=False) as pipe:
             if refund:
                 await res.buckets.shared.refund(tokens_bucket, refund, pipeline=pipe)
@@ -401,14 +313,14 @@ async def _record(call: Call, event: UsageEvent, used: int, res: Resources) -> N
 # ---- the whole path ------------------------------------------------------------------------
 
 
-async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes) -> Reply:
-    """One completion request, from its HTTP parts to the reply."""
-    res = resources()
-    caller = await catalog.caller_for(authorization)
+async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, res: Resources) -> Reply:
+    """One completion request, from its HTTP parts to the reply, on this loop's `res`
+    (serving.gateway.wiring.resources)."""
+    caller = await res.catalog.caller_for(authorization)
     body = decode_body(raw_body)  # checked once: serving.gateway.request_fields
     model = body["model"]
     try:
-        target = await catalog.target_for(caller, model)
+        target = await res.catalog.target_for(caller, model)
     except GatewayError as error:
         if error.status == 404:
             raise await _charged_refusal(caller, endpoint, error, res) from None
@@ -434,7 +346,7 @@ async def _charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError,
     """A model the caller cannot have (404) still costs one request from its bucket, so a flood of
     unknown names is rate-limited as any other flood: the refusal with the rate-limit headers, or
     429 once the bucket is empty. The refusal may be a cached one: it is copied, never changed."""
-    requests_bucket, tokens_bucket, _ = tenant_buckets(caller)
+    requests_bucket, tokens_bucket, _ = tenant_buckets(caller, res.config.gateway.bucket_burst)
     admission = await res.buckets.admit([(requests_bucket, 1), (tokens_bucket, 0)])
     headers = ratelimit_headers(*admission.states)
     metrics.REQUESTS.labels(caller.tier.name, endpoint, "404" if admission.admitted else "429").inc()
@@ -454,7 +366,7 @@ async def _charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError,
 async def _release(call: Call, res: Resources) -> None:
     """Give back a reservation the request never used (no worker took it)."""
     if call.reserved_tokens:
-        _, tokens_bucket, _ = tenant_buckets(call.caller)
+        _, tokens_bucket, _ = tenant_buckets(call.caller, res.config.gateway.bucket_burst)
         await res.buckets.refund(tokens_bucket, call.reserved_tokens)
     metrics.REQUESTS.labels(call.caller.tier.name, call.endpoint, "503").inc()
 
@@ -479,7 +391,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
     assert worker is not None
     url = f"{worker.url}{ENDPOINTS[call.endpoint]}"
     body = upstream_body(call, worker)
-    rename = rename_model(body["model"], settings.BASE_MODEL_NAME if call.degraded else call.model)
+    rename = rename_model(body["model"], res.config.base_model_name if call.degraded else call.model)
     result = UpstreamResult(worker_id=worker.worker_id)
     res.inflight[worker.worker_id] = res.inflight.get(worker.worker_id, 0) + 1
     metrics.IN_FLIGHT.inc()

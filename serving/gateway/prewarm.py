@@ -29,10 +29,14 @@ so a time-compressed day can be replayed (bench/prewarm.py).
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
 import redis.asyncio as aioredis
+
+from serving.wire.env import env_float
 
 KEY_PREFIX = "loraplex:prewarm:"
 EWMA_KEY = KEY_PREFIX + "ewma"  # name → "rate at" (rate per second as of unix time `at`)
@@ -41,12 +45,21 @@ HOUR_KEY = KEY_PREFIX + "hour:"  # + hour 0–23: name → decayed count; field 
 
 @dataclass(frozen=True)
 class PrewarmConfig:
-    """settings.GATEWAY_PREWARM_*."""
+    """The demand model (settings.GATEWAY_PREWARM, from GATEWAY_PREWARM_*)."""
 
     tau_s: float = 300.0
     daily_decay: float = 0.5
     lookahead_s: float = 900.0
-    prior_s: float = 3600.0  # how much observation the hour-of-day profile is worth as the prior
+    # How many seconds of observation the hour-of-day profile is worth against the EWMA's recent
+    # requests in the prediction (a larger value trusts the profile more).
+    prior_s: float = 3600.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PrewarmConfig:
+        return cls(tau_s=env_float(environ, "GATEWAY_PREWARM_TAU_SECONDS", cls.tau_s),
+                   daily_decay=env_float(environ, "GATEWAY_PREWARM_DAILY_DECAY", cls.daily_decay),
+                   lookahead_s=env_float(environ, "GATEWAY_PREWARM_LOOKAHEAD_SECONDS", cls.lookahead_s),
+                   prior_s=env_float(environ, "GATEWAY_PREWARM_PRIOR_SECONDS", cls.prior_s))
 
 
 @dataclass(frozen=True)

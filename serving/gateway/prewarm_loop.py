@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,9 +38,10 @@ import redis.asyncio as aioredis
 
 from serving.gateway.prewarm import KEY_PREFIX, DemandModel
 from serving.gateway.prewarm_plan import Placement, plan_prefetch
-from serving.gateway.redis_guard import RedisGuard
 from serving.gateway.routing import WorkerView
 from serving.gateway.version_pick import ServedVersion
+from serving.wire.env import env_float, env_int
+from serving.wire.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ PREFETCH_PATH = "/v1/prefetch_lora_adapters"
 
 @dataclass(frozen=True)
 class PrewarmLoopConfig:
-    """settings.GATEWAY_PREWARM_* (interval 0: no loop)."""
+    """The prewarm loop (settings.GATEWAY_PREWARM_LOOP): one round per `interval_s` across all
+    gateway processes (0: no loop), at most `max_adapters` versions, each predicted at least
+    `min_rate` requests per second."""
 
     interval_s: float = 30.0
     max_adapters: int = 256
@@ -59,6 +62,15 @@ class PrewarmLoopConfig:
     # (the requests expected before the next round ranks afresh) reaches this; slot placements
     # and versions already in memory are not held to it (docs/resilience.md, "Predictive prewarm").
     min_expected: float = 1.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PrewarmLoopConfig:
+        """GATEWAY_PREWARM_INTERVAL_SECONDS, _MAX_ADAPTERS, _MIN_PER_HOUR (requests per hour, as an
+        operator counts them) and _MIN_EXPECTED."""
+        return cls(interval_s=env_float(environ, "GATEWAY_PREWARM_INTERVAL_SECONDS", cls.interval_s),
+                   max_adapters=env_int(environ, "GATEWAY_PREWARM_MAX_ADAPTERS", cls.max_adapters),
+                   min_rate=env_float(environ, "GATEWAY_PREWARM_MIN_PER_HOUR", cls.min_rate * 3600.0) / 3600.0,
+                   min_expected=env_float(environ, "GATEWAY_PREWARM_MIN_EXPECTED", cls.min_expected))
 
 
 @dataclass

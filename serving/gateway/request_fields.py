@@ -1,5 +1,6 @@
 """What the gateway takes from a caller's completion request: the body decoded and checked once,
-and the allow-list of fields forwarded to a serving worker.
+the allow-list of fields forwarded to a serving worker, the `max_tokens` asked and the prompt's
+estimated size.
 
 - The body must be UTF-8 JSON whose strings are all encodable: JSON lets a string hold a lone
   surrogate (`"\\ud800"`), which Python decodes into a `str` that no UTF-8 encoder accepts (the
@@ -20,6 +21,7 @@ and the allow-list of fields forwarded to a serving worker.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -97,3 +99,42 @@ def forwarded(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     """The caller's fields the worker gets (FORWARDED for the endpoint), in the caller's order."""
     allowed = FORWARDED[endpoint]
     return {name: value for name, value in body.items() if name in allowed}
+
+
+# A rough token count of text before the worker tokenizes it (≈ 4 bytes a token for BPE
+# vocabularies); the reservation is corrected with the worker's real usage when the request ends.
+_BYTES_PER_TOKEN = 4
+_TOKENS_PER_MESSAGE = 4
+
+
+def requested_max_tokens(body: dict[str, Any], endpoint: str) -> int | None:
+    names = ("max_completion_tokens", "max_tokens") if endpoint == "chat" else ("max_tokens",)
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid_request(f"'{name}' must be a positive integer, got {value!r}.", param=name)
+        return value
+    return None
+
+
+def estimate_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            total += _TOKENS_PER_MESSAGE + math.ceil(len(str(content or "").encode()) / _BYTES_PER_TOKEN)
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(item, int) for item in prompt):
+            return len(prompt)
+        return sum(len(item) if isinstance(item, list) else math.ceil(len(str(item).encode()) / _BYTES_PER_TOKEN)
+                   for item in prompt)
+    return math.ceil(len(str(prompt or "").encode()) / _BYTES_PER_TOKEN)

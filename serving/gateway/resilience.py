@@ -5,13 +5,15 @@
     the tier allows degradation) → choose the worker among `usable_workers` (outlier ejection),
     after `shed_check` (load shedding below vip) → each attempt, failover included, is counted by
     `attempt_done` (ejection) → `call_done` counts the call on the version's breaker, judges a
-    canary (auto-abort through serving.canary_guard, off the request path) and feeds the prewarm
+    canary (auto-abort through the injected `CanaryAbort`, off the request path) and feeds the prewarm
     demand model.
 
-The policies are the Django-free modules next to this one (breakers, outliers, shedding,
-failover, canary_rule, prewarm); this module builds them from settings (one set per event loop,
-as the pipeline's other resources) and maps their answers onto the gateway's errors and headers.
-docs/gateway.md ("Resilience") lists every rule with its default.
+The policies are the Django-free modules next to this one (outliers, shedding, failover,
+canary_rule, prewarm) and serving.wire.breakers; this module builds them from their configs (one
+set per event loop, as the pipeline's other resources: serving.gateway.wiring passes the settings'
+instances) and maps their answers onto the gateway's errors and headers. The canary's abort in the
+registry is handed in (`CanaryAbort`), so nothing here reaches the database. docs/gateway.md
+("Resilience") lists every rule with its default.
 """
 
 from __future__ import annotations
@@ -22,27 +24,23 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
-from asgiref.sync import sync_to_async
-from django.conf import settings
 from prometheus_client import Counter, Gauge
 
-from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome, Snapshot, State
 from serving.gateway.canary_rule import CanaryRuleConfig, canary_abort_reason
 from serving.gateway.errors import GatewayError
 from serving.gateway.outliers import OutlierConfig, OutlierDetector
+from serving.gateway.ports import CanaryAbort
 from serving.gateway.prewarm import DemandModel, PrewarmConfig
-from serving.gateway.redis_guard import RedisGuard
+from serving.gateway.proxy import UpstreamResult
+from serving.gateway.records import Call, Target
+from serving.gateway.routing import WorkerView
 from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
 from serving.gateway.usage_log import UsageEvent
+from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome, Snapshot, State
+from serving.wire.redis_guard import RedisGuard, RedisGuardConfig
 from serving.wire.registry import SLOT_CORRUPTED
-
-if TYPE_CHECKING:
-    from serving.gateway.pipeline import Call
-    from serving.gateway.proxy import UpstreamResult
-    from serving.gateway.routing import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +107,6 @@ def worker_failed(result: UpstreamResult) -> bool | None:
     return True
 
 
-def _breaker_config() -> BreakerConfig:
-    return BreakerConfig(
-        window_size=settings.GATEWAY_BREAKER_WINDOW, minimum_calls=settings.GATEWAY_BREAKER_MINIMUM_CALLS,
-        failure_rate_threshold=settings.GATEWAY_BREAKER_FAILURE_RATE,
-        slow_call_rate_threshold=settings.GATEWAY_BREAKER_SLOW_CALL_RATE,
-        slow_call_duration_s=settings.GATEWAY_BREAKER_SLOW_CALL_SECONDS,
-        cooldown_s=settings.GATEWAY_BREAKER_COOLDOWN_SECONDS, half_open_calls=settings.GATEWAY_BREAKER_HALF_OPEN_CALLS,
-    )
-
-
 def _redis_changed(available: bool) -> None:
     REDIS_AVAILABLE.set(1 if available else 0)
 
@@ -133,6 +121,7 @@ class Resilience:
     demand: DemandModel
     canary_rule: CanaryRuleConfig
     shed: ShedConfig
+    canary_abort: CanaryAbort
     # Canaries whose abort this process started, and when (one attempt per JUDGE_INTERVAL_S).
     aborting: dict[str, float] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -140,28 +129,15 @@ class Resilience:
     usage_backlog: list[UsageEvent] = field(default_factory=list)
 
     @classmethod
-    def from_settings(cls, redis: aioredis.Redis) -> Resilience:
-        guard = RedisGuard(timeout_s=settings.GATEWAY_REDIS_TIMEOUT, retry_interval_s=settings.GATEWAY_REDIS_RETRY_SECONDS,
-                           on_change=_redis_changed)
+    def build(cls, redis: aioredis.Redis, *, redis_guard: RedisGuardConfig, breakers: BreakerConfig,
+              outliers: OutlierConfig, prewarm: PrewarmConfig, canary_rule: CanaryRuleConfig, shed: ShedConfig,
+              canary_abort: CanaryAbort) -> Resilience:
+        """One event loop's set, from the policies' configs (the settings' instances)."""
+        guard = RedisGuard.from_config(redis_guard, on_change=_redis_changed)
         REDIS_AVAILABLE.set(1)
-        return cls(
-            guard=guard,
-            breakers=CircuitBreakers(redis, _breaker_config(), guard=guard),
-            outliers=OutlierDetector(OutlierConfig(
-                consecutive_failures=settings.GATEWAY_OUTLIER_CONSECUTIVE_FAILURES,
-                base_ejection_s=settings.GATEWAY_OUTLIER_EJECTION_SECONDS,
-                max_ejection_s=settings.GATEWAY_OUTLIER_MAX_EJECTION_SECONDS,
-                max_ejection_fraction=settings.GATEWAY_OUTLIER_MAX_EJECTED_FRACTION)),
-            demand=DemandModel(redis, PrewarmConfig(tau_s=settings.GATEWAY_PREWARM_TAU_SECONDS,
-                                                    daily_decay=settings.GATEWAY_PREWARM_DAILY_DECAY,
-                                                    lookahead_s=settings.GATEWAY_PREWARM_LOOKAHEAD_SECONDS,
-                                                    prior_s=settings.GATEWAY_PREWARM_PRIOR_SECONDS)),
-            canary_rule=CanaryRuleConfig(failure_rate_margin=settings.GATEWAY_CANARY_ABORT_MARGIN,
-                                         minimum_calls=settings.GATEWAY_CANARY_ABORT_MIN_CALLS),
-            shed=ShedConfig(queue_fraction=settings.GATEWAY_SHED_QUEUE_FRACTION,
-                            default_queue_bound=settings.GATEWAY_SHED_DEFAULT_QUEUE_BOUND,
-                            retry_after_s=settings.GATEWAY_SHED_RETRY_AFTER),
-        )
+        return cls(guard=guard, breakers=CircuitBreakers(redis, breakers, guard=guard),
+                   outliers=OutlierDetector(outliers), demand=DemandModel(redis, prewarm), canary_rule=canary_rule,
+                   shed=shed, canary_abort=canary_abort)
 
     # ---- the version ------------------------------------------------------------------------
 
@@ -169,8 +145,6 @@ class Resilience:
         """Ask the chosen version's breaker; reroute, degrade or refuse when it is open.
 
         Sets `call.permit` (None when the call runs on the base model)."""
-        from serving.gateway.catalog import Target
-
         version = call.version
         if version is None:
             return
@@ -296,19 +270,15 @@ class Resilience:
         self.aborting[canary.qualified_name] = time.monotonic()
 
         async def abort() -> None:
-            from serving.canary_guard import canary_guard_abort
-
             try:
-                event = await sync_to_async(canary_guard_abort)(
-                    tenant_slug=canary.tenant, adapter_name=canary.adapter, version=canary.version, reason=reason)
-                if event is not None:
+                if await self.canary_abort(canary, reason):
                     CANARY_ABORTS.inc()
             except Exception:
                 log.exception("canary guard could not abort %s; the next verdict tries again", canary.qualified_name)
                 self.aborting.pop(canary.qualified_name, None)
 
-        # A fresh context: inherited from the request, sync_to_async would run the ORM on that
-        # request's thread executor, which is gone once the request ends.
+        # A fresh context: inherited from the request, the abort's sync_to_async (the registry's ORM,
+        # serving.gateway.wiring) would run on that request's thread executor, gone once it ends.
         task = asyncio.get_running_loop().create_task(abort(), context=contextvars.Context())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)

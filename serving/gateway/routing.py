@@ -19,6 +19,7 @@ serves the platform's base model. The key layout is the wire's (serving.wire.reg
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from serving.wire.env import env_float
 from serving.wire.registry import WORKERS_KEY, worker_key
 
 AFFINITY_GPU = 1.0
@@ -36,9 +38,18 @@ AFFINITY_CPU = 0.6
 
 @dataclass(frozen=True)
 class Weights:
+    """Worker scoring's weights of affinity, queue and KV cache (the endpoint picker's defaults;
+    settings.GATEWAY_WEIGHTS, built once, from GATEWAY_WEIGHT_*)."""
+
     affinity: float = 1.0
     queue: float = 2.0
     kv: float = 2.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Weights:
+        return cls(affinity=env_float(environ, "GATEWAY_WEIGHT_AFFINITY", cls.affinity),
+                   queue=env_float(environ, "GATEWAY_WEIGHT_QUEUE", cls.queue),
+                   kv=env_float(environ, "GATEWAY_WEIGHT_KV", cls.kv))
 
 
 @dataclass(frozen=True)

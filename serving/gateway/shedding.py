@@ -14,20 +14,31 @@ seconds old).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from serving.wire.env import env_float, env_int
 
 VIP_PRIORITY = 0
 
 
 @dataclass(frozen=True)
 class ShedConfig:
-    """settings.GATEWAY_SHED_*."""
+    """Load shedding (settings.GATEWAY_SHEDDING, from GATEWAY_SHED_*): a worker is full when its
+    waiting queue reaches `queue_fraction` of its max_queued_requests (or of `default_queue_bound`
+    when it reports none)."""
 
     queue_fraction: float = 0.5
     default_queue_bound: int = 256
     retry_after_s: float = 1.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> ShedConfig:
+        return cls(queue_fraction=env_float(environ, "GATEWAY_SHED_QUEUE_FRACTION", cls.queue_fraction),
+                   default_queue_bound=env_int(environ, "GATEWAY_SHED_DEFAULT_QUEUE_BOUND", cls.default_queue_bound),
+                   retry_after_s=env_float(environ, "GATEWAY_SHED_RETRY_AFTER", cls.retry_after_s))
 
 
 @dataclass(frozen=True)

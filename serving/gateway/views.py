@@ -1,17 +1,15 @@
-"""The public `/v1` routes: async views that hand HTTP to serving.gateway.pipeline and back."""
+"""The public `/v1` routes Django serves: the model list, one model, `/metrics` (thin async views
+over serving.gateway.catalog). The completion routes are the ASGI fast path's (serving.gateway.asgi)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
-from django.http.response import HttpResponseBase
+from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from serving.gateway import catalog, metrics, pipeline
+from serving.gateway import catalog, metrics
 from serving.gateway.errors import GatewayError
 
 _JSON = "application/json"
@@ -20,17 +18,6 @@ _JSON = "application/json"
 def _error(error: GatewayError) -> HttpResponse:
     response = HttpResponse(error.body(), status=error.status, content_type=_JSON)
     for name, value in error.headers.items():
-        response[name] = value
-    return response
-
-
-def _reply(reply: pipeline.Reply) -> HttpResponseBase:
-    if reply.stream is not None:
-        response: HttpResponseBase = StreamingHttpResponse(reply.stream, status=reply.status,
-                                                       content_type="text/event-stream")
-    else:
-        response = HttpResponse(reply.body, status=reply.status, content_type=_JSON)
-    for name, value in reply.headers.items():
         response[name] = value
     return response
 
@@ -46,23 +33,15 @@ def _authorization(request: HttpRequest) -> str | None:
     return value
 
 
-def _completion_view(endpoint: str) -> Callable[[HttpRequest], Coroutine[Any, Any, HttpResponseBase]]:
-    @csrf_exempt
-    async def view(request: HttpRequest) -> HttpResponseBase:
-        if request.method != "POST":
-            return _error(GatewayError(405, f"Use POST for {request.path}.", code="method_not_allowed"))
-        try:
-            reply = await pipeline.handle(endpoint, authorization=_authorization(request), raw_body=request.body)
-        except GatewayError as error:
-            return _error(error)
-        return _reply(reply)
-
-    view.__name__ = f"{endpoint}_completions"
-    return view
-
-
-chat_completions = _completion_view("chat")
-completions = _completion_view("completions")
+@csrf_exempt
+def completions_elsewhere(request: HttpRequest) -> HttpResponse:
+    """`/v1/chat/completions` and `/v1/completions` under Django's own handler (WSGI, Django's test
+    client): their one entry point is the ASGI application (serving.gateway.asgi), so this says so
+    rather than answering as if the route did not exist."""
+    return _error(GatewayError(
+        404, f"{request.path} is served by the web process's ASGI application (lora_platform.asgi:application, "
+             "under uvicorn), not by Django's own request handler; send the request to the ASGI server.",
+        code="endpoint_not_served"))
 
 
 def _card(entry: catalog.ModelEntry) -> dict:

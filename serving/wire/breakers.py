@@ -1,4 +1,10 @@
-"""Circuit breakers per adapter version, shared by every gateway process through Redis.
+"""Circuit breakers per adapter version, shared through Redis by every process that judges a version.
+
+Two kinds of process run this one state machine on the same Redis hash (`KEY_PREFIX` + the
+version's qualified name): every gateway process (serving.gateway.resilience counts each call) and
+every serving worker (serving.engine.server.slot_guard counts a corrupted GPU slot as one failed
+call). So the script, its keys, `Outcome` and the thresholds (`BreakerConfig.from_environ`, the
+GATEWAY_BREAKER_* variables both read) live here, in the layer neither side owns.
 
 The semantics are resilience4j's count-based breaker:
 
@@ -30,6 +36,7 @@ against both.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +44,8 @@ from enum import Enum
 
 import redis.asyncio as aioredis
 
-from serving.gateway.redis_guard import RedisGuard
+from serving.wire.env import env_float, env_int
+from serving.wire.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,7 @@ class Outcome(int, Enum):
 
 @dataclass(frozen=True)
 class BreakerConfig:
-    """Thresholds (defaults: the issue's and resilience4j's; settings.GATEWAY_BREAKER_*)."""
+    """Thresholds (defaults: the design's and resilience4j's; GATEWAY_BREAKER_* through `from_environ`)."""
 
     window_size: int = 100
     minimum_calls: int = 50
@@ -73,18 +81,20 @@ class BreakerConfig:
     idle_ttl_s: int = 86400
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> BreakerConfig:
-        """The thresholds from the GATEWAY_BREAKER_* variables the web process's settings read, for a
-        process without Django settings (a serving worker reporting a corrupted slot) to judge alike."""
-        d = cls()
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> BreakerConfig:
+        """The thresholds from the GATEWAY_BREAKER_* variables: the web process's settings
+        (settings.GATEWAY_BREAKERS) and a serving worker reporting a corrupted slot both call this,
+        so the two judge alike; an unset variable keeps the field's default."""
+        d = cls
         return cls(
-            window_size=int(environ.get("GATEWAY_BREAKER_WINDOW", d.window_size)),
-            minimum_calls=int(environ.get("GATEWAY_BREAKER_MINIMUM_CALLS", d.minimum_calls)),
-            failure_rate_threshold=float(environ.get("GATEWAY_BREAKER_FAILURE_RATE", d.failure_rate_threshold)),
-            slow_call_rate_threshold=float(environ.get("GATEWAY_BREAKER_SLOW_CALL_RATE", d.slow_call_rate_threshold)),
-            slow_call_duration_s=float(environ.get("GATEWAY_BREAKER_SLOW_CALL_SECONDS", d.slow_call_duration_s)),
-            cooldown_s=float(environ.get("GATEWAY_BREAKER_COOLDOWN_SECONDS", d.cooldown_s)),
-            half_open_calls=int(environ.get("GATEWAY_BREAKER_HALF_OPEN_CALLS", d.half_open_calls)),
+            window_size=env_int(environ, "GATEWAY_BREAKER_WINDOW", d.window_size),
+            minimum_calls=env_int(environ, "GATEWAY_BREAKER_MINIMUM_CALLS", d.minimum_calls),
+            failure_rate_threshold=env_float(environ, "GATEWAY_BREAKER_FAILURE_RATE", d.failure_rate_threshold),
+            slow_call_rate_threshold=env_float(environ, "GATEWAY_BREAKER_SLOW_CALL_RATE", d.slow_call_rate_threshold),
+            # A call is slow when the worker's first byte takes at least this long.
+            slow_call_duration_s=env_float(environ, "GATEWAY_BREAKER_SLOW_CALL_SECONDS", d.slow_call_duration_s),
+            cooldown_s=env_float(environ, "GATEWAY_BREAKER_COOLDOWN_SECONDS", d.cooldown_s),
+            half_open_calls=env_int(environ, "GATEWAY_BREAKER_HALF_OPEN_CALLS", d.half_open_calls),
         )
 
     def __post_init__(self) -> None:
@@ -136,6 +146,10 @@ class Snapshot:
     def slow_call_rate(self) -> float:
         return self.slow_calls / self.calls if self.calls else 0.0
 
+
+# One run's answer, the script's and the local twin's alike: (allowed, state, epoch, retry after in
+# seconds, calls, failures, slow calls, the state entered or "").
+Verdict = tuple[int, str, int, float, int, int, int, str]
 
 # Window entries, one character per call: bit 0 = failed, bit 1 = slow.
 _OK, _FAILED, _SLOW = 0, 1, 2
@@ -279,7 +293,7 @@ class LocalBreakers:
         self.config = config
         self._states: dict[str, _LocalState] = {}
 
-    def run(self, name: str, op: str, now: float, epoch: int = 0, code: int = 0) -> tuple:
+    def run(self, name: str, op: str, now: float, epoch: int = 0, code: int = 0) -> Verdict:
         c = self.config
         s = self._states.setdefault(name, _LocalState())
         transition = ""
@@ -382,13 +396,13 @@ class CircuitBreakers:
         return self._snapshot(name, result, shared)
 
     @staticmethod
-    def _snapshot(name: str, result: tuple, shared: bool) -> Snapshot:
+    def _snapshot(name: str, result: Verdict, shared: bool) -> Snapshot:
         _, state, epoch, _, calls, failures, slows, transition = result
         return Snapshot(name=name, state=State(state), epoch=epoch, calls=calls, failures=failures,
                         slow_calls=slows, transition=State(transition) if transition else None, shared=shared)
 
     async def _run(self, name: str, op: str, epoch: int = 0, code: int = 0, *,
-                   local_only: bool = False) -> tuple[tuple, bool]:
+                   local_only: bool = False) -> tuple[Verdict, bool]:
         now = self._clock()
         if not local_only:
             c = self.config

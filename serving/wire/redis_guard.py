@@ -1,4 +1,7 @@
-"""Redis calls on the gateway's hot path, bounded in time, with a memory of Redis being away.
+"""Redis calls on a hot path, bounded in time, with a memory of Redis being away.
+
+The gateway's buckets, breakers, prewarm counts and usage records go through it, and so does the
+serving worker's breaker report (serving.wire.breakers): both sides share it with the breakers.
 
 No request may hang on a dead Redis. Every shared-state call (buckets, breakers, prewarm counts)
 goes through `RedisGuard.call`, which gives it `timeout_s` at most; a connection failure or a
@@ -14,11 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+
+from serving.wire.env import env_float
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +35,22 @@ T = TypeVar("T")
 _OUTAGE = (ConnectionError, TimeoutError, BusyLoadingError, OSError, asyncio.TimeoutError)
 
 
+@dataclass(frozen=True)
+class RedisGuardConfig:
+    """Each call's bound and the pause after a failure (GATEWAY_REDIS_TIMEOUT, GATEWAY_REDIS_RETRY_SECONDS)."""
+
+    timeout_s: float = 0.25
+    retry_interval_s: float = 1.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> RedisGuardConfig:
+        return cls(timeout_s=env_float(environ, "GATEWAY_REDIS_TIMEOUT", cls.timeout_s),
+                   retry_interval_s=env_float(environ, "GATEWAY_REDIS_RETRY_SECONDS", cls.retry_interval_s))
+
+
 class RedisGuard:
-    def __init__(self, *, timeout_s: float = 0.25, retry_interval_s: float = 1.0,
+    def __init__(self, *, timeout_s: float = RedisGuardConfig.timeout_s,
+                 retry_interval_s: float = RedisGuardConfig.retry_interval_s,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[bool], None] | None = None) -> None:
         self.timeout_s = timeout_s
@@ -75,3 +96,8 @@ class RedisGuard:
                       self.retry_interval_s)
             if self._on_change is not None:
                 self._on_change(False)
+
+    @classmethod
+    def from_config(cls, config: RedisGuardConfig, *,
+                    on_change: Callable[[bool], None] | None = None) -> RedisGuard:
+        return cls(timeout_s=config.timeout_s, retry_interval_s=config.retry_interval_s, on_change=on_change)

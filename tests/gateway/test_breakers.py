@@ -22,8 +22,8 @@ import pytest
 import redis.asyncio as aioredis
 from resilience_support import Clock, dead_redis_url, redis_relay
 
-from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome, State
-from serving.gateway.redis_guard import RedisGuard
+from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome, State
+from serving.wire.redis_guard import RedisGuard
 
 REPO = Path(__file__).resolve().parents[2]
 S, F, I = Outcome.SUCCESS, Outcome.FAILURE, Outcome.IGNORED
@@ -242,8 +242,8 @@ def test_config_refuses_impossible_thresholds() -> None:
 _CHILD = """
 import asyncio, json, sys
 import redis.asyncio as aioredis
-from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome
-from serving.gateway.redis_guard import RedisGuard
+from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome
+from serving.wire.redis_guard import RedisGuard
 
 url, name, action, now = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 

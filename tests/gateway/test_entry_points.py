@@ -1,5 +1,5 @@
-"""Both ways into the request path: the ASGI fast path in front of Django (what uvicorn serves)
-and the Django async views (what Django's own handler serves), and the fast path's own checks."""
+"""The completion routes' one entry point, the ASGI fast path in front of Django (what uvicorn
+serves), its own checks, and what Django's own handler (WSGI, its test client) answers there."""
 
 from __future__ import annotations
 
@@ -13,17 +13,41 @@ from tests.gateway.conftest import WORKER_KEY, wait_for_worker
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_the_django_view_serves_the_same_request_path(settings, registry, worker, tenant_a, redis_client):
+def test_the_asgi_application_serves_the_request_path_in_process(settings, registry, worker, tenant_a, redis_client):
+    """lora_platform.asgi's application over httpx's ASGI transport: the same app uvicorn runs,
+    in this process, on the test database."""
+    from lora_platform.asgi import application
+
     settings.SERVING_WORKER_API_KEY = WORKER_KEY
     wait_for_worker(redis_client, "gw-worker-1")
+    auth = {"Authorization": f"Bearer {tenant_a.key}"}
+
+    async def requests() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver",
+                                     timeout=60) as client:
+            reply = await client.post("/v1/completions", headers=auth,
+                                      json={"model": "gw-tiny-llama", "prompt": "hi", "max_tokens": 3})
+            wrong_method = await client.get("/v1/chat/completions", headers=auth)
+            return reply, wrong_method
+
+    reply, wrong_method = async_to_sync(requests)()
+    assert reply.status_code == 200, reply.content
+    assert reply.json()["usage"]["completion_tokens"] == 3 and reply.headers["x-ratelimit-limit-requests"] == "400"
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert wrong_method.headers["allow"] == "POST"
+
+
+def test_django_alone_says_the_asgi_application_serves_completions(registry, tenant_a):
+    """Django's own handler (WSGI, its test client) has no second way into the request path: it
+    answers both routes with a 404 naming the application that serves them."""
     client = AsyncClient()
     auth = {"Authorization": f"Bearer {tenant_a.key}"}
-    reply = async_to_sync(client.post)("/v1/completions", {"model": "gw-tiny-llama", "prompt": "hi", "max_tokens": 3},
-                                       content_type="application/json", headers=auth)
-    assert reply.status_code == 200, reply.content
-    assert reply.json()["usage"]["completion_tokens"] == 3 and reply["x-ratelimit-limit-requests"] == "400"
-    wrong_method = async_to_sync(client.get)("/v1/chat/completions", headers=auth)
-    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        reply = async_to_sync(client.post)(path, {"model": "gw-tiny-llama", "prompt": "hi"},
+                                           content_type="application/json", headers=auth)
+        assert reply.status_code == 404, reply.content
+        error = reply.json()["error"]
+        assert error["code"] == "endpoint_not_served" and "lora_platform.asgi:application" in error["message"]
 
 
 def test_the_fast_path_limits_the_body_and_answers_errors_in_json(web, settings, tenant_a, registry):

@@ -46,7 +46,7 @@ def test_unknown_model_requests_drain_the_request_bucket_then_429(web, registry,
     Tier.objects.create(name="tiny-rpm", requests_per_minute=2, tokens_per_minute=100_000, max_tokens_per_request=16,
                         priority=2, max_concurrent_training_jobs=1, max_adapters=5, degradation_allowed=False)
     _, key = tenant_create(slug="flooder", tier_name="tiny-rpm")
-    capacity = round(2 * settings.GATEWAY_BUCKET_BURST)
+    capacity = round(2 * settings.GATEWAY.bucket_burst)
     replies = [chat(web, key, f"no-such-model-{index}") for index in range(capacity + 2)]
     assert [reply.status_code for reply in replies[:capacity]] == [404] * capacity, [r.text for r in replies]
     assert [reply.headers["x-ratelimit-remaining-requests"] for reply in replies[:capacity]] == [

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from serving.gateway.breakers import Outcome
+from serving.wire.breakers import Outcome
 from serving.gateway.proxy import DONE, UpstreamResult, relay_stream, rename_model
 from serving.gateway.resilience import breaker_outcome
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from serving.gateway.catalog import Caller, Target, TierLimits
+from serving.gateway.records import Call, Caller, Target, TierLimits
 from serving.gateway.errors import GatewayError
-from serving.gateway.pipeline import Call, upstream_body
+from serving.gateway.pipeline import upstream_body
 from serving.gateway.proxy import UpstreamResult
 from serving.gateway.request_fields import FORWARDED, MODEL_MAX_CHARS, decode_body
 from serving.gateway.resilience import worker_failed

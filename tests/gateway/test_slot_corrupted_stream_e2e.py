@@ -25,8 +25,8 @@ import torch
 from serving import services
 from serving.engine.server.cli import ServerArgs
 from serving.engine.server.worker import Worker
-from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Snapshot
-from serving.gateway.redis_guard import RedisGuard
+from serving.wire.breakers import BreakerConfig, CircuitBreakers, Snapshot
+from serving.wire.redis_guard import RedisGuard
 from serving.models import UsageRecord
 from serving.usage import usage_records_flush
 from tests.gateway.conftest import WebProcess, upload_version, wait_for_worker

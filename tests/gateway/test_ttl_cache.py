@@ -4,6 +4,7 @@ and expired entries are freed as soon as anything is put (not only once the cach
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -82,7 +83,7 @@ def test_the_catalog_frees_expired_model_lookups(settings, tenant_a):
     gone with the next lookup once their TTL is over."""
     from serving.gateway import catalog
 
-    settings.GATEWAY_CACHE_SECONDS = 0.05
+    settings.GATEWAY = dataclasses.replace(settings.GATEWAY, cache_s=0.05)
     catalog.caches_clear()
 
     async def lookups(names: list[str]) -> None:

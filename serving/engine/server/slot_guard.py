@@ -10,26 +10,27 @@ counters) and one failure on the shared circuit breaker of every registry versio
 
 Why the worker records on the breaker itself (docs/resilience.md, "Slot integrity"): it is the
 only process that knows, it already has the Redis the breakers live in (``--redis-url``, its
-registration), and the breaker's one Lua script (``serving.gateway.breakers``, Django-free) is
-what the gateway calls too, so a corruption counts exactly as one failed call of that version,
-in every gateway process at once. The thresholds come from the same ``GATEWAY_BREAKER_*``
-variables the web process reads. Names that are not registry versions have no breaker.
+registration), and the breaker's one Lua script (``serving.wire.breakers``, the Django-free layer
+both sides import; the engine never imports the gateway) is what the gateway calls too, so a
+corruption counts exactly as one failed call of that version, in every gateway process at once.
+The thresholds come from the same ``GATEWAY_BREAKER_*`` variables, read by the same
+``BreakerConfig.from_environ`` the web process's settings call. Names that are not registry
+versions have no breaker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from serving.engine.async_engine import AsyncEngine, EngineDeadError
 from serving.engine.stats import SlotRepair
-from serving.gateway.breakers import BreakerConfig, CircuitBreakers, Outcome
-from serving.gateway.redis_guard import RedisGuard
+from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome
 from serving.wire.names import in_registry_form
+from serving.wire.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class SlotGuard:
         self._breakers: CircuitBreakers | None = None
         if redis_url:
             self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-            self._breakers = CircuitBreakers(self._redis, BreakerConfig.from_environ(os.environ), guard=RedisGuard())
+            self._breakers = CircuitBreakers(self._redis, BreakerConfig.from_environ(), guard=RedisGuard())
         self._breaker_failures = breaker_failures
 
     async def verify(self) -> list[SlotRepair]:

@@ -1,0 +1,89 @@
+"""What one request is, as the gateway's steps see it: the caller, what its `model` names, and the
+call as it moves through the path (serving.gateway.pipeline), plus the reply the edge sends.
+
+Plain records, Django-free: the catalog (serving.gateway.catalog) fills `Caller` and `Target`
+from the database, the pipeline and the resilience rules (serving.gateway.resilience) read and
+fill `Call`. Living here, they leave no module importing its caller back.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.gateway.quotas import Admission
+from serving.gateway.routing import WorkerView
+from serving.gateway.version_pick import ServedSet, ServedVersion
+from serving.wire.breakers import Permit
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    name: str
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_tokens_per_request: int
+    priority: int
+    degradation_allowed: bool
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated inference caller: its tenant, its key's public prefix, its tier's limits."""
+
+    tenant_id: int
+    tenant: str
+    key_prefix: str
+    tier: TierLimits
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` resolved to: the base model, an adapter's served set, or a pin."""
+
+    base: bool = False
+    served: ServedSet | None = None
+    pinned: ServedVersion | None = None
+
+    @property
+    def adapter(self) -> str | None:
+        version = self.pinned or (self.served.active if self.served else None)
+        return version.adapter if version else None
+
+
+@dataclass
+class Call:
+    """One request's state as it moves through the steps."""
+
+    endpoint: str
+    caller: Caller
+    body: dict[str, Any]
+    model: str
+    target: Target
+    max_tokens: int
+    reserved_tokens: int = 0
+    prompt_estimate: int = 0
+    admission: Admission | None = None
+    degraded: bool = False
+    version: ServedVersion | None = None
+    # The version's circuit-breaker permit (None on the base model).
+    permit: Permit | None = None
+    worker: WorkerView | None = None
+    # The next-best workers, best first: where a failure before the first byte is retried.
+    fallbacks: list[WorkerView] = field(default_factory=list)
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
+    started: float = field(default_factory=time.perf_counter)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """What the edge sends: a whole body, or a stream of SSE events."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    stream: AsyncGenerator[bytes, None] | None = None  # closed (aclose) by whoever sends it
