@@ -9,6 +9,7 @@ from django.contrib.auth.models import AnonymousUser
 from django.db.models import Count, Q, QuerySet
 
 from serving.wire.errors import NotFound
+from tenants.api_keys import parse_key
 from tenants.models import ApiKey, Membership, Tenant
 
 if TYPE_CHECKING:  # django-stubs-ext is a dev dependency; only the annotations name it
@@ -43,6 +44,13 @@ def memberships_of(user: AbstractBaseUser | AnonymousUser) -> list[Membership]:
 def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
     """The tenant's keys, newest first, revoked ones included (they say when they were revoked)."""
     return ApiKey.objects.filter(tenant=tenant).select_related("created_by").order_by("-created_at", "-id")
+
+
+def api_key_is_live(*, tenant: Tenant, full_key: str) -> bool:
+    """Whether `full_key` is one of the tenant's keys and not revoked (the playground's key, kept in a session)."""
+    parsed = parse_key(full_key)
+    return parsed is not None and ApiKey.objects.filter(tenant=tenant, prefix=parsed.prefix,
+                                                        revoked_at__isnull=True).exists()
 
 
 def membership_list(*, tenant: Tenant) -> QuerySet[Membership]:

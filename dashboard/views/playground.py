@@ -14,9 +14,8 @@ from django.views.decorators.http import require_POST
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from serving import selectors
 from serving.models import Adapter
+from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
-from tenants.api_keys import parse_key
-from tenants.models import ApiKey
 
 PLAYGROUND_SESSION_KEY = "playground_keys"
 PLAYGROUND_MAX_TOKENS = 64
@@ -61,10 +60,7 @@ def playground_key_view(request: DashboardRequest) -> JsonResponse:
     tenant = request.dashboard.tenant
     keys = request.session.get(PLAYGROUND_SESSION_KEY, {})
     full_key = keys.get(str(tenant.pk))
-    parsed = parse_key(full_key) if full_key else None
-    live = parsed is not None and ApiKey.objects.filter(tenant=tenant, prefix=parsed.prefix,
-                                                        revoked_at__isnull=True).exists()
-    if not live:
+    if not full_key or not tenant_selectors.api_key_is_live(tenant=tenant, full_key=full_key):
         _, full_key = tenant_services.playground_key_issue(tenant=tenant, user=request.user)
         keys[str(tenant.pk)] = full_key
         request.session[PLAYGROUND_SESSION_KEY] = keys
