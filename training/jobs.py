@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving import selectors as registry_selectors
-from serving import services as registry
+from serving.adapter_names import adapter_name_validate, adapter_room_check
 from serving.models import Adapter, AdapterVersion
 from serving.versions import version_parse
 from tenants.models import Tenant
@@ -62,7 +62,7 @@ def _check_adapter_room(tenant: Tenant, name: str) -> None:
     here rather than at publishing, hours later. The caller holds the tenant's row lock.
     """
     if not Adapter.objects.for_tenant(tenant).filter(name=name).exists():
-        registry.adapter_room_check(tenant=tenant, name=name, param="adapter")
+        adapter_room_check(tenant=tenant, name=name, param="adapter")
 
 
 def _check_requested_version(tenant: Tenant, adapter_name: str, version: Any) -> str:
@@ -135,7 +135,7 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
             raise InvalidInput("'validation_fraction' needs a validated training file; wait for its status "
                                "'ready', or give a 'validation_file'.", param="validation_fraction")
         fraction = 0.0 if pending else _validation_fraction(validation_fraction, dataset, validation)
-        registry.adapter_name_validate(adapter, param="adapter")
+        adapter_name_validate(adapter, param="adapter")
         _check_adapter_room(locked, adapter)
         requested = _check_requested_version(locked, adapter, version)
         _check_waiting_room(locked)
