@@ -1,5 +1,5 @@
-"""The web process's memory after completion requests that each name a new, long `model` (issue 23,
-item 1: 350 requests with a distinct 1.9 MB name took a web process from 385 MB to 2,441 MB).
+"""The web process's memory after completion requests that each name a new, long `model` (docs/security.md:
+350 requests with a distinct 1.9 MB name took a web process from 385 MB to 2,441 MB).
 
 Runs the gateway's request path (serving.gateway.wiring.handle, what the ASGI route calls) in
 this process, with a valid key, and prints this process's RSS before and after, and what the

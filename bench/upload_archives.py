@@ -1,4 +1,4 @@
-"""Hostile adapter archives (issue 16, item 5): how long the upload path takes to refuse them, and
+"""Hostile adapter archives (docs/security.md): how long the upload path takes to refuse them, and
 the peak memory of the process doing it.
 
 Cases, each run in a fresh subprocess so its peak RSS is its own:

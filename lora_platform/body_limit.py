@@ -2,7 +2,7 @@
 
 Django's ASGI handler reads the whole body into a temporary file (on disk past
 FILE_UPLOAD_MAX_MEMORY_SIZE) before any middleware or view runs, so a limit checked there comes
-after an unauthenticated 600 MB body was written to disk (issue 23, item 5). Here the body is
+after an unauthenticated 600 MB body was written to disk (docs/security.md). Here the body is
 refused before that: by its `Content-Length` before a byte of it is read, and, chunked, the moment
 the bytes received pass the limit (the application then sees the client gone, and reads no more).
 The answer is a 413 in OpenAI's error shape, and the connection is closed (`connection: close`),

@@ -4,7 +4,7 @@ connections per client address. Used by the web process and the serving worker (
 uvicorn arms its keep-alive timer only once a response is complete, and disarms it on the next byte
 received, so a connection that never finishes its request headers (nothing sent, half a request
 line, headers trickled a byte at a time) is kept for ever: 200 such sockets stayed open for 60 s in
-issue 23's attack run. Here every request must complete its headers within `header_timeout_s` of
+an attack run (docs/security.md). Here every request must complete its headers within `header_timeout_s` of
 its first byte (of the connection's opening, for the first request), or it gets a 408 and the
 connection is closed. Between requests uvicorn's keep-alive timeout (`--timeout-keep-alive`) still
 applies. uvicorn's own `limit_concurrency` counts all connections together (503 past it); the cap

@@ -1,4 +1,4 @@
-"""The served OpenAPI schema says what the API does (issue 23, item 10), checked by schemathesis.
+"""The served OpenAPI schema says what the API does (docs/security.md), checked by schemathesis.
 
 Every operation of the schema the project serves (`/api/schema/`: the management API under
 `/api/v1/` and OpenAI's files and fine-tuning API under `/v1/`) gets a few generated requests,

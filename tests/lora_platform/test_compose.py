@@ -1,4 +1,4 @@
-"""docker-compose.yml keeps the serving worker private (issue 16, item 1): no published port, and the
+"""docker-compose.yml keeps the serving worker private (docs/security.md): no published port, and the
 web app and the serving worker run with one generated key. No Docker here, so the file is read and
 its key-sharing shell snippets are run with sh exactly as the containers would run them."""
 

@@ -1,4 +1,4 @@
-"""Admin actions that change state need the model's change permission (issue 23, item 4).
+"""Admin actions that change state need the model's change permission (docs/security.md).
 
 Read-only staff (view permissions only) see the adapters but cannot run promote, rollback or any other
 state-changing action: the action is not offered, posting it changes nothing and writes no audit row.

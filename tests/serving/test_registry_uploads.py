@@ -350,7 +350,7 @@ def test_snapshot_entry_of_an_uploaded_version_points_at_a_loadable_artifact(cli
     assert json.loads(json.dumps(entry))["name"] == "alice-co/support-bot@1.0.0"
 
 
-# --- hostile archives and configs (issue 16, items 5 and 7) -------------------------------------
+# --- hostile archives and configs (docs/security.md) --------------------------------------------------
 
 
 def gzipped_tar_stream(headers_and_data: list[tuple[tarfile.TarInfo, bytes]], tail: bytes = b"") -> bytes:

@@ -1,4 +1,4 @@
-"""OPTIONS on OpenAI's files and fine-tuning routes (issue 23, item 8): 200 with `Allow`, not a 500.
+"""OPTIONS on OpenAI's files and fine-tuning routes (docs/security.md): 200 with `Allow`, not a 500.
 
 DRF answers OPTIONS with a description of the view, and for a view that takes POST it describes the
 request serializer; these views take OpenAI's shapes without a DRF serializer, so that step raised

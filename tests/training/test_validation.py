@@ -124,7 +124,7 @@ def test_invalid_utf8_is_invalid_json():
 
 
 def test_a_line_nested_too_deeply_or_with_a_lone_surrogate_is_that_lines_error(tokenizer):
-    """The attack of issue 16: a 100k-deep line (RecursionError) and "\\ud800" (a tokenizer TypeError)
+    """The attacks docs/security.md lists: a 100k-deep line (RecursionError) and "\\ud800" (a tokenizer TypeError)
     used to crash the task; now each is its own line's error and the other lines are still checked."""
     good = jsonl(chat_lines(1)[:3])
     deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"
