@@ -51,6 +51,8 @@ from safetensors.torch import save_file  # noqa: E402
 from serving.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 
+from bench.engine_peers import hf_decode_step_ms, peft_forward_ms, transformers_forward_ms  # noqa: E402
+
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMA3_8B = dict(
     model_type="llama",
@@ -228,9 +230,9 @@ def bench_cpu(args: argparse.Namespace, work: Path) -> dict[str, float]:
     peft.eval()
     ids = torch.tensor([p["prompt_token_ids"] for p in prompts])
     row_names = [names[i % args.adapters] for i in range(args.batch)]
-    results["peft_mixed_step_ms"] = _hf_decode_step_ms(peft, ids, args.steps, adapter_names=row_names)
+    results["peft_mixed_step_ms"] = hf_decode_step_ms(peft, ids, args.steps, adapter_names=row_names)
     with peft.disable_adapter():
-        results["transformers_base_step_ms"] = _hf_decode_step_ms(peft, ids, args.steps)
+        results["transformers_base_step_ms"] = hf_decode_step_ms(peft, ids, args.steps)
 
     new = args.new_tokens
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
@@ -251,21 +253,6 @@ def bench_cpu(args: argparse.Namespace, work: Path) -> dict[str, float]:
             assert out.shape[1] == ids.shape[1] + new
             results[key] = args.batch * new / (time.perf_counter() - start)
     return results
-
-
-@torch.no_grad()
-def _hf_decode_step_ms(model: torch.nn.Module, ids: torch.Tensor, steps: int, **kwargs: object) -> float:
-    """Median time of one-token forwards over a KV cache of the prompt (transformers / PEFT)."""
-    out = model(input_ids=ids, use_cache=True, **kwargs)
-    cache = out.past_key_values
-    token = out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps + 3):
-        start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True, **kwargs)
-        times.append(time.perf_counter() - start)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return statistics.median(times[3:]) * 1e3
 
 
 # ---- CUDA: the Llama-3-8B shape ----------------------------------------------------------------
@@ -373,9 +360,9 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     # The engine's figures before the peers' (slow to build): a run cut short still reports them.
     print(f"engine results: {json.dumps(results)}", flush=True)
     if args.compare_transformers:
-        results["transformers_base_forward_ms"] = _transformers_forward_ms(model_dir, args)
+        results["transformers_base_forward_ms"] = transformers_forward_ms(model_dir, args)
     if args.compare_peft:
-        results.update(_peft_forward_ms(model_dir, adapters, args))
+        results.update(peft_forward_ms(model_dir, adapters, args))
     return results
 
 
@@ -411,55 +398,6 @@ def _slot_write_ms(engine: LLMEngine) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
-
-
-@torch.no_grad()
-def _peft_forward_ms(model_dir: Path, adapters: list[Path], args: argparse.Namespace) -> dict[str, float]:
-    """PEFT's mixed batch (``adapter_names=``) on transformers' model, batch of one token each, no KV
-    cache, for 8 and for all the adapters (targets.md's reference measurement)."""
-    from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    peft = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name="p0", torch_device=args.device)
-    for i, path in enumerate(adapters[1:], 1):
-        peft.load_adapter(str(path), adapter_name=f"p{i}", torch_device=args.device)
-    peft.eval()
-    ids = torch.randint(3, config.vocab_size, (args.batch, 1), device=args.device)
-    results = {}
-    for count in sorted({min(8, len(adapters)), len(adapters)}):
-        names = [f"p{i % count}" for i in range(args.batch)]
-        times = []
-        for _ in range(4):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            peft(input_ids=ids, adapter_names=names)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        results[f"peft_mixed_{count}_forward_ms"] = statistics.median(times[1:]) * 1e3
-    return results
-
-
-@torch.no_grad()
-def _transformers_forward_ms(model_dir: Path, args: argparse.Namespace) -> float:
-    """transformers' own base model, random bf16 weights: one token per sequence, no KV cache
-    (the measurement of targets.md's reference point)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    ids = torch.randint(3, config.vocab_size, (args.batch, 1), device=args.device)
-    times = []
-    for _ in range(args.steps + 3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(input_ids=ids)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[3:]) * 1e3
 
 
 def main() -> int:
