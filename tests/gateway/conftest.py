@@ -2,13 +2,15 @@
 database and Redis), serving workers on the tiny model registering themselves in that Redis, and
 registry versions whose artifacts live in a storage directory of this run.
 
-The web process and the shared worker live for the session; each test makes its own tenants and
+The shared web process and worker (`web`, `worker`) live for the session; what a file starts
+through `start_web`/`start_worker` stops at the end of that file. Each test makes its own tenants and
 adapters (the database is flushed between transactional tests, so ids never repeat in a way the
 gateway's 0.5 s caches could confuse: new rows get new ids).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -130,12 +132,10 @@ def gateway_env(django_db_setup, django_db_blocker, tiny_model: Path, storage_di
     }
 
 
-@pytest.fixture(scope="session")
-def start_web(gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[Callable[..., WebProcess]]:
-    """`start(**env)` → a ready web process; all are stopped at the end of the session."""
+@contextlib.contextmanager
+def _web_processes(gateway_env: dict[str, str], logs: Path) -> Iterator[Callable[..., WebProcess]]:
+    """`start(**env)` → a ready web process; every one started is stopped on leaving."""
     started: list[WebProcess] = []
-    logs = tmp_path_factory.mktemp("web-logs")
 
     def start(**env: str) -> WebProcess:
         web = WebProcess({**gateway_env, **env}, logs / f"web-{len(started)}.log")
@@ -143,20 +143,38 @@ def start_web(gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
         web.wait_ready()
         return web
 
-    yield start
-    for web in started:
-        web.stop()
+    try:
+        yield start
+    finally:
+        for web in started:
+            web.stop()
+
+
+@pytest.fixture(scope="module")
+def start_web(gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[Callable[..., WebProcess]]:
+    """`start(**env)` → a ready web process, stopped at the end of the test file that started it.
+
+    Not at the end of the session: under xdist a worker runs other files next, and a web process
+    left running goes on flushing the usage queue and reading the breakers of that worker's Redis
+    (tests/serving/test_usage_redis_outage.py saw its queued record taken), and holds memory and
+    CPU that the rest of the run needs."""
+    with _web_processes(gateway_env, tmp_path_factory.mktemp("web-logs")) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
-def web(start_web: Callable[..., WebProcess]) -> WebProcess:
-    return start_web()
+def web(gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebProcess]:
+    """The web process the suite's files share (its start-up paid once per xdist worker)."""
+    with _web_processes(gateway_env, tmp_path_factory.mktemp("web-logs")) as start:
+        yield start()
 
 
-@pytest.fixture(scope="session")
-def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[Callable[..., WorkerProcess]]:
-    """`start(worker_id, *args)` → a ready serving worker registered in Redis with the shared key."""
+@contextlib.contextmanager
+def _worker_processes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Iterator[Callable[..., WorkerProcess]]:
+    """`start(worker_id, *args)` → a ready serving worker registered in Redis with the shared key;
+    every one started is stopped on leaving."""
     from django.conf import settings
 
     started: list[WorkerProcess] = []
@@ -173,14 +191,27 @@ def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         worker.wait_ready()
         return worker
 
-    yield start
-    for worker in started:
-        worker.stop()
+    try:
+        yield start
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Callable[..., WorkerProcess]]:
+    """`start(worker_id, *args)` → a ready serving worker, stopped at the end of the test file that
+    started it (as `start_web`'s processes: its heartbeats must not outlive the file)."""
+    with _worker_processes(tiny_model, tmp_path_factory) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
-def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
-    return start_worker("gw-worker-1")
+def worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """The serving worker the suite's files share."""
+    with _worker_processes(tiny_model, tmp_path_factory) as start:
+        yield start("gw-worker-1")
 
 
 @pytest.fixture

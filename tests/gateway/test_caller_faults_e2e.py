@@ -26,12 +26,12 @@ WORKERS = ("cf-worker-a", "cf-worker-b")
 BAD_REQUESTS = 6
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def faults_web(start_web):
     return start_web(BASE_MODEL_NAME=BASE)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def two_workers(start_worker):
     return [start_worker(worker_id, "--served-model-name", BASE) for worker_id in WORKERS]
 

@@ -120,7 +120,7 @@ def test_a_sigkilled_worker_fails_over_and_its_restart_gets_traffic_again(
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def relay() -> Iterator[RedisRelay]:
     from django.conf import settings
 
@@ -128,7 +128,7 @@ def relay() -> Iterator[RedisRelay]:
         yield relay
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def web_via_relay(start_web, relay: RedisRelay):
     """A web process that reaches Redis only through the relay (workers register directly)."""
     return start_web(REDIS_URL=relay.url, GATEWAY_REDIS_RETRY_SECONDS="0.5")

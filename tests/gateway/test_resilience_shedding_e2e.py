@@ -25,7 +25,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 BASE = "tiny-shed"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shed_web(start_web):
     # The default bound is far above anything this test queues: only the worker's reported bound
     # can shed.
@@ -36,6 +36,21 @@ def complete(web, key: str, max_tokens: int) -> httpx.Response:
     body = {"model": BASE, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0}
     return httpx.post(f"{web.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def relaying(web) -> float:
+    """What the web process is relaying to workers now (its in-flight gauge)."""
+    for line in httpx.get(f"{web.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("loraplex_gateway_requests_in_flight "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_relaying(web, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while relaying(web) < count:
+        assert time.monotonic() < deadline, f"the gateway is not relaying {count} requests"
+        time.sleep(0.05)
 
 
 def test_below_vip_is_shed_when_every_worker_is_full_and_vip_still_queues(registry, shed_web, start_worker,
@@ -51,7 +66,9 @@ def test_below_vip_is_shed_when_every_worker_is_full_and_vip_still_queues(regist
 
     with ThreadPoolExecutor(8) as pool:
         long_vip = [pool.submit(complete, shed_web, vip.key, 256) for _ in range(3)]
-        time.sleep(0.5)  # the vip requests are in flight
+        # The gateway counts what it relays to a worker on top of the worker's reported queue, so once
+        # it relays the three vip requests the worker is over its bound of 2, whatever the heartbeat says.
+        wait_relaying(shed_web, 3)
         standard = [pool.submit(complete, shed_web, tenant_a.key, 2) for _ in range(3)]
         more_vip = pool.submit(complete, shed_web, vip.key, 2)
         shed = [future.result() for future in standard]

@@ -24,12 +24,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 BASE = "tiny-keys"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def keys_web(start_web):
     return start_web(BASE_MODEL_NAME=BASE)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def wrong_key_worker(start_worker):
     # Not in Redis by itself (no --redis-url): the test writes the registration it would have
     # written without a key fingerprint.

