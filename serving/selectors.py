@@ -4,7 +4,6 @@ the resolution of a request's `model` to one version (for the gateway)."""
 from __future__ import annotations
 
 import math
-import random
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -14,7 +13,7 @@ from django.utils import timezone
 
 from serving.wire.errors import NotFound
 from serving.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
-from serving.versions import SEMVER_RE, SemVer, version_next_patch
+from serving.versions import SemVer, version_next_patch
 from serving.wire.registry import RegistrySnapshot, ServedEntry
 from tenants.models import Tenant
 
@@ -119,34 +118,6 @@ def adapter_rollback_target(*, adapter: Adapter, active: AdapterVersion) -> str 
 
 def adapter_events(*, adapter: Adapter) -> QuerySet[DeploymentEvent]:
     return adapter.events.select_related("tenant").order_by("-id")
-
-
-def adapter_resolve(*, tenant: Tenant, model: str, rng: random.Random | None = None) -> AdapterVersion:
-    """The version that serves a request whose `model` is `name` or `name@version`, in `tenant`.
-
-    An unpinned name picks between the active version and the canary by the canary's weight; a
-    pinned version is served whatever its status, except archived. Unknown names, other tenants'
-    adapters and archived versions are all NotFound, so nothing leaks across tenants.
-    """
-    name, _, pinned = model.partition("@")
-    adapter = Adapter.objects.for_tenant(tenant).select_related("tenant").filter(name=name).first()
-    if adapter is None:
-        raise NotFound(f"The model '{model}' does not exist.", code="model_not_found", param="model")
-    if pinned:
-        if not SEMVER_RE.match(pinned):
-            raise NotFound(f"The model '{model}' does not exist.", code="model_not_found", param="model")
-        version = adapter.versions.filter(version=pinned).exclude(status=AdapterVersion.Status.ARCHIVED).first()
-        if version is None:
-            raise NotFound(f"The model '{model}' does not exist.", code="model_not_found", param="model")
-        version.adapter = adapter
-        return version
-    active, canary = adapter_served(adapter=adapter)
-    if active is None:
-        raise NotFound(f"The adapter '{name}' has no active version; deploy one first.",
-                       code="model_not_deployed", param="model")
-    if canary is not None and (rng or random).random() < canary.canary_weight:
-        return canary
-    return active
 
 
 def adapter_list(*, tenant: Tenant) -> QuerySet[Adapter]:

@@ -10,9 +10,13 @@ from django.db import IntegrityError, connection, transaction
 
 from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving import selectors, services
+from serving.gateway import catalog
+from serving.gateway.errors import GatewayError
+from serving.gateway.version_pick import pick_version
 from serving.wire.registry import EVENTS_CHANNEL as CHANNEL
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import version_next_patch, version_parse
+from tests.conftest import TenantFixture
 
 pytestmark = pytest.mark.django_db
 
@@ -39,6 +43,18 @@ def deployed(adapter_a, make_version):
 
 def version(adapter: Adapter, text: str) -> AdapterVersion:
     return adapter.versions.get(version=text)
+
+
+def resolve(tenant: TenantFixture, model: str, rng: random.Random | None = None) -> str:
+    """The version a request for `model` gets, as the gateway resolves it (its catalog, then the pick
+    by weight). The catalog's uncached loaders run here, in the test's transaction: its async
+    wrappers would read the database from another thread, which does not see this test's rows."""
+    caller = catalog._load_caller(f"Bearer {tenant.key}")
+    target = catalog._load_target(caller, model)
+    if target.pinned is not None:
+        return target.pinned.version
+    assert target.served is not None
+    return pick_version(target.served, user=None, rng=rng).version
 
 
 # --- adapters ---------------------------------------------------------------------------------
@@ -259,8 +275,9 @@ def test_archive_refuses_served_versions_and_archived_is_never_served(deployed, 
         services.adapter_version_archive(version=version(deployed, "1.1.0"), actor=ACTOR)
     with pytest.raises(Conflict, match="archived versions are never served"):
         services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.1, actor=ACTOR)
-    with pytest.raises(NotFound):
-        selectors.adapter_resolve(tenant=tenant_a.tenant, model="support-bot@1.1.0")
+    with pytest.raises(GatewayError) as refused:
+        resolve(tenant_a, "support-bot@1.1.0")
+    assert refused.value.code == "model_not_found"
     assert "support-bot@1.1.0" not in json.dumps(selectors.registry_snapshot())
 
 
@@ -343,28 +360,27 @@ def test_database_refuses_weights_outside_0_1(deployed, weight):
 def test_resolve_picks_by_canary_weight(deployed, tenant_a):
     services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.25, actor=ACTOR)
     rng = random.Random(7)
-    picks = [selectors.adapter_resolve(tenant=tenant_a.tenant, model="support-bot", rng=rng).version
-             for _ in range(400)]
+    picks = [resolve(tenant_a, "support-bot", rng=rng) for _ in range(400)]
     share = picks.count("1.1.0") / len(picks)
     assert 0.18 < share < 0.32  # ±3 standard deviations of 400 draws at p = 0.25
     assert set(picks) == {"1.0.0", "1.1.0"}
     services.adapter_canary_set_weight(adapter=deployed, weight=0.0, actor=ACTOR)
-    assert {selectors.adapter_resolve(tenant=tenant_a.tenant, model="support-bot", rng=rng).version
-            for _ in range(50)} == {"1.0.0"}
+    assert {resolve(tenant_a, "support-bot", rng=rng) for _ in range(50)} == {"1.0.0"}
 
 
 def test_resolve_pinned_missing_and_other_tenants(deployed, tenant_a, tenant_b, adapter_a, make_version):
-    assert selectors.adapter_resolve(tenant=tenant_a.tenant, model="support-bot@1.1.0").version == "1.1.0"
+    assert resolve(tenant_a, "support-bot@1.1.0") == "1.1.0"
     for model in ("support-bot@9.0.0", "support-bot@latest", "no-such-bot"):
-        with pytest.raises(NotFound) as error:
-            selectors.adapter_resolve(tenant=tenant_a.tenant, model=model)
-        assert error.value.code == "model_not_found"
-    with pytest.raises(NotFound) as error:
-        selectors.adapter_resolve(tenant=tenant_b.tenant, model="support-bot")
-    assert error.value.message == "The model 'support-bot' does not exist."
+        with pytest.raises(GatewayError) as error:
+            resolve(tenant_a, model)
+        assert error.value.status == 404 and error.value.code == "model_not_found"
+    with pytest.raises(GatewayError) as error:
+        resolve(tenant_b, "support-bot")
+    assert error.value.message == "The model 'support-bot' does not exist or you do not have access to it."
     services.adapter_create(tenant=tenant_a.tenant, name="idle-bot")
-    with pytest.raises(NotFound, match="has no active version"):
-        selectors.adapter_resolve(tenant=tenant_a.tenant, model="idle-bot")
+    with pytest.raises(GatewayError, match="has no active version") as error:
+        resolve(tenant_a, "idle-bot")
+    assert error.value.code == "model_not_deployed"
 
 
 def test_snapshot_lists_active_and_canary_with_weights(deployed, tenant_b, make_version):
