@@ -1,5 +1,5 @@
-"""Predicted adapter demand for prewarming (seed §4.3): an EWMA of each adapter's request rate and
-an hour-of-day profile, kept in Redis from the gateway's traffic.
+"""Predicted adapter demand for prewarming (docs/resilience.md, "Predictive prewarm"): an EWMA of
+each adapter's request rate and an hour-of-day profile, kept in Redis from the gateway's traffic.
 
 - EWMA: an exponentially decayed request rate with time constant `tau_s` (300 s). Each request
   adds 1/tau to the rate after decaying it by exp(-Δt/tau), so the figure is requests per second

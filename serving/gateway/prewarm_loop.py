@@ -1,5 +1,6 @@
 """The prewarm loop: every `interval_s`, the top predicted adapter versions are prefetched into
-the serving workers' GPU slots and CPU caches ahead of their traffic (seed §4.3).
+the serving workers' GPU slots and CPU caches ahead of their traffic (docs/resilience.md,
+"Predictive prewarm").
 
 It runs in the gateway processes, beside the demand model it reads (serving.gateway.prewarm) and
 the worker list they route by; a Redis lock (`SET NX` with an expiry just under the interval)
