@@ -74,13 +74,16 @@ class WebProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning"],
+            self.command(),
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
             # No prewarm loop unless a test asks for one: every suite's web processes share CI's Redis,
             # and one of them taking the round's lock (and prefetching into other suites' workers)
             # would change what another test sees.
             env={**os.environ, "GATEWAY_PREWARM_INTERVAL_SECONDS": "0", **env})
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", "127.0.0.1",
+                "--port", str(self.port), "--log-level", "warning"]
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -3,44 +3,22 @@ and Redis, for tests that speak raw HTTP/1.1 over sockets to it."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
-
 from lora_platform import launcher
-from tests.conftest import free_port
-from tests.gateway.conftest import _database_url
-
-ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 120.0
+from tests.gateway.conftest import WebProcess, _database_url
 
 
-class LiveWeb:
+class LiveWeb(WebProcess):
+    """A started web process, with what raw-socket tests read of it."""
+
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(
-            launcher.web_argv("127.0.0.1", self.port), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "GATEWAY_PREWARM_INTERVAL_SECONDS": "0", "DJANGO_DEBUG": "0", **env})
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise AssertionError(f"web process exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/metrics", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"web process not ready after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
-            time.sleep(0.2)
+        super().__init__({"DJANGO_DEBUG": "0", **env}, log_path)
+        self.wait_ready()
+
+    def command(self) -> list[str]:
+        return launcher.web_argv("127.0.0.1", self.port)
 
     def connect(self, timeout: float = 30.0) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
@@ -53,20 +31,6 @@ class LiveWeb:
             if name == "wchar":
                 return int(value)
         raise AssertionError("no wchar in /proc/<pid>/io")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
 
 
 def web_env(tmp_path: Path) -> dict[str, str]:
