@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # Re-installs only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-durations up migrate lint-imports typecheck vendor-static screenshots
+.PHONY: install test up migrate lint-imports typecheck vendor-static screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,18 +30,13 @@ lint-imports: install
 typecheck: install
 	REDIS_URL=redis://mypy-never-connects.invalid:6379/0 $(VENV)/bin/mypy
 
-# The suite on four pytest-xdist workers on the 2-core machine (it waits on subprocesses more than
-# it computes: docs/testing.md has the figures), each file whole on one worker, the longest first by
-# tests/file_durations.json; each worker has its own test database, Redis database and temporary
-# directory. PYTEST_WORKERS=0: one process.
+# The suite on four pytest-xdist workers on the 2-core machine (417 s against 584 s on two: the
+# figures in docs/testing.md), each file whole on one worker; each worker has its own test database,
+# Redis database and temporary directory. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 4
 
 test: lint-imports typecheck
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
-
-# Re-measures tests/file_durations.json (the order `make test` hands files out in) with a full run.
-test-durations: install
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --file-durations-write=tests/file_durations.json $(PYTEST_ARGS)
 
 up: migrate
 	$(PY) -m lora_platform.launcher
