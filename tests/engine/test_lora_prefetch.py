@@ -53,7 +53,10 @@ def test_a_prefetched_adapter_is_a_slot_hit_and_serves_the_same_tokens(
     reference = LLM(str(tiny_llama_dir), max_loras=1, **ARGS)
     request.addfinalizer(reference.llm_engine.shutdown)
     want = reference.generate("Good morning", GREEDY, lora_request=LoRARequest("a", str(adapters["a"])))[0]
-    assert reference.llm_engine.stats().slot_misses == 1 and reference.llm_engine.stats().adapter_load_stalls == 1
+    # The reference read "a" on demand. Whether its request also waited a step for that read
+    # (a stall) is a race with the reader thread, which a loaded machine can win; the read and the
+    # slot miss are not.
+    assert (reference.llm_engine.stats().slot_misses, reference.llm_engine.stats().adapter_loads) == (1, 1)
 
     llm = LLM(str(tiny_llama_dir), max_loras=1, **ARGS)
     request.addfinalizer(llm.llm_engine.shutdown)
