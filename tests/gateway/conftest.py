@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import httpx
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
+from lora_platform import launcher
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
 from tests.conftest import free_port
 from tests.serving_worker.conftest import WorkerProcess
@@ -66,7 +66,8 @@ def _database_url() -> str:
 
 
 class WebProcess:
-    """`uvicorn lora_platform.asgi:application` on a free port, its output in a log file."""
+    """The web process as `make up` starts it (lora_platform.launcher.web_argv) on a free port, its
+    output in a log file."""
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
@@ -82,8 +83,9 @@ class WebProcess:
             env={**os.environ, "GATEWAY_PREWARM_INTERVAL_SECONDS": "0", **env})
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", "127.0.0.1",
-                "--port", str(self.port), "--log-level", "warning"]
+        # Production's command line (make up, compose, the image), guarded HTTP protocol included, so
+        # every suite's requests go through what serves them there.
+        return launcher.web_argv("127.0.0.1", self.port)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from lora_platform import launcher
 from tests.gateway.conftest import WebProcess, _database_url
 
 
@@ -16,9 +15,6 @@ class LiveWeb(WebProcess):
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
         super().__init__({"DJANGO_DEBUG": "0", **env}, log_path)
         self.wait_ready()
-
-    def command(self) -> list[str]:
-        return launcher.web_argv("127.0.0.1", self.port)
 
     def connect(self, timeout: float = 30.0) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
