@@ -170,7 +170,7 @@ def _drop_file(page, selector: str, name: str, content: str) -> None:
 def web(transactional_db, platform, settings, base_model_dir: Path, tmp_path: Path) -> Iterator[object]:
     """A web process (uvicorn) and a serving worker, both on this test's database, Redis and storage."""
     from tests.gateway.conftest import WebProcess, _database_url
-    from tests.serving_worker.conftest import WorkerProcess
+    from tests.engine.server.conftest import WorkerProcess
 
     worker = WorkerProcess(base_model_dir, [
         "--served-model-name", BASE_MODEL_NAME, "--redis-url", settings.REDIS_URL, "--worker-id", "dashboard-worker",

@@ -24,7 +24,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from lora_platform import launcher
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
 from tests.conftest import free_port
-from tests.serving_worker.conftest import WorkerProcess
+from tests.engine.server.conftest import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_KEY = "gateway-test-worker-key"

@@ -31,7 +31,7 @@ from serving.models import UsageRecord
 from serving.usage import usage_records_flush
 from tests.gateway.conftest import WebProcess, upload_version, wait_for_worker
 from tests.conftest import TenantFixture, _make_tenant
-from tests.serving_worker.conftest import serve_in_process
+from tests.engine.server.conftest import serve_in_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

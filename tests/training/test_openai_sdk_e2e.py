@@ -19,7 +19,7 @@ import pytest
 
 from serving.storage import get_storage
 from tests.gateway.conftest import WebProcess
-from tests.serving_worker.conftest import WorkerProcess
+from tests.engine.server.conftest import WorkerProcess
 from training.models import TrainingJob
 from training_support import BASE_MODEL_NAME, QA, chat_lines, database_url, jsonl, wait_for
 

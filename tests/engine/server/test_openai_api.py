@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from serving.engine import LoRARequest, SamplingParams
-from tests.serving_worker.conftest import WorkerProcess
+from tests.engine.server.conftest import WorkerProcess
 
 BASE = "tiny-base"
 PROMPTS = [

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.serving_worker.conftest import LONG_TOKENS
+from tests.engine.server.conftest import LONG_TOKENS
 
 LONG = {"prompt": "Once upon a time", "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
 

@@ -31,7 +31,7 @@ from serving.engine.server.worker import Worker
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
 from tests.conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 180.0
 MAX_LORAS = 2
 MAX_CPU_LORAS = 3

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from serving.engine.server.cli import LoRAModule, ServerArgs
-from tests.serving_worker.conftest import LONG_TOKENS, serve_in_process
+from tests.engine.server.conftest import LONG_TOKENS, serve_in_process
 
 NAME = "outcomes"
 PROMPT = [1, 45, 99, 173, 201, 32]  # token ids: their number is the prompt's length

@@ -21,7 +21,7 @@ import torch
 
 from serving.engine.server.cli import LoRAModule, ServerArgs
 from tests.engine.peft_reference import PeftReference, assert_greedy_match
-from tests.serving_worker.conftest import LONG_TOKENS, serve_in_process
+from tests.engine.server.conftest import LONG_TOKENS, serve_in_process
 
 NAME = "slotstop"
 PROMPT = [1, 45, 99, 173, 201, 32]
