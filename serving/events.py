@@ -1,6 +1,6 @@
 """Deploy events on Redis pub/sub: how serving workers hear that a version starts or stops serving.
 
-Channel `serving.wire.registry.EVENTS_CHANNEL`; one JSON message (`serving.wire.registry.DeployEvent`) per audit
+Channel `serving.wire.registry.events_channel(<the Redis database>)`; one JSON message (`serving.wire.registry.DeployEvent`) per audit
 event, published only after the transaction that wrote it commits. Pub/sub delivers at most once, so a worker that was away misses
 messages: it reconciles from the snapshot endpoint as well, and a failed publish is logged and
 never undoes the committed change. The payload is described in docs/registry.md.
@@ -16,7 +16,7 @@ import redis
 from django.conf import settings
 
 from serving.models import DeploymentEvent
-from serving.wire.registry import EVENTS_CHANNEL, DeployEvent, ServedEntry
+from serving.wire.registry import DeployEvent, ServedEntry, events_channel
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def deploy_event_publish(payload: dict[str, Any]) -> bool:
             settings.REDIS_URL, socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=_SOCKET_TIMEOUT_S
         )
         try:
-            client.publish(EVENTS_CHANNEL, json.dumps(payload))
+            client.publish(events_channel(int(client.connection_pool.connection_kwargs.get("db", 0))), json.dumps(payload))
         finally:
             client.close()
     except Exception:

@@ -2,7 +2,7 @@
 
 Django-free, so the serving worker imports it as the registry does:
 
-- `EVENTS_CHANNEL`: the Redis pub/sub channel of deploy events (one JSON `DeployEvent` each).
+- `events_channel()`: the Redis pub/sub channel of deploy events (one JSON `DeployEvent` each).
 - `ServedEntry`: how the snapshot (`RegistrySnapshot`) and the events describe one served version.
 - `WORKERS_KEY` / `worker_key()`: where a worker registers itself in Redis for the gateway.
 - `api_key_id()`: the fingerprint of a worker's key in its registration, so a gateway routes only
@@ -23,6 +23,17 @@ from typing import Any
 from serving.wire import names
 
 EVENTS_CHANNEL = "loraplex:registry:events"
+
+
+def events_channel(database: int) -> str:
+    """The deploy-events channel of a registry whose Redis keys live in database `database`.
+
+    Redis pub/sub ignores the database: every client of a server hears every channel. Two
+    deployments sharing a server on different databases (or two test workers) would apply each
+    other's deploys, and an event id of the other's audit log, higher than any of its own, would make
+    a worker skip its own registry's snapshots as older. The database is part of the name.
+    """
+    return f"{EVENTS_CHANNEL}:db{database}"
 
 # A sorted set of worker ids scored by their last heartbeat, and one JSON document per worker.
 WORKERS_KEY = "loraplex:serving:workers"

@@ -3,6 +3,8 @@ serves), its own checks, and what Django's own handler (WSGI, its test client) a
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 from asgiref.sync import async_to_sync
@@ -19,6 +21,9 @@ def test_the_asgi_application_serves_the_request_path_in_process(settings, regis
     from lora_platform.asgi import application
 
     settings.SERVING_WORKER_API_KEY = WORKER_KEY
+    # A new event loop's first Redis call opens its connection: on a loaded 2-core machine that can
+    # outlast the guard's 0.25 s, and a guarded-away registry read leaves no worker to route to.
+    settings.GATEWAY_REDIS = dataclasses.replace(settings.GATEWAY_REDIS, timeout_s=5.0)
     wait_for_worker(redis_client, "gw-worker-1")
     auth = {"Authorization": f"Bearer {tenant_a.key}"}
 

@@ -10,7 +10,7 @@ from django.db import connections
 
 from serving import services
 from serving.canary_guard import canary_guard_abort
-from serving.wire.registry import EVENTS_CHANNEL as CHANNEL
+from serving.wire.registry import events_channel
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 
 ACTOR = "api-key:test"
@@ -36,7 +36,7 @@ def test_abort_is_audited_once_and_reaches_the_workers(adapter_a, make_version, 
                                                        django_capture_on_commit_callbacks):
     adapter = with_canary(adapter_a, make_version)
     pubsub = redis_client.pubsub()
-    pubsub.subscribe(CHANNEL)
+    pubsub.subscribe(events_channel(int(redis_client.connection_pool.connection_kwargs.get("db", 0))))
     pubsub.get_message(timeout=5)
     reason = "canary alice-co/support-bot@1.1.0: circuit breaker opened; 50 of 50 calls failed (100%)"
     with django_capture_on_commit_callbacks(execute=True):

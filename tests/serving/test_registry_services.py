@@ -13,7 +13,7 @@ from serving import selectors, services
 from serving.gateway import catalog
 from serving.gateway.errors import GatewayError
 from serving.gateway.version_pick import pick_version
-from serving.wire.registry import EVENTS_CHANNEL as CHANNEL
+from serving.wire.registry import events_channel
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import version_next_patch, version_parse
 from tests.conftest import TenantFixture
@@ -417,10 +417,27 @@ def _next_message(pubsub) -> dict:
     return json.loads(message["data"])
 
 
+def test_events_stay_within_their_redis_database(deployed, redis_client, django_capture_on_commit_callbacks):
+    """Redis pub/sub ignores the database a client uses; the channel's name carries it, so a registry
+    on another database of the same server (another deployment, another test worker) hears nothing."""
+    database = int(redis_client.connection_pool.connection_kwargs.get("db", 0))
+    own, other = redis_client.pubsub(), redis_client.pubsub()
+    own.subscribe(events_channel(database))
+    other.subscribe(events_channel(database + 1))
+    own.get_message(timeout=5)
+    other.get_message(timeout=5)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.1, actor=ACTOR)
+    assert _next_message(own)["type"] == "canary_start"
+    assert other.get_message(ignore_subscribe_messages=True, timeout=0.5) is None
+    own.close()
+    other.close()
+
+
 def test_events_are_published_after_commit_with_the_served_set(deployed, redis_client,
                                                                 django_capture_on_commit_callbacks):
     pubsub = redis_client.pubsub()
-    pubsub.subscribe(CHANNEL)
+    pubsub.subscribe(events_channel(int(redis_client.connection_pool.connection_kwargs.get("db", 0))))
     pubsub.get_message(timeout=5)  # the subscription confirmation
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.1, actor=ACTOR)
@@ -468,7 +485,7 @@ def test_delete_refused_while_serving_unless_forced(deployed, storage, tenant_a,
 
     services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.1, actor=ACTOR)
     pubsub = redis_client.pubsub()
-    pubsub.subscribe(CHANNEL)
+    pubsub.subscribe(events_channel(int(redis_client.connection_pool.connection_kwargs.get("db", 0))))
     pubsub.get_message(timeout=5)
     with django_capture_on_commit_callbacks(execute=True):
         event = services.adapter_delete(adapter=deployed, actor=ACTOR, force=True, reason="retired")
