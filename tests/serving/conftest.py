@@ -103,3 +103,37 @@ def adapter_a(tenant_a):
     from serving.services import adapter_create
 
     return adapter_create(tenant=tenant_a.tenant, name="support-bot", description="Tenant A's support bot")
+
+
+# The actor the registry tests' changes are audited as.
+ACTOR = "api-key:test"
+
+
+@pytest.fixture
+def deployed(adapter_a, make_version):
+    """support-bot with 1.0.0 active and 1.1.0 ready."""
+    from serving.services import adapter_version_deploy
+
+    v1 = make_version(adapter_a, "1.0.0")
+    make_version(adapter_a, "1.1.0")
+    adapter_version_deploy(version=v1, actor=ACTOR)
+    return adapter_a
+
+
+def version(adapter, text: str):
+    return adapter.versions.get(version=text)
+
+
+def resolve(tenant, model: str, rng=None) -> str:
+    """The version a request for `model` gets, as the gateway resolves it (its catalog, then the pick
+    by weight). The catalog's uncached loaders run here, in the test's transaction: its async
+    wrappers would read the database from another thread, which does not see this test's rows."""
+    from serving.gateway import catalog
+    from serving.gateway.version_pick import pick_version
+
+    caller = catalog._load_caller(f"Bearer {tenant.key}")
+    target = catalog._load_target(caller, model)
+    if target.pinned is not None:
+        return target.pinned.version
+    assert target.served is not None
+    return pick_version(target.served, user=None, rng=rng).version

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 from django.db import IntegrityError, connection, transaction
 
 from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving import selectors, services
-from serving.gateway import catalog
 from serving.gateway.errors import GatewayError
-from serving.gateway.version_pick import pick_version
 from serving.wire.registry import events_channel
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from serving.versions import version_next_patch, version_parse
-from tests.conftest import TenantFixture
+from tests.serving.conftest import ACTOR, resolve, version
 
 pytestmark = pytest.mark.django_db
 
-ACTOR = "api-key:test"
 Status = AdapterVersion.Status
 
 
@@ -30,31 +26,6 @@ def state(adapter: Adapter) -> dict[str, tuple[str, float | None]]:
 
 def kinds(adapter: Adapter) -> list[str]:
     return list(DeploymentEvent.objects.filter(adapter=adapter).order_by("id").values_list("kind", flat=True))
-
-
-@pytest.fixture
-def deployed(adapter_a, make_version):
-    """support-bot with 1.0.0 active and 1.1.0 ready."""
-    v1 = make_version(adapter_a, "1.0.0")
-    make_version(adapter_a, "1.1.0")
-    services.adapter_version_deploy(version=v1, actor=ACTOR)
-    return adapter_a
-
-
-def version(adapter: Adapter, text: str) -> AdapterVersion:
-    return adapter.versions.get(version=text)
-
-
-def resolve(tenant: TenantFixture, model: str, rng: random.Random | None = None) -> str:
-    """The version a request for `model` gets, as the gateway resolves it (its catalog, then the pick
-    by weight). The catalog's uncached loaders run here, in the test's transaction: its async
-    wrappers would read the database from another thread, which does not see this test's rows."""
-    caller = catalog._load_caller(f"Bearer {tenant.key}")
-    target = catalog._load_target(caller, model)
-    if target.pinned is not None:
-        return target.pinned.version
-    assert target.served is not None
-    return pick_version(target.served, user=None, rng=rng).version
 
 
 # --- adapters ---------------------------------------------------------------------------------
@@ -352,60 +323,6 @@ def test_replacing_the_active_version_deprecates_the_old_one_by_itself(deployed,
 def test_database_refuses_weights_outside_0_1(deployed, weight):
     with pytest.raises(IntegrityError), transaction.atomic():
         AdapterVersion.objects.filter(version="1.1.0").update(status="canary", traffic_weight=weight)
-
-
-# --- resolution and snapshot ------------------------------------------------------------------
-
-
-def test_resolve_picks_by_canary_weight(deployed, tenant_a):
-    services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.25, actor=ACTOR)
-    rng = random.Random(7)
-    picks = [resolve(tenant_a, "support-bot", rng=rng) for _ in range(400)]
-    share = picks.count("1.1.0") / len(picks)
-    assert 0.18 < share < 0.32  # ±3 standard deviations of 400 draws at p = 0.25
-    assert set(picks) == {"1.0.0", "1.1.0"}
-    services.adapter_canary_set_weight(adapter=deployed, weight=0.0, actor=ACTOR)
-    assert {resolve(tenant_a, "support-bot", rng=rng) for _ in range(50)} == {"1.0.0"}
-
-
-def test_resolve_pinned_missing_and_other_tenants(deployed, tenant_a, tenant_b, adapter_a, make_version):
-    assert resolve(tenant_a, "support-bot@1.1.0") == "1.1.0"
-    for model in ("support-bot@9.0.0", "support-bot@latest", "no-such-bot"):
-        with pytest.raises(GatewayError) as error:
-            resolve(tenant_a, model)
-        assert error.value.status == 404 and error.value.code == "model_not_found"
-    with pytest.raises(GatewayError) as error:
-        resolve(tenant_b, "support-bot")
-    assert error.value.message == "The model 'support-bot' does not exist or you do not have access to it."
-    services.adapter_create(tenant=tenant_a.tenant, name="idle-bot")
-    with pytest.raises(GatewayError, match="has no active version") as error:
-        resolve(tenant_a, "idle-bot")
-    assert error.value.code == "model_not_deployed"
-
-
-def test_snapshot_lists_active_and_canary_with_weights(deployed, tenant_b, make_version):
-    services.adapter_canary_start(version=version(deployed, "1.1.0"), weight=0.2, actor=ACTOR)
-    other = services.adapter_create(tenant=tenant_b.tenant, name="summarizer")
-    services.adapter_version_deploy(version=make_version(other, "2.0.0"), actor=ACTOR)
-    snapshot = selectors.registry_snapshot()
-    assert snapshot["revision"] == DeploymentEvent.objects.order_by("-id").first().id
-    assert snapshot["base_model"] == "tiny-llama"
-    entries = {entry["name"]: entry for entry in snapshot["adapters"]}
-    assert set(entries) == {"alice-co/support-bot@1.0.0", "alice-co/support-bot@1.1.0", "bob-co/summarizer@2.0.0"}
-    active = entries["alice-co/support-bot@1.0.0"]
-    v1 = version(deployed, "1.0.0")
-    assert active == {
-        "name": "alice-co/support-bot@1.0.0", "tenant": "alice-co", "adapter": "support-bot", "version": "1.0.0",
-        "status": "active", "weight": pytest.approx(0.8), "artifact_uri": v1.artifact_uri,
-        "manifest_sha256": v1.manifest_sha256, "base_model": "tiny-llama", "rank": 8,
-    }
-    assert entries["alice-co/support-bot@1.1.0"]["weight"] == 0.2
-    assert entries["bob-co/summarizer@2.0.0"]["weight"] == 1.0
-
-    from tenants.services import tenant_suspend
-
-    tenant_suspend(slug="bob-co")
-    assert {entry["tenant"] for entry in selectors.registry_snapshot()["adapters"]} == {"alice-co"}
 
 
 # --- deploy events on Redis -------------------------------------------------------------------
