@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "django.contrib.humanize",  # the dashboard's number formatting (intcomma)
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI and Redoc as static files (SPECTACULAR_SETTINGS below)
     "lora_platform",
     "dashboard",
     "tenants",
@@ -219,6 +220,12 @@ SPECTACULAR_SETTINGS = {
     "OpenAI-compatible inference gateway of Loraplex.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The docs pages load Swagger UI and Redoc from drf-spectacular-sidecar's static files, so they work
+    # without internet (drf-spectacular's default is a CDN); no validator badge calls out either.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": None},
 }
 
 # Celery: long training tasks must survive a worker that dies mid-task, so a task is acknowledged

@@ -1,12 +1,12 @@
-"""URL map: admin, the management API (/api/v1/), the OpenAPI schema, the gateway (/v1/, /metrics) and the
-tenant dashboard (/).
+"""URL map: admin, the management API (/api/v1/), the OpenAPI schema and its docs pages, the gateway (/v1/,
+/metrics) and the tenant dashboard (/).
 
 Errors under /api/ and /v1/ are JSON whatever raised them: see lora_platform.middleware.ApiJsonErrorsMiddleware.
 """
 
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from serving.gateway import views as gateway
 
@@ -14,8 +14,11 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/schema/", SpectacularAPIView.as_view(permission_classes=[], authentication_classes=[]),
          name="schema"),
+    # Swagger UI and Redoc come from drf-spectacular-sidecar's static files (settings.SPECTACULAR_SETTINGS).
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", permission_classes=[],
                                                       authentication_classes=[]), name="api-docs"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema", permission_classes=[], authentication_classes=[],
+                                                     template_name="api_docs/redoc.html"), name="api-redoc"),
     path("api/v1/", include("tenants.urls")),
     path("api/v1/", include("serving.urls")),
     path("api/v1/", include("training.urls")),
