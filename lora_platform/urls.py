@@ -1,5 +1,5 @@
 """URL map: admin, the management API (/api/v1/), the OpenAPI schema and its docs pages, the gateway (/v1/,
-/metrics) and the tenant dashboard (/).
+/metrics), the probes (/healthz, /readyz: lora_platform.health) and the tenant dashboard (/).
 
 Errors under /api/ and /v1/ are JSON whatever raised them: see lora_platform.middleware.ApiJsonErrorsMiddleware.
 """
@@ -8,6 +8,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from lora_platform import health
 from serving.gateway import views as gateway
 
 urlpatterns = [
@@ -19,6 +20,8 @@ urlpatterns = [
                                                       authentication_classes=[]), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema", permission_classes=[], authentication_classes=[],
                                                      template_name="api_docs/redoc.html"), name="api-redoc"),
+    path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
     path("api/v1/", include("tenants.urls")),
     path("api/v1/", include("serving.urls")),
     path("api/v1/", include("training.urls")),
