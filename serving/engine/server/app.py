@@ -36,6 +36,29 @@ from serving.wire.names import in_registry_form
 _CLIENT_CLOSED = 499
 
 
+def readiness(worker: Worker) -> dict[str, dict[str, Any]]:
+    """The worker's readiness checks for /readyz: the engine, and the registry's adapters."""
+    engine: dict[str, Any]
+    if worker.state is not State.READY:
+        engine = {"ok": False, "error": f"the worker is {worker.state.value}"}
+    elif worker.engine is None or not worker.engine.is_running:
+        engine = {"ok": False, "error": "the engine's loop has stopped"}
+    else:
+        engine = {"ok": True, "detail": "running"}
+    if not worker.args.registry_url:
+        return {"engine": engine, "adapters": {"ok": True, "detail": "no --registry-url: nothing to sync"}}
+    stats = worker.sync.stats if worker.sync is not None else None
+    adapters: dict[str, Any]
+    if stats is not None and stats.snapshots > 0:
+        adapters = {"ok": True, "detail": f"registry revision {stats.revision} applied"
+                    + (f"; {stats.load_failures} load failure(s) so far" if stats.load_failures else "")}
+    else:
+        failures = stats.snapshot_failures if stats is not None else 0
+        adapters = {"ok": False, "error": "the registry's snapshot has not been applied yet"
+                    + (f" ({failures} failed attempt(s); see the log)" if failures else "")}
+    return {"engine": engine, "adapters": adapters}
+
+
 def build_app(worker: Worker) -> FastAPI:
     prefetcher = Prefetcher()
 
@@ -59,9 +82,24 @@ def build_app(worker: Worker) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 once the model is loaded and the worker takes requests; 503 before and while draining."""
+        """200 once the model is loaded and the worker takes requests; 503 before and while draining.
+        Kept for existing callers; probes use /healthz and /readyz."""
         ready = worker.state is State.READY
         return JSONResponse({"status": worker.state.value}, status_code=200 if ready else 503)
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        """Alive: the process's event loop answers, whatever the worker's state (loading and draining too)."""
+        return JSONResponse({"status": "alive", "state": worker.state.value})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """200 when the engine runs and takes requests and the registry's versions are loaded (the first
+        snapshot applied); 503 naming what is not. Without --registry-url there is nothing to sync."""
+        checks = readiness(worker)
+        failing = [name for name, check in checks.items() if not check["ok"]]
+        return JSONResponse({"status": "not_ready" if failing else "ready", "failing": failing, "checks": checks},
+                            status_code=503 if failing else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
