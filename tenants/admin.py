@@ -1,7 +1,9 @@
 """Django admin for tiers, tenants, memberships and API keys.
 
 API keys are read-only here: a key's secret exists only in the response that created it, so the
-admin can list and revoke keys but never shows or edits their hashes. Tenants created here get
+admin can list and revoke keys but never shows or edits their hashes; their limits are changed on
+the dashboard, the REST API or `manage.py tenants update-key` (validated and audited there). The
+access audit log (TenantEvent) is read-only. Tenants created here get
 their first API key through the same service as the management command, shown once in a message.
 """
 
@@ -12,9 +14,10 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from tenants import services
-from tenants.models import ApiKey, Membership, Tenant, Tier
+from tenants.models import ApiKey, Membership, Tenant, TenantEvent, Tier
 
-API_KEY_FIELDS = ("tenant", "name", "key_hint", "scopes", "created_at", "last_used_at", "revoked_at")
+API_KEY_FIELDS = ("tenant", "name", "key_hint", "scopes", "created_at", "last_used_at", "revoked_at", "expires_at",
+                  "allowed_models", "requests_per_minute", "tokens_per_minute", "monthly_token_budget")
 
 
 @admin.register(Tier)
@@ -118,9 +121,25 @@ class ApiKeyAdmin(admin.ModelAdmin):
         revoked = 0
         for key in queryset:
             revoked += key.revoked_at is None
-            services.api_key_revoke(api_key=key)
+            services.api_key_revoke(api_key=key, actor=f"admin:{request.user.get_username()}")
         self.message_user(request, f"Revoked {revoked} API key(s).")
 
     def has_revoke_permission(self, request: HttpRequest) -> bool:
         # Revoking is the one change an admin makes to a key; it needs the model's change permission.
         return request.user.has_perm("tenants.change_apikey")
+
+
+@admin.register(TenantEvent)
+class TenantEventAdmin(admin.ModelAdmin):
+    list_display = ("created_at", "tenant", "kind", "subject", "actor", "reason")
+    list_filter = ("kind", "tenant")
+    search_fields = ("subject", "actor", "reason", "tenant__slug")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: TenantEvent | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: TenantEvent | None = None) -> bool:
+        return False

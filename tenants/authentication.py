@@ -22,6 +22,8 @@ from tenants.models import ApiKey, Membership, Tenant
 # enough for "is this key still in use?".
 LAST_USED_PRECISION = timedelta(minutes=1)
 SESSION_TENANT_KEY = "tenant_id"
+# The error code of an expired key, on the management API and the gateway alike.
+KEY_EXPIRED = "key_expired"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class TenantAuth:
         """How the audit log names this caller."""
         if self.api_key is not None:
             return f"api-key:{self.api_key.prefix}"
+        if self.user is not None:
+            return f"user:{self.user.get_username()}"
         return "session"
 
     def has_scope(self, scope: str) -> bool:
@@ -86,8 +90,13 @@ def api_key_authenticate(raw_header: str) -> TenantAuth:
         raise exceptions.AuthenticationFailed("Incorrect API key provided.")
     if key.is_revoked:
         raise exceptions.AuthenticationFailed("This API key has been revoked.")
-    _refuse_suspended(key.tenant)
     now = timezone.now()
+    if key.is_expired(now):
+        assert key.expires_at is not None
+        raise exceptions.AuthenticationFailed(
+            f"This API key (lp-{key.prefix}…) expired at {key.expires_at.isoformat(timespec='seconds')}; a tenant "
+            "owner can extend it or create a new key.", code=KEY_EXPIRED)
+    _refuse_suspended(key.tenant)
     if key.last_used_at is None or now - key.last_used_at > LAST_USED_PRECISION:
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
         key.last_used_at = now

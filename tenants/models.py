@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.conf import settings
 from django.db import models
 
@@ -87,6 +89,16 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # The key's own controls (docs/keys.md), each unset by default: from `expires_at` on it is
+    # refused (401 key_expired); a non-empty `allowed_models` names the only models it may call
+    # (403 model_not_allowed); its rpm/tpm apply beside the tier's, never above them; once the
+    # calendar month's (UTC) recorded tokens reach `monthly_token_budget` it gets 429
+    # key_budget_exceeded until the month ends.
+    expires_at = models.DateTimeField(null=True, blank=True)
+    allowed_models = models.JSONField(default=list, blank=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -98,5 +110,36 @@ class ApiKey(models.Model):
     def is_revoked(self) -> bool:
         return self.revoked_at is not None
 
+    def is_expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
+
+
+class TenantEvent(models.Model):
+    """The audit log of a tenant's access: its keys and its tier, one row per change, written in the
+    change's transaction (the registry's is serving.models.DeploymentEvent)."""
+
+    class Kind(models.TextChoices):
+        KEY_CREATE = "key_create", "API key created"
+        KEY_UPDATE = "key_update", "API key limits changed"
+        KEY_REVOKE = "key_revoke", "API key revoked"
+        TIER_CHANGE = "tier_change", "Tier changed"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="events")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    # What changed: `lp-<prefix>… (<name>)` for a key, the tier's name for a tier change.
+    subject = models.CharField(max_length=200)
+    # Each changed field's old and new value: {"field": [old, new]}.
+    changes = models.JSONField(default=dict, blank=True)
+    # Who: `user:<username>`, `api-key:<prefix>`, `admin:<username>`, `operator:<os user>`.
+    actor = models.CharField(max_length=200)
+    reason = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug} {self.kind} {self.subject}"

@@ -9,8 +9,8 @@ from django.contrib.auth.models import AnonymousUser
 from django.db.models import Count, Q, QuerySet
 
 from serving.wire.errors import NotFound
-from tenants.api_keys import parse_key
-from tenants.models import ApiKey, Membership, Tenant
+from tenants.api_keys import KEY_PREFIX, parse_key
+from tenants.models import ApiKey, Membership, Tenant, TenantEvent
 
 if TYPE_CHECKING:  # django-stubs-ext is a dev dependency; only the annotations name it
     from django_stubs_ext import WithAnnotations
@@ -44,6 +44,30 @@ def memberships_of(user: AbstractBaseUser | AnonymousUser) -> list[Membership]:
 def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
     """The tenant's keys, newest first, revoked ones included (they say when they were revoked)."""
     return ApiKey.objects.filter(tenant=tenant).select_related("created_by").order_by("-created_at", "-id")
+
+
+def api_key_by_prefix(text: str) -> ApiKey:
+    """The key a public prefix names (`lp-3f9a…`, `3f9a…` or the full key: the prefix is read from
+    it); NotFound otherwise. For the operator's CLI, which works across tenants."""
+    prefix = text.strip().removeprefix(KEY_PREFIX).partition(".")[0].rstrip("…").rstrip(".")
+    key = ApiKey.objects.select_related("tenant__tier").filter(prefix=prefix).first() if prefix else None
+    if key is None:
+        raise NotFound(f"No API key with the prefix '{prefix or text}'; `manage.py tenants keys <slug>` lists a "
+                       "tenant's keys.", code="key_not_found", param="key")
+    return key
+
+
+def api_keys_above_tier(*, tenant: Tenant) -> list[ApiKey]:
+    """The tenant's live keys whose own rpm or tpm is above its tier's (after a move to a lower
+    tier): the tier's bucket is the tighter one for them."""
+    tier = tenant.tier
+    return list(ApiKey.objects.filter(tenant=tenant, revoked_at__isnull=True).filter(
+        Q(requests_per_minute__gt=tier.requests_per_minute) | Q(tokens_per_minute__gt=tier.tokens_per_minute)))
+
+
+def tenant_events(*, tenant: Tenant) -> QuerySet[TenantEvent]:
+    """The tenant's access audit log (keys, tier), newest first."""
+    return TenantEvent.objects.filter(tenant=tenant).order_by("-id")
 
 
 def api_key_is_live(*, tenant: Tenant, full_key: str) -> bool:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import getpass
 import logging
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
@@ -13,15 +17,18 @@ from django.db.models import CharField, Model
 from django.utils import timezone
 from django.utils.text import slugify
 
-from serving.wire.errors import Conflict, InvalidInput
+from serving.wire.errors import Conflict, InvalidInput, NotFound
 from tenants.api_keys import generate_key, hash_secret
-from tenants.models import ApiKey, Membership, Tenant, Tier
+from tenants.key_controls import controls_clean
+from tenants.models import ApiKey, Membership, Tenant, TenantEvent, Tier
 from tenants.selectors import tenant_by_slug
 from tenants.tiers import DEFAULT_TIERS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SCOPES = [ApiKey.Scope.INFERENCE.value, ApiKey.Scope.MANAGE.value]
+# The audit actor of changes made without one: the platform's own (a tenant's first key).
+OPERATOR_ACTOR = "operator"
 
 
 def _max_length(model: type[Model], name: str) -> int:
@@ -54,12 +61,43 @@ def _tier_by_name(name: str) -> Tier:
     return tier
 
 
+def operator_actor() -> str:
+    """How the audit logs name the operator at a shell (`manage.py tenants`, `manage.py registry`):
+    `operator:<login name>`."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name in the environment nor the password database
+        user = "unknown"
+    return f"operator:{user}"
+
+
+def _key_subject(key: ApiKey) -> str:
+    return f"lp-{key.prefix}… ({key.name})"[:200]
+
+
+def _audit_value(value: Any) -> Any:
+    """A control's value as the audit log's JSON keeps it."""
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+def _audit(*, tenant: Tenant, kind: str, subject: str, actor: str, reason: str = "",
+           changes: dict[str, tuple[Any, Any]] | None = None) -> TenantEvent:
+    if not actor.strip():
+        raise InvalidInput("A change to a tenant's access needs an actor for the audit log.", param="actor")
+    return TenantEvent.objects.create(
+        tenant=tenant, kind=kind, subject=subject, actor=actor.strip()[:200], reason=reason.strip(),
+        changes={name: [_audit_value(old), _audit_value(new)] for name, (old, new) in (changes or {}).items()},
+    )
+
+
 def api_key_create(*, tenant: Tenant, name: str, scopes: list[str] | None = None,
-                   created_by: User | None = None) -> tuple[ApiKey, str]:
+                   created_by: User | None = None, controls: Mapping[str, Any] | None = None,
+                   actor: str = OPERATOR_ACTOR, reason: str = "") -> tuple[ApiKey, str]:
     """A new key for the tenant: (the row, the full key, which is never retrievable again).
 
     `created_by` is the member it belongs to (revoked when they leave the tenant); None for the
-    operator's keys. Who may create keys is the callers' business (tenants.permissions).
+    operator's keys. `controls` are its own limits (tenants.key_controls). Who may create keys is
+    the callers' business (tenants.permissions). The creation is audited (TenantEvent).
     """
     scopes = list(DEFAULT_SCOPES if scopes is None else scopes)
     unknown = sorted(set(scopes) - set(ApiKey.Scope.values))
@@ -72,19 +110,52 @@ def api_key_create(*, tenant: Tenant, name: str, scopes: list[str] | None = None
         raise InvalidInput("An API key needs at least one scope.", code="empty_scopes", param="scopes")
     if not name.strip() or len(name.strip()) > KEY_NAME_MAX_LENGTH:
         raise InvalidInput(f"An API key needs a name of 1 to {KEY_NAME_MAX_LENGTH} characters.", param="name")
+    cleaned = controls_clean(controls or {}, tier=tenant.tier)
     full_key, parts = generate_key()
-    key = ApiKey.objects.create(
-        tenant=tenant, name=name.strip(), prefix=parts.prefix, secret_hash=hash_secret(parts.secret),
-        scopes=sorted(set(scopes)), created_by=created_by,
-    )
+    with transaction.atomic():
+        key = ApiKey.objects.create(
+            tenant=tenant, name=name.strip(), prefix=parts.prefix, secret_hash=hash_secret(parts.secret),
+            scopes=sorted(set(scopes)), created_by=created_by, **cleaned,
+        )
+        _audit(tenant=tenant, kind=TenantEvent.Kind.KEY_CREATE, subject=_key_subject(key), actor=actor,
+               reason=reason, changes={field: (None, value) for field, value in cleaned.items()
+                                       if value not in (None, [])})
     return key, full_key
 
 
-def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
-    """Revoking is idempotent: the first revocation time is kept."""
-    if api_key.revoked_at is None:
-        api_key.revoked_at = timezone.now()
-        api_key.save(update_fields=["revoked_at"])
+def api_key_update(*, api_key: ApiKey, controls: Mapping[str, Any], actor: str, reason: str = "") -> ApiKey:
+    """Changes the key's own controls (any of tenants.key_controls.CONTROL_FIELDS; None clears one)
+    and audits what changed. A revoked key is refused: it has nothing left to limit."""
+    with transaction.atomic():
+        key = ApiKey.objects.select_for_update().select_related("tenant__tier").filter(pk=api_key.pk).first()
+        if key is None:
+            raise NotFound(f"No API key lp-{api_key.prefix}….", code="key_not_found")
+        if key.is_revoked:
+            raise Conflict(f"API key {_key_subject(key)} is revoked; create a new key instead.", code="key_revoked")
+        cleaned = controls_clean(controls, tier=key.tenant.tier)
+        changes = {field: (getattr(key, field), value) for field, value in cleaned.items()
+                   if getattr(key, field) != value}
+        if changes:
+            for field, (_, value) in changes.items():
+                setattr(key, field, value)
+            key.save(update_fields=list(changes))
+            _audit(tenant=key.tenant, kind=TenantEvent.Kind.KEY_UPDATE, subject=_key_subject(key), actor=actor,
+                   reason=reason, changes=changes)
+    return key
+
+
+def api_key_revoke(*, api_key: ApiKey, actor: str = OPERATOR_ACTOR, reason: str = "") -> ApiKey:
+    """Revoking is idempotent: the first revocation time is kept, and audited once."""
+    with transaction.atomic():
+        key = ApiKey.objects.select_for_update().select_related("tenant").filter(pk=api_key.pk).first()
+        if key is None:
+            raise NotFound(f"No API key lp-{api_key.prefix}….", code="key_not_found")
+        if key.revoked_at is None:
+            key.revoked_at = timezone.now()
+            key.save(update_fields=["revoked_at"])
+            _audit(tenant=key.tenant, kind=TenantEvent.Kind.KEY_REVOKE, subject=_key_subject(key), actor=actor,
+                   reason=reason)
+    api_key.revoked_at = key.revoked_at
     return api_key
 
 
@@ -121,6 +192,25 @@ def tenant_create(*, slug: str, tier_name: str, name: str | None = None,
     return tenant, full_key
 
 
+@transaction.atomic
+def tenant_set_tier(*, slug: str, tier_name: str, actor: str, reason: str = "") -> Tenant:
+    """Moves the tenant to another tier (its quotas and priority), audited. Keys whose own rpm or
+    tpm is above the new tier's keep them, but the tier's bucket is the tighter one then
+    (tenants.selectors.api_keys_above_tier lists them)."""
+    tenant = Tenant.objects.select_for_update().select_related("tier").filter(slug=slug).first()
+    if tenant is None:
+        raise NotFound(f"No tenant with slug '{slug}'.", param="slug")
+    tier = _tier_by_name(tier_name)
+    previous = tenant.tier
+    if previous.pk == tier.pk:
+        raise Conflict(f"Tenant '{slug}' is already on the '{tier.name}' tier.", code="tier_unchanged", param="tier")
+    tenant.tier = tier
+    tenant.save(update_fields=["tier"])
+    _audit(tenant=tenant, kind=TenantEvent.Kind.TIER_CHANGE, subject=tier.name, actor=actor, reason=reason,
+           changes={"tier": (previous.name, tier.name)})
+    return tenant
+
+
 def tenant_set_status(*, slug: str, status: str) -> Tenant:
     tenant = tenant_by_slug(slug)
     if status not in Tenant.Status.values:
@@ -149,23 +239,27 @@ def playground_key_issue(*, tenant: Tenant, user: User) -> tuple[ApiKey, str]:
     name = f"playground: {user.get_username()}"[:KEY_NAME_MAX_LENGTH]
     with transaction.atomic():
         # By creator too: an owner's key that happens to bear this name is not the playground's.
+        actor = f"user:{user.get_username()}"
         for earlier in ApiKey.objects.filter(tenant=tenant, name=name, created_by=user, revoked_at__isnull=True):
-            api_key_revoke(api_key=earlier)
-        return api_key_create(tenant=tenant, name=name, scopes=[ApiKey.Scope.INFERENCE.value], created_by=user)
+            api_key_revoke(api_key=earlier, actor=actor, reason="replaced by a new playground key")
+        return api_key_create(tenant=tenant, name=name, scopes=[ApiKey.Scope.INFERENCE.value], created_by=user,
+                              actor=actor)
 
 
 def api_keys_revoke_created_by(*, tenant: Tenant, user: User) -> list[ApiKey]:
-    """Revokes the live keys `user` created in `tenant` (they leave it); the keys revoked.
-
-    There is no audit table for keys: each revocation is a log line naming the key and its creator.
-    """
+    """Revokes the live keys `user` created in `tenant` (they leave it); the keys revoked, each
+    audited with the actor `member-left:<username>` (the removal revokes them, whoever removed the
+    member and by whichever path: tenants.receivers)."""
     now = timezone.now()
     with transaction.atomic():
         keys = list(ApiKey.objects.select_for_update().filter(tenant=tenant, created_by_id=user.pk,
                                                               revoked_at__isnull=True))
         ApiKey.objects.filter(pk__in=[key.pk for key in keys]).update(revoked_at=now)
+        for key in keys:
+            key.revoked_at = now
+            _audit(tenant=tenant, kind=TenantEvent.Kind.KEY_REVOKE, subject=_key_subject(key),
+                   actor=f"member-left:{user.get_username()}", reason="its creator left the tenant")
     for key in keys:
-        key.revoked_at = now
         log.info("API key lp-%s… (%s) of tenant %s revoked: its creator %s left the tenant", key.prefix, key.name,
                  tenant.slug, user.get_username())
     return keys

@@ -16,22 +16,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
-from django.db.models import Q
+from django.db.models import Prefetch, Q, Sum
 from rest_framework import exceptions
 
 from serving.gateway.errors import GatewayError, model_not_found
-from serving.gateway.records import Caller, Target, TierLimits
+from serving.gateway.records import Caller, KeyControls, Target, TierLimits
 from serving.gateway.ttl_cache import TtlCache
 from serving.gateway.version_pick import ServedSet, ServedVersion
-from serving.models import Adapter, AdapterVersion
+from serving.models import Adapter, AdapterVersion, UsageRecord
+from serving.selectors import versions_by_precedence
 from serving.versions import SEMVER_RE
 from serving.wire.names import parse_qualified_name
-from tenants.authentication import api_key_authenticate
+from tenants.authentication import KEY_EXPIRED, api_key_authenticate
+from tenants.key_controls import model_allowed
 from tenants.models import ApiKey
 
 T = TypeVar("T")
@@ -93,7 +96,8 @@ def _load_caller(header: str) -> Caller:
     try:
         auth = api_key_authenticate(header)
     except exceptions.AuthenticationFailed as exc:
-        raise GatewayError(401, str(exc.detail), code="invalid_api_key") from None
+        code = KEY_EXPIRED if exc.get_codes() == KEY_EXPIRED else "invalid_api_key"
+        raise GatewayError(401, str(exc.detail), code=code) from None
     except exceptions.PermissionDenied as exc:
         raise GatewayError(403, str(exc.detail), code="tenant_suspended") from None
     key = auth.api_key
@@ -108,12 +112,14 @@ def _load_caller(header: str) -> Caller:
         tier=TierLimits(name=tier.name, requests_per_minute=tier.requests_per_minute,
                         tokens_per_minute=tier.tokens_per_minute, max_tokens_per_request=tier.max_tokens_per_request,
                         priority=tier.priority, degradation_allowed=tier.degradation_allowed),
+        key=KeyControls(allowed_models=tuple(key.allowed_models), requests_per_minute=key.requests_per_minute,
+                        tokens_per_minute=key.tokens_per_minute, monthly_token_budget=key.monthly_token_budget),
     )
 
 
 async def caller_for(authorization: str | None) -> Caller:
-    """The caller of an `Authorization` header; 401 for a missing, malformed, wrong or revoked key,
-    403 for a suspended tenant or a key without the `inference` scope."""
+    """The caller of an `Authorization` header; 401 for a missing, malformed, wrong, revoked or
+    expired key, 403 for a suspended tenant or a key without the `inference` scope."""
     if not authorization:
         raise GatewayError(401, "Missing API key: send 'Authorization: Bearer lp-<prefix>.<secret>' (a key with "
                            "the 'inference' scope).", code="invalid_api_key")
@@ -128,7 +134,16 @@ def _served(version: AdapterVersion, tenant: str, adapter: str) -> ServedVersion
                          manifest_sha256=version.manifest_sha256, status=version.status)
 
 
+def _model_not_allowed(caller: Caller, model: str) -> GatewayError:
+    allowed = ", ".join(caller.key.allowed_models)
+    return GatewayError(403, f"This API key (lp-{caller.key_prefix}…) may not call '{model:.200}': it is limited to "
+                        f"{allowed}. A tenant owner can change the key's allowed models.",
+                        code="model_not_allowed", param="model")
+
+
 def _load_target(caller: Caller, model: str) -> Target:
+    if not model_allowed(caller.key.allowed_models, model, base_model_ids=base_model_ids()):
+        raise _model_not_allowed(caller, model)
     if model in base_model_ids():
         return Target(base=True)
     name, _, pinned = model.partition("@")
@@ -155,7 +170,9 @@ def _load_target(caller: Caller, model: str) -> Target:
 
 
 async def target_for(caller: Caller, model: str) -> Target:
-    """What `model` names in the caller's tenant; the same 404 for unknown and foreign names."""
+    """What `model` names in the caller's tenant; the same 404 for unknown and foreign names, 403
+    model_not_allowed for a name outside the key's allow-list (checked first: the list is the
+    caller's own, so it tells nothing of other tenants)."""
     return await _get_or_load(_targets, (caller.tenant_id, caller.key_prefix, model),
                               lambda: _load_target(caller, model))
 
@@ -187,6 +204,59 @@ async def served_versions(names: list[str]) -> dict[str, ServedVersion]:
     return await sync_to_async(_with_connection(lambda: _load_served_versions(names)))()
 
 
+def _load_key_tokens(tenant_id: int, key_prefix: str, start: float, before: float) -> int:
+    totals = UsageRecord.objects.filter(
+        tenant_id=tenant_id, api_key_prefix=key_prefix, created_at__gte=datetime.fromtimestamp(start, tz=UTC),
+        created_at__lt=datetime.fromtimestamp(before, tz=UTC),
+    ).aggregate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
+    return (totals["prompt"] or 0) + (totals["completion"] or 0)
+
+
+async def key_tokens_recorded(caller: Caller, start: float, before: float) -> int:
+    """The tokens the usage records hold for the caller's key in [start, before) (unix seconds):
+    what seeds its month's spend counter when Redis has none (serving.gateway.key_budget).
+    Uncached: it runs once per key and month, or after Redis lost its data."""
+    return await sync_to_async(_with_connection(
+        lambda: _load_key_tokens(caller.tenant_id, caller.key_prefix, start, before)))()
+
+
+@dataclass(frozen=True)
+class Servable:
+    """A `model` the gateway serves to a tenant: the base model (by one of its names), an adapter by
+    name (its active version, and its canary by weight), or one version pinned (`adapter@version`)."""
+
+    model: str
+    kind: str  # "base", "adapter" or "pinned"
+    adapter: str | None = None
+    # The adapter's active version (kind "adapter") or the pinned one (kind "pinned").
+    version: str | None = None
+    # The pinned version's status; for an adapter, its canary's version and weight if one runs.
+    status: str | None = None
+    canary: str | None = None
+    canary_weight: float = 0.0
+
+
+def servable_models(tenant_id: int) -> list[Servable]:
+    """Every `model` a request of the tenant resolves to (what `target_for` accepts, before a key's
+    allow-list): the base model's names, each adapter that has an active version, and every version
+    not archived, pinned. The dashboard's playground lists these."""
+    found = [Servable(model=name, kind="base") for name in base_model_ids()]
+    adapters = (Adapter.objects.filter(tenant_id=tenant_id).order_by("name")
+                .prefetch_related(Prefetch("versions", queryset=AdapterVersion.objects.exclude(
+                    status=AdapterVersion.Status.ARCHIVED))))
+    for adapter in adapters:
+        versions = versions_by_precedence(list(adapter.versions.all()))
+        served = {version.status: version for version in versions if version.status in _SERVED}
+        active, canary = served.get(AdapterVersion.Status.ACTIVE), served.get(AdapterVersion.Status.CANARY)
+        if active is not None:
+            found.append(Servable(model=adapter.name, kind="adapter", adapter=adapter.name, version=active.version,
+                                  canary=canary.version if canary else None,
+                                  canary_weight=canary.canary_weight if canary else 0.0))
+        found.extend(Servable(model=f"{adapter.name}@{version.version}", kind="pinned", adapter=adapter.name,
+                              version=version.version, status=version.status) for version in versions)
+    return found
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     id: str
@@ -203,7 +273,13 @@ def _base_entries() -> list[ModelEntry]:
 
 def model_list(caller: Caller) -> list[ModelEntry]:
     """The base model and the caller's deployed adapters (each by name, and each served version
-    pinned), as vLLM lists adapters: `parent` is the base model."""
+    pinned), as vLLM lists adapters: `parent` is the base model. A key with an allow-list sees only
+    what it may call."""
+    return [entry for entry in _model_entries(caller)
+            if model_allowed(caller.key.allowed_models, entry.id, base_model_ids=base_model_ids())]
+
+
+def _model_entries(caller: Caller) -> list[ModelEntry]:
     entries = _base_entries()
     versions = (AdapterVersion.objects.filter(adapter__tenant_id=caller.tenant_id, status__in=_SERVED)
                 .select_related("adapter").order_by("adapter__name", "status"))

@@ -1,6 +1,6 @@
 """The request path of `/v1/chat/completions` and `/v1/completions`, step by step:
 
-    authenticate → resolve the model → tier limits → token buckets (or degradation) →
+    authenticate → resolve the model → tier limits → the key's budget → token buckets (or degradation) →
     choose the version → choose the worker → call it → settle (refund, usage, metrics)
 
 Each step is one function below, so later policies hook in at one place: `choose_version` is where
@@ -35,8 +35,10 @@ from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.ports import Catalog
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
 from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
-from serving.gateway.quotas import Admission, Bucket, ratelimit_headers
+from serving.gateway.key_budget import KeyBudgets, budget_exceeded, spend_add
+from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
+from serving.gateway.request_buckets import RequestBuckets
 from serving.gateway.request_fields import decode_body, estimate_prompt_tokens, forwarded, requested_max_tokens
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
@@ -80,6 +82,10 @@ class Resources:
     workers_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     flusher: asyncio.Task[None] | None = None
     prewarmer: asyncio.Task[None] | None = None
+    key_budgets: KeyBudgets = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key_budgets = KeyBudgets(self.redis)
 
 
 def prewarm_start(res: Resources, config: PrewarmLoopConfig) -> asyncio.Task[None] | None:
@@ -115,45 +121,47 @@ def check_tier_limits(body: dict[str, Any], endpoint: str, caller: Caller) -> in
     return asked if asked is not None else limit
 
 
-def tenant_buckets(caller: Caller, burst: float) -> tuple[Bucket, Bucket, Bucket]:
-    """(requests, tokens, degraded requests) buckets of the caller's tenant, each holding `burst`
-    minutes of its rate (the degraded one a minute's)."""
-    tier = caller.tier
-    return (
-        Bucket.per_minute(f"{caller.tenant}:requests", tier.requests_per_minute, burst=burst),
-        Bucket.per_minute(f"{caller.tenant}:tokens", tier.tokens_per_minute, burst=burst),
-        # Degradation is not unlimited free service: its own bucket, the tier's rpm.
-        Bucket.per_minute(f"{caller.tenant}:degraded", tier.requests_per_minute, burst=1.0),
-    )
-
-
-def _over_quota(call: Call, admission: Admission, retry_after_s: float) -> GatewayError:
-    requests_state, tokens_state = admission.states
-    short = "requests" if requests_state.wait_s >= tokens_state.wait_s else "tokens"
-    limit = call.caller.tier.requests_per_minute if short == "requests" else call.caller.tier.tokens_per_minute
+def _over_quota(call: Call, buckets: RequestBuckets, admission: Admission, retry_after_s: float) -> GatewayError:
     retry = max(1, math.ceil(retry_after_s))
     return GatewayError(
         429,
-        f"Rate limit reached for tenant '{call.caller.tenant}' ('{call.caller.tier.name}' tier: {limit} {short} per "
-        f"minute). This request ({call.reserved_tokens} tokens reserved) fits in {retry_after_s:.2f} s; retry then.",
+        f"Rate limit reached for {buckets.describe(buckets.shortest(admission))}. This request "
+        f"({call.reserved_tokens} tokens reserved) fits in {retry_after_s:.2f} s; retry then.",
         code="rate_limit_exceeded",
         headers={**call.headers, "retry-after": str(retry), "retry-after-ms": str(math.ceil(retry_after_s * 1000))},
     )
 
 
+async def key_budget_check(call: Call, res: Resources) -> None:
+    """429 key_budget_exceeded once the key's month's tokens reach its budget (serving.gateway.key_budget);
+    keys without a budget cost nothing here."""
+    budget = call.caller.key.monthly_token_budget
+    if budget is None:
+        return
+    now = time.time()
+    spend = await res.key_budgets.spent(
+        call.caller.key_prefix, now=now, guard=res.resilience.guard,
+        recorded=lambda start, before: res.catalog.key_tokens_recorded(call.caller, start, before))
+    if spend is not None and spend.tokens >= budget:
+        metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
+        raise budget_exceeded(call.caller.key_prefix, budget, spend, now=now, headers=call.headers)
+
+
 async def admit(call: Call, res: Resources) -> None:
-    """Reserve 1 request and prompt + max_tokens tokens, both or neither; over quota, degrade where
-    allowed, else 429."""
-    requests_bucket, tokens_bucket, degraded_bucket = tenant_buckets(call.caller, res.config.gateway.bucket_burst)
+    """Within the key's budget, reserve 1 request and prompt + max_tokens tokens from the tenant's
+    and the key's buckets, all or none; over the tenant's quota, degrade where allowed, else (and
+    over the key's own limits) 429."""
+    await key_budget_check(call, res)
+    buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst)
     call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
     call.reserved_tokens = call.prompt_estimate + call.max_tokens
-    call.admission = await res.buckets.admit([(requests_bucket, 1), (tokens_bucket, call.reserved_tokens)])
-    call.headers.update(ratelimit_headers(*call.admission.states))
+    call.admission = await res.buckets.admit(buckets.costs(tokens=call.reserved_tokens))
+    call.headers.update(buckets.headers(call.admission))
     if call.admission.admitted:
         return
     retry_after = call.admission.retry_after_s
-    if degradable(call):
-        degraded = await res.buckets.admit([(degraded_bucket, 1)])
+    if degradable(call) and not buckets.key_short(call.admission):
+        degraded = await res.buckets.admit(buckets.degraded_costs())
         if degraded.admitted:
             call.degraded = True
             call.reserved_tokens = 0
@@ -163,7 +171,7 @@ async def admit(call: Call, res: Resources) -> None:
             return
         retry_after = min(retry_after, degraded.retry_after_s)
     metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
-    raise _over_quota(call, call.admission, retry_after)
+    raise _over_quota(call, buckets, call.admission, retry_after)
 
 
 def degradable(call: Call) -> bool:
@@ -290,21 +298,22 @@ async def _record(call: Call, event: UsageEvent, used: int, res: Resources) -> N
     record means the refund is done. While Redis is away the refund goes to this process's
     buckets and the record waits in memory, pushed with the first record once Redis is back."""
     refund = call.reserved_tokens - used if call.reserved_tokens and call.reserved_tokens != used else 0
-    _, tokens_bucket, _ = tenant_buckets(call.caller, res.config.gateway.bucket_burst)
+    tokens_buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst).tokens
     events = [*res.resilience.usage_backlog_take(), event]
 
     async def execute() -> list[Any]:
         async with res.redis.pipeline(transaction=False) as pipe:
-            if refund:
-                await res.buckets.shared.refund(tokens_bucket, refund, pipeline=pipe)
+            for bucket in tokens_buckets if refund else ():
+                await res.buckets.shared.refund(bucket, refund, pipeline=pipe)
             for item in events:
                 usage_push(pipe, item)
+                spend_add(pipe, item.api_key_prefix, item.prompt_tokens + item.completion_tokens, item.created_at)
             return await pipe.execute()
 
     try:
         if await res.resilience.guard.call("usage record", execute) is None:
-            if refund:
-                res.buckets.local.refund(tokens_bucket, refund)
+            for bucket in tokens_buckets if refund else ():
+                res.buckets.local.refund(bucket, refund)
             res.resilience.usage_backlog_keep(events)
     except (aioredis.RedisError, OSError):
         log.exception("could not record usage / refund tokens of %s", call.request_id)
@@ -322,7 +331,7 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
     try:
         target = await res.catalog.target_for(caller, model)
     except GatewayError as error:
-        if error.status == 404:
+        if error.status == 404 or error.code == "model_not_allowed":
             raise await _charged_refusal(caller, endpoint, error, res) from None
         raise
     call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target,
@@ -343,22 +352,21 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
 
 
 async def _charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:
-    """A model the caller cannot have (404) still costs one request from its bucket, so a flood of
-    unknown names is rate-limited as any other flood: the refusal with the rate-limit headers, or
+    """A model the caller cannot have (404, or 403 outside its key's allow-list) still costs one
+    request from its buckets, so a flood of unknown names is rate-limited as any other flood: the refusal with the rate-limit headers, or
     429 once the bucket is empty. The refusal may be a cached one: it is copied, never changed."""
-    requests_bucket, tokens_bucket, _ = tenant_buckets(caller, res.config.gateway.bucket_burst)
-    admission = await res.buckets.admit([(requests_bucket, 1), (tokens_bucket, 0)])
-    headers = ratelimit_headers(*admission.states)
-    metrics.REQUESTS.labels(caller.tier.name, endpoint, "404" if admission.admitted else "429").inc()
+    buckets = RequestBuckets.of(caller, res.config.gateway.bucket_burst)
+    admission = await res.buckets.admit(buckets.costs(tokens=0))
+    headers = buckets.headers(admission)
+    metrics.REQUESTS.labels(caller.tier.name, endpoint, str(refusal.status) if admission.admitted else "429").inc()
     if admission.admitted:
         return GatewayError(refusal.status, refusal.message, code=refusal.code, param=refusal.param,
                             headers={**refusal.headers, **headers})
     metrics.RATE_LIMITED.labels(caller.tier.name).inc()
     retry_after_s = admission.retry_after_s
     return GatewayError(
-        429, f"Rate limit reached for tenant '{caller.tenant}' ('{caller.tier.name}' tier: "
-             f"{caller.tier.requests_per_minute} requests per minute; requests for unknown models count too). "
-             f"Retry in {retry_after_s:.2f} s.", code="rate_limit_exceeded",
+        429, f"Rate limit reached for {buckets.describe(buckets.shortest(admission))}; requests for unknown "
+             f"or disallowed models count too. Retry in {retry_after_s:.2f} s.", code="rate_limit_exceeded",
         headers={**headers, "retry-after": str(max(1, math.ceil(retry_after_s))),
                  "retry-after-ms": str(math.ceil(retry_after_s * 1000))})
 
@@ -366,8 +374,8 @@ async def _charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError,
 async def _release(call: Call, res: Resources) -> None:
     """Give back a reservation the request never used (no worker took it)."""
     if call.reserved_tokens:
-        _, tokens_bucket, _ = tenant_buckets(call.caller, res.config.gateway.bucket_burst)
-        await res.buckets.refund(tokens_bucket, call.reserved_tokens)
+        for bucket in RequestBuckets.of(call.caller, res.config.gateway.bucket_burst).tokens:
+            await res.buckets.refund(bucket, call.reserved_tokens)
     metrics.REQUESTS.labels(call.caller.tier.name, call.endpoint, "503").inc()
 
 
@@ -400,7 +408,8 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
     try:
         if not body.get("stream"):
             try:
-                content = await res.upstream.call(url, body, result=result, rename=rename)
+                content = await res.upstream.call(url, body, result=result, rename=rename,
+                                                  request_id=call.request_id)
             except httpx.HTTPError as exc:
                 if may_retry and retryable(status=None, error=exc):
                     handed_off = _abandon(call, result, res)
@@ -413,7 +422,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
                 return Reply(status=502, headers=headers, body=_key_refused(worker, result.http_status))
             return Reply(status=result.http_status, headers=headers, body=content)
         try:
-            response = await res.upstream.open_stream(url, body, result=result)
+            response = await res.upstream.open_stream(url, body, result=result, request_id=call.request_id)
         except httpx.HTTPError as exc:
             if may_retry and retryable(status=None, error=exc):
                 handed_off = _abandon(call, result, res)

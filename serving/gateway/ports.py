@@ -1,7 +1,8 @@
 """What the gateway's Django-free core is handed from its edge (serving.gateway.wiring builds them).
 
-- `Catalog`: the one database port: who is calling, what a `model` names, which versions are
-  still served. serving.gateway.catalog (the ORM, cached per process) is the implementation.
+- `Catalog`: the one database port: who is calling, what a `model` names, what a key's usage
+  records hold (its monthly budget's seed), which versions are still served.
+  serving.gateway.catalog (the ORM, cached per process) is the implementation.
 - `CanaryAbort`: aborts a canary in the registry (serving.canary_guard, through the ORM); True
   when this call aborted it, False when there was nothing to abort (another process did, or the
   deployment changed meanwhile).
@@ -26,6 +27,10 @@ class Catalog(Protocol):
 
     async def target_for(self, caller: Caller, model: str) -> Target:
         """What `model` names in the caller's tenant; a GatewayError (404) otherwise."""
+        ...
+
+    async def key_tokens_recorded(self, caller: Caller, start: float, before: float) -> int:
+        """The tokens of the caller's key's usage records in [start, before) (unix seconds)."""
         ...
 
     async def served_versions(self, names: list[str]) -> dict[str, ServedVersion]:

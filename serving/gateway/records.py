@@ -31,13 +31,27 @@ class TierLimits:
 
 
 @dataclass(frozen=True)
+class KeyControls:
+    """An API key's own controls (docs/keys.md) that the gateway applies beside its tier's limits;
+    None or empty: none of its own. (Its expiry is checked where the key is authenticated.)"""
+
+    # The only models the key may call (tenants.key_controls.model_allowed); empty: all the tenant's.
+    allowed_models: tuple[str, ...] = ()
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    monthly_token_budget: int | None = None
+
+
+@dataclass(frozen=True)
 class Caller:
-    """An authenticated inference caller: its tenant, its key's public prefix, its tier's limits."""
+    """An authenticated inference caller: its tenant, its key's public prefix, its tier's limits
+    and its key's own."""
 
     tenant_id: int
     tenant: str
     key_prefix: str
     tier: TierLimits
+    key: KeyControls = field(default_factory=KeyControls)
 
 
 @dataclass(frozen=True)
