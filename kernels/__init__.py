@@ -14,9 +14,12 @@ Public API (depends on torch and triton only):
 - :func:`lora_apply_sliced` ``(y, x, As, Bs, scaling, meta, slice_offsets=None, *, ranks=None,
   backend=None)`` — the same for a fused q/k/v or gate/up projection: slice ``i`` writes columns
   ``slice_offsets[i] : slice_offsets[i] + Bs[i].shape[1]`` of the packed ``y`` (1 to 3 slices).
-- :class:`LoRAWeights` ``(As, Bs, scaling, slice_offsets=None, *, ranks=None)`` and
-  :func:`lora_apply_weights` ``(y, x, weights, meta, *, backend=None)`` — the same with the slot
-  tensors validated once (a layer whose slots are fixed for its life; the engine's).
+- :class:`LoRAWeights` ``(As, Bs, scaling, slice_offsets=None, *, ranks=None, rows=None,
+  max_rank=None)`` and :func:`lora_apply_weights` ``(y, x, weights, meta, *, backend=None)`` — the
+  same with the adapter memory validated once (a layer whose memory is fixed for its life; the
+  engine's). With ``rows`` (int32 ``[S]``) it is a *row pool*: ``As[i] [P, K]``, ``Bs[i] [P, N_i]``
+  (B transposed), slot ``s`` owning pool rows ``rows[s] : rows[s] + ranks[s]`` (``ranks`` required),
+  ``max_rank`` (required) sizing the kernels; memory then follows each adapter's own rank.
 - :func:`use_backend` ``("auto" | "torch" | "triton")`` — context manager overriding dispatch
   (``"auto"``: Triton on CUDA tensors, the torch CPU backend elsewhere).
 

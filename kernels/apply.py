@@ -1,5 +1,13 @@
 """Public multi-LoRA entry points: argument checks and the choice of backend.
 
+Two layouts of a projection's adapter memory, both taken by :class:`LoRAWeights`:
+
+- *slot tensors* (3-D): per slice ``A [S, R, K]`` and ``B [S, N, R]``; slot ``s`` is row ``s``, padded
+  with zeros beyond its rank, so every slot costs ``R`` rows of memory;
+- *row pool* (``rows=`` given): per slice ``A_pool [P, K]`` and ``Bt_pool [P, N]`` (B transposed, so an
+  adapter's rows of ``B^T`` are contiguous); slot ``s`` owns pool rows ``rows[s] : rows[s] + ranks[s]``
+  of every slice, so memory follows each adapter's own rank. Nothing outside a slot's rows is read.
+
 ``"triton"`` runs the Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
 ``"torch"`` runs the torch backend (``kernels/cpu_lora.py``); ``"auto"`` (the default) picks Triton
 for CUDA tensors and the torch backend elsewhere. ``use_backend`` overrides the default for a block of code (tests run the
@@ -97,12 +105,30 @@ def lora_apply_sliced(
 
 
 class LoRAWeights:
-    """One projection's slot tensors (as :func:`lora_apply_sliced` takes them), validated once.
+    """One projection's adapter memory, validated once: slot tensors or a row pool.
 
-    A layer whose slot tensors are fixed for its life (the engine's) builds this at set-up and
+    A layer whose adapter memory is fixed for its life (the engine's) builds this at set-up and
     calls :func:`lora_apply_weights` each step, which checks only what changes between calls
-    (``x``, ``y``, ``meta``): the full check costs more host time than both kernel launches.
-    The tensors are written in place between calls (adapter loads); shapes never change.
+    (``x``, ``y``, ``meta``; on CPU also ``rows`` and ``ranks``): the full check costs more host time
+    than both kernel launches. The tensors are written in place between calls (adapter loads);
+    shapes never change.
+
+    Slot tensors (``rows`` None): ``As[i] [S, R, K]``, ``Bs[i] [S, N_i, R]``, ``scaling [S]``,
+    optional ``ranks [S]`` int32, as :func:`lora_apply_sliced` takes them.
+
+    Row pool (``rows`` given): ``As[i] [P, K]`` and ``Bs[i] [P, N_i]`` (``B`` transposed: pool row
+    ``j`` of ``Bs[i]`` is one column of an adapter's ``B``), ``rows [S]`` int32 the first pool row of
+    each slot, ``ranks [S]`` int32 (required) its row count, ``max_rank`` (required) the largest
+    rank a slot may have: the kernels' rank block and launch tables are sized for it. Slot ``s``
+    reads pool rows ``rows[s] : rows[s] + ranks[s]`` of every slice (rank 0: the slot adds
+    nothing). On CPU every call checks ``0 <= rows``, ``rows + ranks <= P`` and ``0 <= ranks <=
+    max_rank``; on CUDA that would synchronise, so the kernels clamp instead (a slot's rank to
+    ``max_rank`` and to the pool's end, a negative row to rank 0), never reading outside the pool.
+    ``scaling``, ``ranks`` and ``rows`` live on the pools' device and may be rewritten in place
+    between calls, also between replays of a captured CUDA graph.
+
+    Attributes the backends read: ``num_slots`` (S), ``rank`` (R, or ``max_rank`` for a pool),
+    ``hidden`` (K), ``pool_rows`` (P; None for slot tensors), ``offsets`` (each slice's first column).
     """
 
     def __init__(
@@ -113,15 +139,32 @@ class LoRAWeights:
         slice_offsets: Sequence[int] | None = None,
         *,
         ranks: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        max_rank: int | None = None,
     ) -> None:
         self.As, self.Bs = tuple(As), tuple(Bs)
         self.scaling = scaling
         self.ranks = ranks
-        self.offsets = _check_weights(self.As, self.Bs, scaling, slice_offsets, ranks)
+        self.rows = rows
+        if rows is None:
+            if max_rank is not None:
+                raise TypeError("max_rank is the row pool's (pass rows with it); slot tensors take R from A")
+            self.offsets = _check_weights(self.As, self.Bs, scaling, slice_offsets, ranks)
+            A0 = self.As[0]
+            self.num_slots, self.rank, self.hidden = A0.shape
+            self.pool_rows: int | None = None
+        else:
+            self.offsets, self.rank = _check_pool(self.As, self.Bs, scaling, slice_offsets, ranks, rows, max_rank)
+            self.num_slots = scaling.shape[0]
+            self.pool_rows, self.hidden = self.As[0].shape
         A0 = self.As[0]
-        self.num_slots, self.rank, self.hidden = A0.shape
         self.dtype, self.device = A0.dtype, A0.device
         self.min_width = max(offset + B.shape[1] for offset, B in zip(self.offsets, self.Bs))
+
+    @property
+    def pooled(self) -> bool:
+        """True for the row-pool layout."""
+        return self.rows is not None
 
 
 def lora_apply_weights(
@@ -131,13 +174,13 @@ def lora_apply_weights(
     _check_call(y, x, weights, meta)
     w = weights
     if resolve_backend(x.device, backend) == "torch":
-        lora_apply_torch(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks)
+        lora_apply_torch(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks, w.rows, w.rank)
         return
     # Imported here: the Triton kernels are compiled (or, under TRITON_INTERPRET=1, interpreted)
     # according to the environment at import time, and CPU-only users never need them.
     from kernels.triton_lora import lora_apply_triton
 
-    lora_apply_triton(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks)
+    lora_apply_triton(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks, w.rows, w.rank)
 
 
 def _check_call(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, meta: LoRAMeta) -> None:
@@ -156,7 +199,8 @@ def _check_call(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, meta: Lo
     if weights.num_slots < meta.max_slots:
         raise ValueError(f"A has {weights.num_slots} slots but meta allows slot ids up to {meta.max_slots - 1}")
     if hidden != weights.hidden:
-        raise ValueError(f"A[0] must be [S={weights.num_slots}, R={weights.rank}, K={hidden}], got {tuple(weights.As[0].shape)}")
+        expected = f"[P, K={hidden}]" if weights.pooled else f"[S={weights.num_slots}, R={weights.rank}, K={hidden}]"
+        raise ValueError(f"A[0] must be {expected} for x's K={hidden}, got {tuple(weights.As[0].shape)}")
     for name, t in (("A", weights.As[0]), ("y", y)):
         if t.dtype != x.dtype:
             raise TypeError(f"{name} is {t.dtype} but x is {x.dtype}: all must share one dtype")
@@ -169,8 +213,26 @@ def _check_call(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, meta: Lo
                     f"slice {i} (columns {offset}..{offset + B.shape[1]}) does not fit y's {y.shape[1]} columns"
                 )
     ranks = weights.ranks
-    if ranks is not None and ranks.device.type == "cpu" and (int(ranks.min()) < 0 or int(ranks.max()) > weights.rank):
+    if ranks is None or ranks.device.type != "cpu":
+        return
+    if weights.rows is not None:
+        assert weights.pool_rows is not None
+        _check_pool_slots(weights.rows.tolist(), ranks.tolist(), weights.pool_rows, weights.rank)
+    elif int(ranks.min()) < 0 or int(ranks.max()) > weights.rank:
         raise ValueError(f"ranks must lie in [0, {weights.rank}], got {ranks.tolist()}")
+
+
+def _check_pool_slots(rows: list[int], ranks: list[int], pool_rows: int, max_rank: int) -> None:
+    """Every slot's rows inside the pool and its rank in ``[0, max_rank]`` (host lists of a CPU call)."""
+    for slot, (row, rank) in enumerate(zip(rows, ranks)):
+        if not 0 <= rank <= max_rank:
+            raise ValueError(f"ranks must lie in [0, max_rank={max_rank}], got ranks[{slot}] = {rank}")
+        if row < 0:
+            raise ValueError(f"rows must be >= 0, got rows[{slot}] = {row}")
+        if row + rank > pool_rows:
+            raise ValueError(
+                f"slot {slot}'s pool rows {row}..{row + rank} (rows + ranks) pass the pool's P={pool_rows} rows"
+            )
 
 
 def _check_weights(
@@ -185,7 +247,7 @@ def _check_weights(
         raise ValueError(f"need 1 to {MAX_SLICES} slices with as many A as B, got {len(As)} A and {len(Bs)} B")
     A0 = As[0]
     if A0.dim() != 3:
-        raise ValueError(f"A must be [S, R, K], got shape {tuple(A0.shape)}")
+        raise ValueError(f"A must be [S, R, K] (or a row pool [P, K] with rows=), got shape {tuple(A0.shape)}")
     num_slots, rank, hidden = A0.shape
     for i, (A, B) in enumerate(zip(As, Bs)):
         if A.shape != (num_slots, rank, hidden):
@@ -206,6 +268,57 @@ def _check_weights(
             raise ValueError(f"ranks must be an int32 tensor [S={num_slots}], got {ranks.dtype} {tuple(ranks.shape)}")
         if ranks.device != A0.device:
             raise ValueError(f"ranks is on {ranks.device} but A is on {A0.device}")
+    return _offsets(Bs, slice_offsets)
+
+
+def _check_pool(
+    As: tuple[torch.Tensor, ...],
+    Bs: tuple[torch.Tensor, ...],
+    scaling: torch.Tensor,
+    slice_offsets: Sequence[int] | None,
+    ranks: torch.Tensor | None,
+    rows: torch.Tensor,
+    max_rank: int | None,
+) -> tuple[tuple[int, ...], int]:
+    """Validate a row pool's shapes, dtypes and devices on the host; return the offsets and max_rank."""
+    if ranks is None:
+        raise TypeError("the row pool needs ranks (int32 [S]): with rows given, each slot's row count")
+    if max_rank is None:
+        raise TypeError("the row pool needs max_rank (int): the kernels' rank block and the ranks' clamp")
+    if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
+        raise ValueError(f"max_rank must be an int >= 1, got {max_rank!r}")
+    if not 1 <= len(As) <= MAX_SLICES or len(As) != len(Bs):
+        raise ValueError(f"need 1 to {MAX_SLICES} slices with as many A as B, got {len(As)} A and {len(Bs)} B")
+    A0 = As[0]
+    if A0.dim() != 2:
+        raise ValueError(f"A pool must be [P, K] (rows given), got shape {tuple(A0.shape)}")
+    pool_rows, hidden = A0.shape
+    for i, (A, B) in enumerate(zip(As, Bs)):
+        if A.shape != (pool_rows, hidden):
+            raise ValueError(f"A[{i}] pool must be [P={pool_rows}, K={hidden}] like A[0], got {tuple(A.shape)}")
+        if B.dim() != 2 or B.shape[0] != pool_rows:
+            raise ValueError(f"B[{i}] pool must be [P={pool_rows}, N] (B transposed), got {tuple(B.shape)}")
+        for name, t in ((f"A[{i}]", A), (f"B[{i}]", B)):
+            if t.dtype != A0.dtype:
+                raise TypeError(f"{name} is {t.dtype} but A[0] is {A0.dtype}: all must share one dtype")
+            if t.device != A0.device:
+                raise ValueError(f"{name} is on {t.device} but A[0] is on {A0.device}")
+    if scaling.dim() != 1 or not scaling.dtype.is_floating_point:
+        raise ValueError(f"scaling must be a float tensor [S], got {scaling.dtype} {tuple(scaling.shape)}")
+    num_slots = scaling.shape[0]
+    for name, t in (("ranks", ranks), ("rows", rows)):
+        if t.shape != (num_slots,) or t.dtype != torch.int32:
+            raise ValueError(
+                f"{name} must be an int32 tensor [S={num_slots}] (scaling's S), got {t.dtype} {tuple(t.shape)}"
+            )
+    for name, t in (("scaling", scaling), ("ranks", ranks), ("rows", rows)):
+        if t.device != A0.device:
+            raise ValueError(f"{name} is on {t.device} but the A pool is on {A0.device}")
+    return _offsets(Bs, slice_offsets), max_rank
+
+
+def _offsets(Bs: tuple[torch.Tensor, ...], slice_offsets: Sequence[int] | None) -> tuple[int, ...]:
+    """Each slice's first column in ``y``: given, or back to back from 0; never overlapping."""
     widths = [B.shape[1] for B in Bs]
     if slice_offsets is None:
         offsets = [sum(widths[:i]) for i in range(len(widths))]

@@ -22,6 +22,19 @@ rest (a prefill chunk beside decode tokens) would cost more than it saves, so su
 one at their own rank; a cost model with one measured constant picks them per call, and large
 steps, where the grid stops paying, run every group alone. The gather indices are built once per
 step and kept in ``LoRAMeta.host_cache``.
+
+A row pool (``A_pool [P, K]``, ``Bt_pool [P, N]``, slot ``s`` owning rows ``rows[s] : rows[s] +
+ranks[s]``) cannot be read over a span of slots in place: a slot's rows past its own rank belong to
+another adapter (or to nobody). Its grid holds the gridded slots alone, ordered by first pool row,
+and each call gathers their rows into ``[slots, rank, K]`` and ``[slots, rank, N]`` tensors: a
+slot's rank rows past its own repeat its first row, and a mask folded into the scaling zeroes their
+columns of ``h`` (so nothing outside a slot's rows is read, whatever the rest of the pool holds).
+When the gridded slots share one rank and sit at evenly spaced rows (adapters loaded one after
+another), the gather is a strided view instead, with no copy. Looped groups read their rows in
+place. ``rows`` and ``ranks`` are read on the host once per call (a CUDA tensor synchronises, as the
+torch backend does anyway); the plan and gather indices built from them are kept in
+``LoRAMeta.host_cache`` under their values, so rows rewritten between calls never meet a stale plan.
+On CUDA (no host check there) a slot's rank is clamped as the Triton kernels clamp it.
 """
 
 from __future__ import annotations
@@ -51,8 +64,8 @@ class _Grid:
     tokens first, then padding (repeats of a token); padded cells are computed and dropped before
     anything is added to ``y``."""
 
-    slots: list[int]  # the groups' slots, ascending
-    span: slice  # the slot tensors' rows the grid covers: its first to its last slot
+    slots: list[int]  # the groups' slots: ascending, or a pool's in pool order
+    span: slice | None  # the slot tensors' rows the grid covers (its first to its last slot); None in a pool
     size: int
     x_index: torch.Tensor  # [span length * size] token of each cell
     rows: torch.Tensor  # tokens of the real cells, in grid order
@@ -64,6 +77,37 @@ class _Plan:
     grid: _Grid | None
     grid_rank: int
     looped: list[tuple[int, int, torch.Tensor]]  # (slot, rank, tokens) of groups run one by one
+
+
+@dataclass(frozen=True)
+class _PoolGather:
+    """How a pool grid reads its slots' rows: ``view`` ``(first row, row step)`` when every slot has
+    the grid's rank at evenly spaced rows (a strided view, no copy), else ``index`` (pool row of each
+    slot's rank row, padding repeating the slot's first row); ``mask`` ``[slots, 1, rank]`` zeroes
+    the padding's columns of ``h`` (None when no slot is padded)."""
+
+    slots: torch.Tensor  # [slots] the grid's slots, for their scalings
+    view: tuple[int, int] | None
+    index: torch.Tensor | None
+    mask: torch.Tensor | None
+
+    def read(self, pool: torch.Tensor, rank: int) -> torch.Tensor:
+        """The grid slots' rows of ``pool [P, W]`` as ``[slots, rank, W]``."""
+        num, width = self.slots.numel(), pool.shape[1]
+        if self.view is not None:
+            first, step = self.view
+            rows, cols = pool.stride()
+            return pool.as_strided((num, rank, width), (step * rows, rows, cols), pool.storage_offset() + first * rows)
+        assert self.index is not None
+        return pool.index_select(0, self.index).view(num, rank, width)
+
+
+@dataclass(frozen=True)
+class _PoolPlan:
+    grid: _Grid | None
+    grid_rank: int
+    gather: _PoolGather | None
+    looped: list[tuple[int, int, int, torch.Tensor]]  # (slot, first row, rank, tokens) of groups run alone
 
 
 @dataclass(frozen=True)
@@ -84,18 +128,50 @@ def lora_apply_torch(
     meta: LoRAMeta,
     slice_offsets: Sequence[int],
     ranks: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> None:
     """Add every slice's LoRA output into its columns of ``y``, in place (arguments validated by
-    :func:`kernels.lora_apply_sliced`)."""
+    :class:`kernels.LoRAWeights`): slot tensors, or with ``rows`` row pools whose slots have at
+    most ``max_rank`` rows."""
     if meta.num_tokens == 0:
         return
-    plan = _plan(meta, As, Bs, ranks)
     scales = scaling.float()
     span = _packed_span(Bs, slice_offsets)
+    if rows is not None:
+        if ranks is None or max_rank is None:
+            raise TypeError("a row pool (rows given) needs ranks and max_rank")
+        _apply_pool(y, x, As, Bs, scales, meta, slice_offsets, span, ranks, rows, max_rank)
+        return
+    plan = _plan(meta, As, Bs, ranks)
     if plan.grid is not None:
         _apply_grid(y, x, As, Bs, scales, slice_offsets, span, plan.grid, plan.grid_rank)
-    for slot, rank, rows in plan.looped:
-        _apply_group(y, x, As, Bs, scales, slice_offsets, span, slot, rank, rows)
+    for slot, rank, tokens in plan.looped:
+        views = [(A[slot, :rank], B[slot, :, :rank].T) for A, B in zip(As, Bs)]
+        _apply_group(y, x, views, scales[slot], slice_offsets, span, tokens)
+
+
+def _apply_pool(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    As: Sequence[torch.Tensor],
+    Bs: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    meta: LoRAMeta,
+    slice_offsets: Sequence[int],
+    span: tuple[int, int] | None,
+    ranks: torch.Tensor,
+    rows: torch.Tensor,
+    max_rank: int,
+) -> None:
+    """The row pool's grid and looped groups (module docstring)."""
+    plan = _pool_plan(meta, As, Bs, ranks, rows, max_rank)
+    if plan.grid is not None:
+        assert plan.gather is not None
+        _apply_pool_grid(y, x, As, Bs, scales, slice_offsets, span, plan.grid, plan.grid_rank, plan.gather)
+    for slot, first, rank, tokens in plan.looped:
+        views = [(A[first : first + rank], B[first : first + rank]) for A, B in zip(As, Bs)]
+        _apply_group(y, x, views, scales[slot], slice_offsets, span, tokens)
 
 
 def _step(meta: LoRAMeta) -> _Step:
@@ -129,29 +205,44 @@ def _make_plan(
     meta: LoRAMeta, slot_ranks: tuple[int, ...] | None, full_rank: int, hidden: int, widths: tuple[int, ...]
 ) -> _Plan:
     step = _step(meta)
-    # (slot, start, count, rank) of the groups that add anything, largest first.
-    groups = [
-        (slot, start, end - start, slot_ranks[slot] if slot_ranks is not None else full_rank)
-        for slot, start, end in step.groups
-    ]
-    groups = sorted((g for g in groups if g[3] > 0), key=lambda g: -g[2])
+    groups = _groups(step, slot_ranks if slot_ranks is not None else (full_rank,) * meta.max_slots)
     if not groups:
         return _Plan(None, 0, [])
-    # Looping the k largest groups costs their own arithmetic plus a fixed cost each; the grid holds
-    # the rest at their largest count and rank over their span of slots, plus one fixed cost.
-    # suffix_rank[k], suffix_low[k], suffix_high[k]: that rank and span.
+    best_k, grid_rank = _split(groups, hidden, widths, meta.max_slots, compact=False)
+    looped = [(slot, rank, step.order[start : start + count]) for slot, start, count, rank in groups[:best_k]]
+    gridded = sorted((slot, start, count) for slot, start, count, _ in groups[best_k:])
+    if not gridded:
+        return _Plan(None, 0, looped)
+    return _Plan(_grid(meta, step, gridded, compact=False), grid_rank, looped)
+
+
+def _groups(step: _Step, slot_ranks: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """``(slot, start, count, rank)`` of the step's groups that add anything, largest first."""
+    groups = [(slot, start, end - start, slot_ranks[slot]) for slot, start, end in step.groups]
+    return sorted((g for g in groups if g[3] > 0), key=lambda g: -g[2])
+
+
+def _split(
+    groups: list[tuple[int, int, int, int]], hidden: int, widths: tuple[int, ...], max_slots: int, *, compact: bool
+) -> tuple[int, int]:
+    """``(k, rank)``: the ``k`` largest groups run alone, the rest in a grid of that rank.
+
+    Looping the k largest groups costs their own arithmetic plus a fixed cost each; the grid holds
+    the rest at their largest count and rank, one row per slot of their span (``compact``: one row
+    per group, as a pool's grid has), plus one fixed cost."""
+    # suffix_rank[k], suffix_rows[k]: the rank and the row count of a grid of groups k and after.
     macs_per_rank = sum(hidden + width for width in widths)  # per token, all slices
     widest = hidden + max(widths)
     fixed = len(widths) * LOOP_GROUP_MACS
-    suffix_rank, suffix_low, suffix_high = [0] * len(groups), [0] * len(groups), [0] * len(groups)
-    rank_max, low, high = 0, meta.max_slots, -1
+    suffix_rank, suffix_rows = [0] * len(groups), [0] * len(groups)
+    rank_max, low, high = 0, max_slots, -1
     for k in range(len(groups) - 1, -1, -1):
         slot, _, _, rank = groups[k]
         rank_max, low, high = max(rank_max, rank), min(low, slot), max(high, slot)
-        suffix_rank[k], suffix_low[k], suffix_high[k] = rank_max, low, high
+        suffix_rank[k], suffix_rows[k] = rank_max, len(groups) - k if compact else high - low + 1
     best_k, best_cost, looped_cost = len(groups), None, 0
     for k, (_, _, count, rank) in enumerate(groups):
-        cells = (suffix_high[k] - suffix_low[k] + 1) * count  # the grid's size is group k's count
+        cells = suffix_rows[k] * count  # the grid's size is group k's count
         if cells * suffix_rank[k] * widest <= DENSE_MAX_MACS:
             cost = looped_cost + cells * suffix_rank[k] * macs_per_rank + fixed
             if best_cost is None or cost < best_cost:
@@ -159,16 +250,75 @@ def _make_plan(
         looped_cost += count * rank * macs_per_rank + fixed
     if best_cost is not None and looped_cost < best_cost:
         best_k = len(groups)
-    looped = [(slot, rank, step.order[start : start + count]) for slot, start, count, rank in groups[:best_k]]
-    gridded = sorted((slot, start, count) for slot, start, count, _ in groups[best_k:])
+    return best_k, suffix_rank[best_k] if best_k < len(groups) else 0
+
+
+def _pool_plan(
+    meta: LoRAMeta,
+    As: Sequence[torch.Tensor],
+    Bs: Sequence[torch.Tensor],
+    ranks: torch.Tensor,
+    rows: torch.Tensor,
+    max_rank: int,
+) -> _PoolPlan:
+    """:func:`_plan` for a row pool, cached per step under the slots' rows and ranks themselves."""
+    pool_rows, hidden = As[0].shape
+    widths = tuple(B.shape[1] for B in Bs)
+    first_rows, slot_ranks = tuple(rows.tolist()), tuple(ranks.tolist())
+    key = (_PoolPlan, first_rows, slot_ranks, max_rank, pool_rows, hidden, widths, DENSE_MAX_MACS, LOOP_GROUP_MACS)
+    plan = meta.host_cache.get(key)
+    if not isinstance(plan, _PoolPlan):
+        plan = _make_pool_plan(meta, first_rows, slot_ranks, max_rank, pool_rows, hidden, widths)
+        meta.host_cache[key] = plan
+    return plan
+
+
+def _make_pool_plan(
+    meta: LoRAMeta,
+    first_rows: tuple[int, ...],
+    slot_ranks: tuple[int, ...],
+    max_rank: int,
+    pool_rows: int,
+    hidden: int,
+    widths: tuple[int, ...],
+) -> _PoolPlan:
+    # The kernels' clamp (a CPU call was range-checked before): up to max_rank, inside the pool.
+    clamped = [0 if first < 0 else max(0, min(rank, max_rank, pool_rows - first))
+               for first, rank in zip(first_rows, slot_ranks)]  # fmt: skip
+    step = _step(meta)
+    groups = _groups(step, clamped)
+    if not groups:
+        return _PoolPlan(None, 0, None, [])
+    best_k, grid_rank = _split(groups, hidden, widths, meta.max_slots, compact=True)
+    looped = [(slot, first_rows[slot], rank, step.order[start : start + count])
+              for slot, start, count, rank in groups[:best_k]]  # fmt: skip
+    gridded = sorted(groups[best_k:], key=lambda g: (first_rows[g[0]], g[0]))
     if not gridded:
-        return _Plan(None, 0, looped)
-    return _Plan(_grid(meta, step, gridded), suffix_rank[best_k], looped)
+        return _PoolPlan(None, 0, None, looped)
+    grid = _grid(meta, step, [(slot, start, count) for slot, start, count, _ in gridded], compact=True)
+    firsts = [first_rows[slot] for slot, _, _, _ in gridded]
+    return _PoolPlan(grid, grid_rank, _pool_gather(grid, firsts, [g[3] for g in gridded], grid_rank), looped)
 
 
-def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _Grid:
-    """The grid of ``groups`` (ascending slots), shared by every plan of the step that grids them."""
-    key = (_Grid, tuple(groups))
+def _pool_gather(grid: _Grid, firsts: list[int], ranks: list[int], rank: int) -> _PoolGather:
+    """How the grid's slots (first rows ``firsts``, ranks ``ranks``, in grid order) read the pool."""
+    device = grid.x_index.device
+    slots = torch.tensor(grid.slots, device=device)
+    steps = {b - a for a, b in zip(firsts, firsts[1:])}
+    if all(r == rank for r in ranks) and len(steps) <= 1:
+        return _PoolGather(slots, (firsts[0], steps.pop() if steps else 0), None, None)
+    index = torch.tensor([first + (j if j < r else 0) for first, r in zip(firsts, ranks) for j in range(rank)],
+                         device=device)  # fmt: skip
+    if min(ranks) == rank:
+        return _PoolGather(slots, None, index, None)
+    mask = torch.tensor([[float(j < r) for j in range(rank)] for r in ranks], device=device)
+    return _PoolGather(slots, None, index, mask.view(len(ranks), 1, rank))
+
+
+def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]], *, compact: bool) -> _Grid:
+    """The grid of ``groups`` (ascending slots; ``compact``: a pool's, in the given order, one row per
+    group and none for idle slots), shared by every plan of the step that grids them."""
+    key = (_Grid, compact, tuple(groups))
     grid = meta.host_cache.get(key)
     if isinstance(grid, _Grid):
         return grid
@@ -182,7 +332,7 @@ def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _G
     x_index: list[int] = []
     rows: list[int] = []
     cells: list[int] = []
-    for slot in range(slots[0], slots[-1] + 1):
+    for slot in slots if compact else range(slots[0], slots[-1] + 1):
         start, count = by_slot.get(slot, (groups[0][1], 0))
         tokens = order[start : start + count]
         cells.extend(range(len(x_index), len(x_index) + count))
@@ -193,7 +343,8 @@ def _grid(meta: LoRAMeta, step: _Step, groups: list[tuple[int, int, int]]) -> _G
     padded = len(rows) < len(x_index)
     rows_t = torch.tensor(rows, device=device) if padded else x_index_t
     cells_t = torch.tensor(cells, device=device) if padded else None
-    grid = meta.host_cache[key] = _Grid(slots, slice(slots[0], slots[-1] + 1), size, x_index_t, rows_t, cells_t)
+    span = None if compact else slice(slots[0], slots[-1] + 1)
+    grid = meta.host_cache[key] = _Grid(slots, span, size, x_index_t, rows_t, cells_t)
     return grid
 
 
@@ -270,6 +421,7 @@ def _apply_grid(
 ) -> None:
     """Two ``bmm`` per slice over the grid; padded rank rows and columns up to ``rank`` are read, so
     they must hold zeros (the documented contract)."""
+    assert grid.span is not None  # a slot-tensor grid
     num_rows = grid.span.stop - grid.span.start
     xs = x.index_select(0, grid.x_index).float().view(num_rows, grid.size, x.shape[1])
     scale = _scale_rows(xs, scales[grid.span].view(num_rows, 1, 1), x.dtype)
@@ -284,7 +436,7 @@ def _apply_grid(
     _add_slices(y, grid.rows, grid.cells, deltas, span)
 
 
-def _apply_group(
+def _apply_pool_grid(
     y: torch.Tensor,
     x: torch.Tensor,
     As: Sequence[torch.Tensor],
@@ -292,15 +444,38 @@ def _apply_group(
     scales: torch.Tensor,
     slice_offsets: Sequence[int],
     span: tuple[int, int] | None,
-    slot: int,
+    grid: _Grid,
     rank: int,
+    gather: _PoolGather,
+) -> None:
+    """Two ``bmm`` per slice over a pool's grid, on its slots' rows read as ``gather`` says; the
+    scaling (and the padding's mask) multiplies ``h``, per slice."""
+    num_rows = len(grid.slots)
+    xs = x.index_select(0, grid.x_index).float().view(num_rows, grid.size, x.shape[1])
+    scale = scales.index_select(0, gather.slots).view(num_rows, 1, 1)
+    if gather.mask is not None:
+        scale = scale * gather.mask
+    deltas = []
+    for A, Bt, offset in zip(As, Bs, slice_offsets):
+        h = _hidden(torch.bmm(xs, gather.read(A, rank).float().mT), x.dtype, scale)
+        deltas.append((offset, torch.bmm(h, gather.read(Bt, rank).float()).view(-1, Bt.shape[1])))
+    _add_slices(y, grid.rows, grid.cells, deltas, span)
+
+
+def _apply_group(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    views: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: torch.Tensor,
+    slice_offsets: Sequence[int],
+    span: tuple[int, int] | None,
     rows: torch.Tensor,
 ) -> None:
-    """One slot's tokens at the slot's own rank."""
+    """One slot's tokens at the slot's own rank: ``views`` holds each slice's ``(A [r, K], B^T [r, N])``."""
     xs = x.index_select(0, rows).float()
-    scale = _scale_rows(xs, scales[slot], x.dtype)
+    row_scale = _scale_rows(xs, scale, x.dtype)
     deltas = []
-    for A, B, offset in zip(As, Bs, slice_offsets):
-        h = _hidden(xs @ A[slot, :rank].float().T, x.dtype, scale)
-        deltas.append((offset, h @ B[slot, :, :rank].float().T))
+    for (a, bt), offset in zip(views, slice_offsets):
+        h = _hidden(xs @ a.float().T, x.dtype, row_scale)
+        deltas.append((offset, h @ bt.float()))
     _add_slices(y, rows, None, deltas, span)

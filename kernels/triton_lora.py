@@ -15,6 +15,13 @@ so a launch needs no host knowledge of the slot mix and a CUDA graph can replay 
 One launch of each serves every slice of a fused projection (last grid axis). Slot ``s`` reads only
 its first ``ranks[s]`` rows of A and columns of B: masked loads fetch no memory, so a zero-padded
 smaller adapter costs its own rank.
+
+Both layouts of :class:`kernels.LoRAWeights` run the same kernels. A slot's rank row ``r`` sits at
+``first_row * stride_s + r * stride_r``: for slot tensors ``first_row`` is the slot and the strides
+are the 3-D tensors' own; for a row pool (``HAS_ROWS``) ``first_row = rows[slot]`` is read on the
+device and ``stride_s = stride_r`` is the pool's row stride (``A_pool [P, K]``, ``Bt_pool [P, N]``,
+whose rows are B's columns, so the expand reads contiguous ``n``). The launch tables and the rank
+block are keyed on ``max_rank`` there, and a slot's rank is clamped to it and to the pool's end.
 """
 
 from __future__ import annotations
@@ -79,18 +86,27 @@ def _dot(a: tl.tensor, b: tl.tensor, acc: tl.tensor, PRECISION: tl.constexpr, UP
 
 @jit
 def _tile(tile_slot_ptr: tl.tensor, tile_start_ptr: tl.tensor, tile_end_ptr: tl.tensor, token_idx_ptr: tl.tensor,
-          ranks_ptr: tl.tensor, pid_m: tl.tensor, full_rank: tl.tensor, HAS_RANKS: tl.constexpr,
-          BLOCK_M: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:  # fmt: skip
-    """The tile's slot, the slot's rank (clamped to the padded R: CUDA cannot range-check without
-    a sync), its sorted positions, their mask and their token ids. Slot -1 marks a padding tile."""
+          ranks_ptr: tl.tensor, slot_rows_ptr: tl.tensor, pid_m: tl.tensor, full_rank: tl.tensor,
+          pool_rows: tl.tensor, HAS_RANKS: tl.constexpr, HAS_ROWS: tl.constexpr,
+          BLOCK_M: tl.constexpr) -> tuple[tl.tensor, ...]:  # fmt: skip
+    """The tile's slot, the slot's first row (int64: the slot itself, or its first pool row), its
+    rank, its sorted positions, their mask and their token ids. Slot -1 marks a padding tile.
+
+    The rank is clamped to the padded R (or max_rank) and, in a pool, to the rows left before the
+    pool's end, with a negative first row giving rank 0: CUDA cannot range-check without a sync,
+    and the clamp keeps every load inside the tensors."""
     slot = tl.load(tile_slot_ptr + pid_m)
     rank = full_rank
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + tl.maximum(slot, 0)), full_rank)
+    first_row = slot.to(tl.int64)
+    if HAS_ROWS:
+        first_row = tl.load(slot_rows_ptr + tl.maximum(slot, 0)).to(tl.int64)
+        rank = tl.where(first_row < 0, 0, tl.maximum(tl.minimum(rank, pool_rows - first_row), 0))
     rows = tl.load(tile_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
     row_mask = rows < tl.load(tile_end_ptr + pid_m)
     tokens = tl.load(token_idx_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    return slot, rank, rows, row_mask, tokens
+    return slot, first_row, rank, rows, row_mask, tokens
 
 
 @jit
@@ -165,26 +181,27 @@ def _expand_columns(h: tl.tensor, scale: tl.tensor, b_cols: tl.tensor, y_rows: t
 def _shrink_kernel(
     x_ptr: tl.tensor, a0_ptr: tl.tensor, a1_ptr: tl.tensor, a2_ptr: tl.tensor, h_ptr: tl.tensor,
     tile_slot_ptr: tl.tensor, tile_start_ptr: tl.tensor, tile_end_ptr: tl.tensor, token_idx_ptr: tl.tensor,
-    ranks_ptr: tl.tensor,
-    K: tl.tensor, full_rank: tl.tensor,
+    ranks_ptr: tl.tensor, slot_rows_ptr: tl.tensor,
+    K: tl.tensor, full_rank: tl.tensor, pool_rows: tl.tensor,
     stride_xt: tl.tensor, stride_xk: tl.tensor, stride_as: tl.tensor, stride_ar: tl.tensor, stride_ak: tl.tensor,
     stride_hk: tl.tensor, stride_hs: tl.tensor, stride_hp: tl.tensor,
-    HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_STAGES: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_RANKS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ) -> None:  # fmt: skip
     """``h[pid_k, slice, p, :rank]`` = this program's K chunk of ``x[token(p)] @ A_slice[slot]^T``."""
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    slot, rank, rows, row_mask, tokens = _tile(
-        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank, HAS_RANKS, BLOCK_M
-    )
+    slot, first_row, rank, rows, row_mask, tokens = _tile(
+        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, slot_rows_ptr, pid_m, full_rank,
+        pool_rows, HAS_RANKS, HAS_ROWS, BLOCK_M,
+    )  # fmt: skip
     if (slot < 0) | (rank == 0):
         return
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    a_rows = _pick_ptr(pid_s, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * stride_as + offs_r * stride_ar
+    a_rows = _pick_ptr(pid_s, a0_ptr, a1_ptr, a2_ptr) + first_row * stride_as + offs_r * stride_ar
     k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_chunk
     acc = _shrink_tile(x_ptr, a_rows, tokens, row_mask, offs_r, r_mask, k_lo, tl.minimum(k_lo + k_chunk, K),
@@ -198,23 +215,25 @@ def _shrink_kernel(
 def _expand_kernel(
     h_ptr: tl.tensor, b0_ptr: tl.tensor, b1_ptr: tl.tensor, b2_ptr: tl.tensor, y_ptr: tl.tensor,
     tile_slot_ptr: tl.tensor, tile_start_ptr: tl.tensor, tile_end_ptr: tl.tensor, token_idx_ptr: tl.tensor,
-    ranks_ptr: tl.tensor, scaling_ptr: tl.tensor,
-    full_rank: tl.tensor, n0: tl.tensor, n1: tl.tensor, n2: tl.tensor, off0: tl.tensor, off1: tl.tensor,
-    off2: tl.tensor, n_chunk: tl.tensor,
+    ranks_ptr: tl.tensor, slot_rows_ptr: tl.tensor, scaling_ptr: tl.tensor,
+    full_rank: tl.tensor, pool_rows: tl.tensor, n0: tl.tensor, n1: tl.tensor, n2: tl.tensor, off0: tl.tensor,
+    off1: tl.tensor, off2: tl.tensor, n_chunk: tl.tensor,
     stride_bs0: tl.tensor, stride_bs1: tl.tensor, stride_bs2: tl.tensor,
     stride_bn0: tl.tensor, stride_bn1: tl.tensor, stride_bn2: tl.tensor,
     stride_br0: tl.tensor, stride_br1: tl.tensor, stride_br2: tl.tensor,
     stride_hk: tl.tensor, stride_hs: tl.tensor, stride_hp: tl.tensor, stride_yt: tl.tensor, stride_yn: tl.tensor,
-    HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_RANKS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ) -> None:  # fmt: skip
     """``y[token(p), off_slice + cols] += scaling[slot] * (sum of h partials)[p] @ B_slice[slot, cols]^T``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    slot, rank, rows, row_mask, tokens = _tile(
-        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, pid_m, full_rank, HAS_RANKS, BLOCK_M
-    )
+    slot, first_row, rank, rows, row_mask, tokens = _tile(
+        tile_slot_ptr, tile_start_ptr, tile_end_ptr, token_idx_ptr, ranks_ptr, slot_rows_ptr, pid_m, full_rank,
+        pool_rows, HAS_RANKS, HAS_ROWS, BLOCK_M,
+    )  # fmt: skip
     width = _pick_int(pid_s, n0, n1, n2)
     n_lo = pid_n * n_chunk
     if (slot < 0) | (rank == 0) | (n_lo >= width):
@@ -228,7 +247,7 @@ def _expand_kernel(
         acc += tl.load(h_ptrs + i * stride_hk, mask=h_mask, other=0.0)
 
     b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
-    b_cols += slot.to(tl.int64) * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
+    b_cols += first_row * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
     h = acc.to(b0_ptr.dtype.element_ty)
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
     _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
@@ -341,11 +360,24 @@ def lora_apply_triton(
     meta: LoRAMeta,
     slice_offsets: Sequence[int],
     ranks: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> None:
-    """Shrink then expand for every slice (arguments validated by :func:`kernels.lora_apply_sliced`)."""
+    """Shrink then expand for every slice (arguments validated by :class:`kernels.LoRAWeights`):
+    slot tensors, or with ``rows`` row pools whose slots have at most ``max_rank`` rows."""
     if meta.num_tokens == 0:
         return
-    expand(y, shrink(x, As, meta, ranks), Bs, scaling, meta, slice_offsets, ranks)
+    h = shrink(x, As, meta, ranks, rows=rows, max_rank=max_rank)
+    expand(y, h, Bs, scaling, meta, slice_offsets, ranks, rows=rows, max_rank=max_rank)
+
+
+def _full_rank(slots: torch.Tensor, rank_dim: int, rows: torch.Tensor | None, max_rank: int | None) -> int:
+    """The rank the kernels are sized for: the slot tensors' R, or a row pool's ``max_rank``."""
+    if rows is None:
+        return slots.shape[rank_dim]
+    if max_rank is None:
+        raise TypeError("a row pool (rows given) needs max_rank")
+    return max_rank
 
 
 def shrink_config(
@@ -380,25 +412,34 @@ def shrink(
     meta: LoRAMeta,
     ranks: torch.Tensor | None,
     config: ShrinkConfig | None = None,
+    *,
+    rows: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> torch.Tensor:
     """``h [split_k, slices, T, R_pad]`` fp32 partial sums, row ``p`` = sorted position ``p`` (only
-    adapter rows and each slot's own rank are written: :func:`expand` reads nothing else)."""
-    num_slices, hidden, rank = len(As), x.shape[1], As[0].shape[1]
+    adapter rows and each slot's own rank are written: :func:`expand` reads nothing else). ``As``:
+    slot tensors ``[S, R, K]``, or with ``rows`` row pools ``[P, K]``."""
+    num_slices, hidden, rank = len(As), x.shape[1], _full_rank(As[0], 1, rows, max_rank)
     if any(A.stride() != As[0].stride() for A in As):
         raise ValueError("all slices' A must have the same strides (use contiguous slot tensors)")
+    A0 = As[0]
+    # (slot, rank row, k) strides: a pool's rank rows are its rows.
+    a_strides = (A0.stride(0), A0.stride(1), A0.stride(2)) if rows is None else (A0.stride(0), *A0.stride())
     sc = config or shrink_config(meta, hidden, rank, num_slices)
     block_k = _block_k(sc.block_k, rank, hidden)
     precision, upcast = _precision(x.dtype)
     tile_slot, tile_start, tile_end = meta.tiles(sc.block_m)
     h = torch.empty((sc.split_k, num_slices, meta.num_tokens, block_r(rank)), dtype=torch.float32, device=x.device)
-    a, A0 = _three(As, As[0]), As[0]
+    a = _three(As, A0)
     grid = (sc.split_k, meta.grid_tiles(sc.block_m), num_slices)
     _shrink_kernel[grid](
         x, a[0], a[1], a[2], h,
         tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot,
-        hidden, rank,
-        x.stride(0), x.stride(1), A0.stride(0), A0.stride(1), A0.stride(2), h.stride(0), h.stride(1), h.stride(2),
-        HAS_RANKS=ranks is not None, BLOCK_M=sc.block_m, BLOCK_R=block_r(rank), BLOCK_K=block_k,
+        rows if rows is not None else tile_slot,
+        hidden, rank, A0.shape[0],
+        x.stride(0), x.stride(1), *a_strides, h.stride(0), h.stride(1), h.stride(2),
+        HAS_RANKS=ranks is not None, HAS_ROWS=rows is not None, BLOCK_M=sc.block_m, BLOCK_R=block_r(rank),
+        BLOCK_K=block_k,
         SPLIT_K=sc.split_k, EVEN_K=hidden % (sc.split_k * block_k) == 0, K_STAGES=sc.num_stages,
         PRECISION=precision, UPCAST=upcast,
         num_warps=sc.num_warps, num_stages=sc.num_stages,
@@ -415,9 +456,13 @@ def expand(
     slice_offsets: Sequence[int],
     ranks: torch.Tensor | None,
     config: ExpandConfig | None = None,
+    *,
+    rows: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> None:
-    """``y[token(p), slice columns] += scaling[slot] * h[:, slice, p].sum(0) @ B_slice[slot]^T``."""
-    num_slices, rank = len(Bs), Bs[0].shape[2]
+    """``y[token(p), slice columns] += scaling[slot] * h[:, slice, p].sum(0) @ B_slice[slot]^T``.
+    ``Bs``: slot tensors ``[S, N, R]``, or with ``rows`` transposed row pools ``[P, N]``."""
+    num_slices, rank = len(Bs), _full_rank(Bs[0], 2, rows, max_rank)
     ec = config or expand_config(meta, rank)
     precision, upcast = _precision(y.dtype)
     tile_slot, tile_start, tile_end = meta.tiles(ec.block_m)
@@ -426,13 +471,17 @@ def expand(
     widths = _three([B.shape[1] for B in Bs], 0)
     n_chunk = _column_chunk(max(widths), ec.block_n, tiles * num_slices, ec.programs)
     grid = (triton.cdiv(max(widths), n_chunk), tiles, num_slices)
+    # (slot, n, rank row) strides: a transposed pool's rank rows are its rows.
+    b_strides = [(B.stride(0), B.stride(1), B.stride(2)) if rows is None else (B.stride(0), B.stride(1), B.stride(0))
+                 for B in b]  # fmt: skip
     _expand_kernel[grid](
         h, b[0], b[1], b[2], y,
-        tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot, scaling,
-        rank, *widths, *_three(slice_offsets, 0), n_chunk,
-        *(B.stride(0) for B in b), *(B.stride(1) for B in b), *(B.stride(2) for B in b),
+        tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot,
+        rows if rows is not None else tile_slot, scaling,
+        rank, Bs[0].shape[0], *widths, *_three(slice_offsets, 0), n_chunk,
+        *(st[0] for st in b_strides), *(st[1] for st in b_strides), *(st[2] for st in b_strides),
         h.stride(0), h.stride(1), h.stride(2), y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, BLOCK_M=ec.block_m, BLOCK_N=ec.block_n, BLOCK_R=block_r(rank),
-        SPLIT_K=h.shape[0], PREFETCH=ec.prefetch, PRECISION=precision, UPCAST=upcast,
+        HAS_RANKS=ranks is not None, HAS_ROWS=rows is not None, BLOCK_M=ec.block_m, BLOCK_N=ec.block_n,
+        BLOCK_R=block_r(rank), SPLIT_K=h.shape[0], PREFETCH=ec.prefetch, PRECISION=precision, UPCAST=upcast,
         num_warps=ec.num_warps, num_stages=ec.num_stages,
     )  # fmt: skip

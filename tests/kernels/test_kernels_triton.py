@@ -6,23 +6,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lora_cases import Case, make_case
+from lora_cases import Case, make_case, triton_device
 
 from kernels import LoRAMeta, lora_apply, lora_apply_sliced
-
-CUDA = torch.cuda.is_available()
-
-
-def _triton_device(device: str) -> None:
-    """Skip unless the Triton kernels can run on ``device`` in this process."""
-    if device == "cuda":
-        if not CUDA:
-            pytest.skip("needs a CUDA device")
-        return
-    import kernels.triton_lora as triton_lora
-
-    if not triton_lora.INTERPRETED:
-        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
 
 
 def _check(case: Case) -> None:
@@ -73,7 +59,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_reference(name: str, device: str) -> None:
-    _triton_device(device)
+    triton_device(device)
     _check(make_case(**CASES[name], device=device, seed=list(CASES).index(name)))
 
 
@@ -93,7 +79,7 @@ def test_triton_matches_reference(name: str, device: str) -> None:
 def test_triton_matches_reference_random(
     device: str, num_tokens, num_slots, rank, hidden, widths, dtype, rank_choice, pass_ranks, seed
 ) -> None:
-    _triton_device(device)
+    triton_device(device)
     slot_ranks = [min(r, rank) for r in rank_choice[:num_slots]]
     _check(
         make_case(
@@ -108,7 +94,7 @@ def test_triton_matches_reference_random(
 def test_split_k_and_column_chunks_match_reference(block_m: int, prefetch: bool, device: str) -> None:
     """Small blocks, so that K is split unevenly over 3 programs and each expand program loops over
     a chunk of several column blocks, with and without prefetch; GQA-like slices, mixed ranks."""
-    _triton_device(device)
+    triton_device(device)
     from kernels import triton_lora
 
     case = make_case(num_tokens=70, num_slots=5, rank=16, hidden=72, widths=[56, 24], dtype=torch.bfloat16,
@@ -131,7 +117,7 @@ def test_split_k_and_column_chunks_match_reference(block_m: int, prefetch: bool,
 @pytest.mark.parametrize("num_tokens", [1, 64, 256, 1000])
 def test_triton_matches_reference_at_model_size(num_tokens: int, dtype: torch.dtype) -> None:
     """Llama-3-8B sizes: hidden 4096, q/k/v slices of 4096/1024/1024, rank 16 and 64 mixed."""
-    _triton_device("cuda")
+    triton_device("cuda")
     _check(
         make_case(
             num_tokens=num_tokens, num_slots=32, rank=64, hidden=4096, widths=[4096, 1024, 1024], dtype=dtype,
@@ -143,7 +129,7 @@ def test_triton_matches_reference_at_model_size(num_tokens: int, dtype: torch.dt
 @pytest.mark.gpu
 def test_decode_step_replays_in_a_cuda_graph() -> None:
     """prepare + apply captured once, replayed for new slot mixes, equals eager reference each time."""
-    _triton_device("cuda")
+    triton_device("cuda")
     num_tokens, num_slots = 64, 32
     case = make_case(num_tokens=num_tokens, num_slots=num_slots, rank=16, hidden=512, widths=[512, 128],
                      dtype=torch.bfloat16, device="cuda")  # fmt: skip
@@ -179,7 +165,7 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
 
 @pytest.mark.gpu
 def test_apply_never_synchronises_with_the_host() -> None:
-    _triton_device("cuda")
+    triton_device("cuda")
     case = make_case(num_tokens=16, num_slots=4, rank=16, hidden=256, widths=[256], dtype=torch.bfloat16,
                      device="cuda", pass_ranks=True)  # fmt: skip
     meta = case.meta()
