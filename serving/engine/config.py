@@ -45,12 +45,27 @@ class EngineConfig:
     ``attention_backend``: ``"triton"`` reads the paged KV cache in place, ``"torch"`` gathers
     pages and calls SDPA; ``"auto"`` picks Triton on CUDA and torch on CPU (Triton runs on CPU only
     under ``TRITON_INTERPRET=1``).
+
+    Adapter memory (docs/adapter-memory.md) is a pool of rank rows, so an adapter costs its own rank:
+    ``lora_memory_bytes`` fixes the pool's size; left ``None`` with ``max_loras`` given, the pool
+    holds ``max_loras`` adapters of ``max_lora_rank`` (what fixed slots cost); with neither, on CUDA
+    the pool takes what the KV cache leaves of ``gpu_memory_utilization`` once the KV cache has at
+    most ``1 - lora_memory_fraction`` of it (and no more than ``max_num_seqs`` full-length sequences
+    need), and on CPU ``cpu_lora_memory_bytes``. ``max_loras`` (vLLM's flag) is then only an upper
+    bound on how many adapters are resident at once; unset, it is the pool's rows over
+    ``min(8, max_lora_rank)``; 0 turns LoRA off. ``max_cpu_loras`` bounds the CPU cache's entries and
+    ``cpu_lora_cache_bytes`` its bytes (default: twice the GPU pool's, at most a quarter of the
+    host's memory).
     """
 
     model: str
-    max_loras: int = 4
+    max_loras: int | None = None
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    lora_memory_bytes: int | None = None
+    lora_memory_fraction: float = 0.2
+    cpu_lora_memory_bytes: int = 64 << 20
+    cpu_lora_cache_bytes: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -72,14 +87,25 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a local Hugging Face model directory; {self.model!r} is not a directory")
-        if self.max_cpu_loras is None:
-            self.max_cpu_loras = max(self.max_loras, 1)
-        _require(self.max_loras >= 0, f"max_loras must be >= 0, got {self.max_loras}")
+        _require(self.max_loras is None or self.max_loras >= 0, f"max_loras must be >= 0, got {self.max_loras}")
         _require(
-            self.max_cpu_loras >= self.max_loras,
-            f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+            self.max_cpu_loras is None or self.max_cpu_loras >= 1,
+            f"max_cpu_loras must be >= 1, got {self.max_cpu_loras}",
         )
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _require(
+            self.lora_memory_bytes is None or self.lora_memory_bytes >= 1,
+            f"lora_memory_bytes must be >= 1, got {self.lora_memory_bytes}",
+        )
+        _require(
+            0.0 < self.lora_memory_fraction < 1.0,
+            f"lora_memory_fraction must be in (0, 1), got {self.lora_memory_fraction}",
+        )
+        _require(self.cpu_lora_memory_bytes >= 1, f"cpu_lora_memory_bytes must be >= 1, got {self.cpu_lora_memory_bytes}")
+        _require(
+            self.cpu_lora_cache_bytes is None or self.cpu_lora_cache_bytes >= 1,
+            f"cpu_lora_cache_bytes must be >= 1, got {self.cpu_lora_cache_bytes}",
+        )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= 1,
@@ -113,6 +139,10 @@ class EngineConfig:
         )
         _require(self.max_flat_tokens >= 1, f"max_flat_tokens must be >= 1, got {self.max_flat_tokens}")
         self.torch_device  # validates the device string early
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.max_loras != 0
 
     @property
     def torch_device(self) -> torch.device:

@@ -32,7 +32,7 @@ class LLM:
         self,
         model: str,
         *,
-        max_loras: int = 4,
+        max_loras: int | None = None,
         max_cpu_loras: int | None = None,
         max_lora_rank: int = 16,
         max_num_seqs: int = 256,

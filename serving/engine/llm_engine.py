@@ -22,7 +22,7 @@ from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode, find
 from serving.engine.lora.cache import LoRACache, Placement
 from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.lora.reader import AdapterError
-from serving.engine.lora.records import AdapterHandle, CachedAdapter
+from serving.engine.lora.records import AdapterHandle, CachedAdapter, CopyDone
 from serving.engine.lora.request import LoRARequest
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -51,21 +51,23 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.lora_cache: LoRACache | None = None
         self.slot_checksums: SlotChecksums | None = None
-        if config.max_loras > 0:
-            slot_tensors = [t for layer in self.runner.model.lora_layers() for t in (*layer.lora_A, *layer.lora_B)]
-            self.slot_checksums = SlotChecksums(
-                [*slot_tensors, self.runner.lora_scaling, self.runner.lora_ranks], config.max_loras
-            )
-            assert config.max_cpu_loras is not None  # EngineConfig.__post_init__ resolves it
+        memory = self.runner.memory
+        if memory.lora_rows > 0:
+            runner = self.runner
+            self.slot_checksums = SlotChecksums(runner.lora_pools(), runner.lora_scaling, runner.lora_ranks,
+                                                runner.lora_rows)
             self.lora_cache = LoRACache(
-                max_loras=config.max_loras,
+                num_slots=memory.lora_slots,
+                num_rows=memory.lora_rows,
+                cpu_cache_bytes=memory.cpu_cache_bytes,
                 max_cpu_loras=config.max_cpu_loras,
+                row_bytes=runner.lora_row_bytes,
                 max_lora_rank=config.max_lora_rank,
                 base_config=self.hf_config,
                 base_model_name=config.base_model_name,
                 dtype=self.runner.dtype,
                 pin_memory=self.runner.device.type == "cuda",
-                write_slot=self._write_slot,
+                write_rows=self._write_rows,
                 on_load_done=on_load_done,
             )
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache)
@@ -316,9 +318,9 @@ class LLMEngine:
         one. The requests stopped here end in the next ``step()``'s outputs."""
         if self.lora_cache is None or self.slot_checksums is None:
             return []
-        occupied = [slot for slot, adapter in enumerate(self.lora_cache.slots()) if adapter is not None]
+        placed = [(a.slot, a.row, a.rank) for a in self.lora_cache.landed() if a.slot is not None and a.row is not None]
         repairs = []
-        for slot in self.slot_checksums.mismatched(occupied):
+        for slot in self.slot_checksums.mismatched(placed):
             stopped = self._stop_corrupted(slot)
             adapter = self.lora_cache.repair(slot)
             if adapter is not None:
@@ -351,10 +353,11 @@ class LLMEngine:
             self._ended.append(self._output(seq))
         return len(self._ended) - ended_before
 
-    def _write_slot(self, slot: int, adapter: CachedAdapter) -> None:
-        self.runner.write_slot(slot, adapter)
+    def _write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
+        landed = self.runner.write_rows(slot, row, adapter)
         assert self.slot_checksums is not None
-        self.slot_checksums.record(slot)
+        self.slot_checksums.record(slot, content=adapter.checksum, scaling=adapter.scaling, rank=adapter.rank, row=row)
+        return landed
 
     def remove_lora(self, name: str) -> None:
         """Unload ``name``; its slot and CPU copy are freed once its in-flight requests finish."""
@@ -383,6 +386,7 @@ class LLMEngine:
                 lora_alpha=a.lora_alpha,
                 target_modules=a.target_modules,
                 gpu_slot=a.slot,
+                gpu_row=a.row,
                 in_cpu_cache=a.weights is not None,
                 active_requests=a.refs,
                 load_seconds=a.load_seconds,
@@ -404,7 +408,7 @@ class LLMEngine:
             steps=self.scheduler.step_count,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
-            max_loras=self.config.max_loras,
+            max_loras=self.runner.memory.lora_slots,
             max_cpu_loras=self.config.max_cpu_loras or 0,
             adapters_loading=cache.num_loading if cache is not None else 0,
             adapter_loads=lora.loads if lora else 0,
@@ -417,6 +421,13 @@ class LLMEngine:
             slot_waits=self.scheduler.stats.slot_waits,
             slot_hits=lora.slot_hits if lora else 0,
             slot_misses=lora.slot_misses if lora else 0,
+            lora_rows_total=self.runner.memory.lora_rows,
+            lora_rows_used=lora.rows_used if lora else 0,
+            lora_row_bytes=self.runner.lora_row_bytes,
+            lora_bytes_loaded=lora.bytes_loaded if lora else 0,
+            fill_waits=self.scheduler.stats.fill_waits,
+            cpu_cache_bytes=self.runner.memory.cpu_cache_bytes,
+            cpu_cache_bytes_used=lora.cpu_bytes if lora else 0,
             adapter_load_stalls=lora.load_stalls if lora else 0,
             slot_checks=self.slot_checksums.checks if self.slot_checksums is not None else 0,
             slot_corruptions=self.slot_checksums.mismatches if self.slot_checksums is not None else 0,

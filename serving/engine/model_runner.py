@@ -12,6 +12,7 @@ the same kernels eagerly otherwise). Longer steps run eagerly with each prompt c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
 from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
 from serving.engine.layers.lora_linear import MultiLoRALinear
-from serving.engine.lora.records import CachedAdapter
+from serving.engine.lora.records import CachedAdapter, CopyDone
+from serving.engine.memory_plan import plan_memory
 from serving.engine.models.llama import LlamaForCausalLM
 from serving.engine.sampler import SampleResult, Sampler
 from serving.engine.sequence import Sequence
@@ -46,24 +48,30 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.model = LlamaForCausalLM(
-            hf_config,
-            max_positions=max_model_len,
-            max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank,
-            device=self.device,
-            dtype=self.dtype,
-        )
+        self.model = LlamaForCausalLM(hf_config, max_positions=max_model_len, device=self.device, dtype=self.dtype)
         with torch.no_grad():
             if config.load_format == "dummy":
                 self._init_dummy_weights(config.seed)
             else:
                 self.model.load_weights(_read_safetensors(Path(config.model)))
+        attn = self.model.attention_layers()
+        kv_block_bytes = 2 * len(attn) * self.block_size * attn[0].num_kv_heads * attn[0].head_dim * self.dtype.itemsize
+        self.lora_row_bytes = sum(layer.row_elements for layer in self.model.lora_layers()) * self.dtype.itemsize
+        budget = None
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * config.gpu_memory_utilization - (total - free))
+        self.memory = plan_memory(config, kv_block_bytes=kv_block_bytes, lora_row_bytes=self.lora_row_bytes,
+                                  max_model_len=max_model_len, budget=budget)
         self.lora_modules: dict[tuple[int, str], MultiLoRALinear] = {}
         self.lora_meta: LoRAMeta | None = None
-        if config.max_loras > 0:
+        # Adapter copies run here, so the batch keeps decoding while they land (CUDA only).
+        self._copy_stream = (
+            torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        )
+        if self.memory.lora_rows > 0:
             self._init_lora(config)
-        self.num_kv_blocks = self._allocate_kv_cache(config)
+        self.num_kv_blocks = self._allocate_kv_cache(self.memory.num_kv_blocks)
         self.sampler = Sampler(self.device)
         # Read at each step, so a benchmark can compare backends and eager/graphs in one process.
         self.attention = config.attention
@@ -98,26 +106,23 @@ class ModelRunner:
                 param.uniform_(-1e-2, 1e-2, generator=generator)
 
     def _init_lora(self, config: EngineConfig) -> None:
-        self.lora_scaling = torch.zeros(config.max_loras, device=self.device, dtype=torch.float32)
-        self.lora_ranks = torch.zeros(config.max_loras, device=self.device, dtype=torch.int32)
+        slots, rows = self.memory.lora_slots, self.memory.lora_rows
+        self.lora_scaling = torch.zeros(slots, device=self.device, dtype=torch.float32)
+        self.lora_ranks = torch.zeros(slots, device=self.device, dtype=torch.int32)
+        self.lora_rows = torch.zeros(slots, device=self.device, dtype=torch.int32)
         for layer in self.model.lora_layers():
-            layer.bind_slots(self.lora_scaling, self.lora_ranks)
+            layer.allocate_rows(rows, scaling=self.lora_scaling, ranks=self.lora_ranks, rows=self.lora_rows,
+                                max_rank=config.max_lora_rank)
             for name in layer.slice_names:
                 self.lora_modules[(layer.layer_idx, name)] = layer
-        self.lora_meta = LoRAMeta(config.max_num_batched_tokens, config.max_loras, self.device)
+        self.lora_meta = LoRAMeta(config.max_num_batched_tokens, slots, self.device)
 
-    def _allocate_kv_cache(self, config: EngineConfig) -> int:
+    def lora_pools(self) -> list[torch.Tensor]:
+        """Every adapter row pool of the model (slot integrity sums them)."""
+        return [t for layer in self.model.lora_layers() for t in (*layer.lora_A, *layer.lora_B)]
+
+    def _allocate_kv_cache(self, num_blocks: int) -> int:
         attn = self.model.attention_layers()
-        per_block = 2 * len(attn) * self.block_size * attn[0].num_kv_heads * attn[0].head_dim * self.dtype.itemsize
-        enough = config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * config.gpu_memory_utilization - (total - free)
-            num_blocks = min(enough, int(budget // per_block) - 1)
-        else:
-            num_blocks = min(enough, config.cpu_kv_cache_bytes // per_block - 1)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one sequence of "
@@ -134,8 +139,10 @@ class ModelRunner:
 
     # ---- adapters -------------------------------------------------------------------------
 
-    def write_slot(self, slot: int, adapter: CachedAdapter) -> None:
-        """Copy ``adapter`` into GPU slot ``slot`` of every LoRA layer (untargeted modules zeroed)."""
+    def write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
+        """Copy ``adapter`` into rows ``row .. row + rank`` of every LoRA layer (untargeted modules
+        zeroed) and point slot table entry ``slot`` at them. On CUDA the copies are queued on the copy
+        stream and the returned event says when they have landed; on CPU they are done on return."""
         assert adapter.weights is not None
         by_layer: dict[MultiLoRALinear, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer_idx, module), pair in adapter.weights.items():
@@ -143,11 +150,17 @@ class ModelRunner:
             if layer is None:
                 raise ValueError(f"adapter {adapter.digest[:12]} has weights for unknown module {module} of layer {layer_idx}")
             by_layer.setdefault(layer, {})[module] = pair
-        with torch.no_grad():
+        stream = self._copy_stream
+        if stream is not None:
+            # The rows may still be read by work queued before (an evicted adapter's last step).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer in self.model.lora_layers():
-                layer.set_slot(slot, by_layer.get(layer, {}))
+                layer.write_rows(row, adapter.rank, by_layer.get(layer, {}))
             self.lora_scaling[slot] = adapter.scaling
             self.lora_ranks[slot] = adapter.rank
+            self.lora_rows[slot] = row
+            return stream.record_event() if stream is not None else None
 
     # ---- one step -------------------------------------------------------------------------
 

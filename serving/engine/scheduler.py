@@ -15,8 +15,11 @@ Waiting order: ``priority`` (lower first, vLLM's convention) improved by one lev
 ``priority_aging_steps`` waited, so nothing starves; among equal levels, the adapter with the fewest
 running sequences goes first (fairness between adapters: a burst for one adapter does not queue
 everyone else behind it); then arrival. A request whose adapter is still loading waits without
-holding up the others; one that needs a slot while every slot is pinned waits for one, and once it
-has waited longer than an aging period, admissions stop until the slots drain so it gets one.
+holding up the others, and so does one whose adapter is being copied into the GPU pool (on CUDA the
+copy runs beside the steps; the request is admitted in the first step after it lands). One whose
+adapter finds no room (running sequences pin the rows it would need) waits too; once it has
+waited longer than an aging period, admissions stop until running sequences finish and free room,
+so no adapter waits longer than that plus the longest running sequence's remaining tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class SchedulerStats:
     peak_waiting: int = 0
     slot_waits: int = 0
     load_waits: int = 0
+    fill_waits: int = 0
 
 
 @dataclass(order=True)
@@ -161,6 +165,10 @@ class Scheduler:
                     blocked.add(group)
                     continue
                 acquired = cache.acquire_slot(handle)
+                if acquired == "filling":
+                    self.stats.fill_waits += 1
+                    blocked.add(group)
+                    continue
                 if acquired is None:
                     self.stats.slot_waits += 1
                     if now - seq.arrival_step > self.aging:

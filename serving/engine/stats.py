@@ -17,6 +17,7 @@ class LoRAInfo:
     lora_alpha: float
     target_modules: tuple[str, ...]
     gpu_slot: int | None
+    gpu_row: int | None  # its first row in the GPU adapter pool, while resident
     in_cpu_cache: bool
     active_requests: int
     load_seconds: float
@@ -62,6 +63,15 @@ class EngineStats:
     # the GPU-slot hit rate is hits / (hits + misses). A request counts again after a preemption.
     slot_hits: int
     slot_misses: int
+    # The GPU adapter pool (docs/adapter-memory.md): its rows, those resident adapters own, one
+    # row's bytes; host-to-device bytes copied in; admissions that waited for a copy to land.
+    lora_rows_total: int
+    lora_rows_used: int
+    lora_row_bytes: int
+    lora_bytes_loaded: int
+    fill_waits: int
+    cpu_cache_bytes: int
+    cpu_cache_bytes_used: int
     # Requests that had to wait for their adapter to be read from storage (each counts once).
     adapter_load_stalls: int
     # Slot integrity: verifications run, slots found changed since written, slots rewritten.

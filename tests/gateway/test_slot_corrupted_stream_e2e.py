@@ -141,9 +141,9 @@ def test_a_stream_stopped_by_a_corrupted_slot_is_not_charged_to_the_version_agai
     def corrupt_the_slot() -> None:
         wait_for(lambda: any(seq.num_output_tokens > 0 for seq in list(engine.scheduler.running)), "decoding")
         (info,) = engine.list_loras()
-        assert info.gpu_slot is not None
+        assert info.gpu_slot is not None and info.gpu_row is not None
         with torch.no_grad():
-            next(iter(engine.runner.model.lora_layers())).lora_B[0][info.gpu_slot, 0, 0] += 0.5
+            next(iter(engine.runner.model.lora_layers())).lora_B[0][info.gpu_row, 0] += 0.5
         repaired = httpx.post(f"{url}/v1/verify_lora_slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert repaired.json()["repaired"][0]["stopped"] == 1, repaired.text
 

@@ -1,12 +1,14 @@
 """A linear layer of the base model that also adds every adapter of the batch to its output.
 
 The base weight exists once. Beside it, per output slice (q/k/v of a fused attention projection,
-gate/up of a fused MLP one, or a single slice), the layer holds preallocated slot tensors
-``A [max_loras, max_lora_rank, in]`` and ``B [max_loras, out_slice, max_lora_rank]``; loading an
-adapter is a copy into one slot (smaller ranks zero-padded, modules an adapter does not target
-left zero). The forward adds ``scaling[s] * B[s] @ A[s] @ x`` for each token's slot ``s`` through
-``kernels.lora_apply_weights`` (slot tensors validated once, at ``bind_slots``), reading the step's
-LoRA metadata from the per-step context.
+gate/up of a fused MLP one, or a single slice), the layer holds two *row pools*
+(docs/adapter-memory.md): ``A [rows, in]``, one row per rank row of some adapter's A, and
+``Bt [rows, out_slice]``, B transposed, so an adapter's rows are contiguous in both and it costs its
+own rank, not ``max_lora_rank``. An adapter resident in the pools owns rows ``row .. row + rank``
+of every slice of every layer (the model runner places it, ``write_rows``); the slot table the
+kernels index (``scaling``, ``ranks``, ``rows``, shared by all layers) says which rows each slot
+reads. The forward adds ``scaling[s] * Bt[rows_s]^T @ A[rows_s] @ x`` for each token's slot ``s``
+through ``kernels.lora_apply_weights``, reading the step's LoRA metadata from the per-step context.
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ class MultiLoRALinear(nn.Module):
         *,
         bias: bool,
         layer_idx: int,
-        max_loras: int,
-        max_lora_rank: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.in_features = in_features
         self.slice_names = [name for name, _ in slices]
         widths = [width for _, width in slices]
         self.slice_offsets = [sum(widths[:i]) for i in range(len(widths))]
@@ -43,17 +44,15 @@ class MultiLoRALinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
+        # The row pools, allocated once the model runner knows how many rows memory allows.
         self.lora_A: list[torch.Tensor] = []
-        self.lora_B: list[torch.Tensor] = []
-        if max_loras > 0:
-            for width in widths:
-                self.lora_A.append(torch.zeros(max_loras, max_lora_rank, in_features, device=device, dtype=dtype))
-                self.lora_B.append(torch.zeros(max_loras, width, max_lora_rank, device=device, dtype=dtype))
-        # Per slice and slot, the rank written last: rows and columns past it are zero.
-        self._filled_rank = [[0] * max_loras for _ in widths]
-        # The slots as the kernels take them, with the scalings and ranks every LoRA layer of the
-        # model shares: set by the model runner through bind_slots.
+        self.lora_B: list[torch.Tensor] = []  # transposed: [rows, out_slice]
         self.lora_weights: LoRAWeights | None = None
+
+    @property
+    def row_elements(self) -> int:
+        """Elements one rank row costs in this layer, every slice's A and Bt together."""
+        return len(self.slice_widths) * self.in_features + sum(self.slice_widths)
 
     def slice_of(self, name: str) -> tuple[int, int]:
         """``(offset, width)`` of slice ``name``'s rows in the fused weight."""
@@ -67,27 +66,27 @@ class MultiLoRALinear(nn.Module):
             lora_apply_weights(y, x, self.lora_weights, lora)
         return y
 
-    def bind_slots(self, scaling: torch.Tensor, ranks: torch.Tensor) -> None:
-        """Share the model's per-slot ``scaling [S]`` and ``ranks [S]`` and check the slots once."""
-        self.lora_weights = LoRAWeights(self.lora_A, self.lora_B, scaling, self.slice_offsets, ranks=ranks)
+    def allocate_rows(self, num_rows: int, *, scaling: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor,
+                      max_rank: int) -> None:
+        """Allocate ``num_rows`` zeroed rows per slice and bind the slot table the model's layers
+        share (``scaling``, ``ranks``, ``rows``: one entry per slot); the kernels check them once."""
+        device, dtype = self.weight.device, self.weight.dtype
+        self.lora_A = [torch.zeros(num_rows, self.in_features, device=device, dtype=dtype) for _ in self.slice_widths]
+        self.lora_B = [torch.zeros(num_rows, width, device=device, dtype=dtype) for width in self.slice_widths]
+        self.lora_weights = LoRAWeights(
+            self.lora_A, self.lora_B, scaling, self.slice_offsets, ranks=ranks, rows=rows, max_rank=max_rank
+        )
 
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy one adapter's ``(A [r, in], B [out, r])`` per slice name into ``slot``; zero the rest.
-
-        Only what the copy leaves uncovered is zeroed (the ranks past ``r``; a whole slice the
-        adapter does not target, unless it is zero already), so a full-rank adapter on every
-        module costs one copy per tensor: the hot-load's launches, not its bytes, dominate."""
-        for i, (name, A, B) in enumerate(zip(self.slice_names, self.lora_A, self.lora_B)):
-            if name in weights:
-                a, b = weights[name]
-                rank = a.shape[0]
-                A[slot, :rank].copy_(a, non_blocking=True)
-                B[slot, :, :rank].copy_(b, non_blocking=True)
-                if rank < A.shape[1] and self._filled_rank[i][slot] > rank:
-                    A[slot, rank:].zero_()
-                    B[slot, :, rank:].zero_()
-                self._filled_rank[i][slot] = rank
-            elif self._filled_rank[i][slot]:
-                A[slot].zero_()
-                B[slot].zero_()
-                self._filled_rank[i][slot] = 0
+    def write_rows(self, row: int, rank: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy one adapter's ``(A [rank, in], Bt [rank, out])`` per slice name into rows
+        ``row .. row + rank``; a slice the adapter does not target gets zeros there (the rows held
+        another adapter before). Copies are queued on the current stream, never waited for."""
+        end = row + rank
+        for name, A, B in zip(self.slice_names, self.lora_A, self.lora_B):
+            pair = weights.get(name)
+            if pair is None:
+                A[row:end].zero_()
+                B[row:end].zero_()
+            else:
+                A[row:end].copy_(pair[0], non_blocking=True)
+                B[row:end].copy_(pair[1], non_blocking=True)

@@ -2,12 +2,13 @@
 
 Three tiers, as S-LoRA and vLLM have them, each a part of its own:
 
-- ``max_loras`` GPU slots (``gpu_slots.SlotTable``), preallocated at ``max_lora_rank`` in every
-  LoRA layer. An adapter in a slot is pinned while any running sequence uses it; unpinned ones
-  stay resident and are evicted least-recently-used when another adapter needs the slot.
-- A CPU cache of at most ``max_cpu_loras`` adapters (``cpu_cache.CPUCache``). An entry must
-  stay while a waiting request needs it to enter a slot; loads that would overflow the cache wait
-  for room.
+- The GPU pool of adapter rows (``gpu_slots.SlotTable``): a resident adapter owns ``rank`` rows
+  of every LoRA layer and an entry of the kernels' slot table. It is pinned while any running
+  sequence uses it; unpinned ones stay resident and are evicted (idle ones first, least recently
+  used first) when another adapter needs rows. On CUDA the copy in runs on a copy stream while the
+  batch decodes; its requests are admitted once it has landed.
+- A CPU cache bounded in bytes (``cpu_cache.CPUCache``). An entry must stay while a waiting
+  request needs it to enter the GPU; loads that would overflow the cache wait for room.
 - Storage, read by ``loader.AdapterLoader`` on loader threads, off the decode path. Requests
   for an adapter being loaded wait; everything else keeps running.
 
@@ -29,7 +30,7 @@ from typing import Literal
 import torch
 
 from serving.engine.lora.cpu_cache import CPUCache
-from serving.engine.lora.gpu_slots import SlotTable
+from serving.engine.lora.gpu_slots import Grant, SlotTable, WriteRows
 from serving.engine.lora.loader import AdapterLoader
 from serving.engine.lora.reader import AdapterError, LoadedAdapter
 from serving.engine.lora.records import AdapterHandle, CachedAdapter, LoadResult, PendingLoad
@@ -55,8 +56,11 @@ class LoRACacheStats:
     slot_loads: int
     slot_evictions: int
     cpu_evictions: int
-    slot_hits: int  # admissions that found their adapter in a slot
-    slot_misses: int  # admissions that had to copy their adapter into a slot first
+    slot_hits: int  # admissions that found their adapter resident on the GPU
+    slot_misses: int  # admissions that had to copy their adapter in first
+    bytes_loaded: int  # host-to-device bytes of those copies
+    rows_used: int  # GPU pool rows resident adapters own
+    cpu_bytes: int  # bytes of the CPU cache's entries
     load_stalls: int  # requests that waited for their adapter to be read from storage
     slot_repairs: int  # slots rewritten from storage after failing their checksum
 
@@ -65,23 +69,27 @@ class LoRACache:
     def __init__(
         self,
         *,
-        max_loras: int,
-        max_cpu_loras: int,
+        num_slots: int,
+        num_rows: int,
+        cpu_cache_bytes: int,
+        max_cpu_loras: int | None,
+        row_bytes: int,
         max_lora_rank: int,
         base_config: object,
         base_model_name: str | None,
         dtype: torch.dtype,
         pin_memory: bool,
-        write_slot: Callable[[int, CachedAdapter], None],
+        write_rows: WriteRows,
         on_load_done: Callable[[], None],
     ) -> None:
-        self.max_loras = max_loras
-        self.max_cpu_loras = max_cpu_loras
+        self.num_slots = num_slots
+        self.num_rows = num_rows
         self.max_lora_rank = max_lora_rank
         self._names: dict[str, CachedAdapter] = {}
         self._by_digest: dict[str, CachedAdapter] = {}
-        self._slots = SlotTable(max_loras, write_slot)
-        self._cpu = CPUCache(max_cpu_loras)
+        self._slots = SlotTable(num_slots, num_rows, write_rows)
+        self._cpu = CPUCache(capacity_bytes=cpu_cache_bytes, entry_bytes=max_lora_rank * row_bytes,
+                             max_entries=max_cpu_loras)
         self._loader = AdapterLoader(
             base_config=base_config,
             base_model_name=base_model_name,
@@ -118,6 +126,9 @@ class LoRACache:
             cpu_evictions=self._cpu.evictions,
             slot_hits=self._slots.hits,
             slot_misses=self._slots.misses,
+            bytes_loaded=self._slots.bytes_loaded,
+            rows_used=self._slots.rows_used,
+            cpu_bytes=self._cpu.nbytes,
             load_stalls=self._load_stalls,
             slot_repairs=self._slot_repairs,
         )
@@ -126,8 +137,6 @@ class LoRACache:
 
     def resolve(self, request: LoRARequest) -> AdapterHandle:
         """The handle a new request runs with, starting the adapter's load if needed."""
-        if self.max_loras == 0:
-            raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         adapter = self._names.get(request.lora_name)
         if adapter is not None:
             if request.lora_path is not None and request.lora_path != adapter.path:
@@ -176,15 +185,16 @@ class LoRACache:
 
     # ---- GPU slots ------------------------------------------------------------------------
 
-    def acquire_slot(self, handle: AdapterHandle) -> int | None:
-        """Pin a slot holding the handle's adapter for one running sequence; None if every slot is
-        pinned. Call only once ``ready(handle)``."""
+    def acquire_slot(self, handle: AdapterHandle) -> Grant:
+        """Pin the handle's adapter on the GPU for one running sequence: its slot, ``"filling"``
+        while its copy in is in flight, None when pinned adapters leave no room. Call only once
+        ``ready(handle)``."""
         adapter = _ready_adapter(handle)
-        filled = adapter.slot is None
-        slot = self._slots.pin(adapter)
-        if slot is not None and filled:
+        placing = adapter.slot is None
+        grant = self._slots.pin(adapter)
+        if grant is not None and placing:
             self._cpu.demote(adapter)
-        return slot
+        return grant
 
     def release_slot(self, handle: AdapterHandle) -> None:
         """A running sequence stopped running (finished or preempted). It still holds its handle,
@@ -196,8 +206,6 @@ class LoRACache:
     def add(self, request: LoRARequest, *, load_inplace: bool, background: bool = False) -> Future[CachedAdapter]:
         """Load ``request`` into the CPU cache under its name; the future holds the adapter. A
         ``background`` read (a prefetch's) goes to the prefetch thread, not the request threads."""
-        if self.max_loras == 0:
-            raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
         if request.lora_path is None:
             raise AdapterError(f"adapter '{request.lora_name}' needs a path to load from")
         done: Future[CachedAdapter] = Future()
@@ -292,6 +300,10 @@ class LoRACache:
 
     def slots(self) -> list[CachedAdapter | None]:
         return self._slots.slots()
+
+    def landed(self) -> list[CachedAdapter]:
+        """Resident adapters whose rows hold their content (copies in flight excluded)."""
+        return self._slots.landed()
 
     def cpu_resident(self) -> list[CachedAdapter]:
         return self._cpu.resident()
@@ -394,6 +406,8 @@ class LoRACache:
                 target_modules=tuple(sorted(loaded.target_modules)),
                 weights=None,
                 load_seconds=result.seconds,
+                nbytes=result.nbytes,
+                checksum=result.checksum,
             )
             self._by_digest[loaded.digest] = adapter
         self._cpu.put(adapter, result.weights)

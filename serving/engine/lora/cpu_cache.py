@@ -1,9 +1,12 @@
-"""The CPU tier: at most ``capacity`` adapters' weights in host memory, least recently used first.
+"""The CPU tier: adapters' weights in host memory, least recently used first, bounded in bytes (and,
+if the operator asks, in entries).
 
-An entry's weights are already in the model's dtype (pinned on CUDA), so filling a GPU slot from
-here is one copy. Which entries may go is the caller's rule (an entry a waiting request needs to
-enter a slot must stay): ``make_room`` evicts, oldest first, only entries its predicate allows,
-and evicting an entry drops its weights (``adapter.weights = None``), so a later use re-reads it.
+An entry's weights are already as the GPU pool's rows take them (pinned on CUDA), so filling rows
+from here is one copy per tensor. Which entries may go is the caller's rule (an entry a waiting
+request needs to enter the GPU must stay): ``make_room`` evicts, oldest first, only entries its
+predicate allows, and evicting an entry drops its weights (``adapter.weights = None``), so a later
+use re-reads it. A read in flight reserves ``entry_bytes`` (the most one adapter can take), since
+its size is known only once it is in.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from serving.engine.lora.records import CachedAdapter
 
 
 class CPUCache:
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, *, capacity_bytes: int, entry_bytes: int, max_entries: int | None = None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.entry_bytes = entry_bytes
+        self.max_entries = max_entries
         self._entries: OrderedDict[str, CachedAdapter] = OrderedDict()  # digest -> adapter, LRU first
+        self.nbytes = 0
         self.evictions = 0
 
     def __contains__(self, adapter: CachedAdapter) -> bool:
@@ -32,6 +38,7 @@ class CPUCache:
         if adapter.weights is None:
             adapter.weights = weights
             self._entries[adapter.digest] = adapter
+            self.nbytes += adapter.nbytes
         self._entries.move_to_end(adapter.digest)
 
     def touch(self, adapter: CachedAdapter) -> None:
@@ -39,12 +46,12 @@ class CPUCache:
         self._entries.move_to_end(adapter.digest)
 
     def demote(self, adapter: CachedAdapter) -> None:
-        """Make ``adapter`` the first to go: once it is in a GPU slot, its CPU copy is only a backup."""
+        """Make ``adapter`` the first to go: once it is resident on the GPU, its CPU copy is only a backup."""
         self._entries.move_to_end(adapter.digest, last=False)
 
     def make_room(self, pending: int, evictable: Callable[[CachedAdapter], bool]) -> bool:
         """Whether one more entry fits beside ``pending`` reads in flight, evicting what may go."""
-        while len(self._entries) + pending >= self.capacity:
+        while self._full(pending + 1):
             victim = next((a for a in self._entries.values() if evictable(a)), None)
             if victim is None:
                 return False
@@ -53,15 +60,24 @@ class CPUCache:
 
     def evict(self, adapter: CachedAdapter) -> None:
         """Drop ``adapter``'s CPU copy to make room (counted as an eviction)."""
-        del self._entries[adapter.digest]
-        adapter.weights = None
+        self._drop(adapter)
         self.evictions += 1
 
     def discard(self, adapter: CachedAdapter) -> None:
         """Drop ``adapter``'s CPU copy because nothing uses the adapter any more (not an eviction)."""
-        self._entries.pop(adapter.digest, None)
-        adapter.weights = None
+        if adapter.digest in self._entries:
+            self._drop(adapter)
 
     def resident(self) -> list[CachedAdapter]:
         """The cached adapters, least recently used first."""
         return list(self._entries.values())
+
+    def _full(self, incoming: int) -> bool:
+        if self.max_entries is not None and len(self._entries) + incoming > self.max_entries:
+            return True
+        return bool(self._entries) and self.nbytes + incoming * self.entry_bytes > self.capacity_bytes
+
+    def _drop(self, adapter: CachedAdapter) -> None:
+        del self._entries[adapter.digest]
+        self.nbytes -= adapter.nbytes
+        adapter.weights = None

@@ -1,89 +1,188 @@
-"""The GPU tier: which adapter sits in each of the ``max_loras`` preallocated slots.
+"""The GPU tier: which adapters are resident, in which rows of the adapter row pool, under which slot.
 
-A running sequence pins its adapter's slot (``CachedAdapter.running``); a slot nobody pins keeps its
-adapter resident, so the next request for it finds it there, and is reused least-recently-used
-when another adapter needs a slot. Filling a slot is a copy (``write``, the model runner's), never
-an allocation. The table only places and counts; what may be freed is the cache's rule.
+Adapter memory is a pool of rank rows (docs/adapter-memory.md): a resident adapter owns ``rank``
+contiguous rows (``RowPool``, best fit) and one entry of the slot table the kernels index (its
+scaling, rank and first row). So a rank-8 adapter costs 8 rows where a rank-64 one costs 64, and
+how many adapters fit depends on their ranks; the slot table's size (``max_loras``) is only an upper
+bound on how many are resident at once.
+
+A running sequence pins its adapter (``CachedAdapter.running``); an adapter nobody pins stays
+resident, so the next request for it finds it there. When an adapter needs rows, resident adapters
+are evicted in this order until a run of rows fits: idle ones first (no running sequence and no
+waiting request), least recently used first, then ones that only waiting requests use; an adapter
+that running sequences pin, or whose copy is in flight, is never evicted. Nothing is evicted for a
+placement that could not succeed.
+
+Filling rows is a copy the model runner queues (``write``): on CUDA on a copy stream, so running
+sequences keep decoding meanwhile, and the copy's event says when the rows may be read; an
+adapter whose copy is in flight is ``filling`` and its requests wait (``pin`` answers
+``"filling"``). On CPU the copy is done when ``write`` returns. The table only places and counts;
+what may be freed is the cache's rule.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Collection
+from typing import Literal
 
-from serving.engine.lora.records import CachedAdapter
+from serving.engine.lora.records import CachedAdapter, CopyDone
+
+# What pinning answers: the slot, "filling" while the adapter's copy is in flight, None for no room.
+Grant = int | Literal["filling"] | None
+
+# write(slot, row, adapter): copy the adapter into its rows and table entry; None once done.
+WriteRows = Callable[[int, int, CachedAdapter], CopyDone | None]
+
+
+class RowPool:
+    """Free rows as sorted, disjoint runs ``(start, length)``; best fit, neighbours merged on free."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self._runs: list[tuple[int, int]] = [(0, num_rows)] if num_rows else []
+        self.free_rows = num_rows
+
+    def alloc(self, length: int) -> int | None:
+        """The first row of ``length`` contiguous free rows, taken from the smallest run that fits."""
+        best = None
+        for i, (_, run) in enumerate(self._runs):
+            if run >= length and (best is None or run < self._runs[best][1]):
+                best = i
+                if run == length:
+                    break
+        if best is None:
+            return None
+        start, run = self._runs[best]
+        if run == length:
+            del self._runs[best]
+        else:
+            self._runs[best] = (start + length, run - length)
+        self.free_rows -= length
+        return start
+
+    def free(self, start: int, length: int) -> None:
+        self.free_rows += length
+        i = bisect.bisect_left(self._runs, (start, 0))
+        if i > 0 and sum(self._runs[i - 1]) == start:  # merge with the run before
+            i -= 1
+            start, length = self._runs[i][0], self._runs[i][1] + length
+            del self._runs[i]
+        if i < len(self._runs) and self._runs[i][0] == start + length:  # and the run after
+            length += self._runs[i][1]
+            del self._runs[i]
+        self._runs.insert(i, (start, length))
 
 
 class SlotTable:
-    def __init__(self, num_slots: int, write: Callable[[int, CachedAdapter], None]) -> None:
+    def __init__(self, num_slots: int, num_rows: int, write: WriteRows) -> None:
         self._write = write
+        self.num_slots = num_slots
+        self.rows = RowPool(num_rows)
         self._slots: list[CachedAdapter | None] = [None] * num_slots
-        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))  # oldest first
-        self.loads = 0  # copies into a slot, whatever the reason
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest first
+        self._lru: OrderedDict[CachedAdapter, None] = OrderedDict()  # resident adapters, oldest first
+        self.loads = 0  # copies into the pool, whatever the reason
         self.evictions = 0
-        self.hits = 0  # admissions that found their adapter in a slot
+        self.hits = 0  # admissions that found their adapter resident
         self.misses = 0  # admissions that had to copy it in first
+        self.bytes_loaded = 0  # host-to-device bytes of those copies
 
-    def pin(self, adapter: CachedAdapter) -> int | None:
-        """Pin a slot holding ``adapter`` for one running sequence, filling one if it has none;
-        None when every slot is pinned."""
-        slot = adapter.slot
-        if slot is None:
-            slot = self._free_slot(lambda a: a.running == 0)
-            if slot is None:
+    @property
+    def rows_used(self) -> int:
+        return self.rows.num_rows - self.rows.free_rows
+
+    def pin(self, adapter: CachedAdapter) -> Grant:
+        """Pin ``adapter``'s slot for one running sequence, placing it first if it is not resident
+        (evicting as the module says). ``"filling"`` while its copy is in flight (ask again next
+        step); None when it cannot be placed now (pinned and in-flight adapters hold the rows)."""
+        if adapter.slot is None:
+            if self._place(adapter, self._victims(adapter, idle_only=False)) is None:
                 return None
-            self._fill(slot, adapter)
             self.misses += 1
+            adapter.fresh = True
+        if not self._filled(adapter):
+            return "filling"
+        if adapter.fresh:
+            adapter.fresh = False  # the admission that placed it was counted as the miss
         else:
             self.hits += 1
         adapter.running += 1
-        self._lru.move_to_end(slot)
-        return slot
+        self._lru.move_to_end(adapter)
+        assert adapter.slot is not None
+        return adapter.slot
 
     def unpin(self, adapter: CachedAdapter) -> None:
         """A running sequence of ``adapter`` stopped running (finished or preempted)."""
         adapter.running -= 1
 
     def place(self, adapter: CachedAdapter, keep: Collection[CachedAdapter] = ()) -> int | None:
-        """Put ``adapter`` in a slot ahead of its requests, unpinned: an empty slot, else the least
-        recently used one whose adapter is idle (no running sequence, no request waiting for it)
-        and not in ``keep`` (what the same prefetch wants in a slot too: one predicted adapter must
-        not push out another). None when there is no such slot: a prefetch never takes a pinned
-        or busy slot."""
-        slot = adapter.slot
-        if slot is None:
-            slot = self._free_slot(lambda a: a.running == 0 and a.refs == 0 and a not in keep)
-            if slot is None:
+        """Make ``adapter`` resident ahead of its requests, unpinned, evicting only idle adapters
+        (no running sequence, no waiting request) that are not in ``keep`` (what the same prefetch
+        wants resident too). None when that does not make room: a prefetch never evicts an adapter
+        in use."""
+        if adapter.slot is None:
+            victims = [a for a in self._victims(adapter, idle_only=True) if a not in keep]
+            if self._place(adapter, victims) is None:
                 return None
-            self._fill(slot, adapter)
-        self._lru.move_to_end(slot)
-        return slot
+        self._lru.move_to_end(adapter)
+        return adapter.slot
 
     def free(self, adapter: CachedAdapter) -> None:
-        """Empty ``adapter``'s slot (nothing uses it any more); the slot is the first to be reused."""
+        """Release ``adapter``'s rows and slot (nothing uses it any more)."""
         if adapter.slot is None:
             return
-        self._slots[adapter.slot] = None
-        self._lru.move_to_end(adapter.slot, last=False)
-        adapter.slot = None
+        self._release(adapter)
 
     def slots(self) -> list[CachedAdapter | None]:
         return list(self._slots)
 
-    def _free_slot(self, reusable: Callable[[CachedAdapter], bool]) -> int | None:
-        """An empty slot, else the least recently used one whose adapter is ``reusable``."""
-        slot = next((s for s in self._lru if self._slots[s] is None), None)
-        if slot is None:
-            slot = next((s for s, a in ((s, self._slots[s]) for s in self._lru) if a is not None and reusable(a)), None)
+    def landed(self) -> list[CachedAdapter]:
+        """Resident adapters whose copy in has landed (what a checksum may be compared against)."""
+        return [a for a in self._slots if a is not None and self._filled(a)]
+
+    def _filled(self, adapter: CachedAdapter) -> bool:
+        if adapter.filling is not None and adapter.filling.query():
+            adapter.filling = None
+        return adapter.filling is None
+
+    def _victims(self, adapter: CachedAdapter, *, idle_only: bool) -> list[CachedAdapter]:
+        """Resident adapters that may make room for ``adapter``, in eviction order."""
+        free = [a for a in self._lru if a is not adapter and a.running == 0 and self._filled(a)]
+        idle = [a for a in free if a.refs == 0]
+        return idle if idle_only else idle + [a for a in free if a.refs > 0]
+
+    def _place(self, adapter: CachedAdapter, victims: list[CachedAdapter]) -> int | None:
+        """Give ``adapter`` a slot and ``rank`` rows, evicting from ``victims`` in order, and start
+        its copy; None (nothing evicted) when even evicting them all would not do."""
+        need = adapter.rank
+        if len(self._free_slots) + len(victims) == 0 or self.rows.free_rows + sum(v.rank for v in victims) < need:
+            return None
+        while True:
+            if self._free_slots:
+                row = self.rows.alloc(need)
+                if row is not None:
+                    break
+            if not victims:
+                return None  # enough rows in total, but no run long enough: fragmented
+            self._release(victims.pop(0))
+            self.evictions += 1
+        slot = self._free_slots.pop()
+        assert adapter.weights is not None, "rows are filled from the adapter's CPU copy"
+        adapter.slot, adapter.row = slot, row
+        self._slots[slot] = adapter
+        self._lru[adapter] = None
+        adapter.filling = self._write(slot, row, adapter)
+        self.loads += 1
+        self.bytes_loaded += adapter.nbytes
         return slot
 
-    def _fill(self, slot: int, adapter: CachedAdapter) -> None:
-        evicted = self._slots[slot]
-        if evicted is not None:
-            evicted.slot = None
-            self.evictions += 1
-        assert adapter.weights is not None, "a slot is filled from the adapter's CPU copy"
-        self._write(slot, adapter)
-        self._slots[slot] = adapter
-        adapter.slot = slot
-        self.loads += 1
+    def _release(self, adapter: CachedAdapter) -> None:
+        assert adapter.slot is not None and adapter.row is not None
+        self.rows.free(adapter.row, adapter.rank)
+        self._slots[adapter.slot] = None
+        self._free_slots.append(adapter.slot)
+        self._lru.pop(adapter, None)
+        adapter.slot = adapter.row = None
+        adapter.fresh = False

@@ -1,52 +1,80 @@
-"""Slot integrity (docs/resilience.md, "Slot integrity"): is what a GPU slot holds still what was
-copied in?
+"""Slot integrity (docs/resilience.md, "Slot integrity"): do a resident adapter's rows still hold
+what was copied in?
 
-A slot's weights sit in device memory for hours; a stray write (a kernel bug, a bad copy, faulty
-memory) would silently change what one tenant's requests get. So each slot's content is summed
-when it is written and can be summed again later: a difference means the slot no longer holds its
-adapter. The sum is over the raw bits, each slot tensor viewed as integers of its width and added
-in int64: exact and order-independent (a float sum could round a one-bit change away, and its
-result would depend on the reduction order), and any single changed element changes it.
+An adapter's rows sit in device memory for hours; a stray write (a kernel bug, a bad copy, faulty
+memory) would silently change what one tenant's requests get. So each adapter's content is summed
+once, on the loader thread, from the CPU copy its rows are filled from, and the rows can be summed
+again on the device later: a difference means they no longer hold the adapter. The sum is over the
+raw bits, each tensor viewed as integers of its width and added in int64 (``raw_sum``): exact and
+order-independent (a float sum could round a one-bit change away, and its result would depend on
+the reduction order), and any single changed element changes it. Rows of a slice the adapter does
+not target hold zeros, which add nothing, so the CPU copy's sum is the rows' sum. The slot table's
+entry (scaling, rank, first row) is checked beside the rows.
 
-Recording runs on the device and never synchronises: it is one small reduction per slot tensor
-queued after the slot copy, so the hot-load path waits for nothing. Verifying compares every slot
-at once and reads one boolean per slot back (one synchronisation), so it runs between steps, on
-demand or periodically, never inside a decode step.
+Recording costs nothing on the device (the expected sums are host integers), so the hot-load path
+waits for nothing. Verifying sums every pool row once, adds each slot's run of rows and reads the
+sums back (one synchronisation), so it runs between steps, on demand or periodically, never inside
+a decode step.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def raw_sum(tensor: torch.Tensor) -> int:
+    """The sum of ``tensor``'s elements' raw bits, as signed integers of their width (host int)."""
+    return int(tensor.contiguous().view(_INT_OF_WIDTH[tensor.element_size()]).sum(dtype=torch.int64).item())
+
+
+def _entry_sum(scaling: float, rank: int, row: int) -> int:
+    """What a slot table entry adds to its slot's sum: the fp32 scaling's bits, the rank, the row."""
+    bits: int = struct.unpack("<i", struct.pack("<f", scaling))[0]
+    return bits + rank + row
+
+
 class SlotChecksums:
-    def __init__(self, tensors: list[torch.Tensor], num_slots: int) -> None:
-        """``tensors``: every per-slot tensor of the model (first dimension: the slot), contiguous."""
-        self._tensors = [t.view(_INT_OF_WIDTH[t.element_size()]) for t in tensors]
-        device = tensors[0].device if tensors else torch.device("cpu")
-        self._expected = torch.zeros(num_slots, dtype=torch.int64, device=device)
+    def __init__(self, pools: list[torch.Tensor], scaling: torch.Tensor, ranks: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+        """``pools``: every row pool of the model (first dimension: the row), contiguous;
+        ``scaling`` (fp32), ``ranks`` and ``rows`` (int32): the slot table, one entry per slot."""
+        self._pools = [t.view(_INT_OF_WIDTH[t.element_size()]) for t in pools]
+        self._scaling_bits = scaling.view(torch.int32)
+        self._ranks, self._rows = ranks, rows
+        self._expected: dict[int, int] = {}
         self.checks = 0
         self.mismatches = 0
 
-    def record(self, slot: int) -> None:
-        """Remember ``slot``'s sum as written just now (queued on the device, no synchronisation)."""
-        total = torch.zeros((), dtype=torch.int64, device=self._expected.device)
-        for t in self._tensors:
-            total += t[slot].sum(dtype=torch.int64)
-        self._expected[slot] = total
+    def record(self, slot: int, *, content: int, scaling: float, rank: int, row: int) -> None:
+        """Remember what ``slot`` holds once its copy lands: rows whose raw-bit sum is ``content``
+        (``raw_sum`` of the CPU copy) and its table entry."""
+        self._expected[slot] = content + _entry_sum(scaling, rank, row)
 
-    def mismatched(self, slots: list[int]) -> list[int]:
-        """Which of ``slots`` (those holding an adapter) no longer sum to what they were written with."""
+    def forget(self, slot: int) -> None:
+        self._expected.pop(slot, None)
+
+    def mismatched(self, placed: list[tuple[int, int, int]]) -> list[int]:
+        """Which of ``placed`` (``(slot, row, rank)`` of each resident adapter) no longer sum to what
+        they were written with."""
         self.checks += 1
-        if not slots:
+        if not placed or not self._pools:
             return []
-        actual = torch.zeros_like(self._expected)
-        for t in self._tensors:
-            actual += t.reshape(t.shape[0], -1).sum(dim=1, dtype=torch.int64)
-        differs = (actual != self._expected).tolist()
-        bad = [slot for slot in slots if differs[slot]]
+        device = self._pools[0].device
+        row_sums = torch.zeros(self._pools[0].shape[0], dtype=torch.int64, device=device)
+        for t in self._pools:
+            row_sums += t.reshape(t.shape[0], -1).sum(dim=1, dtype=torch.int64)
+        # Each slot's run of rows, as a difference of the running sum (its first row's prefix excluded).
+        prefix = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(row_sums, 0)])
+        slots = torch.tensor([s for s, _, _ in placed], dtype=torch.long, device=device)
+        starts = torch.tensor([r for _, r, _ in placed], dtype=torch.long, device=device)
+        ends = starts + torch.tensor([n for _, _, n in placed], dtype=torch.long, device=device)
+        actual = prefix[ends] - prefix[starts]
+        actual += self._scaling_bits[slots].long() + self._ranks[slots].long() + self._rows[slots].long()
+        bad = [slot for (slot, _, _), value in zip(placed, actual.tolist()) if value != self._expected[slot]]
         self.mismatches += len(bad)
         return bad
 

@@ -25,6 +25,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
+from serving.engine.lora.integrity import raw_sum
 from serving.engine.lora.reader import LoadedAdapter, Weights, load_adapter
 from serving.engine.lora.records import LoadResult, PendingLoad
 
@@ -120,9 +121,13 @@ class AdapterLoader:
             base_model_name=self._base_model_name,
         )
         weights: Weights = {}
+        nbytes = checksum = 0
         for key, (a, b) in loaded.weights.items():
-            a, b = a.to(self._dtype).contiguous(), b.to(self._dtype).contiguous()
+            # B transposed: the pool keeps an adapter's B as contiguous rows, one per rank index.
+            a, b = a.to(self._dtype).contiguous(), b.to(self._dtype).t().contiguous()
             if self._pin:
                 a, b = a.pin_memory(), b.pin_memory()
             weights[key] = (a, b)
-        return LoadResult(loaded, weights, time.perf_counter() - start)
+            nbytes += a.nbytes + b.nbytes
+            checksum += raw_sum(a) + raw_sum(b)
+        return LoadResult(loaded, weights, time.perf_counter() - start, nbytes, checksum)

@@ -23,20 +23,17 @@ that names no base is accepted: the shape check still guards against a wrong bas
 from __future__ import annotations
 
 import math
-import os
 import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import unquote, urlparse
 
-import torch
 from botocore.exceptions import BotoCoreError, ClientError
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from serving.engine.lora.artifact import (
     ADAPTER_CONFIG_NAME,
@@ -48,6 +45,13 @@ from serving.engine.lora.artifact import (
 )
 from serving.wire.errors import ServiceError
 from serving.wire.s3 import S3Storage
+from serving.wire.settings import platform_settings
+
+# torch is imported where tensors are read (load_adapter), not here: the web process imports this
+# module for validate_adapter_dir (the upload check), which reads only the safetensors header, and
+# torch would cost every web process seconds of start-up (tests/test_import_graph.py holds it).
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SUPPORTED_MODULES",
@@ -65,8 +69,9 @@ SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-_DTYPE_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
-                torch.float64: "F64"}
+# Keyed by str(torch.dtype), so that this table needs no torch at import.
+_DTYPE_CODES = {"torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32",
+                "torch.float64": "F64"}
 _FLOAT_DTYPES = set(_DTYPE_CODES.values())
 # PEFT's save_pretrained names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _LORA_KEY = re.compile(
@@ -77,7 +82,7 @@ _ANY_LORA_KEY = re.compile(r"(?:^|\.)(?P<module>\w+)\.lora_\w+")
 
 # (layer index, module name) -> (A[r, in], B[out, r]): fp32 as read, the model's dtype once the
 # loader has converted them for a slot copy.
-Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+Weights: TypeAlias = "dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]"
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,8 @@ def validate_adapter_dir(
     _check_base_model(base_name, base_model_name)
     weights_path = _weights_path(adapter_dir)
     try:
-        with safe_open(weights_path, framework="pt") as reader:
+        # The header only (names, shapes, dtypes): numpy's framework reads it without torch.
+        with safe_open(weights_path, framework="numpy") as reader:
             header = {name: reader.get_slice(name) for name in reader.keys()}
             layout = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in header.items()}
     except Exception as exc:  # safetensors raises its own error types for every malformed file
@@ -200,6 +206,9 @@ def load_adapter(
 
     `source`: a local directory, `file://` URI or `s3://bucket/prefix`. Raises AdapterError.
     """
+    import torch
+    from safetensors.torch import load_file
+
     with _local_copy(source) as adapter_dir:
         spec = validate_adapter_dir(
             adapter_dir,
@@ -334,7 +343,7 @@ def _weights_path(adapter_dir: Path) -> Path:
 
 
 def _dtype_code(dtype: torch.dtype) -> str:
-    return _DTYPE_CODES.get(dtype, str(dtype))
+    return _DTYPE_CODES.get(str(dtype), str(dtype))
 
 
 def _check_layout(
@@ -410,7 +419,7 @@ def download_s3_prefix(uri: str, dest_dir: Path) -> Path:
     is fetched. Uses `S3_ENDPOINT_URL` when set; credentials come from boto3's usual sources.
     """
     try:
-        storage, prefix = S3Storage.at(uri, endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
+        storage, prefix = S3Storage.at(uri, endpoint_url=platform_settings().s3_endpoint_url)
     except ServiceError as exc:
         raise AdapterError(f"{uri} does not name an adapter artifact: {exc.message}") from None
     dest_dir = Path(dest_dir)

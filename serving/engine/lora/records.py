@@ -14,8 +14,15 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from serving.engine.lora.reader import LoadedAdapter, Weights
+
+
+class CopyDone(Protocol):
+    """A copy into the GPU pool still in flight (a CUDA event): done once ``query()`` is true."""
+
+    def query(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -24,7 +31,11 @@ class CachedAdapter:
 
     It stays alive while anything holds it: a name (``names``), a request (``handles``) or a
     re-read in flight (``reload``); the cache frees its slot and CPU copy when the last one goes.
-    A running sequence pins its slot (``running``) and always holds a handle too."""
+    A running sequence pins its slot (``running``) and always holds a handle too.
+
+    ``weights`` is the CPU copy as the GPU pool's rows take it (``A [rank, in]``, ``B`` transposed
+    ``[rank, out]``, the model's dtype, pinned on CUDA); ``nbytes`` its size and ``checksum`` the
+    sum of its raw bits (slot integrity compares the rows against it)."""
 
     digest: str
     path: str
@@ -34,8 +45,13 @@ class CachedAdapter:
     target_modules: tuple[str, ...]
     weights: Weights | None
     load_seconds: float
+    nbytes: int = 0
+    checksum: int = 0
     names: set[str] = field(default_factory=set)
-    slot: int | None = None
+    slot: int | None = None  # its entry in the kernels' slot table, while resident
+    row: int | None = None  # its first row in the GPU pool, while resident
+    filling: CopyDone | None = None  # its copy into the pool, while in flight
+    fresh: bool = False  # placed for a waiting request that has not been admitted yet
     handles: set[AdapterHandle] = field(default_factory=set)  # unfinished requests that use it
     running: int = 0  # running sequences: they pin the slot
     reload: PendingLoad | None = None
@@ -67,11 +83,14 @@ class AdapterHandle:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """A finished read: the validated adapter, its weights ready for a slot copy, and how long it took."""
+    """A finished read: the validated adapter, its weights ready for the pool's rows (their bytes and
+    raw-bit checksum), and how long it took."""
 
     loaded: LoadedAdapter
     weights: Weights
     seconds: float
+    nbytes: int
+    checksum: int
 
 
 @dataclass(eq=False)

@@ -52,10 +52,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class LoRASlots(TypedDict):
-    """What every multi-LoRA projection of the model is built with (passed down as keywords)."""
+    """What every multi-LoRA projection of the model is built with (passed down as keywords); the
+    adapter row pools come later (``MultiLoRALinear.allocate_rows``)."""
 
-    max_loras: int
-    max_lora_rank: int
     device: torch.device
     dtype: torch.dtype
 
@@ -157,8 +156,6 @@ class LlamaForCausalLM(nn.Module):
         config: PretrainedConfig,
         *,
         max_positions: int,
-        max_loras: int,
-        max_lora_rank: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
@@ -168,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
                 f"model_type {config.model_type!r} is not supported; the engine serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.config = config
-        lora = LoRASlots(max_loras=max_loras, max_lora_rank=max_lora_rank, device=device, dtype=dtype)
+        lora = LoRASlots(device=device, dtype=dtype)
         self.model = Backbone(config, max_positions, **lora)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:

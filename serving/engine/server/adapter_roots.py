@@ -18,9 +18,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from serving.engine.lora.artifact import AdapterError
+from serving.wire.settings import platform_settings
 
-# What `STORAGE_URL` means when the worker's environment has none: the platform's default
-# (lora_platform/settings.py), `var/storage` under `LORAPLEX_VAR_DIR` or the project directory.
+# Relative local roots are taken from the project directory (as the platform's storage URL is).
 PROJECT_DIR = Path(__file__).resolve().parents[3]
 
 
@@ -41,9 +41,9 @@ class _S3Root:
 
 
 def platform_storage_url() -> str:
-    """The platform's storage as the web app sees it: `$STORAGE_URL`, else its default."""
-    var_dir = Path(os.environ.get("LORAPLEX_VAR_DIR") or PROJECT_DIR / "var")
-    return os.environ.get("STORAGE_URL") or f"file://{var_dir / 'storage'}"
+    """The platform's storage as the web app sees it: STORAGE_URL, else its default (the settings',
+    serving.wire.settings)."""
+    return platform_settings().storage_url
 
 
 def _local(location: str) -> Path | None:

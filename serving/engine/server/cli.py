@@ -3,7 +3,7 @@ command over); flags vLLM does not have are the worker's own (registry sync, sel
 admission bound, shutdown grace period, adapter roots, request body bound).
 
     python -m serving.engine.server --model PATH [--host 127.0.0.1] [--port 8100]
-        [--max-loras N] [--max-cpu-loras N] [--max-lora-rank R] [--lora-modules name=path …]
+        [--max-loras N] [--max-cpu-loras N] [--max-lora-rank R] [--lora-memory-bytes B] [--lora-modules name=path …]
         [--registry-url URL --registry-token T] [--api-key K]
 """
 
@@ -33,9 +33,12 @@ class ServerArgs:
     port: int = 8100
     served_model_name: list[str] = field(default_factory=list)
     api_key: str | None = None
-    max_loras: int = 4
+    max_loras: int | None = None
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    lora_memory_bytes: int | None = None
+    lora_memory_fraction: float = 0.2
+    cpu_lora_cache_bytes: int | None = None
     lora_modules: list[LoRAModule] = field(default_factory=list)
     allowed_adapter_path: list[str] = field(default_factory=list)
     trust_request_chat_template: bool = False
@@ -128,9 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $SERVING_WORKER_API_KEY; unset: open, and no caller is the operator)",
     )
     lora = p.add_argument_group("LoRA")
-    lora.add_argument("--max-loras", type=int, default=4, help="GPU adapter slots")
-    lora.add_argument("--max-cpu-loras", type=int, default=None, help="CPU adapter cache size (default: --max-loras)")
+    lora.add_argument(
+        "--max-loras", type=int, default=None,
+        help="at most this many adapters resident on the GPU at once (default: as many as the adapter memory "
+        "holds); alone, it also sizes that memory to this many adapters of --max-lora-rank; 0 turns LoRA off",
+    )
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="at most this many adapters in the CPU cache")
     lora.add_argument("--max-lora-rank", type=int, default=16)
+    lora.add_argument(
+        "--lora-memory-bytes", type=_positive(int), default=None,
+        help="GPU bytes for adapters (default: what the KV cache leaves, at least --lora-memory-fraction)",
+    )
+    lora.add_argument(
+        "--lora-memory-fraction", type=float, default=0.2,
+        help="share of the memory budget adapters get at least, by default (docs/adapter-memory.md)",
+    )
+    lora.add_argument(
+        "--cpu-lora-cache-bytes", type=_positive(int), default=None,
+        help="host bytes for the CPU adapter cache (default: twice the GPU adapter memory, at most 1/4 of RAM)",
+    )
     lora.add_argument(
         "--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH", help="adapters to load at start"
     )

@@ -6,8 +6,9 @@ parameters checked against the context, admission, the engine's cumulative outpu
 deltas, latency metrics, and abort when the client leaves.
 
 A request's whole life is one async generator (`Generation._lifetime`), so how it ended is decided
-and recorded once, in that generator's `finally` (loraplex_requests_total): an error raised on
-the way names the status, the engine's last output names it otherwise, and a request closed or
+and recorded once, in that generator's `finally` (loraplex_requests_total, and the request's access
+line: model, outcome, tokens, the completion's id beside the gateway's request id): an error raised
+on the way names the status, the engine's last output names it otherwise, and a request closed or
 cancelled before the engine finished it was aborted.
 
 The first delta is awaited before any response is sent, so errors the engine raises at the start
@@ -44,6 +45,7 @@ from serving.engine.server.errors import APIError, bad_request, model_not_found,
 from serving.engine.server.on_demand import ensure_loaded
 from serving.engine.server.protocol import SamplingFields, UsageInfo
 from serving.engine.server.worker import Worker
+from serving.wire.access_log import access_note
 from serving.wire.registry import SLOT_CORRUPTED
 
 T = TypeVar("T")
@@ -286,6 +288,8 @@ class Generation:
                 worker.metrics.generation_tokens.labels(job.model).inc(self.usage.completion_tokens)
                 worker.release(self.request_id)
             worker.metrics.requests.labels(job.model, status).inc()
+            access_note(model=job.model, outcome=status, prompt_tokens=self.usage.prompt_tokens,
+                        completion_tokens=self.usage.completion_tokens, completion_id=self.request_id)
 
     async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         """The engine's first output, as the HTTP error for what prevents one."""

@@ -127,11 +127,45 @@ class _EngineCollector(_StatsCollector[EngineStats]):
             resident.add_metric([adapter.name, "gpu"], 0.0 if adapter.gpu_slot is None else 1.0)
             resident.add_metric([adapter.name, "cpu"], 1.0 if adapter.in_cpu_cache else 0.0)
         yield resident
-        yield GaugeMetricFamily("loraplex_lora_slots_total", "GPU adapter slots (max_loras).", value=stats.max_loras)
+        yield GaugeMetricFamily(
+            "loraplex_lora_slots_total", "Adapters that may be resident on the GPU at once (max_loras).",
+            value=stats.max_loras,
+        )
         yield GaugeMetricFamily(
             "loraplex_lora_slots_used",
-            "GPU adapter slots holding an adapter.",
+            "Adapters resident on the GPU.",
             value=sum(1 for slot in stats.gpu_slots if slot is not None),
+        )
+        yield GaugeMetricFamily(
+            "loraplex_lora_memory_bytes", "GPU bytes of the adapter row pool.",
+            value=stats.lora_rows_total * stats.lora_row_bytes,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_lora_memory_used_bytes", "GPU bytes of the pool's rows that resident adapters own.",
+            value=stats.lora_rows_used * stats.lora_row_bytes,
+        )
+        yield GaugeMetricFamily("loraplex_lora_cpu_cache_bytes", "Host bytes the CPU adapter cache may hold.",
+                                value=stats.cpu_cache_bytes)  # fmt: skip
+        yield GaugeMetricFamily("loraplex_lora_cpu_cache_used_bytes", "Host bytes of the CPU adapter cache's entries.",
+                                value=stats.cpu_cache_bytes_used)  # fmt: skip
+        yield CounterMetricFamily(
+            "loraplex_lora_bytes_loaded", "Host-to-GPU bytes copied into the adapter pool.",
+            value=stats.lora_bytes_loaded,
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_slot_loads", "Adapters copied into the GPU pool.", value=stats.slot_loads
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_slot_evictions", "Resident adapters evicted from the GPU pool to make room.",
+            value=stats.slot_evictions,
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_cpu_evictions", "Adapters dropped from the CPU cache to make room.",
+            value=stats.cpu_evictions,
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_fill_waits", "Admissions deferred while their adapter's copy into the GPU landed.",
+            value=stats.fill_waits,
         )
         loads = SummaryMetricFamily(
             "loraplex_lora_load_seconds",

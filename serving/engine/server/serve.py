@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import logging.config
 import math
 import signal
 import sys
@@ -22,7 +23,10 @@ from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs, parse_args
 from serving.engine.server.worker import Worker
 from serving.http_guard import guarded_h11_protocol
+from serving.wire.access_log import AccessLog
+from serving.wire.logs import logging_config
 from serving.wire.registry import WORKER_KEEP_ALIVE_S
+from serving.wire.settings import platform_settings
 
 # The engine thread and the event loop share the GIL: the engine releases it around each CUDA call
 # and must take it back from a loop busy streaming tokens, and at CPython's default 5 ms switch
@@ -33,6 +37,8 @@ _SWITCH_INTERVAL_S = 0.0005
 # Beyond the drain's grace period, how long uvicorn waits for responses to finish before it
 # cancels them: only a response that ignores the abort would ever need it.
 _BACKSTOP_S = 5.0
+# Probes and scrapes: their access lines are DEBUG (serving.wire.access_log).
+_QUIET_PATHS = ("/health", "/metrics")
 
 
 class _WorkerServer(uvicorn.Server):
@@ -65,15 +71,20 @@ class _WorkerServer(uvicorn.Server):
 
 
 def uvicorn_config(worker: Worker, args: ServerArgs) -> uvicorn.Config:
-    """The worker's HTTP server: its app, address, logging, shutdown backstop, keep-alive, header
-    timeout and per-client connection cap (serving.http_guard)."""
+    """The worker's HTTP server: its app behind the access log (one line per request, with the
+    gateway's X-Request-ID), address, logging, shutdown backstop, keep-alive, header timeout and
+    per-client connection cap (serving.http_guard)."""
     return uvicorn.Config(
-        build_app(worker),
+        AccessLog(build_app(worker), logger="serving.engine.server.access", quiet=_QUIET_PATHS),
         host=args.host,
         port=args.port,
         http=guarded_h11_protocol(header_timeout_s=args.header_timeout,
                                   max_connections_per_client=args.max_connections_per_client),
         log_level=args.uvicorn_log_level,
+        # The process's logging is set up already (main); uvicorn's own configuration would give its
+        # loggers handlers and a format of their own, and its access lines would repeat AccessLog's.
+        log_config=None,
+        access_log=False,
         # uvicorn takes whole seconds; rounding up only lengthens the backstop.
         timeout_graceful_shutdown=math.ceil(args.timeout_graceful_shutdown + _BACKSTOP_S),
         timeout_keep_alive=WORKER_KEEP_ALIVE_S,
@@ -94,10 +105,10 @@ def serve(args: ServerArgs) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.uvicorn_log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
+        # The platform's one log setup (LOG_FORMAT, LOG_LEVEL); --uvicorn-log-level is uvicorn's own.
+        settings = platform_settings()
+        logging.config.dictConfig(logging_config(settings.log_format, settings.log_level))
         return serve(args)
     except ValueError as exc:  # a setting the engine refuses, before anything started
         print(f"error: {exc}", file=sys.stderr)

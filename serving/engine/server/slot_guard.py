@@ -13,9 +13,9 @@ only process that knows, it already has the Redis the breakers live in (``--redi
 registration), and the breaker's one Lua script (``serving.wire.breakers``, the Django-free layer
 both sides import; the engine never imports the gateway) is what the gateway calls too, so a
 corruption counts exactly as one failed call of that version, in every gateway process at once.
-The thresholds come from the same ``GATEWAY_BREAKER_*`` variables, read by the same
-``BreakerConfig.from_environ`` the web process's settings call. Names that are not registry
-versions have no breaker.
+The thresholds are the platform settings' one instance (``serving.wire.settings``, the
+``GATEWAY_BREAKER_*`` variables), which the web process's settings hold too. Names that are not
+registry versions have no breaker.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from prometheus_client import Counter
 
 from serving.engine.async_engine import AsyncEngine, EngineDeadError
 from serving.engine.stats import SlotRepair
-from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome
+from serving.wire.breakers import CircuitBreakers, Outcome
 from serving.wire.names import in_registry_form
 from serving.wire.redis_guard import RedisGuard
+from serving.wire.settings import platform_settings
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class SlotGuard:
         self._breakers: CircuitBreakers | None = None
         if redis_url:
             self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-            self._breakers = CircuitBreakers(self._redis, BreakerConfig.from_environ(), guard=RedisGuard())
+            self._breakers = CircuitBreakers(self._redis, platform_settings().breakers, guard=RedisGuard())
         self._breaker_failures = breaker_failures
 
     async def verify(self) -> list[SlotRepair]:

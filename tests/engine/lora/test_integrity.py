@@ -15,7 +15,7 @@ import torch
 from peft_reference import PeftReference, assert_greedy_match
 
 from serving.engine import LLM, LoRARequest, RequestOutput, SamplingParams
-from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
+from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError, raw_sum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,13 +39,13 @@ def test_a_slot_written_in_place_is_detected_and_repaired_from_storage(
     assert_greedy_match(first.outputs[0].token_ids, want, "before")
     assert engine.verify_slots() == [], "a slot as written passes"
     (info,) = engine.list_loras()
-    assert info.gpu_slot is not None
+    assert info.gpu_slot is not None and info.gpu_row is not None
     slot = info.gpu_slot
 
-    # A stray write into the slot: one element of one layer's A, in place.
+    # A stray write into the adapter's rows: one element of one layer's A, in place.
     layer = next(iter(engine.runner.model.lora_layers()))
     with torch.no_grad():
-        layer.lora_A[0][slot, 0, 0] += 0.25
+        layer.lora_A[0][info.gpu_row, 0] += 0.25
     loads = engine.stats().adapter_loads
 
     (repair,) = engine.verify_slots()
@@ -104,7 +104,7 @@ def test_what_runs_on_a_corrupted_slot_is_stopped_before_the_slot_is_rewritten(
     emitted = len(outputs["decoding"].outputs[0].token_ids)
 
     with torch.no_grad():
-        next(iter(engine.runner.model.lora_layers())).lora_B[0][0, 1, 1] += 1.0
+        next(iter(engine.runner.model.lora_layers())).lora_B[0][engine.list_loras()[0].gpu_row + 1, 1] += 1.0
     (repair,) = engine.verify_slots()
     assert (repair.slot, repair.names, repair.stopped) == (0, ("tuned",), 1)
     stats = engine.stats()
@@ -148,7 +148,7 @@ def test_a_sequence_waiting_again_after_a_preemption_is_stopped_too(
     (seq,) = engine.scheduler.running
     engine.scheduler.requeue(seq)  # what a preemption under KV pressure leaves: waiting, with its tokens
     with torch.no_grad():
-        next(iter(engine.runner.model.lora_layers())).lora_A[0][0, 2, 3] -= 1.0
+        next(iter(engine.runner.model.lora_layers())).lora_A[0][engine.list_loras()[0].gpu_row + 2, 3] -= 1.0
     (repair,) = engine.verify_slots()
     assert repair.stopped == 1
     (output,) = engine.step()
@@ -179,22 +179,35 @@ _DEVICES = [
 
 
 @pytest.mark.parametrize("device", _DEVICES)
-def test_a_one_bit_change_is_seen_and_recording_never_synchronises(device: str) -> None:
+def test_a_one_bit_change_is_seen_in_its_adapters_rows_and_recording_never_synchronises(device: str) -> None:
     """The sum is over bits: flipping the lowest bit of one bf16 element (a change a float sum would
-    round away) is seen in that slot only. On CUDA, recording runs under sync-debug "error"."""
-    tensors = [torch.randn(4, 16, 64, dtype=torch.bfloat16, device=device) * 100,
-               torch.rand(4, device=device), torch.arange(4, dtype=torch.int32, device=device)]
-    sums = SlotChecksums(tensors, num_slots=4)
-    if device == "cuda":
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        for slot in range(4):
-            sums.record(slot)
-    finally:
+    round away) is seen in the adapter whose rows hold it, and only there. Expected sums come from
+    the CPU copies (``raw_sum``), so on CUDA recording runs under sync-debug "error"."""
+    pools = [torch.zeros(32, 64, dtype=torch.bfloat16, device=device), torch.zeros(32, 8, dtype=torch.bfloat16, device=device)]
+    scaling = torch.zeros(4, device=device)
+    ranks = torch.zeros(4, dtype=torch.int32, device=device)
+    rows = torch.zeros(4, dtype=torch.int32, device=device)
+    sums = SlotChecksums(pools, scaling, ranks, rows)
+    placed = [(0, 0, 8), (1, 20, 4), (2, 8, 12)]  # (slot, first row, rank): not in row order
+    for slot, row, rank in placed:
+        content = [torch.randn(rank, t.shape[1], dtype=torch.bfloat16) * 100 for t in pools]
+        for pool, part in zip(pools, content):
+            pool[row:row + rank] = part.to(device)
+        scaling[slot], ranks[slot], rows[slot] = 0.5 * (slot + 1), rank, row
         if device == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
-    assert sums.mismatched([0, 1, 2, 3]) == []
-    bits = tensors[0].view(torch.int16)
-    bits[2, 3, 5] ^= 1
-    assert sums.mismatched([0, 1, 2, 3]) == [2]
-    assert sums.mismatched([0, 1, 3]) == [], "only occupied slots are judged"
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            sums.record(slot, content=sum(raw_sum(part) for part in content), scaling=0.5 * (slot + 1), rank=rank,
+                        row=row)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    assert sums.mismatched(placed) == []
+    pools[1].view(torch.int16)[10, 5] ^= 1  # row 10 is slot 2's (rows 8..19)
+    assert sums.mismatched(placed) == [2]
+    assert sums.mismatched(placed[:2]) == [], "only the adapters named are judged"
+    pools[1].view(torch.int16)[10, 5] ^= 1
+    pools[0][30, 0] = 1.0  # a free row: no adapter reads it
+    assert sums.mismatched(placed) == []
+    ranks[1] = 3  # the table entry is checked too
+    assert sums.mismatched(placed) == [1]

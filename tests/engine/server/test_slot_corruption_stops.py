@@ -57,9 +57,9 @@ def test_requests_decoding_on_a_corrupted_slot_are_stopped_with_an_error(
             _wait(lambda: len(running := list(engine.scheduler.running)) == 2
                   and all(seq.num_output_tokens > 0 for seq in running), "both requests to decode")
             (info,) = engine.list_loras()
-            assert info.gpu_slot is not None
+            assert info.gpu_slot is not None and info.gpu_row is not None
             with torch.no_grad():
-                next(iter(engine.runner.model.lora_layers())).lora_B[0][info.gpu_slot, 0, 0] += 0.5
+                next(iter(engine.runner.model.lora_layers())).lora_B[0][info.gpu_row, 0] += 0.5
 
             reply = httpx.post(f"{url}/v1/verify_lora_slots", timeout=60)
             assert reply.json() == {"repaired": [{"slot": info.gpu_slot, "digest": info.digest, "names": [NAME], "stopped": 2}]}

@@ -79,9 +79,9 @@ def test_a_corrupted_slot_is_detected_repaired_and_counted_on_the_breaker(
         assert worker.engine is not None
         engine = worker.engine.engine
         (info,) = engine.list_loras()
-        assert info.gpu_slot is not None
+        assert info.gpu_slot is not None and info.gpu_row is not None
         layer = next(iter(engine.runner.model.lora_layers()))
-        layer.lora_B[0][info.gpu_slot, 0, 0] += 0.5  # a stray write into the slot
+        layer.lora_B[0][info.gpu_row, 0] += 0.5  # a stray write into the slot
 
         assert client.post("/v1/verify_lora_slots").status_code == 401, "the operator's key is needed"
         reply = client.post("/v1/verify_lora_slots", headers=AUTH)
@@ -113,8 +113,8 @@ def test_the_periodic_check_finds_a_corrupted_slot_by_itself(
         assert worker.engine is not None
         engine = worker.engine.engine
         (info,) = engine.list_loras()
-        assert info.gpu_slot is not None
-        next(iter(engine.runner.model.lora_layers())).lora_A[0][info.gpu_slot, 1, 2] -= 0.5
+        assert info.gpu_slot is not None and info.gpu_row is not None
+        next(iter(engine.runner.model.lora_layers())).lora_A[0][info.gpu_row + 1, 2] -= 0.5
 
         _wait(lambda: _metric(client, "loraplex_lora_slot_repairs_total") == 1, "the periodic check to repair it")
         assert _metric(client, "loraplex_lora_slot_corruptions_total") == 1

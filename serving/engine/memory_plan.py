@@ -1,0 +1,83 @@
+"""How the engine's memory is shared between the paged KV cache and the adapter row pool.
+
+The policy (docs/adapter-memory.md), in the order it is applied:
+
+1. The KV cache never needs more than ``max_num_seqs`` sequences of ``max_model_len`` tokens; an
+   explicit ``num_kv_blocks`` fixes it.
+2. The adapter pool is what the operator asked for: ``lora_memory_bytes``, or, with only
+   ``max_loras`` given, what ``max_loras`` adapters of ``max_lora_rank`` cost (fixed slots' memory).
+3. Otherwise, on CUDA, adapters get what the KV cache leaves of the ``gpu_memory_utilization``
+   budget once the KV cache has taken at most ``1 - lora_memory_fraction`` of it: all that the KV
+   cache cannot use when sequences are short, and at least ``lora_memory_fraction`` when they are
+   long. On CPU they get ``cpu_lora_memory_bytes``.
+4. The slot table holds ``max_loras`` entries when given (an upper bound on resident adapters),
+   else one per ``min(8, max_lora_rank)`` rows: rank-8 adapters and larger fill the pool.
+
+The CPU cache defaults to twice the GPU pool's bytes (``max_cpu_loras`` entries instead, when the
+operator counts them), at most a quarter of the host's memory; ``cpu_lora_cache_bytes`` fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from serving.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    num_kv_blocks: int
+    lora_rows: int  # rows of the adapter pool (0: LoRA off)
+    lora_slots: int  # entries of the slot table: adapters resident at once, at most
+    cpu_cache_bytes: int
+
+
+def plan_memory(
+    config: EngineConfig, *, kv_block_bytes: int, lora_row_bytes: int, max_model_len: int, budget: int | None
+) -> MemoryPlan:
+    """The plan for ``config``; ``budget``: the CUDA bytes left for the KV cache and adapters
+    (``gpu_memory_utilization`` of the device less what is in use), None on CPU. Raises ValueError
+    naming the setting when adapters or the KV cache would get less than their minimum."""
+    enough = config.max_num_seqs * -(-max_model_len // config.block_size)
+    asked = _asked_lora_bytes(config, lora_row_bytes, on_cpu=budget is None)
+    if config.num_kv_blocks is not None:
+        kv_blocks = config.num_kv_blocks
+    elif budget is None:
+        kv_blocks = min(enough, config.cpu_kv_cache_bytes // kv_block_bytes - 1)
+    elif asked is not None:
+        kv_blocks = min(enough, (budget - asked) // kv_block_bytes - 1)
+    else:
+        kv_blocks = min(enough, int(budget * (1 - config.lora_memory_fraction)) // kv_block_bytes - 1)
+    if not config.lora_enabled:
+        return MemoryPlan(kv_blocks, 0, 0, 0)
+    if asked is None:
+        assert budget is not None
+        asked = budget - (kv_blocks + 1) * kv_block_bytes
+    rows = max(0, asked) // lora_row_bytes
+    if rows < config.max_lora_rank:
+        raise ValueError(
+            f"adapter memory of {max(0, asked)} bytes holds {rows} rank rows of {lora_row_bytes} bytes, fewer than one "
+            f"adapter of max_lora_rank={config.max_lora_rank} needs; raise lora_memory_bytes (or "
+            "gpu_memory_utilization / lora_memory_fraction), or lower max_lora_rank"
+        )
+    slots = config.max_loras if config.max_loras is not None else max(1, rows // min(8, config.max_lora_rank))
+    cpu_bytes = config.cpu_lora_cache_bytes
+    if cpu_bytes is None:
+        # An operator who counts entries (max_cpu_loras) gets that count, within the host's quarter.
+        cpu_bytes = _host_memory() // 4
+        if config.max_cpu_loras is None:
+            cpu_bytes = min(2 * rows * lora_row_bytes, cpu_bytes)
+    return MemoryPlan(kv_blocks, rows, slots, cpu_bytes)
+
+
+def _asked_lora_bytes(config: EngineConfig, row_bytes: int, *, on_cpu: bool) -> int | None:
+    if config.lora_memory_bytes is not None:
+        return config.lora_memory_bytes
+    if config.max_loras is not None:
+        return config.max_loras * config.max_lora_rank * row_bytes
+    return config.cpu_lora_memory_bytes if on_cpu else None
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
