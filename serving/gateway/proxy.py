@@ -9,7 +9,8 @@ Streams are passed through event by event as they arrive. The gateway always ask
 the final usage chunk (`stream_options.include_usage`) to charge tokens as used, and drops that
 chunk unless the client asked for it too. An upstream failure mid-stream ends the client's stream
 with an OpenAI-shaped error event and `[DONE]`; a client that leaves closes the upstream
-connection, which makes the worker abort the request.
+connection, which makes the worker abort the request. Each call carries the request's
+`X-Request-ID`, so the worker's access line names the same request as the gateway's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import httpx
 from serving.gateway.errors import error_json
 from serving.gateway.failover import key_refused
 from serving.wire.registry import UPSTREAM_IDLE_S
+from serving.wire.request_ids import HEADER
 
 DONE = b"data: [DONE]\n\n"
 _USAGE = b'"usage":{'
@@ -96,11 +98,15 @@ class Upstream:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    def _headers_for(self, request_id: str) -> dict[str, str]:
+        # The worker logs the request under the gateway's id (serving.wire.request_ids).
+        return {**self._headers, HEADER: request_id}
+
     async def call(self, url: str, body: dict[str, Any], *, result: UpstreamResult,
-                   rename: tuple[bytes, bytes]) -> bytes:
+                   rename: tuple[bytes, bytes], request_id: str) -> bytes:
         """A whole (non-streamed) reply's body, `model` renamed; `result` says how it went."""
         try:
-            response = await self._client.post(url, json=body, headers=self._headers)
+            response = await self._client.post(url, json=body, headers=self._headers_for(request_id))
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             result.end()
@@ -120,10 +126,11 @@ class Upstream:
         result.end()
         return content
 
-    async def open_stream(self, url: str, body: dict[str, Any], *, result: UpstreamResult) -> httpx.Response:
+    async def open_stream(self, url: str, body: dict[str, Any], *, result: UpstreamResult,
+                          request_id: str) -> httpx.Response:
         """The upstream response with its headers read, for the caller to relay; a refusal (not 200) comes
         read and closed, its body in result.refused_body."""
-        request = self._client.build_request("POST", url, json=body, headers=self._headers)
+        request = self._client.build_request("POST", url, json=body, headers=self._headers_for(request_id))
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:

@@ -9,7 +9,6 @@ fill `Call`. Living here, they leave no module importing its caller back.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from serving.gateway.quotas import Admission
 from serving.gateway.routing import WorkerView
 from serving.gateway.version_pick import ServedSet, ServedVersion
 from serving.wire.breakers import Permit
+from serving.wire.request_ids import request_id_current, request_id_mint
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class Call:
     worker: WorkerView | None = None
     # The next-best workers, best first: where a failure before the first byte is retried.
     fallbacks: list[WorkerView] = field(default_factory=list)
-    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
+    # The request's X-Request-ID (serving.wire.request_ids: the edge's, or minted here outside one).
+    request_id: str = field(default_factory=lambda: request_id_current() or request_id_mint())
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)
 
