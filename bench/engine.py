@@ -46,31 +46,16 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
 from serving.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 
 from bench.engine_peers import hf_decode_step_ms, peft_forward_ms, transformers_forward_ms  # noqa: E402
-
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LLAMA3_8B = dict(
-    model_type="llama",
-    architectures=["LlamaForCausalLM"],
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    hidden_act="silu",
-    tie_word_embeddings=False,
-    bos_token_id=128000,
-    eos_token_id=128001,
+from bench.random_adapters import (  # noqa: E402
+    LLAMA3_8B, MODULE_SETS, adapter_bytes, adapter_set, temporary_root,
 )
+
+MODULES = MODULE_SETS["all"]
 
 
 def _sync(device: torch.device) -> None:
@@ -258,33 +243,9 @@ def bench_cpu(args: argparse.Namespace, work: Path) -> dict[str, float]:
 # ---- CUDA: the Llama-3-8B shape ----------------------------------------------------------------
 
 
-def _write_random_adapter(out: Path, config: dict[str, int], rank: int, seed: int) -> Path:
-    """A rank-``rank`` PEFT adapter on all seven projections, bf16, written without PEFT."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-    shapes = {
-        "q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
-        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-    }
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module, (fan_in, fan_out) in shapes.items():
-            block = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=generator) / fan_in**0.5).bfloat16()
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=generator) * 0.01).bfloat16()
-    out.mkdir(parents=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "bias": "none", "target_modules": list(MODULES), "base_model_name_or_path": None,
-    }))
-    return out
-
-
-def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
+def _llama3_8b_dir(work: Path) -> Path:
+    """The Llama-3-8B shape's model directory: its config and a tokenizer, no weights (the engine
+    makes random ones on the device, ``load_format="dummy"``)."""
     model_dir = work / "llama3-8b-shape"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
@@ -293,21 +254,13 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tiny / name).exists():
             shutil.copy(tiny / name, model_dir / name)
-    start = time.perf_counter()
-    adapters = [_write_random_adapter(work / f"a{i}", LLAMA3_8B, args.rank, seed=i) for i in range(args.adapters)]
-    results = {"adapters_write_s": time.perf_counter() - start}
-    start = time.perf_counter()
-    engine = _engine(
-        model_dir, args, load_format="dummy", max_num_batched_tokens=8192, block_size=16,
-        enforce_eager="graph" not in args.modes,
-    )  # fmt: skip
-    results["engine_build_s"] = time.perf_counter() - start
-    results.update(_memory_gib(engine))
-    prompts = _prompts(args.batch, args.context, LLAMA3_8B["vocab_size"], seed=1)
-    names = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(adapters)]
-    spread = [names[i % args.adapters] for i in range(args.batch)]
-    # Loaded into the CPU cache first: sequences admitted early would otherwise decode to their
-    # max_tokens while the last adapters load, and leave the batch before the timed steps.
+    return model_dir
+
+
+def _preload(engine: LLMEngine, names: list[LoRARequest]) -> float:
+    """Reads every adapter into the CPU cache; the seconds it took. Done before timing: sequences
+    admitted early would otherwise decode to their max_tokens while the last adapters load, and
+    leave the batch before the timed steps."""
     start = time.perf_counter()
     futures = [engine.add_lora(request) for request in names]
     while not all(future.done() for future in futures):  # loads complete in the engine's step
@@ -315,7 +268,25 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
         engine.step()
     for future in futures:
         future.result()
-    results["adapters_load_s"] = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    model_dir = _llama3_8b_dir(work)
+    start = time.perf_counter()
+    adapters, _ = adapter_set(work, "llama3-8b", count=args.adapters, rank=args.rank, modules="all")
+    results = {"adapters_write_s": time.perf_counter() - start}
+    start = time.perf_counter()
+    engine = _engine(
+        model_dir, args, load_format="dummy", max_num_batched_tokens=8192, block_size=16,
+        enforce_eager="graph" not in args.modes,
+    )  # fmt: skip
+    results["engine_build_s"] = time.perf_counter() - start
+    results.update(_memory_gib(engine, args.rank))
+    prompts = _prompts(args.batch, args.context, LLAMA3_8B["vocab_size"], seed=1)
+    names = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(adapters)]
+    spread = [names[i % args.adapters] for i in range(args.batch)]
+    results["adapters_load_s"] = _preload(engine, names)
     runner = engine.runner
     if runner.graphs is not None:
         results["graph_capture_s"] = runner.graphs.capture_seconds
@@ -366,17 +337,79 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     return results
 
 
-def _memory_gib(engine: LLMEngine) -> dict[str, float]:
-    """GPU memory by what holds it, before any adapter is loaded: the base weights, the adapter
-    slots (preallocated at ``max_lora_rank``), the KV cache, the captured graphs, and all of it."""
+# ---- the decode-step table: many distinct adapters in one batch (issue 21) ----------------------
+
+# Issue 21's bound for the decode step with 64, 128 and 256 distinct adapters in the batch.
+SWEEP_TARGET = 1.3
+
+
+def bench_sweep(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """For each count N of ``--adapter-sweep``: one decode step of batch max(--batch, N), every
+    sequence's adapter the (i mod N)-th, against the base step at the same batch (a batch of 64
+    cannot hold 128 distinct adapters). One engine sized for the largest batch and count, with
+    ``max_loras`` given as that count (the engine may size adapter memory by bytes otherwise), every
+    adapter in the CPU cache before the first timed step."""
+    big = args.shape == "llama3-8b"
+    counts = args.adapter_sweep
+    batches = {n: max(args.batch, n) for n in counts}
+    if big:
+        model_dir = _llama3_8b_dir(work)
+        overrides: dict[str, object] = dict(load_format="dummy", max_num_batched_tokens=8192, block_size=16,
+                                            enforce_eager="graph" not in args.modes)
+    else:
+        model_dir, overrides = build_tiny_model(work / "small", arch="llama", size="small", seed=0), {}
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    start = time.perf_counter()
+    adapters, _ = adapter_set(work, args.shape, count=max(counts), rank=args.rank, modules="all")
+    results: dict[str, float] = {"adapters_write_s": time.perf_counter() - start}
+    engine = _engine(model_dir, args, max_loras=max(counts), max_cpu_loras=max(counts),
+                     max_num_seqs=max(batches.values()), **overrides)
+    names = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(adapters)]
+    results["adapters_load_s"] = _preload(engine, names)
     runner = engine.runner
-    slots = {id(t): t for layer in runner.model.lora_layers() for t in (*layer.lora_A, *layer.lora_B)}
+    rows = []
+    for mode in args.modes if big else ["cpu"]:
+        if big:
+            runner.enforce_eager = mode != "graph"
+            runner.attention = "torch" if mode == "eager-torch" else "triton"
+        base_ms: dict[int, float] = {}
+        for n in counts:
+            batch = batches[n]
+            prompts = _prompts(batch, args.context, vocab, seed=1)
+            if batch not in base_ms:
+                base_ms[batch] = engine_step_ms(engine, prompts, [None] * batch, args.steps)
+            lora_ms = engine_step_ms(engine, prompts, [names[i % n] for i in range(batch)], args.steps)
+            key = f"sweep_{mode}_{n}"
+            results.update({f"{key}_batch": batch, f"{key}_base_step_ms": base_ms[batch], f"{key}_lora_step_ms": lora_ms,
+                            f"{key}_over_base": lora_ms / base_ms[batch]})  # fmt: skip
+            rows.append((mode, n, batch, base_ms[batch], lora_ms))
+            print(f"{mode}: {n} distinct adapters, batch {batch}: base {base_ms[batch]:.2f} ms, LoRA {lora_ms:.2f} ms",
+                  flush=True)
+    engine.shutdown()
+    print(f"\n| mode | distinct adapters | batch | base step (ms) | LoRA step (ms) | LoRA / base (target <= {SWEEP_TARGET}) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for mode, n, batch, base_step, lora_step in rows:
+        ratio = lora_step / base_step
+        print(f"| {mode} | {n} | {batch} | {base_step:.2f} | {lora_step:.2f} | {ratio:.2f} "
+              f"({'met' if ratio <= SWEEP_TARGET else 'not met'}) |")
+    print("(batch = max(--batch, adapters): every sequence has an adapter, each adapter at least one sequence)\n")
+    return results
+
+
+def _memory_gib(engine: LLMEngine, rank: int) -> dict[str, float]:
+    """GPU memory by what holds it, before any adapter is loaded: the base weights, the adapter
+    memory (sized by the engine: slots or a pool of rank rows), the KV cache, the captured graphs,
+    and all of it; and how many rank-``rank`` adapters on all projections the adapter memory holds
+    (its bytes over one adapter's own, not ``max_loras``: the engine may size it by bytes)."""
+    runner = engine.runner
+    pools = {id(t): t for layer in runner.model.lora_layers() for t in (*layer.lora_A, *layer.lora_B)}
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    slot_bytes = sum(t.numel() * t.element_size() for t in slots.values())
+    lora_bytes = sum(t.numel() * t.element_size() for t in pools.values())
+    one = adapter_bytes(LLAMA3_8B, rank, MODULES, runner.dtype.itemsize)
     return {
         "memory_weights_gib": weights / 2**30,
-        "memory_lora_slots_gib": slot_bytes / 2**30,
-        "memory_per_slot_mib": slot_bytes / max(engine.config.max_loras, 1) / 2**20,
+        "memory_lora_gib": lora_bytes / 2**30,
+        "memory_lora_holds_adapters": lora_bytes // one,
         "memory_kv_cache_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30,
         "memory_graphs_gib": (runner.graphs.memory_bytes if runner.graphs else 0) / 2**30,
         "memory_before_adapters_gib": torch.cuda.memory_allocated() / 2**30,
@@ -384,18 +417,18 @@ def _memory_gib(engine: LLMEngine) -> dict[str, float]:
 
 
 def _slot_write_ms(engine: LLMEngine) -> float:
-    """Median time to copy one CPU-cached adapter into a GPU slot (``write_slot``, synchronised):
-    slot 0's own adapter again, so the cache's bookkeeping stays true."""
+    """Median time to copy one CPU-cached adapter into its GPU rows (``write_rows``, synchronised):
+    a resident adapter's own content again, into its own rows, so the cache's bookkeeping stays true."""
     cache = engine.lora_cache
     assert cache is not None
-    adapter = cache.slots()[0]
-    assert adapter is not None and adapter.weights is not None
+    adapter = next(a for a in cache.slots() if a is not None)
+    assert adapter.weights is not None and adapter.slot is not None and adapter.row is not None
     times = []
     for _ in range(5):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        engine.runner.write_slot(0, adapter)
-        torch.cuda.synchronize()
+        engine.runner.write_rows(adapter.slot, adapter.row, adapter)
+        torch.cuda.synchronize()  # the copy runs on the copy stream: this waits for it too
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -422,26 +455,45 @@ def main() -> int:
     parser.add_argument(
         "--modes", default="graph,eager,eager-torch", help="llama3-8b: comma-separated graph, eager, eager-torch"
     )
+    parser.add_argument(
+        "--adapter-sweep", default="",
+        help="comma-separated counts of distinct adapters (e.g. 32,64,128,256): the decode-step table, batch "
+        "max(--batch, count), against the base step; replaces the --adapters run (no mixed step, no peers)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.modes = args.modes.split(",")
     if not set(args.modes) <= {"graph", "eager", "eager-torch"}:
         parser.error(f"--modes takes graph, eager and eager-torch, got {args.modes}")
+    try:
+        args.adapter_sweep = [int(n) for n in args.adapter_sweep.split(",")] if args.adapter_sweep else []
+    except ValueError:
+        parser.error(f"--adapter-sweep takes comma-separated counts, got {args.adapter_sweep!r}")
+    if any(n < 1 for n in args.adapter_sweep):
+        parser.error(f"--adapter-sweep counts must be >= 1, got {args.adapter_sweep}")
     big = args.shape == "llama3-8b"
     args.batch = args.batch or (64 if big else 32)
     args.adapters = args.adapters or (32 if big else 8)
     args.context = args.context or (512 if big else 64)
     args.device = args.device or ("cuda" if big else "cpu")
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if big and Path("/dev/shm").is_dir() else None) as tmp:
-        results = (bench_llama3_8b if big else bench_cpu)(args, Path(tmp))
-    results["lora_over_base"] = results["engine_lora_step_ms"] / results["engine_base_step_ms"]
+    count = max(args.adapter_sweep) if args.adapter_sweep else args.adapters
+    # The 8B shape's adapters on /dev/shm where they fit (84 MB each at rank 16; 256 of them 21 GB).
+    need = count * adapter_bytes(LLAMA3_8B, args.rank, MODULES) if big else 0
+    with temporary_root(need, prefix="bench-engine-") if big else tempfile.TemporaryDirectory() as tmp:
+        if args.adapter_sweep:
+            results = bench_sweep(args, Path(tmp))
+        else:
+            results = (bench_llama3_8b if big else bench_cpu)(args, Path(tmp))
+    if not args.adapter_sweep:
+        results["lora_over_base"] = results["engine_lora_step_ms"] / results["engine_base_step_ms"]
     if "peft_mixed_step_ms" in results:
         results["peft_over_engine_lora"] = results["peft_mixed_step_ms"] / results["engine_lora_step_ms"]
     peft_all = f"peft_mixed_{args.adapters}_forward_ms"
     if peft_all in results:
         results["peft_over_engine_lora"] = results[peft_all] / results["engine_lora_step_ms"]
     info = {
-        "shape": args.shape, "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "context": args.context,
+        "shape": args.shape, "batch": args.batch, "adapters": args.adapter_sweep or args.adapters, "rank": args.rank,
+        "context": args.context,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
         "threads": args.threads, "torch": torch.__version__,
     }

@@ -16,6 +16,18 @@ or start one (tiny model on CPU; the Llama-3-8B shape with random weights on CUD
 
     python bench/serve.py --launch tiny --num-adapters 8 --num-prompts 200 --request-rate 8
     python bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts 500 --request-rate 20
+
+Many adapters (issue 21): `--popularity uniform|zipf` picks each request's adapter uniformly or by
+Zipf's law over the adapters in order (`a<k>` weighted 1 / (k + 1)^`--zipf-alpha`), seeded; a
+comma-separated list, like `--request-rate`'s, runs every popularity at each rate in turn, on one
+worker. `--prime` first sends one short request per adapter (their first loads unmeasured). Each
+run starts with the worker idle after a warm-up drawn from its own popularity; the worker's
+adapter figures (GPU hit rate, adapter loads and bytes moved per second, CPU-cache evictions) are
+deltas of its /metrics over the measured window, and what the GPU holds carries over from the run
+before. `--run-time-limit` cuts a run that the worker cannot keep up with (its unfinished
+requests count as failed). bench/many_adapters.py runs the whole matrix.
+
+    python bench/serve.py --launch tiny --num-adapters 32 --max-loras 4 --popularity uniform,zipf --request-rate 4,8
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -35,17 +47,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 # Run as a script, this file's folder heads sys.path; the repository root must be there instead.
 sys.path[0] = str(ROOT)
+
+from bench.random_adapters import MODULE_SETS, adapter_bytes, adapter_set, scratch_root, shape_config  # noqa: E402
+
 # Token ids below this are special tokens in the tiny tokenizer; prompts avoid them.
 _FIRST_PLAIN_ID = 16
+POPULARITIES = ("uniform", "zipf")
+# How long a run waits for the worker to finish the previous run's requests before its window.
+_SETTLE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -110,18 +129,42 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
     return result
 
 
-async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
-    rng = random.Random(args.seed)
+def adapter_picker(adapters: list[str], popularity: str, alpha: float) -> Callable[[random.Random], str]:
+    """How a request picks its adapter: uniformly, or by Zipf's law over ``adapters`` in their order
+    (the k-th, from 0, weighted 1 / (k + 1)^alpha: the first the most wanted)."""
+    if popularity == "uniform":
+        return lambda rng: rng.choice(adapters)
+    if popularity != "zipf" or alpha <= 0:
+        raise ValueError(f"popularity must be uniform or zipf with alpha > 0, got {popularity!r}, alpha {alpha}")
+    cumulative = list(itertools.accumulate(1 / (k + 1) ** alpha for k in range(len(adapters))))
+    return lambda rng: rng.choices(adapters, cum_weights=cumulative)[0]
+
+
+def _requests(args: argparse.Namespace, rng: random.Random, count: int, input_len: int, output_len: int,
+              pick: Callable[[random.Random], str] | None) -> list[tuple[str, list[int], int]]:
+    """``count`` (model, prompt ids, output length) triples, lengths drawn around the given means."""
 
     def length(mean: int) -> int:
         return max(1, rng.randint(int(mean * (1 - args.random_range_ratio)), int(mean * (1 + args.random_range_ratio))))
 
     requests = []
-    for _ in range(args.num_prompts):
-        prompt = [rng.randrange(_FIRST_PLAIN_ID, args.vocab_size) for _ in range(length(args.random_input_len))]
-        use_base = not args.adapters or rng.random() < args.base_fraction
-        model = args.model if use_base else rng.choice(args.adapters)
-        requests.append((model, prompt, length(args.random_output_len)))
+    for _ in range(count):
+        prompt = [rng.randrange(_FIRST_PLAIN_ID, args.vocab_size) for _ in range(length(input_len))]
+        model = args.model if pick is None or rng.random() < args.base_fraction else pick(rng)
+        requests.append((model, prompt, length(output_len)))
+    return requests
+
+
+async def run_load(args: argparse.Namespace, popularity: str = "uniform") -> tuple[list[Result], float, dict[str, Any]]:
+    """One run: its warm-up, then the measured window. Returns the window's results, its duration
+    and what the worker's /metrics say about it (``window_metrics``: ``metrics`` false where it
+    could not be read), with how many requests the time limit cut or left unsent."""
+    pick = adapter_picker(args.adapters, popularity, args.zipf_alpha) if args.adapters else None
+    rng = random.Random(args.seed)  # the requests, then the gaps between their arrivals
+    requests = _requests(args, rng, args.num_prompts, args.random_input_len, args.random_output_len, pick)
+    # The warm-up's adapters are drawn apart from the window's (their own stream): drawn from the
+    # window's first requests, they would make those requests GPU hits by construction.
+    warmup = _requests(args, random.Random(f"{args.seed}-warmup"), args.warmup, 32, 4, pick)
     # A fresh connection per request, as vLLM's benchmark_serving has (a session per request): a
     # kept-alive one races the worker's keep-alive timeout (uvicorn's 5 s). At 256 streams on a
     # few cores this process's event loop lags seconds between taking an idle connection from the
@@ -130,7 +173,9 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits, headers=_auth(args)) as client:
         # Warm-up (kernel compilation, first slot loads) is not measured.
-        await asyncio.gather(*(one_request(client, m, p[:32], 4) for m, p, _ in requests[: args.warmup]))
+        await asyncio.gather(*(one_request(client, m, p, n) for m, p, n in warmup))
+        settled = await _settle(client)
+        before = await scrape_metrics(client)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
 
         async def limited(model: str, prompt: list[int], output_len: int) -> Result:
@@ -139,24 +184,131 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
 
         tasks = []
         start = time.perf_counter()
+        deadline = start + (args.run_time_limit or float("inf"))
         for model, prompt, output_len in requests:
+            if time.perf_counter() >= deadline:
+                break
             tasks.append(asyncio.create_task(limited(model, prompt, output_len)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
+        left = None if args.run_time_limit is None else max(0.0, deadline - time.perf_counter())
+        done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
         duration = time.perf_counter() - start
-    return results, duration
+        after = await scrape_metrics(client)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    # Only a time limit leaves tasks pending or requests unsent.
+    cut = Result(ok=False, error=f"cut at the run's time limit ({args.run_time_limit}s)")
+    results = [task.result() if task in done else cut for task in tasks]
+    results += [Result(ok=False, error=f"not sent: the run's time limit ({args.run_time_limit}s) came first")
+                for _ in requests[len(tasks):]]
+    window = window_metrics(before, after, duration)
+    window["settled_before"] = settled
+    window["cut"] = len(pending) + len(requests) - len(tasks)
+    return results, duration, window
+
+
+# ---- the worker's own figures, from /metrics ------------------------------------------------
+
+# Counters read before and after a run's window (serving/engine/server/metrics.py names them). The
+# worker may not export all: one it lacks is None in the window's figures (printed "n/a").
+_COUNTERS = {
+    "slot_hits": "loraplex_lora_slot_hits_total",
+    "slot_misses": "loraplex_lora_slot_misses_total",
+    "slot_loads": "loraplex_lora_slot_loads_total",
+    "slot_evictions": "loraplex_lora_slot_evictions_total",
+    "bytes_loaded": "loraplex_lora_bytes_loaded_total",
+    "cpu_evictions": "loraplex_lora_cpu_evictions_total",
+    "storage_reads": "loraplex_lora_load_seconds_count",
+    "load_stalls": "loraplex_lora_load_stalls_total",
+}
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+async def scrape_metrics(client: httpx.AsyncClient) -> Samples | None:
+    """The worker's /metrics as (sample name, labels, value); None when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await client.get("/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(response.text) for s in f.samples]
+
+
+def _total(samples: Samples, name: str, keep: Callable[[dict[str, str]], bool] = lambda labels: True) -> float | None:
+    values = [value for sample, labels, value in samples if sample == name and keep(labels)]
+    return sum(values) if values else None
+
+
+def window_metrics(before: Samples | None, after: Samples | None, duration: float) -> dict[str, Any]:
+    """The worker's adapter figures over one window: counter deltas, and from them the GPU hit rate
+    (slot hits / (hits + misses)), adapter loads per second (slot loads; slot misses where the
+    worker does not count loads apart) and bytes moved host -> GPU per second."""
+    if before is None or after is None:
+        return {"metrics": False}
+    deltas: dict[str, float | None] = {}
+    for key, name in _COUNTERS.items():
+        first, last = _total(before, name), _total(after, name)
+        deltas[key] = None if first is None or last is None else last - first
+    not_ok = [_total(samples, "loraplex_requests_total", lambda labels: labels.get("status") != "ok") or 0.0
+              for samples in (before, after)]
+    hits, misses = deltas["slot_hits"], deltas["slot_misses"]
+    admissions = (hits or 0) + (misses or 0)
+    loads, loads_from = (deltas["slot_loads"], "slot_loads") if deltas["slot_loads"] is not None else (misses, "slot_misses")
+    moved = deltas["bytes_loaded"]
+    return {
+        "metrics": True, **deltas, "worker_not_ok": not_ok[1] - not_ok[0],
+        "gpu_hit_rate": hits / admissions if hits is not None and admissions else None,
+        "adapter_loads_per_s": loads / duration if loads is not None else None, "adapter_loads_from": loads_from,
+        "bytes_moved_per_s": moved / duration if moved is not None else None,
+    }  # fmt: skip
+
+
+async def _settle(client: httpx.AsyncClient) -> bool:
+    """Waits until the worker runs and queues nothing (the previous run's tail, the warm-up);
+    whether it got there. True at once when /metrics cannot be read."""
+    deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        samples = await scrape_metrics(client)
+        if samples is None:
+            return True
+        busy = [_total(samples, name) for name in ("loraplex_num_requests_running", "loraplex_num_requests_waiting")]
+        if not any(busy):
+            return True
+        await asyncio.sleep(0.25)
+    return False
+
+
+async def prime(args: argparse.Namespace) -> tuple[float, int]:
+    """One short request per adapter, a0 first, 64 in flight at a time, so that a worker's first run
+    does not pay every adapter's first load: with room for all, all are resident after it, else the
+    last ones primed. The seconds it took and how many of its requests failed."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    gate = asyncio.Semaphore(64)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits, headers=_auth(args)) as client:
+
+        async def one(adapter: str) -> Result:
+            async with gate:
+                return await one_request(client, adapter, [_FIRST_PLAIN_ID] * 4, 1)
+
+        results = await asyncio.gather(*(one(adapter) for adapter in args.adapters))
+    return time.perf_counter() - start, sum(not r.ok for r in results)
 
 
 def _auth(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-def summarize(results: list[Result], duration: float) -> dict[str, float]:
+def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done)
-    summary: dict[str, float] = {
+    summary: dict[str, Any] = {
         "completed": len(done),
         "failed": len(results) - len(done),
         "duration_s": duration,
@@ -181,11 +333,19 @@ def summarize(results: list[Result], duration: float) -> dict[str, float]:
     return summary
 
 
-def print_summary(summary: dict[str, float], args: argparse.Namespace) -> None:
+def _figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    window = summary.get("worker", {})
     print("=" * 18 + " Serving Benchmark Result " + "=" * 18)
-    print(f"{'Adapters (random per request)':<40}{len(args.adapters):>12}")
+    picked = f"Adapters ({summary['popularity']} per request)"
+    print(f"{picked:<40}{len(args.adapters):>12}")
     print(f"{'Successful requests':<40}{summary['completed']:>12}")
     print(f"{'Failed requests':<40}{summary['failed']:>12}")
+    if window.get("cut"):
+        print(f"{'  of which cut at the time limit':<40}{window['cut']:>12}")
     print(f"{'Benchmark duration (s)':<40}{summary['duration_s']:>12.2f}")
     print(f"{'Total input tokens':<40}{summary['total_input_tokens']:>12}")
     print(f"{'Total generated tokens':<40}{summary['total_output_tokens']:>12}")
@@ -198,74 +358,113 @@ def print_summary(summary: dict[str, float], args: argparse.Namespace) -> None:
             print(f"{'-' * 15}{title:^32}{'-' * 15}")
             for stat in ("mean", "median", "p99"):
                 print(f"{f'{stat.capitalize()} {name.upper()} (ms)':<40}{summary[f'{stat}_{name}_ms']:>12.2f}")
+    if window.get("metrics"):
+        print(f"{'-' * 15}{'Adapters (worker /metrics)':^32}{'-' * 15}")
+        hit_rate = window["gpu_hit_rate"]
+        print(f"{'GPU hit rate (%)':<40}{_figure(None if hit_rate is None else 100 * hit_rate, '>12.1f')}")
+        loads = f"Adapter loads/s ({window['adapter_loads_from']})"
+        print(f"{loads:<40}{_figure(window['adapter_loads_per_s'], '>12.2f')}")
+        moved = window["bytes_moved_per_s"]
+        print(f"{'Host->GPU MB/s':<40}{_figure(None if moved is None else moved / 1e6, '>12.1f')}")
+        print(f"{'CPU-cache evictions':<40}{_figure(window['cpu_evictions'], '>12.0f')}")
+        print(f"{'Storage reads':<40}{_figure(window['storage_reads'], '>12.0f')}")
+        print(f"{'Worker non-ok requests':<40}{window['worker_not_ok']:>12.0f}")
     print("=" * 62)
+
+
+def print_runs(summaries: list[dict[str, Any]]) -> None:
+    """One line per run: the latency and throughput figures, and the worker's adapter figures."""
+    print(f"{'popularity':>10} {'req/s':>7} {'got/s':>6} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'GPU hit':>8} {'loads/s':>8} {'MB/s':>8} {'CPU ev':>7} {'failed':>6}")
+    for s in summaries:
+        w = s.get("worker", {})
+        hit, moved = w.get("gpu_hit_rate"), w.get("bytes_moved_per_s")
+        print(f"{s['popularity']:>10} {s['request_rate']:>7g} {s['request_throughput']:>6.1f} "
+              f"{s['output_token_throughput']:>10.1f} {s.get('median_ttft_ms', 0):>9.1f} {s.get('p99_ttft_ms', 0):>9.1f} "
+              f"{s.get('median_tpot_ms', 0):>9.1f} {_figure(None if hit is None else 100 * hit, '>7.1f')}% "
+              f"{_figure(w.get('adapter_loads_per_s'), '>8.2f')} {_figure(None if moved is None else moved / 1e6, '>8.1f')} "
+              f"{_figure(w.get('cpu_evictions'), '>7.0f')} {s['failed']:>6}")
 
 
 # ---- launching a worker -------------------------------------------------------------------------
 
 
-def _bench_engine():
-    """bench/engine.py, for its Llama-3-8B config and its fast random adapter writer."""
-    spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "bench" / "engine.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, list[Path], list[str], int, dict[str, Any]]:
+    """A model directory, adapters on it (from --adapter-cache where given, written in parallel where
+    missing), extra worker flags, the vocabulary size and what preparing took."""
+    from serving.engine.tiny import build_tiny_model
 
-
-def prepare(shape: str, num_adapters: int, rank: int, work: Path) -> tuple[Path, list[Path], list[str], int]:
-    """A model directory, adapters on it, extra worker flags and the vocabulary size."""
-    from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
-
-    modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    if shape in ("tiny", "small"):
-        model = build_tiny_model(work / f"{shape}-llama", arch="llama", size=shape)
-        adapters = [save_random_peft_adapter(model, work / f"a{i}", r=rank, lora_alpha=2 * rank,
-                                             target_modules=modules, seed=i) for i in range(num_adapters)]
+    config = shape_config(args.launch)
+    if args.launch in ("tiny", "small"):
+        model = build_tiny_model(work / f"{args.launch}-llama", arch="llama", size=args.launch)
+        extra: list[str] = []
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        return model, adapters, [], vocab
-    engine_bench = _bench_engine()
-    model = work / "llama3-8b-shape"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(engine_bench.LLAMA3_8B))
-    # Any tokenizer will do: prompts are token ids; unknown ids decode to nothing.
-    tiny = build_tiny_model(work / "tokenizer-source", arch="llama", size="tiny")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, model / name)
-    adapters = [engine_bench._write_random_adapter(work / f"a{i}", engine_bench.LLAMA3_8B, rank, seed=i)
-                for i in range(num_adapters)]
-    return model, adapters, ["--load-format", "dummy"], engine_bench.LLAMA3_8B["vocab_size"]
+    else:
+        model = work / "llama3-8b-shape"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config))
+        # Any tokenizer will do: prompts are token ids; unknown ids decode to nothing.
+        tiny = build_tiny_model(work / "tokenizer-source", arch="llama", size="tiny")
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tiny / name).exists():
+                shutil.copy(tiny / name, model / name)
+        extra, vocab = ["--load-format", "dummy"], config["vocab_size"]
+    root = args.adapter_cache or work / "adapters"
+    started = time.perf_counter()
+    adapters, written = adapter_set(root, args.launch, count=args.num_adapters, rank=args.rank,
+                                    modules=args.adapter_modules)
+    size = adapter_bytes(config, args.rank, MODULE_SETS[args.adapter_modules])
+    info = {"adapter_root": str(root), "adapters_written": written, "adapter_mb": size / 1e6,
+            "adapters_write_s": time.perf_counter() - started}
+    print(f"adapters: {written} of {len(adapters)} written now ({size / 1e6:.2f} MB each, rank {args.rank} on "
+          f"{args.adapter_modules} projections) in {info['adapters_write_s']:.1f}s under {root}", flush=True)
+    return model, adapters, extra, vocab, info
+
+
+@dataclass
+class Launched:
+    process: subprocess.Popen[bytes]
+    info: dict[str, Any]  # what preparing and starting took, where the adapters are
 
 
 @contextlib.contextmanager
-def launched_worker(args: argparse.Namespace) -> Iterator[subprocess.Popen]:
-    scratch = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="bench-serve-", dir=scratch) as tmp:
+def launched_worker(args: argparse.Namespace) -> Iterator[Launched]:
+    # The adapters go in the work directory unless cached elsewhere: it is on /dev/shm if they fit.
+    one = adapter_bytes(shape_config(args.launch), args.rank, MODULE_SETS[args.adapter_modules])
+    need = 0 if args.adapter_cache else args.num_adapters * one
+    with tempfile.TemporaryDirectory(prefix="bench-serve-", dir=scratch_root(need)) as tmp:
         work = Path(tmp)
         started = time.perf_counter()
-        model, adapters, extra, vocab = prepare(args.launch, args.num_adapters, args.rank, work)
+        model, adapters, extra, vocab, info = prepare(args, work)
         args.vocab_size = vocab
         args.adapters = [f"a{i}" for i in range(len(adapters))]
-        print(f"prepared {args.launch} model and {len(adapters)} adapters in {time.perf_counter() - started:.1f}s",
-              flush=True)
+        info["prepare_s"] = time.perf_counter() - started
+        print(f"prepared {args.launch} model and {len(adapters)} adapters in {info['prepare_s']:.1f}s", flush=True)
         port = 8100 + random.Random().randrange(500)
         args.base_url = f"http://127.0.0.1:{port}"
         command = [
             sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port", str(port),
-            "--served-model-name", args.model, "--max-loras", str(max(args.max_loras, 1)),
-            "--max-cpu-loras", str(max(len(adapters), args.max_loras, 1)), "--max-lora-rank", str(args.rank),
-            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--served-model-name", args.model, "--max-cpu-loras", str(max(len(adapters), args.max_loras, 1)),
+            "--max-lora-rank", str(args.rank), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-queued-requests", str(args.num_prompts + args.warmup), "--uvicorn-log-level", "warning",
             *extra,
         ]
+        # 0: the worker's own default (how it sizes adapter memory unasked).
+        if args.max_loras:
+            command += ["--max-loras", str(args.max_loras)]
+        if args.lora_memory_bytes is not None:
+            command += ["--lora-memory-bytes", str(args.lora_memory_bytes)]
         if adapters:
             command += ["--lora-modules", *(f"a{i}={path}" for i, path in enumerate(adapters))]
-        process = subprocess.Popen(command, cwd=ROOT)
+        # The worker's access lines (one a request, at INFO) stay out of the output and off its event
+        # loop, as uvicorn's did under --uvicorn-log-level warning.
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "LOG_LEVEL": "WARNING"})
         try:
             _wait_ready(args.base_url, process)
-            print(f"worker ready after {time.perf_counter() - started:.1f}s", flush=True)
-            yield process
+            info["ready_s"] = time.perf_counter() - started - info["prepare_s"]
+            print(f"worker ready after {time.perf_counter() - started:.1f}s ({info['ready_s']:.1f}s to start)", flush=True)
+            yield Launched(process, info)
         finally:
             process.send_signal(signal.SIGTERM)
             try:
@@ -359,6 +558,26 @@ def _wait_ready(base_url: str, process: subprocess.Popen, timeout: float = 600.0
     raise SystemExit("the worker did not get ready")
 
 
+def _comma_list(text: str, kind: Callable[[str], Any], what: str, p: argparse.ArgumentParser) -> list[Any]:
+    try:
+        return [kind(item) for item in text.split(",")]
+    except ValueError:
+        p.error(f"{what}, comma-separated; got {text!r}")
+
+
+def _popularity(text: str) -> str:
+    if text not in POPULARITIES:
+        raise ValueError(text)
+    return text
+
+
+def _write_record(args: argparse.Namespace, summaries: list[dict[str, Any]], launch: dict[str, Any]) -> None:
+    record = {"args": {k: v for k, v in vars(args).items() if k not in ("api_key", "json")},
+              "host": platform.node(), "python": platform.python_version(), "launch": launch,
+              **(summaries[0] if len(summaries) == 1 else {"runs": summaries})}
+    args.json.write_text(json.dumps(record, indent=2, default=str))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8100")
@@ -366,6 +585,12 @@ def main() -> int:
     p.add_argument("--adapters", nargs="*", default=[], help="adapter names to spread requests over")
     p.add_argument("--api-key", default=None)
     p.add_argument("--base-fraction", type=float, default=0.0, help="share of requests for the base model")
+    p.add_argument(
+        "--popularity", default="uniform",
+        help="how a request picks its adapter: uniform, or zipf (the k-th adapter weighted 1/(k+1)^alpha); "
+        "a comma-separated list runs each in turn at every --request-rate on the same worker",
+    )  # fmt: skip
+    p.add_argument("--zipf-alpha", type=float, default=1.0, help="Zipf's exponent (> 0)")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument(
         "--request-rate", default="inf",
@@ -376,52 +601,79 @@ def main() -> int:
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.25)
     p.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn below this")
-    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=8, help="short requests before each run, not measured")
+    p.add_argument("--prime", action="store_true",
+                   help="before the first run, one short request per adapter (each adapter's first load unmeasured)")
+    p.add_argument("--run-time-limit", type=float, default=None,
+                   help="seconds: a run's window stops here; requests unfinished or unsent by then count as failed")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the summary here")
+    p.add_argument("--json", type=Path, default=None, help="write the summary here (rewritten after each run)")
     launch = p.add_argument_group("launching a worker (--launch)")
     launch.add_argument("--launch", choices=["tiny", "small", "llama3-8b"], default=None)
     launch.add_argument("--num-adapters", type=int, default=8)
     launch.add_argument("--rank", type=int, default=16)
-    launch.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: --num-adapters)")
+    launch.add_argument("--adapter-modules", choices=sorted(MODULE_SETS), default="all",
+                        help="projections the adapters adapt: all seven, or attn (q, k, v, o)")
+    launch.add_argument("--adapter-cache", type=Path, default=None,
+                        help="keep the adapters here across runs (by shape, rank and modules; adapter a<i> has seed i)")
+    launch.add_argument("--max-loras", type=int, default=None,
+                        help="the worker's GPU adapter bound (default: --num-adapters; 0: the worker's own default)")
+    launch.add_argument("--lora-memory-bytes", type=int, default=None,
+                        help="the worker's GPU adapter memory budget (passed only when given)")
     launch.add_argument("--max-num-seqs", type=int, default=256)
     # The worker's own default: a larger budget lets a burst of prompts make steps over the
     # captured ladder (max_flat_tokens, 2048), which run eagerly and stall every decode meanwhile.
     launch.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--py-spy-dir", type=Path, default=None,
-                   help="sample the worker (--launch) and this load generator with py-spy during the last rate")
+                   help="sample the worker (--launch) and this load generator with py-spy during the last run")
     args = p.parse_args()
     if args.py_spy_dir is not None and not args.launch:
         p.error("--py-spy-dir samples a launched worker: it needs --launch")
-    try:
-        rates = [float(rate) for rate in args.request_rate.split(",")]
-    except ValueError:
-        p.error(f"--request-rate takes numbers (or inf), comma-separated; got {args.request_rate!r}")
+    rates = _comma_list(args.request_rate, float, "--request-rate takes numbers (or inf)", p)
+    popularities = _comma_list(args.popularity, _popularity, f"--popularity takes {' or '.join(POPULARITIES)}", p)
+    if args.zipf_alpha <= 0:
+        p.error(f"--zipf-alpha must be > 0, got {args.zipf_alpha}")
+    if args.run_time_limit is not None and args.run_time_limit <= 0:
+        p.error(f"--run-time-limit must be > 0 seconds, got {args.run_time_limit}")
+    if args.num_adapters < 0 or (args.max_loras or 0) < 0:
+        p.error("--num-adapters and --max-loras must be >= 0")
+    if args.lora_memory_bytes is not None and args.lora_memory_bytes <= 0:
+        p.error(f"--lora-memory-bytes must be > 0, got {args.lora_memory_bytes}")
     if args.max_loras is None:
         args.max_loras = args.num_adapters
-    summaries = []
+    # A stop from outside (the GPU script's timeout) unwinds like Ctrl-C: the launched worker is
+    # stopped on the way out rather than left holding the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # Rates in the order given, each with every popularity: a run cut short of its rates keeps every
+    # popularity's figures at the rates it reached (bench/many_adapters.py gives the highest first).
+    runs = [(popularity, rate) for rate in rates for popularity in popularities]
+    summaries: list[dict[str, Any]] = []
     with launched_worker(args) if args.launch else contextlib.nullcontext() as worker:
-        for i, rate in enumerate(rates):
+        launch_info = worker.info if worker else {}
+        if args.prime and args.adapters:
+            launch_info["prime_s"], launch_info["prime_failed"] = asyncio.run(prime(args))
+            print(f"primed {len(args.adapters)} adapters in {launch_info['prime_s']:.1f}s "
+                  f"({launch_info['prime_failed']} failed)", flush=True)
+        if len(runs) > 1:
+            print("runs share one worker: each starts with the worker idle after its own warm-up, its worker "
+                  "figures are /metrics deltas over its window, and the GPU's adapters carry over from the run before",
+                  flush=True)
+        for i, (popularity, rate) in enumerate(runs):
             args.request_rate = rate
-            profiled = args.py_spy_dir is not None and i == len(rates) - 1
-            with sampled(args.py_spy_dir, {"worker": worker, "client": None}, rate) if profiled else contextlib.nullcontext():
-                results, duration = asyncio.run(run_load(args))
-            summary = {"request_rate": rate, **summarize(results, duration)}
-            print(f"request rate {rate} req/s")
+            profiled = args.py_spy_dir is not None and i == len(runs) - 1
+            spied = {"worker": worker.process if worker else None, "client": None}
+            with sampled(args.py_spy_dir, spied, rate) if profiled else contextlib.nullcontext():
+                results, duration, window = asyncio.run(run_load(args, popularity))
+            summary = {"popularity": popularity, "request_rate": rate, **summarize(results, duration), "worker": window}
+            print(f"{popularity} popularity, request rate {rate} req/s")
             print_summary(summary, args)
             for error in sorted({r.error for r in results if not r.ok})[:5]:
                 print(f"error: {error}")
             summaries.append(summary)
+            if args.json:
+                _write_record(args, summaries, launch_info)
     if len(summaries) > 1:
-        print(f"{'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ok':>5}")
-        for s in summaries:
-            print(f"{s['request_rate']:>7g} {s['output_token_throughput']:>10.1f} {s.get('median_ttft_ms', 0):>9.1f} "
-                  f"{s.get('p99_ttft_ms', 0):>9.1f} {s.get('median_tpot_ms', 0):>9.1f} {s['completed']:>5}")
-    if args.json:
-        record = {"args": {k: v for k, v in vars(args).items() if k not in ("api_key", "json")},
-                  "host": platform.node(), "python": platform.python_version(),
-                  **(summaries[0] if len(summaries) == 1 else {"runs": summaries})}
-        args.json.write_text(json.dumps(record, indent=2, default=str))
+        print_runs(summaries)
     return 0 if all(s["completed"] for s in summaries) else 1
 
 

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine serve trainer,
-# in the order given): the gpu-marked engine and kernel tests, bench/engine.py, bench/serve.py and
-# bench/trainer.py on the Llama-3-8B shape. Logs and JSON go to $OUT (default out/). SERVE_RATES,
-# TRAINER_STEPS and ENGINE_ARGS (extra bench/engine.py flags, e.g. --compare-peft) change a stage's run;
-# STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a device call. The serve stage samples
+# The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine decode-table serve
+# adapters trainer, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
+# decode-step table for 32-256 distinct adapters), bench/serve.py, bench/many_adapters.py (issue 21's
+# matrix: adapter count x popularity x GPU adapter budget x rate) and bench/trainer.py on the Llama-3-8B
+# shape. Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
+# bench/engine.py flags, e.g. --compare-peft) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
+# --counts 1024) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
+# device call, and the adapters stage plans its cells to end a minute inside it (STAGE_TIMEOUT=580 gives
+# the matrix its ~8 minutes; it prints its estimate first). The serve stage samples
 # the worker and the load generator with py-spy (on PATH) during its last rate. Uses the
 # machine's python3 (torch, triton, peft, pytest there); the packages it lacks travel as wheels on
 # PYTHONPATH (docs/benchmarks.md lists them: boto3 … uvicorn for the engine, celery and its
@@ -34,10 +38,16 @@ for stage in "$@"; do
         timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts 200 \
             --request-rate "${SERVE_RATES:-8,16,32,64,96,128}" --random-input-len 256 --random-output-len 128 \
             --max-num-seqs 256 --warmup 32 --py-spy-dir "$out" --json "$out/serve8b.json" 2>&1 | tee "$out/serve8b.log" || status=1 ;;
+    decode-table)
+        timeout "$limit" python3 bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes graph \
+            --json "$out/decode_table.json" 2>&1 | tee "$out/decode_table.log" || status=1 ;;
+    adapters)
+        timeout "$limit" python3 bench/many_adapters.py --launch llama3-8b --time-limit "$((limit - 60))" ${ADAPTERS_ARGS:-} \
+            --json "$out/many_adapters.json" --markdown "$out/many_adapters.md" 2>&1 | tee "$out/many_adapters.log" || status=1 ;;
     trainer)
         timeout "$limit" python3 bench/trainer.py --shape llama3-8b --steps "${TRAINER_STEPS:-300}" --json "$out/trainer8b.json" \
             2>&1 | tee "$out/trainer8b.log" || status=1 ;;
-    *) echo "unknown stage $stage (tests, engine, serve, trainer)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, engine, decode-table, serve, adapters, trainer)"; exit 2 ;;
     esac
 done
 exit $status
