@@ -5,7 +5,9 @@ An upload is `adapter_config.json` + `adapter_model.safetensors` as multipart fi
 directory (each entry's name checked before its bytes: nothing is written outside it, no links, no
 nested directories, a size cap that also bounds what a compressed archive expands to), then
 checked by the serving engine's own adapter validator, the same code that will later load it, so
-an adapter the registry accepts is one the engine can serve. Pickled weights (`.bin`, `.pt`, …)
+an adapter the registry accepts is one the engine can serve. That check reads the safetensors
+header and the base model's config.json, never a tensor: this module (and so the web process)
+imports neither torch nor transformers (tests/test_import_graph.py holds it). Pickled weights (`.bin`, `.pt`, …)
 are refused by name and never opened.
 
 Archives are read under a budget applied entry by entry, so a hostile one costs no more than the
@@ -30,15 +32,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 from typing import IO, Any
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
-from transformers import AutoConfig, PretrainedConfig
 
 from serving.wire.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
 from serving.storage import get_storage
-from serving.engine.lora.reader import validate_adapter_dir
+from serving.engine.lora.reader import BaseShapes, validate_adapter_dir
 from serving.engine.lora.artifact import (
     ADAPTER_CONFIG_NAME,
     MANIFEST_NAME,
@@ -421,7 +423,7 @@ def _validate(directory: Path, *, check_config_base: bool = True) -> StagedAdapt
     """
     try:
         spec = validate_adapter_dir(
-            directory, base_config=_base_config(Path(settings.BASE_MODEL_PATH)),
+            directory, base_config=_base_shapes(Path(settings.BASE_MODEL_PATH)),
             max_lora_rank=settings.MAX_LORA_RANK,
             base_model_name=accepted_base_models() if check_config_base else None,
         )
@@ -441,19 +443,31 @@ class BaseModelUnavailable(ServiceError):
 
 
 @lru_cache(maxsize=4)
-def _base_config_cached(path: Path, mtime_ns: int) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(path)
+def _base_shapes_cached(config_file: Path, mtime_ns: int) -> BaseShapes:
+    """The shapes the engine reads from the same config.json through transformers' AutoConfig: the
+    Llama family's config.json spells out every field BaseShapes reads (save_pretrained writes each
+    field the model class adds; head_dim and num_key_value_heads fall back as transformers does)."""
+    try:
+        config = json.loads(config_file.read_bytes())
+        if not isinstance(config, dict):
+            raise TypeError("not a JSON object")
+        return BaseShapes.from_config(SimpleNamespace(**config))
+    except (ValueError, TypeError, AttributeError) as error:
+        raise BaseModelUnavailable(
+            f"The platform's base model config {config_file} (BASE_MODEL_PATH) cannot be read as a causal LM's "
+            f"config ({error}), so adapters cannot be checked against it; ask the operator to fix it."
+        ) from None
 
 
-def _base_config(path: Path) -> PretrainedConfig:
-    """The base model's transformers config (re-read when its config.json changes)."""
+def _base_shapes(path: Path) -> BaseShapes:
+    """The base model's layer count and module shapes (re-read when its config.json changes)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise BaseModelUnavailable(
             f"The platform's base model is not available at {path} (BASE_MODEL_PATH), so adapters cannot be "
             "checked against it; ask the operator to install it."
         )
-    return _base_config_cached(path, config_file.stat().st_mtime_ns)
+    return _base_shapes_cached(config_file, config_file.stat().st_mtime_ns)
 
 
 def _plain(error: Exception, directory: Path) -> str:

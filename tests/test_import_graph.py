@@ -1,12 +1,23 @@
-"""No two modules of the project import each other, directly or round a longer loop.
+"""The import rules that import-linter's contracts (pyproject.toml) cannot say.
 
-import-linter's contracts (pyproject.toml) hold the direction between packages; this holds the
-rest: a circle inside a package (resilience ↔ pipeline once) is a sign that something lives in the
-wrong module, and a lazy import inside a function that closes a circle counts too (grimp reads
-every import statement, not only the top-level ones).
+No two modules of the project import each other, directly or round a longer loop: the contracts
+hold the direction between packages; this holds the rest: a circle inside a package (resilience ↔
+pipeline once) is a sign that something lives in the wrong module, and a lazy import inside a
+function that closes a circle counts too (grimp reads every import statement, not only the
+top-level ones).
+
+The web process (and every `manage.py` command) loads neither torch nor transformers: they cost
+each web process seconds of start-up, and a tenants command ten. The upload check reaches the
+engine's adapter reader, which imports torch inside the function that reads tensors, so a static
+contract would see an import that never runs; a real process is asked what it loaded instead.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import grimp
 
@@ -72,3 +83,36 @@ def test_no_module_imports_round_a_circle() -> None:
     present = [name for name in PACKAGES if importlib.util.find_spec(name) is not None]
     graph = grimp.build_graph(*present, cache_dir=None)
     assert _cycles(graph) == []
+
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "peft", "triton")
+# What a web process and a manage.py command load: the settings, every URL's view and the admin
+# (the system checks import them), the ASGI application with the gateway's routes, and each of the
+# project's management commands.
+WEB_PROCESS = f"""
+import sys
+
+import django
+
+django.setup()
+from django.core.management import call_command, get_commands, load_command_class
+
+call_command("check")
+import lora_platform.asgi
+
+for name, app in get_commands().items():
+    if app in {PACKAGES!r}:
+        load_command_class(app, name)
+print(" ".join(sorted(module for module in {HEAVY!r} if module in sys.modules)))
+"""
+
+
+def test_the_web_process_and_manage_commands_load_neither_torch_nor_transformers(tmp_path: Path) -> None:
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "lora_platform.settings", "LORAPLEX_VAR_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", WEB_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "System check identified no issues" in result.stdout
+    assert result.stdout.splitlines()[-1].split() == [], f"the web process loaded {result.stdout.splitlines()[-1]}"
+

@@ -15,12 +15,12 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db.models.signals import pre_save
 from safetensors.torch import load_file, save_file
 from rest_framework.test import APIClient
-from transformers import AutoConfig
+from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from serving.wire.errors import InvalidInput, LimitExceeded
-from serving import services
+from serving import services, uploads
 from serving.engine.lora.artifact import adapter_digest, base_config_sha256, manifest_verify, manifest_write
-from serving.engine.lora.reader import load_adapter
+from serving.engine.lora.reader import BaseShapes, load_adapter
 from serving.models import Adapter, AdapterVersion, DeploymentEvent
 from tests.serving.conftest import BASE_ALIAS, adapter_files, config_with
 
@@ -417,4 +417,34 @@ def test_a_hostile_adapter_config_is_a_400_naming_the_file(client_a, adapter, pe
     assert response.status_code == 400, response.content[:500]
     error = response.json()["error"]
     assert error["code"] == code and message in error["message"], error
+    assert_nothing_left(storage)
+
+
+# --- the base model the upload is checked against ---------------------------------------------
+
+
+@pytest.mark.parametrize("config_class,fields", [
+    (LlamaConfig, {}),
+    (LlamaConfig, {"num_key_value_heads": 2, "head_dim": 24}),  # grouped KV heads, head_dim not hidden/heads
+    (Qwen2Config, {"num_key_value_heads": 2}),
+    (MistralConfig, {"num_key_value_heads": 1}),
+], ids=["llama", "llama-gqa-head-dim", "qwen2", "mistral"])
+def test_the_upload_check_reads_the_shapes_the_engine_reads(tmp_path, config_class, fields):
+    """The web process reads config.json itself (no transformers in it); the engine reads it through
+    AutoConfig: both must see the same layers and module shapes, or an accepted adapter fails to load."""
+    config_class(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                 **fields).save_pretrained(tmp_path)
+    assert uploads._base_shapes(tmp_path) == BaseShapes.from_config(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_a_missing_or_unreadable_base_model_is_a_503_naming_it(client_a, adapter, peft_adapter, storage, settings,
+                                                              tmp_path):
+    settings.BASE_MODEL_PATH = tmp_path
+    missing = upload(client_a, adapter_files(peft_adapter))
+    assert missing.status_code == 503 and missing.json()["error"]["code"] == "base_model_unavailable"
+    assert f"not available at {tmp_path}" in missing.json()["error"]["message"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    unreadable = upload(client_a, adapter_files(peft_adapter))
+    assert unreadable.status_code == 503 and unreadable.json()["error"]["code"] == "base_model_unavailable"
+    assert "config.json" in unreadable.json()["error"]["message"]
     assert_nothing_left(storage)
