@@ -149,6 +149,9 @@ class TrainingJobSerializer(serializers.ModelSerializer):
     validation_file = serializers.IntegerField(source="validation_dataset_id", allow_null=True)
     progress = serializers.SerializerMethodField()
     cancel_requested = serializers.SerializerMethodField()
+    interrupted = serializers.SerializerMethodField(
+        help_text="Set while a running job waits for a worker after its worker stopped cleanly (it resumes as soon "
+                  "as one runs): when it stopped, and the step it resumes from (its newest checkpoint; 0: the start).")
     error = serializers.SerializerMethodField()
     adapter_version = serializers.SerializerMethodField()
 
@@ -156,8 +159,8 @@ class TrainingJobSerializer(serializers.ModelSerializer):
         model = TrainingJob
         fields = ["id", "object", "status", "model", "adapter", "version", "fine_tuned_model", "training_file",
                   "validation_file", "validation_fraction", "hyperparameters", "seed", "progress", "trained_tokens",
-                  "attempts", "cancel_requested", "error", "adapter_version", "created_at", "started_at",
-                  "finished_at"]
+                  "attempts", "cancel_requested", "interrupted", "error", "adapter_version", "created_at",
+                  "started_at", "finished_at"]
         read_only_fields = fields
 
     def get_object(self, job: TrainingJob) -> str:
@@ -177,6 +180,14 @@ class TrainingJobSerializer(serializers.ModelSerializer):
 
     def get_cancel_requested(self, job: TrainingJob) -> bool:
         return job.cancel_requested_at is not None
+
+    @extend_schema_field(inline_serializer("TrainingJobInterruption", {
+        "at": serializers.DateTimeField(), "resumes_from_step": serializers.IntegerField()}, allow_null=True))
+    def get_interrupted(self, job: TrainingJob) -> dict[str, Any] | None:
+        if job.interrupted_at is None or job.status != TrainingJob.Status.RUNNING:
+            return None
+        newest = job.checkpoints.order_by("-step").values_list("step", flat=True).first()
+        return {"at": job.interrupted_at.isoformat(), "resumes_from_step": newest or 0}
 
     @extend_schema_field(OpenApiTypes.OBJECT)
     def get_error(self, job: TrainingJob) -> dict[str, Any] | None:

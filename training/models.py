@@ -106,6 +106,9 @@ class TrainingJob(models.Model):
     lease_token = models.CharField(max_length=32, blank=True, default="")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)
+    # Set when a run gave the job back because its worker stopped cleanly (lease released, task sent
+    # again, training.run); the next run's claim clears it. Meanwhile the job is running, waiting to resume.
+    interrupted_at = models.DateTimeField(null=True, blank=True)
 
     step = models.PositiveIntegerField(default=0)
     total_steps = models.PositiveIntegerField(null=True, blank=True)

@@ -5,6 +5,11 @@ delivery must hold the job's lease to run it: `training_job_claim` grants it whe
 heartbeat is fresh, so two runs never train one job at once, and a later run resumes from the last
 checkpoint. What the run publishes is idempotent too (training.publishing).
 
+A clean stop. When its worker stops (training.worker_stop), a run stops before its next step, saves
+a checkpoint of the steps done, releases the lease, marks the job `interrupted_at` and has its task
+sent again (`Claim.retry_in` 0): the next worker claims it at once instead of waiting for the lease
+to expire, and resumes from that checkpoint.
+
 The run never imports the job lifecycle (training.jobs): it ends the job itself, and asks
 training.concurrency to start the next one.
 """
@@ -44,6 +49,7 @@ from training.publishing import CancelledLate, artifact_prefix_of, own_artifact,
 from training.scratch import scratch_create
 from training.concurrency import training_jobs_dispatch
 from training.validation import iter_lines, iter_valid_examples
+from training.worker_stop import stop_requested
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +84,7 @@ def training_job_claim(*, job_id: int) -> Claim:
             after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
             return Claim(None, reason="the job was cancelled")
         lost = job.status == Status.RUNNING
+        interrupted = job.interrupted_at is not None
         token = secrets.token_hex(16)
         now = timezone.now()
         job.lease_token, job.heartbeat_at = token, now
@@ -85,8 +92,11 @@ def training_job_claim(*, job_id: int) -> Claim:
         job.status = Status.RUNNING
         job.started_at = job.started_at or now
         job.dispatched_at = job.dispatched_at or now
+        job.interrupted_at = None
         job.save()
-        if lost:
+        if interrupted:
+            event(job, f"A worker takes the job back after the clean stop; attempt {job.attempts} resumes it.")
+        elif lost:
             event(job, f"The previous worker stopped reporting; attempt {job.attempts} takes over.",
                   level=TrainingEvent.Level.WARNING)
         else:
@@ -98,8 +108,12 @@ def training_job_run(*, job_id: int) -> Claim:
     """Runs a job to its end for this delivery (the Celery task's body); returns the claim it got.
 
     A claim without a job means there is nothing to do now (finished, cancelled, or held by a
-    live run, in which case `retry_in` says when to look again).
+    live run, in which case `retry_in` says when to look again). A claim with a job and `retry_in`
+    is a run that gave the job back because its worker is stopping: the task is sent again at once.
     """
+    if stop_requested():
+        # Delivered as the worker stops: leave the job to the next worker.
+        return Claim(None, retry_in=0.0, reason="this worker is stopping")
     claim = training_job_claim(job_id=job_id)
     if claim.job is None:
         return claim
@@ -108,6 +122,10 @@ def training_job_run(*, job_id: int) -> Claim:
     try:
         with _heartbeat(job.pk, claim.token):
             _run_claimed(job, claim.token, workspace)
+    except _Interrupted as interruption:
+        _release_interrupted(job, claim.token, interruption.step)
+        # Sent again at once: the next worker takes the job as soon as it runs.
+        claim = Claim(job, token=claim.token, retry_in=0.0, reason="the worker stopped cleanly")
     except LeaseLost:
         logger.warning("Training job %s was taken over by another run; this run stops", job.pk)
     except CancelledLate:
@@ -151,8 +169,17 @@ def _heartbeat(job_id: int, token: str) -> Iterator[None]:
         thread.join()
 
 
+class _Interrupted(Exception):
+    """The run stopped for its worker's stop; `step` is what the newest checkpoint holds (0: none)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+
+
 def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
-    from training.trainer import CheckpointMismatch, LoraTrainer, TrainingSetupError, TrainingStopped, load_base
+    from training.trainer import (CheckpointMismatch, LoraTrainer, TrainingInterrupted, TrainingSetupError,
+                                  TrainingStopped, load_base)
 
     if job.version and own_artifact(job, job.version):
         event(job, f"Version {job.version} was already published by an earlier attempt; registering it.")
@@ -170,7 +197,7 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
             base, hp, seed=job.seed, train=train, valid=valid, hooks=hooks, work_dir=workspace / "run",
             fingerprint=_fingerprint(job), base_model_name=settings.BASE_MODEL_NAME,
             checkpoint_every=conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
-            log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"),
+            log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"), should_interrupt=stop_requested,
         )
         resume = _fetch_checkpoint(job, workspace)
         try:
@@ -186,6 +213,11 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
         hooks.raise_if_lease_lost()
         _end_cancelled(job, token)
         return
+    except TrainingInterrupted as interruption:
+        if interruption.__cause__ is not None:
+            logger.warning("Training job %s: no checkpoint could be saved on the worker's stop; it resumes from "
+                           "step %s", job.pk, interruption.step, exc_info=interruption.__cause__)
+        raise _Interrupted(interruption.step) from None
     publish_and_register(job, token, result.adapter_dir)
 
 
@@ -313,6 +345,22 @@ def _fetch_checkpoint(job: TrainingJob, workspace: Path) -> Path | None:
         return None
     event(job, f"Resuming from the checkpoint of step {checkpoint.step}.", data={"step": checkpoint.step})
     return target
+
+
+def _release_interrupted(job: TrainingJob, token: str, step: int) -> None:
+    """Gives the job back after a clean stop: no lease (the next claim is granted at once), the task
+    counted as sent now (the sweep re-sends it two leases on if it was lost), and the job says why."""
+    with transaction.atomic():
+        locked = TrainingJob.objects.select_for_update().get(pk=job.pk)
+        if locked.lease_token != token or locked.is_final:
+            return
+        now = timezone.now()
+        locked.lease_token, locked.interrupted_at, locked.dispatched_at = "", now, now
+        locked.estimated_finish = None
+        locked.save(update_fields=["lease_token", "interrupted_at", "dispatched_at", "estimated_finish"])
+        resume = f"the checkpoint of step {step}" if step else "the start"
+        event(locked, f"The worker stopped at step {step}; the job resumes from {resume} on the next worker.",
+              data={"step": step})
 
 
 def _end_cancelled(job: TrainingJob, token: str) -> None:

@@ -9,7 +9,7 @@ worker dies; the service makes any redelivery safe.
 from __future__ import annotations
 
 from celery import Task, shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_init, worker_ready
 
 from training import conf, datasets, run, scratch, sweep
 
@@ -26,13 +26,22 @@ def dataset_validate(dataset_id: int) -> None:
 def training_job_run(self: Task, job_id: int) -> None:
     claim = run.training_job_run(job_id=job_id)
     if claim.retry_in is not None:
-        # Another delivery's run still reports: look again once its lease would have expired.
+        # Another delivery's run still reports: look again once its lease would have expired. Or this
+        # worker is stopping (training.worker_stop): at once (0), for the next worker to take.
         raise self.retry(countdown=claim.retry_in)
 
 
 @shared_task(name="training.tasks.training_jobs_sweep", ignore_result=True)
 def training_jobs_sweep() -> None:
     sweep.training_jobs_sweep()
+
+
+@worker_init.connect
+def trainer_preload(**_: object) -> None:
+    """The trainer's imports (torch, transformers, PEFT: seconds, more on a loaded machine) in the
+    worker's main process before its pool forks, so a job's run, a resumed one above all, starts
+    without paying them. Imports only: CUDA must not be initialised before the fork."""
+    import training.trainer  # noqa: F401
 
 
 @worker_ready.connect

@@ -20,7 +20,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -107,6 +107,15 @@ class TrainResult:
 
 class TrainingStopped(Exception):
     """Raised when the hooks ask the loop to stop (cancellation) before the next step."""
+
+
+class TrainingInterrupted(Exception):
+    """Raised when the run is asked to give the job back (its worker is stopping), once the steps done
+    are in a checkpoint: `step` is the step it holds, which the next run resumes from."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
 
 
 class TrainingSetupError(ValueError):
@@ -239,7 +248,10 @@ class LoraTrainer:
 
     def __init__(self, base: LoadedBase, hp: Hyperparameters, *, seed: int, train: Sequence[EncodedExample],
                  valid: Sequence[EncodedExample], hooks: TrainingHooks, work_dir: Path, fingerprint: str,
-                 base_model_name: str, checkpoint_every: int, log_every: int) -> None:
+                 base_model_name: str, checkpoint_every: int, log_every: int,
+                 should_interrupt: Callable[[], bool] = lambda: False) -> None:
+        """`should_interrupt` is checked before every step, as the hooks' `should_stop` is: True saves a
+        checkpoint of the steps done (unless the last checkpoint holds them) and raises TrainingInterrupted."""
         if not train:
             raise TrainingSetupError("There are no training examples with tokens to learn from.")
         self.base = base
@@ -253,6 +265,7 @@ class LoraTrainer:
         self.base_model_name = base_model_name
         self.checkpoint_every = max(1, checkpoint_every)
         self.log_every = max(1, log_every)
+        self.should_interrupt = should_interrupt
         self.plan = RunPlan(len(self.train_examples), hp.batch_size, hp.n_epochs)
         tokenizer = base.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -283,6 +296,8 @@ class LoraTrainer:
         if resume_from is not None:
             step, trained_tokens = self._restore(model, optimizer, scheduler, resume_from)
         resumed_from = step if resume_from is not None else None
+        # The newest step a checkpoint holds (a fresh run's step 0 needs none).
+        saved_step = step
 
         model.train()
         window_loss, window_steps = 0.0, 0
@@ -293,6 +308,16 @@ class LoraTrainer:
         while step < total:
             if self.hooks.should_stop():
                 raise TrainingStopped()
+            if self.should_interrupt():
+                if step > saved_step:
+                    try:
+                        self._checkpoint(model, optimizer, scheduler, step, trained_tokens,
+                                         {"step": step, "train_loss": last_train_loss, "valid_loss": None,
+                                          "train_mean_token_accuracy": None})
+                    except Exception as error:
+                        # Not saved (storage away): the next run resumes from the newest one that was.
+                        raise TrainingInterrupted(saved_step) from error
+                raise TrainingInterrupted(step)
             epoch, position = divmod(step, self.plan.steps_per_epoch)
             order = orders.setdefault(epoch, _epoch_order(self.seed, epoch, self.plan.num_examples))
             picked = order[position * self.hp.batch_size:(position + 1) * self.hp.batch_size]
@@ -331,6 +356,7 @@ class LoraTrainer:
                 self._checkpoint(model, optimizer, scheduler, step, trained_tokens,
                                  {"step": step, "train_loss": last_train_loss, "valid_loss": valid_loss,
                                   "train_mean_token_accuracy": accuracy})
+                saved_step = step
 
         adapter_dir = self.work_dir / "adapter"
         model.peft_config["default"].base_model_name_or_path = self.base_model_name
