@@ -69,10 +69,12 @@ def test_more_adapters_than_the_pool_holds_are_served_peft_exact(
 
     stats = llm.llm_engine.stats()
     assert stats.lora_rows_total == rows and stats.max_loras == rows // 8
-    assert stats.slot_evictions > 0 and stats.slot_loads > len(adapters), "adapters were evicted and copied back"
+    # At most three of the seven fit at once: at least four were evicted to let the others in.
+    assert stats.slot_evictions >= len(adapters) - 3 and stats.slot_loads >= len(adapters)
     assert stats.lora_bytes_loaded > 0 and stats.lora_rows_used <= rows
     if device == "cuda":
         assert llm.llm_engine.runner.graphs is not None and llm.llm_engine.runner.graphs.replays > 0
+        assert stats.fill_waits > 0, "requests waited for copies landing on the copy stream"
     reference = PeftReference(tiny_llama_dir, adapters)
     tokenizer = llm.get_tokenizer()
     for prompt, lora, output in zip(prompts, loras, outputs):
