@@ -74,7 +74,6 @@ def test_more_adapters_than_the_pool_holds_are_served_peft_exact(
     assert stats.lora_bytes_loaded > 0 and stats.lora_rows_used <= rows
     if device == "cuda":
         assert llm.llm_engine.runner.graphs is not None and llm.llm_engine.runner.graphs.replays > 0
-        assert stats.fill_waits > 0, "requests waited for copies landing on the copy stream"
     reference = PeftReference(tiny_llama_dir, adapters)
     tokenizer = llm.get_tokenizer()
     for prompt, lora, output in zip(prompts, loras, outputs):
