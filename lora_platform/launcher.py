@@ -8,6 +8,11 @@ platform is worse than a stopped one. Each child runs in a process group of its 
 ends the whole group: a Celery worker's pool and beat processes go with it, even when the worker's
 main process was killed first.
 
+A clean stop is quick: the Celery worker's warm shutdown used to wait for a running training task,
+which runs for minutes, until the stop timeout killed it and left the job's lease to expire. Its
+run now stops before its next step, checkpoints, releases the lease and sends the job's task again
+(training.worker_stop); the worker gets WORKER_STOP_TIMEOUT_S for that, the others STOP_TIMEOUT_S.
+
 The children get this process's environment, REDIS_URL included: importing the settings starts the
 embedded Redis when REDIS_URL is unset and exports its URL, so every child shares that one server.
 That server keeps its data in var/redis/ (LORAPLEX_EMBEDDED_REDIS_PERSIST, set here), so tasks
@@ -41,6 +46,9 @@ DEMO_TENANT = "demo"
 ADMIN_USERNAME = "admin"
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0
+# One training step and a checkpoint's upload, for the Celery worker's running job (a larger base
+# model than the demo's takes longer than the others' stop).
+WORKER_STOP_TIMEOUT_S = 60.0
 SERVING_KEY_FILE = "serving-worker-api-key"
 
 
@@ -48,6 +56,7 @@ SERVING_KEY_FILE = "serving-worker-api-key"
 class ChildSpec:
     name: str
     argv: list[str]
+    stop_timeout_s: float = STOP_TIMEOUT_S
 
 
 def web_argv(host: str, port: int) -> list[str]:
@@ -71,7 +80,7 @@ def child_processes() -> list[ChildSpec]:
                              # One machine, one worker: it also runs the beat schedule (the
                              # training jobs sweep); compose runs beat as its own service.
                              "--beat", "--schedule", str(settings.VAR_DIR / "celerybeat-schedule"),
-                             "--hostname", f"worker-{os.getpid()}@%h"]),
+                             "--hostname", f"worker-{os.getpid()}@%h"], stop_timeout_s=WORKER_STOP_TIMEOUT_S),
         # REGISTRY_TOKEN and REDIS_URL reach it through the environment (see ensure_registry_token).
         ChildSpec("serving-worker", [python, "-m", "serving.engine.server",
                                      "--model", str(settings.BASE_MODEL_PATH),
@@ -191,12 +200,12 @@ class Supervisor:
     its own helpers gracefully), then SIGKILL to whatever is left of its process group."""
 
     def __init__(self, specs: list[ChildSpec]) -> None:
-        self.specs = specs
+        self.specs = {spec.name: spec for spec in specs}
         self.children: dict[str, subprocess.Popen] = {}
         self.stopping = False
 
     def start(self) -> None:
-        for spec in self.specs:
+        for spec in self.specs.values():
             # A session of its own: Ctrl-C reaches only the launcher, which stops each child once.
             self.children[spec.name] = subprocess.Popen(spec.argv, start_new_session=True)
 
@@ -213,18 +222,19 @@ class Supervisor:
         for child in self.children.values():
             if child.poll() is None:
                 child.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        started = time.monotonic()
         for name, child in self.children.items():
+            timeout = self.specs[name].stop_timeout_s
             try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+                child.wait(timeout=max(0.1, started + timeout - time.monotonic()))
             except subprocess.TimeoutExpired:
-                say(f"{name} did not stop within {STOP_TIMEOUT_S:.0f} s; killing it.")
+                say(f"{name} did not stop within {timeout:.0f} s; killing it.")
         # The group is the child's own (start_new_session): its pid is the group's id. What a child
         # that is gone left behind (a killed Celery worker's beat and pool) is asked to stop too.
         for child in self.children.values():
             if child.poll() is not None:
                 _signal_group(child.pid, signal.SIGTERM)
-        grace = max(deadline, time.monotonic() + 5)
+        grace = max(started + STOP_TIMEOUT_S, time.monotonic() + 5)
         for name, child in self.children.items():
             if not _group_ends(child.pid, grace):
                 say(f"{name} left processes that did not stop; killing them.")
@@ -291,9 +301,11 @@ def banner(base: str, demo_key: str | None, admin_password: str | None, serving_
     lines = [
         "",
         "Loraplex is up. Ctrl-C stops it.",
+        f"  Dashboard    {base}/   (sign in as the admin below)",
         f"  Admin        {base}/admin/",
         f"  API          {base}/api/v1/",
-        f"  API schema   {base}/api/schema/   (browsable: {base}/api/docs/)",
+        f"  API docs     {base}/api/docs/   (Swagger UI; Redoc: {base}/api/redoc/; schema: {base}/api/schema/)",
+        f"  Health       {base}/healthz (alive), {base}/readyz (ready to serve, each check's result)",
         f"  Serving      http://{WEB_HOST}:{SERVING_PORT}/v1/   (OpenAI-compatible serving worker, operator "
         f"only: {key_from}; metrics at /metrics)",
     ]
@@ -340,10 +352,10 @@ def main() -> int:
     base = f"http://{WEB_HOST}:{WEB_PORT}"
     try:
         supervisor.start()
-        if not wait_until_ready(supervisor, f"{base}/api/schema/"):
+        if not wait_until_ready(supervisor, f"{base}/healthz"):
             if supervisor.stopping:
                 return 0
-            say(f"The web app did not answer at {base}/api/schema/; stopping.")
+            say(f"The web app did not answer at {base}/healthz; stopping.")
             return 1
         say(banner(base, demo_key, admin_password, serving_key_file))
         while not supervisor.stopping:
