@@ -298,6 +298,9 @@ def _check_pool(
             raise ValueError(f"A[{i}] pool must be [P={pool_rows}, K={hidden}] like A[0], got {tuple(A.shape)}")
         if B.dim() != 2 or B.shape[0] != pool_rows:
             raise ValueError(f"B[{i}] pool must be [P={pool_rows}, N] (B transposed), got {tuple(B.shape)}")
+        if B.stride(1) != 1:
+            # The expand kernel reads a pool's rows as contiguous (a compile-time unit stride).
+            raise ValueError(f"B[{i}] pool's rows must be contiguous (stride 1 along N), got strides {B.stride()}")
         for name, t in ((f"A[{i}]", A), (f"B[{i}]", B)):
             if t.dtype != A0.dtype:
                 raise TypeError(f"{name} is {t.dtype} but A[0] is {A0.dtype}: all must share one dtype")

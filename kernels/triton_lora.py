@@ -248,12 +248,17 @@ def _expand_kernel(
 
     b_cols = _pick_ptr(pid_s, b0_ptr, b1_ptr, b2_ptr) + offs_r * _pick_int(pid_s, stride_br0, stride_br1, stride_br2)
     b_cols += first_row * _pick_int(pid_s, stride_bs0, stride_bs1, stride_bs2)
+    if HAS_ROWS:
+        # A pool's rows are contiguous (LoRAWeights checks it): a compile-time unit stride along n lets
+        # the compiler vectorise the loads of B^T, which a picked stride hides (3x slower on the H200).
+        stride_bn = 1
+    else:
+        stride_bn = _pick_int(pid_s, stride_bn0, stride_bn1, stride_bn2)
     h = acc.to(b0_ptr.dtype.element_ty)
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
     _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
-                    tl.minimum(n_lo + n_chunk, width), _pick_int(pid_s, off0, off1, off2),
-                    _pick_int(pid_s, stride_bn0, stride_bn1, stride_bn2), stride_yn, BLOCK_M, BLOCK_N, PREFETCH,
-                    PRECISION, UPCAST)  # fmt: skip
+                    tl.minimum(n_lo + n_chunk, width), _pick_int(pid_s, off0, off1, off2), stride_bn, stride_yn,
+                    BLOCK_M, BLOCK_N, PREFETCH, PRECISION, UPCAST)  # fmt: skip
 
 
 # True when TRITON_INTERPRET=1 was set before this module was imported: the kernels then run on CPU
@@ -461,7 +466,8 @@ def expand(
     max_rank: int | None = None,
 ) -> None:
     """``y[token(p), slice columns] += scaling[slot] * h[:, slice, p].sum(0) @ B_slice[slot]^T``.
-    ``Bs``: slot tensors ``[S, N, R]``, or with ``rows`` transposed row pools ``[P, N]``."""
+    ``Bs``: slot tensors ``[S, N, R]``, or with ``rows`` transposed row pools ``[P, N]`` with unit
+    stride along ``N``."""
     num_slices, rank = len(Bs), _full_rank(Bs[0], 2, rows, max_rank)
     ec = config or expand_config(meta, rank)
     precision, upcast = _precision(y.dtype)

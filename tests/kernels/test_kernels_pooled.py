@@ -279,6 +279,8 @@ BAD: dict[str, tuple[Callable[[PoolCase], tuple[LoRAWeights, torch.Tensor]], str
                           r"A\[1\] pool must be \[P=\d+, K=16\] like A\[0\]"),
     "Bt pool's P differs": (lambda p: (_weights(p, Bs=[p.Bs[0], p.Bs[1][:-1]]), p.x),
                             r"B\[1\] pool must be \[P=\d+, N\] \(B transposed\)"),
+    "Bt pool's rows strided": (lambda p: (_weights(p, Bs=[p.Bs[0], p.Bs[1].repeat(1, 2)[:, ::2]]), p.x),
+                               r"B\[1\] pool's rows must be contiguous \(stride 1 along N\)"),
     "slot tensors with rows": (lambda p: (_weights(p, As=[A[None] for A in p.As]), p.x), r"A pool must be \[P, K\]"),
     "rows int64": (lambda p: (_weights(p, rows=p.rows.long()), p.x), r"rows must be an int32 tensor \[S=3\]"),
     "rows length": (lambda p: (_weights(p, rows=p.rows[:2]), p.x), r"rows must be an int32 tensor \[S=3\]"),
