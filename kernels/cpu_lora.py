@@ -60,9 +60,9 @@ LOOP_GROUP_MACS = 1 << 20
 
 @dataclass(frozen=True)
 class _Grid:
-    """Tokens laid out ``[slots of the span, size]``, one row per slot of ``span``, each group's
-    tokens first, then padding (repeats of a token); padded cells are computed and dropped before
-    anything is added to ``y``."""
+    """Tokens laid out ``[slots of the span, size]``, one row per slot of ``span`` (a pool's grid: one
+    row per slot of ``slots``), each group's tokens first, then padding (repeats of a token); padded
+    cells are computed and dropped before anything is added to ``y``."""
 
     slots: list[int]  # the groups' slots: ascending, or a pool's in pool order
     span: slice | None  # the slot tensors' rows the grid covers (its first to its last slot); None in a pool
