@@ -2,9 +2,10 @@
 (the launcher's, compose's and the image's command line: lora_platform.launcher.web_argv).
 
 `application` is Django behind the gateway's completion routes, all of it behind the body limit
-(lora_platform.body_limit), so no route buffers an oversized body. `HTTPProtocol` is uvicorn's
-h11 protocol with a header-read timeout, the keep-alive timeout and a per-client connection cap
-from the settings (serving.http_guard, docs/web-server.md).
+(lora_platform.body_limit), so no route buffers an oversized body, and the access log in front
+(serving.wire.access_log: one line per request, its X-Request-ID taken or minted and returned).
+`HTTPProtocol` is uvicorn's h11 protocol with a header-read timeout, the keep-alive timeout and a
+per-client connection cap from the settings (serving.http_guard, docs/web-server.md).
 """
 
 import os
@@ -26,8 +27,12 @@ if settings.SERVE_STATIC:
 # Django's middleware thread hops (and never serve a static file); see serving.gateway.asgi.
 from lora_platform.body_limit import BodyLimit  # noqa: E402
 from serving.gateway.asgi import GatewayRoutes  # noqa: E402
+from serving.wire.access_log import AccessLog  # noqa: E402
 
-application = BodyLimit(GatewayRoutes(django_application))
+# Probes and scrapes: their access lines are DEBUG.
+_QUIET_PATHS = ("/metrics", "/healthz", "/readyz")
+application = AccessLog(BodyLimit(GatewayRoutes(django_application)), logger="lora_platform.access",
+                        quiet=_QUIET_PATHS)
 
 HTTPProtocol = guarded_h11_protocol(header_timeout_s=settings.WEB_HEADER_TIMEOUT_SECONDS,
                                     keep_alive_s=settings.WEB_KEEP_ALIVE_SECONDS,

@@ -7,6 +7,8 @@ canary), so even a buggy caller cannot store an impossible state.
 
 from __future__ import annotations
 
+import uuid
+
 from django.db import models
 from django.db.models import Q
 
@@ -170,6 +172,10 @@ class DeploymentEvent(models.Model):
         return f"{self.tenant.slug}/{self.adapter_name} {self.kind} {change}".strip()
 
 
+def usage_record_id() -> str:
+    return uuid.uuid4().hex
+
+
 class UsageRecord(models.Model):
     """One request through the public gateway: who asked, what served it, what it used.
 
@@ -186,7 +192,11 @@ class UsageRecord(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
     # The key's public prefix (`lp-<prefix>…`); text, so revoking or deleting a key keeps its usage.
     api_key_prefix = models.CharField(max_length=16)
-    request_id = models.CharField(max_length=64, unique=True)
+    # The record's own id, minted by the gateway with it: a record pushed twice is written once.
+    record_id = models.CharField(max_length=64, unique=True, default=usage_record_id)
+    # The request's X-Request-ID (serving.wire.request_ids), as in both processes' access lines; the
+    # caller may have chosen it, so it may repeat.
+    request_id = models.CharField(max_length=64, db_index=True)
     endpoint = models.CharField(max_length=32)
     # What the caller asked for (`support-bot`), and what served it (empty for the base model).
     model = models.CharField(max_length=200)

@@ -66,7 +66,8 @@ def _redis() -> redis.Redis:
 
 def _record(event: UsageEvent) -> UsageRecord:
     return UsageRecord(
-        tenant_id=event.tenant_id, api_key_prefix=event.api_key_prefix, request_id=event.request_id,
+        tenant_id=event.tenant_id, api_key_prefix=event.api_key_prefix, record_id=event.record_id,
+        request_id=event.request_id,
         endpoint=event.endpoint, model=event.model[:200], adapter=event.adapter, version=event.version,
         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens, status=event.status,
         http_status=event.http_status, latency_ms=event.latency_ms, ttft_ms=event.ttft_ms, degraded=event.degraded,
@@ -78,7 +79,7 @@ def usage_records_flush(*, batch: int | None = None) -> int:
     """Move every queued usage record into the database, `batch` rows per insert; how many.
 
     A batch the database refuses goes back on the queue for the next flush. Records of a tenant
-    deleted meanwhile are dropped, and a record already written (same request id) is not repeated.
+    deleted meanwhile are dropped, and a record already written (same record id) is not repeated.
     """
     size = batch or settings.GATEWAY.usage_batch
     written = 0

@@ -44,6 +44,7 @@ from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
 from serving.gateway.usage_log import UsageEvent, usage_push
 from serving.gateway.version_pick import ServedVersion, pick_version
+from serving.wire.access_log import access_note
 from serving.wire.registry import api_key_id
 
 log = logging.getLogger(__name__)
@@ -328,6 +329,7 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
     caller = await res.catalog.caller_for(authorization)
     body = decode_body(raw_body)  # checked once: serving.gateway.request_fields
     model = body["model"]
+    access_note(tenant=caller.tenant, model=model)
     try:
         target = await res.catalog.target_for(caller, model)
     except GatewayError as error:

@@ -1,12 +1,17 @@
 """Usage records off the request path: each finished request appends one JSON record to a Redis
 list (one RPUSH, pipelined with the token refund), and a flusher moves them to the database in
 batches (serving.usage). Redis holds what is not written yet, so a web process that dies loses
-nothing it had recorded, and any process may flush what another recorded."""
+nothing it had recorded, and any process may flush what another recorded.
+
+A record carries the request's id (X-Request-ID, which a caller may choose, so it may repeat) and
+an id of its own, minted with it (`record_id`): a record pushed twice (kept in memory while Redis
+seemed away, though the push had reached it) is written once."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import uuid
+from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import redis
@@ -33,6 +38,8 @@ class UsageEvent:
     degraded: bool
     worker: str
     created_at: float  # unix seconds
+    # Records queued by a process from before record ids get one when read.
+    record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

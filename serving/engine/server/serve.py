@@ -38,7 +38,7 @@ _SWITCH_INTERVAL_S = 0.0005
 # cancels them: only a response that ignores the abort would ever need it.
 _BACKSTOP_S = 5.0
 # Probes and scrapes: their access lines are DEBUG (serving.wire.access_log).
-_QUIET_PATHS = ("/health", "/metrics")
+_QUIET_PATHS = ("/health", "/healthz", "/readyz", "/metrics")
 
 
 class _WorkerServer(uvicorn.Server):
