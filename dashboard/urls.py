@@ -3,7 +3,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard.views import account, adapters, datasets, overview, playground, tenants, training, usage
+from dashboard.views import account, adapters, datasets, guides, overview, playground, tenants, training, usage
 
 app_name = "dashboard"
 
@@ -37,7 +37,11 @@ urlpatterns = [
     path("usage.csv", usage.usage_csv_view, name="usage-csv"),
     path("keys/", tenants.api_key_list_view, name="keys"),
     path("keys/create/", tenants.api_key_create_view, name="key-create"),
+    path("keys/<int:key_id>/limits/", tenants.api_key_update_view, name="key-update"),
     path("keys/<int:key_id>/revoke/", tenants.api_key_revoke_view, name="key-revoke"),
+    path("guides/", guides.guide_index_view, name="guides"),
+    path("guides/screenshots/<str:name>", guides.guide_screenshot_view, name="guide-screenshot"),
+    path("guides/<slug:name>/", guides.guide_view, name="guide"),
     path("members/", tenants.member_list_view, name="members"),
     path("members/add/", tenants.member_add_view, name="member-add"),
     path("members/<int:membership_id>/role/", tenants.member_role_view, name="member-role"),

@@ -149,6 +149,13 @@ def usage_tokens_since(*, tenant: Tenant, since: datetime) -> int:
     return (totals["prompt"] or 0) + (totals["completion"] or 0)
 
 
+def usage_tokens_by_key_since(*, tenant: Tenant, since: datetime) -> dict[str, int]:
+    """The tenant's recorded tokens since `since` per API key prefix (the keys page's month's spend)."""
+    rows = (UsageRecord.objects.for_tenant(tenant).filter(created_at__gte=since).values("api_key_prefix")
+            .annotate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")))
+    return {row["api_key_prefix"]: (row["prompt"] or 0) + (row["completion"] or 0) for row in rows}
+
+
 def usage_by_version(*, adapter: Adapter, versions: list[str], since: datetime) -> dict[str, dict[str, Any]]:
     """Per version of the adapter since `since`: requests, error rate, p50/p95 latency (ms), tokens.
 

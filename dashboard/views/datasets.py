@@ -56,15 +56,23 @@ def _dataset_upload(request: DashboardRequest) -> HttpResponse:
     except ServiceError as error:
         messages.error(request, error.message)
         return htmx_redirect(request, reverse("dashboard:datasets"))
-    messages.success(request, f"Uploaded {dataset.filename}; validating it now.")
+    # Shown while the dataset validates (app.js drops it once the page shows another state).
+    messages.success(request, f"Uploaded {dataset.filename}; validating it now.",
+                     extra_tags=f"dataset-{dataset.pk}:uploaded,validating")
     return htmx_redirect(request, reverse("dashboard:dataset", args=[dataset.pk]))
 
 
 @dashboard_view(Role.VIEWER)
 def dataset_detail_view(request: DashboardRequest, dataset_id: int) -> HttpResponse:
+    """The dataset's page; to htmx's poll (every 2 s while it validates) its report, and once
+    validation has ended its actions too ("Train on it")."""
     dataset = selectors.dataset_get(tenant=request.dashboard.tenant, dataset_id=dataset_id)
     template = "dashboard/datasets/_report.html" if is_htmx(request) else "dashboard/datasets/detail.html"
-    return render(request, template, _dataset_context(dataset) | {"nav": "datasets"})
+    context = _dataset_context(dataset)
+    # The poll that finds validation over is the last one (the report it gets polls no more): it
+    # brings the page's actions too.
+    return render(request, template, context | {"validated_now": is_htmx(request) and not context["pending"],
+                                                "nav": "datasets"})
 
 
 def _dataset_context(dataset: Dataset) -> dict[str, Any]:

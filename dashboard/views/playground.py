@@ -6,14 +6,15 @@ The page holds no model call: the browser calls `/v1/chat/completions` itself wi
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
-from serving import selectors
-from serving.models import Adapter
+from serving.gateway import catalog
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 
@@ -21,29 +22,40 @@ PLAYGROUND_SESSION_KEY = "playground_keys"
 PLAYGROUND_MAX_TOKENS = 64
 
 
-def _model_choices(adapters: list[Adapter]) -> list[dict[str, str]]:
-    """What the playground may call: the base, each deployed adapter (weighted), each served version pinned."""
-    choices = [{"value": settings.BASE_MODEL_NAME, "label": f"Base model ({settings.BASE_MODEL_NAME})"}]
-    for adapter in adapters:
-        active, canary = selectors.adapter_served_prefetched(adapter)
-        if active is None:
-            continue
-        split = f", canary {canary.version} at {round(100 * canary.canary_weight)}%" if canary else ""
-        choices.append({"value": adapter.name, "label": f"{adapter.name} (active {active.version}{split})"})
-        for version in (active, canary):
-            if version is not None:
-                choices.append({"value": f"{adapter.name}@{version.version}",
-                                "label": f"{adapter.name}@{version.version} ({version.status})"})
-    return choices
+_STATUS_WORDS = {"ready": "ready, not deployed", "deprecated": "deprecated"}
+
+
+def _label(model: catalog.Servable) -> str:
+    if model.kind == "base":
+        base = settings.BASE_MODEL_NAME
+        return f"Base model ({base})" if model.model == base else f"{model.model} (alias of {base})"
+    if model.kind == "adapter":
+        split = f", canary {model.canary} at {round(100 * model.canary_weight)}%" if model.canary else ""
+        return f"{model.model} (active {model.version}{split})"
+    return f"{model.model} ({_STATUS_WORDS.get(model.status or '', model.status)})"
+
+
+def model_choices(tenant_id: int) -> list[dict[str, Any]]:
+    """What the playground may call, grouped: everything the gateway serves to the tenant
+    (serving.gateway.catalog.servable_models): the base model, each deployed adapter (its traffic
+    split), each version not archived, pinned (ready and deprecated ones included)."""
+    groups = {"base": "Base model", "adapter": "Deployed adapters (active and canary by weight)",
+              "pinned": "Pinned versions"}
+    models = catalog.servable_models(tenant_id)
+    return [{"kind": kind, "label": label, "choices": [{"value": model.model, "label": _label(model)}
+                                         for model in models if model.kind == kind]}
+            for kind, label in groups.items() if any(model.kind == kind for model in models)]
 
 
 @dashboard_view(Role.MEMBER)
 def playground_view(request: DashboardRequest) -> HttpResponse:
     tenant = request.dashboard.tenant
-    choices = _model_choices(list(selectors.adapter_list(tenant=tenant)))
-    first_adapter = next((item["value"] for item in choices[1:] if "@" not in item["value"]), choices[0]["value"])
+    groups = model_choices(tenant.pk)
+    values = [choice["value"] for group in groups for choice in group["choices"]]
+    deployed: list[dict[str, str]] = next((group["choices"] for group in groups if group["kind"] == "adapter"), [])
     return render(request, "dashboard/playground.html", {
-        "choices": choices, "left": first_adapter, "right": settings.BASE_MODEL_NAME,
+        "groups": groups, "left": deployed[0]["value"] if deployed else values[0],
+        "right": settings.BASE_MODEL_NAME,
         "max_tokens": min(PLAYGROUND_MAX_TOKENS, tenant.tier.max_tokens_per_request),
         "tier_max_tokens": tenant.tier.max_tokens_per_request, "nav": "playground",
     })

@@ -18,7 +18,7 @@ from django.views.decorators.http import require_POST
 from dashboard.htmx import is_htmx
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from serving.wire.errors import InvalidInput, ServiceError
-from training import jobs, selectors
+from training import conf, jobs, selectors
 from training.hyperparameters import ALL_LINEAR, SUPPORTED_TARGET_MODULES, Hyperparameters
 from training.models import Dataset, TrainingJob
 
@@ -104,18 +104,22 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
         )
     except ServiceError as error:
         return render(request, "dashboard/training/new.html", _job_form_context(request, values, error), status=400)
-    messages.success(request, f"Training job {job.pk} is queued.")
+    # Shown while the job is queued (app.js drops it once the page shows another state: the job may
+    # even have finished before its page first loads).
+    messages.success(request, f"Training job {job.pk} is queued.", extra_tags=f"job-{job.pk}:queued")
     return redirect("dashboard:job", job.pk)
 
 
 def _job_context(job: TrainingJob) -> dict[str, Any]:
     return {"job": job, "metrics": selectors.job_metrics(job=job), "events": selectors.job_events(job=job)[:50],
             "checkpoints": selectors.job_checkpoints(job=job), "active": not job.is_final,
+            "checkpoint_every": conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
             "percent": round(100 * job.step / job.total_steps) if job.total_steps else 0}
 
 
 @dashboard_view(Role.VIEWER)
 def job_detail_view(request: DashboardRequest, job_id: int) -> HttpResponse:
+    """The job's page; to htmx's poll (every 2 s while it runs) its progress."""
     job = selectors.job_get(tenant=request.dashboard.tenant, job_id=job_id)
     template = "dashboard/training/_progress.html" if is_htmx(request) else "dashboard/training/detail.html"
     return render(request, template, _job_context(job) | {"nav": "training"})

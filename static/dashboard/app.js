@@ -4,14 +4,63 @@
 (function () {
   "use strict";
 
-  // Forms with data-confirm ask first; capture phase, so it runs before htmx sees the submit.
+  // Forms with data-confirm ask first; capture phase, so it runs before htmx sees the submit. Those
+  // with data-ask-reason or an input[data-ask-weight] ask in the page's action dialog, which takes a
+  // reason for the audit trail and a canary's share of traffic into the form; the others ask with
+  // window.confirm. Without JavaScript the forms submit as they are (no reason, the default weight).
   document.addEventListener("submit", function (event) {
     var form = event.target;
-    if (form.dataset && form.dataset.confirm && !window.confirm(form.dataset.confirm)) {
-      event.preventDefault();
-      event.stopImmediatePropagation();
+    if (!form.dataset || !form.dataset.confirm) return;
+    if (form.dataset.confirmed) {
+      delete form.dataset.confirmed;
+      return;
     }
+    var dialog = document.getElementById("action-dialog");
+    var weight = form.querySelector("[data-ask-weight]");
+    var asksReason = form.dataset.askReason !== undefined;
+    event.preventDefault();
+    event.stopImmediatePropagation();
+    if (!dialog || typeof dialog.showModal !== "function" || (!asksReason && !weight)) {
+      if (window.confirm(form.dataset.confirm)) submitConfirmed(form);
+      return;
+    }
+    askInDialog(dialog, form, weight, asksReason);
   }, true);
+
+  function submitConfirmed(form) {
+    form.dataset.confirmed = "1";
+    form.requestSubmit();
+  }
+
+  function askInDialog(dialog, form, weight, asksReason) {
+    var weightInput = document.getElementById("action-dialog-weight");
+    var reasonInput = document.getElementById("action-dialog-reason");
+    document.getElementById("action-dialog-text").textContent = form.dataset.confirm;
+    document.getElementById("action-dialog-weight-field").hidden = !weight;
+    weightInput.disabled = !weight;
+    if (weight) weightInput.value = weight.value;
+    document.getElementById("action-dialog-reason-field").hidden = !asksReason;
+    reasonInput.value = "";
+    dialog.returnValue = "";
+    dialog.onclose = function () {
+      dialog.onclose = null;
+      if (dialog.returnValue !== "ok") return;
+      if (weight) weight.value = weightInput.value;
+      var reason = form.querySelector("input[name=reason]");
+      if (reason) reason.value = reasonInput.value.trim();
+      submitConfirmed(form);
+    };
+    dialog.showModal();
+    (weight ? weightInput : reasonInput).focus();
+  }
+
+  // "Limits" on the keys page opens the key's form below the table.
+  document.addEventListener("click", function (event) {
+    var link = event.target.closest("[data-open-details]");
+    if (!link) return;
+    var details = document.querySelector(link.getAttribute("href"));
+    if (details) details.open = true;
+  });
 
   document.addEventListener("change", function (event) {
     var target = event.target;
@@ -300,7 +349,21 @@
     });
   }
 
+  // A flash message about a state ("queued", "validating it now") carries data-while="<thing>:<states>";
+  // once the page shows that thing (data-state-of) in another state, the message is out of date and goes.
+  function dropStaleFlash() {
+    var flash = document.getElementById("flash");
+    if (!flash) return;
+    flash.querySelectorAll("[data-while]").forEach(function (item) {
+      var parts = item.dataset.while.split(":");
+      var shown = document.querySelector('[data-state-of="' + parts[0] + '"]');
+      if (shown && parts[1].split(",").indexOf(shown.dataset.state) < 0) item.remove();
+    });
+    flash.hidden = !flash.children.length;
+  }
+
   function setup() {
+    dropStaleFlash();
     setupDropzones();
     renderLossChart();
     renderUsageChart();

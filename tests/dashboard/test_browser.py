@@ -18,21 +18,17 @@ widths. Chromium missing: skipped with the package to install, except under CI=t
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
+from tests.dashboard.browser_support import LAPTOP, Shots, confirm_action, launched_browser
+
 BASE_MODEL_NAME = "tiny-llama"
 PASSWORD = "correct-horse-battery"
 WORKER_KEY = "dashboard-test-worker-key"
-LAPTOP = {"width": 1280, "height": 860}
-PHONE = {"width": 390, "height": 844}
 # Generous: the CI machine is shared, and a cold tiny-model training step can take seconds there.
 WAIT_MS = 180_000
 
@@ -45,37 +41,9 @@ GOOD = "".join(json.dumps({"messages": [{"role": "system", "content": "Answer br
 BROKEN = GOOD.splitlines(keepends=True)[0] + '{"messages": [{"role": "user", "content": "cut off"\n' + GOOD
 
 
-def _require_chromium() -> None:
-    if CHROMIUM.exists():
-        return
-    message = f"{CHROMIUM} is missing: install Debian's 'chromium' package (apt-get install -y chromium)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    _require_chromium()
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API runs an event loop in this thread, and Django then refuses database calls
-    # here (fixtures, the in-thread worker's setup) as if they came from async code. Nothing async of
-    # ours runs in this thread, so the check is off while the browser is up (Django's documented switch).
-    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        with sync_playwright() as playwright:
-            launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS)
-            try:
-                yield launched
-            finally:
-                launched.close()
-    finally:
-        if previous is None:
-            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-        else:
-            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
+    yield from launched_browser()
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +60,7 @@ def platform(settings, base_model_dir: Path, tmp_path: Path) -> None:
     settings.STORAGE_URL = f"file://{tmp_path / 'storage'}"
     settings.S3_ENDPOINT_URL = None
     settings.TRAINING_LOG_EVERY_STEPS = 1  # a chart point per step
+    settings.TRAINING_CHECKPOINT_EVERY_STEPS = 4  # checkpoints the finished job's page lists
 
 
 @pytest.fixture
@@ -127,33 +96,6 @@ def owner(transactional_db):
                                                 password=PASSWORD)
     Membership.objects.create(user=user, tenant=tenant, role="owner")
     return user
-
-
-class Shots:
-    """Saves a page at laptop and phone widths when LORAPLEX_SCREENSHOTS names a directory."""
-
-    def __init__(self, browser) -> None:
-        directory = os.environ.get("LORAPLEX_SCREENSHOTS")
-        self.directory = Path(directory) if directory else None
-        self.browser = browser
-
-    def take(self, page, name: str, *, phone_too: bool = True) -> None:
-        """`phone_too=False` for a page that is the answer to a POST (it cannot be loaded again)."""
-        if self.directory is None:
-            return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(self.directory / f"{name}.png"), full_page=True)
-        if not phone_too:
-            return
-        phone = self.browser.new_context(viewport=PHONE, storage_state=page.context.storage_state())
-        try:
-            other = phone.new_page()
-            other.goto(page.url)
-            other.wait_for_load_state("networkidle")
-            other.wait_for_timeout(300)
-            other.screenshot(path=str(self.directory / f"{name}-phone.png"), full_page=True)
-        finally:
-            phone.close()
 
 
 def _drop_file(page, selector: str, name: str, content: str) -> None:
@@ -260,6 +202,14 @@ def test_the_tenant_journey(browser, web, celery_worker, owner, base_model_dir, 
         f"() => Number(document.getElementById('loss-chart').dataset.points || 0) === {logged}")
     expect(page.locator("#loss-chart canvas")).to_be_visible()
     assert logged >= first
+    # The kept checkpoints (TRAINING_CHECKPOINTS_KEPT, the newest two), and the "queued" flash gone.
+    from training.models import Checkpoint
+
+    kept = [str(step) for step in Checkpoint.objects.filter(job__adapter_name="support-bot")
+            .order_by("-step").values_list("step", flat=True)]
+    assert len(kept) == 2
+    expect(page.locator("#job-checkpoints tbody tr td:first-child")).to_have_text(kept)
+    expect(page.locator("#flash")).to_be_hidden()
     shots.take(page, "training-job")
     page.goto(f"{url}/training/")
     shots.take(page, "training")
@@ -267,6 +217,7 @@ def test_the_tenant_journey(browser, web, celery_worker, owner, base_model_dir, 
     # Deploy the produced version.
     page.goto(f"{url}/adapters/support-bot/")
     page.click("tr[data-version='1.0.0'] >> button:has-text('Deploy')")
+    confirm_action(page, reason="first release")
     expect(page.locator(".side-active .version-big")).to_have_text("1.0.0")
 
     # Upload a second version (a PEFT adapter made elsewhere) and start it as a canary.
@@ -279,6 +230,7 @@ def test_the_tenant_journey(browser, web, celery_worker, owner, base_model_dir, 
     page.click(".upload-version button[type=submit]")
     expect(page.locator("tr[data-version='1.0.1']")).to_contain_text("Upload")
     page.click("tr[data-version='1.0.1'] >> button:has-text('Canary')")
+    confirm_action(page, weight=10)
     expect(page.locator(".side-canary .version-big")).to_have_text("1.0.1")
 
     # The slider sets the canary's weight.
@@ -288,13 +240,16 @@ def test_the_tenant_journey(browser, web, celery_worker, owner, base_model_dir, 
         page.keyboard.press("ArrowRight")
     expect(page.locator("#canary-weight-value")).to_have_text("30%")
     page.click("button:has-text('Set weight')")
+    confirm_action(page)
     expect(page.locator("#serving .card-head")).to_contain_text("30% of traffic to the canary")
     shots.take(page, "adapter-canary")
 
     # Promote, then roll back: the timeline shows both.
     page.click("button:has-text('Promote 1.0.1')")
+    confirm_action(page)
     expect(page.locator(".side-active .version-big")).to_have_text("1.0.1")
     page.click("button:has-text('Roll back to 1.0.0')")
+    confirm_action(page, reason="back to the trained one")
     expect(page.locator(".side-active .version-big")).to_have_text("1.0.0")
     timeline = page.locator("#timeline li strong")
     expect(timeline.nth(0)).to_have_text("Rollback")

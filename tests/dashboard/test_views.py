@@ -149,6 +149,31 @@ def test_a_new_key_is_shown_once_and_can_be_revoked(as_user, people, tenant_a):
     assert key.revoked_at is not None
 
 
+def test_a_keys_limits_are_changed_by_owners_only_and_a_refusal_shows_on_its_form(as_user, people, tenant_a,
+                                                                                  tenant_b):
+    key = ApiKey.objects.get(tenant=tenant_a.tenant)
+    url = reverse("dashboard:key-update", args=[key.pk])
+    assert as_user(people.member).post(url, {"requests_per_minute": "5"}).status_code == 403
+    owner = as_user(people.owner)
+    refused = owner.post(url, {"requests_per_minute": "5000", "monthly_token_budget": "10"})
+    assert refused.status_code == 400
+    assert refused.context["error_key"] == key.pk and b"above the &#x27;standard&#x27; tier" in refused.content
+    key.refresh_from_db()
+    assert (key.requests_per_minute, key.monthly_token_budget) == (None, None)
+    saved = owner.post(url, {"requests_per_minute": "5", "allowed_models": "support-bot\nsql-bot@1.0.0, x",
+                             "expires_at": "2099-01-31T12:30", "reason": "rotation"}, follow=True)
+    assert b"expires at, allowed models, requests per minute saved" in saved.content
+    key.refresh_from_db()
+    assert (key.requests_per_minute, key.allowed_models, key.expires_at.isoformat()) == (
+        5, ["support-bot", "sql-bot@1.0.0", "x"], "2099-01-31T12:30:00+00:00")
+    # The form sends every field; unchanged ones change nothing (no audit event of their own).
+    again = owner.post(url, {"requests_per_minute": "5", "allowed_models": "support-bot, sql-bot@1.0.0, x",
+                             "expires_at": "2099-01-31T12:30"}, follow=True)
+    assert b"nothing to change" in again.content
+    bobs = ApiKey.objects.get(tenant=tenant_b.tenant)
+    assert owner.post(reverse("dashboard:key-update", args=[bobs.pk]), {"requests_per_minute": "1"}).status_code == 404
+
+
 def test_the_switcher_changes_tenant_only_to_the_users_own(as_user, people, tenant_a, tenant_b):
     from tenants.authentication import SESSION_TENANT_KEY
     from tenants.models import Membership
@@ -271,7 +296,8 @@ POST_ROUTES = [
     ("dashboard:job-create", []), ("dashboard:job-cancel", [1]), ("dashboard:adapter-create", []),
     ("dashboard:adapter-upload", ["x"]), ("dashboard:adapter-deploy", ["x"]), ("dashboard:adapter-canary", ["x"]),
     ("dashboard:adapter-promote", ["x"]), ("dashboard:adapter-abort", ["x"]), ("dashboard:adapter-rollback", ["x"]),
-    ("dashboard:adapter-archive", ["x"]), ("dashboard:key-create", []), ("dashboard:key-revoke", [1]),
+    ("dashboard:adapter-archive", ["x"]), ("dashboard:key-create", []), ("dashboard:key-update", [1]),
+    ("dashboard:key-revoke", [1]),
     ("dashboard:logout", []), ("dashboard:playground-key", []), ("dashboard:member-add", []),
     ("dashboard:member-role", [1]), ("dashboard:member-remove", [1]),
 ]
@@ -289,7 +315,7 @@ def test_every_post_route_is_covered_by_the_csrf_test():
 
     posted = {name for name, _ in POST_ROUTES}
     reads = {"overview", "login", "datasets", "dataset", "jobs", "job-new", "job", "adapters", "adapter", "keys",
-             "playground", "usage", "usage-csv", "members"}
+             "playground", "usage", "usage-csv", "members", "guides", "guide", "guide-screenshot"}
     assert {f"dashboard:{item.name}" for item in dashboard_urls.urlpatterns} == posted | {f"dashboard:{n}" for n in reads}
 
 
@@ -371,16 +397,36 @@ def test_the_playground_key_is_inference_only_reused_and_replaced_when_revoked(a
     assert third != second and live.count() == 1
 
 
-def test_the_playground_offers_the_base_deployed_adapters_and_their_served_versions(as_user, people, tenant_a,
-                                                                                     make_version, settings):
+def test_the_playground_offers_every_model_the_gateway_serves_to_the_tenant(as_user, people, tenant_a, tenant_b,
+                                                                           make_version, settings):
+    from serving.gateway import catalog
+
+    settings.BASE_MODEL_ALIASES = ["example-org/tiny-chat"]
     adapter = registry.adapter_create(tenant=tenant_a.tenant, name="support-bot")
     registry.adapter_version_deploy(version=make_version(adapter, "1.0.0"), actor="test")
     registry.adapter_canary_start(version=make_version(adapter, "1.1.0"), weight=0.25, actor="test")
-    registry.adapter_create(tenant=tenant_a.tenant, name="not-deployed")
+    make_version(adapter, "1.2.0")  # ready: pinned, never deployed
+    registry.adapter_version_archive(version=make_version(adapter, "0.9.0"), actor="test")
+    undeployed = registry.adapter_create(tenant=tenant_a.tenant, name="not-deployed")
+    make_version(undeployed, "1.0.0")
+    registry.adapter_create(tenant=tenant_a.tenant, name="empty")
+    bobs = registry.adapter_create(tenant=tenant_b.tenant, name="bobs-bot")
+    registry.adapter_version_deploy(version=make_version(bobs, "1.0.0"), actor="test")
+
     page = as_user(people.member).get(reverse("dashboard:playground"))
-    values = [choice["value"] for choice in page.context["choices"]]
-    assert values == [settings.BASE_MODEL_NAME, "support-bot", "support-bot@1.0.0", "support-bot@1.1.0"]
-    assert b"canary 1.1.0 at 25%" in page.content
+    groups = {group["kind"]: [choice["value"] for choice in group["choices"]] for group in page.context["groups"]}
+    assert groups == {
+        "base": [settings.BASE_MODEL_NAME, "example-org/tiny-chat"],
+        "adapter": ["support-bot"],
+        "pinned": ["not-deployed@1.0.0", "support-bot@1.2.0", "support-bot@1.1.0", "support-bot@1.0.0"],
+    }
+    assert b"support-bot (active 1.0.0, canary 1.1.0 at 25%)" in page.content
+    assert b"support-bot@1.2.0 (ready, not deployed)" in page.content
+    # Each is a name the gateway resolves for the tenant's key (its catalog, as a request would).
+    caller = catalog._load_caller(f"Bearer {tenant_a.key}")
+    for values in groups.values():
+        for value in values:
+            catalog._load_target(caller, value)
 
 
 def test_usage_page_and_csv_show_only_the_tenants_usage(as_user, people, tenant_a, tenant_b):
