@@ -19,6 +19,7 @@ evicted — is kept beside them. Every method runs on the engine's thread.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -51,7 +52,9 @@ class AdapterLoader:
         self._first: dict[str, PendingLoad] = {}  # first loads, by name
         self._others: list[PendingLoad] = []  # re-reads, and adds beside a first load
         self._queued: list[PendingLoad] = []  # waiting for room in the CPU cache
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
+        # Reads are mostly torch and hashing work that releases the GIL: a worker starting with a
+        # thousand adapters spreads them over up to four cores.
+        self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="lora-load")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-prefetch")
         # What reads an adapter from storage (runs on a loader thread). Tests wrap it to hold a
         # load in flight while they watch the engine keep decoding.
