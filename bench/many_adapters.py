@@ -61,25 +61,34 @@ STATE_BETWEEN_RUNS = (
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds the estimate assumes, by shape. Guesses until a run on the machine says otherwise:
-    each cell prints its real start-up and priming beside their estimates, to correct these."""
+    """Seconds the estimate assumes, by shape. Rough until a run on the machine says otherwise: each
+    cell prints its real start-up and priming beside their estimates, to correct these."""
 
     startup: float  # serve.py's start to its worker's ready, adapters aside: weights, KV cache, graphs
-    load: float  # per adapter read at start (--lora-modules, one after another: read, digest, pin)
+    load: float  # per adapter read at start (--lora-modules, one after another) ...
+    load_per_mb: float  # ... and per MB of it: read, digest, convert, pin, checksum
     prime: float  # per adapter primed (its first copy to the GPU and a one-token request)
-    write: float  # per adapter written, per writer process
+    write_per_mb: float  # per MB of adapter written, per writer process
     drain: float  # a run's tail after its last arrival (the last outputs), and the settle
     warmup: float
     stop: float  # the worker's shutdown
 
+    def load_s(self, mb: float) -> float:
+        return self.load + mb * self.load_per_mb
 
-# 8B: the engine bench's 72 graphs took 13-18 s to capture, the dummy weights and KV cache a few
-# more; an 84 MB slot write took ~9 ms; a request's 128 tokens take 2-5 s at 32 req/s.
+
+# 8B, measured on the H200 (2026-12-02, the adapter-memory rewrite in progress): 256 rank-16
+# all-projection adapters (84 MB) written in 31 s by 16 processes (1.9 s each per process) and read
+# in 83 s by the worker's 2 loader threads (0.65 s each per thread: 7.7 ms per MB); the engine
+# bench's 72 graphs took 13-18 s to capture; a run's last outputs (128 tokens) take 2-5 s.
 COSTS = {
-    "llama3-8b": Costs(startup=45.0, load=0.05, prime=0.01, write=0.6, drain=6.0, warmup=2.0, stop=8.0),
-    "small": Costs(startup=30.0, load=0.02, prime=0.01, write=0.2, drain=5.0, warmup=2.0, stop=4.0),
-    "tiny": Costs(startup=20.0, load=0.02, prime=0.01, write=0.2, drain=4.0, warmup=1.0, stop=3.0),
-}
+    "llama3-8b": Costs(startup=45.0, load=0.01, load_per_mb=0.0077, prime=0.02, write_per_mb=0.023, drain=6.0,
+                       warmup=2.0, stop=8.0),
+    "small": Costs(startup=30.0, load=0.02, load_per_mb=0.01, prime=0.01, write_per_mb=0.05, drain=5.0, warmup=2.0,
+                   stop=4.0),
+    "tiny": Costs(startup=20.0, load=0.02, load_per_mb=0.01, prime=0.01, write_per_mb=0.05, drain=4.0, warmup=1.0,
+                  stop=3.0),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,21 +125,24 @@ def cell_seconds(args: argparse.Namespace, costs: Costs, cell: Cell, runs: int |
     """The estimate of one cell: its worker's start, priming, ``runs`` of its runs (all by default)
     and its stop."""
     plan = [rate for rate in args.rates for _ in args.popularities]  # serve.py's order
-    return (costs.startup + cell.count * (costs.load + costs.prime) + costs.stop
+    return (costs.startup + cell.count * (costs.load_s(args.adapter_mb) + costs.prime) + costs.stop
             + sum(run_seconds(args, costs, rate) for rate in plan[:runs]))  # fmt: skip
 
 
 def print_estimate(args: argparse.Namespace, costs: Costs, cells: list[Cell], to_write: int) -> dict[str, Any]:
-    write_s = to_write * costs.write / (os.cpu_count() or 1)
+    write_s = to_write * args.adapter_mb * costs.write_per_mb / (os.cpu_count() or 1)
     per_cell = {f"{c.count}/{c.budget}": cell_seconds(args, costs, c) for c in cells}
     total = write_s + sum(per_cell.values())
-    print(f"estimate ({args.launch}; assumed: worker start {costs.startup:g}s + {costs.load:g}s per adapter loaded "
-          f"+ {costs.prime:g}s per adapter primed, runs of {args.num_prompts} prompts at 1/rate s each "
-          f"+ {costs.warmup + costs.drain:g}s, stop {costs.stop:g}s; {to_write} adapters to write, "
-          f"{costs.write:g}s each per process):")
+    print(f"estimate ({args.launch}, {args.adapter_mb:.2f} MB adapters; assumed: worker start {costs.startup:g}s "
+          f"+ {costs.load_s(args.adapter_mb):.3f}s per adapter loaded + {costs.prime:g}s per adapter primed, runs of "
+          f"{args.num_prompts} prompts at 1/rate s each + {costs.warmup + costs.drain:g}s, stop {costs.stop:g}s; "
+          f"{to_write} adapters to write at {costs.write_per_mb:g}s per MB per process, {os.cpu_count()} processes):")
     print(f"  writing adapters {write_s:.0f}s; " + "; ".join(f"{k} {v:.0f}s" for k, v in per_cell.items()))
     limit = f"{args.time_limit:g}s limit" if args.time_limit else "no limit"
     print(f"  total {total:.0f}s ({total / 60:.1f} min), {limit}", flush=True)
+    if args.time_limit and total > args.time_limit:
+        print("  more than the limit: the cells at the end will be skipped (run them in another call: --cells)",
+              flush=True)
     return {"write_s": write_s, "cells_s": per_cell, "total_s": total}
 
 
@@ -329,7 +341,7 @@ def run_matrix(args: argparse.Namespace, cells: list[Cell]) -> list[dict[str, An
     config = {k: v for k, v in vars(args).items() if k not in ("json", "markdown", "report")}
     started = time.monotonic()
     count = max(c.count for c in cells)
-    need = count * adapter_bytes(shape_config(args.launch), args.rank, MODULE_SETS[args.adapter_modules])
+    need = count * int(args.adapter_mb * 1e6)
     with (nullcontext(str(args.adapter_cache)) if args.adapter_cache
           else temporary_root(need, prefix="bench-adapters-")) as cache_dir:  # fmt: skip
         cache = Path(cache_dir)
@@ -359,7 +371,7 @@ def run_matrix(args: argparse.Namespace, cells: list[Cell]) -> list[dict[str, An
                 launch = record["launch"] or {}
                 print(f"=== {cell.count} adapters, {cell.label}: {record['status']} in {record['seconds']:.0f}s "
                       f"(estimate {expected:.0f}s); worker start {launch.get('ready_s', float('nan')):.0f}s (estimate "
-                      f"{costs.startup + cell.count * costs.load:.0f}s), priming "
+                      f"{costs.startup + cell.count * costs.load_s(args.adapter_mb):.0f}s), priming "
                       f"{launch.get('prime_s', float('nan')):.0f}s (estimate {cell.count * costs.prime:.0f}s)",
                       flush=True)  # fmt: skip
                 done.append(record)
@@ -441,6 +453,7 @@ def main() -> int:
                    help="adapters written once and kept here (default: a temporary directory, /dev/shm if it has room)")
     p.add_argument("--json", type=Path, default=None, help="every cell and run (rewritten after each cell)")
     p.add_argument("--markdown", type=Path, default=None, help="the table and the targets (rewritten after each cell)")
+    p.add_argument("--plan", action="store_true", help="print the estimate and the cells' order, write and run nothing")
     p.add_argument("--report", type=Path, nargs="+", default=None,
                    help="run nothing: the table and the targets of these earlier --json files together")
     args = p.parse_args()
@@ -459,6 +472,11 @@ def main() -> int:
     args.rates = sorted(args.rates, reverse=True)
     cells = args.cells or cell_order(args.counts, args.budgets)
     args.counts = sorted({c.count for c in cells})  # what the config records: the cells' own
+    args.adapter_mb = adapter_bytes(shape_config(args.launch), args.rank, MODULE_SETS[args.adapter_modules]) / 1e6
+    if args.plan:
+        print_estimate(args, COSTS[args.launch], cells, max(c.count for c in cells))
+        print("cells in order: " + ", ".join(f"{c.count} adapters {c.label}" for c in cells))
+        return 0
     # A stop from outside (the GPU script's timeout) unwinds like Ctrl-C, through stopped_on_exit:
     # bench/serve.py and its worker are stopped rather than left holding the GPU.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
