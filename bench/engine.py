@@ -25,6 +25,12 @@ adapters, one token per sequence, no KV cache: targets.md's reference measuremen
     python bench/engine.py --shape llama3-8b [--batch 64] [--context 512] [--adapters 32] [--json OUT]
                            [--modes graph,eager,eager-torch] [--profile-dir DIR] [--compare-transformers]
                            [--compare-peft] [--mixed-chunk 256]
+
+The decode-step table (issue 21): ``--adapter-sweep 32,64,128,256`` times, for each count N, the
+step of batch max(--batch, N) with N distinct adapters against the base step at that batch, in one
+engine sized for the largest (``max_loras`` = the largest count), instead of the run above:
+
+    python bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes graph [--json OUT]
 """
 
 from __future__ import annotations
