@@ -301,7 +301,7 @@ def test_the_keys_page_sets_a_keys_own_limits_and_revokes_with_a_reason(browser,
     expect(page.locator("#key-events")).to_contain_text("batch retired")
 
 
-def test_the_dashboard_links_to_the_api_docs_and_the_guides(web, owner, page):
+def test_the_dashboard_links_to_the_api_docs_and_the_guides(browser, web, owner, page):
     from playwright.sync_api import expect
 
     page.goto(f"{web.url}/")
@@ -314,6 +314,7 @@ def test_the_dashboard_links_to_the_api_docs_and_the_guides(web, owner, page):
     page.click("text=the keys guide")
     expect(page).to_have_url(re.compile(r"/guides/keys/$"))
     expect(page.locator("#guide h1")).to_contain_text("API keys")
+    Shots(browser).take(page, "guide-keys")
     # A link between guides lands on the other guide's page, at its heading.
     link = page.locator("#guide a[href^='/guides/gateway/']").first
     link.click()
