@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# Development mode (docs/operations.md, "Settings"): DJANGO_DEBUG unset means production, which
+# refuses the development secret key; text log lines for a terminal. The environment's values win.
+up migrate: export DJANGO_DEBUG ?= true
+up: export LOG_FORMAT ?= text
+
 migrate: install
 	$(PY) manage.py migrate --noinput
 
@@ -27,8 +32,9 @@ lint-imports: install
 # mypy over the files listed in pyproject.toml ([tool.mypy]): strict on kernels/ and serving/engine/.
 # The Django plugin imports the settings, which start an embedded Redis when REDIS_URL is unset, and
 # mypy leaves by os._exit (no atexit stop): a URL it never connects to keeps it from leaking a server.
+# DJANGO_DEBUG=true: outside it the settings refuse the development secret key.
 typecheck: install
-	REDIS_URL=redis://mypy-never-connects.invalid:6379/0 $(VENV)/bin/mypy
+	DJANGO_DEBUG=true REDIS_URL=redis://mypy-never-connects.invalid:6379/0 $(VENV)/bin/mypy
 
 # The suite on four pytest-xdist workers on the 2-core machine (417 s against 584 s on two: the
 # figures in docs/testing.md), each file whole on one worker; each worker has its own test database,

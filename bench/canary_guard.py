@@ -35,6 +35,8 @@ def setup_django(directory: Path) -> None:
     os.environ["DATABASE_URL"] = f"sqlite:///{directory / 'bench.sqlite3'}"
     os.environ.setdefault("LORAPLEX_VAR_DIR", str(directory))
     os.environ.setdefault("LOG_LEVEL", "ERROR")
+    # Development mode: unset is production, which refuses the development secret key (docs/operations.md).
+    os.environ.setdefault("DJANGO_DEBUG", "true")
     import django
     from django.core.management import call_command
 

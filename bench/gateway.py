@@ -66,7 +66,9 @@ class Platform:
     def __init__(self, var_dir: Path, profile: str | None) -> None:
         self.var_dir = var_dir
         os.environ.update(LORAPLEX_VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="lora_platform.settings",
-                          SERVING_WORKER_API_KEY=WORKER_KEY, DJANGO_DEBUG="0", LOG_LEVEL="WARNING")
+                          SERVING_WORKER_API_KEY=WORKER_KEY, DJANGO_DEBUG="0", LOG_LEVEL="WARNING",
+                          # Production's mode needs a key of its own (docs/operations.md, "Settings").
+                          DJANGO_SECRET_KEY="bench-gateway-secret-key")
         os.environ.pop("REDIS_URL", None)
         os.environ.pop("DATABASE_URL", None)
         sys.path.insert(0, str(ROOT))

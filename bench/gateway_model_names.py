@@ -21,6 +21,8 @@ from collections import Counter
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lora_platform.settings")
 os.environ.setdefault("GATEWAY_PREWARM_INTERVAL_SECONDS", "0")
+# Development mode: unset is production, which refuses the development secret key (docs/operations.md).
+os.environ.setdefault("DJANGO_DEBUG", "true")
 
 import django  # noqa: E402
 

@@ -60,6 +60,8 @@ def build(case: str, work: Path) -> Path:
 
 def run_case(path: Path, uploads_path: str | None) -> dict:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lora_platform.settings")
+    # Development mode: unset is production, which refuses the development secret key (docs/operations.md).
+    os.environ.setdefault("DJANGO_DEBUG", "true")
     import django
 
     django.setup()

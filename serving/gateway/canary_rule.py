@@ -9,7 +9,6 @@ The reason carries the figures, for the audit log.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ class CanaryRuleConfig:
     minimum_calls: int = 50
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> CanaryRuleConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> CanaryRuleConfig:
         """GATEWAY_CANARY_ABORT_MARGIN and GATEWAY_CANARY_ABORT_MIN_CALLS (settings.GATEWAY_CANARY_ABORT)."""
         return cls(failure_rate_margin=env_float(environ, "GATEWAY_CANARY_ABORT_MARGIN", cls.failure_rate_margin),
                    minimum_calls=env_int(environ, "GATEWAY_CANARY_ABORT_MIN_CALLS", cls.minimum_calls))

@@ -9,7 +9,6 @@ them to the pipeline, and .env.example documents every variable with the default
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,7 +36,7 @@ class GatewayConfig:
     usage_flush_s: float = 1.0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> GatewayConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> GatewayConfig:
         return cls(
             cache_s=env_float(environ, "GATEWAY_CACHE_SECONDS", cls.cache_s),
             workers_cache_s=env_float(environ, "GATEWAY_WORKERS_CACHE_SECONDS", cls.workers_cache_s),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ class OutlierConfig:
     max_ejection_fraction: float = 0.5
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> OutlierConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> OutlierConfig:
         return cls(
             consecutive_failures=env_int(environ, "GATEWAY_OUTLIER_CONSECUTIVE_FAILURES", cls.consecutive_failures),
             base_ejection_s=env_float(environ, "GATEWAY_OUTLIER_EJECTION_SECONDS", cls.base_ejection_s),

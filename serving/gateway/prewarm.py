@@ -29,7 +29,6 @@ so a time-compressed day can be replayed (bench/prewarm.py).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
@@ -55,7 +54,7 @@ class PrewarmConfig:
     prior_s: float = 3600.0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PrewarmConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> PrewarmConfig:
         return cls(tau_s=env_float(environ, "GATEWAY_PREWARM_TAU_SECONDS", cls.tau_s),
                    daily_decay=env_float(environ, "GATEWAY_PREWARM_DAILY_DECAY", cls.daily_decay),
                    lookahead_s=env_float(environ, "GATEWAY_PREWARM_LOOKAHEAD_SECONDS", cls.lookahead_s),

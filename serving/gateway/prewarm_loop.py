@@ -65,7 +65,7 @@ class PrewarmLoopConfig:
     min_expected: float = 1.0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PrewarmLoopConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> PrewarmLoopConfig:
         """GATEWAY_PREWARM_INTERVAL_SECONDS, _MAX_ADAPTERS, _MIN_PER_HOUR (requests per hour, as an
         operator counts them) and _MIN_EXPECTED."""
         return cls(interval_s=env_float(environ, "GATEWAY_PREWARM_INTERVAL_SECONDS", cls.interval_s),

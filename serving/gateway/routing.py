@@ -19,7 +19,6 @@ serves the platform's base model. The key layout is the wire's (serving.wire.reg
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Iterable, Mapping
@@ -46,7 +45,7 @@ class Weights:
     kv: float = 2.0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Weights:
+    def from_environ(cls, environ: Mapping[str, str]) -> Weights:
         return cls(affinity=env_float(environ, "GATEWAY_WEIGHT_AFFINITY", cls.affinity),
                    queue=env_float(environ, "GATEWAY_WEIGHT_QUEUE", cls.queue),
                    kv=env_float(environ, "GATEWAY_WEIGHT_KV", cls.kv))

@@ -14,7 +14,6 @@ seconds old).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ class ShedConfig:
     retry_after_s: float = 1.0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> ShedConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> ShedConfig:
         return cls(queue_fraction=env_float(environ, "GATEWAY_SHED_QUEUE_FRACTION", cls.queue_fraction),
                    default_queue_bound=env_int(environ, "GATEWAY_SHED_DEFAULT_QUEUE_BOUND", cls.default_queue_bound),
                    retry_after_s=env_float(environ, "GATEWAY_SHED_RETRY_AFTER", cls.retry_after_s))

@@ -36,7 +36,6 @@ against both.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -81,7 +80,7 @@ class BreakerConfig:
     idle_ttl_s: int = 86400
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> BreakerConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> BreakerConfig:
         """The thresholds from the GATEWAY_BREAKER_* variables: the web process's settings
         (settings.GATEWAY_BREAKERS) and a serving worker reporting a corrupted slot both call this,
         so the two judge alike; an unset variable keeps the field's default."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ class RedisGuardConfig:
     retry_interval_s: float = 1.0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> RedisGuardConfig:
+    def from_environ(cls, environ: Mapping[str, str]) -> RedisGuardConfig:
         return cls(timeout_s=env_float(environ, "GATEWAY_REDIS_TIMEOUT", cls.timeout_s),
                    retry_interval_s=env_float(environ, "GATEWAY_REDIS_RETRY_SECONDS", cls.retry_interval_s))
 
