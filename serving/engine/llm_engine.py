@@ -1,6 +1,6 @@
 """The synchronous engine core: requests in, one step at a time, outputs out.
 
-``step()`` takes in finished adapter loads, asks the scheduler for the step's work, runs it on the
+``step()`` takes in finished grammar compilations and adapter loads, asks the scheduler for the step's work, runs it on the
 model runner, and turns the sampled tokens into outputs (detokenizing, checking stop conditions,
 freeing what finished). ``LLM`` drives it in a loop; ``AsyncEngine`` drives it from a background
 thread. It is not thread-safe: one thread calls everything (``encode`` aside).
@@ -9,7 +9,8 @@ thread. It is not thread-safe: one thread calls everything (``encode`` aside).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode, find_stop
+from serving.engine.guided import GrammarCompiler, Guide
 from serving.engine.lora.cache import LoRACache, Placement
 from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.lora.reader import AdapterError
@@ -71,7 +73,12 @@ class LLMEngine:
                 on_load_done=on_load_done,
             )
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache)
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.hf_config.vocab_size,
+                                        stop_token_ids=self.eos_token_ids, on_done=on_load_done)
         self._requests: dict[str, Sequence] = {}
+        # Constrained requests whose grammar is being compiled (off the step, on the compiler's
+        # thread): scheduled once it is done, as a request waits for its adapter's load.
+        self._compiling: dict[str, tuple[Sequence, Future[Any]]] = {}
         # Requests ended between steps (verify_slots), handed out by the next step with its own outputs.
         self._ended: list[RequestOutput] = []
         self._prompt_tokens = 0
@@ -155,9 +162,45 @@ class LLMEngine:
             priority=priority,
             generator=generator,
         )
+        guided = sampling_params.guided_decoding
+        if guided is not None:
+            grammar = self.grammars.compile(guided)
+            if grammar.done():
+                seq.guide = Guide(grammar.result())  # a cached grammar, or its error raised here
+            else:
+                self._requests[request_id] = seq
+                self._compiling[request_id] = (seq, grammar)
+                return
         self._requests[request_id] = seq
         self._prompt_tokens += len(token_ids)
         self.scheduler.add(seq)
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is compiled; fail those whose grammar failed."""
+        outputs: list[RequestOutput] = []
+        for request_id, (seq, grammar) in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[request_id]
+            error = grammar.exception()
+            if error is None:
+                seq.guide = Guide(grammar.result())
+                self._prompt_tokens += seq.num_prompt_tokens
+                self.scheduler.add(seq)
+                continue
+            seq.error = error if isinstance(error, Exception) else RuntimeError(repr(error))
+            seq.finish_reason = "error"
+            self._requests.pop(request_id, None)
+            self._drop_unscheduled(seq)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _drop_unscheduled(self, seq: Sequence) -> None:
+        """End a request the scheduler never took (its grammar was compiling): only its adapter
+        reference is held."""
+        seq.status = SequenceStatus.FINISHED
+        if seq.adapter is not None and self.lora_cache is not None:
+            self.lora_cache.release(seq.adapter)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks and adapter refs; None if unknown or done."""
@@ -165,7 +208,10 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
+        if self._compiling.pop(request_id, None) is not None:
+            self._drop_unscheduled(seq)
+        else:
+            self.scheduler.finish(seq)
         return self._output(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -179,6 +225,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that progressed or ended."""
         outputs, self._ended = self._ended, []
+        if self._compiling:
+            outputs += self._take_compiled()
         outputs += self._fail_adapter_errors()
         plan = self.scheduler.schedule()
         self.last_step_tokens = sum(num for _, num in plan.scheduled)
@@ -197,7 +245,11 @@ class LLMEngine:
         return outputs
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Block until an adapter load finishes (or ``timeout``): for a caller with nothing to run."""
+        """Block until an adapter load or a grammar compilation finishes (or ``timeout``): for a
+        caller with nothing to run."""
+        if self._compiling:
+            wait_futures([grammar for _, grammar in self._compiling.values()], timeout, FIRST_COMPLETED)
+            return
         if self.lora_cache is not None:
             self.lora_cache.wait(timeout)
 
@@ -224,6 +276,11 @@ class LLMEngine:
         assert params.stop_token_ids is not None  # SamplingParams.__post_init__ makes it a list
         seq.token_ids.append(token)
         self._generation_tokens += 1
+        if seq.guide is not None and not seq.guide.accept(token):
+            # The mask allows only what the grammar accepts: a refused token is an engine bug.
+            seq.error = RuntimeError(f"token {token} was sampled outside the request's grammar")
+            seq.finish_reason = "error"
+            return
         if seq.logprobs is not None and samples.logprobs is not None:
             self._record_logprobs(seq, row, token, samples)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
@@ -438,6 +495,7 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         if self.lora_cache is not None:
             self.lora_cache.shutdown()
 

@@ -256,7 +256,8 @@ class ModelRunner:
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> StepResult:
         if not sampled:
             return StepResult([], None)
-        return StepResult(sampled, self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled]))
+        return StepResult(sampled, self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
+                                                [s.guide for s in sampled]))
 
     def _cache_slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

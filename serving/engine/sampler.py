@@ -5,8 +5,11 @@ and top-p, and draw with the exponential-race trick (``argmax(p / q)``, ``q ~ Ex
 a draw from ``p``. A request with a seed draws its ``q`` row from its own generator, so what it
 samples depends on its seed and its logits only, never on the rest of the batch.
 
-Log-probabilities come from the model's raw distribution (before temperature and filters), as in
-vLLM: the chosen token's, its rank, and the ``k`` most likely tokens when asked.
+Rows with a guide (structured output, serving.engine.guided) first have every token their grammar
+does not allow set to -inf, in the same batch as the free rows, which are left untouched.
+
+Log-probabilities come from the model's raw distribution (before grammar masks, temperature and
+filters), as in vLLM: the chosen token's, its rank, and the ``k`` most likely tokens when asked.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.engine.guided import Guide, mask_logits
 from serving.engine.sampling_params import SamplingParams
 
 
@@ -38,13 +42,19 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        guides: list[Guide | None] | None = None,
     ) -> SampleResult:
         logits = logits.float()
+        chosen_from = logits
+        if guides is not None and any(g is not None for g in guides):
+            # A copy: the raw logits stay for the logprobs (and may be a captured graph's output).
+            chosen_from = logits.clone()
+            mask_logits(chosen_from, guides)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = chosen_from.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, params, generators, greedy)
+            tokens = self._sample(chosen_from, params, generators, greedy)
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_top is None:
             return SampleResult(tokens.tolist(), None, None, None, None)

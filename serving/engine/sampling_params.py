@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serving.engine.guided import GuidedDecodingParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -19,7 +21,9 @@ class SamplingParams:
     distribution (before temperature and filters), as vLLM does. A stop string ends the output
     just before it (unless ``include_stop_str_in_output``); stop token ids and EOS end it after
     the token, which stays in ``token_ids`` but not in ``text``. ``detokenize=False`` leaves
-    ``text`` empty (token ids only).
+    ``text`` empty (token ids only). ``guided_decoding`` holds the output to a JSON schema, a
+    regex, a choice or a grammar (serving.engine.guided); EOS is then allowed only where the
+    constraint is complete.
     """
 
     n: int = 1
@@ -35,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +57,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.guided_decoding is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with guided decoding: a constrained output ends "
+                             "where its grammar does")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")

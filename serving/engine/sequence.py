@@ -16,6 +16,7 @@ from serving.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from serving.engine.detokenizer import IncrementalDetokenizer
+    from serving.engine.guided import Guide
     from serving.engine.lora.records import AdapterHandle
 
 
@@ -58,6 +59,9 @@ class Sequence:
     stop_reason: int | str | None = None
     error: Exception | None = None
     num_preemptions: int = 0
+    # Its grammar's matcher when its output is constrained (sampling_params.guided_decoding), set
+    # once the grammar is compiled, before it is scheduled.
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
