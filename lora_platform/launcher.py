@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-WEB_HOST = os.environ.get("LORAPLEX_WEB_HOST", "127.0.0.1")
-WEB_PORT = int(os.environ.get("LORAPLEX_WEB_PORT", "8000"))
-SERVING_PORT = int(os.environ.get("LORAPLEX_SERVING_PORT", "8100"))
+from serving.wire.settings import platform_settings
+
+WEB_HOST = platform_settings().loraplex_web_host
+WEB_PORT = platform_settings().loraplex_web_port
+SERVING_PORT = platform_settings().loraplex_serving_port
 DEMO_TENANT = "demo"
 ADMIN_USERNAME = "admin"
 READY_TIMEOUT_S = 120.0
@@ -94,13 +96,14 @@ def child_processes() -> list[ChildSpec]:
 
 def ensure_registry_token() -> None:
     """The web app and the serving worker share a registry token; one per run unless configured."""
-    os.environ.setdefault("REGISTRY_TOKEN", secrets.token_urlsafe(32))
+    if not platform_settings().registry_token:
+        os.environ["REGISTRY_TOKEN"] = secrets.token_urlsafe(32)
 
 
 def ensure_serving_worker_key(var_dir: Path) -> Path | None:
     """SERVING_WORKER_API_KEY for the web app and the serving worker: the environment's, or the one
     kept in var/ (generated the first time, mode 0600). Returns the file it came from (None: env)."""
-    if os.environ.get("SERVING_WORKER_API_KEY"):
+    if platform_settings().serving_worker_api_key:
         return None
     path = var_dir / SERVING_KEY_FILE
     try:
@@ -333,6 +336,8 @@ def main() -> int:
     ensure_registry_token()
     # Before the settings start the embedded Redis (when REDIS_URL is unset): keep its data in var/.
     os.environ.setdefault("LORAPLEX_EMBEDDED_REDIS_PERSIST", "true")
+    # Read again: this process's settings (Django's, the embedded Redis) are what its children read.
+    platform_settings.cache_clear()
     setup_django()
     from django.conf import settings
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from lora_platform.embedded_redis import celery_redis_url, redis_url_from_env
+from lora_platform.embedded_redis import celery_redis_url, redis_url_or_embedded
 from serving.gateway.canary_rule import CanaryRuleConfig
 from serving.gateway.config import GatewayConfig
 from serving.gateway.outliers import OutlierConfig
@@ -138,8 +138,7 @@ WEB_HEADER_TIMEOUT_SECONDS = platform.web_header_timeout_seconds
 WEB_KEEP_ALIVE_SECONDS = platform.web_keep_alive_seconds
 WEB_MAX_CONNECTIONS_PER_CLIENT = platform.web_max_connections_per_client
 
-# REDIS_URL (the environment's or .env's); unset, the embedded server's.
-REDIS_URL = platform.redis_url or redis_url_from_env(VAR_DIR)
+REDIS_URL = redis_url_or_embedded(platform.redis_url, VAR_DIR, persist=platform.loraplex_embedded_redis_persist)
 # Seconds any Redis command (and connecting) may take before it fails: a frozen Redis must not stall
 # requests that send tasks or read token buckets (redis-py's own default waits forever).
 REDIS_SOCKET_TIMEOUT = platform.redis_socket_timeout

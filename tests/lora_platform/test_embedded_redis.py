@@ -17,7 +17,7 @@ SCRIPT = """
 import sys, redis
 from pathlib import Path
 import lora_platform.embedded_redis as embedded
-url = embedded.redis_url_from_env(Path(sys.argv[1]))
+url = embedded.redis_url_or_embedded(None, Path(sys.argv[1]), persist=sys.argv[2] == "persist")
 held = redis.Redis.from_url(url)
 held.ping()
 {action}
@@ -27,10 +27,10 @@ print(embedded._server.pid, flush=True)
 
 def run(var: Path, action: str, persist: bool) -> tuple[int, str]:
     env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DJANGO_SETTINGS_MODULE")}
-    env["LORAPLEX_EMBEDDED_REDIS_PERSIST"] = "true" if persist else ""
     env["PYTHONPATH"] = str(ROOT)
     # A session of its own: a process group of its own, so a per-group server of its own.
-    result = subprocess.run([sys.executable, "-c", SCRIPT.format(action=action), str(var)], env=env, cwd=ROOT,
+    result = subprocess.run([sys.executable, "-c", SCRIPT.format(action=action), str(var),
+                             "persist" if persist else "throwaway"], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=120, check=True, start_new_session=True)
     lines = result.stdout.strip().splitlines()
     return int(lines[-1]), "\n".join(lines[:-1])
