@@ -76,6 +76,9 @@ class AdapterVersion(models.Model):
     # sha256 of manifest.json, which holds every file's sha256: the artifact's content identity.
     manifest_sha256 = models.CharField(max_length=64)
     base_model = models.CharField(max_length=200)
+    # The base model's commit the adapter was trained or checked on (a Hugging Face snapshot's hash;
+    # "" for a plain directory): only a base of that revision serves it.
+    base_model_revision = models.CharField(max_length=64, blank=True, default="")
     rank = models.PositiveSmallIntegerField()
     lora_alpha = models.FloatField()
     target_modules = models.JSONField(default=list)

@@ -71,7 +71,8 @@ def version_entry(version: AdapterVersion, *, weight: float | None) -> ServedEnt
     return ServedEntry(
         name=version.qualified_name, tenant=version.adapter.tenant.slug, adapter=version.adapter.name,
         version=version.version, status=version.status, weight=weight, artifact_uri=version.artifact_uri,
-        manifest_sha256=version.manifest_sha256, base_model=version.base_model, rank=version.rank,
+        manifest_sha256=version.manifest_sha256, base_model=version.base_model,
+        base_model_revision=version.base_model_revision, rank=version.rank,
     )
 
 
@@ -94,7 +95,7 @@ def registry_snapshot() -> dict[str, Any]:
     )
     canaries = {item.adapter_id: item for item in served if item.status == AdapterVersion.Status.CANARY}
     return RegistrySnapshot(
-        revision=revision, base_model=settings.BASE_MODEL_NAME,
+        revision=revision, base_model=settings.BASE_MODEL_NAME, base_model_revision=settings.BASE_MODEL_REVISION,
         adapters=[version_entry(item, weight=served_weight(item, canaries.get(item.adapter_id))) for item in served],
     ).to_dict()
 

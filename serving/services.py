@@ -114,6 +114,14 @@ def _require_servable(version: AdapterVersion) -> None:
             f"Version {version.version} was built for base model '{version.base_model}', but this platform "
             f"serves '{settings.BASE_MODEL_NAME}'.", code="base_model_mismatch",
         )
+    # A plain directory has no revision (""): only two known commits can differ.
+    if version.base_model_revision and settings.BASE_MODEL_REVISION \
+            and version.base_model_revision != settings.BASE_MODEL_REVISION:
+        raise Conflict(
+            f"Version {version.version} was built on revision {version.base_model_revision} of base model "
+            f"'{version.base_model}', but this platform serves revision {settings.BASE_MODEL_REVISION}.",
+            code="base_model_revision_mismatch",
+        )
 
 
 def _require_no_canary(canary: AdapterVersion | None, what: str) -> None:
@@ -220,7 +228,8 @@ def adapter_version_upload(*, adapter: Adapter, files: Sequence[UploadedFile], a
                 published_prefix = prefix
                 created = AdapterVersion.objects.create(
                     adapter=adapter, version=chosen, artifact_uri=storage.uri(prefix) + "/",
-                    manifest_sha256=manifest_sha256, base_model=settings.BASE_MODEL_NAME, rank=staged.rank,
+                    manifest_sha256=manifest_sha256, base_model=settings.BASE_MODEL_NAME,
+                    base_model_revision=settings.BASE_MODEL_REVISION, rank=staged.rank,
                     lora_alpha=staged.lora_alpha, target_modules=staged.target_modules,
                     size_bytes=staged.size_bytes, source=AdapterVersion.Source.UPLOAD,
                 )
@@ -233,7 +242,8 @@ def adapter_version_upload(*, adapter: Adapter, files: Sequence[UploadedFile], a
 
 
 def adapter_version_register(*, tenant: Tenant, adapter_name: str, version: str, artifact_prefix: str,
-                             training_job_id: str, actor: str | None = None, reason: str = "") -> AdapterVersion:
+                             training_job_id: str, base_model_revision: str | None = None,
+                             actor: str | None = None, reason: str = "") -> AdapterVersion:
     """Registers an artifact a training job already published (status ready), all or nothing.
 
     The adapter is created if the tenant has none of that name (tier limit applies). The artifact
@@ -241,10 +251,12 @@ def adapter_version_register(*, tenant: Tenant, adapter_name: str, version: str,
     this tenant, adapter, version and base model, the adapter against the base's layer sizes.
     Idempotent for redelivered tasks: registering the same artifact again for the same job returns
     the existing version without a second event; any other clash of versions is a Conflict. The
-    artifact belongs to the caller: this function never deletes it.
+    artifact belongs to the caller: this function never deletes it. `base_model_revision` is the
+    base's commit the job trained on (default: the platform's now), recorded on the version.
     """
     return adapter_version_register_published(
         tenant=tenant, adapter_name=adapter_name, version=version, artifact_prefix=artifact_prefix,
+        base_model_revision=base_model_revision,
         expected_source=(AdapterVersion.Source.TRAINING_JOB, str(training_job_id)),
         actor=actor or f"training-job:{training_job_id}", reason=reason,
     )
@@ -252,10 +264,11 @@ def adapter_version_register(*, tenant: Tenant, adapter_name: str, version: str,
 
 def adapter_version_register_published(*, tenant: Tenant, adapter_name: str, version: str, artifact_prefix: str,
                                actor: str, expected_source: tuple[str, str] | None = None,
-                               reason: str = "") -> AdapterVersion:
+                               reason: str = "", base_model_revision: str | None = None) -> AdapterVersion:
     """Registers a verified artifact already in storage; its source comes from its manifest.
 
-    `expected_source` (kind, id), when given, must match the manifest's. Used by training (through
+    `expected_source` (kind, id), when given, must match the manifest's. `base_model_revision`
+    (default: the platform's base revision now) is recorded on the version. Used by training (through
     adapter_version_register) and by `registry import`, which restores versions whose artifacts
     survived.
     """
@@ -283,7 +296,9 @@ def adapter_version_register_published(*, tenant: Tenant, adapter_name: str, ver
                            code="version_exists", param="version")
         created = AdapterVersion.objects.create(
             adapter=adapter, version=version, artifact_uri=get_storage().uri(prefix) + "/",
-            manifest_sha256=artifact.manifest_sha256, base_model=settings.BASE_MODEL_NAME, rank=artifact.rank,
+            manifest_sha256=artifact.manifest_sha256, base_model=settings.BASE_MODEL_NAME,
+            base_model_revision=settings.BASE_MODEL_REVISION if base_model_revision is None else base_model_revision,
+            rank=artifact.rank,
             lora_alpha=artifact.lora_alpha, target_modules=artifact.target_modules, size_bytes=artifact.size_bytes,
             source=artifact.source_kind, source_id=source_id,
         )

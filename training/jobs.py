@@ -142,7 +142,8 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
         job = TrainingJob.objects.create(
             tenant=locked, dataset=dataset, validation_dataset=validation, validation_fraction=fraction,
             adapter_name=adapter, version=requested, requested_version=requested,
-            base_model=settings.BASE_MODEL_NAME, hyperparameters=hp.to_dict(), seed=seed, metadata=metadata,
+            base_model=settings.BASE_MODEL_NAME, base_model_revision=settings.BASE_MODEL_REVISION,
+            hyperparameters=hp.to_dict(), seed=seed, metadata=metadata,
             total_steps=None if pending else _planned_steps(dataset.num_examples or 0, fraction, hp),
         )
         examples = "its files are being validated" if pending else f"{dataset.num_examples} examples"

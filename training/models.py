@@ -89,6 +89,8 @@ class TrainingJob(models.Model):
     # The version the tenant asked for ("" for the next patch, assigned when the job publishes).
     requested_version = models.CharField(max_length=64, blank=True, default="")
     base_model = models.CharField(max_length=200)
+    # The base model's commit (a Hugging Face snapshot's hash) the job trains on; "" for a plain directory.
+    base_model_revision = models.CharField(max_length=64, blank=True, default="")
     hyperparameters = models.JSONField(default=dict)
     seed = models.PositiveIntegerField()
     # The tenant's own key-value labels (OpenAI's `metadata`: up to 16 string pairs), kept as given.

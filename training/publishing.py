@@ -106,7 +106,7 @@ def register(job: TrainingJob, token: str, prefix: str) -> None:
                 raise CancelledLate()
             version = registry.adapter_version_register(
                 tenant=job.tenant, adapter_name=job.adapter_name, version=job.version, artifact_prefix=prefix,
-                training_job_id=str(job.pk),
+                training_job_id=str(job.pk), base_model_revision=job.base_model_revision,
             )
             locked.adapter_version = version
             finish(locked, Status.SUCCEEDED, f"Job succeeded: adapter '{job.adapter_name}' version {job.version} "

@@ -188,6 +188,12 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
     dataset = job.dataset
     if dataset is None:
         raise JobFailure("The job's dataset was deleted; create a new job.", code="dataset_not_found")
+    if job.base_model_revision != settings.BASE_MODEL_REVISION:
+        # Its checkpoints and its recorded revision belong to the base it was created on.
+        raise JobFailure(f"The job was created on revision {job.base_model_revision or '(a local directory)'} of "
+                         f"base model '{job.base_model}', but this worker has revision "
+                         f"{settings.BASE_MODEL_REVISION or '(a local directory)'}; create a new job.",
+                         code="base_model_revision_mismatch")
     base = load_base(str(settings.BASE_MODEL_PATH))
     hp = Hyperparameters.from_dict(job.hyperparameters)
     train, valid = _load_examples(job, dataset, hp, base.tokenizer, workspace)

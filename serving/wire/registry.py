@@ -101,6 +101,9 @@ class ServedEntry:
     manifest_sha256: str
     base_model: str
     rank: int
+    # The base's commit the version was built on ("": a plain directory, or a registry from before
+    # revisions were recorded); a worker serving another commit refuses it.
+    base_model_revision: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +117,7 @@ class ServedEntry:
             weight=None if weight is None else float(weight), artifact_uri=_field(data, "artifact_uri", str),
             manifest_sha256=_field(data, "manifest_sha256", str), base_model=_field(data, "base_model", str),
             rank=_field(data, "rank", int),
+            base_model_revision=_field(data, "base_model_revision", str, optional=True) or "",
         )
 
 
@@ -124,16 +128,19 @@ class RegistrySnapshot:
     revision: int
     base_model: str
     adapters: list[ServedEntry] = field(default_factory=list)
+    base_model_revision: str = ""  # the platform's base commit ("": a plain directory)
 
     def to_dict(self) -> dict[str, Any]:
         return {"revision": self.revision, "base_model": self.base_model,
+                "base_model_revision": self.base_model_revision,
                 "adapters": [entry.to_dict() for entry in self.adapters]}
 
     @classmethod
     def from_dict(cls, data: Any) -> RegistrySnapshot:
         adapters = _field(data, "adapters", list)
         return cls(revision=_field(data, "revision", int), base_model=_field(data, "base_model", str),
-                   adapters=[ServedEntry.from_dict(entry) for entry in adapters])
+                   adapters=[ServedEntry.from_dict(entry) for entry in adapters],
+                   base_model_revision=_field(data, "base_model_revision", str, optional=True) or "")
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
 from dotenv import dotenv_values
-from pydantic import Field, PrivateAttr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from serving.wire import hub
 from serving.wire.breakers import BreakerConfig
 from serving.wire.logs import LogFormat
 
@@ -97,8 +98,11 @@ class PlatformSettings(BaseSettings):
     web_keep_alive_seconds: float = Field(5.0, gt=0)
     web_max_connections_per_client: int = Field(256, ge=0)
     # --- Base model, adapters, serving workers
+    # BASE_MODEL: a Hugging Face id (org/name[@revision]) or a local directory (serving.wire.hub);
+    # BASE_MODEL_PATH, a local directory, as before. One of the two.
+    base_model: str | None = None
     base_model_path: Path = Field(default_factory=lambda data: data["loraplex_var_dir"] / "models" / "tiny-llama")
-    base_model_name: str = Field(default_factory=lambda data: data["base_model_path"].name)
+    base_model_name: str = Field(default_factory=lambda data: _default_base_name(data))
     base_model_aliases: CommaList = []
     max_lora_rank: int = Field(64, ge=1)
     registry_token: str = Field("", repr=False)
@@ -115,6 +119,20 @@ class PlatformSettings(BaseSettings):
     def _comma_list(cls, value: Any) -> Any:
         return [item.strip() for item in value.split(",") if item.strip()] if isinstance(value, str) else value
 
+    @field_validator("base_model")
+    @classmethod
+    def _model_spec(cls, value: str | None) -> str | None:
+        if value is not None:
+            hub.parse_model_spec(value)  # its syntax now; resolving waits for base_model_source
+        return value
+
+    @model_validator(mode="after")
+    def _one_base_model(self) -> PlatformSettings:
+        if self.base_model is not None and "base_model_path" in self.model_fields_set:
+            raise ValueError("set BASE_MODEL (a Hugging Face id or a directory) or BASE_MODEL_PATH (a directory), "
+                             "not both")
+        return self
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, value: Any) -> Any:
@@ -129,6 +147,19 @@ class PlatformSettings(BaseSettings):
     def breakers(self) -> BreakerConfig:
         """The circuit breakers' thresholds (GATEWAY_BREAKER_*), parsed once per process."""
         return BreakerConfig.from_environ(self.environ)
+
+    @functools.cached_property
+    def base_model_source(self) -> hub.ResolvedModel:
+        """The base model's directory and revision: BASE_MODEL resolved (a Hugging Face id is found in
+        the cache, or downloaded, once per process), else BASE_MODEL_PATH as it is (not checked here:
+        `make up` builds the demo model there)."""
+        if self.base_model is None:
+            return hub.ResolvedModel(spec=str(self.base_model_path), path=self.base_model_path, repo_id=None,
+                                     revision=None)
+        try:
+            return hub.resolve_model(self.base_model)
+        except hub.ModelSourceError as error:
+            raise SettingsError(f"BASE_MODEL: {error}") from None
 
     def unsafe_for_deployment(self) -> list[str]:
         """Why a web process must not start with these settings, one sentence each ([]: it may).
@@ -152,6 +183,11 @@ class PlatformSettings(BaseSettings):
                             "print(secrets.token_urlsafe(50))'. On a development machine set DJANGO_DEBUG=true "
                             "instead (make up does; DJANGO_DEBUG unset means false).")
         return refusals
+
+
+def _default_base_name(data: dict[str, Any]) -> str:
+    spec = data.get("base_model")
+    return hub.default_name(spec) if spec else str(data["base_model_path"].name)
 
 
 def is_local_host(pattern: str) -> bool:

@@ -2,7 +2,7 @@
 command over); flags vLLM does not have are the worker's own (registry sync, self-registration,
 admission bound, shutdown grace period, adapter roots, request body bound).
 
-    python -m serving.engine.server --model PATH [--host 127.0.0.1] [--port 8100]
+    python -m serving.engine.server --model PATH|ORG/NAME[@REVISION] [--host 127.0.0.1] [--port 8100]
         [--max-loras N] [--max-cpu-loras N] [--max-lora-rank R] [--lora-memory-bytes B] [--lora-modules name=path …]
         [--registry-url URL --registry-token T] [--api-key K]
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from serving.engine.server.adapter_roots import AdapterRoots, platform_storage_url
+from serving.wire.hub import ModelSourceError, resolve_model
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,10 @@ class LoRAModule:
 
 @dataclass
 class ServerArgs:
-    model: str
+    model: str  # the local directory (a Hugging Face id's snapshot in the hub cache)
+    # The base's commit when --model names a Hugging Face id or a cache snapshot (serving.wire.hub);
+    # None for a plain directory. Registry versions built on another commit are refused.
+    model_revision: str | None = None
     host: str = "127.0.0.1"
     port: int = 8100
     served_model_name: list[str] = field(default_factory=list)
@@ -118,7 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m serving.engine.server",
         description="Loraplex serving worker: one base model, many LoRA adapters, an OpenAI-compatible API.",
     )
-    p.add_argument("--model", required=True, help="local Hugging Face model directory (nothing is downloaded)")
+    p.add_argument(
+        "--model", required=True,
+        help="a local Hugging Face model directory, or a Hugging Face id org/name[@revision] found in the hub cache "
+        "(HF_HOME) or else downloaded (HF_TOKEN for gated models; HF_HUB_OFFLINE=1: the cache only)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument(
@@ -267,6 +275,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         adapter_roots(ns.allowed_adapter_path)
     except ValueError as exc:
         parser.error(f"--allowed-adapter-path: {exc}")
+    try:
+        resolved = resolve_model(ns.model)
+    except ModelSourceError as exc:
+        parser.error(f"--model: {exc}")
+    if resolved.repo_id is not None and ns.model != str(resolved.path):
+        # Named by id: the API calls the base by its id (without the revision) unless told otherwise.
+        ns.served_model_name = ns.served_model_name or [resolved.repo_id]
+        ns.model = str(resolved.path)
+    ns.model_revision = resolved.revision
     names = [m.name for m in ns.lora_modules]
     if len(set(names)) != len(names):
         parser.error(f"--lora-modules names must be unique, got {names}")

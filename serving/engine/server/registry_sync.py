@@ -19,6 +19,10 @@ name over the HTTP API sets off a reconcile at once), and a registry-form name t
 registry does not serve is unloaded, unless it was loaded after the snapshot being applied was
 taken (it may be newer than the snapshot). Other names (`--lora-modules`, `/v1/load_lora_adapter`)
 are never touched. The public load/unload API refuses registry-form names to all but the operator.
+
+A version built on another commit of the base model than this worker serves (both known: a plain
+directory has none) is refused, not loaded: its weights were fitted to other base weights. The
+log line names both revisions; `revision_refusals` counts them.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class SyncStats:
     events: int = 0
     load_failures: int = 0
     revision: int = 0
+    revision_refusals: int = 0
 
 
 class RegistrySync:
@@ -62,8 +67,10 @@ class RegistrySync:
         token: str,
         redis_url: str | None,
         reconcile_interval: float,
+        base_revision: str | None = None,
     ) -> None:
         self._adapters = adapters
+        self._base_revision = base_revision
         self._snapshot_url = snapshot_url
         self._headers = {"Authorization": f"Bearer {token}"}
         self._redis_url = redis_url
@@ -167,7 +174,7 @@ class RegistrySync:
 
     async def _apply(self, desired: Iterable[ServedEntry], *, stale: set[str]) -> None:
         """Load every desired version not loaded with its digest; unload `stale` names not desired."""
-        desired = list(desired)
+        desired = [version for version in desired if self._same_base(version)]
         keep = {version.name for version in desired}
         for name in sorted(stale - keep):
             try:
@@ -182,6 +189,14 @@ class RegistrySync:
                 await self._load(version)
 
         await asyncio.gather(*(load(version) for version in missing))
+
+    def _same_base(self, version: ServedEntry) -> bool:
+        if not (version.base_model_revision and self._base_revision) or version.base_model_revision == self._base_revision:
+            return True
+        self.stats.revision_refusals += 1
+        log.error("registry version %s was built on revision %s of base model %s, but this worker serves revision %s; "
+                  "not serving it", version.name, version.base_model_revision, version.base_model, self._base_revision)
+        return False
 
     async def _load(self, version: ServedEntry) -> None:
         current = self._adapters.get(version.name)

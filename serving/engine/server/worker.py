@@ -138,6 +138,7 @@ class Worker:
                 token=self.args.registry_token or "",
                 redis_url=self.args.redis_url,
                 reconcile_interval=self.args.registry_reconcile_interval,
+                base_revision=self.args.model_revision,
             )
             self._spawn(self.sync.run(), "registry-sync")
 
@@ -246,6 +247,7 @@ class Worker:
             "url": self.args.public_url,
             "state": self.state.value,
             "base_model": self.base_model_id,
+            "base_model_revision": self.args.model_revision,
             "served_model_names": self.base_model_ids,
             "max_loras": stats.max_loras if stats is not None else self.args.max_loras or 0,
             "max_cpu_loras": self.config.max_cpu_loras,
