@@ -1,14 +1,14 @@
 """Tiny Hugging Face causal-LM directories with random weights, built in code in seconds.
 
 Tests, demos, CI and `make up` need a real base model (config + safetensors + tokenizer) of the
-Llama, Qwen2 and Mistral families without downloading anything. `build_tiny_model` writes one:
+Llama, Qwen2, Qwen3 and Mistral families without downloading anything. `build_tiny_model` writes one:
 random weights drawn from a seeded generator (same seed, same files, byte for byte) and a byte-level
 BPE tokenizer trained on the English text below, with a ChatML chat template.
 
 `save_random_peft_adapter` writes a PEFT LoRA adapter for such a model whose B matrices are
 non-zero (PEFT initialises B to zero, which would make every adapter a no-op in tests).
 
-    python -m serving.engine.tiny OUT [--arch llama|qwen2|mistral] [--size tiny|small] [--seed N]
+    python -m serving.engine.tiny OUT [--arch llama|qwen2|qwen3|mistral] [--size tiny|small] [--seed N]
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 # Layer sizes. `tiny` keeps tests fast; `small` is big enough for CPU benchmarks to mean something.
 # Both use grouped-query attention (fewer KV heads than heads), as the real models do.
@@ -180,6 +181,12 @@ def _model_config(arch: str, size: str, tokenizer: PreTrainedTokenizerFast) -> P
     if arch == "qwen2":
         # Qwen2's q/k/v projections carry biases; LlamaConfig/MistralConfig have none.
         return Qwen2Config(**common, use_sliding_window=False)
+    if arch == "qwen3":
+        # As Qwen3's real configs: q/k RMSNorm per head, no biases, and a head_dim of its own (Qwen3-0.6B:
+        # 16 heads of 128 on a hidden size of 1024), here twice hidden_size / heads.
+        heads = common["num_attention_heads"]
+        return Qwen3Config(**common, head_dim=2 * common["hidden_size"] // heads, use_sliding_window=False,
+                           attention_bias=False)
     return MistralConfig(**common, sliding_window=None)
 
 

@@ -100,7 +100,9 @@ def test_model_loads_with_its_architecture_shapes_and_vocabulary(tiny_model_dir)
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     assert config.vocab_size == len(tokenizer) == 512
     attention = model.model.layers[0].self_attn
-    assert attention.k_proj.weight.shape == (2 * 16, 64)
+    # Qwen3's heads are wider than hidden_size / heads, as in its real configs.
+    assert attention.head_dim == (32 if config.model_type == "qwen3" else 16)
+    assert attention.k_proj.weight.shape == (2 * attention.head_dim, 64)
     has_qkv_bias = config.model_type == "qwen2"
     assert all(
         (getattr(attention, name).bias is not None) == has_qkv_bias

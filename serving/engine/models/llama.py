@@ -1,6 +1,8 @@
-"""The Llama family forward (Llama, Qwen2, Mistral: one architecture with small differences):
+"""The Llama family forward (Llama, Qwen2, Qwen3, Mistral: one architecture with small differences):
 RMSNorm → attention with RoPE and grouped-query heads → RMSNorm → SwiGLU MLP, residuals around
-both (each residual add folded into the next RMSNorm). Qwen2 adds biases to q/k/v; Mistral (and Qwen2 optionally) uses a sliding window.
+both (each residual add folded into the next RMSNorm). Qwen2 adds biases to q/k/v; Qwen3 instead
+RMSNorms each head of q and k (over head_dim, before RoPE); Mistral (and Qwen2/Qwen3 optionally)
+uses a sliding window.
 
 q/k/v and gate/up are fused into one multi-LoRA projection each, so each step runs four matmuls
 per layer and four LoRA calls; checkpoint tensors are mapped onto the fused weights at load.
@@ -22,7 +24,7 @@ from serving.engine.layers.layernorm import RMSNorm
 from serving.engine.layers.lora_linear import MultiLoRALinear
 from serving.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # Adapter target modules this model serves (PEFT's names), and the fused projection of each.
 LORA_TARGETS = {
     "q_proj": "self_attn.qkv_proj",
@@ -43,7 +45,7 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         return None
     return window
 
@@ -78,9 +80,20 @@ class Attention(nn.Module):
         self.o_proj = MultiLoRALinear(q_size, [("o_proj", config.hidden_size)], bias=o_bias, layer_idx=layer_idx, **lora)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, _sliding_window(config, layer_idx))
         self.split = (q_size, kv_size, kv_size)
+        # Qwen3: one RMSNorm over head_dim for every query head, another for every key head.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type == "qwen3":
+            device, dtype = lora["device"], lora["dtype"]
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device=device, dtype=dtype)
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Rows of head_dim (a 2-D input, as the fused kernel takes it), contiguous after the split.
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -149,7 +162,7 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Mistral with multi-LoRA projections and paged attention."""
+    """Llama / Qwen2 / Qwen3 / Mistral with multi-LoRA projections and paged attention."""
 
     def __init__(
         self,
