@@ -368,7 +368,8 @@ async def _charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError,
     retry_after_s = admission.retry_after_s
     return GatewayError(
         429, f"Rate limit reached for {buckets.describe(buckets.shortest(admission))}; requests for unknown "
-             f"or disallowed models count too. Retry in {retry_after_s:.2f} s.", code="rate_limit_exceeded",
+             f"models count too, as do those for models outside the key's allow-list. Retry in {retry_after_s:.2f} s.",
+        code="rate_limit_exceeded",
         headers={**headers, "retry-after": str(max(1, math.ceil(retry_after_s))),
                  "retry-after-ms": str(math.ceil(retry_after_s * 1000))})
 
