@@ -36,6 +36,8 @@ _SAMPLING = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
     # Refused by the worker unless at their defaults (its 400 names them): forwarded so the caller hears so.
     "n", "presence_penalty", "frequency_penalty", "logit_bias",
+    # Structured output (vLLM's names), on both endpoints.
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 FORWARDED: dict[str, frozenset[str]] = {
     "completions": _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"},

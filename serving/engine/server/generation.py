@@ -39,6 +39,7 @@ from serving.engine import (
     SlotCorruptedError,
 )
 from serving.engine.detokenizer import decode_text
+from serving.engine.guided import GrammarError, GuidedDecodingParams
 from serving.engine.server import metrics as outcomes
 from serving.engine.server.adapters import AdapterSet
 from serving.engine.server.errors import APIError, bad_request, model_not_found, slot_corrupted
@@ -116,9 +117,26 @@ def check_supported(body: SamplingFields) -> None:
         )
 
 
+def guided_decoding(body: SamplingFields) -> GuidedDecodingParams | None:
+    """The structured-output constraint `body` asks for, if any; a 400 naming the field for two
+    constraints or one that is malformed (one the grammar library refuses is found when compiled)."""
+    constraints = body.constraints()
+    if not constraints:
+        return None
+    if len(constraints) > 1:
+        names = [name for name, _ in constraints]
+        raise bad_request(f"{' and '.join(names)} each constrain the output; send one of them", param=names[1])
+    name, fields = constraints[0]
+    try:
+        return GuidedDecodingParams(**fields)
+    except ValueError as exc:
+        raise bad_request(f"{name}: {exc}", param=name) from exc
+
+
 def sampling_params(body: SamplingFields, *, prompt_len: int, max_model_len: int, logprobs: int | None) -> SamplingParams:
     """The engine's SamplingParams for `body`; every invalid value is a 400 that names it."""
     max_tokens = _max_tokens(body.max_tokens, prompt_len, max_model_len)
+    guided = guided_decoding(body)
     try:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -132,6 +150,7 @@ def sampling_params(body: SamplingFields, *, prompt_len: int, max_model_len: int
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            guided_decoding=guided,
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc)) from exc
@@ -295,6 +314,9 @@ class Generation:
         """The engine's first output, as the HTTP error for what prevents one."""
         try:
             first = await unless_disconnected(self._request, anext(outputs, None))
+        except GrammarError as exc:
+            constraints = self.job.body.constraints()
+            raise bad_request(str(exc), param=constraints[0][0] if constraints else None) from exc
         except BaseException as exc:
             error = _as_api_error(exc)
             if error is exc:

@@ -8,7 +8,10 @@ being ignored and giving the caller something other than what was asked.
 vLLM extensions kept with vLLM's names: `top_k`, `ignore_eos`, `stop_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`, `priority` (lower is served first),
 `return_token_ids` (the prompt's and the completion's token ids in the response),
-`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`.
+`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, and structured output's
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (on both endpoints; chat also takes
+OpenAI's `response_format`). `constraints()` lists those set, as the engine's GuidedDecodingParams
+fields; generation.py refuses more than one.
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ class SamplingFields(_Request):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's structured output (serving.engine.guided): the output matches a JSON schema (an object
+    # or its JSON text), a regex, one of the strings, or an EBNF grammar.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(field, GuidedDecodingParams keyword arguments) for each structured-output field set."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {key: value}))
+        return found
 
     def unsupported_fields(self) -> list[str]:
         """Names of fields set to something this worker cannot do."""
@@ -126,6 +145,30 @@ class ChatMessage(_Request):
         return "".join(texts)
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`. The output is held to `schema` whether or not
+    `strict` is set (a grammar either constrains or does not): strict's promise is kept either way."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    # `schema` is a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema: {name, schema, strict}")
+        return self
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
 
@@ -140,7 +183,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> ChatCompletionRequest:
@@ -154,14 +197,21 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
+    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        found = super().constraints()
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.json_schema is not None:
+            found.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        return found
+
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
         if self.tools:
             bad.append("tools")
         if self.functions:
             bad.append("functions")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            bad.append("response_format")
         return bad
 
 
