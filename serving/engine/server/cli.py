@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import TypeVar
 
 from serving.engine.server.adapter_roots import AdapterRoots, platform_storage_url
 from serving.wire.hub import ModelSourceError, resolve_model
+from serving.wire.settings import platform_settings
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,7 @@ def _positive(kind: Callable[[str], N]) -> Callable[[str], N]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    settings = platform_settings()  # the defaults below that are settings: environment, then .env
     p = argparse.ArgumentParser(
         prog="python -m serving.engine.server",
         description="Loraplex serving worker: one base model, many LoRA adapters, an OpenAI-compatible API.",
@@ -134,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("SERVING_WORKER_API_KEY"),
+        default=settings.serving_worker_api_key or None,
         help="the operator's key, required as `Authorization: Bearer KEY` on /v1/* "
-        "(default: $SERVING_WORKER_API_KEY; unset: open, and no caller is the operator)",
+        "(default: $SERVING_WORKER_API_KEY, from the environment or .env; unset: open, and no caller is the operator)",
     )
     lora = p.add_argument_group("LoRA")
     lora.add_argument(
@@ -245,12 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     registry = p.add_argument_group("registry sync and self-registration")
     registry.add_argument("--registry-url", default=None, help="the registry's internal snapshot endpoint")
-    registry.add_argument("--registry-token", default=os.environ.get("REGISTRY_TOKEN"), help="default: $REGISTRY_TOKEN")
+    registry.add_argument("--registry-token", default=settings.registry_token or None,
+                          help="default: $REGISTRY_TOKEN (environment or .env)")
     registry.add_argument("--registry-reconcile-interval", type=_positive(float), default=30.0)
     registry.add_argument(
         "--redis-url",
-        default=os.environ.get("REDIS_URL"),
-        help="deploy events and worker registration (default: $REDIS_URL; unset: neither)",
+        default=settings.redis_url,
+        help="deploy events and worker registration (default: $REDIS_URL, environment or .env; unset: neither)",
     )
     registry.add_argument("--worker-id", default=None, help="default: HOSTNAME:PORT")
     registry.add_argument("--advertise-url", default=None, help="URL the gateway reaches this worker at")
