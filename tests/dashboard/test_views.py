@@ -319,6 +319,21 @@ def test_every_post_route_is_covered_by_the_csrf_test():
     assert {f"dashboard:{item.name}" for item in dashboard_urls.urlpatterns} == posted | {f"dashboard:{n}" for n in reads}
 
 
+def test_a_job_handed_back_by_a_clean_stop_shows_interrupted_and_where_it_resumes(as_user, people, tenant_a):
+    from django.utils import timezone
+
+    dataset = upload(tenant_a.tenant, GOOD, validate=False)
+    job = TrainingJob.objects.create(tenant=tenant_a.tenant, dataset=dataset, adapter_name="support-bot",
+                                     base_model="tiny", seed=1, status="running", interrupted_at=timezone.now())
+    job.checkpoints.create(step=4, storage_prefix="c/4")
+    job.checkpoints.create(step=8, storage_prefix="c/8")
+    client = as_user(people.viewer)
+    page = client.get(reverse("dashboard:job", args=[job.pk]), HTTP_HX_REQUEST="true").content.decode()
+    assert 'id="job-interrupted"' in page and "resuming from step 8" in page
+    TrainingJob.objects.filter(pk=job.pk).update(interrupted_at=None)  # a worker took it back
+    assert 'id="job-interrupted"' not in client.get(reverse("dashboard:job", args=[job.pk])).content.decode()
+
+
 def _fill(tenant, rows: range, make_version) -> None:
     """Each row: a dataset, an adapter with an active and a canary version, a job with an event and a
     checkpoint, and an API key."""
