@@ -216,7 +216,7 @@ def test_snapshot_requires_the_registry_token(settings, versions_a):
     assert error(worker.get(SNAPSHOT, HTTP_AUTHORIZATION="Token s3cret-token"), 401)
     response = worker.get(SNAPSHOT, HTTP_AUTHORIZATION="Bearer s3cret-token")
     assert response.status_code == 200
-    assert response.json() == {"revision": 0, "base_model": "tiny-llama", "adapters": []}
+    assert response.json() == {"revision": 0, "base_model": "tiny-llama", "base_model_revision": "", "adapters": []}
 
 
 def test_snapshot_is_not_reachable_with_a_tenant_key(settings, client_a, versions_a):

@@ -56,6 +56,7 @@ def test_snapshot_lists_active_and_canary_with_weights(deployed, tenant_b, make_
         "name": "alice-co/support-bot@1.0.0", "tenant": "alice-co", "adapter": "support-bot", "version": "1.0.0",
         "status": "active", "weight": pytest.approx(0.8), "artifact_uri": v1.artifact_uri,
         "manifest_sha256": v1.manifest_sha256, "base_model": "tiny-llama", "rank": 8,
+        "base_model_revision": "",  # a base model from a plain directory has no revision
     }
     assert entries["alice-co/support-bot@1.1.0"]["weight"] == 0.2
     assert entries["bob-co/summarizer@2.0.0"]["weight"] == 1.0
