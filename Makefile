@@ -41,8 +41,12 @@ typecheck: install
 # Redis database and temporary directory. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 4
 
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE, as many
+# images set): otherwise every xdist worker rewrites every test module's asserts again and every
+# web process, serving worker and Celery worker the suite starts compiles the project again
+# (docs/testing.md, "Where the time goes"). The files go to __pycache__/, which git ignores.
 test: lint-imports typecheck
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 up: migrate
 	$(PY) -m lora_platform.launcher

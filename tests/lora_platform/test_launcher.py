@@ -2,7 +2,12 @@
 on SIGTERM stops every child and releases its port; its first-run set-up happens only once. The
 serving worker requires the key kept in var/, which the web process holds too; killing the Celery
 worker's main process takes its whole process tree down with the platform (no orphaned beat), and
-the embedded Redis keeps its data across restarts."""
+the embedded Redis keeps its data across restarts.
+
+A launch starts the whole platform (migrations, the tiny base model, the web process, Celery and a
+serving worker), so the first-run checks and the killed-worker test share one (`first_run`): the
+first looks at it, the second kills its Celery worker, then restarts on the same var/ and stops
+that one with SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +60,7 @@ class Launcher:
                if k not in ("REDIS_URL", "DATABASE_URL", "STORAGE_URL", "BASE_MODEL_PATH", "DJANGO_SETTINGS_MODULE")}
         env.pop("REGISTRY_TOKEN", None)
         self.serving_port = serving_port or unused_port()
+        self.var_dir = var_dir
         env.update(LORAPLEX_VAR_DIR=str(var_dir), LORAPLEX_WEB_PORT=str(port),
                    LORAPLEX_SERVING_PORT=str(self.serving_port), PYTHONUNBUFFERED="1")
         self.port = port
@@ -153,35 +160,38 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def test_launcher_comes_up_prints_where_to_go_and_stops_cleanly(tmp_path: Path) -> None:
-    port = unused_port()
-    launcher = Launcher(tmp_path / "var", port)
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    """`make up` on a fresh var/ directory, up and its serving worker healthy. The killed-worker
+    test, the last of the file to use it, ends it; whatever is left is killed with the file."""
+    launcher = Launcher(tmp_path_factory.mktemp("first-run") / "var", unused_port())
     try:
         launcher.wait_for("Loraplex is up")
-        status, body = launcher.get("/api/schema/")
-        assert status == 200 and b"/api/v1/api-keys" in body
-        base = f"http://127.0.0.1:{port}"
-        for url in (f"{base}/", f"{base}/admin/", f"{base}/api/v1/", f"{base}/api/schema/"):
-            assert url in launcher.output
-        key = re.search(r"Demo API key (lp-\S+)", launcher.output).group(1)
-        status, body = launcher.get("/api/v1/tenant", key=key)
-        assert status == 200 and json.loads(body)["slug"] == "demo"
-        assert re.search(r"user 'admin', password \S+ +\(shown this once\)", launcher.output)
-        assert (tmp_path / "var" / "models" / "tiny-llama" / "config.json").is_file()
-        assert processes_with(f"worker-{launcher.process.pid}@"), "the Celery worker is not running"
-        assert f"http://127.0.0.1:{launcher.serving_port}/v1/" in launcher.output
-        key_file = tmp_path / "var" / "serving-worker-api-key"
-        assert f"key in {key_file}" in launcher.output
         launcher.wait_serving_healthy()
-        status, body = launcher.get("/v1/models", key=key_file.read_text().strip(), port=launcher.serving_port)
-        assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny-llama"
-
-        assert launcher.terminate() == 0
+        yield launcher
     finally:
         launcher.kill()
-    assert "Loraplex stopped." in launcher.output
-    assert port_is_free(port) and port_is_free(launcher.serving_port)
-    assert processes_with(f"worker-{launcher.process.pid}@") == []
+
+
+def test_launcher_comes_up_and_prints_where_to_go(first_run: Launcher) -> None:
+    launcher = first_run
+    assert launcher.process.poll() is None, f"the first run is not up:\n{launcher.output[-5000:]}"
+    status, body = launcher.get("/api/schema/")
+    assert status == 200 and b"/api/v1/api-keys" in body
+    base = f"http://127.0.0.1:{launcher.port}"
+    for url in (f"{base}/", f"{base}/admin/", f"{base}/api/v1/", f"{base}/api/schema/"):
+        assert url in launcher.output
+    key = re.search(r"Demo API key (lp-\S+)", launcher.output).group(1)
+    status, body = launcher.get("/api/v1/tenant", key=key)
+    assert status == 200 and json.loads(body)["slug"] == "demo"
+    assert re.search(r"user 'admin', password \S+ +\(shown this once\)", launcher.output)
+    assert (launcher.var_dir / "models" / "tiny-llama" / "config.json").is_file()
+    assert processes_with(f"worker-{launcher.process.pid}@"), "the Celery worker is not running"
+    assert f"http://127.0.0.1:{launcher.serving_port}/v1/" in launcher.output
+    key_file = launcher.var_dir / "serving-worker-api-key"
+    assert f"key in {key_file}" in launcher.output
+    status, body = launcher.get("/v1/models", key=key_file.read_text().strip(), port=launcher.serving_port)
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny-llama"
 
 
 def test_launcher_refuses_a_busy_port(tmp_path: Path) -> None:
@@ -216,16 +226,16 @@ def test_first_run_setup_happens_once_and_secrets_are_printed_only_then() -> Non
     assert "shown this once" not in later and "tenants create-key demo" in later
 
 
-def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_restart(tmp_path: Path) -> None:
-    """Issue 16, items 1 and 3, against `make up` itself, twice on one var/ directory."""
-    var = tmp_path / "var"
-    first = Launcher(var, unused_port())
+def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_restart(
+        first_run: Launcher) -> None:
+    """Issue 16, items 1 and 3, against `make up` itself, twice on one var/ directory; the second
+    run is stopped as Ctrl-C stops it (SIGTERM): every child stops and the ports are released."""
+    first = first_run
+    var = first.var_dir
     try:
-        first.wait_for("Loraplex is up")
         key_file = var / "serving-worker-api-key"
         key = key_file.read_text().strip()
         assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
-        first.wait_serving_healthy()
         # The serving worker is no side door: nothing on /v1 without the key.
         for path in ("/v1/models", "/v1/chat/completions"):
             assert first.get(path, port=first.serving_port)[0] == 401
@@ -268,5 +278,6 @@ def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_re
         assert second.terminate() == 0
     finally:
         second.kill()
+    assert "Loraplex stopped." in second.output
     assert processes_with(f"worker-{second.process.pid}@") == []
     assert port_is_free(second.port) and port_is_free(second.serving_port)
