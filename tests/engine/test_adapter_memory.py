@@ -60,16 +60,19 @@ def test_more_adapters_than_the_pool_holds_are_served_peft_exact(
     request.addfinalizer(llm.llm_engine.shutdown)
     names = list(adapters)
     prompts = [" ".join(WORDS[: 3 + (i * 5) % 13]) for i in range(16)]
+    # Every eighth request has no adapter; the others cycle through all seven (3 is prime to 7), so
+    # each adapter is requested and the bounds below count all of them.
     loras: list[LoRARequest | None] = [
-        None if i % 7 == 6 else LoRARequest(names[(i * 3) % len(names)], str(adapters[names[(i * 3) % len(names)]]))
+        None if i % 8 == 7 else LoRARequest(names[(i * 3) % len(names)], str(adapters[names[(i * 3) % len(names)]]))
         for i in range(len(prompts))
     ]
+    assert {lora.lora_name for lora in loras if lora} == set(names)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            lora_request=loras)
 
     stats = llm.llm_engine.stats()
     assert stats.lora_rows_total == rows and stats.max_loras == rows // 8
-    # At most three of the seven fit at once: at least four were evicted to let the others in.
+    # At most three of the seven fit at once (three slot-table entries): at least four were evicted.
     assert stats.slot_evictions >= len(adapters) - 3 and stats.slot_loads >= len(adapters)
     assert stats.lora_bytes_loaded > 0 and stats.lora_rows_used <= rows
     if device == "cuda":
