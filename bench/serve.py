@@ -37,17 +37,13 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import platform
 import random
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +54,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run as a script, this file's folder heads sys.path; the repository root must be there instead.
 sys.path[0] = str(ROOT)
 
-from bench.random_adapters import MODULE_SETS, adapter_bytes, adapter_set, scratch_root, shape_config  # noqa: E402
+from bench.random_adapters import MODULE_SETS  # noqa: E402
+from bench.serve_launch import launched_worker  # noqa: E402
+from bench.serve_profile import sampled  # noqa: E402
+from bench.worker_metrics import scrape_metrics, total, window_metrics  # noqa: E402
 
 # Token ids below this are special tokens in the tiny tokenizer; prompts avoid them.
 _FIRST_PLAIN_ID = 16
@@ -209,65 +208,6 @@ async def run_load(args: argparse.Namespace, popularity: str = "uniform") -> tup
     return results, duration, window
 
 
-# ---- the worker's own figures, from /metrics ------------------------------------------------
-
-# Counters read before and after a run's window (serving/engine/server/metrics.py names them). The
-# worker may not export all: one it lacks is None in the window's figures (printed "n/a").
-_COUNTERS = {
-    "slot_hits": "loraplex_lora_slot_hits_total",
-    "slot_misses": "loraplex_lora_slot_misses_total",
-    "slot_loads": "loraplex_lora_slot_loads_total",
-    "slot_evictions": "loraplex_lora_slot_evictions_total",
-    "bytes_loaded": "loraplex_lora_bytes_loaded_total",
-    "cpu_evictions": "loraplex_lora_cpu_evictions_total",
-    "storage_reads": "loraplex_lora_load_seconds_count",
-    "load_stalls": "loraplex_lora_load_stalls_total",
-}
-Samples = list[tuple[str, dict[str, str], float]]
-
-
-async def scrape_metrics(client: httpx.AsyncClient) -> Samples | None:
-    """The worker's /metrics as (sample name, labels, value); None when it cannot be read."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        response = await client.get("/metrics", timeout=30)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(response.text) for s in f.samples]
-
-
-def _total(samples: Samples, name: str, keep: Callable[[dict[str, str]], bool] = lambda labels: True) -> float | None:
-    values = [value for sample, labels, value in samples if sample == name and keep(labels)]
-    return sum(values) if values else None
-
-
-def window_metrics(before: Samples | None, after: Samples | None, duration: float) -> dict[str, Any]:
-    """The worker's adapter figures over one window: counter deltas, and from them the GPU hit rate
-    (slot hits / (hits + misses)), adapter loads per second (slot loads; slot misses where the
-    worker does not count loads apart) and bytes moved host -> GPU per second."""
-    if before is None or after is None:
-        return {"metrics": False}
-    deltas: dict[str, float | None] = {}
-    for key, name in _COUNTERS.items():
-        first, last = _total(before, name), _total(after, name)
-        deltas[key] = None if first is None or last is None else last - first
-    not_ok = [_total(samples, "loraplex_requests_total", lambda labels: labels.get("status") != "ok") or 0.0
-              for samples in (before, after)]
-    hits, misses = deltas["slot_hits"], deltas["slot_misses"]
-    admissions = (hits or 0) + (misses or 0)
-    loads, loads_from = (deltas["slot_loads"], "slot_loads") if deltas["slot_loads"] is not None else (misses, "slot_misses")
-    moved = deltas["bytes_loaded"]
-    return {
-        "metrics": True, **deltas, "worker_not_ok": not_ok[1] - not_ok[0],
-        "gpu_hit_rate": hits / admissions if hits is not None and admissions else None,
-        "adapter_loads_per_s": loads / duration if loads is not None else None, "adapter_loads_from": loads_from,
-        "bytes_moved_per_s": moved / duration if moved is not None else None,
-    }  # fmt: skip
-
-
 async def _settle(client: httpx.AsyncClient) -> bool:
     """Waits until the worker runs and queues nothing (the previous run's tail, the warm-up);
     whether it got there. True at once when /metrics cannot be read."""
@@ -276,7 +216,7 @@ async def _settle(client: httpx.AsyncClient) -> bool:
         samples = await scrape_metrics(client)
         if samples is None:
             return True
-        busy = [_total(samples, name) for name in ("loraplex_num_requests_running", "loraplex_num_requests_waiting")]
+        busy = [total(samples, name) for name in ("loraplex_num_requests_running", "loraplex_num_requests_waiting")]
         if not any(busy):
             return True
         await asyncio.sleep(0.25)
@@ -384,178 +324,6 @@ def print_runs(summaries: list[dict[str, Any]]) -> None:
               f"{s.get('median_tpot_ms', 0):>9.1f} {_figure(None if hit is None else 100 * hit, '>7.1f')}% "
               f"{_figure(w.get('adapter_loads_per_s'), '>8.2f')} {_figure(None if moved is None else moved / 1e6, '>8.1f')} "
               f"{_figure(w.get('cpu_evictions'), '>7.0f')} {s['failed']:>6}")
-
-
-# ---- launching a worker -------------------------------------------------------------------------
-
-
-def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, list[Path], list[str], int, dict[str, Any]]:
-    """A model directory, adapters on it (from --adapter-cache where given, written in parallel where
-    missing), extra worker flags, the vocabulary size and what preparing took."""
-    from serving.engine.tiny import build_tiny_model
-
-    config = shape_config(args.launch)
-    if args.launch in ("tiny", "small"):
-        model = build_tiny_model(work / f"{args.launch}-llama", arch="llama", size=args.launch)
-        extra: list[str] = []
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    else:
-        model = work / "llama3-8b-shape"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps(config))
-        # Any tokenizer will do: prompts are token ids; unknown ids decode to nothing.
-        tiny = build_tiny_model(work / "tokenizer-source", arch="llama", size="tiny")
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (tiny / name).exists():
-                shutil.copy(tiny / name, model / name)
-        extra, vocab = ["--load-format", "dummy"], config["vocab_size"]
-    root = args.adapter_cache or work / "adapters"
-    started = time.perf_counter()
-    adapters, written = adapter_set(root, args.launch, count=args.num_adapters, rank=args.rank,
-                                    modules=args.adapter_modules)
-    size = adapter_bytes(config, args.rank, MODULE_SETS[args.adapter_modules])
-    info = {"adapter_root": str(root), "adapters_written": written, "adapter_mb": size / 1e6,
-            "adapters_write_s": time.perf_counter() - started}
-    print(f"adapters: {written} of {len(adapters)} written now ({size / 1e6:.2f} MB each, rank {args.rank} on "
-          f"{args.adapter_modules} projections) in {info['adapters_write_s']:.1f}s under {root}", flush=True)
-    return model, adapters, extra, vocab, info
-
-
-@dataclass
-class Launched:
-    process: subprocess.Popen[bytes]
-    info: dict[str, Any]  # what preparing and starting took, where the adapters are
-
-
-@contextlib.contextmanager
-def launched_worker(args: argparse.Namespace) -> Iterator[Launched]:
-    # The adapters go in the work directory unless cached elsewhere: it is on /dev/shm if they fit.
-    one = adapter_bytes(shape_config(args.launch), args.rank, MODULE_SETS[args.adapter_modules])
-    need = 0 if args.adapter_cache else args.num_adapters * one
-    with tempfile.TemporaryDirectory(prefix="bench-serve-", dir=scratch_root(need)) as tmp:
-        work = Path(tmp)
-        started = time.perf_counter()
-        model, adapters, extra, vocab, info = prepare(args, work)
-        args.vocab_size = vocab
-        args.adapters = [f"a{i}" for i in range(len(adapters))]
-        info["prepare_s"] = time.perf_counter() - started
-        print(f"prepared {args.launch} model and {len(adapters)} adapters in {info['prepare_s']:.1f}s", flush=True)
-        port = 8100 + random.Random().randrange(500)
-        args.base_url = f"http://127.0.0.1:{port}"
-        command = [
-            sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port", str(port),
-            "--served-model-name", args.model, "--max-cpu-loras", str(max(len(adapters), args.max_loras, 1)),
-            "--max-lora-rank", str(args.rank), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-queued-requests", str(args.num_prompts + args.warmup), "--uvicorn-log-level", "warning",
-            *extra,
-        ]
-        # 0: the worker's own default (how it sizes adapter memory unasked).
-        if args.max_loras:
-            command += ["--max-loras", str(args.max_loras)]
-        if args.lora_memory_bytes is not None:
-            command += ["--lora-memory-bytes", str(args.lora_memory_bytes)]
-        if adapters:
-            command += ["--lora-modules", *(f"a{i}={path}" for i, path in enumerate(adapters))]
-        # The worker's access lines (one a request, at INFO) stay out of the output and off its event
-        # loop, as uvicorn's did under --uvicorn-log-level warning.
-        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "LOG_LEVEL": "WARNING"})
-        try:
-            _wait_ready(args.base_url, process)
-            info["ready_s"] = time.perf_counter() - started - info["prepare_s"]
-            print(f"worker ready after {time.perf_counter() - started:.1f}s ({info['ready_s']:.1f}s to start)", flush=True)
-            yield Launched(process, info)
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-# How the worker's py-spy samples are read (docs/benchmarks.md quotes these shares): the engine
-# thread's by the first of these frames found in a sample's stack, the event loop's as busy unless
-# its innermost frame is the loop's wait.
-_ENGINE_SHARES = [
-    ("idle", ("Condition.wait", "Event.wait")),
-    ("sampler (waits for the GPU)", ("Sampler.__call__",)),
-    ("replay host work", ("DecodeGraphs.replay",)),
-    ("detokenize", ("detokenizer", "decode_text")),
-    ("flat step layout", ("flat_step",)),
-    ("eager forward, LoRA prepare", ("ModelRunner.execute",)),
-    ("schedule", ("Scheduler.schedule",)),
-    ("deliver outputs", ("_deliver", "call_soon")),
-    ("rest of the step", ("LLMEngine.step",)),
-]
-
-
-def sample_shares(path: Path) -> dict[str, dict[str, float]]:
-    """Per thread of a raw py-spy file (``--threads --idle``): the share of its samples by kind."""
-    counts: dict[str, dict[str, int]] = {}
-    for line in path.read_text().splitlines():
-        stack, _, number = line.rpartition(" ")
-        frames = stack.split(";")
-        if len(frames) < 2:
-            continue
-        thread = frames[1].rpartition(": ")[2]
-        if thread == "engine-core":
-            joined = ";".join(frames[2:])
-            kind = next((name for name, marks in _ENGINE_SHARES if any(m in joined for m in marks)), "other")
-        elif thread == "MainThread":
-            kind = "idle" if any(m in frames[-1] for m in ("Runner.run", "select")) else "busy"
-        else:
-            continue
-        counts.setdefault(thread, {})
-        counts[thread][kind] = counts[thread].get(kind, 0) + int(number)
-    return {t: {k: n / sum(c.values()) for k, n in sorted(c.items(), key=lambda kv: -kv[1])} for t, c in counts.items()}
-
-
-@contextlib.contextmanager
-def sampled(out: Path, processes: dict[str, subprocess.Popen | None], rate: float) -> Iterator[None]:
-    """py-spy samples of each process (None: this one, the load generator) while the block runs.
-
-    Raw (collapsed) stacks per thread with idle samples kept, so a thread's busy share and where it
-    goes can be read off the file (`grep -c`), for the worker's engine thread and event loop alike.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    spies = []
-    for name, process in processes.items():
-        pid = process.pid if process is not None else os.getpid()
-        # A worker's children (an engine core of its own, say) are sampled with it; this process's
-        # children are the worker itself, sampled on its own.
-        children = ["--subprocesses"] if process is not None else []
-        command = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--idle", "--threads", *children,
-                   "--rate", "200", "-o", str(out / f"py-spy-{name}-{rate:g}.txt")]
-        spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    try:
-        yield
-    finally:
-        for spy in spies:  # py-spy writes its file on SIGINT
-            spy.send_signal(signal.SIGINT)
-        for spy in spies:
-            try:
-                _, err = spy.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                spy.kill()
-                err = b"timed out"
-            if spy.returncode:
-                print(f"py-spy exited with {spy.returncode}: {err.decode(errors='replace')[-500:]}", flush=True)
-        worker_file = out / f"py-spy-worker-{rate:g}.txt"
-        if worker_file.exists():
-            for thread, shares in sample_shares(worker_file).items():
-                print(f"worker {thread}: " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()), flush=True)
-
-
-def _wait_ready(base_url: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the worker exited with {process.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise SystemExit("the worker did not get ready")
 
 
 def _comma_list(text: str, kind: Callable[[str], Any], what: str, p: argparse.ArgumentParser) -> list[Any]:

@@ -1,0 +1,68 @@
+"""The serving worker's own adapter figures over a benchmark's window, read from its /metrics.
+
+bench/serve.py scrapes /metrics before and after a run and reports the counter deltas: GPU hit
+rate, adapter loads and bytes moved per second, CPU-cache evictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+# Counters read before and after a run's window (serving/engine/server/metrics.py names them). The
+# worker may not export all: one it lacks is None in the window's figures (printed "n/a").
+_COUNTERS = {
+    "slot_hits": "loraplex_lora_slot_hits_total",
+    "slot_misses": "loraplex_lora_slot_misses_total",
+    "slot_loads": "loraplex_lora_slot_loads_total",
+    "slot_evictions": "loraplex_lora_slot_evictions_total",
+    "bytes_loaded": "loraplex_lora_bytes_loaded_total",
+    "cpu_evictions": "loraplex_lora_cpu_evictions_total",
+    "storage_reads": "loraplex_lora_load_seconds_count",
+    "load_stalls": "loraplex_lora_load_stalls_total",
+}
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+async def scrape_metrics(client: httpx.AsyncClient) -> Samples | None:
+    """The worker's /metrics as (sample name, labels, value); None when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await client.get("/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(response.text) for s in f.samples]
+
+
+def total(samples: Samples, name: str, keep: Callable[[dict[str, str]], bool] = lambda labels: True) -> float | None:
+    values = [value for sample, labels, value in samples if sample == name and keep(labels)]
+    return sum(values) if values else None
+
+
+def window_metrics(before: Samples | None, after: Samples | None, duration: float) -> dict[str, Any]:
+    """The worker's adapter figures over one window: counter deltas, and from them the GPU hit rate
+    (slot hits / (hits + misses)), adapter loads per second (slot loads; slot misses where the
+    worker does not count loads apart) and bytes moved host -> GPU per second."""
+    if before is None or after is None:
+        return {"metrics": False}
+    deltas: dict[str, float | None] = {}
+    for key, name in _COUNTERS.items():
+        first, last = total(before, name), total(after, name)
+        deltas[key] = None if first is None or last is None else last - first
+    not_ok = [total(samples, "loraplex_requests_total", lambda labels: labels.get("status") != "ok") or 0.0
+              for samples in (before, after)]
+    hits, misses = deltas["slot_hits"], deltas["slot_misses"]
+    admissions = (hits or 0) + (misses or 0)
+    loads, loads_from = (deltas["slot_loads"], "slot_loads") if deltas["slot_loads"] is not None else (misses, "slot_misses")
+    moved = deltas["bytes_loaded"]
+    return {
+        "metrics": True, **deltas, "worker_not_ok": not_ok[1] - not_ok[0],
+        "gpu_hit_rate": hits / admissions if hits is not None and admissions else None,
+        "adapter_loads_per_s": loads / duration if loads is not None else None, "adapter_loads_from": loads_from,
+        "bytes_moved_per_s": moved / duration if moved is not None else None,
+    }  # fmt: skip
