@@ -1,0 +1,128 @@
+"""Timing a serving engine's steps for bench/engine.py: the decode step with every sequence of a
+batch decoding, the mixed step (decodes plus one prefill chunk), and torch.profiler's tables of a
+few steps."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.random_adapters import LLAMA3_8B
+from serving.engine import LLMEngine, LoRARequest, SamplingParams
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(batch)]
+
+
+def engine_step_ms(
+    engine: LLMEngine,
+    prompts: list[dict[str, list[int]]],
+    loras: list[LoRARequest | None],
+    steps: int,
+    profile_to: Path | None = None,
+) -> float:
+    """Median wall time of one engine step once every sequence is decoding (all in one batch).
+
+    With ``profile_to``, three more steps run under torch.profiler: its table (ops by device and
+    host time) is written there, and the device's busy time per step is returned in the file."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, detokenize=False)
+    _start_decoding(engine, prompts, loras, params, prefix="r")
+    device = engine.runner.device
+    times = []
+    for _ in range(steps + 3):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        assert engine.last_step_tokens == len(prompts), "every sequence must decode in each timed step"
+    if profile_to is not None:
+        _profile_steps(engine, profile_to)
+    for rid in engine.request_ids():
+        engine.abort_request(rid)
+    return statistics.median(times[3:]) * 1e3
+
+
+def _start_decoding(engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None],
+                    params: SamplingParams, *, prefix: str) -> None:
+    """Adds one request per prompt and steps until every one is past its prefill (decoding)."""
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"{prefix}{i}", prompt, params, lora)
+    scheduler = engine.scheduler
+    while scheduler.num_waiting or any(seq.num_uncomputed_tokens != 1 for seq in scheduler.running):
+        engine.step()
+        if engine.last_step_tokens == 0:
+            engine.wait_for_loads(0.05)
+
+
+def mixed_step_ms(
+    engine: LLMEngine, prompts: list[dict[str, list[int]]], loras: list[LoRARequest | None], steps: int, chunk: int,
+    profile_to: Path | None = None,
+) -> float:
+    """Median wall time of a mixed step: all but one of ``prompts`` decoding, and a new prompt of
+    ``chunk`` tokens (a one-token request, with the last of ``loras``) prefilled in the same step,
+    as under Poisson arrivals most steps of a server are. ``profile_to``: as in ``engine_step_ms``."""
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True, detokenize=False)
+    _start_decoding(engine, prompts[:-1], loras[:-1], params, prefix="m")
+    device = engine.runner.device
+    vocab = LLAMA3_8B["vocab_size"]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    times = []
+    added = itertools.count()
+
+    def add_one() -> None:
+        step = next(added)
+        engine.add_request(f"new{step}", random_prompts(1, chunk, vocab, seed=100 + step)[0], one, loras[-1])
+
+    for _ in range(steps + 3):
+        add_one()
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        assert engine.last_step_tokens == len(prompts) - 1 + chunk, "each timed step decodes all and prefills one"
+    if profile_to is not None:
+        _profile_steps(engine, profile_to, before_step=add_one)
+    for rid in engine.request_ids():
+        engine.abort_request(rid)
+    return statistics.median(times[3:]) * 1e3
+
+
+def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3, before_step: Callable[[], None] | None = None) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    sync(engine.runner.device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            if before_step is not None:
+                before_step()
+            engine.step()
+        sync(engine.runner.device)
+    wall = (time.perf_counter() - start) / steps * 1e3
+    averages = prof.key_averages()
+    # Kernel rows only: an op row (aten::mm) repeats the time of the kernels it launched.
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    out.write_text(
+        f"profiled step: {wall:.2f} ms wall (with profiler overhead), device busy {device_ms:.2f} ms per step\n\n"
+        + averages.table(sort_by="self_device_time_total", row_limit=20)
+        + "\n\n"
+        + averages.table(sort_by="self_cpu_time_total", row_limit=20)
+    )
+    print(f"profile {out.name}: device busy {device_ms:.2f} ms per step")
