@@ -453,23 +453,45 @@ def adapter_rollback(*, adapter: Adapter, actor: str, version: str | None = None
     return target
 
 
-def adapter_version_archive(*, version: AdapterVersion, actor: str, reason: str = "",
+def adapter_version_archive(*, version: AdapterVersion, actor: str, reason: str = "", force: bool = False,
                             dry_run: bool = False) -> AdapterVersion:
-    """Retires a version for good: it is never served again (its artifact stays for the record)."""
+    """Retires a version for good: it is never served again (its artifact stays for the record).
+
+    A served version is refused unless `force`, which stops serving it at once (the event drops it);
+    even forced, the active version waits for a running canary to go first (a canary needs one)."""
     with transaction.atomic():
         adapter = _lock(version.adapter)
         version = _fresh_version(adapter, version)
         if version.status == Status.ARCHIVED:
             raise Conflict(f"Version {version.version} is already archived.", code="version_archived")
-        if version.status == Status.ACTIVE:
+        if version.status == Status.ACTIVE and not force:
             raise Conflict(f"Version {version.version} is active; deploy or roll back to another version before "
                            "archiving it.", code="version_serving")
-        if version.status == Status.CANARY:
+        if version.status == Status.CANARY and not force:
             raise Conflict(f"Version {version.version} is the running canary; abort it before archiving it.",
                            code="version_serving")
+        if version.status == Status.ACTIVE:
+            _require_no_canary(selectors.adapter_served(adapter=adapter)[1], "archive the active version")
         if dry_run:
             return version
+        served = version.is_served
         _set_status(version, Status.ARCHIVED)
-        _record(adapter=adapter, kind=Kind.ARCHIVE, actor=actor, reason=reason, to_version=version)
+        _record(adapter=adapter, kind=Kind.ARCHIVE, actor=actor, reason=reason, to_version=version,
+                dropped=[version] if served else [])
     return version
 
+
+def adapter_archive(*, adapter: Adapter, actor: str, reason: str = "", force: bool = False) -> list[AdapterVersion]:
+    """Archives every version of the adapter not archived yet (one event each), all or none: what
+    deleting a fine-tuned model through /v1 does. Refused (`adapter_serving`) while a version is
+    served unless `force`, which archives the canary, then the active version, first."""
+    with transaction.atomic():
+        adapter = _lock(adapter)
+        served = [item for item in selectors.adapter_served(adapter=adapter) if item]
+        if served and not force:
+            serving = ", ".join(f"{item.version} ({item.status})" for item in served)
+            raise Conflict(f"Adapter '{adapter.name}' is serving {serving}; archive with force to stop serving "
+                           "it at once.", code="adapter_serving")
+        first = {Status.CANARY: 0, Status.ACTIVE: 1}
+        versions = sorted(adapter.versions.exclude(status=Status.ARCHIVED), key=lambda item: first.get(item.status, 2))
+        return [adapter_version_archive(version=item, actor=actor, reason=reason, force=force) for item in versions]
