@@ -45,8 +45,9 @@ PYTEST_WORKERS ?= 4
 # images set): otherwise every xdist worker rewrites every test module's asserts again and every
 # web process, serving worker and Celery worker the suite starts compiles the project again
 # (docs/testing.md, "Where the time goes"). The files go to __pycache__/, which git ignores.
+# --durations=30: every run (CI's included) prints its slowest set-ups and tests, where the time goes.
 test: lint-imports typecheck
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 up: migrate
 	$(PY) -m lora_platform.launcher
