@@ -33,7 +33,7 @@ from serving.models import Adapter, AdapterVersion, UsageRecord
 from serving.selectors import versions_by_precedence
 from serving.versions import SEMVER_RE
 from serving.wire.names import parse_qualified_name
-from tenants.authentication import KEY_EXPIRED, api_key_authenticate
+from tenants.authentication import KEY_EXPIRED, TenantAuth, api_key_authenticate
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey
 
@@ -82,6 +82,8 @@ CACHE_MAX_BYTES = 32 * 1024 * 1024
 # A Loraplex key is `lp-<prefix ≤ 16>.<secret>` (about 60 characters): a header far longer is
 # refused unread, neither looked up nor cached.
 AUTHORIZATION_MAX_CHARS = 512
+# What each scope lets a key do here, for the message refusing a key without it.
+SCOPE_USES = {ApiKey.Scope.INFERENCE: "call /v1", ApiKey.Scope.MANAGE: "delete models"}
 
 _callers: TtlCache[Caller] = TtlCache(_cache_seconds, max_entries=CACHE_MAX_ENTRIES, max_bytes=CACHE_MAX_BYTES)
 _targets: TtlCache[Target] = TtlCache(_cache_seconds, max_entries=CACHE_MAX_ENTRIES, max_bytes=CACHE_MAX_BYTES)
@@ -92,20 +94,39 @@ def base_model_ids() -> list[str]:
     return [settings.BASE_MODEL_NAME, *settings.BASE_MODEL_ALIASES]
 
 
-def _load_caller(header: str) -> Caller:
+def _header_check(authorization: str | None, scope: str) -> str:
+    """The header; 401 for none or one far longer than a key, refused unread (neither looked up nor cached)."""
+    if not authorization:
+        raise GatewayError(401, "Missing API key: send 'Authorization: Bearer lp-<prefix>.<secret>' (a key with "
+                           f"the '{scope}' scope).", code="invalid_api_key")
+    if len(authorization) > AUTHORIZATION_MAX_CHARS:
+        raise GatewayError(401, f"Malformed Authorization header: it is {len(authorization)} characters long; "
+                           "expected 'Authorization: Bearer lp-<prefix>.<secret>'.", code="invalid_api_key")
+    return authorization
+
+
+def key_authenticate(authorization: str | None, *, scope: str) -> TenantAuth:
+    """The tenant and key of an `Authorization` header, uncached: 401 for a missing, malformed, wrong,
+    revoked or expired key, 403 for a suspended tenant or a key without `scope`."""
     try:
-        auth = api_key_authenticate(header)
+        auth = api_key_authenticate(_header_check(authorization, scope))
     except exceptions.AuthenticationFailed as exc:
         code = KEY_EXPIRED if exc.get_codes() == KEY_EXPIRED else "invalid_api_key"
         raise GatewayError(401, str(exc.detail), code=code) from None
     except exceptions.PermissionDenied as exc:
         raise GatewayError(403, str(exc.detail), code="tenant_suspended") from None
-    key = auth.api_key
-    assert key is not None, "api_key_authenticate authenticates by key"
-    if not auth.has_scope(ApiKey.Scope.INFERENCE):
+    assert auth.api_key is not None, "api_key_authenticate authenticates by key"
+    if not auth.has_scope(scope):
         raise GatewayError(
-            403, f"This API key (lp-{key.prefix}…) lacks the 'inference' scope; create a key with it "
-            "to call /v1.", code="insufficient_scope")
+            403, f"This API key (lp-{auth.api_key.prefix}…) lacks the '{scope}' scope; create a key with it "
+            f"to {SCOPE_USES.get(scope, 'do this')}.", code="insufficient_scope")
+    return auth
+
+
+def _load_caller(header: str) -> Caller:
+    auth = key_authenticate(header, scope=ApiKey.Scope.INFERENCE)
+    key = auth.api_key
+    assert key is not None, "key_authenticate authenticates by key"
     tier = auth.tenant.tier
     return Caller(
         tenant_id=auth.tenant.id, tenant=auth.tenant.slug, key_prefix=key.prefix,
@@ -118,15 +139,10 @@ def _load_caller(header: str) -> Caller:
 
 
 async def caller_for(authorization: str | None) -> Caller:
-    """The caller of an `Authorization` header; 401 for a missing, malformed, wrong, revoked or
-    expired key, 403 for a suspended tenant or a key without the `inference` scope."""
-    if not authorization:
-        raise GatewayError(401, "Missing API key: send 'Authorization: Bearer lp-<prefix>.<secret>' (a key with "
-                           "the 'inference' scope).", code="invalid_api_key")
-    if len(authorization) > AUTHORIZATION_MAX_CHARS:
-        raise GatewayError(401, f"Malformed Authorization header: it is {len(authorization)} characters long; "
-                           "expected 'Authorization: Bearer lp-<prefix>.<secret>'.", code="invalid_api_key")
-    return await _get_or_load(_callers, authorization, lambda: _load_caller(authorization))
+    """The caller of an `Authorization` header (`key_authenticate`'s refusals, for the `inference`
+    scope), cached; a header refused before any lookup is not cached."""
+    header = _header_check(authorization, ApiKey.Scope.INFERENCE)
+    return await _get_or_load(_callers, header, lambda: _load_caller(header))
 
 
 def _served(version: AdapterVersion, tenant: str, adapter: str) -> ServedVersion:
@@ -134,16 +150,16 @@ def _served(version: AdapterVersion, tenant: str, adapter: str) -> ServedVersion
                          manifest_sha256=version.manifest_sha256, status=version.status)
 
 
-def _model_not_allowed(caller: Caller, model: str) -> GatewayError:
-    allowed = ", ".join(caller.key.allowed_models)
-    return GatewayError(403, f"This API key (lp-{caller.key_prefix}…) may not call '{model:.200}': it is limited to "
+def model_not_allowed(key_prefix: str, allowed_models: tuple[str, ...], model: str) -> GatewayError:
+    allowed = ", ".join(allowed_models)
+    return GatewayError(403, f"This API key (lp-{key_prefix}…) may not call '{model:.200}': it is limited to "
                         f"{allowed}. A tenant owner can change the key's allowed models.",
                         code="model_not_allowed", param="model")
 
 
 def _load_target(caller: Caller, model: str) -> Target:
     if not model_allowed(caller.key.allowed_models, model, base_model_ids=base_model_ids()):
-        raise _model_not_allowed(caller, model)
+        raise model_not_allowed(caller.key_prefix, caller.key.allowed_models, model)
     if model in base_model_ids():
         return Target(base=True)
     name, _, pinned = model.partition("@")
@@ -160,6 +176,8 @@ def _load_target(caller: Caller, model: str) -> Target:
     served = {v.status: v for v in adapter.versions.filter(status__in=_SERVED)}
     active, canary = served.get(AdapterVersion.Status.ACTIVE), served.get(AdapterVersion.Status.CANARY)
     if active is None:
+        if not adapter.versions.exclude(status=AdapterVersion.Status.ARCHIVED).exists() and adapter.versions.exists():
+            raise model_not_found(model)  # every version archived: the model was deleted
         raise GatewayError(404, f"The adapter '{name}' has no active version; deploy one first "
                            f"(or pin a version: '{name}@<version>').", code="model_not_deployed", param="model")
     return Target(served=ServedSet(
@@ -308,6 +326,12 @@ def model_get(caller: Caller, model: str) -> ModelEntry:
     adapter = Adapter.objects.get(tenant_id=caller.tenant_id, name=version.adapter)
     return ModelEntry(id=model, created=int(adapter.created_at.timestamp()), owned_by=caller.tenant,
                       parent=settings.BASE_MODEL_NAME, root=f"{version.adapter}@{version.version}")
+
+
+def targets_forget() -> None:
+    """Forget what every `model` resolved to in this process (after a deletion here: other
+    processes see it within GATEWAY_CACHE_SECONDS)."""
+    _targets.clear()
 
 
 def caches_clear() -> None:

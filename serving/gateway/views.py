@@ -1,5 +1,6 @@
-"""The public `/v1` routes Django serves: the model list, one model, `/metrics` (thin async views
-over serving.gateway.catalog). The completion routes are the ASGI fast path's (serving.gateway.asgi)."""
+"""The public `/v1` routes Django serves: the model list, one model (and its deletion), `/metrics`
+(thin async views over serving.gateway.catalog and serving.gateway.model_delete). The completion
+routes are the ASGI fast path's (serving.gateway.asgi)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from serving.gateway import catalog, metrics
 from serving.gateway.errors import GatewayError
+from serving.gateway.model_delete import model_delete
 
 _JSON = "application/json"
 
@@ -20,6 +22,15 @@ def _error(error: GatewayError) -> HttpResponse:
     for name, value in error.headers.items():
         response[name] = value
     return response
+
+
+def _method_refusal(request: HttpRequest, allowed: tuple[str, ...]) -> HttpResponse | None:
+    """405 naming the methods `allowed`, for a method outside them; None otherwise."""
+    if request.method in allowed:
+        return None
+    return _error(GatewayError(405, f"Method {request.method} is not allowed on {request.path}; use "
+                               f"{' or '.join(allowed)}.", code="method_not_allowed",
+                               headers={"Allow": ", ".join(allowed)}))
 
 
 def _authorization(request: HttpRequest) -> str | None:
@@ -49,8 +60,12 @@ def _card(entry: catalog.ModelEntry) -> dict:
             "root": entry.root, "parent": entry.parent}
 
 
+@csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
     """`GET /v1/models`: the base model and the caller's deployed adapters, nothing of others."""
+    refusal = _method_refusal(request, ("GET",))
+    if refusal is not None:
+        return refusal
     try:
         caller = await catalog.caller_for(_authorization(request))
     except GatewayError as error:
@@ -60,14 +75,30 @@ async def models(request: HttpRequest) -> HttpResponse:
                         content_type=_JSON)
 
 
+@csrf_exempt
 async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
-    """`GET /v1/models/{id}`: one model the caller may request; the same 404 for others' names."""
+    """`GET /v1/models/{id}`: one model the caller may request; the same 404 for others' names.
+    `DELETE`: deletes a fine-tuned model of the caller's (serving.gateway.model_delete)."""
+    refusal = _method_refusal(request, ("GET", "DELETE"))
+    if refusal is not None:
+        return refusal
+    if request.method == "DELETE":
+        return await _model_delete(request, model)
     try:
         caller = await catalog.caller_for(_authorization(request))
         entry = await sync_to_async(catalog.model_get)(caller, model)
     except GatewayError as error:
         return _error(error)
     return HttpResponse(json.dumps(_card(entry)), content_type=_JSON)
+
+
+async def _model_delete(request: HttpRequest, model: str) -> HttpResponse:
+    try:
+        authorization = _authorization(request)
+        deleted = await sync_to_async(model_delete)(authorization, model, dict(request.GET.lists()))
+    except GatewayError as error:
+        return _error(error)
+    return HttpResponse(json.dumps(deleted), content_type=_JSON)
 
 
 async def metrics_view(request: HttpRequest) -> HttpResponse:
