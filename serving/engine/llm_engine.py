@@ -1,9 +1,16 @@
 """The synchronous engine core: requests in, one step at a time, outputs out.
 
-``step()`` takes in finished grammar compilations and adapter loads, asks the scheduler for the step's work, runs it on the
-model runner, and turns the sampled tokens into outputs (detokenizing, checking stop conditions,
-freeing what finished). ``LLM`` drives it in a loop; ``AsyncEngine`` drives it from a background
-thread. It is not thread-safe: one thread calls everything (``encode`` aside).
+``step()`` takes in finished grammar compilations and adapter loads, asks the scheduler for the
+step's work, runs it on the model runner, and turns the sampled tokens into outputs
+(serving.engine.output_processor), freeing what finished. ``LLM`` drives it in a loop;
+``AsyncEngine`` drives it from a background thread. It is not thread-safe: one thread calls
+everything (``encode`` aside).
+
+A request of ``n`` (or ``best_of``) completions is one sequence until its prompt is prefilled; in
+the step that completes the prompt the others are forked from it (``_fork``): they share its KV
+blocks (reference-counted, the partial last block copied on write: serving.engine.block_manager),
+sample their first token from its logits row, then decode on their own. So the prompt is
+prefilled once whatever ``n`` (``EngineStats.prefill_tokens`` counts it).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode, find_stop
+from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from serving.engine.guided import GrammarCompiler, Guide
 from serving.engine.lora.cache import LoRACache, Placement
 from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
@@ -27,12 +34,12 @@ from serving.engine.lora.reader import AdapterError
 from serving.engine.lora.records import AdapterHandle, CachedAdapter, CopyDone
 from serving.engine.lora.request import LoRARequest
 from serving.engine.model_runner import ModelRunner
-from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from serving.engine.sampler import SampleResult
-from serving.engine.sampling_params import SamplingParams
+from serving.engine.output_processor import OutputProcessor
+from serving.engine.outputs import RequestOutput
+from serving.engine.sampling_params import SamplingParams, seed_of
 from serving.engine.scheduler import Scheduler
-from serving.engine.sequence import Sequence, SequenceStatus
-from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
+from serving.engine.sequence import RequestState, Sequence, SequenceStatus
+from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair, TokenCounts, engine_stats
 
 PromptType = str | dict[str, Any]
 
@@ -49,7 +56,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or context or 4096
         self.model_name = config.base_model_name or Path(config.model).resolve().name
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(config, self.hf_config, self.max_model_len)
+        self.runner = ModelRunner(config, self.hf_config, self.max_model_len, self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.lora_cache: LoRACache | None = None
         self.slot_checksums: SlotChecksums | None = None
@@ -75,14 +82,14 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.hf_config.vocab_size,
                                         stop_token_ids=self.eos_token_ids, on_done=on_load_done)
-        self._requests: dict[str, Sequence] = {}
+        self.outputs = OutputProcessor(self._decode, self.eos_token_ids, self.max_model_len)
+        self._requests: dict[str, RequestState] = {}
         # Constrained requests whose grammar is being compiled (off the step, on the compiler's
         # thread): scheduled once it is done, as a request waits for its adapter's load.
-        self._compiling: dict[str, tuple[Sequence, Future[Any]]] = {}
+        self._compiling: dict[str, Future[Any]] = {}
         # Requests ended between steps (verify_slots), handed out by the next step with its own outputs.
         self._ended: list[RequestOutput] = []
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        self.counts = TokenCounts()
         self.last_step_tokens = 0
 
     def _eos_token_ids(self) -> frozenset[int]:
@@ -127,6 +134,12 @@ class LLMEngine:
                 f"the prompt is {len(token_ids)} tokens; the context is {self.max_model_len}, "
                 "which leaves no room for a completion"
             )
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if params.num_sequences > self.config.max_num_seqs:
+            raise ValueError(f"best_of/n of {params.num_sequences} sequences exceeds max_num_seqs "
+                             f"({self.config.max_num_seqs}), which all of a request's sequences must fit in")
 
     def add_request(
         self,
@@ -148,9 +161,6 @@ class LLMEngine:
             if self.lora_cache is None:
                 raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
             adapter = self.lora_cache.resolve(lora_request)
-        generator = None
-        if sampling_params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(sampling_params.seed)
         seq = Sequence(
             request_id=request_id,
             prompt=text,
@@ -160,39 +170,51 @@ class LLMEngine:
             lora_request=lora_request,
             adapter=adapter,
             priority=priority,
-            generator=generator,
+            generator=self._generator(sampling_params, 0),
+            num_forks=sampling_params.num_sequences - 1,
         )
+        state = RequestState(request_id, sampling_params, [seq])
         guided = sampling_params.guided_decoding
         if guided is not None:
             grammar = self.grammars.compile(guided)
             if grammar.done():
-                seq.guide = Guide(grammar.result())  # a cached grammar, or its error raised here
+                state.grammar = grammar.result()  # a cached grammar, or its error raised here
+                seq.guide = Guide(state.grammar)
             else:
-                self._requests[request_id] = seq
-                self._compiling[request_id] = (seq, grammar)
+                self._requests[request_id] = state
+                self._compiling[request_id] = grammar
                 return
-        self._requests[request_id] = seq
-        self._prompt_tokens += len(token_ids)
+        self._requests[request_id] = state
+        self.counts.prompt_tokens += len(token_ids)
         self.scheduler.add(seq)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sequence ``index``'s own random generator when the request is seeded."""
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.runner.device).manual_seed(seed_of(params.seed, index))
 
     def _take_compiled(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar is compiled; fail those whose grammar failed."""
         outputs: list[RequestOutput] = []
-        for request_id, (seq, grammar) in list(self._compiling.items()):
+        for request_id, grammar in list(self._compiling.items()):
             if not grammar.done():
                 continue
             del self._compiling[request_id]
+            state = self._requests[request_id]
+            seq = state.first
             error = grammar.exception()
             if error is None:
-                seq.guide = Guide(grammar.result())
-                self._prompt_tokens += seq.num_prompt_tokens
+                state.grammar = grammar.result()
+                seq.guide = Guide(state.grammar)
+                self.counts.prompt_tokens += seq.num_prompt_tokens
                 self.scheduler.add(seq)
                 continue
-            seq.error = error if isinstance(error, Exception) else RuntimeError(repr(error))
             seq.finish_reason = "error"
+            state.error = error if isinstance(error, Exception) else RuntimeError(repr(error))
             self._requests.pop(request_id, None)
             self._drop_unscheduled(seq)
-            outputs.append(self._output(seq))
+            outputs.append(self.outputs.output(state))
         return outputs
 
     def _drop_unscheduled(self, seq: Sequence) -> None:
@@ -204,15 +226,25 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks and adapter refs; None if unknown or done."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
             return None
-        seq.finish_reason = "abort"
         if self._compiling.pop(request_id, None) is not None:
-            self._drop_unscheduled(seq)
+            state.first.finish_reason = "abort"
+            self._drop_unscheduled(state.first)
         else:
-            self.scheduler.finish(seq)
-        return self._output(seq)
+            self._end(state, "abort")
+        return self.outputs.output(state)
+
+    def _end(self, state: RequestState, reason: str, error: Exception | None = None) -> None:
+        """Stop every sequence of ``state`` still running or waiting (an abort, or a failure of one
+        of them: its request fails as a whole), with ``reason``."""
+        state.error = state.error or error
+        state.first.num_forks = 0
+        for seq in state.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.finish_reason = seq.finish_reason or reason
+                self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -232,23 +264,72 @@ class LLMEngine:
         self.last_step_tokens = sum(num for _, num in plan.scheduled)
         if not plan.scheduled:
             return outputs
+        for seq, num in plan.scheduled:
+            computed = seq.num_computed_tokens + num
+            self.counts.prefill_tokens += max(0, min(computed, seq.num_prompt_tokens) - seq.num_computed_tokens)
+            if seq.num_forks and computed == seq.num_tokens:
+                self._fork(seq, computed)
+        self.runner.copy_blocks(self.block_manager.take_copies())
         result = self.runner.execute(plan.scheduled)
         for seq, num in plan.scheduled:
             seq.num_computed_tokens += num
+            seq.forks = []
         if result.samples is not None:
+            progressed: dict[str, RequestState] = {}
             for row, seq in enumerate(result.sampled):
-                self._append_token(seq, row, result.samples)
+                self.outputs.append(seq, row, result.samples)
+                self.counts.generation_tokens += 1
                 if seq.finish_reason is not None:
-                    self._requests.pop(seq.request_id, None)
                     self.scheduler.finish(seq)
-                outputs.append(self._output(seq))
+                progressed[seq.request_id] = self._requests[seq.request_id]
+            for state in progressed.values():
+                outputs += self._progress(state)
         return outputs
+
+    def _fork(self, parent: Sequence, computed: int) -> None:
+        """Start ``parent``'s sibling sequences in the step that completes its prompt: they hold its
+        blocks (``computed`` tokens' worth, written by this step) and sample from its logits."""
+        assert parent.num_output_tokens == 0, "a sequence forks before its first token"
+        state = self._requests[parent.request_id]
+        params = parent.sampling_params
+        for index in range(1, parent.num_forks + 1):
+            child = Sequence(
+                request_id=parent.request_id,
+                prompt=parent.prompt,
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=params,
+                detokenizer=IncrementalDetokenizer(self._decode, parent.prompt_token_ids, params.skip_special_tokens),
+                lora_request=parent.lora_request,
+                adapter=self.lora_cache.share(parent.adapter) if parent.adapter and self.lora_cache else None,
+                priority=parent.priority,
+                arrival_time=parent.arrival_time,
+                generator=self._generator(params, index),
+                num_computed_tokens=computed,
+                guide=Guide(state.grammar) if state.grammar is not None else None,
+                index=index,
+            )
+            self.block_manager.fork(parent, child)
+            self.scheduler.adopt(child, parent)
+            state.seqs.append(child)
+            parent.forks.append(child)
+        parent.num_forks = 0
+
+    def _progress(self, state: RequestState) -> list[RequestOutput]:
+        """The output of a request that sampled this step (none for an unfinished ``best_of > n``)."""
+        error = next((seq.error for seq in state.seqs if seq.error is not None), None)
+        if error is not None:
+            self._end(state, "error", error)
+        if state.error is not None or state.finished:
+            self._requests.pop(state.request_id, None)
+        elif state.sampling_params.num_sequences > state.sampling_params.n:
+            return []
+        return [self.outputs.output(state)]
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block until an adapter load or a grammar compilation finishes (or ``timeout``): for a
         caller with nothing to run."""
         if self._compiling:
-            wait_futures([grammar for _, grammar in self._compiling.values()], timeout, FIRST_COMPLETED)
+            wait_futures(list(self._compiling.values()), timeout, FIRST_COMPLETED)
             return
         if self.lora_cache is not None:
             self.lora_cache.wait(timeout)
@@ -262,92 +343,11 @@ class LLMEngine:
             return outputs
         for seq in self.scheduler.waiting():
             error = failed.get(seq.adapter) if seq.adapter is not None else None
-            if error is not None:
-                seq.error = error
-                seq.finish_reason = "error"
-                self._requests.pop(seq.request_id, None)
-                self.scheduler.finish(seq)
-                outputs.append(self._output(seq))
+            state = self._requests.pop(seq.request_id, None) if error is not None else None
+            if state is not None:
+                self._end(state, "error", error)
+                outputs.append(self.outputs.output(state))
         return outputs
-
-    def _append_token(self, seq: Sequence, row: int, samples: SampleResult) -> None:
-        token = samples.token_ids[row]
-        params = seq.sampling_params
-        assert params.stop_token_ids is not None  # SamplingParams.__post_init__ makes it a list
-        seq.token_ids.append(token)
-        self._generation_tokens += 1
-        if seq.guide is not None and not seq.guide.accept(token):
-            # The mask allows only what the grammar accepts: a refused token is an engine bug.
-            seq.error = RuntimeError(f"token {token} was sampled outside the request's grammar")
-            seq.finish_reason = "error"
-            return
-        if seq.logprobs is not None and samples.logprobs is not None:
-            self._record_logprobs(seq, row, token, samples)
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            seq.finish_reason = "stop"
-            seq.stop_reason = token if token in params.stop_token_ids else None
-            if params.detokenize:
-                seq.output_text += seq.detokenizer.flush()
-            return
-        delta = seq.detokenizer.add(token) if params.detokenize else ""
-        if delta:
-            seq.output_text += delta
-            if params.stop_strings:
-                found = find_stop(seq.output_text, len(delta), params.stop_strings)
-                if found is not None:
-                    index, stop = found
-                    seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    return
-        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish_reason = "length"
-            if params.detokenize:
-                seq.output_text += seq.detokenizer.flush()
-
-    def _record_logprobs(self, seq: Sequence, row: int, token: int, samples: SampleResult) -> None:
-        assert seq.logprobs is not None and samples.logprobs is not None
-        assert samples.ranks is not None and samples.top_ids is not None and samples.top_logprobs is not None
-        num_top = seq.sampling_params.logprobs or 0
-        detokenize = seq.sampling_params.detokenize
-
-        def text(tid: int) -> str | None:
-            return self._decode([tid], False) if detokenize else None
-
-        entry = {token: Logprob(samples.logprobs[row], samples.ranks[row], text(token))}
-        for rank, (tid, lp) in enumerate(zip(samples.top_ids[row][:num_top], samples.top_logprobs[row][:num_top]), 1):
-            entry.setdefault(tid, Logprob(lp, rank, text(tid)))
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += samples.logprobs[row]
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.finish_reason is not None
-        text = seq.output_text
-        stops = seq.sampling_params.stop_strings
-        if not finished and stops:
-            # Hold back what could be the start of a stop string, so a streamed text never shows
-            # characters the final text cuts: every streamed text is a prefix of the final one.
-            hold = max(len(s) for s in stops) - 1
-            text = text[: max(0, len(text) - hold)]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            lora_request=seq.lora_request,
-            error=seq.error,
-        )
 
     # ---- adapters -------------------------------------------------------------------------
 
@@ -402,12 +402,12 @@ class LLMEngine:
                 if seq.status is SequenceStatus.RUNNING:
                     self.scheduler.requeue(seq)
                 continue
+            state = self._requests.pop(seq.request_id, None)
+            if state is None:
+                continue  # a sibling's failure already ended its request
             assert seq.adapter is not None
-            seq.error = SlotCorruptedError(seq.adapter.name, slot)
-            seq.finish_reason = "error"
-            self._requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
-            self._ended.append(self._output(seq))
+            self._end(state, "error", SlotCorruptedError(seq.adapter.name, slot))
+            self._ended.append(self.outputs.output(state))
         return len(self._ended) - ended_before
 
     def _write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
@@ -452,56 +452,10 @@ class LLMEngine:
         ]
 
     def stats(self) -> EngineStats:
-        cache = self.lora_cache
-        lora = cache.stats if cache is not None else None
-        return EngineStats(
-            num_waiting=self.scheduler.num_waiting,
-            num_running=self.scheduler.num_running,
-            kv_blocks_total=self.block_manager.num_blocks,
-            kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_usage=self.block_manager.usage,
-            num_preemptions=self.scheduler.stats.num_preemptions,
-            peak_waiting=self.scheduler.stats.peak_waiting,
-            steps=self.scheduler.step_count,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
-            max_loras=self.runner.memory.lora_slots,
-            max_cpu_loras=self.config.max_cpu_loras or 0,
-            adapters_loading=cache.num_loading if cache is not None else 0,
-            adapter_loads=lora.loads if lora else 0,
-            adapter_load_failures=lora.load_failures if lora else 0,
-            adapter_load_seconds_total=lora.load_seconds_total if lora else 0.0,
-            adapter_last_load_seconds=lora.last_load_seconds if lora else 0.0,
-            slot_loads=lora.slot_loads if lora else 0,
-            slot_evictions=lora.slot_evictions if lora else 0,
-            cpu_evictions=lora.cpu_evictions if lora else 0,
-            slot_waits=self.scheduler.stats.slot_waits,
-            slot_hits=lora.slot_hits if lora else 0,
-            slot_misses=lora.slot_misses if lora else 0,
-            lora_rows_total=self.runner.memory.lora_rows,
-            lora_rows_used=lora.rows_used if lora else 0,
-            lora_row_bytes=self.runner.lora_row_bytes,
-            lora_bytes_loaded=lora.bytes_loaded if lora else 0,
-            fill_waits=self.scheduler.stats.fill_waits,
-            cpu_cache_bytes=self.runner.memory.cpu_cache_bytes,
-            cpu_cache_bytes_used=lora.cpu_bytes if lora else 0,
-            adapter_load_stalls=lora.load_stalls if lora else 0,
-            slot_checks=self.slot_checksums.checks if self.slot_checksums is not None else 0,
-            slot_corruptions=self.slot_checksums.mismatches if self.slot_checksums is not None else 0,
-            slot_repairs=lora.slot_repairs if lora else 0,
-            gpu_slots=tuple(_label(a) for a in cache.slots()) if cache is not None else (),
-            cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
-            adapters=tuple(self.list_loras()),
-        )
+        return engine_stats(self)
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
         if self.lora_cache is not None:
             self.lora_cache.shutdown()
 
-
-def _label(adapter: CachedAdapter | None) -> str | None:
-    """An adapter's name for metrics (its first name, else its digest), None for an empty slot."""
-    if adapter is None:
-        return None
-    return min(adapter.names) if adapter.names else adapter.digest[:12]

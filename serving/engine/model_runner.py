@@ -13,7 +13,7 @@ the same kernels eagerly otherwise). Longer steps run eagerly with each prompt c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +42,8 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int,
+                 eos_token_ids: Collection[int] = ()) -> None:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -72,7 +73,7 @@ class ModelRunner:
         if self.memory.lora_rows > 0:
             self._init_lora(config)
         self.num_kv_blocks = self._allocate_kv_cache(self.memory.num_kv_blocks)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, eos_token_ids)
         # Read at each step, so a benchmark can compare backends and eager/graphs in one process.
         self.attention = config.attention
         self.enforce_eager = config.enforce_eager
@@ -163,6 +164,15 @@ class ModelRunner:
             return stream.record_event() if stream is not None else None
 
     # ---- one step -------------------------------------------------------------------------
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV pages ``src -> dst`` in every layer (the block manager's copy-on-write of a
+        shared partial block, before the step that writes into the copy)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     def _forward_sampled(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """The logits of ``sample_rows`` (what a graph captures; the step context is set)."""
@@ -256,8 +266,14 @@ class ModelRunner:
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> StepResult:
         if not sampled:
             return StepResult([], None)
+        if any(s.forks for s in sampled):
+            # Sequences forked from one whose prompt completes now draw from its logits row.
+            rows = [i for i, s in enumerate(sampled) for _ in range(1 + len(s.forks))]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            sampled = [t for s in sampled for t in (s, *s.forks)]
         return StepResult(sampled, self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
-                                                [s.guide for s in sampled]))
+                                                [s.guide for s in sampled],
+                                                [(s.token_ids, s.num_prompt_tokens) for s in sampled]))
 
     def _cache_slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

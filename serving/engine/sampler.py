@@ -6,7 +6,9 @@ a draw from ``p``. A request with a seed draws its ``q`` row from its own genera
 samples depends on its seed and its logits only, never on the rest of the batch.
 
 Rows with a guide (structured output, serving.engine.guided) first have every token their grammar
-does not allow set to -inf, in the same batch as the free rows, which are left untouched.
+does not allow set to -inf, in the same batch as the free rows, which are left untouched. Then
+``min_tokens``, ``logit_bias`` and the penalties apply (serving.engine.penalties), before
+temperature and filters, to greedy and sampled rows alike.
 
 Log-probabilities come from the model's raw distribution (before grammar masks, temperature and
 filters), as in vLLM: the chosen token's, its rank, and the ``k`` most likely tokens when asked.
@@ -14,11 +16,14 @@ filters), as in vLLM: the chosen token's, its rank, and the ``k`` most likely to
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
+from serving.engine import penalties
 from serving.engine.guided import Guide, mask_logits
+from serving.engine.penalties import History
 from serving.engine.sampling_params import SamplingParams
 
 
@@ -34,8 +39,11 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    """``eos_token_ids``: what ``min_tokens`` bans besides each row's stop token ids."""
+
+    def __init__(self, device: torch.device, eos_token_ids: Collection[int] = ()) -> None:
         self.device = device
+        self.eos_token_ids = eos_token_ids
 
     def __call__(
         self,
@@ -43,19 +51,31 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         guides: list[Guide | None] | None = None,
+        history: list[History] | None = None,
     ) -> SampleResult:
+        """``history``: each row's tokens so far, which the penalties and ``min_tokens`` read
+        (None: no row has any tokens to count, as for a bare logits test)."""
         logits = logits.float()
         chosen_from = logits
-        if guides is not None and any(g is not None for g in guides):
+        guided = guides is not None and any(g is not None for g in guides)
+        processed = history is not None and penalties.needs_processing(params, history)
+        if guided or processed:
             # A copy: the raw logits stay for the logprobs (and may be a captured graph's output).
             chosen_from = logits.clone()
+        if guided:
+            assert guides is not None
             mask_logits(chosen_from, guides)
+        if processed:
+            assert history is not None
+            penalties.apply(chosen_from, params, history, self.eos_token_ids)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = chosen_from.argmax(dim=-1)
         else:
             tokens = self._sample(chosen_from, params, generators, greedy)
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if num_top is None and any(p.num_sequences > p.n for p in params):
+            num_top = 0  # best_of ranks its sequences by the chosen tokens' logprobs
         if num_top is None:
             return SampleResult(tokens.tolist(), None, None, None, None)
         logp = torch.log_softmax(logits, dim=-1)

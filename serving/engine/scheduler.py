@@ -112,6 +112,20 @@ class Scheduler:
         if seq.adapter is not None and self.lora_cache is not None:
             self.lora_cache.release(seq.adapter)
 
+    def adopt(self, child: Sequence, parent: Sequence) -> None:
+        """Run ``child``, forked from the running ``parent`` (whose prompt it shares), beside it:
+        its adapter is already in ``parent``'s slot, so pinning it cannot fail."""
+        slot = -1
+        if child.adapter is not None and self.lora_cache is not None:
+            grant = self.lora_cache.acquire_slot(child.adapter)
+            assert isinstance(grant, int) and grant == parent.lora_slot, f"forked onto slot {grant!r}"
+            slot = grant
+        child.status = SequenceStatus.RUNNING
+        child.lora_slot = slot
+        child.arrival_step = parent.arrival_step
+        bisect.insort(self.running, child, key=self._key)
+        self._running_per_group[child.adapter_key] = self._running_per_group.get(child.adapter_key, 0) + 1
+
     def requeue(self, seq: Sequence) -> None:
         """Stop running ``seq`` and queue it again, to be prefilled anew (a preemption by recompute):
         for a sequence whose KV entries can no longer be trusted."""
@@ -157,6 +171,8 @@ class Scheduler:
             if head is None:
                 break
             seq, group = head.seq, head.seq.adapter_key
+            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
+                break  # its forks must fit too; in arrival order, so it is next once they do
             slot = -1
             handle, cache = seq.adapter, self.lora_cache
             if handle is not None and cache is not None:

@@ -1,12 +1,12 @@
-"""One request's state inside the engine: its tokens, how many of them the KV cache holds, its KV
-blocks, its adapter, and its output so far."""
+"""One request's state inside the engine: its sequences (one per completion generated), each with
+its tokens, how many of them the KV cache holds, its KV blocks, its adapter, and its output so far."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,6 +62,15 @@ class Sequence:
     # Its grammar's matcher when its output is constrained (sampling_params.guided_decoding), set
     # once the grammar is compiled, before it is scheduled.
     guide: Guide | None = None
+    # Its place among its request's sequences (n / best_of > 1): sequence 0 is queued and
+    # prefilled; the others are forked from it in the step that completes its prompt.
+    index: int = 0
+    # Sequences still to fork from this one once its prompt is prefilled (the scheduler admits
+    # it only with room for them too); 0 once forked.
+    num_forks: int = 0
+    # The sequences forked from this one in the current step: they sample from its logits row
+    # (model_runner), then decode on their own. Emptied after the step.
+    forks: list[Sequence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -96,3 +105,24 @@ class Sequence:
     def adapter_key(self) -> str | None:
         """The scheduler's fairness group: the adapter's name, or None for the base model."""
         return self.lora_request.lora_name if self.lora_request is not None else None
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A request's sequences: ``sampling_params.num_sequences`` of them once forked, in index order.
+    ``grammar`` is the compiled constraint each forked sequence starts a matcher of."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    seqs: list[Sequence]
+    grammar: Any = None
+    error: Exception | None = None
+
+    @property
+    def first(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence has ended (none is left to fork)."""
+        return self.first.num_forks == 0 and all(s.finish_reason is not None for s in self.seqs)

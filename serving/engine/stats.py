@@ -4,6 +4,11 @@ read from another thread)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serving.engine.llm_engine import LLMEngine
+    from serving.engine.lora.records import CachedAdapter
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,15 @@ class SlotRepair:
     stopped: int
 
 
+@dataclass
+class TokenCounts:
+    """The engine's token counters: prompts queued, prompt tokens prefilled, tokens generated."""
+
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    generation_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """Counters are totals since start; the rest is the state after the last step."""
@@ -47,6 +61,9 @@ class EngineStats:
     peak_waiting: int
     steps: int
     prompt_tokens: int
+    # Prompt tokens computed by steps (again after a preemption); a request's n sequences share one
+    # prefill, so n = 4 adds its prompt once.
+    prefill_tokens: int
     generation_tokens: int
     max_loras: int
     max_cpu_loras: int
@@ -81,3 +98,56 @@ class EngineStats:
     gpu_slots: tuple[str | None, ...]
     cpu_cached: tuple[str, ...]
     adapters: tuple[LoRAInfo, ...]
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    """The snapshot of ``engine``'s state and counters (on the engine's thread)."""
+    cache = engine.lora_cache
+    lora = cache.stats if cache is not None else None
+    return EngineStats(
+        num_waiting=engine.scheduler.num_waiting,
+        num_running=engine.scheduler.num_running,
+        kv_blocks_total=engine.block_manager.num_blocks,
+        kv_blocks_used=engine.block_manager.num_used_blocks,
+        kv_usage=engine.block_manager.usage,
+        num_preemptions=engine.scheduler.stats.num_preemptions,
+        peak_waiting=engine.scheduler.stats.peak_waiting,
+        steps=engine.scheduler.step_count,
+        prompt_tokens=engine.counts.prompt_tokens,
+        prefill_tokens=engine.counts.prefill_tokens,
+        generation_tokens=engine.counts.generation_tokens,
+        max_loras=engine.runner.memory.lora_slots,
+        max_cpu_loras=engine.config.max_cpu_loras or 0,
+        adapters_loading=cache.num_loading if cache is not None else 0,
+        adapter_loads=lora.loads if lora else 0,
+        adapter_load_failures=lora.load_failures if lora else 0,
+        adapter_load_seconds_total=lora.load_seconds_total if lora else 0.0,
+        adapter_last_load_seconds=lora.last_load_seconds if lora else 0.0,
+        slot_loads=lora.slot_loads if lora else 0,
+        slot_evictions=lora.slot_evictions if lora else 0,
+        cpu_evictions=lora.cpu_evictions if lora else 0,
+        slot_waits=engine.scheduler.stats.slot_waits,
+        slot_hits=lora.slot_hits if lora else 0,
+        slot_misses=lora.slot_misses if lora else 0,
+        lora_rows_total=engine.runner.memory.lora_rows,
+        lora_rows_used=lora.rows_used if lora else 0,
+        lora_row_bytes=engine.runner.lora_row_bytes,
+        lora_bytes_loaded=lora.bytes_loaded if lora else 0,
+        fill_waits=engine.scheduler.stats.fill_waits,
+        cpu_cache_bytes=engine.runner.memory.cpu_cache_bytes,
+        cpu_cache_bytes_used=lora.cpu_bytes if lora else 0,
+        adapter_load_stalls=lora.load_stalls if lora else 0,
+        slot_checks=engine.slot_checksums.checks if engine.slot_checksums is not None else 0,
+        slot_corruptions=engine.slot_checksums.mismatches if engine.slot_checksums is not None else 0,
+        slot_repairs=lora.slot_repairs if lora else 0,
+        gpu_slots=tuple(_label(a) for a in cache.slots()) if cache is not None else (),
+        cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
+        adapters=tuple(engine.list_loras()),
+    )
+
+
+def _label(adapter: CachedAdapter | None) -> str | None:
+    """An adapter's name for metrics (its first name, else its digest), None for an empty slot."""
+    if adapter is None:
+        return None
+    return min(adapter.names) if adapter.names else adapter.digest[:12]

@@ -135,7 +135,12 @@ def test_sampler_filters_top_k_and_top_p() -> None:
         ({"logprobs": -1}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
-        ({"n": 2}, "n must be 1"),
+        ({"n": 0}, "n must be a positive integer"),
+        ({"n": 2, "best_of": 1}, "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logit_bias": {"7": 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_are_refused(kwargs: dict[str, object], message: str) -> None:

@@ -170,6 +170,15 @@ class LoRACache:
         adapter.handles.discard(handle)
         self._let_go(adapter)
 
+    def share(self, handle: AdapterHandle) -> AdapterHandle:
+        """Another reference to ``handle``'s adapter, for a sequence forked from its request (``n``
+        > 1): held and released like one from ``resolve``, and bound to the same adapter even if its
+        name has been unloaded or replaced meanwhile."""
+        adapter = _ready_adapter(handle)
+        twin = AdapterHandle(handle.name, adapter=adapter)
+        adapter.handles.add(twin)
+        return twin
+
     def ready(self, handle: AdapterHandle) -> bool:
         """Whether a request's adapter can enter a slot now; starts a re-read if it must."""
         adapter = handle.adapter

@@ -1,0 +1,115 @@
+"""Turning sampled tokens into outputs: each new token appended to its sequence (its logprobs, its
+text, the stop conditions), and a request's sequences into its ``RequestOutput``.
+
+A request of ``best_of > n`` is judged when all its sequences have ended: the ``n`` of highest
+cumulative log-probability (the chosen tokens' raw logprobs summed, ties to the lower index) are
+returned, re-indexed from 0; until then it has no output to show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from serving.engine.detokenizer import find_stop
+from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.engine.sampler import SampleResult
+from serving.engine.sequence import RequestState, Sequence
+
+
+class OutputProcessor:
+    def __init__(self, decode: Callable[[list[int], bool], str], eos_token_ids: Collection[int],
+                 max_model_len: int) -> None:
+        self._decode = decode
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, row: int, samples: SampleResult) -> None:
+        """Append row ``row``'s token to ``seq``; sets its ``finish_reason`` when that ends it."""
+        token = samples.token_ids[row]
+        params = seq.sampling_params
+        assert params.stop_token_ids is not None  # SamplingParams.__post_init__ makes it a list
+        seq.token_ids.append(token)
+        if seq.guide is not None and not seq.guide.accept(token):
+            # The mask allows only what the grammar accepts: a refused token is an engine bug.
+            seq.error = RuntimeError(f"token {token} was sampled outside the request's grammar")
+            seq.finish_reason = "error"
+            return
+        if samples.logprobs is not None:
+            seq.cumulative_logprob += samples.logprobs[row]
+            if seq.logprobs is not None:
+                self._record_logprobs(seq, row, token, samples)
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+            seq.stop_reason = token if token in params.stop_token_ids else None
+            if params.detokenize:
+                seq.output_text += seq.detokenizer.flush()
+            return
+        delta = seq.detokenizer.add(token) if params.detokenize else ""
+        if delta:
+            seq.output_text += delta
+            # Until min_tokens are out a stop string does not end the output either (as vLLM).
+            if params.stop_strings and seq.num_output_tokens >= params.min_tokens:
+                found = find_stop(seq.output_text, len(delta), params.stop_strings)
+                if found is not None:
+                    index, stop = found
+                    seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    return
+        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+            if params.detokenize:
+                seq.output_text += seq.detokenizer.flush()
+
+    def _record_logprobs(self, seq: Sequence, row: int, token: int, samples: SampleResult) -> None:
+        assert seq.logprobs is not None and samples.logprobs is not None
+        assert samples.ranks is not None and samples.top_ids is not None and samples.top_logprobs is not None
+        num_top = seq.sampling_params.logprobs or 0
+        detokenize = seq.sampling_params.detokenize
+
+        def text(tid: int) -> str | None:
+            return self._decode([tid], False) if detokenize else None
+
+        entry = {token: Logprob(samples.logprobs[row], samples.ranks[row], text(token))}
+        for rank, (tid, lp) in enumerate(zip(samples.top_ids[row][:num_top], samples.top_logprobs[row][:num_top]), 1):
+            entry.setdefault(tid, Logprob(lp, rank, text(tid)))
+        seq.logprobs.append(entry)
+
+    def output(self, state: RequestState) -> RequestOutput:
+        """The request's output so far (cumulative); ``best_of > n``: empty until it has ended."""
+        params = state.sampling_params
+        finished = state.finished or state.error is not None
+        seqs = state.seqs
+        if params.num_sequences > params.n:
+            ranked = sorted(seqs, key=lambda s: (-s.cumulative_logprob, s.index)) if finished else []
+            seqs = ranked[: params.n]
+        first = state.first
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[_completion(seq, index, finished=seq.finish_reason is not None) for index, seq in enumerate(seqs)],
+            finished=finished,
+            lora_request=first.lora_request,
+            error=state.error,
+        )
+
+
+def _completion(seq: Sequence, index: int, *, finished: bool) -> CompletionOutput:
+    text = seq.output_text
+    stops = seq.sampling_params.stop_strings
+    if not finished and stops:
+        # Hold back what could be the start of a stop string, so a streamed text never shows
+        # characters the final text cuts: every streamed text is a prefix of the final one.
+        hold = max(len(s) for s in stops) - 1
+        text = text[: max(0, len(text) - hold)]
+    return CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=seq.output_token_ids,
+        cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )

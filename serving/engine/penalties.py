@@ -1,0 +1,106 @@
+"""What a request's sampling parameters do to its logits before temperature and filters, for a
+whole batch at once: ``min_tokens``, ``logit_bias`` and vLLM's presence / frequency / repetition
+penalties.
+
+Each is one set of tensor operations over the rows that use it; the host only gathers those rows'
+token ids (their counts over the vocabulary are a scatter on the device), never loops over the
+vocabulary. Rows that use none of them are not touched. In vLLM's order and meaning:
+
+1. ``min_tokens``: while a row has fewer output tokens, its EOS ids (unless ``ignore_eos``) and its
+   stop token ids are set to -inf;
+2. ``logit_bias``: each listed token's bias is added;
+3. ``repetition_penalty`` ``r``: a token seen in the prompt or the output has its logit divided by
+   ``r`` if positive, multiplied by ``r`` if not;
+4. ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p``: ``logit -= f * count + p * (count > 0)``
+   with ``count`` the token's occurrences in the output only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from serving.engine.sampling_params import SamplingParams
+
+# A row's tokens: all of them (prompt then output) and how many of them are the prompt's.
+History = tuple[list[int], int]
+
+
+def needs_processing(params: Sequence[SamplingParams], history: Sequence[History]) -> bool:
+    """Whether ``apply`` would change any row (so the caller can skip the copy it writes into)."""
+    return any(
+        p.logit_bias or p.has_penalties or (p.min_tokens and len(tokens) - prompt_len < p.min_tokens)
+        for p, (tokens, prompt_len) in zip(params, history)
+    )
+
+
+def apply(logits: torch.Tensor, params: Sequence[SamplingParams], history: Sequence[History],
+          eos_token_ids: Collection[int]) -> None:
+    """Apply every row's min_tokens, logit_bias and penalties to ``logits [rows, vocab]`` in place."""
+    _ban_stops(logits, params, history, eos_token_ids)
+    _add_bias(logits, params)
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if rows:
+        _penalize(logits, rows, [params[i] for i in rows], [history[i] for i in rows])
+
+
+def _ban_stops(logits: torch.Tensor, params: Sequence[SamplingParams], history: Sequence[History],
+               eos_token_ids: Collection[int]) -> None:
+    rows: list[int] = []
+    tokens: list[int] = []
+    vocab = logits.shape[1]
+    for i, (p, (ids, prompt_len)) in enumerate(zip(params, history)):
+        if p.min_tokens and len(ids) - prompt_len < p.min_tokens:
+            assert p.stop_token_ids is not None  # SamplingParams.__post_init__ makes it a list
+            banned = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
+            banned = {t for t in banned if t < vocab}
+            rows.extend([i] * len(banned))
+            tokens.extend(banned)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    rows: list[int] = []
+    tokens: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([i] * len(p.logit_bias))
+            tokens.extend(p.logit_bias)
+            biases.extend(p.logit_bias.values())
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+        logits.index_put_(index, torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], history: list[History]) -> None:
+    device, vocab = logits.device, logits.shape[1]
+    outputs = [ids[prompt_len:] for ids, prompt_len in history]
+    # Counts over the vocabulary and one padding column (index ``vocab``) that is dropped.
+    counts = _bincount(outputs, vocab, device, logits.dtype)
+    index = torch.tensor(rows, device=device)
+    selected = logits.index_select(0, index)
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = (counts > 0) | (_bincount([ids[:prompt_len] for ids, prompt_len in history], vocab, device,
+                                         logits.dtype) > 0)
+        penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
+        selected = torch.where(seen, penalized, selected)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
+    selected = selected - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    logits.index_copy_(0, index, selected)
+
+
+def _bincount(rows: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(rows), vocab]`` occurrence counts of each row's token ids."""
+    width = max((len(r) for r in rows), default=0)
+    counts = torch.zeros(len(rows), vocab + 1, device=device, dtype=dtype)
+    if width:
+        padded = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], device=device)
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device, dtype=dtype))
+    return counts[:, :vocab]
