@@ -18,7 +18,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from serving.wire.errors import ServiceError, error_body
+from serving.wire.errors import ServiceError, default_code, error_body
 from serving.wire.errors import error_type as type_of_status
 
 
@@ -26,7 +26,7 @@ def error_response(status_code: int, message: str, *, code: str | None = None, p
                    error_type: str | None = None, headers: dict[str, str] | None = None) -> JsonResponse:
     """A plain Django JSON error, for code outside DRF (middleware, URL handlers, the gateway)."""
     body = error_body(message, error_type=error_type or type_of_status(status_code),
-                      code=code, param=param)
+                      code=code or default_code(status_code), param=param)
     response = JsonResponse(body, status=status_code)
     for name, value in (headers or {}).items():
         response[name] = value
@@ -71,7 +71,7 @@ def openai_exception_handler(exc: Exception, context: dict[str, Any]) -> Respons
     response = drf_exception_handler(exc, context)
     if response is None:
         return None
-    code: str | None
+    code: str
     if isinstance(exc, exceptions.ValidationError):
         message, param = _validation_message(exc.detail)
         code = "invalid_request"
@@ -80,9 +80,9 @@ def openai_exception_handler(exc: Exception, context: dict[str, Any]) -> Respons
         message = str(detail)
         param = None
         codes = exc.get_codes() if isinstance(exc, exceptions.APIException) else None
-        code = codes if isinstance(codes, str) else None
+        code = codes if isinstance(codes, str) else default_code(response.status_code)
     if response.status_code == status.HTTP_401_UNAUTHORIZED:
-        code = code if code not in (None, "not_authenticated", "authentication_failed") else "invalid_api_key"
+        code = "invalid_api_key" if code in ("not_authenticated", "authentication_failed") else code
     response.data = error_body(
         message,
         error_type=type_of_status(response.status_code),

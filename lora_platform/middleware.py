@@ -100,10 +100,10 @@ class ApiJsonErrorsMiddleware(_SyncAndAsync):
                                   code="method_not_allowed", headers=headers)
         if status >= 500:
             return error_response(status, "Internal server error; the platform logged the details.",
-                                  code="internal_error", error_type="api_error", headers=headers)
+                                  code="internal_error", headers=headers)
         try:
             phrase = HTTPStatus(status).phrase
         except ValueError:
             phrase = "Request refused"
-        return error_response(status, f"{phrase}.", code=phrase.lower().replace(" ", "_").replace("-", "_"),
-                              headers=headers)
+        # The code is the status's own (serving.wire.errors.default_code), as on every other surface.
+        return error_response(status, f"{phrase}.", headers=headers)

@@ -25,6 +25,7 @@ import httpx
 
 from serving.gateway.errors import error_json
 from serving.gateway.failover import key_refused
+from serving.wire import errors as wire_errors
 from serving.wire.registry import UPSTREAM_IDLE_S
 from serving.wire.request_ids import HEADER
 
@@ -211,7 +212,8 @@ def error_code(content: bytes) -> str:
 
 
 def stream_error_event(message: str, *, code: str = "upstream_error") -> bytes:
-    return b"data: " + error_json(message, error_type="api_error", code=code) + b"\n\n"
+    # Mid-stream, the status (200) is sent: the event's type is that of the 502 it stands for.
+    return b"data: " + error_json(message, error_type=wire_errors.error_type(502), code=code) + b"\n\n"
 
 
 def rename_model(internal: str, shown: str) -> tuple[bytes, bytes]:

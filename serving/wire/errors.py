@@ -24,12 +24,18 @@ The table, decided against what OpenAI's API and SDK do:
 - 5xx are "api_error", as the gateway and the API answered them (the worker's own
   "internal_server_error" and "service_unavailable" went with its table).
 
+Every body carries a `code` programs can test: an error raised without one of its own gets its
+status's (`default_code`: `invalid_request`, `not_found`, ... as the classes below default to); what
+a missing thing is, or why a request is refused, is a code of its own where it is raised
+(model_not_found, file_not_found, context_length_exceeded, ...).
+
 Services must not know about HTTP, but each failure has one natural status, so it is carried here
 rather than re-decided in every view; its type follows from the status.
 """
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 TYPE_BY_STATUS = {
@@ -45,9 +51,32 @@ TYPE_BY_STATUS = {
 }
 
 
+CODE_BY_STATUS = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    409: "conflict",
+    413: "payload_too_large",
+    500: "internal_error",
+}
+
+
 def error_type(status: int) -> str:
     """The OpenAI error type of an HTTP status (module docstring)."""
     return TYPE_BY_STATUS.get(status, "api_error")
+
+
+def default_code(status: int) -> str:
+    """The `code` of an error of `status` raised without one: the table's, else the status's phrase
+    (`method_not_allowed`, `service_unavailable`, ...)."""
+    if status in CODE_BY_STATUS:
+        return CODE_BY_STATUS[status]
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "api_error" if status >= 500 else "invalid_request"
+    return phrase.lower().replace(" ", "_").replace("-", "_")
 
 
 def error_body(message: str, *, error_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:

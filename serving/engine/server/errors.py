@@ -32,8 +32,8 @@ class APIError(Exception):
         self.code = code
 
 
-def bad_request(message: str, *, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
 
 
 def model_not_found(model: str) -> APIError:
@@ -58,7 +58,9 @@ def overloaded(message: str) -> APIError:
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return wire.error_body(message, error_type=wire.error_type(status), code=code, param=param)
+    """OpenAI's body; an error raised without a code gets its status's (serving.wire.errors.default_code)."""
+    return wire.error_body(message, error_type=wire.error_type(status), code=code or wire.default_code(status),
+                           param=param)
 
 
 def error_response(error: APIError) -> JSONResponse:

@@ -163,6 +163,7 @@ def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> i
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
             f"{prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt.",
+            code="context_length_exceeded",
         )
     if requested is None:
         return max_model_len - prompt_len
@@ -171,7 +172,7 @@ def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> i
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
             "Please reduce the length of the prompt or of max_tokens.",
-            param="max_tokens",
+            param="max_tokens", code="context_length_exceeded",
         )
     return requested
 
