@@ -33,7 +33,7 @@ from django.http import HttpRequest
 from django.urls import Resolver404, resolve
 from rest_framework.exceptions import APIException
 
-from serving.wire.errors import error_body
+from serving.wire.errors import error_body, error_type
 from tenants.authentication import api_key_authenticate
 from tenants.models import Membership, Tenant
 
@@ -114,7 +114,7 @@ class _Limit:
         if self.upload_route and self.bytes < settings.MAX_UPLOAD_BYTES:
             message += (f" Uploads up to {settings.MAX_UPLOAD_BYTES} bytes need valid credentials: an API key "
                         "with the manage scope, or a dashboard session of a tenant's owner or member.")
-        return json.dumps(error_body(message, error_type="invalid_request_error", code="payload_too_large")).encode()
+        return json.dumps(error_body(message, error_type=error_type(413), code="payload_too_large")).encode()
 
 
 async def _send_413(send: Any, body: bytes) -> None:
