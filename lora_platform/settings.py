@@ -215,6 +215,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": None},
+    # drf-spectacular's own hook, then the gateway's routes, which are not DRF views (serving.gateway.openapi).
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "serving.gateway.openapi.gateway_paths"],
 }
 
 # Celery: long training tasks must survive a worker that dies mid-task, so a task is acknowledged
