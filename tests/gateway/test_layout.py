@@ -2,7 +2,7 @@
 
 import-linter's contract "the gateway's policy modules never import Django" (pyproject.toml) holds
 only for the modules it names; this keeps it naming every module of serving/gateway/ but the
-four edge modules, so a new module is Django-free unless it is deliberately made an edge one.
+edge modules, so a new module is Django-free unless it is deliberately made an edge one.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = "the gateway's policy modules never import Django"
-EDGE = {"asgi", "views", "catalog", "wiring"}
+EDGE = {"asgi", "views", "catalog", "wiring", "model_delete", "openapi"}
 
 
 def test_every_gateway_module_but_the_edge_is_held_django_free() -> None:
