@@ -21,7 +21,7 @@ from kernels.jit import jit
 def _rms_norm_kernel(x_ptr: tl.tensor, res_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor,
                      res_out_ptr: tl.tensor, n: tl.tensor, eps: tl.tensor, stride_x: tl.tensor, stride_r: tl.tensor,
                      stride_o: tl.tensor, stride_ro: tl.tensor, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK: tl.constexpr) -> None:  # fmt: skip
+                     UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr) -> None:  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -32,16 +32,22 @@ def _rms_norm_kernel(x_ptr: tl.tensor, res_ptr: tl.tensor, w_ptr: tl.tensor, out
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
     h = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-    y = (h * inv).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * y).to(dtype), mask=mask)
+    if UNIT_OFFSET:
+        # Gemma: (1 + weight) times the normalised row in fp32, one rounding at the end.
+        tl.store(out_ptr + row * stride_o + offs, ((1.0 + w) * (h * inv)).to(dtype), mask=mask)
+    else:
+        y = (h * inv).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (w * y).to(dtype), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``weight * rmsnorm(x [+ residual])`` over the last dim of ``x [T, N]``; with ``residual``
-    also returns the sum ``x + residual`` (the next residual), rounded to the input dtype."""
+    """``weight * rmsnorm(x [+ residual])`` over the last dim of ``x [T, N]`` (``(1 + weight) * ...``
+    in fp32 with ``unit_offset``, as Gemma computes it); with ``residual`` also returns the sum
+    ``x + residual`` (the next residual), rounded to the input dtype."""
     num_rows, n = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
@@ -51,7 +57,7 @@ def rms_norm(
     res_o = res_out if res_out is not None else out
     _rms_norm_kernel[(num_rows,)](
         x, res, weight, out, res_o, n, eps, x.stride(0), res.stride(0), out.stride(0), res_o.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
+        HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
     )  # fmt: skip
     return out, res_out
 

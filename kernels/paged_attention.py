@@ -15,7 +15,8 @@ lengths (read on the device), so a CUDA graph replays it for any mix of lengths.
 The cache layout is the engine's: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer
 for K and for V; token ``i`` of a sequence sits in page ``block_table[i // block_size]`` at row
 ``i % block_size``. With a sliding window ``w``, a query at position ``L - 1`` sees the last ``w``
-tokens (positions ``L - w .. L - 1``), as Mistral and transformers compute it.
+tokens (positions ``L - w .. L - 1``), as Mistral and transformers compute it. With a soft-cap
+``c`` (Gemma 2) each scaled score ``s`` becomes ``c * tanh(s / c)`` before the softmax.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def _decode_kernel(
     q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, tables_ptr: tl.tensor, row_seq_ptr: tl.tensor,
     lens_ptr: tl.tensor, out_ptr: tl.tensor, part_m_ptr: tl.tensor, part_l_ptr: tl.tensor,
     part_acc_ptr: tl.tensor,
-    scale: tl.tensor, window: tl.tensor,
+    scale: tl.tensor, window: tl.tensor, softcap: tl.tensor,
     stride_qb: tl.tensor, stride_qh: tl.tensor, stride_kslot: tl.tensor, stride_kh: tl.tensor,
     stride_vslot: tl.tensor, stride_vh: tl.tensor, stride_tb: tl.tensor, stride_ob: tl.tensor, stride_oh: tl.tensor,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    ROW_SEQ: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ROW_SEQ: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ) -> None:  # fmt: skip
     seq = tl.program_id(0)  # the query row (one token)
     kv_head = tl.program_id(1)
@@ -86,6 +87,9 @@ def _decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_kslot + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32), PRECISION, UPCAST) * scale
+        if SOFTCAP:
+            # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp → inf or 0).
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -170,6 +174,7 @@ def paged_decode_attention(
     block_n: int = 64,
     out: torch.Tensor | None = None,
     row_seq: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` (one token per sequence, at position ``context_lens[b] - 1``, its own K/V
     already in the cache) → ``[B, H, D]`` attention over ``context_lens[b]`` cached tokens.
@@ -182,6 +187,8 @@ def paged_decode_attention(
     then per sequence, any number of rows). Tokens of one prompt chunk are then rows of their own,
     each at its position with ``context_lens[b] = position + 1``: causal attention over the cached
     prefix and the chunk's own keys, as a prefill computes it, in the same launch as the decodes.
+
+    ``softcap``, if given, caps every scaled score at ``softcap * tanh(score / softcap)``.
     """
     batch, num_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, cache_dim = k_cache.shape
@@ -201,6 +208,8 @@ def paged_decode_attention(
         raise ValueError(f"row_seq {tuple(row_seq.shape)} must have one entry per query row ({batch})")
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
     if out is None:
@@ -224,12 +233,12 @@ def paged_decode_attention(
         part_m = part_l = part_acc = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens if row_seq is None else row_seq, context_lens, out,
-        part_m, part_l, part_acc, scale, sliding_window or 0,
+        part_m, part_l, part_acc, scale, sliding_window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, ROW_SEQ=row_seq is not None, PRECISION=precision, UPCAST=upcast,
-        num_warps=4, num_stages=2,
+        SOFTCAP=softcap is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(batch, num_kv_heads)](

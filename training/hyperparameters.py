@@ -14,8 +14,10 @@ from serving.wire.errors import InvalidInput
 
 ALL_LINEAR = "all-linear"
 # The projections the serving engine can apply LoRA to (design.md, Engine): an adapter on anything
-# else could be trained but never served.
-SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# else could be trained but never served. qkv_proj and gate_up_proj are Phi-3's fused ones (its
+# checkpoints have no q_proj ... up_proj); "all-linear" takes those a base has.
+SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                            "gate_up_proj")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_
 from serving.engine.layers.lora_linear import MultiLoRALinear
 from serving.engine.lora.records import CachedAdapter, CopyDone
 from serving.engine.memory_plan import plan_memory
-from serving.engine.models.llama import LlamaForCausalLM
+from serving.engine.models import build_model
 from serving.engine.sampler import SampleResult, Sampler
 from serving.engine.sequence import Sequence
 
@@ -49,7 +49,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.model = LlamaForCausalLM(hf_config, max_positions=max_model_len, device=self.device, dtype=self.dtype)
+        self.model = build_model(hf_config, max_positions=max_model_len, device=self.device, dtype=self.dtype)
         with torch.no_grad():
             if config.load_format == "dummy":
                 self._init_dummy_weights(config.seed)

@@ -1,14 +1,16 @@
 """Tiny Hugging Face causal-LM directories with random weights, built in code in seconds.
 
 Tests, demos, CI and `make up` need a real base model (config + safetensors + tokenizer) of the
-Llama, Qwen2, Qwen3 and Mistral families without downloading anything. `build_tiny_model` writes one:
+Llama, Qwen2, Qwen3 and Mistral families (and Llama 3.x, Phi-3, Gemma 2, Gemma 3) without
+downloading anything. `build_tiny_model` writes one:
 random weights drawn from a seeded generator (same seed, same files, byte for byte) and a byte-level
 BPE tokenizer trained on the English text below, with a ChatML chat template.
 
 `save_random_peft_adapter` writes a PEFT LoRA adapter for such a model whose B matrices are
 non-zero (PEFT initialises B to zero, which would make every adapter a no-op in tests).
 
-    python -m serving.engine.tiny OUT [--arch llama|qwen2|qwen3|mistral] [--size tiny|small] [--seed N]
+    python -m serving.engine.tiny OUT [--arch llama|qwen2|qwen3|mistral|llama3|phi3|gemma2|gemma3_text]
+                                     [--size tiny|small] [--seed N]
 """
 
 from __future__ import annotations
@@ -22,21 +24,30 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
 
+# The Llama family, which every per-architecture engine suite runs (tests/engine/conftest.py); the
+# other architectures differ in module names or layer structure, and tests/engine/test_architectures.py
+# runs them. Every name in ALL_ARCHS can be built.
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+OTHER_ARCHS = ("llama3", "phi3", "gemma2", "gemma3_text")
+ALL_ARCHS = ARCHS + OTHER_ARCHS
 
 # Layer sizes. `tiny` keeps tests fast; `small` is big enough for CPU benchmarks to mean something.
 # Both use grouped-query attention (fewer KV heads than heads), as the real models do.
@@ -187,7 +198,39 @@ def _model_config(arch: str, size: str, tokenizer: PreTrainedTokenizerFast) -> P
         heads = common["num_attention_heads"]
         return Qwen3Config(**common, head_dim=2 * common["hidden_size"] // heads, use_sliding_window=False,
                            attention_bias=False)
-    return MistralConfig(**common, sliding_window=None)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    return _other_config(arch, common)
+
+
+def _other_config(arch: str, common: dict[str, Any]) -> PretrainedConfig:
+    """Each config as its real model's (named per arch), with lengths scaled to a test's prompts:
+    the RoPE context, sliding windows and soft-caps are set where a prompt of a few dozen tokens
+    and the random weights' small scores cross them, so a model that ignored them would differ."""
+    heads = common["num_attention_heads"]
+    if arch == "llama3":
+        # Llama 3.1/3.2/3.3: theta 500000 and "llama3" RoPE scaling (factor 8, low 1, high 4) over an
+        # original 8192-token context; here 32 tokens, so the scaled frequencies turn within a prompt.
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        return LlamaConfig(**{k: v for k, v in common.items() if k != "rope_theta"}, rope_parameters=rope)
+    if arch == "phi3":
+        # Phi-3-mini-4k: fused qkv_proj and gate_up_proj, as many KV heads as heads, a sliding window
+        # (2047 of 4096 tokens; here 16), RMSNorm eps 1e-5.
+        return Phi3Config(**{**common, "num_key_value_heads": heads, "rms_norm_eps": 1e-5}, sliding_window=16)
+    gemma = {**common, "tie_word_embeddings": True, "head_dim": 2 * common["hidden_size"] // heads}
+    if arch == "gemma2":
+        # Gemma 2: heads wider than hidden / heads (as 9B's), scores scaled by query_pre_attn_scalar
+        # ** -0.5 with that scalar hidden / heads (as 27B's), sliding and full layers alternating
+        # (window 4096; here 8), attention and final logits soft-capped (50 and 30; here where the
+        # random weights' scores and logits lie).
+        return Gemma2Config(**gemma, query_pre_attn_scalar=common["hidden_size"] // heads, sliding_window=8,
+                            attn_logit_softcapping=0.05, final_logit_softcapping=0.2)
+    # Gemma 3 1B: one KV head, q/k norm, five local layers (window 512; here 8) per global one
+    # (here one of each), RoPE bases 10000 local and 1000000 global.
+    return Gemma3TextConfig(**{**gemma, "num_key_value_heads": 1, "rope_theta": 1_000_000.0},
+                            rope_local_base_freq=10_000.0, query_pre_attn_scalar=gemma["head_dim"],
+                            sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 
 
 def _check_choice(kind: str, value: str, choices: Sequence[str]) -> None:
@@ -209,7 +252,7 @@ def build_tiny_model(
     builders and crashes never leave a half-written model. An existing non-empty `out_dir` is an
     error unless `overwrite`. Returns `out_dir`.
     """
-    _check_choice("arch", arch, ARCHS)
+    _check_choice("arch", arch, ALL_ARCHS)
     _check_choice("size", size, tuple(SIZES))
     out_dir = Path(out_dir)
     if _is_non_empty_dir(out_dir) and not overwrite:
@@ -312,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Build a small random-weight causal LM with its tokenizer (no download).",
     )
     parser.add_argument("out", type=Path, help="directory to write (must not exist or be empty)")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--arch", choices=ALL_ARCHS, default="llama")
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace an existing directory")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from serving.engine.tiny import (
-    ARCHS,
+    ALL_ARCHS,
     SPECIAL_TOKENS,
     build_tiny_model,
     main,
@@ -34,7 +34,7 @@ def digests(directory: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_same_seed_gives_identical_files_and_other_seed_other_weights(arch, tmp_path):
     first = digests(build_tiny_model(tmp_path / "a", arch=arch, seed=7))
     second = digests(build_tiny_model(tmp_path / "b", arch=arch, seed=7))

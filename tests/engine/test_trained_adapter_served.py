@@ -1,6 +1,7 @@
 """An adapter the platform's trainer made is served by the engine with PEFT's tokens.
 
-The trainer runs on the tiny llama where ``training.trainer.pick_device`` puts it (fp32 on CPU; on a
+The trainer runs on a tiny model of each layer structure (the Llama family's, Phi-3's fused
+projections, Gemma 2's and Gemma 3's) where ``training.trainer.pick_device`` puts it (fp32 on CPU; on a
 CUDA machine its bf16 path, the LoRA weights in fp32), saves the adapter as a job does, and the
 engine serves it in fp32 (on CPU, or on CUDA with graphs: gpu mark) in a batch with the base model.
 Every prompt's greedy tokens must equal PEFT's on the CPU for that adapter, and the adapter must
@@ -9,6 +10,8 @@ change what the base model says (so the comparison is not of two base models).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,9 +52,12 @@ class _Hooks:
         pass
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
-    base = load_base(str(tiny_llama_dir))
+@pytest.fixture(scope="module", params=["llama", "phi3", "gemma2", "gemma3_text"])
+def trained(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[float]]:
+    """``(base, adapter, losses)``: "all-linear" adapts every projection the base has."""
+    base_dir = tiny_model_factory(request.param)
+    base = load_base(str(base_dir))
     examples = [
         encode_example(Example(format="completion", prompt=prompt, completion=completion), base.tokenizer)
         for prompt, completion in PAIRS
@@ -61,24 +67,26 @@ def trained(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     hooks = _Hooks()
     result = LoraTrainer(
         base, hp, seed=3, train=examples, valid=[], hooks=hooks, work_dir=tmp_path_factory.mktemp("job"),
-        fingerprint="pairs-v1", base_model_name=tiny_llama_dir.name, checkpoint_every=1000, log_every=2,
+        fingerprint="pairs-v1", base_model_name=base_dir.name, checkpoint_every=1000, log_every=2,
     ).run()  # fmt: skip
-    return result.adapter_dir, hooks.losses
+    return base_dir, result.adapter_dir, hooks.losses
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
-def test_trained_adapter_is_served_with_peft_tokens(
-    device: str, tiny_llama_dir: Path, trained: tuple[Path, list[float]]
-) -> None:
-    adapter_dir, losses = trained
+def test_trained_adapter_is_served_with_peft_tokens(device: str, trained: tuple[Path, Path, list[float]]) -> None:
+    base_dir, adapter_dir, losses = trained
     assert losses[-1] < losses[0], f"the trainer must learn: losses {losses}"
-    llm = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=8, max_num_seqs=4, max_model_len=64, device=device,
+    fused = json.loads((base_dir / "config.json").read_text())["model_type"] == "phi3"
+    projections = {"o_proj", "down_proj"} | ({"qkv_proj", "gate_up_proj"} if fused else
+                                             {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+    assert set(json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"]) == projections
+    llm = LLM(str(base_dir), max_loras=1, max_lora_rank=8, max_num_seqs=4, max_model_len=64, device=device,
               dtype="float32")  # fmt: skip
     prompts = [prompt for prompt, _ in PAIRS] * 2
     loras = [LoRARequest("trained", str(adapter_dir)) if i < len(PAIRS) else None for i in range(len(prompts))]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), lora_request=loras)
 
-    reference = PeftReference(tiny_llama_dir, {"trained": adapter_dir})
+    reference = PeftReference(base_dir, {"trained": adapter_dir})
     tokenizer = llm.get_tokenizer()
     by_adapter: dict[str | None, list[list[int]]] = {"trained": [], None: []}
     for prompt, lora, output in zip(prompts, loras, outputs):

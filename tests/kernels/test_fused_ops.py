@@ -42,16 +42,19 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, *, bit_equal: bool = Tr
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(device: str, dtype: torch.dtype, with_residual: bool) -> None:
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
+def test_rms_norm(device: str, dtype: torch.dtype, with_residual: bool, unit_offset: bool) -> None:
     _device(device, dtype)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(7, 96, generator=generator).to(device=device, dtype=dtype)
     residual = torch.randn(7, 96, generator=generator).to(device=device, dtype=dtype)
     weight = torch.randn(96, generator=generator).to(device=device, dtype=dtype)
-    out, summed = rms_norm(x, weight, 1e-5, residual if with_residual else None)
+    out, summed = rms_norm(x, weight, 1e-5, residual if with_residual else None, unit_offset=unit_offset)
     stream = x + residual if with_residual else x
     h = stream.float()
-    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    # Gemma multiplies by (1 + weight) in fp32 and rounds once; Llama rounds the normalised row first.
+    expected = (normed * (1.0 + weight.float())).to(dtype) if unit_offset else weight * normed.to(dtype)
     _close(out, expected)
     if with_residual:
         assert torch.equal(summed, stream)

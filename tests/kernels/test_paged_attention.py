@@ -28,7 +28,7 @@ def _device(device: str) -> None:
         pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale, window):
+def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap=None):
     """fp64 attention of each sequence's one query over its own gathered context."""
     out = torch.empty(q.shape, dtype=torch.float64)
     page = k_cache.shape[1]
@@ -43,6 +43,8 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window):
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].double().cpu(), keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
     return out
 
@@ -105,6 +107,25 @@ def test_flat_rows_attend_causally(device: str, window: int | None) -> None:
     ref = _reference(q, k_cache, v_cache, tables[row_seq], lens, 0.25, window)
     assert not out.isnan().any(), "every output element must be written"
     assert (out.double().cpu() - ref).norm() / ref.norm() < 2e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("window", "splits"), [(None, 1), (6, 2)])
+def test_soft_capped_scores_match_reference(device: str, window: int | None, splits: int) -> None:
+    """Gemma 2's cap: scores scaled large enough that the cap bites (uncapped attention differs)."""
+    _device(device)
+    generator = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(12, 4, 2, 16, generator=generator).to(device)
+    v_cache = torch.randn(12, 4, 2, 16, generator=generator).to(device)
+    tables = torch.randperm(12, generator=generator)[:10].view(2, 5).to(device)
+    lens = torch.tensor([19, 7], device=device)
+    q = torch.randn(2, 4, 16, generator=generator).to(device)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=2.0, sliding_window=window,
+                                 num_splits=splits, softcap=3.0)  # fmt: skip
+    ref = _reference(q, k_cache, v_cache, tables, lens, 2.0, window, softcap=3.0)
+    uncapped = _reference(q, k_cache, v_cache, tables, lens, 2.0, window)
+    assert (out.double().cpu() - ref).norm() / ref.norm() < 2e-6
+    assert (uncapped - ref).norm() / ref.norm() > 0.1
 
 
 @pytest.mark.parametrize("device", DEVICES)

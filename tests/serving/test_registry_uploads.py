@@ -15,7 +15,16 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db.models.signals import pre_save
 from safetensors.torch import load_file, save_file
 from rest_framework.test import APIClient
-from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from serving.wire.errors import InvalidInput, LimitExceeded
 from serving import services, uploads
@@ -429,7 +438,10 @@ def test_a_hostile_adapter_config_is_a_400_naming_the_file(client_a, adapter, pe
     (Qwen2Config, {"num_key_value_heads": 2}),
     (Qwen3Config, {"num_key_value_heads": 2}),  # head_dim 128 by default, whatever hidden/heads is
     (MistralConfig, {"num_key_value_heads": 1}),
-], ids=["llama", "llama-gqa-head-dim", "qwen2", "qwen3", "mistral"])
+    (Phi3Config, {}),  # fused qkv_proj and gate_up_proj, as Phi-3's adapters name them
+    (Gemma2Config, {"num_key_value_heads": 2}),  # head_dim 256 by default
+    (Gemma3TextConfig, {"num_key_value_heads": 1, "head_dim": 32}),
+], ids=["llama", "llama-gqa-head-dim", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"])
 def test_the_upload_check_reads_the_shapes_the_engine_reads(tmp_path, config_class, fields):
     """The web process reads config.json itself (no transformers in it); the engine reads it through
     AutoConfig: both must see the same layers and module shapes, or an accepted adapter fails to load."""

@@ -11,6 +11,11 @@ graph-capturable), then attends:
   chunks included, each attending causally up to its own position through its sequence's table;
 - otherwise each prefill chunk on its own, in torch SDPA: a first chunk attends to its own keys causally
   (no gather), a later chunk gathers its sequence's cached context and uses an offset causal mask.
+
+Per layer: the sliding window (Gemma alternates windowed and full layers), the score scale (Gemma's
+``query_pre_attn_scalar``) and the logit soft-cap ``cap * tanh(score / cap)`` (Gemma 2). SDPA has no
+soft-cap, so a capped layer's torch path computes the scores itself, as transformers' eager
+attention does; the Triton kernel caps them in place (a constexpr flag).
 """
 
 from __future__ import annotations
@@ -23,13 +28,23 @@ from serving.engine.context import PrefillSpan, StepContext, get_context
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         # [num_blocks, block_size, num_kv_heads, head_dim] each; views into the runner's cache.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -68,7 +83,7 @@ class PagedAttention(nn.Module):
             return paged_decode_attention(
                 q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
                 scale=self.scale, sliding_window=self.sliding_window, num_splits=ctx.decode_splits,
-                row_seq=ctx.decode_row_seq,
+                row_seq=ctx.decode_row_seq, softcap=self.softcap,
             )  # fmt: skip
         tables = ctx.decode_block_tables
         if ctx.decode_row_seq is not None:
@@ -76,19 +91,13 @@ class PagedAttention(nn.Module):
         keys = self._gather(self.k_cache, tables)
         values = self._gather(self.v_cache, tables)
         mask = ctx.decode_mask(keys.shape[2], self.sliding_window)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
-        return out.squeeze(2)
+        return self._attend(q.unsqueeze(2), keys, values, mask=mask).squeeze(2)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
         total = span.num_computed + span.length
         window_bites = self.sliding_window is not None and total > self.sliding_window
         if span.num_computed == 0 and not window_bites:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=self.scale, enable_gqa=True
-            )
-            return out.transpose(0, 1)
+            return self._attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True).transpose(0, 1)
         if span.num_computed == 0:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
@@ -102,7 +111,28 @@ class PagedAttention(nn.Module):
         mask = key_pos <= query_pos
         if self.sliding_window is not None:
             mask &= key_pos > query_pos - self.sliding_window
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
-        return out.transpose(0, 1)
+        return self._attend(q.transpose(0, 1), keys, values, mask=mask).transpose(0, 1)
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        """``q [..., H, Tq, D]`` over ``keys``/``values [..., Hkv, Tk, D]``; ``mask`` (True: seen)
+        broadcasts to ``[..., Tq, Tk]``, ``causal`` puts the last query at the last key."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            )
+        group = q.shape[-3] // keys.shape[-3]
+        keys = keys.repeat_interleave(group, dim=-3)
+        values = values.repeat_interleave(group, dim=-3)
+        # As transformers' eager attention: scores in the model's dtype, capped, softmax in fp32.
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            length_q, length_k = scores.shape[-2:]
+            mask = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device).tril(length_k - length_q)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values)

@@ -2,6 +2,9 @@
 residual add folded in: ``norm(x, residual)`` returns ``(rmsnorm(x + residual), x + residual)``, so
 the decoder passes the residual stream along as vLLM's does. On CUDA one Triton kernel does both
 (``kernels.fused_ops``); on CPU the torch ops below, which round at the same places.
+
+Gemma's variant (``unit_offset``) stores the weight as an offset from one and multiplies by
+``1 + weight`` in fp32 before rounding once, where Llama rounds the normalised row first.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, *, device: torch.device, dtype: torch.dtype, unit_offset: bool = False
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,11 +27,13 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             from kernels.fused_ops import rms_norm
 
-            out, summed = rms_norm(x, self.weight, self.eps, residual)
+            out, summed = rms_norm(x, self.weight, self.eps, residual, unit_offset=self.unit_offset)
             return out, summed if summed is not None else x
         if residual is not None:
             x = x + residual
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype), x
         return self.weight * h.to(dtype), x

@@ -1,6 +1,13 @@
-"""Rotary position embeddings, with every RoPE variant transformers knows (default, linear,
-dynamic, yarn, llama3, ...) through its own parameter functions, so long-context configs load
-with the frequencies they were trained with."""
+"""Rotary position embeddings: the plain one and the scaled variants whose frequencies are fixed
+once for all positions (linear, llama3, yarn), through transformers' own parameter functions, so
+long-context configs load with the frequencies they were trained with.
+
+Refused, by name: ``dynamic`` (NTK) and ``longrope`` (Phi-3's ``su``), whose frequencies change with
+the length of the sequence being run (transformers recomputes them every forward past
+``original_max_position_embeddings``, so one cached key would need two rotations), any rope_type
+transformers does not know, and a ``partial_rotary_factor`` below 1 (every kernel rotates the whole
+head). A config with RoPE per layer type (Gemma 3: local and global bases) gets one table per type.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +16,43 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_LENGTH_DEPENDENT = {"dynamic": "dynamic NTK scaling", "longrope": "LongRoPE (Phi-3's su)"}
 
-def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict[str, object]:
+    """The config's RoPE parameters (of ``layer_type``'s layers where they differ per layer type)."""
     params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type] or {}
+    return dict(params)
+
+
+def check_rope(config: PretrainedConfig, layer_type: str | None = None) -> str:
+    """The rope_type, once it is one the engine computes exactly; a ValueError naming it otherwise."""
+    params = rope_parameters(config, layer_type)
+    rope_type = str(params.get("rope_type", "default"))
+    where = f" ({layer_type} layers)" if layer_type else ""
+    if rope_type in _LENGTH_DEPENDENT:
+        raise ValueError(
+            f"rope_type {rope_type!r}{where} is not supported: {_LENGTH_DEPENDENT[rope_type]} changes the "
+            f"frequencies with the sequence's length; the engine serves {', '.join(STATIC_ROPE_TYPES)}"
+        )
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"unknown rope_type {rope_type!r}{where}; the engine serves {', '.join(STATIC_ROPE_TYPES)}")
+    partial = float(params.get("partial_rotary_factor", 1.0))  # type: ignore[arg-type]
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial}{where} is not supported: the engine rotates whole heads")
+    return rope_type
+
+
+def _inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    rope_type = check_rope(config, layer_type)
     if rope_type == "default":
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        params = rope_parameters(config, layer_type)
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))  # type: ignore[arg-type]
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
     return inv_freq, float(attention_scaling)
 
 
@@ -31,10 +65,17 @@ class RotaryEmbedding(nn.Module):
     sin: torch.Tensor
 
     def __init__(
-        self, config: PretrainedConfig, head_dim: int, max_positions: int, *, device: torch.device, dtype: torch.dtype
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
-        inv_freq, scaling = _inv_freq(config, head_dim)
+        inv_freq, scaling = _inv_freq(config, head_dim, layer_type)
         freqs = torch.arange(max_positions, dtype=torch.float).unsqueeze(1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(device=device, dtype=dtype), persistent=False)

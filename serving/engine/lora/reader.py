@@ -10,7 +10,8 @@ config, the manifest digests, the tensor names, dtypes and shapes from the safet
 registry uses it on uploads. `load_adapter` does the same, then reads the tensors as fp32.
 
 Every problem raises `AdapterError` with a message naming it. Supported: LoRA (`peft_type`
-"LORA") on q/k/v/o/gate/up/down projections with one rank and alpha for all modules, optionally
+"LORA") on q/k/v/o/gate/up/down projections (Phi-3: the fused qkv_proj and gate_up_proj, which
+its checkpoints and PEFT name whole) with one rank and alpha for all modules, optionally
 rsLoRA, and `layers_to_transform` (layers without tensors get no LoRA). Refused: DoRA, trained
 biases, `modules_to_save`, `rank_pattern`/`alpha_pattern`, `fan_in_fan_out`, trainable tokens.
 
@@ -65,9 +66,14 @@ __all__ = [
 ]
 
 WEIGHTS_NAME = "adapter_model.safetensors"
-SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                     "gate_up_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "qkv_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp", "down_proj": "mlp"}
+# Bases whose checkpoints hold q/k/v and gate/up fused (qkv_proj, gate_up_proj): what PEFT adapts there.
+_FUSED_MODEL_TYPES = ("phi3",)
+# head_dim where a config leaves it out and its transformers class's default is not hidden / heads.
+_DEFAULT_HEAD_DIM = {"gemma2": 256, "gemma3_text": 256}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Keyed by str(torch.dtype), so that this table needs no torch at import.
 _DTYPE_CODES = {"torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32",
@@ -94,23 +100,24 @@ class BaseShapes:
 
     @classmethod
     def from_config(cls, config: Any) -> BaseShapes:
-        """From a transformers config of the Llama/Qwen2/Mistral families (or anything alike)."""
+        """From a transformers config (or its config.json's fields) of any architecture the engine
+        serves: the Llama family, Gemma (head_dim of its own) and Phi-3 (fused projections)."""
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        model_type = getattr(config, "model_type", None)
+        head_dim = getattr(config, "head_dim", None) or _DEFAULT_HEAD_DIM.get(str(model_type)) or hidden // heads
         inter = config.intermediate_size
+        q, kv = heads * head_dim, kv_heads * head_dim
+        if model_type in _FUSED_MODEL_TYPES:
+            attention = {"qkv_proj": (hidden, q + 2 * kv)}
+            mlp = {"gate_up_proj": (hidden, 2 * inter)}
+        else:
+            attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
+            mlp = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
         return cls(
             num_layers=config.num_hidden_layers,
-            modules={
-                "q_proj": (hidden, heads * head_dim),
-                "k_proj": (hidden, kv_heads * head_dim),
-                "v_proj": (hidden, kv_heads * head_dim),
-                "o_proj": (heads * head_dim, hidden),
-                "gate_proj": (hidden, inter),
-                "up_proj": (hidden, inter),
-                "down_proj": (inter, hidden),
-            },
+            modules={**attention, "o_proj": (q, hidden), **mlp, "down_proj": (inter, hidden)},
         )
 
 
@@ -367,6 +374,11 @@ def _check_layout(
                 "base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight"
             )
         layer, module, which = int(match["layer"]), match["module"], match["which"]
+        if module not in shapes.modules:
+            raise AdapterError(
+                f"tensor {name} adapts {module}, which the base model does not have; its projections are "
+                f"{', '.join(shapes.modules)}"
+            )
         if layer >= shapes.num_layers:
             raise AdapterError(
                 f"tensor {name} is for layer {layer}, but the base model has "

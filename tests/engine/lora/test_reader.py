@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from serving.engine.lora.reader import (
-    SUPPORTED_MODULES,
     AdapterError,
     BaseShapes,
     download_s3_prefix,
@@ -28,6 +27,7 @@ from serving.engine.lora.artifact import adapter_digest, base_config_sha256, man
 
 WEIGHTS = "adapter_model.safetensors"
 KEY = "base_model.model.model.layers.{layer}.{parent}.{module}.lora_{which}.weight"
+LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def base_config(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def all_modules_adapter(tiny_llama_dir, make_adapter) -> Path:
     return make_adapter(
-        tiny_llama_dir, r=8, lora_alpha=16, target_modules=SUPPORTED_MODULES, seed=3
+        tiny_llama_dir, r=8, lora_alpha=16, target_modules=LLAMA_MODULES, seed=3
     )
 
 
@@ -143,6 +143,34 @@ def test_base_shapes_work_in_place_of_a_transformers_config(adapter, base_config
                for k in from_config.weights)
 
 
+def test_a_phi3_adapter_loads_on_the_fused_projections_and_a_split_one_is_refused(tiny_model_factory, make_adapter,
+                                                                                 adapter):
+    """Phi-3's checkpoints fuse q/k/v and gate/up, so PEFT adapts qkv_proj and gate_up_proj whole."""
+    phi3_dir = tiny_model_factory("phi3")
+    config = AutoConfig.from_pretrained(phi3_dir)
+    fused = make_adapter(phi3_dir, r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"], seed=2)
+
+    loaded = _load(fused, config)
+
+    heads_out = (config.num_attention_heads + 2 * config.num_key_value_heads) * 16
+    assert loaded.target_modules == {"qkv_proj", "gate_up_proj"}
+    assert loaded.weights[1, "qkv_proj"][1].shape == (heads_out, 4)
+    assert loaded.weights[0, "gate_up_proj"][1].shape == (2 * config.intermediate_size, 4)
+    with pytest.raises(AdapterError, match=r"adapts gate_proj, which the base model does not have; its projections "
+                                           r"are qkv_proj, o_proj, gate_up_proj, down_proj"):
+        _load(adapter, config)
+
+
+def test_gemma_shapes_take_its_default_head_dim(base_config):
+    """Gemma's config classes default head_dim to 256, not hidden / heads (the upload check reads
+    config.json's fields, which may leave it out)."""
+    fields = {**base_config.to_dict(), "model_type": "gemma2", "hidden_size": 2304, "num_attention_heads": 8,
+              "num_key_value_heads": 4}
+    del fields["head_dim"]
+    shapes = BaseShapes.from_config(type("Config", (), fields))
+    assert shapes.modules["q_proj"] == (2304, 8 * 256) and shapes.modules["o_proj"] == (8 * 256, 2304)
+
+
 def test_manifest_is_verified_and_its_sha256_is_the_digest(adapter, base_config, tiny_llama_dir):
     without_manifest = _load(adapter, base_config).digest
     _write_manifest(adapter, tiny_llama_dir)
@@ -170,7 +198,7 @@ def test_validation_reads_the_header_only_and_reports_the_layout(adapter, base_c
     spec = validate_adapter_dir(adapter, base_config=base_config, max_lora_rank=8)
 
     assert (spec.rank, spec.lora_alpha, spec.scaling) == (8, 16.0, 2.0)
-    assert spec.target_modules == set(SUPPORTED_MODULES) and spec.layers == {0, 1}
+    assert spec.target_modules == set(LLAMA_MODULES) and spec.layers == {0, 1}
     assert spec.weights_bytes == (adapter / WEIGHTS).stat().st_size
     with pytest.raises(AdapterError, match=r"layers\.1\.mlp\.up_proj\.lora_B\.weight contains NaN"):
         _load(adapter, base_config)

@@ -1,0 +1,225 @@
+"""What every model family shares: the attention block and the gated MLP with multi-LoRA
+projections, and the causal LM around a family's layers (loading Hugging Face checkpoints onto
+the fused projections, the LM head, the layer iterators the model runner reads).
+
+q/k/v and gate/up are fused into one multi-LoRA projection each, so each step runs four matmuls
+per layer and four LoRA calls. Most checkpoints store the slices apart (``q_proj`` ...), mapped onto
+the fused weight at load, and adapters target each slice by its name. Phi-3 stores them fused
+(``qkv_proj``, ``gate_up_proj``) and PEFT adapts those whole (one A for the three slices), so
+there the fused projection is one slice under the checkpoint's own name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, TypedDict, Unpack, cast
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from serving.engine.layers.attention import PagedAttention
+from serving.engine.layers.layernorm import RMSNorm
+from serving.engine.layers.lora_linear import MultiLoRALinear
+from serving.engine.layers.rotary import apply_rotary
+
+_FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+# Checkpoints that store q/k/v and gate/up fused, under these names.
+FUSED_CHECKPOINT_MODEL_TYPES = ("phi3",)
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class LoRASlots(TypedDict):
+    """What every multi-LoRA projection of the model is built with (passed down as keywords); the
+    adapter row pools come later (``MultiLoRALinear.allocate_rows``)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How a family's attention differs from Llama's."""
+
+    qk_norm: bool = False  # an RMSNorm over head_dim on each query and key head, before RoPE (Qwen3, Gemma 3)
+    unit_offset_norms: bool = False  # Gemma's (1 + weight) RMSNorm
+    scale: float | None = None  # the score scale; None: head_dim ** -0.5
+    softcap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    window: int | None = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return window
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, options: AttentionOptions,
+                 **lora: Unpack[LoRASlots]) -> None:  # fmt: skip
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        slices = [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)]
+        if config.model_type in FUSED_CHECKPOINT_MODEL_TYPES:
+            slices = [("qkv_proj", q_size + 2 * kv_size)]
+        self.qkv_proj = MultiLoRALinear(config.hidden_size, slices, bias=qkv_bias, layer_idx=layer_idx, **lora)
+        self.o_proj = MultiLoRALinear(q_size, [("o_proj", config.hidden_size)], bias=o_bias, layer_idx=layer_idx, **lora)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window(config, layer_idx),
+                                   scale=options.scale, softcap=options.softcap)  # fmt: skip
+        self.split = (q_size, kv_size, kv_size)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if options.qk_norm:
+            norm = dict(device=lora["device"], dtype=lora["dtype"], unit_offset=options.unit_offset_norms)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **norm)  # type: ignore[arg-type]
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **norm)  # type: ignore[arg-type]
+
+    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Rows of head_dim (a 2-D input, as the fused kernel takes it), contiguous after the split.
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rope)
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v))
+        return out
+
+
+class MLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU for most families, GeGLU (tanh GELU) for Gemma."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: Unpack[LoRASlots]) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        slices = [("gate_proj", size), ("up_proj", size)]
+        if config.model_type in FUSED_CHECKPOINT_MODEL_TYPES:
+            slices = [("gate_up_proj", 2 * size)]
+        self.gate_up_proj = MultiLoRALinear(config.hidden_size, slices, bias=bias, layer_idx=layer_idx, **lora)
+        self.down_proj = MultiLoRALinear(size, [("down_proj", config.hidden_size)], bias=bias, layer_idx=layer_idx, **lora)
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        self.act = ACT2FN[activation]
+        self.fused_silu = activation == "silu"  # the fused kernel computes SiLU only
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu and gate_up.is_cuda:
+            from kernels.fused_ops import silu_mul
+
+            fused: torch.Tensor = self.down_proj(silu_mul(gate_up))
+            return fused
+        gate, up = gate_up.split(self.size, dim=-1)
+        out: torch.Tensor = self.down_proj(self.act(gate) * up)
+        return out
+
+
+class DecoderLayer(Protocol):
+    """What the causal LM reads of a family's decoder layer."""
+
+    self_attn: Attention
+    mlp: MLP
+
+
+class CausalLM(nn.Module):
+    """A family's model: ``self.model`` holds ``embed_tokens``, ``layers`` and the final ``norm``
+    under the checkpoint's names; the family writes ``forward``."""
+
+    model: nn.Module
+
+    def __init__(self, config: PretrainedConfig, *, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+        # Gemma 2 caps the logits: cap * tanh(logit / cap).
+        self.final_softcap: float | None = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final hidden state (after the last norm) of each token."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        embed = cast(nn.Embedding, self.model.get_submodule("embed_tokens"))
+        weight = embed.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = hidden @ weight.T
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def decoder_layers(self) -> Iterator[DecoderLayer]:
+        """The layers, typed (an nn.ModuleList holds plain Modules to the type checker)."""
+        return (cast(DecoderLayer, layer) for layer in cast(nn.ModuleList, self.model.get_submodule("layers")))
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
+
+    def lora_layers(self) -> Iterator[MultiLoRALinear]:
+        for layer in self.decoder_layers():
+            yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the model; every weight must appear."""
+        params = dict(self.named_parameters())
+        expected = set(self.checkpoint_names())
+        for name, tensor in tensors:
+            if "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if name not in expected:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.model_type} model")
+            dest = self._destination(name, params)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            expected.discard(name)
+        if expected:
+            raise ValueError(f"the checkpoint lacks {len(expected)} weights, e.g. {sorted(expected)[:3]}")
+
+    def checkpoint_names(self) -> Iterator[str]:
+        """The Hugging Face names of every weight this model takes from a checkpoint."""
+        for name, _ in self.named_parameters():
+            target, _, kind = name.rpartition(".")
+            if target.endswith(("qkv_proj", "gate_up_proj")):
+                layer = self._fused_layer(target)
+                block = target.rpartition(".")[0]
+                yield from (f"{block}.{module}.{kind}" for module in layer.slice_names)
+            else:
+                yield name
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
+        fused = _FUSED_NAME.match(name)
+        if not fused:
+            return params[name]
+        prefix, block, module, kind = fused.groups()
+        target = f"{prefix}{block}.{'qkv_proj' if block == 'self_attn' else 'gate_up_proj'}"
+        offset, width = self._fused_layer(target).slice_of(module)
+        return params[f"{target}.{kind}"][offset : offset + width]
+
+    def _fused_layer(self, target: str) -> MultiLoRALinear:
+        layer = self.get_submodule(target)
+        if not isinstance(layer, MultiLoRALinear):
+            raise TypeError(f"{target} is a {type(layer).__name__}, not a fused projection")
+        return layer
