@@ -492,6 +492,6 @@ def adapter_archive(*, adapter: Adapter, actor: str, reason: str = "", force: bo
             serving = ", ".join(f"{item.version} ({item.status})" for item in served)
             raise Conflict(f"Adapter '{adapter.name}' is serving {serving}; archive with force to stop serving "
                            "it at once.", code="adapter_serving")
-        first = {Status.CANARY: 0, Status.ACTIVE: 1}
+        first: dict[str, int] = {Status.CANARY: 0, Status.ACTIVE: 1}
         versions = sorted(adapter.versions.exclude(status=Status.ARCHIVED), key=lambda item: first.get(item.status, 2))
         return [adapter_version_archive(version=item, actor=actor, reason=reason, force=force) for item in versions]

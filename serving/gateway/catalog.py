@@ -83,7 +83,7 @@ CACHE_MAX_BYTES = 32 * 1024 * 1024
 # refused unread, neither looked up nor cached.
 AUTHORIZATION_MAX_CHARS = 512
 # What each scope lets a key do here, for the message refusing a key without it.
-SCOPE_USES = {ApiKey.Scope.INFERENCE: "call /v1", ApiKey.Scope.MANAGE: "delete models"}
+SCOPE_USES: dict[str, str] = {ApiKey.Scope.INFERENCE: "call /v1", ApiKey.Scope.MANAGE: "delete models"}
 
 _callers: TtlCache[Caller] = TtlCache(_cache_seconds, max_entries=CACHE_MAX_ENTRIES, max_bytes=CACHE_MAX_BYTES)
 _targets: TtlCache[Target] = TtlCache(_cache_seconds, max_entries=CACHE_MAX_ENTRIES, max_bytes=CACHE_MAX_BYTES)

@@ -124,7 +124,7 @@ def _completion_route(components: dict[str, Any], *, operation: str, summary: st
 def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
     """drf-spectacular's postprocessing hook: the schema with the gateway's routes."""
     components = result.setdefault("components", {}).setdefault("schemas", {})
-    security = [{"apiKey": []}]
+    security: list[dict[str, list[str]]] = [{"apiKey": []}]
     card = {"application/json": {"schema": _component(components, ModelCard, "serialization")}}
     paths = {
         "/v1/chat/completions": _completion_route(
