@@ -37,10 +37,10 @@ from serving.wire.errors import error_body, error_type
 from tenants.authentication import api_key_authenticate
 from tenants.models import Membership, Tenant
 
-# The views that take files (their URL names): datasets (API, OpenAI files, dashboard) and adapter
-# versions (API, dashboard).
-UPLOAD_VIEWS = frozenset({"dataset-list", "openai-files", "dashboard:dataset-upload", "adapter-versions",
-                          "dashboard:adapter-upload"})
+# The views that take files (their URL names): datasets (API, OpenAI files and upload parts, dashboard)
+# and adapter versions (API, dashboard).
+UPLOAD_VIEWS = frozenset({"dataset-list", "openai-files", "openai-upload-parts", "dashboard:dataset-upload",
+                          "adapter-versions", "dashboard:adapter-upload"})
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

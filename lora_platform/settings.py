@@ -244,9 +244,11 @@ CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_ALWAYS_EAGER = platform.celery_task_always_eager
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Periodic repairs, sent by `celery -A lora_platform beat`: room under a tenant's concurrent-job limit
-# left without a follow-up dispatch and training tasks the broker lost (training.sweep.training_jobs_sweep).
+# left without a follow-up dispatch and training tasks the broker lost (training.sweep.training_jobs_sweep);
+# multi-part uploads past their hour, whose parts are deleted (training.uploads.uploads_expire).
 CELERY_BEAT_SCHEDULE = {
     "training-jobs-sweep": {"task": "training.tasks.training_jobs_sweep", "schedule": 60.0},
+    "training-uploads-expire": {"task": "training.tasks.uploads_expire", "schedule": 60.0},
 }
 
 # Gateway resilience (docs/gateway.md, "Resilience"): circuit breakers per adapter version (the

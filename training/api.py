@@ -127,7 +127,7 @@ class DatasetViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
         responses=inline_serializer("DatasetDeleted", {"id": serializers.IntegerField(),
                                                        "object": serializers.CharField(),
                                                        "deleted": serializers.BooleanField()}),
-        summary="Delete a dataset and its file (refused while a queued or running job uses it)",
+        summary="Delete a dataset and its file (refused while a queued, running or paused job uses it)",
     )
     def destroy(self, request: Request, pk: str) -> Response:
         dataset = self.get_object()
@@ -149,6 +149,8 @@ class TrainingJobSerializer(serializers.ModelSerializer):
     validation_file = serializers.IntegerField(source="validation_dataset_id", allow_null=True)
     progress = serializers.SerializerMethodField()
     cancel_requested = serializers.SerializerMethodField()
+    pause_requested = serializers.SerializerMethodField(
+        help_text="A pause was asked of the running job: it saves a checkpoint and pauses before its next step.")
     interrupted = serializers.SerializerMethodField(
         help_text="Set while a running job waits for a worker after its worker stopped cleanly (it resumes as soon "
                   "as one runs): when it stopped, and the step it resumes from (its newest checkpoint; 0: the start).")
@@ -159,8 +161,8 @@ class TrainingJobSerializer(serializers.ModelSerializer):
         model = TrainingJob
         fields = ["id", "object", "status", "model", "adapter", "version", "fine_tuned_model", "training_file",
                   "validation_file", "validation_fraction", "hyperparameters", "seed", "progress", "trained_tokens",
-                  "attempts", "cancel_requested", "interrupted", "error", "adapter_version", "created_at",
-                  "started_at", "finished_at"]
+                  "attempts", "cancel_requested", "pause_requested", "interrupted", "error", "adapter_version",
+                  "created_at", "started_at", "finished_at"]
         read_only_fields = fields
 
     def get_object(self, job: TrainingJob) -> str:
@@ -180,6 +182,9 @@ class TrainingJobSerializer(serializers.ModelSerializer):
 
     def get_cancel_requested(self, job: TrainingJob) -> bool:
         return job.cancel_requested_at is not None
+
+    def get_pause_requested(self, job: TrainingJob) -> bool:
+        return job.pause_requested_at is not None
 
     @extend_schema_field(inline_serializer("TrainingJobInterruption", {
         "at": serializers.DateTimeField(), "resumes_from_step": serializers.IntegerField()}, allow_null=True))
@@ -276,6 +281,20 @@ class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str) -> Response:
         job = jobs.training_job_cancel(job=self.get_object())
+        return Response(TrainingJobSerializer(self.get_queryset().get(pk=job.pk)).data)
+
+    @extend_schema(request=None, responses=TrainingJobSerializer,
+                   summary="Pause a job: a queued one at once, a running one after a checkpoint before its next step")
+    @action(detail=True, methods=["post"])
+    def pause(self, request: Request, pk: str) -> Response:
+        job = jobs.training_job_pause(job=self.get_object())
+        return Response(TrainingJobSerializer(self.get_queryset().get(pk=job.pk)).data)
+
+    @extend_schema(request=None, responses=TrainingJobSerializer,
+                   summary="Resume a paused job from its newest checkpoint")
+    @action(detail=True, methods=["post"])
+    def resume(self, request: Request, pk: str) -> Response:
+        job = jobs.training_job_resume(job=self.get_object())
         return Response(TrainingJobSerializer(self.get_queryset().get(pk=job.pk)).data)
 
     @extend_schema(parameters=_PAGING, responses=_list_of(TrainingEventSerializer, "TrainingEventList"),

@@ -75,8 +75,24 @@ def finish(job: TrainingJob, status: str, message: str, *, level: str = Training
     job.finished_at = timezone.now()
     job.lease_token = ""
     job.estimated_finish = None
+    job.pause_requested_at = None
     job.save()
     event(job, message, level=level, data=data)
+
+
+def pause(job: TrainingJob) -> None:
+    """Pauses the (locked) job: no lease, no longer counting toward the tenant's concurrent-job limit,
+    its newest checkpoint the point it resumes from; one event. The caller lets the next job start
+    (training.concurrency.training_jobs_dispatch, after its commit)."""
+    newest = Checkpoint.objects.filter(job=job).order_by("-step").values_list("step", flat=True).first() or 0
+    job.status = Status.PAUSED
+    job.lease_token = ""
+    job.dispatched_at = job.interrupted_at = job.pause_requested_at = job.estimated_finish = None
+    job.step = newest
+    job.save()
+    where = f"the checkpoint of step {newest}" if newest else "the start"
+    event(job, f"Job paused; it no longer counts toward the tenant's concurrent-job limit, and resumes from {where}.",
+          data={"step": newest})
 
 
 def lease_seconds() -> int:

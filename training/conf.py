@@ -10,6 +10,7 @@ read as the platform's settings read it (serving.wire.settings: the environment 
 | TRAINING_DATASET_MAX_BYTES_BY_TIER | "" | per-tier overrides, `vip=1073741824,batch=52428800` |
 | TRAINING_MAX_SEQ_LENGTH | 4096 | platform cap on max_seq_length (the base model's context also caps it) |
 | TRAINING_MAX_WAITING_JOBS | 10 | jobs a tenant may have waiting, beyond its tier's concurrent jobs |
+| TRAINING_MAX_PENDING_UPLOADS | 10 | multi-part uploads (/v1/uploads) a tenant may have pending at once |
 | TRAINING_CHECKPOINT_EVERY_STEPS | 100 | steps between checkpoints |
 | TRAINING_CHECKPOINTS_KEPT | 2 | newest checkpoints kept per job |
 | TRAINING_LOG_EVERY_STEPS | 10 | steps between metrics events |
@@ -33,6 +34,7 @@ _DEFAULTS: dict[str, int] = {
     "TRAINING_DATASET_MAX_BYTES": 100 * 1024 * 1024,
     "TRAINING_MAX_SEQ_LENGTH": 4096,
     "TRAINING_MAX_WAITING_JOBS": 10,
+    "TRAINING_MAX_PENDING_UPLOADS": 10,
     "TRAINING_CHECKPOINT_EVERY_STEPS": 100,
     "TRAINING_CHECKPOINTS_KEPT": 2,
     "TRAINING_LOG_EVERY_STEPS": 10,

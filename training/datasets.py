@@ -177,7 +177,7 @@ def _base_tokenizer() -> Any | None:
 
 
 def dataset_delete(*, dataset: Dataset) -> None:
-    """Deletes the dataset and its file; refused while a queued or running job uses it."""
+    """Deletes the dataset and its file; refused while a queued, running or paused job uses it."""
     with transaction.atomic():
         locked = Dataset.objects.select_for_update().filter(pk=dataset.pk).first()
         if locked is None:
@@ -186,8 +186,8 @@ def dataset_delete(*, dataset: Dataset) -> None:
                                                 status__in=TrainingJob.ACTIVE_STATUSES).values_list("pk", flat=True))
         if users:
             ids = ", ".join(f"#{pk}" for pk in users)
-            raise Conflict(f"Dataset {locked.pk} is used by training job(s) {ids}, which are queued or running; "
-                           "wait for them to finish or cancel them first.", code="dataset_in_use")
+            raise Conflict(f"Dataset {locked.pk} is used by training job(s) {ids}, which are queued, running or "
+                           "paused; wait for them to finish or cancel them first.", code="dataset_in_use")
         key = locked.storage_key
         locked.delete()
         after_commit(partial(_delete_blob, key))

@@ -1,4 +1,5 @@
-"""Training jobs: creation (every input checked first), cancel, retry, and settling jobs that waited for their files.
+"""Training jobs: creation (every input checked first), cancel, pause and resume, retry, and settling jobs
+that waited for their files.
 
 A created job waits for room under its tenant's concurrent-job limit (training.concurrency); beyond those a tenant may have
 TRAINING_MAX_WAITING_JOBS waiting, and more is refused (LimitExceeded). A job created while its
@@ -25,7 +26,7 @@ from serving.versions import version_parse
 from tenants.models import Tenant
 from training import conf
 from training.base import (PENDING_DATASET_STATUSES, Status, after_commit, checkpoints_delete, event, finish,
-                           held_out, lease_fresh)
+                           held_out, lease_fresh, pause)
 from training.hyperparameters import Hyperparameters, resolve_hyperparameters
 from training.models import Dataset, TrainingEvent, TrainingJob
 from training.concurrency import counts_toward_limit, training_jobs_dispatch
@@ -255,8 +256,8 @@ def training_job_cancel(*, job: TrainingJob) -> TrainingJob:
     with transaction.atomic():
         job = TrainingJob.objects.select_for_update().get(pk=job.pk)
         if job.is_final:
-            raise Conflict(f"Training job {job.pk} has already {job.status}; only queued or running jobs can be "
-                           "cancelled.", code="job_finished")
+            raise Conflict(f"Training job {job.pk} has already {job.status}; only queued, running or paused jobs can "
+                           "be cancelled.", code="job_finished")
         if job.cancel_requested_at is None:
             job.cancel_requested_at = timezone.now()
             job.save(update_fields=["cancel_requested_at"])
@@ -267,6 +268,65 @@ def training_job_cancel(*, job: TrainingJob) -> TrainingJob:
             after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
         else:
             event(job, "Cancellation requested; the job stops before its next step.")
+    return job
+
+
+def training_job_pause(*, job: TrainingJob) -> TrainingJob:
+    """Pauses a job: a waiting one at once; a running one saves a checkpoint and pauses before its next step.
+
+    A paused job does not count toward the tenant's concurrent-job limit, so the next waiting job
+    starts. Asking again while the pause is under way changes nothing. An ended job, or one being
+    cancelled, is refused (InvalidInput: OpenAI answers 400).
+    """
+    with transaction.atomic():
+        job = TrainingJob.objects.select_for_update().get(pk=job.pk)
+        if job.is_final:
+            raise InvalidInput(f"Training job {job.pk} has already {job.status}; only queued or running jobs can be "
+                               "paused.", code="job_not_pausable")
+        if job.cancel_requested_at is not None:
+            raise InvalidInput(f"Training job {job.pk} is being cancelled; it cannot be paused.",
+                               code="job_not_pausable")
+        if job.status == Status.PAUSED or job.pause_requested_at is not None:
+            return job
+        if lease_fresh(job):
+            job.pause_requested_at = timezone.now()
+            job.save(update_fields=["pause_requested_at"])
+            event(job, "Pause requested; the job saves a checkpoint and pauses before its next step.")
+        else:
+            # Waiting, or its worker is gone (its run, if it comes back, finds its lease taken and stops).
+            pause(job)
+            after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+    return job
+
+
+def training_job_resume(*, job: TrainingJob) -> TrainingJob:
+    """Queues a paused job again; it resumes from its newest checkpoint once the tenant's limit has room.
+
+    A resume asked before a requested pause took effect withdraws the pause. Anything else that is
+    not paused is refused (InvalidInput), and so is a resume beyond TRAINING_MAX_WAITING_JOBS.
+    """
+    with transaction.atomic():
+        job = TrainingJob.objects.select_for_update().get(pk=job.pk)
+        if job.status != Status.PAUSED:
+            if job.pause_requested_at is not None and not job.is_final:
+                job.pause_requested_at = None
+                job.save(update_fields=["pause_requested_at"])
+                event(job, "Resumed before the pause took effect; the job goes on.")
+                return job
+            raise InvalidInput(f"Training job {job.pk} is {job.status}, not paused; only a paused job can be resumed.",
+                               code="job_not_paused")
+        # Locked after the job, in the order publishing locks them (a job, then its tenant).
+        _check_waiting_room(Tenant.objects.select_for_update(of=("self",)).select_related("tier")
+                            .get(pk=job.tenant_id))
+        job.status = Status.QUEUED
+        job.save(update_fields=["status"])
+        where = f"the checkpoint of step {job.step}" if job.step else "the start"
+        event(job, f"Job resumed; it goes on from {where} once the tenant's concurrent-job limit has room.",
+              data={"step": job.step})
+        if job.total_steps is None and job.dataset_id is not None:
+            # Paused while its files were validated: settle it now (steps planned, or failed on a bad file).
+            training_jobs_release(dataset_id=job.dataset_id)
+        after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
     return job
 
 

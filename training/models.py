@@ -59,19 +59,22 @@ class Dataset(models.Model):
 class TrainingJob(models.Model):
     """One LoRA training run on the shared base model, producing one adapter version.
 
-    queued → running → succeeded | failed | cancelled. A queued job counts toward its tenant's
-    concurrent-job limit from the moment its task is sent (`dispatched_at`); see
-    training.concurrency.training_jobs_dispatch for how waiting jobs start.
+    queued → running → succeeded | failed | cancelled, and paused ⇄ queued between (a pause, a
+    resume). A queued job counts toward its tenant's concurrent-job limit from the moment its task
+    is sent (`dispatched_at`); a paused one does not. See training.concurrency.training_jobs_dispatch
+    for how waiting jobs start.
     """
 
     class Status(models.TextChoices):
         QUEUED = "queued", "Queued"
         RUNNING = "running", "Running"
+        PAUSED = "paused", "Paused"
         SUCCEEDED = "succeeded", "Succeeded"
         FAILED = "failed", "Failed"
         CANCELLED = "cancelled", "Cancelled"
 
-    ACTIVE_STATUSES = (Status.QUEUED, Status.RUNNING)
+    # Not ended: the job keeps its files (a dataset in use is not deleted) and its adapter name's room.
+    ACTIVE_STATUSES = (Status.QUEUED, Status.RUNNING, Status.PAUSED)
     FINAL_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="training_jobs")
@@ -102,6 +105,9 @@ class TrainingJob(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    # A pause asked of a running job: its run checkpoints and pauses the job before its next step
+    # (training.run); cleared when the job is paused or resumed.
+    pause_requested_at = models.DateTimeField(null=True, blank=True)
 
     # The run that holds the job: a token per task delivery and its heartbeat. A delivery may take
     # the job only when no other run's heartbeat is fresh (training.run.training_job_claim).
@@ -192,3 +198,57 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"job #{self.job_id} step {self.step}"
+
+
+class Upload(models.Model):
+    """OpenAI's Upload: a file sent in parts, each one request, completed into a dataset (training.uploads).
+
+    pending → completed | cancelled | expired. The parts are stored under the upload's own storage
+    prefix until it ends; `dataset` is the file its completion made.
+    """
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        COMPLETED = "completed", "Completed"
+        CANCELLED = "cancelled", "Cancelled"
+        EXPIRED = "expired", "Expired"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="uploads")
+    filename = models.CharField(max_length=255)
+    purpose = models.CharField(max_length=32)
+    mime_type = models.CharField(max_length=100)
+    # What the tenant declared at creation; completion refuses any other total.
+    size_bytes = models.PositiveBigIntegerField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    dataset = models.OneToOneField(Dataset, on_delete=models.SET_NULL, null=True, blank=True, related_name="upload")
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["status", "expires_at"], name="upload_by_status_expiry")]
+
+    def __str__(self) -> str:
+        return f"upload #{self.pk} ({self.tenant.slug}/{self.filename}, {self.status})"
+
+
+class UploadPart(models.Model):
+    """One part of an upload, stored with its size and sha256 (checked again when the upload completes)."""
+
+    TENANT_PATH = "upload__tenant"
+
+    upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="parts")
+    storage_key = models.CharField(max_length=512, unique=True)
+    size_bytes = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"upload #{self.upload_id} part #{self.pk}"

@@ -189,7 +189,7 @@ class _NoFieldsMetadata(SimpleMetadata):
         return {}
 
 
-class _OpenAIView(TenantScopedAPIView):
+class OpenAIView(TenantScopedAPIView):
     """The caller's rows only: another tenant's file or job is as missing as one that never was."""
 
     content_negotiation_class = _IgnoreAccept
@@ -232,7 +232,7 @@ def _jobs() -> TenantScopedQuerySet:
     return TrainingJob.objects.select_related("tenant", "dataset", "validation_dataset")
 
 
-class FilesView(_OpenAIView):
+class FilesView(OpenAIView):
     queryset = Dataset.objects.all()
     parser_classes = [MultiPartParser, FormParser]
 
@@ -276,7 +276,7 @@ class FilesView(_OpenAIView):
         return Response(file_object(dataset), status=status.HTTP_200_OK)
 
 
-class FileView(_OpenAIView):
+class FileView(OpenAIView):
     queryset = Dataset.objects.all()
 
     @extend_schema(responses=OpenApiTypes.OBJECT, operation_id="openai_files_retrieve",
@@ -287,7 +287,7 @@ class FileView(_OpenAIView):
 
     @extend_schema(responses=OpenApiTypes.OBJECT,
                    operation_id="openai_files_delete",
-                   summary="OpenAI: delete a file (409 while a queued or running job uses it)")
+                   summary="OpenAI: delete a file (409 while a queued, running or paused job uses it)")
     def delete(self, request: Request, file_id: str) -> Response:
         if self.results_of(file_id) is not None:
             raise InvalidInput("A job's results file is made from its metrics and goes with the job; it cannot be "
@@ -297,7 +297,7 @@ class FileView(_OpenAIView):
         return Response({"id": f"{FILE_PREFIX}{dataset.pk}", "object": "file", "deleted": True})
 
 
-class FileContentView(_OpenAIView):
+class FileContentView(OpenAIView):
     queryset = Dataset.objects.all()
 
     @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY},
@@ -312,7 +312,7 @@ class FileContentView(_OpenAIView):
                             content_type="application/octet-stream")
 
 
-class JobsView(_OpenAIView):
+class JobsView(OpenAIView):
     queryset = TrainingJob.objects.all()
     parser_classes = [JSONParser]
 
@@ -393,7 +393,7 @@ def _requested_hyperparameters(body: dict[str, Any]) -> Any:
     return nested if nested is not None else given
 
 
-class JobView(_OpenAIView):
+class JobView(OpenAIView):
     queryset = TrainingJob.objects.all()
 
     @extend_schema(responses=OpenApiTypes.OBJECT, operation_id="openai_jobs_retrieve",
@@ -402,7 +402,7 @@ class JobView(_OpenAIView):
         return Response(job_object(self.job(job_id)))
 
 
-class JobCancelView(_OpenAIView):
+class JobCancelView(OpenAIView):
     queryset = TrainingJob.objects.all()
 
     @extend_schema(request=None, responses=OpenApiTypes.OBJECT,
@@ -413,7 +413,28 @@ class JobCancelView(_OpenAIView):
         return Response(job_object(_jobs().get(pk=job.pk)))
 
 
-class JobEventsView(_OpenAIView):
+class JobPauseView(OpenAIView):
+    queryset = TrainingJob.objects.all()
+
+    @extend_schema(request=None, responses=OpenApiTypes.OBJECT, operation_id="openai_jobs_pause",
+                   summary="OpenAI: pause a job (a queued one at once, a running one after a checkpoint before its "
+                           "next step); a paused job frees its place under the tenant's concurrent-job limit")
+    def post(self, request: Request, job_id: str) -> Response:
+        job = jobs.training_job_pause(job=self.job(job_id))
+        return Response(job_object(_jobs().get(pk=job.pk)))
+
+
+class JobResumeView(OpenAIView):
+    queryset = TrainingJob.objects.all()
+
+    @extend_schema(request=None, responses=OpenApiTypes.OBJECT, operation_id="openai_jobs_resume",
+                   summary="OpenAI: resume a paused job from its newest checkpoint (queued until the limit has room)")
+    def post(self, request: Request, job_id: str) -> Response:
+        job = jobs.training_job_resume(job=self.job(job_id))
+        return Response(job_object(_jobs().get(pk=job.pk)))
+
+
+class JobEventsView(OpenAIView):
     queryset = TrainingJob.objects.all()
 
     @extend_schema(parameters=paging_parameters("the event id"), responses=OpenApiTypes.OBJECT,
@@ -425,7 +446,7 @@ class JobEventsView(_OpenAIView):
         return Response(list_body([event_object(row) for row in rows], has_more=has_more))
 
 
-class JobCheckpointsView(_OpenAIView):
+class JobCheckpointsView(OpenAIView):
     queryset = TrainingJob.objects.all()
 
     @extend_schema(parameters=paging_parameters("the checkpoint id"), responses=OpenApiTypes.OBJECT,

@@ -10,6 +10,10 @@ a checkpoint of the steps done, releases the lease, marks the job `interrupted_a
 sent again (`Claim.retry_in` 0): the next worker claims it at once instead of waiting for the lease
 to expire, and resumes from that checkpoint.
 
+A pause (training.jobs.training_job_pause) takes the same path: the run stops before its next step
+and saves a checkpoint, but then pauses the job (training.base.pause) instead of sending its task
+again; a resume queues it, and its next run resumes from that checkpoint.
+
 The run never imports the job lifecycle (training.jobs): it ends the job itself, and asks
 training.concurrency to start the next one.
 """
@@ -41,7 +45,7 @@ from serving.storage import get_storage
 from serving.engine.lora.artifact import base_config_sha256
 from training import conf
 from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, event, finish, held_out,
-                           lease_age, lease_seconds)
+                           lease_age, lease_seconds, pause)
 from training.examples import EncodedExample, EncodingError, encode_example
 from training.hyperparameters import Hyperparameters
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
@@ -75,6 +79,8 @@ def training_job_claim(*, job_id: int) -> Claim:
             return Claim(None, reason="the job no longer exists")
         if job.is_final:
             return Claim(None, reason=f"the job has already {job.status}")
+        if job.status == Status.PAUSED:
+            return Claim(None, reason="the job is paused")
         age = lease_age(job)
         if age is not None and age < lease_seconds():
             return Claim(None, retry_in=max(1.0, lease_seconds() - age), reason="another run holds the job")
@@ -83,6 +89,11 @@ def training_job_claim(*, job_id: int) -> Claim:
             after_commit(partial(checkpoints_delete, job.pk))
             after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
             return Claim(None, reason="the job was cancelled")
+        if job.pause_requested_at is not None:
+            # Asked of a run that stopped reporting before it could pause: the job pauses here.
+            pause(job)
+            after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            return Claim(None, reason="the job was paused")
         lost = job.status == Status.RUNNING
         interrupted = job.interrupted_at is not None
         token = secrets.token_hex(16)
@@ -123,9 +134,9 @@ def training_job_run(*, job_id: int) -> Claim:
         with _heartbeat(job.pk, claim.token):
             _run_claimed(job, claim.token, workspace)
     except _Interrupted as interruption:
-        _release_interrupted(job, claim.token, interruption.step)
-        # Sent again at once: the next worker takes the job as soon as it runs.
-        claim = Claim(job, token=claim.token, retry_in=0.0, reason="the worker stopped cleanly")
+        if _release_interrupted(job, claim.token, interruption.step):
+            # Sent again at once: the next worker takes the job as soon as it runs.
+            claim = Claim(job, token=claim.token, retry_in=0.0, reason="the worker stopped cleanly")
     except LeaseLost:
         logger.warning("Training job %s was taken over by another run; this run stops", job.pk)
     except CancelledLate:
@@ -203,7 +214,8 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
             base, hp, seed=job.seed, train=train, valid=valid, hooks=hooks, work_dir=workspace / "run",
             fingerprint=_fingerprint(job), base_model_name=settings.BASE_MODEL_NAME,
             checkpoint_every=conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
-            log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"), should_interrupt=stop_requested,
+            log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"),
+            should_interrupt=lambda: stop_requested() or hooks.pause_requested,
         )
         resume = _fetch_checkpoint(job, workspace)
         try:
@@ -278,6 +290,8 @@ class _JobHooks:
         self.job = job
         self.token = token
         self.lease_lost = False
+        # Read with the cancel request before every step (should_stop), which the trainer checks first.
+        self.pause_requested = False
         self.started = timezone.now()
         self.first_step: int | None = None
         self.last_saved = 0.0
@@ -287,8 +301,10 @@ class _JobHooks:
         return TrainingJob.objects.filter(pk=self.job.pk, lease_token=self.token)
 
     def should_stop(self) -> bool:
-        row = TrainingJob.objects.filter(pk=self.job.pk).values("lease_token", "cancel_requested_at").first()
+        row = (TrainingJob.objects.filter(pk=self.job.pk)
+               .values("lease_token", "cancel_requested_at", "pause_requested_at").first())
         self.lease_lost = row is None or row["lease_token"] != self.token
+        self.pause_requested = row is not None and row["pause_requested_at"] is not None
         return row is None or self.lease_lost or row["cancel_requested_at"] is not None
 
     def raise_if_lease_lost(self) -> None:
@@ -353,13 +369,17 @@ def _fetch_checkpoint(job: TrainingJob, workspace: Path) -> Path | None:
     return target
 
 
-def _release_interrupted(job: TrainingJob, token: str, step: int) -> None:
+def _release_interrupted(job: TrainingJob, token: str, step: int) -> bool:
     """Gives the job back after a clean stop: no lease (the next claim is granted at once), the task
-    counted as sent now (the sweep re-sends it two leases on if it was lost), and the job says why."""
+    counted as sent now (the sweep re-sends it two leases on if it was lost), and the job says why.
+    A job whose pause was asked is paused instead (its task is not sent again). True: send it again."""
     with transaction.atomic():
         locked = TrainingJob.objects.select_for_update().get(pk=job.pk)
         if locked.lease_token != token or locked.is_final:
-            return
+            return False
+        if locked.pause_requested_at is not None:
+            pause(locked)
+            return False
         now = timezone.now()
         locked.lease_token, locked.interrupted_at, locked.dispatched_at = "", now, now
         locked.estimated_finish = None
@@ -367,6 +387,7 @@ def _release_interrupted(job: TrainingJob, token: str, step: int) -> None:
         resume = f"the checkpoint of step {step}" if step else "the start"
         event(locked, f"The worker stopped at step {step}; the job resumes from {resume} on the next worker.",
               data={"step": step})
+    return True
 
 
 def _end_cancelled(job: TrainingJob, token: str) -> None:

@@ -1,6 +1,6 @@
 """Celery tasks of the training pipeline: thin wrappers named after the services they call.
 
-`dataset_validate` and `training_jobs_sweep` run on the default `quick` queue; `training_job_run`
+`dataset_validate`, `training_jobs_sweep` and `uploads_expire` run on the default `quick` queue; `training_job_run`
 is routed to the `training` queue (settings.CELERY_TASK_ROUTES), so long jobs never hold up quick
 work. Late acks and reject-on-worker-lost (settings) put a job's task back on the queue when its
 worker dies; the service makes any redelivery safe.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from celery import Task, shared_task
 from celery.signals import worker_init, worker_ready
 
-from training import conf, datasets, run, scratch, sweep
+from training import conf, datasets, run, scratch, sweep, uploads
 
 
 # A validation running longer is interrupted (SoftTimeLimitExceeded), which ends the dataset invalid;
@@ -34,6 +34,11 @@ def training_job_run(self: Task, job_id: int) -> None:
 @shared_task(name="training.tasks.training_jobs_sweep", ignore_result=True)
 def training_jobs_sweep() -> None:
     sweep.training_jobs_sweep()
+
+
+@shared_task(name="training.tasks.uploads_expire", ignore_result=True)
+def uploads_expire() -> None:
+    uploads.uploads_expire()
 
 
 @worker_init.connect

@@ -1,4 +1,4 @@
-"""The training pages: the new-job form, the job list, a job's progress, cancel.
+"""The training pages: the new-job form, the job list, a job's progress, cancel, pause and resume.
 
 Views translate the form to a training.jobs call and back, as the REST API does; every rule
 (limits, hyperparameter bounds, job states) lives in that service.
@@ -113,6 +113,8 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
 def _job_context(job: TrainingJob) -> dict[str, Any]:
     return {"job": job, "metrics": selectors.job_metrics(job=job), "events": selectors.job_events(job=job)[:50],
             "checkpoints": selectors.job_checkpoints(job=job), "active": not job.is_final,
+            # A paused job changes only when someone resumes it (the page then reloads): no polling.
+            "polling": not job.is_final and job.status != TrainingJob.Status.PAUSED,
             "checkpoint_every": conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
             "percent": round(100 * job.step / job.total_steps) if job.total_steps else 0}
 
@@ -135,4 +137,32 @@ def job_cancel_view(request: DashboardRequest, job_id: int) -> HttpResponse:
         messages.error(request, error.message)
     else:
         messages.success(request, f"Cancellation of job {job.pk} requested.")
+    return redirect("dashboard:job", job.pk)
+
+
+@require_POST
+@dashboard_view(Role.MEMBER)
+def job_pause_view(request: DashboardRequest, job_id: int) -> HttpResponse:
+    job = selectors.job_get(tenant=request.dashboard.tenant, job_id=job_id)
+    try:
+        paused = jobs.training_job_pause(job=job)
+    except ServiceError as error:
+        messages.error(request, error.message)
+    else:
+        done = paused.status == TrainingJob.Status.PAUSED
+        messages.success(request, f"Job {job.pk} is paused." if done else
+                         f"Pause of job {job.pk} requested: it saves a checkpoint and pauses before its next step.")
+    return redirect("dashboard:job", job.pk)
+
+
+@require_POST
+@dashboard_view(Role.MEMBER)
+def job_resume_view(request: DashboardRequest, job_id: int) -> HttpResponse:
+    job = selectors.job_get(tenant=request.dashboard.tenant, job_id=job_id)
+    try:
+        jobs.training_job_resume(job=job)
+    except ServiceError as error:
+        messages.error(request, error.message)
+    else:
+        messages.success(request, f"Job {job.pk} resumed: it goes on from its newest checkpoint.")
     return redirect("dashboard:job", job.pk)

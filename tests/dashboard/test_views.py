@@ -85,6 +85,7 @@ def test_another_tenants_objects_are_404(as_user, people, tenant_b, make_version
     assert client.get(reverse("dashboard:adapter", args=["bobs-bot"])).status_code == 404
     for url, data in [(reverse("dashboard:adapter-deploy", args=["bobs-bot"]), {"version": "1.0.0"}),
                       (reverse("dashboard:job-cancel", args=[job.pk]), {}),
+                      (reverse("dashboard:job-pause", args=[job.pk]), {}),
                       (reverse("dashboard:dataset-delete", args=[dataset.pk]), {}),
                       (reverse("dashboard:key-revoke", args=[key.pk]), {})]:
         assert client.post(url, data).status_code == 404, url
@@ -291,7 +292,8 @@ def test_a_refused_registry_action_says_why(as_user, people, tenant_a, make_vers
 
 POST_ROUTES = [
     ("dashboard:tenant-switch", []), ("dashboard:dataset-upload", []), ("dashboard:dataset-delete", [1]),
-    ("dashboard:job-create", []), ("dashboard:job-cancel", [1]), ("dashboard:adapter-create", []),
+    ("dashboard:job-create", []), ("dashboard:job-cancel", [1]), ("dashboard:job-pause", [1]),
+    ("dashboard:job-resume", [1]), ("dashboard:adapter-create", []),
     ("dashboard:adapter-upload", ["x"]), ("dashboard:adapter-deploy", ["x"]), ("dashboard:adapter-canary", ["x"]),
     ("dashboard:adapter-promote", ["x"]), ("dashboard:adapter-abort", ["x"]), ("dashboard:adapter-rollback", ["x"]),
     ("dashboard:adapter-archive", ["x"]), ("dashboard:key-create", []), ("dashboard:key-update", [1]),
@@ -406,3 +408,25 @@ def test_owners_manage_members_and_a_tenant_keeps_an_owner(as_user, people, tena
     assert member.post(reverse("dashboard:member-role", args=[viewer_row.pk]), {"role": "owner"}).status_code == 403
     bobs_own = Membership.objects.get(tenant=tenant_b.tenant, user=people.bob)
     assert as_user(people.owner).post(reverse("dashboard:member-remove", args=[bobs_own.pk])).status_code == 404
+
+
+def test_a_job_is_paused_and_resumed_from_its_page(as_user, people, tenant_a):
+    dataset = upload(tenant_a.tenant, GOOD)
+    job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot")
+    url = reverse("dashboard:job", args=[job.pk])
+    assert 'id="job-pause"' not in as_user(people.viewer).get(url).content.decode()  # viewers read only
+    client = as_user(people.member)
+    assert 'id="job-pause"' in client.get(url).content.decode()
+
+    paused = client.post(reverse("dashboard:job-pause", args=[job.pk]), follow=True).content.decode()
+    job.refresh_from_db()
+    assert job.status == "paused"
+    assert f"Job {job.pk} is paused." in paused and 'id="job-paused"' in paused and 'id="job-resume"' in paused
+    assert "status-paused" in paused and ">Paused<" in paused
+    assert "hx-trigger" not in client.get(url, HTTP_HX_REQUEST="true").content.decode()  # nothing to poll for
+
+    resumed = client.post(reverse("dashboard:job-resume", args=[job.pk]), follow=True).content.decode()
+    job.refresh_from_db()
+    assert job.status == "queued" and 'id="job-pause"' in resumed and "every 2s" in resumed
+    refused = client.post(reverse("dashboard:job-resume", args=[job.pk]), follow=True).content.decode()
+    assert "is queued, not paused" in refused

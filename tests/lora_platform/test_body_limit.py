@@ -188,4 +188,5 @@ def test_a_dashboard_session_takes_the_upload_limit(web, tenant_a, client):
 def test_the_upload_views_exist():
     """A renamed upload route would silently fall back to the small limit."""
     for name in UPLOAD_VIEWS:
-        assert reverse(name, kwargs={"name": "x"} if "adapter" in name else None)
+        kwargs = {"name": "x"} if "adapter" in name else {"upload_id": "x"} if name == "openai-upload-parts" else None
+        assert reverse(name, kwargs=kwargs)

@@ -17,12 +17,37 @@ import redis
 
 from serving.engine.tiny import build_tiny_model
 from tests.gateway.conftest import WebProcess
-from training_support import BASE_MODEL_NAME, ROOT, process_env
+from training_support import BASE_MODEL_NAME, ROOT, process_env, sdk
 
 
 @pytest.fixture(scope="session")
 def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("base") / BASE_MODEL_NAME, arch="llama", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def wsgi_app() -> Iterator[object]:
+    """The platform's WSGI application for in-process SDK clients (training_support.sdk)."""
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.core.signals import request_finished, request_started
+    from django.db import close_old_connections
+
+    # As Django's test client does: a request must not close the connection holding the test's transaction.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    yield WSGIHandler()
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)
+
+
+@pytest.fixture
+def openai_a(platform, wsgi_app, tenant_a):
+    return sdk(wsgi_app, tenant_a.key)
+
+
+@pytest.fixture
+def openai_b(platform, wsgi_app, tenant_b):
+    return sdk(wsgi_app, tenant_b.key)
 
 
 @pytest.fixture

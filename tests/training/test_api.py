@@ -286,6 +286,6 @@ def test_admin_lists_datasets_and_jobs_and_its_actions_call_the_services(platfor
     admin_client.post(changelist, {"action": "cancel_jobs", "_selected_action": [job_id]})
     assert TrainingJob.objects.get(pk=job_id).status == TrainingJob.Status.CANCELLED
     response = admin_client.post(changelist, {"action": "cancel_jobs", "_selected_action": [job_id]}, follow=True)
-    assert "only queued or running jobs can be cancelled" in response.content.decode()
+    assert "only queued, running or paused jobs can be cancelled" in response.content.decode()
     admin_client.post(changelist, {"action": "retry_jobs", "_selected_action": [job_id]})
     assert TrainingJob.objects.get(pk=job_id).status == TrainingJob.Status.QUEUED

@@ -9,48 +9,17 @@ these `db` tests.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx2
 import openai
 import pytest
-from django.core.handlers.wsgi import WSGIHandler
-from django.core.signals import request_finished, request_started
-from django.db import close_old_connections
 
 from serving.storage import get_storage
 from tenants.services import api_key_create
 from training import concurrency, datasets
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
-from training_support import BASE_MODEL_NAME, chat_lines, jsonl
+from training_support import BASE_MODEL_NAME, chat_lines, error_of, jsonl, sdk
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(scope="module")
-def wsgi_app() -> Iterator[WSGIHandler]:
-    # As Django's test client does: a request must not close the connection holding the test's transaction.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    yield WSGIHandler()
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
-
-
-def sdk(wsgi_app: WSGIHandler, key: str) -> openai.OpenAI:
-    # No retries: the SDK retries 409s and 5xx by default, which would hide what one request did.
-    return openai.OpenAI(api_key=key, base_url="http://testserver/v1", max_retries=0,
-                         http_client=httpx2.Client(transport=httpx2.WSGITransport(app=wsgi_app)))
-
-
-@pytest.fixture
-def openai_a(platform, wsgi_app, tenant_a) -> openai.OpenAI:
-    return sdk(wsgi_app, tenant_a.key)
-
-
-@pytest.fixture
-def openai_b(platform, wsgi_app, tenant_b) -> openai.OpenAI:
-    return sdk(wsgi_app, tenant_b.key)
 
 
 def upload(client: openai.OpenAI, rows: list | bytes, name: str = "train.jsonl", *, validate: bool = True):
@@ -59,12 +28,6 @@ def upload(client: openai.OpenAI, rows: list | bytes, name: str = "train.jsonl",
     if validate:
         datasets.dataset_validate(dataset_id=int(created.id.removeprefix("file-")))
     return created
-
-
-def error_of(raised: pytest.ExceptionInfo) -> dict:
-    body = raised.value.body
-    assert set(body) == {"message", "type", "code", "param"}, body
-    return body
 
 
 def test_file_upload_retrieve_content_list_delete(openai_a, django_capture_on_commit_callbacks):

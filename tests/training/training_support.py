@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 BASE_MODEL_NAME = "tiny-llama"
@@ -75,3 +76,20 @@ def process_env(settings, extra: dict[str, object]) -> dict[str, str]:
     })
     env.update({key: str(value) for key, value in extra.items()})
     return env
+
+
+def sdk(app: Any, key: str) -> Any:
+    """OpenAI's SDK talking HTTP to the WSGI application in this process (httpx's WSGI transport)."""
+    import httpx2
+    import openai
+
+    # No retries: the SDK retries 409s and 5xx by default, which would hide what one request did.
+    return openai.OpenAI(api_key=key, base_url="http://testserver/v1", max_retries=0,
+                         http_client=httpx2.Client(transport=httpx2.WSGITransport(app=app)))
+
+
+def error_of(raised: Any) -> dict:
+    """The OpenAI error body of a raised SDK error (a pytest.ExceptionInfo), checked for its four fields."""
+    body = raised.value.body
+    assert set(body) == {"message", "type", "code", "param"}, body
+    return body
