@@ -105,9 +105,11 @@ def _responses(ok: dict[str, Any], description: str, errors: tuple[int, ...]) ->
 
 def _completion_route(components: dict[str, Any], *, operation: str, summary: str, request: type[BaseModel],
                       response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
-    stream = {"type": "string", "description": f"With `stream: true`: server-sent events, each `data: <{chunk.__name__} "
-              "JSON>`, then `data: [DONE]`; a failure mid-stream is a `data:` event with the error body."}
+    # OpenAPI 3.0 cannot type the events of a stream: the description names their component.
     _component(components, chunk, "serialization")
+    stream = {"type": "string", "description": f"With `stream: true`: server-sent events, each "
+              f"`data: <{chunk.__name__} JSON>`, then `data: [DONE]`; a failure mid-stream is a `data:` event "
+              "with the error body."}
     return {"post": {
         "operationId": operation, "summary": summary, "tags": ["v1"], "security": [{"apiKey": []}],
         "description": "OpenAI's endpoint, served by the gateway: `model` is the base model, `<adapter>` (its active "
