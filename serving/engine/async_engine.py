@@ -72,6 +72,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.engine.hf_config.vocab_size)
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 

@@ -106,20 +106,28 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     generation, first = await Generation.start(worker, request, generation_request(worker, body))
     if body.stream:
         return GenerationStream(_chunks(generation, first, body), generation)
-    deltas = await generation.collect(first)
+    by_choice: dict[int, list[Delta]] = {}
+    for delta in await generation.collect(first):
+        by_choice.setdefault(delta.index, []).append(delta)
+    response = ChatCompletionResponse(
+        id=generation.request_id, created=generation.created, model=body.model,
+        choices=[_choice(generation, body, index, deltas) for index, deltas in sorted(by_choice.items())],
+        usage=generation.usage.info(), prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _choice(generation: Generation, body: ChatCompletionRequest, index: int, deltas: list[Delta]) -> ChatChoice:
+    """Choice `index` of a whole reply."""
     last = deltas[-1]
-    choice = ChatChoice(
+    return ChatChoice(
+        index=index,
         message=ChatResponseMessage(content="".join(d.text for d in deltas)),
         logprobs=_logprobs(generation, deltas, body.top_logprobs or 0) if body.logprobs else None,
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
         token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
     )
-    response = ChatCompletionResponse(
-        id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
-        usage=generation.usage.info(), prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
-    )
-    return Response(response.model_dump_json(), media_type="application/json")
 
 
 async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
@@ -133,16 +141,25 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
             prompt_token_ids=generation.prompt_token_ids if prompt_ids and body.return_token_ids else None,
         ))
 
-    # OpenAI's first chunk carries the role and no content.
-    yield chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")), usage=usage_each, prompt_ids=True)
+    started: set[int] = set()
     delta: Delta | None = first
-    # A token's chunk mid-stream (no logprobs, no finish, no usage) from a template, as completions do.
-    plain = None if usage_each or body.logprobs else _plain_chunk(generation, body)
+    # A token's chunk mid-stream (no logprobs, no finish, no usage) from a template per choice, as
+    # completions do.
+    plain: dict[int, SseTemplate] | None = None if usage_each or body.logprobs else {}
     while delta is not None:
+        index = delta.index
+        if index not in started:
+            # OpenAI's first chunk of a choice carries the role and no content.
+            started.add(index)
+            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")), usage=usage_each,
+                        prompt_ids=not index)
         if plain is not None and delta.finish_reason is None and (delta.text or body.return_token_ids and delta.token_ids):
-            yield plain.render(delta.text, delta.token_ids)
+            if index not in plain:
+                plain[index] = _plain_chunk(generation, body, index)
+            yield plain[index].render(delta.text, delta.token_ids)
         elif delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
             yield chunk(ChatChunkChoice(
+                index=index,
                 delta=ChatDelta(content=delta.text),
                 logprobs=_logprobs(generation, [delta], body.top_logprobs or 0) if body.logprobs else None,
                 finish_reason=delta.finish_reason,
@@ -154,8 +171,8 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
         yield chunk(None, usage=True)
 
 
-def _plain_chunk(generation: Generation, body: ChatCompletionRequest) -> SseTemplate:
-    choice = ChatChunkChoice(delta=ChatDelta(content=SseTemplate.TEXT_MARK),
+def _plain_chunk(generation: Generation, body: ChatCompletionRequest, index: int) -> SseTemplate:
+    choice = ChatChunkChoice(index=index, delta=ChatDelta(content=SseTemplate.TEXT_MARK),
                              token_ids=SseTemplate.IDS_MARK if body.return_token_ids else None)
     payload = ChatCompletionChunk(id=generation.request_id, created=generation.created, model=body.model, choices=[choice])
     return SseTemplate(payload, "content", "token_ids" if body.return_token_ids else None)

@@ -1,16 +1,21 @@
-"""`POST /v1/completions`: a prompt (text or token ids) in, a completion out, whole or streamed."""
+"""`POST /v1/completions`: prompts (text or token ids, one or a list) in, completions out, whole or
+streamed.
+
+Each prompt gets `n` choices (`best_of` generated), indexed prompt-major as OpenAI does
+(`prompt_i * n + j`); usage sums the prompts' tokens and every returned choice's. A stream's chunks
+each carry one choice, by its index, as OpenAI's SDK reads them. `echo` puts the prompt's text
+(a prompt of token ids decoded) before its choices' text, in a stream with the choice's first chunk.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from serving.engine import AsyncEngine
-from serving.engine.server.errors import bad_request
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
 from serving.engine.server.protocol import (
     CompletionChoice,
@@ -22,77 +27,94 @@ from serving.engine.server.streaming import GenerationStream, SseTemplate, sse
 from serving.engine.server.worker import Worker
 
 
-async def prompt_token_ids(engine: AsyncEngine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-    """One prompt's token ids; text is encoded as the offline API encodes it (with BOS), on a
+async def prompt_token_ids(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt's token ids; text is encoded as the offline API encodes it (with BOS), on a
     thread: a long prompt takes seconds to tokenize, which the event loop must not wait for."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(
-                f"prompt holds {len(prompt)} prompts; this worker takes one prompt per request", param="prompt"
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        text = prompt
-        return await asyncio.to_thread(lambda: list(engine.tokenizer(text).input_ids))
-    # What is left of the union is one prompt of token ids.
-    return list(cast(list[int], prompt))
+
+    def encode() -> list[list[int]]:
+        return [list(engine.tokenizer(p).input_ids) if isinstance(p, str) else list(p) for p in prompts]
+
+    if all(isinstance(p, list) for p in prompts):
+        return encode()
+    return await asyncio.to_thread(encode)
 
 
 def generation_request(body: CompletionRequest) -> GenerationRequest:
-    return GenerationRequest(kind="cmpl", body=body, logprobs=body.logprobs,
-                             prompt=lambda engine: prompt_token_ids(engine, body.prompt))
+    return GenerationRequest(kind="cmpl", body=body, logprobs=body.logprobs, best_of=body.best_of,
+                             prompt=lambda engine: prompt_token_ids(engine, body.prompts()))
 
 
 async def create_completion(body: CompletionRequest, request: Request, worker: Worker) -> Response:
     generation, first = await Generation.start(worker, request, generation_request(body))
     if body.stream:
         return GenerationStream(_chunks(generation, first, body), generation)
-    deltas = await generation.collect(first)
-    text = "".join(d.text for d in deltas)
-    last = deltas[-1]
-    choice = CompletionChoice(
-        text=text,
-        logprobs=_logprobs(generation, deltas, offset=0, top=body.logprobs or 0) if body.logprobs is not None else None,
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
-        prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
-    )
+    by_choice: dict[int, list[Delta]] = {}
+    for delta in await generation.collect(first):
+        by_choice.setdefault(delta.index, []).append(delta)
+    choices = []
+    for index, deltas in sorted(by_choice.items()):
+        prompt = index // generation.n
+        last = deltas[-1]
+        choices.append(CompletionChoice(
+            index=index,
+            text=_echo(generation, body, prompt) + "".join(d.text for d in deltas),
+            logprobs=_logprobs(generation, deltas, offset=0, top=body.logprobs or 0) if body.logprobs is not None else None,
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
+            prompt_token_ids=generation.prompts_token_ids[prompt] if body.return_token_ids else None,
+        ))
     response = CompletionResponse(
-        id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
+        id=generation.request_id, created=generation.created, model=body.model, choices=choices,
         usage=generation.usage.info(),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
+def _echo(generation: Generation, body: CompletionRequest, prompt: int) -> str:
+    """What `echo` puts before prompt `prompt`'s choices: its text as sent, or its token ids decoded."""
+    if not body.echo:
+        return ""
+    given = body.prompts()[prompt]
+    return given if isinstance(given, str) else generation.decode(generation.prompts_token_ids[prompt])
+
+
 async def _chunks(generation: Generation, first: Delta, body: CompletionRequest) -> AsyncIterator[bytes]:
     usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-    offset = 0
+    offsets: dict[int, int] = {}
+    # Choices whose first chunk went out (it alone carries the prompt's ids and echo).
+    started: set[int] = set()
+    # The chunk of a token mid-stream (no logprobs, no finish, no usage, nothing of the prompt's),
+    # which is nearly every chunk, from a template per choice; the others are built whole.
+    plain: dict[int, SseTemplate] | None = None if usage_each or body.logprobs is not None else {}
     delta: Delta | None = first
-    sent_prompt_ids = False
-    # The chunk of a token mid-stream (no logprobs, no finish, no usage, prompt ids sent), which
-    # is nearly every chunk, from a template; the others are built whole.
-    plain = None if usage_each or body.logprobs is not None else _plain_chunk(generation, body)
     while delta is not None:
-        if (plain is not None and delta.finish_reason is None and delta.stop_reason is None
-                and (sent_prompt_ids or not body.return_token_ids) and (delta.text or body.return_token_ids and delta.token_ids)):
-            yield plain.render(delta.text, delta.token_ids)
-            offset += len(delta.text)
-        elif delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs is not None):
+        index = delta.index
+        head = index not in started and bool(body.return_token_ids or body.echo)
+        offset = offsets.get(index, 0)
+        if (plain is not None and not head and delta.finish_reason is None and delta.stop_reason is None
+                and (delta.text or body.return_token_ids and delta.token_ids)):
+            if index not in plain:
+                plain[index] = _plain_chunk(generation, body, index)
+            yield plain[index].render(delta.text, delta.token_ids)
+            offsets[index] = offset + len(delta.text)
+        elif head or delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs is not None):
+            prompt = index // generation.n
             choice = CompletionChoice(
-                text=delta.text,
+                index=index,
+                text=(_echo(generation, body, prompt) if head else "") + delta.text,
                 logprobs=_logprobs(generation, [delta], offset=offset, top=body.logprobs or 0) if body.logprobs is not None else None,
                 finish_reason=delta.finish_reason,
                 stop_reason=delta.stop_reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
-                prompt_token_ids=generation.prompt_token_ids if body.return_token_ids and not sent_prompt_ids else None,
+                prompt_token_ids=generation.prompts_token_ids[prompt] if body.return_token_ids and head else None,
             )
-            sent_prompt_ids = sent_prompt_ids or body.return_token_ids
+            started.add(index)
             yield sse(CompletionResponse(
                 id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
                 usage=generation.usage.info() if usage_each else None,
             ))
-            offset += len(delta.text)
+            offsets[index] = offset + len(delta.text)
         delta = await generation.next()
     if body.stream_options and body.stream_options.include_usage:
         yield sse(CompletionResponse(
@@ -101,8 +123,9 @@ async def _chunks(generation: Generation, first: Delta, body: CompletionRequest)
         ))
 
 
-def _plain_chunk(generation: Generation, body: CompletionRequest) -> SseTemplate:
-    choice = CompletionChoice(text=SseTemplate.TEXT_MARK, token_ids=SseTemplate.IDS_MARK if body.return_token_ids else None)
+def _plain_chunk(generation: Generation, body: CompletionRequest, index: int) -> SseTemplate:
+    choice = CompletionChoice(index=index, text=SseTemplate.TEXT_MARK,
+                              token_ids=SseTemplate.IDS_MARK if body.return_token_ids else None)
     payload = CompletionResponse(id=generation.request_id, created=generation.created, model=body.model, choices=[choice])
     return SseTemplate(payload, "text", "token_ids" if body.return_token_ids else None)
 

@@ -1,9 +1,13 @@
 """Running one HTTP generation request on the engine, shared by completions and chat.
 
 completions.py and chat.py build a `GenerationRequest` once from the parsed body; `Generation`
-runs it: the model name resolved to an adapter, the fields checked, the prompt built, sampling
-parameters checked against the context, admission, the engine's cumulative outputs turned into
-deltas, latency metrics, and abort when the client leaves.
+runs it: the model name resolved to an adapter, the fields checked, the prompts built, sampling
+parameters checked against the context (server.sampling), admission, the engine's cumulative
+outputs turned into deltas, latency metrics, and abort when the client leaves.
+
+A request of several prompts (completions' list) is one engine request per prompt, run together
+and admitted each; with `n` completions a prompt, each delta carries its choice's index,
+`prompt_i * n + j` as OpenAI numbers them, and the deltas of different choices interleave.
 
 A request's whole life is one async generator (`Generation._lifetime`), so how it ended is decided
 and recorded once, in that generator's `finally` (loraplex_requests_total, and the request's access
@@ -23,7 +27,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from starlette.requests import Request
 
@@ -35,24 +39,25 @@ from serving.engine import (
     Logprob,
     LoRARequest,
     RequestOutput,
-    SamplingParams,
     SlotCorruptedError,
 )
 from serving.engine.detokenizer import decode_text
-from serving.engine.guided import GrammarError, GuidedDecodingParams
+from serving.engine.guided import GrammarError
 from serving.engine.server import metrics as outcomes
 from serving.engine.server.adapters import AdapterSet
 from serving.engine.server.errors import APIError, bad_request, model_not_found, slot_corrupted
 from serving.engine.server.on_demand import ensure_loaded
 from serving.engine.server.protocol import SamplingFields, UsageInfo
+from serving.engine.server.sampling import check_supported, sampling_params
 from serving.engine.server.worker import Worker
 from serving.wire.access_log import access_note
 from serving.wire.registry import SLOT_CORRUPTED
 
 T = TypeVar("T")
 
-# The prompt's token ids, from the ready engine (its tokenizer).
-PromptBuilder = Callable[[AsyncEngine], Awaitable[list[int]]]
+# The prompt's token ids, from the ready engine (its tokenizer): one prompt's, or a list of several
+# prompts' (completions' list of prompts).
+PromptBuilder = Callable[[AsyncEngine], Awaitable[list[int] | list[list[int]]]]
 
 
 class ClientDisconnected(Exception):
@@ -68,6 +73,7 @@ class GenerationRequest:
     logprobs: int | None  # most likely tokens to report per position; None: no logprobs
     # Called only once the model and the fields are known good, so those errors come first.
     prompt: PromptBuilder
+    best_of: int | None = None  # completions': generate this many a prompt, return the n most likely
 
     @property
     def model(self) -> str:
@@ -76,13 +82,14 @@ class GenerationRequest:
 
 @dataclass
 class Delta:
-    """What one engine output adds to the response."""
+    """What one engine output adds to one choice of the response (``index``: prompt_i * n + j)."""
 
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None
+    index: int = 0
 
 
 @dataclass
@@ -105,76 +112,6 @@ def resolve_model(adapters: AdapterSet, base_model_ids: list[str], model: str) -
     if adapters.get(model) is None:
         raise model_not_found(model)
     return LoRARequest(model)
-
-
-def check_supported(body: SamplingFields) -> None:
-    unsupported = body.unsupported_fields()
-    if unsupported:
-        raise bad_request(
-            f"This worker does not support {', '.join(unsupported)}; leave "
-            f"{'it' if len(unsupported) == 1 else 'them'} unset or at the default.",
-            param=unsupported[0],
-        )
-
-
-def guided_decoding(body: SamplingFields) -> GuidedDecodingParams | None:
-    """The structured-output constraint `body` asks for, if any; a 400 naming the field for two
-    constraints or one that is malformed (one the grammar library refuses is found when compiled)."""
-    constraints = body.constraints()
-    if not constraints:
-        return None
-    if len(constraints) > 1:
-        names = [name for name, _ in constraints]
-        raise bad_request(f"{' and '.join(names)} each constrain the output; send one of them", param=names[1])
-    name, fields = constraints[0]
-    try:
-        return GuidedDecodingParams(**fields)
-    except ValueError as exc:
-        raise bad_request(f"{name}: {exc}", param=name) from exc
-
-
-def sampling_params(body: SamplingFields, *, prompt_len: int, max_model_len: int, logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams for `body`; every invalid value is a 400 that names it."""
-    max_tokens = _max_tokens(body.max_tokens, prompt_len, max_model_len)
-    guided = guided_decoding(body)
-    try:
-        return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            seed=body.seed,
-            max_tokens=max_tokens,
-            stop=body.stop,
-            stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens,
-            guided_decoding=guided,
-        )
-    except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from exc
-
-
-def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
-    """As asked if it fits the context; everything left if not asked (as vLLM); else a 400 with the
-    figures, in OpenAI's wording."""
-    if prompt_len >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
-            f"{prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt.",
-            code="context_length_exceeded",
-        )
-    if requested is None:
-        return max_model_len - prompt_len
-    if prompt_len + requested > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
-            "Please reduce the length of the prompt or of max_tokens.",
-            param="max_tokens", code="context_length_exceeded",
-        )
-    return requested
 
 
 async def until_disconnected(request: Request) -> None:
@@ -218,16 +155,25 @@ class Generation:
         self.job = job
         self.request_id = f"{job.kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        # Set once the prompt is built (before the first delta).
-        self.prompt_token_ids: list[int] = []
+        self.n = job.body.n or 1
+        # Set once the prompts are built (before the first delta).
+        self.prompts_token_ids: list[list[int]] = []
         self.usage = Usage(prompt_tokens=0)
         self.finished = False
         self._engine: AsyncEngine | None = None
         self._arrival = time.perf_counter()
         self._last_token_at: float | None = None
-        self._text_sent = 0
-        self._tokens_sent = 0
+        self._engine_ids: list[str] = []
+        self._running: set[str] = set()  # engine requests not finished
+        self._aborted = False
+        self._sent: dict[int, tuple[int, int]] = {}  # per choice index: characters and tokens sent
+        self._ended: set[int] = set()  # choices whose finish was sent
         self._events = self._lifetime()
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The first prompt's token ids (chat's only prompt)."""
+        return self.prompts_token_ids[0] if self.prompts_token_ids else []
 
     @classmethod
     async def start(cls, worker: Worker, request: Request, job: GenerationRequest) -> tuple[Generation, Delta]:
@@ -270,48 +216,57 @@ class Generation:
     async def _lifetime(self) -> AsyncGenerator[Delta, None]:
         job, worker = self.job, self._worker
         status = outcomes.ABORTED  # closed or cancelled before the engine finished it
-        admitted = False
+        admitted: list[str] = []
         try:
             engine, adapters = worker.require_ready()
             self._engine = engine
             await ensure_loaded(worker, adapters, job.body)
             lora_request = resolve_model(adapters, worker.base_model_ids, job.model)
             check_supported(job.body)
-            self.prompt_token_ids = await job.prompt(engine)
-            self.usage = Usage(prompt_tokens=len(self.prompt_token_ids))
-            params = sampling_params(job.body, prompt_len=len(self.prompt_token_ids),
-                                     max_model_len=engine.max_model_len, logprobs=job.logprobs)
-            worker.admit(self.request_id)
-            admitted = True
-            outputs = engine.generate(
-                {"prompt_token_ids": self.prompt_token_ids}, params, self.request_id,
-                lora_request=lora_request, priority=job.body.priority,
-            )
-            output: RequestOutput | None = await self._first_output(outputs)
-            while output is not None:
-                delta = self._delta(output)
-                if output.finished:
-                    status = outcomes.ABORTED if delta.finish_reason == "abort" else outcomes.OK
-                yield delta
+            self.prompts_token_ids = _as_prompts(await job.prompt(engine))
+            self.usage = Usage(prompt_tokens=sum(len(ids) for ids in self.prompts_token_ids))
+            params = [sampling_params(job.body, prompt_len=len(ids), max_model_len=engine.max_model_len,
+                                      vocab_size=engine.vocab_size, max_num_seqs=engine.config.max_num_seqs,
+                                      logprobs=job.logprobs, best_of=job.best_of)
+                      for ids in self.prompts_token_ids]
+            several = len(self.prompts_token_ids) > 1
+            self._engine_ids = [f"{self.request_id}-{i}" if several else self.request_id for i in range(len(params))]
+            for engine_id in self._engine_ids:
+                worker.admit(engine_id)
+                admitted.append(engine_id)
+            self._running = set(self._engine_ids)
+            outputs = _merged([
+                engine.generate({"prompt_token_ids": ids}, p, engine_id, lora_request=lora_request,
+                                priority=job.body.priority)
+                for ids, p, engine_id in zip(self.prompts_token_ids, params, self._engine_ids)
+            ])
+            item: tuple[int, RequestOutput] | None = await self._first_output(outputs)
+            while item is not None:
+                deltas = self._advance(*item)
+                if self.finished:
+                    status = outcomes.ABORTED if self._aborted else outcomes.OK
+                for delta in deltas:
+                    yield delta
                 if self.finished:
                     return
-                output = await _next_output(outputs)
+                item = await _next_output(outputs)
         except BaseException as exc:
             if not self.finished:  # a close after the last delta changes nothing
                 status = _status(exc)
             raise
         finally:
+            for engine_id in admitted:
+                if engine_id in self._running:
+                    worker.abort_soon(engine_id)
+                worker.release(engine_id)
             if admitted:
-                if not self.finished:
-                    worker.abort_soon(self.request_id)
                 worker.metrics.prompt_tokens.labels(job.model).inc(self.usage.prompt_tokens)
                 worker.metrics.generation_tokens.labels(job.model).inc(self.usage.completion_tokens)
-                worker.release(self.request_id)
             worker.metrics.requests.labels(job.model, status).inc()
             access_note(model=job.model, outcome=status, prompt_tokens=self.usage.prompt_tokens,
                         completion_tokens=self.usage.completion_tokens, completion_id=self.request_id)
 
-    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def _first_output(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
         """The engine's first output, as the HTTP error for what prevents one."""
         try:
             first = await unless_disconnected(self._request, anext(outputs, None))
@@ -327,38 +282,84 @@ class Generation:
             raise APIError(500, "The engine ended the request without output.")
         return first
 
-    def _delta(self, output: RequestOutput) -> Delta:
-        """What `output` adds to what was sent; observes the latency metrics."""
+    def _advance(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
+        """What `output` (of prompt `prompt_index`) adds to each choice; observes the latency
+        metrics. A choice's first output always gives a delta, so the first output gives one."""
         metrics = self._worker.metrics
-        completion = output.outputs[0]
-        new_ids = completion.token_ids[self._tokens_sent:]
+        deltas = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            if index in self._ended:
+                continue
+            text_sent, tokens_sent = self._sent.get(index, (0, 0))
+            if (index in self._sent and len(completion.token_ids) == tokens_sent and len(completion.text) == text_sent
+                    and completion.finish_reason is None):
+                continue
+            deltas.append(Delta(
+                text=completion.text[text_sent:],
+                token_ids=completion.token_ids[tokens_sent:],
+                logprobs=completion.logprobs[tokens_sent:] if completion.logprobs is not None else None,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                index=index,
+            ))
+            self._sent[index] = (len(completion.text), len(completion.token_ids))
+            if completion.finish_reason is not None:
+                self._ended.add(index)
+                self._aborted |= completion.finish_reason == "abort"
         now = time.perf_counter()
-        if new_ids:
+        # The choices of one request advance together: a step's gap is one inter-token latency each.
+        new_tokens = max((len(d.token_ids) for d in deltas), default=0)
+        if new_tokens:
             if self._last_token_at is None:
                 metrics.ttft.observe(now - self._arrival)
             else:
                 # Outputs a lagging reader coalesced share the gap evenly.
-                gap = (now - self._last_token_at) / len(new_ids)
-                for _ in new_ids:
+                gap = (now - self._last_token_at) / new_tokens
+                for _ in range(new_tokens):
                     metrics.itl.observe(gap)
             self._last_token_at = now
-        delta = Delta(
-            text=completion.text[self._text_sent:],
-            token_ids=list(new_ids),
-            logprobs=completion.logprobs[self._tokens_sent:] if completion.logprobs is not None else None,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-        self._text_sent = len(completion.text)
-        self._tokens_sent = len(completion.token_ids)
-        self.usage.completion_tokens = self._tokens_sent
+        self.usage.completion_tokens = sum(tokens for _, tokens in self._sent.values())
         if output.finished:
-            self.finished = True
-            metrics.e2e.observe(now - self._arrival)
-        return delta
+            self._running.discard(self._engine_ids[prompt_index])
+            if not self._running:
+                self.finished = True
+                metrics.e2e.observe(now - self._arrival)
+        return deltas
 
 
-async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+def _as_prompts(built: list[int] | list[list[int]]) -> list[list[int]]:
+    """A builder's prompt, or prompts, as a list of prompts."""
+    if built and isinstance(built[0], list):
+        return cast(list[list[int]], built)
+    return [cast(list[int], built)]
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of every stream as they come, each with its stream's index. An error in one
+    ends them all (the others' pending reads are cancelled, which aborts their engine requests)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, output
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _next_output(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput] | None:
     """The engine's next output; a request stopped on a corrupted slot as its HTTP error (a stream
     sends it as its error event, a whole reply as its status)."""
     try:

@@ -175,8 +175,8 @@ def test_errors_have_openai_statuses_and_shape(worker):
     assert too_long.value.body["param"] == "max_tokens"
 
     with pytest.raises(openai.BadRequestError) as unsupported:
-        api.completions.create(model=BASE, prompt="hi", max_tokens=2, n=2)
-    assert "n" == unsupported.value.body["param"]
+        api.completions.create(model=BASE, prompt="hi", max_tokens=2, suffix="!")
+    assert "suffix" == unsupported.value.body["param"]
 
     with pytest.raises(openai.BadRequestError) as bad_value:
         api.completions.create(model=BASE, prompt="hi", max_tokens=2, temperature=-1)

@@ -73,9 +73,7 @@ def test_each_request_is_counted_once_with_how_it_ended(worker, served):
 
         # Refused before admission: more tokens than the context holds, a field this worker cannot do.
         assert client.post("/v1/completions", json={**long, "max_tokens": 4096}).status_code == 400
-        assert client.post("/v1/chat/completions", json={
-            "model": served, "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True,
-        }).status_code == 400
+        assert client.post("/v1/completions", json={**long, "suffix": "!", "stream": True}).status_code == 400
         assert settled(worker.url, served, 5) == {"ok": 1, "aborted": 2, "bad_request": 2}
 
     # Only the three admitted requests counted their prompts.
