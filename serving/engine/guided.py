@@ -44,6 +44,11 @@ class GrammarError(ValueError):
     """A constraint the grammar library cannot compile; the message names the construct."""
 
 
+def library_detail(exc: Exception) -> str:
+    """The grammar library's message for the caller (without its log line's prefix)."""
+    return _LOG_PREFIX.sub("", str(exc).strip())
+
+
 @dataclass(frozen=True)
 class GuidedDecodingParams:
     """One constraint on a request's output, with vLLM's field names; exactly one is set.
@@ -115,7 +120,7 @@ _BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 
 
-def _json_grammar(schema: str) -> str:
+def json_schema_grammar(schema: str) -> str:
     """The EBNF grammar of compact JSON (no free whitespace) matching `schema`: a model that loops
     on spaces or newlines inside an object would otherwise run to max_tokens without closing it."""
     import xgrammar as xgr
@@ -178,9 +183,9 @@ class GrammarCompiler:
         kind, text = params.key
         try:
             if kind == "json":
-                return compiler.compile_grammar(_json_grammar(text))
+                return compiler.compile_grammar(json_schema_grammar(text))
             if kind == "json_object":
-                return compiler.compile_grammar(_json_grammar('{"type": "object"}'))
+                return compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":
@@ -188,7 +193,7 @@ class GrammarCompiler:
                 return compiler.compile_grammar(_choice_grammar(params.choice))
             return compiler.compile_grammar(text)
         except RuntimeError as exc:
-            detail = _LOG_PREFIX.sub("", str(exc).strip())
+            detail = library_detail(exc)
             raise GrammarError(f"the {params.kind} cannot be used for guided decoding: {detail}") from exc
 
     def shutdown(self) -> None:

@@ -83,15 +83,38 @@ END_OF_TEXT = "<|endoftext|>"
 EOS_TOKEN = IM_END
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, IM_START, IM_END, END_OF_TEXT)
 
-# ChatML. Assistant content sits in a {% generation %} block so trainers can ask
+# ChatML, with tools as Qwen2.5 writes them (Hermes' format): the functions' signatures in a system
+# turn, each call as `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>` in the assistant's
+# turn, a tool's result as a user turn in <tool_response> tags. Without tools it renders as plain
+# ChatML. Assistant content and calls sit in a {% generation %} block so trainers can ask
 # `apply_chat_template(..., return_assistant_tokens_mask=True)` for loss on assistant tokens only.
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, write a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' %}"
     "{{- '<|im_start|>assistant\\n' }}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{%- generation %}{{- message['content'] or '' }}"
+    "{%- for tool_call in message['tool_calls'] or [] %}"
+    "{%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{- call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}{%- endgeneration %}"
     "{{- '\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
     "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -228,9 +251,12 @@ def _other_config(arch: str, common: dict[str, Any]) -> PretrainedConfig:
                             attn_logit_softcapping=0.05, final_logit_softcapping=0.2)
     # Gemma 3 1B: one KV head, q/k norm, five local layers (window 512; here 8) per global one
     # (here one of each), RoPE bases 10000 local and 1000000 global.
-    return Gemma3TextConfig(**{**gemma, "num_key_value_heads": 1, "rope_theta": 1_000_000.0},
-                            rope_local_base_freq=10_000.0, query_pre_attn_scalar=gemma["head_dim"],
-                            sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}
+    return Gemma3TextConfig(**{k: v for k, v in gemma.items() if k not in ("rope_theta", "num_key_value_heads")},
+                            num_key_value_heads=1,
+                            rope_parameters=rope, query_pre_attn_scalar=gemma["head_dim"], sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"])
 
 
 def _check_choice(kind: str, value: str, choices: Sequence[str]) -> None:

@@ -34,15 +34,17 @@ INTERNAL_PREFIX = "loraplex_"
 _SAMPLING = frozenset({
     "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
-    # n completions a prompt, OpenAI's penalties and logit_bias, vLLM's repetition_penalty and min_tokens.
-    "n", "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens",
+    # Refused by the worker unless at their defaults (its 400 names them): forwarded so the caller hears so.
+    "n", "presence_penalty", "frequency_penalty", "logit_bias",
     # Structured output (vLLM's names), on both endpoints.
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 FORWARDED: dict[str, frozenset[str]] = {
     "completions": _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"},
     "chat": _SAMPLING | {"messages", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs", "chat_template", "tools", "functions", "response_format"},
+                         "chat_template_kwargs", "chat_template", "response_format",
+                         # Tools (OpenAI's, and the legacy functions).
+                         "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"},
 }
 
 # A `\uD800`-`\uDFFF` escape (either case): the only way a surrogate gets into UTF-8 JSON text.

@@ -8,18 +8,24 @@ does not hold up other requests or `/health`. A caller's own template (`chat_tem
 operator passed `--trust-request-chat-template`, and then rendered in a sandboxed child process
 with limits (chat_template_sandbox.py). `chat_template_kwargs` are template variables only: the
 names of `apply_chat_template`'s own parameters are refused there.
+
+Tools (`tools=` to the template, the reply read for calls, the grammar of `required` or a named
+function) are the tool_* modules'; here they are resolved once the prompt is built and applied to
+the reply.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from serving.engine import AsyncEngine
+from serving.engine.guided import GrammarError
 from serving.engine.server.chat_template_sandbox import TemplateRefused
 from serving.engine.server.errors import bad_request
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
@@ -36,10 +42,11 @@ from serving.engine.server.protocol import (
     ChatTopLogprob,
 )
 from serving.engine.server.streaming import GenerationStream, SseTemplate, sse
+from serving.engine.server.tool_grammar import tool_call_grammar
+from serving.engine.server.tool_parsers import Family, family_for
+from serving.engine.server.tool_replies import ToolReplies
+from serving.engine.server.tool_requests import ToolPlan, template_messages, tool_plan
 from serving.engine.server.worker import Worker
-
-# OpenAI's `developer` role is what chat templates call `system`.
-_ROLE_ALIASES = {"developer": "system"}
 
 
 # apply_chat_template's own parameters: through chat_template_kwargs they would change how the
@@ -67,7 +74,44 @@ def _caller_template(worker: Worker, body: ChatCompletionRequest, variables: dic
     return template
 
 
-async def chat_prompt_token_ids(worker: Worker, engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
+@dataclass
+class ChatTools:
+    """The request's tools as resolved for the model when its prompt is built."""
+
+    plan: ToolPlan | None = None
+    family: Family | None = None
+
+    def replies(self) -> ToolReplies | None:
+        """The reader of this reply's calls; None when the reply is not read for them."""
+        if self.plan is None or not self.plan.parses or self.family is None:
+            return None
+        return ToolReplies(self.plan, self.family)
+
+
+async def _resolve_tools(worker: Worker, body: ChatCompletionRequest, template_text: str | None,
+                        tools: ChatTools) -> None:
+    """`tools` for this request; a reply that must be calls is held to their grammar."""
+    tools.family = family_for(worker.args.tool_call_parser, template_text)
+    tools.plan = plan = tool_plan(body, tools.family)
+    if plan is None or not plan.forced:
+        return
+    assert tools.family is not None  # a plan that parses has a family (tool_plan)
+    try:
+        grammar = await asyncio.to_thread(tool_call_grammar, tools.family, plan.callable_functions(),
+                                          parallel=plan.parallel)
+    except GrammarError as exc:
+        raise bad_request(str(exc), param="functions" if plan.legacy else "tools") from exc
+    body.hold_to_tool_calls(plan.field, grammar)
+
+
+def _template_text(tokenizer: Any) -> str | None:
+    template = tokenizer.chat_template
+    # A tokenizer may keep several named templates.
+    return "\n".join(template.values()) if isinstance(template, dict) else template
+
+
+async def chat_prompt_token_ids(worker: Worker, engine: AsyncEngine, body: ChatCompletionRequest,
+                                tools: ChatTools) -> list[int]:
     tokenizer = engine.tokenizer
     variables = dict(body.chat_template_kwargs or {})
     template = _caller_template(worker, body, variables)
@@ -75,17 +119,22 @@ async def chat_prompt_token_ids(worker: Worker, engine: AsyncEngine, body: ChatC
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: they are not template "
                           "variables but parameters of how the prompt is built", param="chat_template_kwargs")
+    await _resolve_tools(worker, body, template if template is not None else _template_text(tokenizer), tools)
     try:
-        messages = [{"role": _ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in body.messages]
+        messages = template_messages(body.messages)
+    except ValueError as exc:  # a content part that is not text
+        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+    offered = tools.plan.template_tools() if tools.plan is not None else None
+    try:
         if template is None:
             text = await asyncio.to_thread(
-                tokenizer.apply_chat_template, messages, tokenize=False,
+                tokenizer.apply_chat_template, messages, tools=offered, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, **variables,
             )
         else:
             text = await worker.chat_template_sandbox.render(  # type: ignore[union-attr]
-                template, messages, add_generation_prompt=body.add_generation_prompt,
+                template, messages, tools=offered, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 # As apply_chat_template: the special tokens are variables, the caller's win.
                 variables={**tokenizer.special_tokens_map, **variables},
@@ -97,40 +146,37 @@ async def chat_prompt_token_ids(worker: Worker, engine: AsyncEngine, body: ChatC
     return await asyncio.to_thread(lambda: list(tokenizer(text, add_special_tokens=False).input_ids))
 
 
-def generation_request(worker: Worker, body: ChatCompletionRequest) -> GenerationRequest:
+def generation_request(worker: Worker, body: ChatCompletionRequest, tools: ChatTools) -> GenerationRequest:
     return GenerationRequest(kind="chatcmpl", body=body, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                             prompt=lambda engine: chat_prompt_token_ids(worker, engine, body))
+                             prompt=lambda engine: chat_prompt_token_ids(worker, engine, body, tools))
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, worker: Worker) -> Response:
-    generation, first = await Generation.start(worker, request, generation_request(worker, body))
+    tools = ChatTools()
+    generation, first = await Generation.start(worker, request, generation_request(worker, body, tools))
     if body.stream:
-        return GenerationStream(_chunks(generation, first, body), generation)
-    by_choice: dict[int, list[Delta]] = {}
-    for delta in await generation.collect(first):
-        by_choice.setdefault(delta.index, []).append(delta)
+        return GenerationStream(_chunks(generation, first, body, tools.replies()), generation)
+    deltas = await generation.collect(first)
+    last = deltas[-1]
+    text, replies = "".join(d.text for d in deltas), tools.replies()
+    message, finish_reason = (replies.message(text, last.finish_reason) if replies is not None
+                              else (ChatResponseMessage(content=text), last.finish_reason))
+    choice = ChatChoice(
+        message=message,
+        logprobs=_logprobs(generation, deltas, body.top_logprobs or 0) if body.logprobs else None,
+        finish_reason=finish_reason,
+        stop_reason=last.stop_reason,
+        token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
+    )
     response = ChatCompletionResponse(
-        id=generation.request_id, created=generation.created, model=body.model,
-        choices=[_choice(generation, body, index, deltas) for index, deltas in sorted(by_choice.items())],
+        id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
         usage=generation.usage.info(), prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _choice(generation: Generation, body: ChatCompletionRequest, index: int, deltas: list[Delta]) -> ChatChoice:
-    """Choice `index` of a whole reply."""
-    last = deltas[-1]
-    return ChatChoice(
-        index=index,
-        message=ChatResponseMessage(content="".join(d.text for d in deltas)),
-        logprobs=_logprobs(generation, deltas, body.top_logprobs or 0) if body.logprobs else None,
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
-    )
-
-
-async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequest,
+                  replies: ToolReplies | None) -> AsyncIterator[bytes]:
     usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
     def chunk(choice: ChatChunkChoice | None, *, usage: bool, prompt_ids: bool = False) -> bytes:
@@ -141,28 +187,25 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
             prompt_token_ids=generation.prompt_token_ids if prompt_ids and body.return_token_ids else None,
         ))
 
-    started: set[int] = set()
+    # OpenAI's first chunk carries the role and no content.
+    yield chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")), usage=usage_each, prompt_ids=True)
     delta: Delta | None = first
-    # A token's chunk mid-stream (no logprobs, no finish, no usage) from a template per choice, as
-    # completions do.
-    plain: dict[int, SseTemplate] | None = None if usage_each or body.logprobs else {}
+    # A token's chunk mid-stream (no logprobs, no finish, no usage) from a template, as completions do.
+    # (A reply read for tool calls holds text back while a call may be starting: no template then.)
+    plain = None if usage_each or body.logprobs or replies is not None else _plain_chunk(generation, body)
     while delta is not None:
-        index = delta.index
-        if index not in started:
-            # OpenAI's first chunk of a choice carries the role and no content.
-            started.add(index)
-            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")), usage=usage_each,
-                        prompt_ids=not index)
         if plain is not None and delta.finish_reason is None and (delta.text or body.return_token_ids and delta.token_ids):
-            if index not in plain:
-                plain[index] = _plain_chunk(generation, body, index)
-            yield plain[index].render(delta.text, delta.token_ids)
-        elif delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
+            yield plain.render(delta.text, delta.token_ids)
+            delta = await generation.next()
+            continue
+        chat_delta, finish_reason = (replies.delta(delta.text, delta.finish_reason) if replies is not None
+                                     else (ChatDelta(content=delta.text), delta.finish_reason))
+        said = chat_delta.content or chat_delta.tool_calls or chat_delta.function_call
+        if said or finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
             yield chunk(ChatChunkChoice(
-                index=index,
-                delta=ChatDelta(content=delta.text),
+                delta=chat_delta,
                 logprobs=_logprobs(generation, [delta], body.top_logprobs or 0) if body.logprobs else None,
-                finish_reason=delta.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=delta.stop_reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
             ), usage=usage_each)
@@ -171,8 +214,8 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
         yield chunk(None, usage=True)
 
 
-def _plain_chunk(generation: Generation, body: ChatCompletionRequest, index: int) -> SseTemplate:
-    choice = ChatChunkChoice(index=index, delta=ChatDelta(content=SseTemplate.TEXT_MARK),
+def _plain_chunk(generation: Generation, body: ChatCompletionRequest) -> SseTemplate:
+    choice = ChatChunkChoice(delta=ChatDelta(content=SseTemplate.TEXT_MARK),
                              token_ids=SseTemplate.IDS_MARK if body.return_token_ids else None)
     payload = ChatCompletionChunk(id=generation.request_id, created=generation.created, model=body.model, choices=[choice])
     return SseTemplate(payload, "content", "token_ids" if body.return_token_ids else None)

@@ -43,6 +43,7 @@ def _render(job: dict[str, Any], max_chars: int) -> dict[str, Any]:
         rendered, _ = cast(tuple[list[str], list[Any]], render_jinja_template(
             conversations=[job["messages"]],
             chat_template=job["template"],
+            tools=job["tools"],
             add_generation_prompt=job["add_generation_prompt"],
             continue_final_message=job["continue_final_message"],
             **job["variables"],

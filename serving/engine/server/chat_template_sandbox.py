@@ -39,11 +39,11 @@ class ChatTemplateSandbox:
         self._idle: list[asyncio.subprocess.Process] = []
         self._all: set[asyncio.subprocess.Process] = set()
 
-    async def render(self, template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                     continue_final_message: bool, variables: dict[str, Any]) -> str:
+    async def render(self, template: str, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None,
+                     add_generation_prompt: bool, continue_final_message: bool, variables: dict[str, Any]) -> str:
         """The rendered prompt; TemplateRefused with the reason when the template cannot give one."""
         job = json.dumps({
-            "template": template, "messages": messages, "variables": variables,
+            "template": template, "messages": messages, "tools": tools, "variables": variables,
             "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
         }).encode() + b"\n"
         async with self._slots:

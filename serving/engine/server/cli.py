@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from serving.engine.server.adapter_roots import AdapterRoots, platform_storage_url
+from serving.engine.server.tool_parsers import PARSER_CHOICES
 from serving.wire.hub import ModelSourceError, resolve_model
 from serving.wire.settings import platform_settings
 
@@ -46,6 +47,7 @@ class ServerArgs:
     lora_modules: list[LoRAModule] = field(default_factory=list)
     allowed_adapter_path: list[str] = field(default_factory=list)
     trust_request_chat_template: bool = False
+    tool_call_parser: str = "auto"
     chat_template_timeout: float = 5.0
     max_request_body_bytes: int = 1024 * 1024
     max_num_seqs: int = 256
@@ -235,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
         default=5.0,
         help="seconds a caller's chat template may take to render (with --trust-request-chat-template)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=PARSER_CHOICES,
+        default="auto",
+        help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), llama3_json, mistral "
+        "([TOOL_CALLS][…]); auto: the one whose marker the chat template writes; none: requests with tools "
+        "must send tool_choice none",
     )
     server.add_argument(
         "--slot-verify-interval",

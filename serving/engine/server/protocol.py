@@ -1,14 +1,11 @@
 """Request and response bodies of the HTTP API, in OpenAI's shape with vLLM's extra fields.
 
 Requests accept unknown fields silently (clients send `user`, `metadata`, `store`, …), as OpenAI
-and vLLM do. A field this worker knows but cannot honour in a request is refused with a 400 that
-names it (`refused_fields`), instead of being ignored and giving the caller something other than
-what was asked: `suffix` (no served model has a fill-in-the-middle template), and on completions
-`best_of` > `n` streamed, `echo` with `logprobs` (the prompt's logprobs are not computed).
+and vLLM do. Fields this worker knows but cannot honour (`n > 1`, penalties, `logit_bias`, …) are declared so that a non-default value is refused with a 400 that names the field, instead of
+being ignored and giving the caller something other than what was asked.
 
 vLLM extensions kept with vLLM's names: `top_k`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `repetition_penalty`, `min_tokens`, `priority`
-(lower is served first),
+`include_stop_str_in_output`, `skip_special_tokens`, `priority` (lower is served first),
 `return_token_ids` (the prompt's and the completion's token ids in the response),
 `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, and structured output's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (on both endpoints; chat also takes
@@ -22,7 +19,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class _Request(BaseModel):
@@ -70,14 +67,11 @@ class SamplingFields(_Request):
     return_token_ids: bool = False
     # Loraplex's gateway only (server.on_demand): load `model` from the registry on first use.
     loraplex_adapter: RegistryAdapterRef | None = None
-    # `n` completions of each prompt; OpenAI's penalties and logit_bias (token id -> bias), vLLM's
-    # repetition_penalty and min_tokens (serving.engine.penalties).
-    n: int | None = Field(default=1, ge=1)
-    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    # Known and refused unless left at their defaults (see `unsupported_fields`).
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(default=0, ge=0)
     # vLLM's structured output (serving.engine.guided): the output matches a JSON schema (an object
     # or its JSON text), a regex, one of the strings, or an EBNF grammar.
     guided_json: dict[str, Any] | str | None = None
@@ -95,54 +89,86 @@ class SamplingFields(_Request):
                 found.append((name, {key: value}))
         return found
 
-    def refused_fields(self) -> list[tuple[str, str]]:
-        """`(field, why)` for each field set to something this worker cannot do."""
-        return []
+    def unsupported_fields(self) -> list[str]:
+        """Names of fields set to something this worker cannot do."""
+        bad = []
+        if self.n not in (None, 1):
+            bad.append("n")
+        if self.presence_penalty not in (None, 0.0):
+            bad.append("presence_penalty")
+        if self.frequency_penalty not in (None, 0.0):
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`. `prompt` is one prompt (a string, or token ids) or a list of them;
-    choices are indexed prompt-major (`prompt_i * n + j`), as OpenAI. `echo` puts each prompt's
-    text before its completions; `best_of` generates that many and returns the `n` most likely."""
+    """`POST /v1/completions`. `prompt` is a string, or token ids; one prompt per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """Each prompt of the request: a string or a list of token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(isinstance(p, (str, list)) for p in prompt):
-            return list(prompt)  # type: ignore[arg-type]  # a list of strings or of token-id lists
-        return [prompt]  # type: ignore[list-item]  # one prompt of token ids
-
-    def refused_fields(self) -> list[tuple[str, str]]:
-        refused = super().refused_fields()
-        n = self.n or 1
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        if self.echo:
+            bad.append("echo")
         if self.suffix:
-            refused.append(("suffix", "suffix (fill-in-the-middle) needs a model with an infilling template, and the "
-                                      "models this worker serves have none; send the prompt without a suffix"))
-        if self.best_of is not None and self.best_of < n:
-            refused.append(("best_of", f"best_of ({self.best_of}) must be at least n ({n})"))
-        if self.stream and self.best_of is not None and self.best_of > n:
-            refused.append(("best_of", "best_of greater than n cannot be streamed: the n returned are known only "
-                                       "once all best_of have ended; send stream=false or best_of equal to n"))
-        if self.echo and self.logprobs is not None:
-            refused.append(("echo", "echo with logprobs would need the prompt's log-probabilities, which this "
-                                    "worker does not compute; ask for echo or for logprobs"))
-        if isinstance(self.prompt, list) and not self.prompt:
-            refused.append(("prompt", "prompt is an empty list; send a prompt, or a list of them"))
-        return refused
+            bad.append("suffix")
+        if self.best_of not in (None, 1):
+            bad.append("best_of")
+        return bad
+
+
+class FunctionDefinition(_Request):
+    """A function the model may call (OpenAI's `tools[].function`, or a legacy `functions` item)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming the function the reply must call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Request):
+    """A call the assistant made, in the history: `arguments` is the JSON text of an object."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # `function` is the legacy role of a function's result (with `name`), as `tool` with `tool_call_id`.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: CalledFunction | None = None  # legacy: an assistant's one call
 
     def text(self) -> str:
         """The message's text; a list of parts must hold text parts only."""
@@ -185,7 +211,9 @@ class ResponseFormat(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer name for `max_tokens`."""
+    """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer name for `max_tokens`.
+    Tools (`tools`, `tool_choice`, `parallel_tool_calls`, the legacy `functions` and `function_call`)
+    are resolved against the model by server.tool_requests."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -196,9 +224,19 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the caller's own Jinja template; refused unless --trust-request-chat-template.
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    functions: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
     response_format: ResponseFormat | None = None
+    # (field, EBNF) holding the reply to tool calls (tool_choice required or named), set by the
+    # chat handler once it knows the model's tool-call format.
+    _tool_grammar: tuple[str, str] | None = PrivateAttr(default=None)
+
+    def hold_to_tool_calls(self, field: str, grammar: str) -> None:
+        """Constrain the reply to `grammar` (tool_grammar.py), reported as `field` in errors."""
+        self._tool_grammar = (field, grammar)
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> ChatCompletionRequest:
@@ -219,14 +257,10 @@ class ChatCompletionRequest(SamplingFields):
             found.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.json_schema is not None:
             found.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        if self._tool_grammar is not None:
+            name, grammar = self._tool_grammar
+            found.append((name, {"grammar": grammar}))
         return found
-
-    def refused_fields(self) -> list[tuple[str, str]]:
-        refused = super().refused_fields()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                refused.append((name, f"This worker does not support {name}; leave it unset."))
-        return refused
 
 
 class LoadLoRAAdapterRequest(_Request):
@@ -309,9 +343,25 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # the JSON text of an object
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
+    """The reply: `content` is null when the reply is only tool calls. A request with the legacy
+    `functions` gets its call as `function_call`."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _extension()
+    function_call: FunctionCall | None = _extension()
 
 
 class ChatChoice(_Response):
@@ -333,9 +383,26 @@ class ChatCompletionResponse(_Response):
     prompt_token_ids: list[int] | None = _extension()
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = _extension()
+    arguments: str | None = _extension()
+
+
+class DeltaToolCall(_Response):
+    """A streamed call: its first delta has `id`, `type` and the function's name, the next ones
+    pieces of `arguments`, all under the call's `index` (as OpenAI's SDK joins them)."""
+
+    index: int
+    id: str | None = _extension()
+    type: Literal["function"] | None = _extension()
+    function: DeltaFunctionCall
+
+
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = _extension()
+    function_call: DeltaFunctionCall | None = _extension()
 
 
 class ChatChunkChoice(_Response):
