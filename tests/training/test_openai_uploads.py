@@ -227,3 +227,18 @@ def test_pending_uploads_per_tenant_are_limited(openai_a, settings):
     with pytest.raises(openai.PermissionDeniedError) as raised:
         start(openai_a)
     assert error_of(raised)["code"] == "upload_limit_reached" and Upload.objects.count() == 2
+
+
+def test_on_s3_a_refused_completion_leaves_no_object_and_the_right_one_completes(openai_a, settings, s3_bucket,
+                                                                                 moto_s3_endpoint):
+    """The checks raise inside boto3's upload of the streamed file, which then keeps nothing."""
+    settings.STORAGE_URL = f"s3://{s3_bucket}/loraplex"
+    settings.S3_ENDPOINT_URL = moto_s3_endpoint
+    upload = start(openai_a)
+    part_ids = send_parts(openai_a, upload.id, thirds(DATA))
+    assert len(stored_parts(upload.id)) == 3
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_a.uploads.complete(upload.id, part_ids=part_ids, md5="0" * 32)
+    assert error_of(raised)["code"] == "md5_mismatch" and nothing_completed()
+    done = openai_a.uploads.complete(upload.id, part_ids=part_ids, md5=hashlib.md5(DATA).hexdigest())
+    assert openai_a.files.content(done.file.id).content == DATA
