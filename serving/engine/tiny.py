@@ -253,10 +253,9 @@ def _other_config(arch: str, common: dict[str, Any]) -> PretrainedConfig:
     # (here one of each), RoPE bases 10000 local and 1000000 global.
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}
-    return Gemma3TextConfig(**{k: v for k, v in gemma.items() if k not in ("rope_theta", "num_key_value_heads")},
-                            num_key_value_heads=1,
-                            rope_parameters=rope, query_pre_attn_scalar=gemma["head_dim"], sliding_window=8,
-                            layer_types=["sliding_attention", "full_attention"])
+    fields = {k: v for k, v in gemma.items() if k not in ("rope_theta", "num_key_value_heads")}
+    return Gemma3TextConfig(**fields, num_key_value_heads=1, rope_parameters=rope, query_pre_attn_scalar=gemma["head_dim"],
+                            sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 
 
 def _check_choice(kind: str, value: str, choices: Sequence[str]) -> None:

@@ -2,7 +2,9 @@
 config's shape (serving.engine.tiny): greedy tokens (and each token's log-probability) with an
 adapter on every projection equal transformers + PEFT's, for prompts that cross the sliding
 windows and one prefilled in chunks. Each tiny config's own difference (RoPE scaling, soft-caps,
-windows, RoPE bases) changes what the model says, so a model that ignored it would fail. RoPE
+windows, RoPE bases) changes what the model says, so a model that ignored it would fail. On
+CUDA (gpu mark) the same comparison runs in fp32 through the Triton kernels (the soft-capped
+attention, Gemma's norm) with decode steps replayed from CUDA graphs. RoPE
 types whose frequencies depend on the sequence length, unknown ones and unsupported architectures
 are refused at start, naming what is supported. (The mixed-batch test,
 tests/engine/test_llm_multi_lora.py, runs the Llama family's tiny architectures.)"""
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +37,8 @@ SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's modules, as PEFT adapts them
 MAX_TOKENS = 12
 LOGPROB_TOLERANCE = 1e-4
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=_CUDA)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,11 +56,11 @@ def _edit_config(base: Path, out: Path, **changes: Any) -> Path:
     return other
 
 
-def _assert_serves_like_peft(base: Path, adapter: Path, what: str) -> None:
+def _assert_serves_like_peft(base: Path, adapter: Path, what: str, device: str = "cpu") -> None:
     """Every prompt, with the adapter and without, in one batch: PEFT's greedy tokens and, up to
-    where a near-tie lets the two part ways, PEFT's log-probabilities of them."""
-    llm = LLM(str(base), max_loras=1, max_lora_rank=8, device="cpu", max_model_len=128, block_size=4,
-              num_kv_blocks=96, max_num_batched_tokens=32)  # fmt: skip
+    where a near-tie lets the two part ways, PEFT's log-probabilities of them (PEFT on the CPU)."""
+    llm = LLM(str(base), max_loras=1, max_lora_rank=8, device=device, dtype="float32", max_model_len=128,
+              block_size=4, num_kv_blocks=96, max_num_batched_tokens=32)  # fmt: skip
     tokenizer = llm.get_tokenizer()
     ids = [tokenizer(prompt).input_ids for prompt in PROMPTS]
     assert len(ids[2]) > 32 + 16, "the long prompt must need two prefill chunks, each past every window"
@@ -81,14 +86,15 @@ def _assert_serves_like_peft(base: Path, adapter: Path, what: str) -> None:
     assert with_adapter != [o.outputs[0].token_ids for o, lora in zip(outputs, loras) if not lora]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("arch", "targets"), [
     ("qwen3", SPLIT), ("llama3", SPLIT), ("phi3", FUSED), ("gemma2", SPLIT), ("gemma3_text", SPLIT),
 ])  # fmt: skip
-def test_greedy_tokens_match_peft(arch: str, targets: tuple[str, ...], tiny_model_factory: Callable[..., Path],
-                                  make_adapter: Callable[..., Path]) -> None:
+def test_greedy_tokens_match_peft(arch: str, targets: tuple[str, ...], device: str,
+                                  tiny_model_factory: Callable[..., Path], make_adapter: Callable[..., Path]) -> None:
     base = tiny_model_factory(arch)
     adapter = make_adapter(base, r=8, lora_alpha=16, target_modules=targets, seed=7, init_scale=0.5)
-    _assert_serves_like_peft(base, adapter, arch)
+    _assert_serves_like_peft(base, adapter, f"{arch} on {device}", device)
 
 
 def test_linear_rope_scaling_matches_peft(tiny_llama_dir: Path, tmp_path: Path,
@@ -140,17 +146,25 @@ def test_final_logit_soft_cap_bounds_the_logits(tiny_model_factory: Callable[...
     assert float(logits.abs().max()) > cap / 2, "the cap must bite on the tiny model's logits"
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "wavy"])
+REFUSED_ROPE = {
+    "dynamic": "rope_type 'dynamic' is not supported: dynamic NTK scaling changes the frequencies with the "
+               "sequence's length; the engine serves default, linear, llama3, yarn",
+    "longrope": "rope_type 'longrope' is not supported: LongRoPE (Phi-3's su) changes the frequencies with the "
+                "sequence's length; the engine serves default, linear, llama3, yarn",
+    "wavy": "unknown rope_type 'wavy'; the engine serves default, linear, llama3, yarn",
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(REFUSED_ROPE))
 def test_a_rope_type_the_engine_cannot_compute_is_refused_naming_it(rope_type: str, tiny_llama_dir: Path,
                                                                     tmp_path: Path) -> None:
     rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
     if rope_type == "longrope":  # Phi-3's 128k configs: one factor per rotated frequency
         rope |= {"short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "original_max_position_embeddings": 64}
     base = _edit_config(tiny_llama_dir, tmp_path / rope_type, rope_parameters=rope)
-    reason = "changes the frequencies with the sequence's length" if rope_type != "wavy" else ""
-    with pytest.raises(ValueError, match=f"rope_type '{rope_type}' is not supported: .*{reason}"
-                       if reason else f"unknown rope_type '{rope_type}'; the engine serves {', '.join(STATIC_ROPE_TYPES)}"):
+    with pytest.raises(ValueError, match=re.escape(REFUSED_ROPE[rope_type])):
         LLM(str(base), max_loras=0, device="cpu")
+    assert STATIC_ROPE_TYPES == ("default", "linear", "llama3", "yarn")
 
 
 def test_an_unsupported_architecture_is_refused_naming_the_supported(tiny_llama_dir: Path, tmp_path: Path) -> None:

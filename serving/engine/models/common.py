@@ -52,7 +52,7 @@ class AttentionOptions:
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from typing import Unpack
+from typing import Unpack, cast
 
 import torch
 from torch import nn
@@ -91,6 +91,8 @@ class GemmaBackbone(nn.Module):
 class GemmaForCausalLM(CausalLM):
     """Gemma 2 / Gemma 3 text with multi-LoRA projections and paged attention."""
 
+    model: GemmaBackbone
+
     def __init__(self, config: PretrainedConfig, *, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention is not supported: the engine generates, causally")
@@ -100,7 +102,7 @@ class GemmaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         backbone = self.model
         hidden = backbone.embed_tokens(input_ids) * backbone.embed_scale
-        ropes = {key: table.lookup(positions) for key, table in backbone.rotary.items()}
+        ropes = {key: cast(RotaryEmbedding, table).lookup(positions) for key, table in backbone.rotary.items()}
         residual = None
         for layer, key in zip(backbone.layers, backbone.rope_keys):
             hidden, residual = layer(ropes[key], hidden, residual)

@@ -55,6 +55,8 @@ class Backbone(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama / Qwen2 / Qwen3 / Mistral / Phi-3 with multi-LoRA projections and paged attention."""
 
+    model: Backbone
+
     def __init__(self, config: PretrainedConfig, *, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(config, device=device, dtype=dtype)
         self.model = Backbone(config, max_positions, device=device, dtype=dtype)
