@@ -25,7 +25,7 @@ import re
 import uuid
 from datetime import timedelta
 from functools import partial
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from django.db import transaction
 from django.utils import timezone
@@ -231,8 +231,9 @@ def upload_complete(*, upload: Upload, part_ids: list[int], md5: object = None) 
                                f"{locked.size_bytes} bytes.", code="upload_size_mismatch", param="part_ids")
         reader = _PartsReader(storage, ordered, md5.lower() if isinstance(md5, str) else None)
         try:
-            dataset = datasets.dataset_create(tenant=locked.tenant, source=reader, filename=locked.filename,
-                                              size=total)
+            # The storage's put reads a source through read() alone, which is all the reader has.
+            dataset = datasets.dataset_create(tenant=locked.tenant, source=cast(BinaryIO, reader),
+                                              filename=locked.filename, size=total)
         finally:
             reader.close()
         try:
