@@ -34,8 +34,8 @@ INTERNAL_PREFIX = "loraplex_"
 _SAMPLING = frozenset({
     "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
-    # Refused by the worker unless at their defaults (its 400 names them): forwarded so the caller hears so.
-    "n", "presence_penalty", "frequency_penalty", "logit_bias",
+    # n completions a prompt, OpenAI's penalties and logit_bias, vLLM's repetition_penalty and min_tokens.
+    "n", "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens",
     # Structured output (vLLM's names), on both endpoints.
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })

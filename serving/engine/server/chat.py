@@ -155,28 +155,37 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     tools = ChatTools()
     generation, first = await Generation.start(worker, request, generation_request(worker, body, tools))
     if body.stream:
-        return GenerationStream(_chunks(generation, first, body, tools.replies()), generation)
-    deltas = await generation.collect(first)
+        return GenerationStream(_chunks(generation, first, body, tools), generation)
+    by_choice: dict[int, list[Delta]] = {}
+    for delta in await generation.collect(first):
+        by_choice.setdefault(delta.index, []).append(delta)
+    response = ChatCompletionResponse(
+        id=generation.request_id, created=generation.created, model=body.model,
+        choices=[_choice(generation, body, index, deltas, tools.replies()) for index, deltas in sorted(by_choice.items())],
+        usage=generation.usage.info(), prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _choice(generation: Generation, body: ChatCompletionRequest, index: int, deltas: list[Delta],
+            replies: ToolReplies | None) -> ChatChoice:
+    """Choice `index` of a whole reply (`n` > 1: each read for tool calls on its own)."""
     last = deltas[-1]
-    text, replies = "".join(d.text for d in deltas), tools.replies()
+    text = "".join(d.text for d in deltas)
     message, finish_reason = (replies.message(text, last.finish_reason) if replies is not None
                               else (ChatResponseMessage(content=text), last.finish_reason))
-    choice = ChatChoice(
+    return ChatChoice(
+        index=index,
         message=message,
         logprobs=_logprobs(generation, deltas, body.top_logprobs or 0) if body.logprobs else None,
         finish_reason=finish_reason,
         stop_reason=last.stop_reason,
         token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
     )
-    response = ChatCompletionResponse(
-        id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
-        usage=generation.usage.info(), prompt_token_ids=generation.prompt_token_ids if body.return_token_ids else None,
-    )
-    return Response(response.model_dump_json(), media_type="application/json")
 
 
 async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequest,
-                  replies: ToolReplies | None) -> AsyncIterator[bytes]:
+                  tools: ChatTools) -> AsyncIterator[bytes]:
     usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
     def chunk(choice: ChatChunkChoice | None, *, usage: bool, prompt_ids: bool = False) -> bytes:
@@ -187,15 +196,25 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
             prompt_token_ids=generation.prompt_token_ids if prompt_ids and body.return_token_ids else None,
         ))
 
-    # OpenAI's first chunk carries the role and no content.
-    yield chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")), usage=usage_each, prompt_ids=True)
+    # Each choice's reader of tool calls (`n` > 1: one per choice), from its first delta on.
+    readers: dict[int, ToolReplies | None] = {}
     delta: Delta | None = first
-    # A token's chunk mid-stream (no logprobs, no finish, no usage) from a template, as completions do.
-    # (A reply read for tool calls holds text back while a call may be starting: no template then.)
-    plain = None if usage_each or body.logprobs or replies is not None else _plain_chunk(generation, body)
+    # A token's chunk mid-stream (no logprobs, no finish, no usage) from a template per choice, as
+    # completions do. (A reply read for tool calls holds text back while a call may be starting: no
+    # template then.)
+    plain: dict[int, SseTemplate] | None = None if usage_each or body.logprobs or tools.replies() is not None else {}
     while delta is not None:
+        index = delta.index
+        if index not in readers:
+            # OpenAI's first chunk of a choice carries the role and no content.
+            readers[index] = tools.replies()
+            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")), usage=usage_each,
+                        prompt_ids=not index)
+        replies = readers[index]
         if plain is not None and delta.finish_reason is None and (delta.text or body.return_token_ids and delta.token_ids):
-            yield plain.render(delta.text, delta.token_ids)
+            if index not in plain:
+                plain[index] = _plain_chunk(generation, body, index)
+            yield plain[index].render(delta.text, delta.token_ids)
             delta = await generation.next()
             continue
         chat_delta, finish_reason = (replies.delta(delta.text, delta.finish_reason) if replies is not None
@@ -203,6 +222,7 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
         said = chat_delta.content or chat_delta.tool_calls or chat_delta.function_call
         if said or finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs):
             yield chunk(ChatChunkChoice(
+                index=index,
                 delta=chat_delta,
                 logprobs=_logprobs(generation, [delta], body.top_logprobs or 0) if body.logprobs else None,
                 finish_reason=finish_reason,
@@ -214,8 +234,8 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
         yield chunk(None, usage=True)
 
 
-def _plain_chunk(generation: Generation, body: ChatCompletionRequest) -> SseTemplate:
-    choice = ChatChunkChoice(delta=ChatDelta(content=SseTemplate.TEXT_MARK),
+def _plain_chunk(generation: Generation, body: ChatCompletionRequest, index: int) -> SseTemplate:
+    choice = ChatChunkChoice(index=index, delta=ChatDelta(content=SseTemplate.TEXT_MARK),
                              token_ids=SseTemplate.IDS_MARK if body.return_token_ids else None)
     payload = ChatCompletionChunk(id=generation.request_id, created=generation.created, model=body.model, choices=[choice])
     return SseTemplate(payload, "content", "token_ids" if body.return_token_ids else None)

@@ -1,11 +1,14 @@
 """Request and response bodies of the HTTP API, in OpenAI's shape with vLLM's extra fields.
 
 Requests accept unknown fields silently (clients send `user`, `metadata`, `store`, …), as OpenAI
-and vLLM do. Fields this worker knows but cannot honour (`n > 1`, penalties, `logit_bias`, …) are declared so that a non-default value is refused with a 400 that names the field, instead of
-being ignored and giving the caller something other than what was asked.
+and vLLM do. A field this worker knows but cannot honour in a request is refused with a 400 that
+names it (`refused_fields`), instead of being ignored and giving the caller something other than
+what was asked: `suffix` (no served model has a fill-in-the-middle template), and on completions
+`best_of` > `n` streamed, `echo` with `logprobs` (the prompt's logprobs are not computed).
 
 vLLM extensions kept with vLLM's names: `top_k`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `priority` (lower is served first),
+`include_stop_str_in_output`, `skip_special_tokens`, `repetition_penalty`, `min_tokens`, `priority`
+(lower is served first),
 `return_token_ids` (the prompt's and the completion's token ids in the response),
 `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, and structured output's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (on both endpoints; chat also takes
@@ -67,11 +70,14 @@ class SamplingFields(_Request):
     return_token_ids: bool = False
     # Loraplex's gateway only (server.on_demand): load `model` from the registry on first use.
     loraplex_adapter: RegistryAdapterRef | None = None
-    # Known and refused unless left at their defaults (see `unsupported_fields`).
-    n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    # `n` completions of each prompt; OpenAI's penalties and logit_bias (token id -> bias), vLLM's
+    # repetition_penalty and min_tokens (serving.engine.penalties).
+    n: int | None = Field(default=1, ge=1)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
     # vLLM's structured output (serving.engine.guided): the output matches a JSON schema (an object
     # or its JSON text), a regex, one of the strings, or an EBNF grammar.
     guided_json: dict[str, Any] | str | None = None
@@ -89,38 +95,48 @@ class SamplingFields(_Request):
                 found.append((name, {key: value}))
         return found
 
-    def unsupported_fields(self) -> list[str]:
-        """Names of fields set to something this worker cannot do."""
-        bad = []
-        if self.n not in (None, 1):
-            bad.append("n")
-        if self.presence_penalty not in (None, 0.0):
-            bad.append("presence_penalty")
-        if self.frequency_penalty not in (None, 0.0):
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+    def refused_fields(self) -> list[tuple[str, str]]:
+        """`(field, why)` for each field set to something this worker cannot do."""
+        return []
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`. `prompt` is a string, or token ids; one prompt per request."""
+    """`POST /v1/completions`. `prompt` is one prompt (a string, or token ids) or a list of them;
+    choices are indexed prompt-major (`prompt_i * n + j`), as OpenAI. `echo` puts each prompt's
+    text before its completions; `best_of` generates that many and returns the `n` most likely."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
-    def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        if self.echo:
-            bad.append("echo")
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]  # a list of strings or of token-id lists
+        return [prompt]  # type: ignore[list-item]  # one prompt of token ids
+
+    def refused_fields(self) -> list[tuple[str, str]]:
+        refused = super().refused_fields()
+        n = self.n or 1
         if self.suffix:
-            bad.append("suffix")
-        if self.best_of not in (None, 1):
-            bad.append("best_of")
-        return bad
+            refused.append(("suffix", "suffix (fill-in-the-middle) needs a model with an infilling template, and the "
+                                      "models this worker serves have none; send the prompt without a suffix"))
+        if self.best_of is not None and self.best_of < n:
+            refused.append(("best_of", f"best_of ({self.best_of}) must be at least n ({n})"))
+        if self.stream and self.best_of is not None and self.best_of > n:
+            refused.append(("best_of", "best_of greater than n cannot be streamed: the n returned are known only "
+                                       "once all best_of have ended; send stream=false or best_of equal to n"))
+        if self.echo and self.logprobs is not None:
+            refused.append(("echo", "echo with logprobs would need the prompt's log-probabilities, which this "
+                                    "worker does not compute; ask for echo or for logprobs"))
+        if isinstance(self.prompt, list) and not self.prompt:
+            refused.append(("prompt", "prompt is an empty list; send a prompt, or a list of them"))
+        return refused
 
 
 class FunctionDefinition(_Request):
