@@ -86,6 +86,16 @@ def _assert_serves_like_peft(base: Path, adapter: Path, what: str, device: str =
     assert with_adapter != [o.outputs[0].token_ids for o, lora in zip(outputs, loras) if not lora]
 
 
+def _moved(base: Path, other: Path, adapter: Path) -> float:
+    """How far ``other``'s log-probabilities of ``base``'s greedy picks lie from ``base``'s, at
+    worst over a 41-token prompt (PEFT, the adapter on)."""
+    ids = torch.tensor([[1, *range(40, 80)]])
+    with torch.no_grad():
+        ours = PeftReference(base, {"ad": adapter}).model(input_ids=ids).logits[0].log_softmax(-1)
+        theirs = PeftReference(other, {"ad": adapter}).model(input_ids=ids).logits[0].log_softmax(-1)
+    picks = ours.argmax(-1, keepdim=True)
+    return float((ours.gather(-1, picks) - theirs.gather(-1, picks)).abs().max())
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("arch", "targets"), [
     ("qwen3", SPLIT), ("llama3", SPLIT), ("phi3", FUSED), ("gemma2", SPLIT), ("gemma3_text", SPLIT),
@@ -97,12 +107,17 @@ def test_greedy_tokens_match_peft(arch: str, targets: tuple[str, ...], device: s
     _assert_serves_like_peft(base, adapter, f"{arch} on {device}", device)
 
 
-def test_linear_rope_scaling_matches_peft(tiny_llama_dir: Path, tmp_path: Path,
-                                          make_adapter: Callable[..., Path]) -> None:
-    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
-    base = _edit_config(tiny_llama_dir, tmp_path / "linear", rope_parameters=rope)
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    # YaRN also scales cos/sin (its attention factor); a 32-token original context, as llama3's above.
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
+], ids=["linear", "yarn"])  # fmt: skip
+def test_other_fixed_rope_scalings_match_peft(rope: dict[str, Any], tiny_llama_dir: Path, tmp_path: Path,
+                                              make_adapter: Callable[..., Path]) -> None:
+    base = _edit_config(tiny_llama_dir, tmp_path / rope["rope_type"], rope_parameters=rope)
     adapter = make_adapter(base, r=8, lora_alpha=16, target_modules=SPLIT, seed=7, init_scale=0.5)
-    _assert_serves_like_peft(base, adapter, "llama with linear RoPE scaling")
+    _assert_serves_like_peft(base, adapter, f"llama with {rope['rope_type']} RoPE scaling")
+    assert _moved(base, tiny_llama_dir, adapter) > 100 * LOGPROB_TOLERANCE, "the scaling must change the model"
 
 
 # Each tiny architecture's difference and the config without it (same weights, same adapter): the
@@ -126,13 +141,9 @@ def test_each_architectures_difference_moves_its_log_probabilities(
     base = tiny_model_factory(arch)
     adapter = make_adapter(base, r=8, lora_alpha=16, target_modules=targets, seed=7, init_scale=0.5)
     without = _edit_config(base, tmp_path / "without", **changes)
-    ids = torch.tensor([[1, *range(40, 80)]])
-    with torch.no_grad():
-        ours = PeftReference(base, {"ad": adapter}).model(input_ids=ids).logits[0].log_softmax(-1)
-        theirs = PeftReference(without, {"ad": adapter}).model(input_ids=ids).logits[0].log_softmax(-1)
-    picks = ours.argmax(-1, keepdim=True)
-    moved = float((ours.gather(-1, picks) - theirs.gather(-1, picks)).abs().max())
+    moved = _moved(base, without, adapter)
     assert moved > 100 * LOGPROB_TOLERANCE, f"{difference}: log-probabilities move by {moved:.1e} only without it"
+
 
 
 def test_final_logit_soft_cap_bounds_the_logits(tiny_model_factory: Callable[..., Path]) -> None:
