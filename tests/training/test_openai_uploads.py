@@ -242,3 +242,11 @@ def test_on_s3_a_refused_completion_leaves_no_object_and_the_right_one_completes
     assert error_of(raised)["code"] == "md5_mismatch" and nothing_completed()
     done = openai_a.uploads.complete(upload.id, part_ids=part_ids, md5=hashlib.md5(DATA).hexdigest())
     assert openai_a.files.content(done.file.id).content == DATA
+
+
+def test_the_sdks_chunked_upload_helper_sends_a_file_in_parts(openai_a):
+    done = openai_a.uploads.upload_file_chunked(file=DATA, filename="train.jsonl", bytes=len(DATA), mime_type=MIME,
+                                                purpose="fine-tune", part_size=len(DATA) // 3 + 1,
+                                                md5=hashlib.md5(DATA).hexdigest())
+    assert done.status == "completed" and openai_a.files.content(done.file.id).content == DATA
+    assert Upload.objects.get().dataset_id == int(done.file.id.removeprefix("file-"))
