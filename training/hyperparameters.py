@@ -1,13 +1,18 @@
-"""Training hyperparameters: defaults, and validation against the platform's limits.
+"""Training hyperparameters: defaults, validation against the platform's limits, and "auto".
 
-A job stores the resolved set (defaults filled in), so what ran is always on record. Each value may
-be omitted or given as "auto" (OpenAI's spelling) for its default. No Django here: the caller
-passes the limits in.
+A job stores the resolved set (defaults filled in), so what ran is always on record. A value
+omitted takes its default. "auto" (OpenAI's spelling) takes the default too, except for
+`n_epochs`, `batch_size` and `learning_rate_multiplier`: those are picked from the number of
+training examples (`fit_to_dataset`, the rule in docs/training.md), once it is known; until then
+the set names them in `auto`. The training method (`supervised` or `dpo`, with DPO's `beta`) is
+part of the set, so the fingerprint a checkpoint is resumed by covers it. No Django here: the
+caller passes the limits in.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from serving.wire.errors import InvalidInput
@@ -18,6 +23,14 @@ ALL_LINEAR = "all-linear"
 # checkpoints have no q_proj ... up_proj); "all-linear" takes those a base has.
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                             "gate_up_proj")
+SUPERVISED = "supervised"
+DPO = "dpo"
+METHODS = (SUPERVISED, DPO)
+SCHEDULES = ("linear", "cosine", "constant")
+# The names "auto" picks from the dataset's size (OpenAI's three); any other "auto" is its default.
+AUTO_NAMES = ("n_epochs", "batch_size", "learning_rate")
+# Names set by the method (OpenAI's `method` object), not among a supervised job's hyperparameters.
+METHOD_NAMES = ("method", "beta")
 
 
 @dataclass(frozen=True)
@@ -39,8 +52,22 @@ class Hyperparameters:
     lora_dropout: float = 0.05
     # "all-linear" or a list of SUPPORTED_TARGET_MODULES.
     target_modules: str | list[str] = field(default=ALL_LINEAR)
-    # Linear warm-up over this share of the steps, then linear decay to zero.
+    # Linear warm-up over this share of the steps, then the schedule (training.schedules).
     warmup_ratio: float = 0.03
+    lr_scheduler_type: str = "linear"
+    # AdamW's decoupled decay, on the LoRA matrices only (never on biases or norms).
+    weight_decay: float = 0.0
+    # A step's batch_size examples go through the model in this many micro-batches (one optimizer step).
+    gradient_accumulation_steps: int = 1
+    # Recompute activations in the backward pass: far less memory for about a third more compute.
+    gradient_checkpointing: bool = False
+    # Several examples per row of up to max_seq_length tokens, each attending only to itself.
+    packing: bool = False
+    method: str = SUPERVISED
+    # DPO's temperature: how far the adapter may move from the base (the reference) to fit the preferences.
+    beta: float = 0.1
+    # Names still to be picked from the dataset (fit_to_dataset); empty once the job's data is known.
+    auto: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,6 +75,10 @@ class Hyperparameters:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "Hyperparameters":
         return cls(**values)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return math.ceil(self.batch_size / self.gradient_accumulation_steps)
 
 
 def _number(name: str, value: Any, *, integer: bool, low: float, high: float, low_open: bool = False) -> Any:
@@ -97,7 +128,10 @@ def from_openai(raw: Any) -> dict[str, Any] | None:
     if "learning_rate" in values:
         raise InvalidInput("Give either 'learning_rate_multiplier' or 'learning_rate', not both.",
                            code="invalid_hyperparameter", param="hyperparameters.learning_rate_multiplier")
-    if multiplier is None or multiplier == "auto":
+    if multiplier is None:
+        return values
+    if multiplier == "auto":
+        values["learning_rate"] = "auto"
         return values
     default = Hyperparameters.learning_rate
     # The platform's bounds on learning_rate (> 0, ≤ 1) apply, stated in the multiplier's terms.
@@ -108,29 +142,59 @@ def from_openai(raw: Any) -> dict[str, Any] | None:
 
 
 def to_openai(values: dict[str, Any]) -> dict[str, Any]:
-    """A job's resolved hyperparameters in OpenAI's shape, with ours beside them."""
-    shown = {name: value for name, value in values.items() if name != "learning_rate"}
+    """A job's resolved hyperparameters in OpenAI's shape, with ours beside them ("auto" for a value
+    still to be picked from the dataset); the method's own are in method_object."""
+    pending = set(values.get("auto", ()))
+    shown = {name: value for name, value in values.items()
+             if name not in ("learning_rate", "auto", *METHOD_NAMES)}
     rate = values.get("learning_rate", Hyperparameters.learning_rate)
-    return {"n_epochs": shown.pop("n_epochs", None), "batch_size": shown.pop("batch_size", None),
-            "learning_rate_multiplier": round(rate / Hyperparameters.learning_rate, 12), **shown}
+    multiplier = "auto" if "learning_rate" in pending else round(rate / Hyperparameters.learning_rate, 12)
+    return {"n_epochs": "auto" if "n_epochs" in pending else shown.pop("n_epochs", None),
+            "batch_size": "auto" if "batch_size" in pending else shown.pop("batch_size", None),
+            "learning_rate_multiplier": multiplier, **shown}
+
+
+def method_object(values: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `method` of a job: its type and that type's hyperparameters (DPO's with its beta)."""
+    shown = to_openai(values)
+    if values.get("method", SUPERVISED) == DPO:
+        return {"type": DPO, DPO: {"hyperparameters": {**shown, "beta": values.get("beta", Hyperparameters.beta)}}}
+    return {"type": SUPERVISED, SUPERVISED: {"hyperparameters": shown}}
 
 
 def default_max_seq_length(limits: Limits) -> int:
     return min(Hyperparameters.max_seq_length, limits.max_seq_length)
 
 
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InvalidInput(f"Hyperparameter '{name}' is {value!r}; it must be one of {', '.join(choices)}.",
+                           code="invalid_hyperparameter", param=f"hyperparameters.{name}")
+    return str(value)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInput(f"Hyperparameter '{name}' must be true or false, got {value!r}.",
+                           code="invalid_hyperparameter", param=f"hyperparameters.{name}")
+    return value
+
+
 def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyperparameters:
-    """The hyperparameters with defaults filled in; InvalidInput naming the first bad value."""
+    """The hyperparameters with defaults filled in; InvalidInput naming the first bad value.
+
+    "auto" for one of AUTO_NAMES leaves it to fit_to_dataset (named in `auto`, its default meanwhile).
+    """
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise InvalidInput("'hyperparameters' must be an object.", param="hyperparameters")
     defaults = Hyperparameters()
-    known = set(defaults.to_dict())
+    known = set(defaults.to_dict()) - {"auto"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise InvalidInput(f"Unknown hyperparameter(s) {', '.join(unknown)}; known ones are "
-                           f"{', '.join(sorted(known))}.", code="unknown_hyperparameter",
+                           f"{', '.join(sorted(known - set(METHOD_NAMES)))}.", code="unknown_hyperparameter",
                            param=f"hyperparameters.{unknown[0]}")
     given = {name: value for name, value in raw.items() if value is not None and value != "auto"}
     values = defaults.to_dict() | given
@@ -139,9 +203,20 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         values["max_seq_length"] = default_max_seq_length(limits)
     if "r" not in given:
         values["r"] = min(defaults.r, limits.max_rank)
+    method = _choice("method", values["method"], METHODS)
+    if method != DPO and "beta" in given:
+        raise InvalidInput("'beta' is a hyperparameter of DPO; give it in method.dpo.hyperparameters with method "
+                           "type \"dpo\".", code="invalid_hyperparameter", param="hyperparameters.beta")
+    batch_size = _number("batch_size", values["batch_size"], integer=True, low=1, high=limits.max_batch_size)
+    accumulation = _number("gradient_accumulation_steps", values["gradient_accumulation_steps"], integer=True, low=1,
+                           high=limits.max_batch_size)
+    if accumulation > batch_size and raw.get("batch_size") != "auto":
+        raise InvalidInput(f"gradient_accumulation_steps ({accumulation}) splits a step's batch_size ({batch_size}) "
+                           "examples into micro-batches; it must be at most batch_size.",
+                           code="hyperparameter_out_of_range", param="hyperparameters.gradient_accumulation_steps")
     return Hyperparameters(
         n_epochs=_number("n_epochs", values["n_epochs"], integer=True, low=1, high=limits.max_epochs),
-        batch_size=_number("batch_size", values["batch_size"], integer=True, low=1, high=limits.max_batch_size),
+        batch_size=batch_size,
         learning_rate=_number("learning_rate", values["learning_rate"], integer=False, low=0, high=1, low_open=True),
         max_seq_length=_number("max_seq_length", values["max_seq_length"], integer=True, low=8,
                                high=limits.max_seq_length),
@@ -150,4 +225,46 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         lora_dropout=_number("lora_dropout", values["lora_dropout"], integer=False, low=0, high=0.5),
         target_modules=_target_modules(values["target_modules"]),
         warmup_ratio=_number("warmup_ratio", values["warmup_ratio"], integer=False, low=0, high=0.5),
+        lr_scheduler_type=_choice("lr_scheduler_type", values["lr_scheduler_type"], SCHEDULES),
+        weight_decay=_number("weight_decay", values["weight_decay"], integer=False, low=0, high=1),
+        gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=_flag("gradient_checkpointing", values["gradient_checkpointing"]),
+        packing=_flag("packing", values["packing"]),
+        method=method,
+        beta=_number("beta", values["beta"], integer=False, low=0, high=100, low_open=True),
+        auto=[name for name in AUTO_NAMES if raw.get(name) == "auto"],
     )
+
+
+# OpenAI's rule for n_epochs (its fine-tuning data-preparation guide): about 3 epochs, but at least
+# 100 and at most 25,000 examples seen in all, within 1–25 epochs.
+TARGET_EPOCHS = 3
+MIN_TARGET_EXAMPLES = 100
+MAX_TARGET_EXAMPLES = 25_000
+MAX_AUTO_EPOCHS = 25
+# batch_size: about 0.2 % of the examples (OpenAI's), never under our default of 4 (smaller batches
+# leave a GPU idle and make LoRA's steps noisy); the learning rate grows as √(batch / 4).
+AUTO_BATCH_SHARE = 0.002
+MIN_AUTO_BATCH = 4
+
+
+def fit_to_dataset(hp: Hyperparameters, num_examples: int, limits: Limits) -> Hyperparameters:
+    """`hp` with the names in its `auto` picked for `num_examples` training examples (docs/training.md)."""
+    if not hp.auto:
+        return hp
+    picked: dict[str, Any] = {}
+    count = max(1, num_examples)
+    if "n_epochs" in hp.auto:
+        epochs = TARGET_EPOCHS
+        if count * TARGET_EPOCHS < MIN_TARGET_EXAMPLES:
+            epochs = min(MAX_AUTO_EPOCHS, MIN_TARGET_EXAMPLES // count)
+        elif count * TARGET_EPOCHS > MAX_TARGET_EXAMPLES:
+            epochs = max(1, MAX_TARGET_EXAMPLES // count)
+        picked["n_epochs"] = min(epochs, limits.max_epochs)
+    batch_size = hp.batch_size
+    if "batch_size" in hp.auto:
+        batch_size = min(limits.max_batch_size, max(MIN_AUTO_BATCH, round(count * AUTO_BATCH_SHARE)))
+        picked["batch_size"] = batch_size
+    if "learning_rate" in hp.auto:
+        picked["learning_rate"] = Hyperparameters.learning_rate * math.sqrt(batch_size / MIN_AUTO_BATCH)
+    return replace(hp, auto=[], **picked)

@@ -27,7 +27,8 @@ from tenants.models import Tenant
 from training import conf
 from training.base import (PENDING_DATASET_STATUSES, Status, after_commit, checkpoints_delete, event, finish,
                            held_out, lease_fresh, pause)
-from training.hyperparameters import Hyperparameters, resolve_hyperparameters
+from training.hyperparameters import Hyperparameters, fit_to_dataset, resolve_hyperparameters
+from training.methods import dataset_problem
 from training.models import Dataset, TrainingEvent, TrainingJob
 from training.concurrency import counts_toward_limit, training_jobs_dispatch
 
@@ -96,6 +97,20 @@ def _validation_fraction(value: Any, dataset: Dataset, validation_dataset: Datas
     return float(value)
 
 
+def _fitted(hp: Hyperparameters, num_examples: int, fraction: float) -> Hyperparameters:
+    """`hp` with its "auto" values picked for the job's training examples (training.hyperparameters)."""
+    return fit_to_dataset(hp, num_examples - held_out(num_examples, fraction), conf.limits())
+
+
+def _method_problem(hp: Hyperparameters, files: tuple[tuple[Dataset | None, str], ...]) -> tuple[str, str] | None:
+    """(error code, message) when a file is in a format the job's method does not train on."""
+    for dataset, kind in files:
+        problem = dataset_problem(hp.method, dataset.format) if dataset is not None else None
+        if problem is not None:
+            return f"invalid_{kind}_file", f"The {kind} file (dataset {dataset.pk}) does not fit the job: {problem}"
+    return None
+
+
 def _planned_steps(num_examples: int, fraction: float, hp: Hyperparameters) -> int:
     """Steps the job will take (exact unless truncation leaves some examples nothing to learn)."""
     train = num_examples - held_out(num_examples, fraction)
@@ -136,6 +151,13 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
             raise InvalidInput("'validation_fraction' needs a validated training file; wait for its status "
                                "'ready', or give a 'validation_file'.", param="validation_fraction")
         fraction = 0.0 if pending else _validation_fraction(validation_fraction, dataset, validation)
+        if not pending:
+            mismatch = _method_problem(hp, ((dataset, "training"), (validation, "validation")))
+            if mismatch is not None:
+                raise InvalidInput(mismatch[1], code="dataset_format_mismatch",
+                                   param="validation_file" if mismatch[0] == "invalid_validation_file" else
+                                   "training_file")
+            hp = _fitted(hp, dataset.num_examples or 0, fraction)
         adapter_name_validate(adapter, param="adapter")
         _check_adapter_room(locked, adapter)
         requested = _check_requested_version(locked, adapter, version)
@@ -205,11 +227,14 @@ def training_jobs_release(*, dataset_id: int) -> list[int]:
                    .select_related("dataset", "validation_dataset").filter(pk=job_id, status=Status.QUEUED).first())
             if job is None or _files_pending(job.dataset, job.validation_dataset):
                 continue
-            problem = _invalid_file(job)
+            hp = Hyperparameters.from_dict(job.hyperparameters)
+            problem = _invalid_file(job) or _method_problem(hp, ((job.dataset, "training"),
+                                                                 (job.validation_dataset, "validation")))
             if problem is None and job.total_steps is None and job.dataset is not None:
-                hp = Hyperparameters.from_dict(job.hyperparameters)
+                hp = _fitted(hp, job.dataset.num_examples or 0, job.validation_fraction)
+                job.hyperparameters = hp.to_dict()
                 job.total_steps = _planned_steps(job.dataset.num_examples or 0, job.validation_fraction, hp)
-                job.save(update_fields=["total_steps"])
+                job.save(update_fields=["hyperparameters", "total_steps"])
                 event(job, f"Files validated: {job.dataset.num_examples} training examples.")
             if problem is not None:
                 job.error_code, job.error_message = problem

@@ -43,7 +43,8 @@ from api.pagination import PageRequest, list_body, page_request, paging_paramete
 from tenants.scoping import TenantScopedAPIView, TenantScopedQuerySet
 from training import base, datasets, jobs, selectors
 from training.api import DatasetUploadHandler
-from training.hyperparameters import from_openai, to_openai
+from training.hyperparameters import from_openai, method_object, to_openai
+from training.methods import requested_hyperparameters
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 
 FILE_PREFIX = "file-"
@@ -130,7 +131,7 @@ def job_object(job: TrainingJob) -> dict[str, Any]:
         "training_file": _prefixed(FILE_PREFIX, job.dataset_id),
         "validation_file": _prefixed(FILE_PREFIX, job.validation_dataset_id),
         "hyperparameters": hyperparameters,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+        "method": method_object(job.hyperparameters),
         "result_files": [f"{RESULTS_PREFIX}{job.pk}"] if succeeded else [],
         "trained_tokens": job.trained_tokens if job.is_final else None,
         "error": ({"code": job.error_code, "message": job.error_message, "param": _ERROR_PARAM.get(job.error_code)}
@@ -356,41 +357,13 @@ class JobsView(OpenAIView):
                 tenant=self.tenant, training_file=training.pk,
                 validation_file=validation.pk if validation is not None else None,
                 adapter=f"ft-{secrets.token_hex(4)}" if suffix in (None, "") else suffix,
-                hyperparameters=from_openai(_requested_hyperparameters(body)), seed=body.get("seed"),
+                hyperparameters=from_openai(requested_hyperparameters(body)), seed=body.get("seed"),
                 base_model=body["model"], metadata=body.get("metadata"), await_validation=True,
             )
         except ServiceError as error:
             error.param = _PARAM_NAMES.get(error.param, error.param)
             raise
         return Response(job_object(_jobs().get(pk=job.pk)), status=status.HTTP_200_OK)
-
-
-def _requested_hyperparameters(body: dict[str, Any]) -> Any:
-    """`hyperparameters`, or (OpenAI's newer spelling) `method.supervised.hyperparameters`."""
-    method = body.get("method")
-    given = body.get("hyperparameters")
-    if method is None:
-        return given
-    if not isinstance(method, dict):
-        raise InvalidInput("'method' must be an object like {\"type\": \"supervised\", \"supervised\": {…}}.",
-                           param="method")
-    kind = method.get("type")
-    if kind != "supervised":
-        raise InvalidInput(f"Only supervised fine-tuning is offered (LoRA on the base model); method.type "
-                           f"{kind!r} is not.", code="unsupported_method", param="method.type")
-    extra = sorted(set(method) - {"type", "supervised"})
-    if extra:
-        raise InvalidInput(f"Unrecognized field(s) in 'method': {', '.join(extra)}.", code="unknown_parameter",
-                           param=f"method.{extra[0]}")
-    supervised = method.get("supervised") or {}
-    if not isinstance(supervised, dict) or set(supervised) - {"hyperparameters"}:
-        raise InvalidInput("'method.supervised' takes only 'hyperparameters'.", code="unknown_parameter",
-                           param="method.supervised")
-    nested = supervised.get("hyperparameters")
-    if nested is not None and given is not None and nested != given:
-        raise InvalidInput("Give the hyperparameters once: in 'method.supervised.hyperparameters' or in "
-                           "'hyperparameters'.", param="hyperparameters")
-    return nested if nested is not None else given
 
 
 class JobView(OpenAIView):

@@ -46,13 +46,15 @@ from serving.engine.lora.artifact import base_config_sha256
 from training import conf
 from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, event, finish, held_out,
                            lease_age, lease_seconds, pause)
-from training.examples import EncodedExample, EncodingError, encode_example
+from training.examples import EncodingError
 from training.hyperparameters import Hyperparameters
+from training.methods import encode_lines
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+from training.preference import TrainItem
 from training.publishing import CancelledLate, artifact_prefix_of, own_artifact, publish_and_register, register
 from training.scratch import scratch_create
 from training.concurrency import training_jobs_dispatch
-from training.validation import iter_lines, iter_valid_examples
+from training.validation import iter_lines
 from training.worker_stop import stop_requested
 
 logger = logging.getLogger(__name__)
@@ -240,14 +242,13 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
 
 
 def _load_examples(job: TrainingJob, dataset: Dataset, hp: Hyperparameters, tokenizer: Any,
-                   workspace: Path) -> tuple[list[EncodedExample], list[EncodedExample]]:
-    """The job's training and held-out examples, encoded; JobFailure when none has tokens to learn."""
-    def encoded(source: Dataset) -> list[EncodedExample]:
+                   workspace: Path) -> tuple[list[TrainItem], list[TrainItem]]:
+    """The job's training and held-out examples (DPO's pairs), encoded; JobFailure when none has tokens to learn."""
+    def encoded(source: Dataset) -> list[TrainItem]:
         path = get_storage().download(source.storage_key, workspace / f"dataset-{source.pk}.jsonl")
         try:
             with path.open("rb") as stream:
-                return [encode_example(example, tokenizer, hp.max_seq_length)
-                        for example in iter_valid_examples(iter_lines(stream), source.format)]
+                return encode_lines(iter_lines(stream), source.format, hp, tokenizer)
         except (ValueError, EncodingError) as error:
             raise JobFailure(f"Dataset {source.pk} cannot be trained on: {error}.", code="dataset_unusable") from None
 

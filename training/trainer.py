@@ -2,9 +2,17 @@
 
 The base model is loaded once per process (`load_base`) and reused by every job the process runs:
 PEFT injects the LoRA layers into it for a job and `unload()` takes them out again, so the base
-weights are never copied or changed. Loss is taken only where the encoded example says
-(assistant replies, completions; training.examples). CPU runs in fp32, CUDA in bf16 with the LoRA
-weights in fp32 (PEFT's adapter autocast); the code is the same.
+weights are never copied or changed (gradient checkpointing, when a job asks for it, is switched
+off again too). Loss is taken only where the encoded example says (assistant replies,
+completions; training.examples); a DPO job's on its pairs' replies (training.dpo). A step's
+passes (accumulation, packing, autocast) are training.steps'; the schedule training.schedules'.
+CPU runs in fp32, CUDA in bf16 with the LoRA weights in fp32 (PEFT's adapter autocast) under bf16
+autocast; the code is the same.
+
+Why our loop and not TRL's SFTTrainer/DPOTrainer: the exact resume below, the hooks (cancel,
+pause, a worker's stop, checkpoints to blob storage) and one base shared by every job are ours to
+keep either way, and the speed and memory comparison that would decide it needs a GPU
+(bench/trainer.py --compare, docs/training.md).
 
 A checkpoint holds everything the loop needs to continue exactly where it stopped: the LoRA
 weights (PEFT's safetensors), the optimizer and scheduler state, the RNG states and the step, from
@@ -31,8 +39,11 @@ from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from training.examples import IGNORE_INDEX, EncodedExample
-from training.hyperparameters import ALL_LINEAR, SUPPORTED_TARGET_MODULES, Hyperparameters
+from training.examples import EncodedExample
+from training.hyperparameters import ALL_LINEAR, DPO, SUPPORTED_TARGET_MODULES, Hyperparameters
+from training.schedules import lr_lambda
+from training.preference import TrainItem
+from training.steps import evaluation_loss, train_step
 
 # The directory of a checkpoint: PEFT's two adapter files, then these (the state file is written
 # last and marks the checkpoint complete).
@@ -89,6 +100,8 @@ class StepMetrics:
     valid_loss: float | None = None
     # Share of the trained tokens the model predicted exactly (argmax), over the logging window.
     train_mean_token_accuracy: float | None = None
+    # DPO: share of the pairs whose chosen reply the adapter prefers more than the reference does.
+    train_reward_accuracy: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in self.__dict__.items() if value is not None}
@@ -175,40 +188,6 @@ def _epoch_order(seed: int, epoch: int, num_examples: int) -> list[int]:
     return torch.randperm(num_examples, generator=generator).tolist()
 
 
-def _collate(examples: Sequence[EncodedExample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    width = max(len(example.input_ids) for example in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, example in enumerate(examples):
-        length = len(example.input_ids)
-        ids[row, :length] = torch.tensor(example.input_ids)
-        labels[row, :length] = torch.tensor(example.labels)
-        mask[row, :length] = 1
-    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
-
-
-def _add_token_accuracy(logits: torch.Tensor, labels: torch.Tensor, correct: int, counted: int) -> tuple[int, int]:
-    """The running (correct, counted) of next-token predictions on the trained positions (OpenAI's
-    `train_mean_token_accuracy`): logits at position i predict the label at i + 1."""
-    with torch.no_grad():
-        target = labels[:, 1:]
-        trained = target != IGNORE_INDEX
-        hits = (logits[:, :-1].argmax(dim=-1) == target) & trained
-        return correct + int(hits.sum()), counted + int(trained.sum())
-
-
-def _lr_lambda(total_steps: int, warmup_ratio: float):
-    warmup = int(total_steps * warmup_ratio)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
-
-    return factor
-
-
 def _rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -225,29 +204,26 @@ def _restore_rng(state: dict[str, Any], device: torch.device) -> None:
 def token_nll(model: torch.nn.Module, examples: Sequence[EncodedExample], pad_id: int, device: torch.device,
               batch_size: int = 8) -> float:
     """Mean negative log-likelihood per trained token over the examples (eval mode, no grad)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            batch = _collate(examples[start:start + batch_size], pad_id, device)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            targets = batch["labels"][:, 1:]
-            losses = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                ignore_index=IGNORE_INDEX, reduction="sum",
-            )
-            total += losses.item()
-            count += int((targets != IGNORE_INDEX).sum())
-    model.train(was_training)
-    return total / max(count, 1)
+    longest = max(len(example.input_ids) for example in examples)
+    hp = Hyperparameters(batch_size=batch_size, max_seq_length=longest)
+    return evaluation_loss(model, examples, hp, pad_id=pad_id, device=device)
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in AdamW's groups: weight decay on matrices, none on biases and norms."""
+    decayed, kept = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            exempt = param.ndim < 2 or "bias" in name or "norm" in name
+            (kept if exempt else decayed).append(param)
+    return [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
 
 
 class LoraTrainer:
     """Trains one adapter on a loaded base. Use once per job: `run()` always unloads the LoRA layers."""
 
-    def __init__(self, base: LoadedBase, hp: Hyperparameters, *, seed: int, train: Sequence[EncodedExample],
-                 valid: Sequence[EncodedExample], hooks: TrainingHooks, work_dir: Path, fingerprint: str,
+    def __init__(self, base: LoadedBase, hp: Hyperparameters, *, seed: int, train: Sequence[TrainItem],
+                 valid: Sequence[TrainItem], hooks: TrainingHooks, work_dir: Path, fingerprint: str,
                  base_model_name: str, checkpoint_every: int, log_every: int,
                  should_interrupt: Callable[[], bool] = lambda: False) -> None:
         """`should_interrupt` is checked before every step, as the hooks' `should_stop` is: True saves a
@@ -278,9 +254,16 @@ class LoraTrainer:
                             lora_dropout=self.hp.lora_dropout, target_modules=target_modules, bias="none",
                             task_type="CAUSAL_LM")
         model = get_peft_model(self.base.model, config)
+        if self.hp.gradient_checkpointing:
+            # Reentrant checkpointing needs an input that requires grad (the base's embeddings do not).
+            self.base.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            model.enable_input_require_grads()
         try:
             return self._train(model, target_modules, resume_from)
         finally:
+            if self.hp.gradient_checkpointing:
+                self.base.model.disable_input_require_grads()
+                self.base.model.gradient_checkpointing_disable()
             model.unload()
             if hasattr(self.base.model, "peft_config"):
                 # PEFT leaves its config on the base; the next job must find a plain model.
@@ -289,9 +272,10 @@ class LoraTrainer:
 
     def _train(self, model: Any, target_modules: list[str], resume_from: Path | None) -> TrainResult:
         params = [param for param in model.parameters() if param.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.hp.learning_rate, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(optimizer_groups(model, self.hp.weight_decay), lr=self.hp.learning_rate)
         total = self.plan.total_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total, self.hp.warmup_ratio))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(self.hp.lr_scheduler_type, total, self.hp.warmup_ratio))
         step, trained_tokens = 0, 0
         if resume_from is not None:
             step, trained_tokens = self._restore(model, optimizer, scheduler, resume_from)
@@ -322,12 +306,8 @@ class LoraTrainer:
             order = orders.setdefault(epoch, _epoch_order(self.seed, epoch, self.plan.num_examples))
             picked = order[position * self.hp.batch_size:(position + 1) * self.hp.batch_size]
             batch_examples = [self.train_examples[index] for index in picked]
-            batch = _collate(batch_examples, self.pad_id, self.base.device)
-            output = model(**batch)
-            loss = output.loss
-            window_correct, window_counted = _add_token_accuracy(output.logits, batch["labels"], window_correct,
-                                                                 window_counted)
-            loss.backward()
+            outcome = train_step(model, batch_examples, self.hp, pad_id=self.pad_id, device=self.base.device)
+            window_correct, window_counted = window_correct + outcome.correct, window_counted + outcome.counted
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             optimizer.step()
             scheduler.step()
@@ -335,7 +315,7 @@ class LoraTrainer:
 
             step += 1
             trained_tokens += sum(example.num_trained_tokens for example in batch_examples)
-            window_loss += loss.item()
+            window_loss += outcome.loss
             window_steps += 1
             epoch_progress = step / self.plan.steps_per_epoch
             self.hooks.on_step(step, total, epoch_progress, trained_tokens)
@@ -347,15 +327,16 @@ class LoraTrainer:
                 window_correct, window_counted = 0, 0
                 evaluate = self.valid_examples and (checkpoint_due or step == total)
                 valid_loss = self._valid_loss(model) if evaluate else None
+                accuracy_name = "train_reward_accuracy" if self.hp.method == DPO else "train_mean_token_accuracy"
                 metrics = StepMetrics(step=step, total_steps=total, epoch=round(epoch_progress, 4),
                                       train_loss=last_train_loss, valid_loss=valid_loss,
                                       learning_rate=float(scheduler.get_last_lr()[0]), trained_tokens=trained_tokens,
-                                      train_mean_token_accuracy=accuracy)
+                                      **{accuracy_name: accuracy})
                 self.hooks.on_log(metrics)
             if checkpoint_due:
                 self._checkpoint(model, optimizer, scheduler, step, trained_tokens,
                                  {"step": step, "train_loss": last_train_loss, "valid_loss": valid_loss,
-                                  "train_mean_token_accuracy": accuracy})
+                                  accuracy_name: accuracy})
                 saved_step = step
 
         adapter_dir = self.work_dir / "adapter"
@@ -366,7 +347,7 @@ class LoraTrainer:
                            resumed_from_step=resumed_from)
 
     def _valid_loss(self, model: Any) -> float:
-        return token_nll(model, self.valid_examples, self.pad_id, self.base.device, self.hp.batch_size)
+        return evaluation_loss(model, self.valid_examples, self.hp, pad_id=self.pad_id, device=self.base.device)
 
     def _checkpoint(self, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, step: int,
                     trained_tokens: int, metrics: dict[str, Any]) -> None:

@@ -16,15 +16,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from training import preference
 from training.examples import (
     EncodingError,
     Example,
     Problem,
     detect_format,
-    encode_example,
     load_json_line,
     parse_example,
 )
+from training.preference import PreferenceExample
 
 MAX_REPORTED_PROBLEMS = 100
 # A line longer than this is refused rather than held in memory (a JSONL example is rarely > 1 MB).
@@ -174,11 +175,13 @@ def _check_line(line_number: int, raw: bytes, report: ValidationReport, tokens: 
                                                                  "\\ud800), which is no character; fix its text."))
         return
     if report.format is None:
-        report.format = detect_format(value)
+        report.format = detect_format(value) or preference.detect(value)
         if report.format is None:
             report.add_error(line_number, _unrecognized(value))
             return
-    example, errors, warnings = parse_example(value, report.format)
+    parsed: tuple[Example | PreferenceExample | None, list[Problem], list[Problem]] = (
+        preference.parse(value) if report.format == preference.PREFERENCE else parse_example(value, report.format))
+    example, errors, warnings = parsed
     for problem in errors:
         report.add_error(line_number, problem)
     for problem in warnings:
@@ -203,7 +206,8 @@ def _unrecognized(value: Any) -> Problem:
     if not isinstance(value, dict):
         return Problem("data_type", "Each line must be a JSON object.")
     return Problem("unrecognized_format",
-                   "The object has none of 'messages' (chat), 'prompt'/'completion' or 'text'; "
+                   "The object has none of 'messages' (chat), 'prompt'/'completion', 'text' or "
+                   "'input'/'preferred_output'/'non_preferred_output' (preference); "
                    f"its keys are {', '.join(repr(key) for key in sorted(value)) or 'none'}.")
 
 
@@ -222,11 +226,12 @@ class _TokenStats:
         # Examples by token length, in power-of-two buckets (the dashboard's histogram).
         self.histogram: Counter = Counter()
 
-    def add(self, line: int, example: Example, report: ValidationReport) -> None:
+    def add(self, line: int, example: Example | PreferenceExample, report: ValidationReport) -> None:
         if self.tokenizer is None:
             return
         try:
-            encoded = encode_example(example, self.tokenizer, self.max_seq_length)
+            # A preference pair counts the tokens of both its sequences.
+            encoded = preference.encode_for_stats(example, self.tokenizer, self.max_seq_length)
         except EncodingError as error:
             report.add_error(line, Problem("unsupported_by_base_model", str(error)))
             return

@@ -129,7 +129,11 @@ def test_method_supervised_hyperparameters_and_a_generated_adapter_name(openai_a
     ({"hyperparameters": {"r": 4096}}, 400, "hyperparameters.r", "hyperparameter_out_of_range"),
     ({"model": "gpt-4o-mini"}, 400, "model", "model_not_available"),
     ({"suffix": "Not A Name"}, 400, "suffix", "invalid_adapter_name"),
-    ({"method": {"type": "dpo", "dpo": {}}}, 400, "method.type", "unsupported_method"),
+    ({"method": {"type": "reinforcement", "reinforcement": {}}}, 400, "method.type", "unsupported_method"),
+    # DPO trains on a preference file, not this chat file (tests/training/test_dpo.py).
+    ({"method": {"type": "dpo", "dpo": {}}}, 400, "training_file", "dataset_format_mismatch"),
+    ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}}}, 400,
+     "hyperparameters.beta", "invalid_hyperparameter"),
     ({"training_file": "file-999999"}, 404, "training_file", "file_not_found"),
     ({"training_file": "ds-1"}, 404, "training_file", "file_not_found"),
     ({"validation_file": 7}, 404, "validation_file", "file_not_found"),
@@ -318,4 +322,6 @@ def test_the_schema_documents_the_openai_routes(client_a):
     paths = {path.rstrip("/") for path in client_a.get("/api/schema/", HTTP_ACCEPT="application/json").json()["paths"]}
     assert {"/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/fine_tuning/jobs",
             "/v1/fine_tuning/jobs/{job_id}", "/v1/fine_tuning/jobs/{job_id}/cancel",
-            "/v1/fine_tuning/jobs/{job_id}/events", "/v1/fine_tuning/jobs/{job_id}/checkpoints"} <= paths
+            "/v1/fine_tuning/jobs/{job_id}/events", "/v1/fine_tuning/jobs/{job_id}/checkpoints",
+            "/v1/fine_tuning/jobs/{job_id}/pause", "/v1/fine_tuning/jobs/{job_id}/resume", "/v1/uploads",
+            "/v1/uploads/{upload_id}/parts", "/v1/uploads/{upload_id}/complete", "/v1/uploads/{upload_id}/cancel"} <= paths

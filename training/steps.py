@@ -1,0 +1,113 @@
+"""One optimizer step's forward and backward passes: its examples in micro-batches, each in rows.
+
+A step takes `batch_size` examples (supervised) or pairs (DPO). They go through the model in
+`gradient_accumulation_steps` micro-batches of consecutive examples, each laid out in rows
+(training.packing: padded, or packed), and the gradients add up in the parameters before the
+optimizer's one step. Every micro-batch's loss is divided by the whole step's count (trained
+tokens, or pairs), not its own, so k micro-batches give the gradient of one batch k times larger:
+the mean loss per trained token (or per pair) over the step, as one forward pass would.
+
+On CUDA the passes run under bf16 autocast (the base is bf16, the LoRA weights fp32); the loss
+is computed in fp32 either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from training.dpo import pair_loss_sum, pair_rows
+from training.examples import IGNORE_INDEX, EncodedExample
+from training.hyperparameters import DPO, Hyperparameters
+from training.packing import layout, target_logprobs
+from training.preference import PreferencePair, TrainItem
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    # The step's mean loss (per trained token, or per pair for DPO).
+    loss: float
+    # Supervised: next tokens predicted exactly (argmax) and counted; DPO: pairs ranked right and pairs.
+    correct: int
+    counted: int
+
+
+def targets(item: EncodedExample) -> int:
+    """The tokens a sequence is trained to predict: labelled ones after the first (training.packing)."""
+    return sum(1 for label in item.labels[1:] if label != IGNORE_INDEX)
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def micro_batches(items: Sequence[TrainItem], hp: Hyperparameters) -> Iterator[Sequence[TrainItem]]:
+    size = hp.micro_batch_size
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def train_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,
+               device: torch.device) -> StepOutcome:
+    """The forward and backward passes of one step (gradients accumulated, the optimizer not stepped)."""
+    if hp.method == DPO:
+        return _dpo_step(model, items, hp, pad_id=pad_id, device=device)
+    sequences = [item for item in items if isinstance(item, EncodedExample)]
+    denominator = max(1, sum(targets(item) for item in sequences))
+    loss_total, correct, counted = 0.0, 0, 0
+    for chunk in micro_batches(sequences, hp):
+        rows = layout(chunk, pad_id=pad_id, device=device, packed=hp.packing, capacity=hp.max_seq_length)
+        with autocast(device):
+            logits = model(**rows.model_inputs()).logits
+        logprobs, trained = target_logprobs(logits, rows)
+        loss_sum = -(logprobs * trained).sum()
+        (loss_sum / denominator).backward()
+        loss_total += loss_sum.item()
+        with torch.no_grad():
+            hits = (logits[:, :-1].argmax(dim=-1) == rows.labels[:, 1:]) & trained
+            correct, counted = correct + int(hits.sum()), counted + int(trained.sum())
+    return StepOutcome(loss_total / denominator, correct, counted)
+
+
+def _dpo_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,
+              device: torch.device) -> StepOutcome:
+    pairs = [item for item in items if isinstance(item, PreferencePair)]
+    loss_total, preferred = 0.0, 0
+    for chunk in micro_batches(pairs, hp):
+        rows = pair_rows(chunk, pad_id=pad_id, device=device, packed=hp.packing, capacity=hp.max_seq_length)
+        with autocast(device):
+            outcome = pair_loss_sum(model, rows, len(chunk), hp.beta)
+        (outcome.loss_sum / len(pairs)).backward()
+        loss_total += outcome.loss_sum.item()
+        preferred += outcome.preferred
+    return StepOutcome(loss_total / len(pairs), preferred, len(pairs))
+
+
+def evaluation_loss(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,
+                    device: torch.device) -> float:
+    """The mean loss over held-out items (eval mode, no gradient): per trained token, or per pair for DPO."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), autocast(device):
+        for start in range(0, len(items), hp.micro_batch_size):
+            chunk = items[start:start + hp.micro_batch_size]
+            if hp.method == DPO:
+                pairs = [item for item in chunk if isinstance(item, PreferencePair)]
+                outcome = pair_loss_sum(model, pair_rows(pairs, pad_id=pad_id, device=device, packed=False,
+                                                         capacity=hp.max_seq_length), len(pairs), hp.beta)
+                total, count = total + outcome.loss_sum.item(), count + len(pairs)
+                continue
+            sequences = [item for item in chunk if isinstance(item, EncodedExample)]
+            rows = layout(sequences, pad_id=pad_id, device=device, packed=False, capacity=hp.max_seq_length)
+            logprobs, trained = target_logprobs(model(**rows.model_inputs()).logits, rows)
+            total, count = total - float((logprobs * trained).sum()), count + int(trained.sum())
+    model.train(was_training)
+    return total / max(count, 1)
+
