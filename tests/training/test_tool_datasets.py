@@ -1,0 +1,177 @@
+"""Chat datasets with tools (OpenAI's fine-tuning format): a line with `tools`, assistant
+`tool_calls` and `tool` messages validates and renders through the base model's chat template
+with its calls trained; each malformed part is that line's error with its code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from training.examples import IGNORE_INDEX, EncodingError, encode_example, parse_example
+from training.validation import validate_lines
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+LINE = {
+    "tools": [WEATHER],
+    "messages": [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "What is the weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+        {"role": "assistant", "content": "Clear skies in Rome."},
+    ],
+    "parallel_tool_calls": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_model_dir):
+    return AutoTokenizer.from_pretrained(base_model_dir)
+
+
+def with_messages(*replaced: tuple[int, dict | None], tools: object = None) -> dict:
+    """LINE with messages replaced by index (None: removed), and other tools when given."""
+    messages = list(LINE["messages"])
+    for index, message in sorted(replaced, key=lambda pair: -pair[0]):
+        if message is None:
+            del messages[index]
+        else:
+            messages[index] = message
+    return {**LINE, "messages": messages, **({"tools": tools} if tools is not None else {})}
+
+
+def test_a_dataset_with_tools_and_tool_calls_validates_with_token_stats(tokenizer):
+    report = validate_lines([json.dumps(LINE).encode()] * 3, tokenizer=tokenizer, max_seq_length=1024).to_dict()
+    assert report["valid"], report["errors"]
+    assert report["format"] == "chat" and report["num_examples"] == 3
+    assert not report["warnings"][1:] and report["warnings"][0]["code"] == "few_examples"
+    assert report["stats"]["total_tokens"] > report["stats"]["trained_tokens"] > 0
+
+
+def test_malformed_tool_parts_are_line_errors_with_codes():
+    call = CALL["function"]
+    lines = [
+        with_messages(tools=[WEATHER, {"type": "function", "function": {"name": "bad name!"}}]),
+        with_messages(tools=[WEATHER, WEATHER]),
+        with_messages(tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}]),
+        with_messages((2, {"role": "assistant", "tool_calls": [{**CALL, "function": {**call, "name": "launch"}}]})),
+        with_messages((2, {"role": "assistant", "tool_calls": [{**CALL, "function": {**call, "arguments": "{oops"}}]})),
+        with_messages((2, {"role": "assistant", "tool_calls": [{**CALL, "function": {**call, "arguments": '{"town": 1}'}}]})),
+        with_messages((3, {"role": "tool", "tool_call_id": "call_9", "content": "x"})),
+        with_messages((1, {"role": "user", "content": "Hi", "tool_calls": [CALL]})),
+        with_messages((2, {"role": "assistant", "tool_calls": [{"id": "call_1", "function": "get_weather"}]})),
+        with_messages((3, {"role": "tool", "tool_call_id": "call_1"})),
+        {key: value for key, value in LINE.items() if key != "tools"},
+    ]
+    report = validate_lines([json.dumps(line).encode() for line in lines], tokenizer=None,
+                            max_seq_length=512).to_dict()
+    assert [(error["line"], error["code"]) for error in report["errors"]] == [
+        (1, "invalid_tools"), (2, "invalid_tools"), (3, "invalid_tools"), (4, "tool_call_unknown_function"),
+        (5, "invalid_tool_call_arguments"), (6, "invalid_tool_call_arguments"), (7, "invalid_tool_message"),
+        (8, "invalid_tool_calls"), (9, "invalid_tool_calls"), (10, "invalid_tool_message"),
+        (11, "tool_call_unknown_function"),
+    ]
+    messages = [error["message"] for error in report["errors"]]
+    assert "messages[2].tool_calls[0] calls 'launch'" in messages[3] and "(get_weather)" in messages[3]
+    assert "'town' was unexpected" in messages[5] or "'city' is a required property" in messages[5]
+    assert "call_9" in messages[6]
+
+
+def test_tool_calls_render_through_the_template_and_only_the_replies_are_trained(tokenizer):
+    example, errors, _ = parse_example(LINE, "chat")
+    assert example is not None and not errors
+    encoded = encode_example(example, tokenizer)
+    rendered = [{key: value for key, value in message.items() if key != "weight"} for message in example.messages]
+    reference = tokenizer.apply_chat_template(rendered, tools=[WEATHER], return_assistant_tokens_mask=True,
+                                              return_dict=True)
+    assert encoded.input_ids == reference["input_ids"]
+    assert [label != IGNORE_INDEX for label in encoded.labels] == [bool(x) for x in reference["assistant_masks"]]
+    trained = tokenizer.decode([label for label in encoded.labels if label != IGNORE_INDEX])
+    assert trained == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>'
+                       "Clear skies in Rome.<|im_end|>")
+    prompt = tokenizer.decode(encoded.input_ids)
+    assert '"name": "get_weather", "description": "The weather in a city now."' in prompt
+    assert "<tool_response>\n{\"sky\": \"clear\"}\n</tool_response>" in prompt
+
+
+def test_the_same_mask_without_generation_markers(tokenizer, base_model_dir):
+    plain_template = AutoTokenizer.from_pretrained(base_model_dir)
+    plain_template.chat_template = (tokenizer.chat_template.replace("{%- generation %}", "")
+                                    .replace("{%- endgeneration %}", ""))
+    example, _, _ = parse_example(LINE, "chat")
+    assert example is not None
+    assert encode_example(example, plain_template) == encode_example(example, tokenizer)
+
+
+def test_a_template_that_ignores_tools_refuses_tool_examples(base_model_dir):
+    chatml = AutoTokenizer.from_pretrained(base_model_dir)
+    chatml.chat_template = (
+        "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '')"
+        " + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    example, _, _ = parse_example(LINE, "chat")
+    assert example is not None
+    with pytest.raises(EncodingError, match="does not render tools"):
+        encode_example(example, chatml)
+    without_tools, _, _ = parse_example({"messages": LINE["messages"]}, "chat")
+    assert without_tools is None  # calls need the line's tools
+
+
+def test_an_adapter_trained_on_tool_calls_writes_calls_the_worker_reads(base_model_dir, tmp_path, one_thread):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from serving.engine.server.tool_parsers import HERMES, parse
+    from training.hyperparameters import Hyperparameters
+    from training.trainer import LoraTrainer, load_base
+
+    base = load_base(str(base_model_dir))
+    cities = ["Rome", "Paris", "Oslo", "Lima"]
+    rows = [{"tools": [WEATHER], "messages": [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "get_weather",
+                                                                   "arguments": json.dumps({"city": city})}}]}]}
+        for city in cities]
+    examples = []
+    for row in rows:
+        example, errors, _ = parse_example(row, "chat")
+        assert example is not None, errors
+        examples.append(encode_example(example, base.tokenizer))
+
+    class Hooks:
+        def should_stop(self) -> bool:
+            return False
+
+        def on_step(self, *_: object) -> None: ...
+
+        def on_log(self, *_: object) -> None: ...
+
+        def on_checkpoint(self, *_: object) -> None: ...
+
+    hp = Hyperparameters(n_epochs=150, batch_size=4, learning_rate=1e-2, max_seq_length=512, r=8, lora_alpha=16,
+                         lora_dropout=0.0)
+    result = LoraTrainer(base, hp, seed=1, train=examples, valid=[], hooks=Hooks(), work_dir=tmp_path / "run",
+                         fingerprint="tools", base_model_name="tiny-llama", checkpoint_every=1000, log_every=50).run()
+
+    tokenizer = base.tokenizer
+    plain = AutoModelForCausalLM.from_pretrained(base_model_dir)
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model_dir), result.adapter_dir)
+
+    def reply(model, city: str) -> str:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Weather in {city}?"}], tools=[WEATHER],
+                                               tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=80, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    for city in cities:
+        calls = parse(HERMES, reply(tuned, city)).calls
+        assert [call.name for call in calls] == ["get_weather"]
+        assert json.loads(calls[0].arguments)["city"] in cities
+        assert not parse(HERMES, reply(plain, city)).calls
