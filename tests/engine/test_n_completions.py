@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from serving.engine import LLM, LoRARequest, SamplingParams
 from serving.engine.sampling_params import seed_of
@@ -126,3 +127,28 @@ def test_n_beyond_max_num_seqs_is_refused(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), max_loras=0, device="cpu", max_model_len=64, num_kv_blocks=32, max_num_seqs=4)
     with pytest.raises(ValueError, match="best_of/n of 5 sequences exceeds max_num_seqs"):
         llm.generate("Hi", SamplingParams(n=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_n_on_cuda_prefills_once_and_copies_greedy(tiny_llama_dir: Path, make_adapter: Callable[..., Path],
+                                                   eager: bool) -> None:
+    """On the GPU (flat steps replayed from CUDA graphs, or eager): the forks' first tokens from
+    the shared logits row, the partial block's copy on the device, adapters and base mixed."""
+    adapter = make_adapter(tiny_llama_dir, r=8, seed=12, init_scale=0.5)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=96,
+              block_size=4, enforce_eager=eager)
+    lora = LoRARequest("ad", lora_path=str(adapter))
+    prompts = [PROMPT, "Hello", "Once upon a time there"]
+    loras = [lora, None, lora]
+    ones = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                                                 ignore_eos=True), loras)]
+    before = llm.llm_engine.stats().prefill_tokens
+    many = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True), loras)
+    assert [[c.token_ids for c in o.outputs] for o in many] == [[tokens] * 3 for tokens in ones]
+    assert llm.llm_engine.stats().prefill_tokens - before == sum(len(_prompt_ids(llm, p)) for p in prompts)
+    seeded = SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)
+    first = [c.token_ids for c in llm.generate(PROMPT, seeded, lora)[0].outputs]
+    assert [c.token_ids for c in llm.generate(PROMPT, seeded, lora)[0].outputs] == first
+    assert len({tuple(t) for t in first}) > 1

@@ -61,11 +61,17 @@ def fixed_logits() -> torch.Tensor:
     return logits
 
 
-def test_processing_equals_the_plain_reference(fixed_logits: torch.Tensor) -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_processing_equals_the_plain_reference(fixed_logits: torch.Tensor, device: str) -> None:
     params = [p for p, _, _ in ROWS]
     history = [(tokens, prompt_len) for _, tokens, prompt_len in ROWS]
-    processed = fixed_logits.clone()
+    processed = fixed_logits.to(device, copy=True)
     penalties.apply(processed, params, history, {EOS})
+    processed = processed.cpu()
     for i, (p, tokens, prompt_len) in enumerate(ROWS):
         torch.testing.assert_close(processed[i], reference(fixed_logits[i], p, tokens, prompt_len), msg=f"row {i}")
     assert processed[4, 7] == fixed_logits[4, 7] - 100.0  # logit_bias is clamped to [-100, 100]

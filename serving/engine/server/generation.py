@@ -331,7 +331,7 @@ class Generation:
 def _as_prompts(built: list[int] | list[list[int]]) -> list[list[int]]:
     """A builder's prompt, or prompts, as a list of prompts."""
     if built and isinstance(built[0], list):
-        return cast(list[list[int]], built)
+        return built
     return [cast(list[int], built)]
 
 
