@@ -445,8 +445,9 @@ class BaseModelUnavailable(ServiceError):
 @lru_cache(maxsize=4)
 def _base_shapes_cached(config_file: Path, mtime_ns: int) -> BaseShapes:
     """The shapes the engine reads from the same config.json through transformers' AutoConfig: the
-    Llama family's config.json spells out every field BaseShapes reads (save_pretrained writes each
-    field the model class adds; head_dim and num_key_value_heads fall back as transformers does)."""
+    config.json of every architecture it serves spells out the fields BaseShapes reads (save_pretrained
+    writes each field the model class adds; head_dim and num_key_value_heads fall back as transformers
+    does, Gemma's head_dim to 256; model_type gives Phi-3 its fused qkv_proj and gate_up_proj)."""
     try:
         config = json.loads(config_file.read_bytes())
         if not isinstance(config, dict):

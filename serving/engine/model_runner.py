@@ -102,7 +102,8 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         for name, param in self.model.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                # An identity norm: Gemma's stores its weight as an offset from one.
+                param.fill_(0.0 if getattr(self.model.get_submodule(name.rpartition(".")[0]), "unit_offset", False) else 1.0)
             else:
                 param.uniform_(-1e-2, 1e-2, generator=generator)
 

@@ -183,3 +183,19 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported(tiny_llama_
     with pytest.raises(ValueError, match=f"model_type 'phi' is not supported; the engine serves {', '.join(SUPPORTED_MODEL_TYPES)}"):
         LLM(str(other), max_loras=0, device="cpu")
     assert {"qwen3", "phi3", "gemma2", "gemma3_text"} <= set(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_dummy_weights_make_every_norm_the_identity(arch: str, tiny_model_factory: Callable[..., Path]) -> None:
+    """load_format="dummy" (benchmarks on a shape without its weights): Gemma's norms scale by
+    1 + weight, so theirs are zeros where Llama's are ones."""
+    from serving.engine.layers.layernorm import RMSNorm
+
+    llm = LLM(str(tiny_model_factory(arch)), max_loras=0, device="cpu", load_format="dummy")
+    norms = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RMSNorm)]
+    x = torch.randn(3, llm.llm_engine.hf_config.hidden_size)
+    identity = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norms[0].eps)
+    per_layer = 4 if arch == "gemma2" else 2  # Gemma norms after attention and MLP as well as before
+    assert len(norms) == per_layer * llm.llm_engine.hf_config.num_hidden_layers + 1
+    for norm in norms:
+        torch.testing.assert_close(norm(x)[0], identity)
