@@ -105,8 +105,8 @@ def parse_tool_calls(value: Any, where: str, tools: tuple[dict[str, Any], ...],
 def _arguments(text: str, at: str, parameters: dict[str, Any] | None) -> tuple[dict[str, Any], Problem | None]:
     try:
         arguments = json.loads(text)
-    except ValueError as error:
-        return {}, Problem("invalid_tool_call_arguments", f"{at}.function.arguments is not JSON ({error}).")
+    except ValueError as not_json:
+        return {}, Problem("invalid_tool_call_arguments", f"{at}.function.arguments is not JSON ({not_json}).")
     if not isinstance(arguments, dict):
         return {}, Problem("invalid_tool_call_arguments",
                            f"{at}.function.arguments must be the JSON text of an object.")

@@ -225,6 +225,20 @@ def test_dataset_upload_stops_at_the_tiers_limit(as_user, people, settings):
     assert not Dataset.objects.exists()
 
 
+def test_the_preview_shows_an_examples_tool_calls(as_user, people, tenant_a):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    line = {"tools": [{"type": "function", "function": {"name": "get_weather"}}],
+            "messages": [{"role": "user", "content": "Weather in Rome?"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."},
+                         {"role": "assistant", "content": "It is sunny."}]}
+    dataset = upload(tenant_a.tenant, (json.dumps(line) + "\n").encode())
+    page = as_user(people.member).get(reverse("dashboard:dataset", args=[dataset.pk]))
+    assert page.status_code == 200 and dataset.status == "ready"
+    assert b"get_weather({&#x27;city&#x27;: &#x27;Rome&#x27;})" in page.content
+    assert b'turn-tool"><span class="role">tool</span><div class="bubble">Sunny.' in page.content
+
+
 def test_job_form_errors_keep_the_values_and_success_queues_a_job(as_user, people, tenant_a):
     dataset = upload(tenant_a.tenant, GOOD)
     client = as_user(people.member)

@@ -17,7 +17,7 @@ the reply.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +128,9 @@ async def chat_prompt_token_ids(worker: Worker, engine: AsyncEngine, body: ChatC
     try:
         if template is None:
             text = await asyncio.to_thread(
-                tokenizer.apply_chat_template, messages, tools=offered, tokenize=False,
+                tokenizer.apply_chat_template, messages, tokenize=False,
+                # (a list of apply_chat_template's own element type: list is invariant)
+                tools=None if offered is None else list[dict[Any, Any] | Callable[..., Any]](offered),
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, **variables,
             )
