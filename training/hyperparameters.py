@@ -149,8 +149,9 @@ def to_openai(values: dict[str, Any]) -> dict[str, Any]:
              if name not in ("learning_rate", "auto", *METHOD_NAMES)}
     rate = values.get("learning_rate", Hyperparameters.learning_rate)
     multiplier = "auto" if "learning_rate" in pending else round(rate / Hyperparameters.learning_rate, 12)
-    return {"n_epochs": "auto" if "n_epochs" in pending else shown.pop("n_epochs", None),
-            "batch_size": "auto" if "batch_size" in pending else shown.pop("batch_size", None),
+    epochs, batch_size = shown.pop("n_epochs", None), shown.pop("batch_size", None)
+    return {"n_epochs": "auto" if "n_epochs" in pending else epochs,
+            "batch_size": "auto" if "batch_size" in pending else batch_size,
             "learning_rate_multiplier": multiplier, **shown}
 
 
