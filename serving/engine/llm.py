@@ -4,7 +4,7 @@ lora_request=...)`` runs a batch of prompts to completion and returns one output
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
@@ -15,7 +15,8 @@ from serving.engine.lora.request import LoRARequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams
 
-Message = dict[str, str]
+# A chat message: role and content, and an assistant's `tool_calls` (a list) or a tool's `tool_call_id`.
+Message = dict[str, Any]
 # How long generate() blocks waiting for an adapter load when nothing else can run.
 _LOAD_WAIT_S = 0.05
 
@@ -111,9 +112,12 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat
-        template (which writes its own special tokens, so none are added when encoding)."""
+        template (which writes its own special tokens, so none are added when encoding). `tools`
+        (OpenAI's tool objects) are rendered by the template as the serving worker renders a
+        request's; a message's `tool_calls` carry their arguments as objects."""
         # The first element tells one conversation from several (which the type checker cannot narrow).
         if messages and isinstance(messages[0], dict):
             conversations = [cast(Sequence[Message], messages)]
@@ -123,7 +127,9 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                # (a list of apply_chat_template's own element type: list is invariant)
+                tools=None if tools is None else list[dict[Any, Any] | Callable[..., Any]](tools),
             )
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
         return self.generate(prompts, sampling_params, lora_request)

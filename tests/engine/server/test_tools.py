@@ -188,3 +188,24 @@ def test_tool_requests_the_worker_cannot_honour_are_400s_naming_the_field(
     assert isinstance(error, dict)
     assert message in error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("model", [BASE, "beta"])
+def test_a_conversation_with_tools_gives_the_offline_apis_tokens(worker: WorkerProcess, offline: Any,
+                                                                 adapters: dict[str, Path], model: str) -> None:
+    from serving.engine import LoRARequest, SamplingParams
+
+    call = {"id": "call_7", "type": "function", "function": {"name": "order_status", "arguments": '{"order_id": 7}'}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_7", "content": "shipped"}]
+    reply = client(worker).chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
+                                                   max_tokens=12, temperature=0,
+                                                   extra_body={"return_token_ids": True})
+    rendered = [*history[:1], {**history[1], "content": "",
+                               "tool_calls": [{**call, "function": {**call["function"], "arguments": {"order_id": 7}}}]},
+                history[2]]
+    lora = None if model == BASE else LoRARequest(model, str(adapters[model]))
+    expected = offline.chat(rendered, SamplingParams(temperature=0, max_tokens=12), lora, tools=TOOLS)[0]
+    assert reply.model_extra["prompt_token_ids"] == expected.prompt_token_ids
+    assert reply.choices[0].model_extra["token_ids"] == expected.outputs[0].token_ids
+    assert reply.choices[0].message.content == expected.outputs[0].text
