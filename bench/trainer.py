@@ -7,6 +7,13 @@ all linear projections, batches of ``--batch`` sequences of ``--seq-len`` random
 trained. ``--shape tiny``: the tiny llama on the CPU (fp32), a smoke run of the same code.
 
     python3 bench/trainer.py --shape llama3-8b [--steps 300] [--batch 4] [--seq-len 512] [--json OUT]
+
+The trainer's options: ``--accumulation K`` (micro-batches a step), ``--gradient-checkpointing``,
+``--packing`` (random sequences of ``--seq-len`` // 4 tokens, packed four to a row of ``--seq-len``).
+``--compare`` then runs Hugging Face's ``transformers.Trainer`` + PEFT on the same base, data, rank,
+batch and precision in the same process (bench/trainer_hf.py; its rows are the unpacked sequences)
+and prints both sides' tokens/s and peak memory and their ratio: the measurement issue 25 asks
+for to choose between our loop and TRL's (TRL's SFTTrainer is transformers.Trainer underneath).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from bench.engine import LLAMA3_8B  # noqa: E402
+from bench.trainer_hf import run_hf_trainer  # noqa: E402
 from serving.engine.tiny import build_tiny_model  # noqa: E402
 from training.examples import EncodedExample  # noqa: E402
 from training.hyperparameters import Hyperparameters  # noqa: E402
@@ -60,6 +68,10 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the tokens/s")
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--packing", action="store_true", help="sequences of seq-len // 4, packed into rows")
+    parser.add_argument("--compare", action="store_true", help="also run transformers.Trainer + PEFT")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = pick_device()
@@ -79,11 +91,15 @@ def main() -> int:
         vocab = model.config.vocab_size
         rng = random.Random(0)
         examples = []
-        for _ in range(args.steps * args.batch):
-            ids = [rng.randrange(3, vocab) for _ in range(args.seq_len)]
-            examples.append(EncodedExample(input_ids=ids, labels=ids, full_length=args.seq_len, truncated=False))
-        hp = Hyperparameters(n_epochs=1, batch_size=args.batch, learning_rate=1e-4, max_seq_length=args.seq_len,
-                             r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0)  # fmt: skip
+        length = args.seq_len // 4 if args.packing else args.seq_len
+        per_step = args.batch * (4 if args.packing else 1)
+        for _ in range(args.steps * per_step):
+            ids = [rng.randrange(3, vocab) for _ in range(length)]
+            examples.append(EncodedExample(input_ids=ids, labels=ids, full_length=length, truncated=False))
+        hp = Hyperparameters(n_epochs=1, batch_size=per_step, learning_rate=1e-4, max_seq_length=args.seq_len,
+                             r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                             gradient_accumulation_steps=args.accumulation, packing=args.packing,
+                             gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
         timer = _Timer()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -93,6 +109,10 @@ def main() -> int:
             fingerprint="random", base_model_name=args.shape, checkpoint_every=10**9, log_every=10,
         ).run()  # fmt: skip
         total_s = time.perf_counter() - start
+        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        hf = run_hf_trainer(model, examples, batch=per_step, rank=args.rank, learning_rate=1e-4,
+                            gradient_checkpointing=args.gradient_checkpointing,
+                            warmup_steps=args.warmup_steps) if args.compare else None  # fmt: skip
     (t0, tokens0), (t1, tokens1) = timer.stamps[args.warmup_steps - 1], timer.stamps[-1]
     results = {
         "shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -100,8 +120,12 @@ def main() -> int:
         "rank": args.rank, "trained_tokens": result.trained_tokens, "total_s": total_s,
         "tokens_per_s": (tokens1 - tokens0) / (t1 - t0), "step_ms": (t1 - t0) / (len(timer.stamps) - args.warmup_steps) * 1e3,
         "first_loss": timer.losses[0], "last_loss": timer.losses[-1],
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+        "accumulation": args.accumulation, "packing": args.packing,
+        "gradient_checkpointing": args.gradient_checkpointing, "peak_memory_gib": peak_gib,
     }  # fmt: skip
+    if hf is not None:
+        results.update({"hf_tokens_per_s": hf["tokens_per_s"], "hf_peak_memory_gib": hf["peak_memory_gib"],
+                        "speedup_vs_hf": results["tokens_per_s"] / hf["tokens_per_s"]})
     for key, value in results.items():
         print(f"{key:18s} {value:.3f}" if isinstance(value, float) else f"{key:18s} {value}")
     if args.json:
