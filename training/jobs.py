@@ -106,7 +106,7 @@ def _method_problem(hp: Hyperparameters, files: tuple[tuple[Dataset | None, str]
     """(error code, message) when a file is in a format the job's method does not train on."""
     for dataset, kind in files:
         problem = dataset_problem(hp.method, dataset.format) if dataset is not None else None
-        if problem is not None:
+        if dataset is not None and problem is not None:
             return f"invalid_{kind}_file", f"The {kind} file (dataset {dataset.pk}) does not fit the job: {problem}"
     return None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +25,8 @@ from training.examples import IGNORE_INDEX, EncodedExample
 from training.hyperparameters import DPO, Hyperparameters
 from training.packing import layout, target_logprobs
 from training.preference import PreferencePair, TrainItem
+
+Item = TypeVar("Item", EncodedExample, PreferencePair)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def micro_batches(items: Sequence[TrainItem], hp: Hyperparameters) -> Iterator[Sequence[TrainItem]]:
+def micro_batches(items: Sequence[Item], hp: Hyperparameters) -> Iterator[Sequence[Item]]:
     size = hp.micro_batch_size
     for start in range(0, len(items), size):
         yield items[start:start + size]

@@ -211,7 +211,8 @@ def token_nll(model: torch.nn.Module, examples: Sequence[EncodedExample], pad_id
 
 def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """The trainable parameters in AdamW's groups: weight decay on matrices, none on biases and norms."""
-    decayed, kept = [], []
+    decayed: list[torch.nn.Parameter] = []
+    kept: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if param.requires_grad:
             exempt = param.ndim < 2 or "bias" in name or "norm" in name
