@@ -308,6 +308,7 @@ class LLMEngine:
                 guide=Guide(state.grammar) if state.grammar is not None else None,
                 index=index,
             )
+            child.prompt_logprobs = None  # the request's are its first sequence's, computed once
             self.block_manager.fork(parent, child)
             self.scheduler.adopt(child, parent)
             state.seqs.append(child)

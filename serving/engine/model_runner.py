@@ -29,6 +29,7 @@ from serving.engine.layers.lora_linear import MultiLoRALinear
 from serving.engine.lora.records import CachedAdapter, CopyDone
 from serving.engine.memory_plan import plan_memory
 from serving.engine.models import build_model
+from serving.engine.outputs import Logprob
 from serving.engine.sampler import SampleResult, Sampler
 from serving.engine.sequence import Sequence
 
@@ -191,7 +192,10 @@ class ModelRunner:
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
         prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
         num_tokens = sum(n for _, n in scheduled)
-        if not prefills or (self.attention == "triton" and num_tokens <= self.max_flat_tokens):
+        # The prompt's own logits are computed on the eager path only (a flat step's graph keeps
+        # the sampled rows' logits alone).
+        prompt_logprobs = any(_wants_prompt_logprobs(s) for s, _ in prefills)
+        if not prompt_logprobs and (not prefills or (self.attention == "triton" and num_tokens <= self.max_flat_tokens)):
             return self._execute_flat(flat_step(scheduled, self.block_size))
         input_ids: list[int] = []
         positions: list[int] = []
@@ -238,9 +242,37 @@ class ModelRunner:
             )
         finally:
             reset_context()
+        if prompt_logprobs:
+            for row, num, seq in spans[len(decodes) :]:
+                if _wants_prompt_logprobs(seq):
+                    self._record_prompt_logprobs(seq, hidden[row : row + num])
         if not sampled:
             return StepResult([], None)
         return self._sample(sampled, self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]))
+
+    def _record_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Append to ``seq.prompt_logprobs`` the logprob (rank, and the most likely tokens) of each
+        prompt token that this chunk's positions predict: position ``p`` predicts token ``p + 1``.
+        Positions already recorded (a prefill again after a preemption) are skipped."""
+        assert seq.prompt_logprobs is not None
+        start = seq.num_computed_tokens
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        last = min(start + hidden.shape[0], seq.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        logp = torch.log_softmax(self.model.compute_logits(hidden[first - start : last - start]).float(), dim=-1)
+        targets = torch.tensor(seq.prompt_token_ids[first + 1 : last + 1], device=logp.device)
+        chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
+        num_top = seq.sampling_params.prompt_logprobs or 0
+        top = logp.topk(num_top, dim=-1) if num_top else None
+        top_ids = top.indices.tolist() if top is not None else [[] for _ in range(last - first)]
+        top_lps = top.values.tolist() if top is not None else [[] for _ in range(last - first)]
+        for token, lp, rank, ids, lps in zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids, top_lps):
+            entry = {token: Logprob(lp, rank)}
+            for place, (tid, tlp) in enumerate(zip(ids, lps), 1):
+                entry.setdefault(tid, Logprob(tlp, place))
+            seq.prompt_logprobs.append(entry)
 
     def _execute_flat(self, step: FlatStep) -> StepResult:
         if self.graphs is not None and not self.enforce_eager:
@@ -278,6 +310,11 @@ class ModelRunner:
 
     def _cache_slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """``seq`` asks for its prompt's logprobs and some are still to record."""
+    return seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
 
 
 def _read_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -93,6 +93,7 @@ class OutputProcessor:
             finished=finished,
             lora_request=first.lora_request,
             error=state.error,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         )
 
 

@@ -50,3 +50,5 @@ class RequestOutput:
     finished: bool
     lora_request: LoRARequest | None = None
     error: Exception | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first), as vLLM.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -34,6 +34,9 @@ class SamplingParams:
     ``frequency`` over the output tokens, ``repetition`` over the prompt's and the output's;
     ``logit_bias`` adds to a token's logit (clamped to ±100, as OpenAI does); ``min_tokens`` bans
     EOS and the stop token ids (and skips stop strings) until that many tokens are out.
+    ``prompt_logprobs=k``: each prompt token's log-probability given the tokens before it (the
+    first has none) and the ``k`` most likely there, computed in the prefill (vLLM's field; the
+    completions endpoint's ``echo`` with ``logprobs`` asks for it).
     """
 
     n: int = 1
@@ -53,6 +56,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     guided_decoding: GuidedDecodingParams | None = None
@@ -82,6 +86,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.guided_decoding is not None and self.ignore_eos:

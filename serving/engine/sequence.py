@@ -54,6 +54,9 @@ class Sequence:
     lora_slot: int = -1
     output_text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
+    # With sampling_params.prompt_logprobs: one entry per prompt token recorded so far by the
+    # prefill (model_runner), None for the first (nothing predicts it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -76,6 +79,8 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

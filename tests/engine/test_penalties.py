@@ -175,3 +175,23 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm: LLM) -> None:
     vocab = llm.llm_engine.hf_config.vocab_size
     with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):
         llm.generate("Hi", SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_prompt_logprobs_are_the_models_own(tiny_llama_dir: Path, hf_model: torch.nn.Module) -> None:
+    """Each prompt token's logprob given the tokens before it, from the prefill, in chunks and
+    with n forks: transformers' log-softmax over the same prompt."""
+    llm = LLM(str(tiny_llama_dir), max_loras=0, device="cpu", max_model_len=256, num_kv_blocks=64,
+              max_num_batched_tokens=8)  # the prompt is prefilled in chunks of at most 8 tokens
+    prompt = llm.get_tokenizer()("The quick brown fox jumps over the lazy dog and runs away").input_ids
+    assert len(prompt) > 8
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=2, max_tokens=3, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    entries = out.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    for position, entry in enumerate(entries[1:], 1):
+        assert entry is not None
+        token = prompt[position]
+        assert entry[token].logprob == pytest.approx(float(logp[position - 1, token]), abs=1e-4)
+        assert entry[token].rank == 1 + int((logp[position - 1] > logp[position - 1, token]).sum())
+        assert {int(t) for t in logp[position - 1].topk(2).indices} <= set(entry)

@@ -4,7 +4,10 @@ streamed.
 Each prompt gets `n` choices (`best_of` generated), indexed prompt-major as OpenAI does
 (`prompt_i * n + j`); usage sums the prompts' tokens and every returned choice's. A stream's chunks
 each carry one choice, by its index, as OpenAI's SDK reads them. `echo` puts the prompt's text
-(a prompt of token ids decoded) before its choices' text, in a stream with the choice's first chunk.
+(a prompt of token ids decoded) before its choices' text, in a stream with the choice's first chunk;
+with `logprobs`, the prompt's tokens come first in the logprobs too, the first with none (nothing
+predicts it), as OpenAI returns them. A token's `text_offset` counts the texts of the tokens before
+it in the choice (prompt's included), as vLLM does, whole and streamed alike.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving.engine import AsyncEngine
+from serving.engine import AsyncEngine, Logprob
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
 from serving.engine.server.protocol import (
     CompletionChoice,
@@ -41,6 +44,7 @@ async def prompt_token_ids(engine: AsyncEngine, prompts: list[str | list[int]]) 
 
 def generation_request(body: CompletionRequest) -> GenerationRequest:
     return GenerationRequest(kind="cmpl", body=body, logprobs=body.logprobs, best_of=body.best_of,
+                             prompt_logprobs=body.logprobs if body.echo else None,
                              prompt=lambda engine: prompt_token_ids(engine, body.prompts()))
 
 
@@ -58,7 +62,7 @@ async def create_completion(body: CompletionRequest, request: Request, worker: W
         choices.append(CompletionChoice(
             index=index,
             text=_echo(generation, body, prompt) + "".join(d.text for d in deltas),
-            logprobs=_logprobs(generation, deltas, offset=0, top=body.logprobs or 0) if body.logprobs is not None else None,
+            logprobs=_choice_logprobs(generation, body, prompt, deltas, offset=0, head=True)[0],
             finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
             token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
@@ -81,7 +85,7 @@ def _echo(generation: Generation, body: CompletionRequest, prompt: int) -> str:
 
 async def _chunks(generation: Generation, first: Delta, body: CompletionRequest) -> AsyncIterator[bytes]:
     usage_each = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-    offsets: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # per choice, the text offset of its next token (logprobs)
     # Choices whose first chunk went out (it alone carries the prompt's ids and echo).
     started: set[int] = set()
     # The chunk of a token mid-stream (no logprobs, no finish, no usage, nothing of the prompt's),
@@ -97,13 +101,13 @@ async def _chunks(generation: Generation, first: Delta, body: CompletionRequest)
             if index not in plain:
                 plain[index] = _plain_chunk(generation, body, index)
             yield plain[index].render(delta.text, delta.token_ids)
-            offsets[index] = offset + len(delta.text)
         elif head or delta.text or delta.finish_reason or delta.token_ids and (body.return_token_ids or body.logprobs is not None):
             prompt = index // generation.n
+            logprobs, offsets[index] = _choice_logprobs(generation, body, prompt, [delta], offset=offset, head=head)
             choice = CompletionChoice(
                 index=index,
                 text=(_echo(generation, body, prompt) if head else "") + delta.text,
-                logprobs=_logprobs(generation, [delta], offset=offset, top=body.logprobs or 0) if body.logprobs is not None else None,
+                logprobs=logprobs,
                 finish_reason=delta.finish_reason,
                 stop_reason=delta.stop_reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
@@ -114,7 +118,6 @@ async def _chunks(generation: Generation, first: Delta, body: CompletionRequest)
                 id=generation.request_id, created=generation.created, model=body.model, choices=[choice],
                 usage=generation.usage.info() if usage_each else None,
             ))
-            offsets[index] = offset + len(delta.text)
         delta = await generation.next()
     if body.stream_options and body.stream_options.include_usage:
         yield sse(CompletionResponse(
@@ -130,17 +133,36 @@ def _plain_chunk(generation: Generation, body: CompletionRequest, index: int) ->
     return SseTemplate(payload, "text", "token_ids" if body.return_token_ids else None)
 
 
-def _logprobs(generation: Generation, deltas: list[Delta], *, offset: int, top: int) -> CompletionLogprobs:
-    """OpenAI's legacy logprobs: the chosen tokens, their logprobs, the `top` most likely tokens
-    (and the chosen one) at each position, and each token's character offset in the completion."""
-    decode = generation.decode
+def _choice_logprobs(generation: Generation, body: CompletionRequest, prompt: int, deltas: list[Delta], *,
+                     offset: int, head: bool) -> tuple[CompletionLogprobs | None, int]:
+    """The logprobs of `deltas` (the first token at `offset`), after the prompt's when they open an
+    echoed choice (None when not asked), and the offset after them."""
+    if body.logprobs is None:
+        return None, offset
     result = CompletionLogprobs()
-    for delta in deltas:
-        for token_id, entry in zip(delta.token_ids, delta.logprobs or []):
-            texts = {tid: lp.decoded_token if lp.decoded_token is not None else decode([tid]) for tid, lp in entry.items()}
-            result.tokens.append(texts[token_id])
-            result.token_logprobs.append(entry[token_id].logprob)
-            result.text_offset.append(offset)
-            offset += len(texts[token_id])
-            result.top_logprobs.append({texts[tid]: lp.logprob for tid, lp in entry.items()} if top else None)
-    return result
+    if head and body.echo:
+        prompt_ids = generation.prompts_token_ids[prompt]
+        offset = _add(result, generation, list(zip(prompt_ids, generation.prompt_logprobs[prompt])), offset=offset,
+                      top=body.logprobs)
+    offset = _add(result, generation, [pair for d in deltas for pair in zip(d.token_ids, d.logprobs or [])],
+                  offset=offset, top=body.logprobs)
+    return result, offset
+
+
+def _add(result: CompletionLogprobs, generation: Generation, tokens: list[tuple[int, dict[int, Logprob] | None]], *,
+         offset: int, top: int) -> int:
+    """OpenAI's legacy logprobs of `tokens` (each with its logprobs entry, None for a prompt's
+    first token) into `result`: the chosen tokens, their logprobs, the `top` most likely tokens (and
+    the chosen one) at each position, and each token's character offset from `offset`; returns the
+    offset after them."""
+    decode = generation.decode
+    for token_id, entry in tokens:
+        texts = ({tid: lp.decoded_token if lp.decoded_token is not None else decode([tid]) for tid, lp in entry.items()}
+                 if entry is not None else {token_id: decode([token_id])})
+        result.tokens.append(texts[token_id])
+        result.token_logprobs.append(entry[token_id].logprob if entry is not None else None)
+        result.text_offset.append(offset)
+        offset += len(texts[token_id])
+        result.top_logprobs.append({texts[tid]: lp.logprob for tid, lp in entry.items()}
+                                   if top and entry is not None else None)
+    return offset

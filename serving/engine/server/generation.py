@@ -74,6 +74,7 @@ class GenerationRequest:
     # Called only once the model and the fields are known good, so those errors come first.
     prompt: PromptBuilder
     best_of: int | None = None  # completions': generate this many a prompt, return the n most likely
+    prompt_logprobs: int | None = None  # completions' echo with logprobs: the prompts' own, with this many top
 
     @property
     def model(self) -> str:
@@ -158,6 +159,8 @@ class Generation:
         self.n = job.body.n or 1
         # Set once the prompts are built (before the first delta).
         self.prompts_token_ids: list[list[int]] = []
+        # Per prompt, its tokens' logprobs (job.prompt_logprobs), from its first output.
+        self.prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}
         self.usage = Usage(prompt_tokens=0)
         self.finished = False
         self._engine: AsyncEngine | None = None
@@ -227,7 +230,8 @@ class Generation:
             self.usage = Usage(prompt_tokens=sum(len(ids) for ids in self.prompts_token_ids))
             params = [sampling_params(job.body, prompt_len=len(ids), max_model_len=engine.max_model_len,
                                       vocab_size=engine.vocab_size, max_num_seqs=engine.config.max_num_seqs,
-                                      logprobs=job.logprobs, best_of=job.best_of)
+                                      logprobs=job.logprobs, best_of=job.best_of,
+                                      prompt_logprobs=job.prompt_logprobs)
                       for ids in self.prompts_token_ids]
             several = len(self.prompts_token_ids) > 1
             self._engine_ids = [f"{self.request_id}-{i}" if several else self.request_id for i in range(len(params))]
@@ -287,6 +291,8 @@ class Generation:
         metrics. A choice's first output always gives a delta, so the first output gives one."""
         metrics = self._worker.metrics
         deltas = []
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
             if index in self._ended:

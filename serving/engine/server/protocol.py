@@ -4,7 +4,7 @@ Requests accept unknown fields silently (clients send `user`, `metadata`, `store
 and vLLM do. A field this worker knows but cannot honour in a request is refused with a 400 that
 names it (`refused_fields`), instead of being ignored and giving the caller something other than
 what was asked: `suffix` (no served model has a fill-in-the-middle template), and on completions
-`best_of` > `n` streamed, `echo` with `logprobs` (the prompt's logprobs are not computed).
+`best_of` > `n` streamed (the `n` returned are known only at the end).
 
 vLLM extensions kept with vLLM's names: `top_k`, `ignore_eos`, `stop_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`, `repetition_penalty`, `min_tokens`, `priority`
@@ -103,7 +103,8 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. `prompt` is one prompt (a string, or token ids) or a list of them;
     choices are indexed prompt-major (`prompt_i * n + j`), as OpenAI. `echo` puts each prompt's
-    text before its completions; `best_of` generates that many and returns the `n` most likely."""
+    text before its completions (with `logprobs`, the prompt's tokens and logprobs before theirs);
+    `best_of` generates that many and returns the `n` most likely."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -131,9 +132,6 @@ class CompletionRequest(SamplingFields):
         if self.stream and self.best_of is not None and self.best_of > n:
             refused.append(("best_of", "best_of greater than n cannot be streamed: the n returned are known only "
                                        "once all best_of have ended; send stream=false or best_of equal to n"))
-        if self.echo and self.logprobs is not None:
-            refused.append(("echo", "echo with logprobs would need the prompt's log-probabilities, which this "
-                                    "worker does not compute; ask for echo or for logprobs"))
         if isinstance(self.prompt, list) and not self.prompt:
             refused.append(("prompt", "prompt is an empty list; send a prompt, or a list of them"))
         return refused

@@ -53,7 +53,8 @@ def logit_bias(body: SamplingFields, vocab_size: int) -> dict[int, float] | None
 
 
 def sampling_params(body: SamplingFields, *, prompt_len: int, max_model_len: int, vocab_size: int,
-                    max_num_seqs: int, logprobs: int | None, best_of: int | None = None) -> SamplingParams:
+                    max_num_seqs: int, logprobs: int | None, best_of: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for `body`; every invalid value is a 400 that names it."""
     max_tokens = _max_tokens(body.max_tokens, prompt_len, max_model_len)
     n = body.n or 1
@@ -82,6 +83,7 @@ def sampling_params(body: SamplingFields, *, prompt_len: int, max_model_len: int
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             guided_decoding=guided,
         )

@@ -127,6 +127,35 @@ def test_echo_puts_the_prompt_first(worker: WorkerProcess, offline) -> None:
     api.close()
 
 
+def test_echo_with_logprobs_gives_the_prompts_too(worker: WorkerProcess, offline) -> None:
+    """OpenAI's shape: the prompt's tokens first (the first without a logprob), then the
+    completion's; offsets run over the echoed text; streamed, the same lists."""
+    api = client(worker)
+    ids = offline.get_tokenizer()(OTHER).input_ids
+    expected = offline.generate(OTHER, SamplingParams(temperature=0, max_tokens=5, logprobs=1, prompt_logprobs=1))[0]
+    whole = api.completions.create(model=BASE, prompt=OTHER, max_tokens=5, temperature=0, echo=True, logprobs=1)
+    logprobs = whole.choices[0].logprobs
+    assert len(logprobs.tokens) == len(ids) + 5
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    want = [entry[token].logprob for token, entry in zip(ids[1:], expected.prompt_logprobs[1:])]
+    want += [entry[token].logprob for token, entry in zip(expected.outputs[0].token_ids, expected.outputs[0].logprobs)]
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
+    texts = logprobs.tokens
+    assert logprobs.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in api.completions.create(model=BASE, prompt=OTHER, max_tokens=5, temperature=0, echo=True, logprobs=1,
+                                        stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed["tokens"] += choice.logprobs.tokens
+                streamed["token_logprobs"] += choice.logprobs.token_logprobs
+                streamed["text_offset"] += choice.logprobs.text_offset
+    assert streamed == {"tokens": logprobs.tokens, "token_logprobs": logprobs.token_logprobs,
+                        "text_offset": logprobs.text_offset}
+    api.close()
+
+
 def test_chat_n_choices_streamed_and_not(worker: WorkerProcess) -> None:
     api = client(worker)
     messages = [{"role": "user", "content": "Tell me a story."}]
@@ -152,7 +181,6 @@ def test_chat_n_choices_streamed_and_not(worker: WorkerProcess) -> None:
     ({"suffix": " the end."}, "suffix", "fill-in-the-middle"),
     ({"n": 3, "best_of": 2}, "best_of", "at least n"),
     ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
-    ({"echo": True, "logprobs": 1}, "echo", "prompt's log-probabilities"),
     ({"logit_bias": {"not-a-token": 3}}, "logit_bias", "token ids of this model"),
     ({"logit_bias": {"1000000": 3}}, "logit_bias", "token ids of this model"),
     ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
