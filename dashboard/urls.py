@@ -3,7 +3,8 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard.views import account, adapters, datasets, guides, overview, playground, tenants, training, usage
+from dashboard.views import (account, adapters, checkpoints, datasets, guides, overview, playground, tenants, training,
+                             usage)
 
 app_name = "dashboard"
 
@@ -23,6 +24,8 @@ urlpatterns = [
     path("training/<int:job_id>/cancel/", training.job_cancel_view, name="job-cancel"),
     path("training/<int:job_id>/pause/", training.job_pause_view, name="job-pause"),
     path("training/<int:job_id>/resume/", training.job_resume_view, name="job-resume"),
+    path("training/<int:job_id>/checkpoints/<int:step>/version/", checkpoints.checkpoint_version_view,
+         name="job-checkpoint-version"),
     path("adapters/", adapters.adapter_list_view, name="adapters"),
     path("adapters/create/", adapters.adapter_create_view, name="adapter-create"),
     path("adapters/<slug:name>/", adapters.adapter_detail_view, name="adapter"),

@@ -64,8 +64,11 @@ class VersionSerializer(serializers.ModelSerializer):
     def get_model(self, version: AdapterVersion) -> str:
         return f"{version.adapter.name}@{version.version}"
 
-    def get_source(self, version: AdapterVersion) -> dict[str, str | None]:
-        return {"kind": version.source, "id": version.source_id or None}
+    def get_source(self, version: AdapterVersion) -> dict[str, str | int | None]:
+        # A version made from a job's checkpoint also names the checkpoint's step (serving.checkpoint_versions).
+        return {"kind": version.source, "id": version.source_id or None,
+                **({"checkpoint_step": version.source_checkpoint_step}
+                   if version.source_checkpoint_step is not None else {})}
 
 
 class CanaryStateSerializer(serializers.Serializer):

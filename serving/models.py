@@ -85,6 +85,9 @@ class AdapterVersion(models.Model):
     size_bytes = models.PositiveBigIntegerField()
     source = models.CharField(max_length=16, choices=Source.choices)
     source_id = models.CharField(max_length=64, blank=True, default="")
+    # A version made from a training job's checkpoint (serving.checkpoint_versions): that checkpoint's
+    # step (the job is source_id); None for a job's final adapter and for uploads.
+    source_checkpoint_step = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY)
     # The canary's share of the adapter's traffic; None for every other status.
     traffic_weight = models.FloatField(null=True, blank=True)

@@ -21,10 +21,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.schema import error_response
-from serving.wire.errors import InvalidInput
+from serving.api import VersionSerializer, request_actor
+from serving.checkpoint_versions import checkpoint_version_create
+from serving.wire.errors import InvalidInput, NotFound
 from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
 from training import conf, datasets, jobs, selectors
+from training.checkpoint_names import checkpoint_model_name, checkpoint_pinned_name
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 
 def _page(request: Request, queryset: QuerySet, serializer: type[serializers.Serializer]) -> Response:
@@ -243,14 +246,38 @@ class CheckpointSerializer(serializers.ModelSerializer):
     object = serializers.SerializerMethodField()
     step_number = serializers.IntegerField(source="step")
     training_job_id = serializers.IntegerField(source="job_id")
+    model = serializers.SerializerMethodField(
+        help_text="The `model` value that calls this checkpoint (`<adapter>@ftjob-<job>:ckpt-step-<N>`); null for "
+                  "one saved before checkpoints had a servable artifact.")
+    fine_tuned_model_checkpoint = serializers.SerializerMethodField(
+        help_text="OpenAI's name of the same model (`ft:<base>:<tenant>:<adapter>:ftjob-<job>:ckpt-step-<N>`).")
 
     class Meta:
         model = Checkpoint
-        fields = ["id", "object", "created_at", "step_number", "metrics", "training_job_id"]
+        fields = ["id", "object", "created_at", "step_number", "metrics", "training_job_id", "model",
+                  "fine_tuned_model_checkpoint", "artifact_uri", "manifest_sha256"]
         read_only_fields = fields
 
     def get_object(self, checkpoint: Checkpoint) -> str:
         return "training_job.checkpoint"
+
+    def get_model(self, checkpoint: Checkpoint) -> str | None:
+        if not checkpoint.artifact_uri:
+            return None
+        return checkpoint_pinned_name(adapter=checkpoint.job.adapter_name, job_id=checkpoint.job_id,
+                                      step=checkpoint.step)
+
+    def get_fine_tuned_model_checkpoint(self, checkpoint: Checkpoint) -> str:
+        job = checkpoint.job
+        return checkpoint_model_name(base=job.base_model, tenant=job.tenant.slug, adapter=job.adapter_name,
+                                     job_id=job.pk, step=checkpoint.step)
+
+
+class CheckpointVersionSerializer(serializers.Serializer):
+    version = serializers.CharField(max_length=64, required=False, allow_blank=True, allow_null=True,
+                                    help_text="Semantic version to create; the next patch release when omitted.")
+    reason = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="",
+                                   help_text="Why; kept in the audit log.")
 
 
 class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
@@ -307,4 +334,21 @@ class TrainingJobViewSet(mixins.RetrieveModelMixin, TenantScopedViewSet):
                    summary="The job's kept checkpoints, newest first")
     @action(detail=True, methods=["get"])
     def checkpoints(self, request: Request, pk: str) -> Response:
-        return _page(request, selectors.job_checkpoints(job=self.get_object()), CheckpointSerializer)
+        checkpoints = selectors.job_checkpoints(job=self.get_object()).select_related("job__tenant")
+        return _page(request, checkpoints, CheckpointSerializer)
+
+    @extend_schema(request=CheckpointVersionSerializer, responses={201: VersionSerializer},
+                   summary="Create a version of the job's adapter (status ready) from its kept checkpoint of a step")
+    @action(detail=True, methods=["post"], url_path=r"checkpoints/(?P<step>[0-9]{1,18})/version")
+    def checkpoint_version(self, request: Request, pk: str, step: str) -> Response:
+        job = self.get_object()
+        checkpoint = selectors.job_checkpoints(job=job).filter(step=int(step)).first()
+        if checkpoint is None:
+            raise NotFound(f"Training job {job.pk} keeps no checkpoint of step {step}.", code="checkpoint_not_found",
+                           param="step")
+        payload = CheckpointVersionSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        created = checkpoint_version_create(checkpoint=checkpoint, actor=request_actor(request),
+                                            version=payload.validated_data.get("version") or None,
+                                            reason=payload.validated_data["reason"])
+        return Response(VersionSerializer(created).data, status=status.HTTP_201_CREATED)

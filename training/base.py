@@ -116,7 +116,8 @@ def checkpoints_delete(job_id: int) -> None:
     """Deletes the job's checkpoints, files and rows (a cancelled job, or one that starts over)."""
     storage = get_storage()
     for checkpoint in Checkpoint.objects.filter(job_id=job_id):
-        storage.delete_prefix(checkpoint.storage_prefix)
+        for prefix in checkpoint.storage_prefixes:  # the state and its servable artifact
+            storage.delete_prefix(prefix)
         checkpoint.delete()
 
 

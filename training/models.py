@@ -179,7 +179,8 @@ class TrainingEvent(models.Model):
 
 
 class Checkpoint(models.Model):
-    """Training state saved to blob storage at a step: what a redelivered task resumes from."""
+    """Training state saved to blob storage at a step: what a redelivered task resumes from, and,
+    beside it, the step's adapter as a servable artifact (training.checkpoint_artifacts)."""
 
     TENANT_PATH = "job__tenant"
 
@@ -189,6 +190,10 @@ class Checkpoint(models.Model):
     storage_prefix = models.CharField(max_length=512)
     metrics = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The servable artifact (PEFT files and manifest.json, as a published version's) stored at
+    # `artifact_prefix`, and its manifest's sha256; "" for a checkpoint saved before they were written.
+    artifact_uri = models.CharField(max_length=1024, blank=True, default="")
+    manifest_sha256 = models.CharField(max_length=64, blank=True, default="")
 
     objects = TenantScopedQuerySet.as_manager()
 
@@ -198,6 +203,17 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"job #{self.job_id} step {self.step}"
+
+    @property
+    def artifact_prefix(self) -> str:
+        """Where the servable artifact lives: beside the training state, never inside it (the two are
+        published at once, and a directory published over another would replace it)."""
+        return f"{self.storage_prefix}-adapter"
+
+    @property
+    def storage_prefixes(self) -> tuple[str, str]:
+        """Everything stored for the checkpoint, which goes when it goes (retention, a cancel, a restart)."""
+        return self.storage_prefix, self.artifact_prefix
 
 
 class Upload(models.Model):

@@ -12,7 +12,9 @@ Decisions where OpenAI's API and this platform differ (docs/training.md says the
   the gateway serves.
 - `hyperparameters` take our LoRA knobs (`r`, `lora_alpha`, `target_modules`, …) beside
   OpenAI's; unknown names are refused.
-- Checkpoints are resume points, not servable models; `fine_tuned_model_checkpoint` names them.
+- Every kept checkpoint is a model: `fine_tuned_model_checkpoint` is OpenAI's
+  `ft:<base>:<tenant>:<adapter>:ftjob-<n>:ckpt-step-<N>`, which the gateway serves (and
+  `<adapter>@ftjob-<n>:ckpt-step-<N>`, training.checkpoint_names).
 - A succeeded job's `result_files` names one file, `file-results-<n>`: its metrics as OpenAI's
   results CSV, made from its events when read (not listed among the files, not deletable alone).
 """
@@ -43,6 +45,7 @@ from api.pagination import PageRequest, list_body, page_request, paging_paramete
 from tenants.scoping import TenantScopedAPIView, TenantScopedQuerySet
 from training import base, datasets, jobs, selectors
 from training.api import DatasetUploadHandler
+from training.checkpoint_names import checkpoint_model_name
 from training.hyperparameters import from_openai, method_object, to_openai
 from training.methods import requested_hyperparameters
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
@@ -149,9 +152,12 @@ def event_object(event: TrainingEvent) -> dict[str, Any]:
 
 
 def checkpoint_object(checkpoint: Checkpoint) -> dict[str, Any]:
+    job = checkpoint.job
     return {"id": f"{CHECKPOINT_PREFIX}{checkpoint.pk}", "object": "fine_tuning.job.checkpoint",
             "created_at": _unix(checkpoint.created_at),
-            "fine_tuned_model_checkpoint": f"{checkpoint.job.adapter_name}:ckpt-step-{checkpoint.step}",
+            "fine_tuned_model_checkpoint": checkpoint_model_name(
+                base=job.base_model, tenant=job.tenant.slug, adapter=job.adapter_name, job_id=job.pk,
+                step=checkpoint.step),
             "fine_tuning_job_id": f"{JOB_PREFIX}{checkpoint.job_id}", "step_number": checkpoint.step,
             "metrics": {"step": checkpoint.step, **(checkpoint.metrics or {})}}
 
@@ -426,6 +432,6 @@ class JobCheckpointsView(OpenAIView):
                    operation_id="openai_jobs_checkpoints",
                    summary="OpenAI: a job's kept checkpoints, newest first")
     def get(self, request: Request, job_id: str) -> Response:
-        checkpoints = selectors.job_checkpoints(job=self.job(job_id)).select_related("job")
+        checkpoints = selectors.job_checkpoints(job=self.job(job_id)).select_related("job__tenant")
         rows, has_more = _newest_first(checkpoints, page_request(request), CHECKPOINT_PREFIX)
         return Response(list_body([checkpoint_object(row) for row in rows], has_more=has_more))

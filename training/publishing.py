@@ -17,7 +17,7 @@ from django.db import transaction
 from serving.wire.errors import ServiceError
 from serving.storage import get_storage
 from serving import services as registry
-from serving.engine.lora.artifact import MANIFEST_NAME, base_config_sha256, manifest_write
+from serving.engine.lora.artifact import MANIFEST_NAME, adapter_digest, base_config_sha256, manifest_write
 from serving.models import AdapterVersion, artifact_prefix
 from serving.versions import version_next_patch
 from tenants.models import Tenant
@@ -80,15 +80,26 @@ def publish_and_register(job: TrainingJob, token: str, adapter_dir: Path) -> Non
     if source is not None and source != {"kind": "training_job", "id": str(job.pk)}:
         raise JobFailure(f"Version {version} of adapter '{job.adapter_name}' was published by someone else while "
                          "the job ran; retry the job with another version.", code="version_exists")
-    reused = source is not None
-    if not reused:
-        (adapter_dir / "README.md").unlink(missing_ok=True)  # PEFT's model card: not part of an artifact
-        manifest_write(adapter_dir, tenant=job.tenant.slug, name=job.adapter_name, version=version,
-                       base_model_name=settings.BASE_MODEL_NAME,
-                       base_config_sha256=base_config_sha256(Path(settings.BASE_MODEL_PATH)),
-                       source_kind="training_job", source_id=job.pk)
-        get_storage().publish_directory(adapter_dir, prefix)
+    if source is None:
+        artifact_publish(adapter_dir, prefix, job=job, version=version)
     register(job, token, prefix)
+
+
+def artifact_publish(adapter_dir: Path, prefix: str, *, job: TrainingJob, version: str) -> str:
+    """Publishes a PEFT directory the job trained as an artifact at `prefix`: its manifest (naming the
+    job's tenant and adapter, `version`, the base model and the job as source) written into it, then
+    the whole directory at once. Returns the manifest's sha256, the artifact's content digest.
+
+    The one writer of trained artifacts: the job's version, each kept checkpoint's artifact
+    (training.checkpoint_artifacts) and a version made from a checkpoint (serving.checkpoint_versions).
+    """
+    (adapter_dir / "README.md").unlink(missing_ok=True)  # PEFT's model card: not part of an artifact
+    manifest_write(adapter_dir, tenant=job.tenant.slug, name=job.adapter_name, version=version,
+                   base_model_name=settings.BASE_MODEL_NAME,
+                   base_config_sha256=base_config_sha256(Path(settings.BASE_MODEL_PATH)),
+                   source_kind="training_job", source_id=job.pk)
+    get_storage().publish_directory(adapter_dir, prefix)
+    return adapter_digest(adapter_dir)
 
 
 def register(job: TrainingJob, token: str, prefix: str) -> None:

@@ -53,6 +53,7 @@ from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 from training.preference import TrainItem
 from training.publishing import CancelledLate, artifact_prefix_of, own_artifact, publish_and_register, register
 from training.scratch import scratch_create
+from training.checkpoint_artifacts import checkpoint_store
 from training.concurrency import training_jobs_dispatch
 from training.validation import iter_lines
 from training.worker_stop import stop_requested
@@ -338,19 +339,19 @@ class _JobHooks:
               type=TrainingEvent.Type.METRICS, data=data)
 
     def on_checkpoint(self, step: int, directory: Path, metrics: dict[str, Any]) -> None:
-        storage = get_storage()
-        prefix = f"checkpoints/{self.job.tenant.slug}/{self.job.pk}/step-{step:08d}"
-        # Debris of a run killed while it saved this very step (no row points at it).
-        storage.delete_prefix(prefix)
         from training.trainer import STATE_FILE
 
-        storage.publish_directory(directory, prefix, marker=STATE_FILE)
-        Checkpoint.objects.update_or_create(job=self.job, step=step,
-                                            defaults={"storage_prefix": prefix, "metrics": metrics})
+        # The state and, beside it, the step's adapter as a servable artifact (training.checkpoint_artifacts).
+        stored = checkpoint_store(self.job, step, directory, marker=STATE_FILE)
+        Checkpoint.objects.update_or_create(job=self.job, step=step, defaults={
+            "storage_prefix": stored.storage_prefix, "metrics": metrics, "artifact_uri": stored.artifact_uri,
+            "manifest_sha256": stored.manifest_sha256})
         event(self.job, f"Checkpoint saved at step {step}.", data={"step": step})
         kept = conf.setting_int("TRAINING_CHECKPOINTS_KEPT")
+        storage = get_storage()
         for old in Checkpoint.objects.filter(job=self.job).order_by("-step")[max(1, kept):]:
-            storage.delete_prefix(old.storage_prefix)
+            for prefix in old.storage_prefixes:
+                storage.delete_prefix(prefix)
             old.delete()
 
 

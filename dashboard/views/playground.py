@@ -32,6 +32,8 @@ def _label(model: catalog.Servable) -> str:
     if model.kind == "adapter":
         split = f", canary {model.canary} at {round(100 * model.canary_weight)}%" if model.canary else ""
         return f"{model.model} (active {model.version}{split})"
+    if model.kind == "checkpoint":
+        return f"{model.model} (job {model.status}, step {model.version})"
     return f"{model.model} ({_STATUS_WORDS.get(model.status or '', model.status)})"
 
 
@@ -40,7 +42,7 @@ def model_choices(tenant_id: int) -> list[dict[str, Any]]:
     (serving.gateway.catalog.servable_models): the base model, each deployed adapter (its traffic
     split), each version not archived, pinned (ready and deprecated ones included)."""
     groups = {"base": "Base model", "adapter": "Deployed adapters (active and canary by weight)",
-              "pinned": "Pinned versions"}
+              "pinned": "Pinned versions", "checkpoint": "Checkpoints of training jobs"}
     models = catalog.servable_models(tenant_id)
     return [{"kind": kind, "label": label, "choices": [{"value": model.model, "label": _label(model)}
                                          for model in models if model.kind == kind]}
@@ -53,8 +55,10 @@ def playground_view(request: DashboardRequest) -> HttpResponse:
     groups = model_choices(tenant.pk)
     values = [choice["value"] for group in groups for choice in group["choices"]]
     deployed: list[dict[str, str]] = next((group["choices"] for group in groups if group["kind"] == "adapter"), [])
+    # `?model=` preselects one the tenant may call (a job page's "Open in Playground" names a checkpoint).
+    asked = request.GET.get("model", "")
     return render(request, "dashboard/playground.html", {
-        "groups": groups, "left": deployed[0]["value"] if deployed else values[0],
+        "groups": groups, "left": asked if asked in values else deployed[0]["value"] if deployed else values[0],
         "right": settings.BASE_MODEL_NAME,
         "max_tokens": min(PLAYGROUND_MAX_TOKENS, tenant.tier.max_tokens_per_request),
         "tier_max_tokens": tenant.tier.max_tokens_per_request, "nav": "playground",

@@ -17,6 +17,7 @@ from django.views.decorators.http import require_POST
 
 from dashboard.htmx import is_htmx
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
+from dashboard.views.checkpoints import checkpoint_models
 from serving.wire.errors import InvalidInput, ServiceError
 from training import conf, jobs, selectors
 from training.hyperparameters import ALL_LINEAR, SUPPORTED_TARGET_MODULES, Hyperparameters
@@ -111,8 +112,9 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
 
 
 def _job_context(job: TrainingJob) -> dict[str, Any]:
+    checkpoints = list(selectors.job_checkpoints(job=job).select_related("job"))
     return {"job": job, "metrics": selectors.job_metrics(job=job), "events": selectors.job_events(job=job)[:50],
-            "checkpoints": selectors.job_checkpoints(job=job), "active": not job.is_final,
+            "checkpoints": checkpoints, "checkpoint_models": checkpoint_models(checkpoints), "active": not job.is_final,
             # A paused job changes only when someone resumes it (the page then reloads): no polling.
             "polling": not job.is_final and job.status != TrainingJob.Status.PAUSED,
             "checkpoint_every": conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),

@@ -1,5 +1,6 @@
 """The gateway's view of the database: who is calling (API key → tenant → tier) and what a `model`
-names (the base model, an adapter's served versions, or a pinned version), cached per process.
+names (the base model, an adapter's served versions, a pinned version, or a fine-tuning job's model:
+its version or one of its kept checkpoints, training.checkpoint_names), cached per process.
 
 This module is the gateway's one database port (serving.gateway.ports.Catalog): the pipeline is
 handed it by serving.gateway.wiring and never imports it; the /v1/models views use it directly.
@@ -36,9 +37,13 @@ from serving.wire.names import parse_qualified_name
 from tenants.authentication import KEY_EXPIRED, TenantAuth, api_key_authenticate
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey
+from training.checkpoint_names import JobModelName, checkpoint_label, checkpoint_pinned_name, job_model_parse
+from training.models import Checkpoint, TrainingJob
 
 T = TypeVar("T")
 _SERVED = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)
+# A checkpoint's ServedVersion.status: it is no registry version, so it has none of theirs.
+CHECKPOINT_STATUS = "checkpoint"
 
 
 async def _get_or_load(cache: TtlCache[T], key: Hashable, load: Callable[[], T]) -> T:
@@ -157,11 +162,54 @@ def model_not_allowed(key_prefix: str, allowed_models: tuple[str, ...], model: s
                         code="model_not_allowed", param="model")
 
 
+def _allowed(caller: Caller, model: str, job_model: JobModelName | None) -> bool:
+    """The key's allow-list on `model`; a job's model also by what it stands for: a checkpoint as its
+    pinned name (so its adapter's name allows it), a job's version as its adapter."""
+    allowed, bases = caller.key.allowed_models, base_model_ids()
+    if model_allowed(allowed, model, base_model_ids=bases):
+        return True
+    return job_model is not None and model_allowed(allowed, job_model.pinned or job_model.adapter, base_model_ids=bases)
+
+
+def _job_model(caller: Caller, model: str, named: JobModelName) -> ServedVersion:
+    """The version a job's model name stands for in the caller's tenant: the job's registered version,
+    or its kept checkpoint's artifact, loaded on demand as a pinned version is. Another tenant's job,
+    a name whose base, tenant or adapter is not the job's, a checkpoint no longer kept (or saved
+    before checkpoints had artifacts): the same 404 as a name that never was."""
+    if named.tenant is not None and named.tenant != caller.tenant:
+        raise model_not_found(model)
+    job = (TrainingJob.objects.filter(tenant_id=caller.tenant_id, pk=named.job_id, adapter_name=named.adapter)
+           .select_related("adapter_version").first())
+    if job is None or named.base not in (None, job.base_model):
+        raise model_not_found(model)
+    if named.step is None:
+        version = job.adapter_version
+        if version is None or version.status == AdapterVersion.Status.ARCHIVED:
+            raise model_not_found(model)
+        return _served(version, caller.tenant, job.adapter_name)
+    checkpoint = Checkpoint.objects.filter(job=job, step=named.step).exclude(artifact_uri="").first()
+    if checkpoint is None:
+        raise model_not_found(model)
+    if job.base_model_revision != settings.BASE_MODEL_REVISION:
+        # As the registry refuses such a version: its weights fit another revision of the base.
+        trained, serving = (revision or "(a local directory)"
+                            for revision in (job.base_model_revision, settings.BASE_MODEL_REVISION))
+        raise GatewayError(409, f"'{model:.200}' was trained on revision {trained} of the base model, which now "
+                           f"serves revision {serving}; train it again on this revision.",
+                           code="base_model_revision_mismatch", param="model")
+    return ServedVersion(tenant=caller.tenant, adapter=job.adapter_name, version=checkpoint_label(job.pk, named.step),
+                         artifact_uri=checkpoint.artifact_uri, manifest_sha256=checkpoint.manifest_sha256,
+                         status=CHECKPOINT_STATUS)
+
+
 def _load_target(caller: Caller, model: str) -> Target:
-    if not model_allowed(caller.key.allowed_models, model, base_model_ids=base_model_ids()):
+    job_model = job_model_parse(model)
+    if not _allowed(caller, model, job_model):
         raise model_not_allowed(caller.key_prefix, caller.key.allowed_models, model)
     if model in base_model_ids():
         return Target(base=True)
+    if job_model is not None:
+        return Target(pinned=_job_model(caller, model, job_model))
     name, _, pinned = model.partition("@")
     adapter = Adapter.objects.filter(tenant_id=caller.tenant_id, name=name).first()
     if adapter is None:
@@ -241,10 +289,11 @@ async def key_tokens_recorded(caller: Caller, start: float, before: float) -> in
 @dataclass(frozen=True)
 class Servable:
     """A `model` the gateway serves to a tenant: the base model (by one of its names), an adapter by
-    name (its active version, and its canary by weight), or one version pinned (`adapter@version`)."""
+    name (its active version, and its canary by weight), one version pinned (`adapter@version`), or a
+    job's kept checkpoint (its pinned name; `version` holds its step, `status` its job's id)."""
 
     model: str
-    kind: str  # "base", "adapter" or "pinned"
+    kind: str  # "base", "adapter", "pinned" or "checkpoint"
     adapter: str | None = None
     # The adapter's active version (kind "adapter") or the pinned one (kind "pinned").
     version: str | None = None
@@ -256,8 +305,9 @@ class Servable:
 
 def servable_models(tenant_id: int) -> list[Servable]:
     """Every `model` a request of the tenant resolves to (what `target_for` accepts, before a key's
-    allow-list): the base model's names, each adapter that has an active version, and every version
-    not archived, pinned. The dashboard's playground lists these."""
+    allow-list): the base model's names, each adapter that has an active version, every version
+    not archived, pinned, and every kept checkpoint of its jobs, newest first (by our pinned name;
+    OpenAI's `ft:` names resolve to the same). The dashboard's playground lists these."""
     found = [Servable(model=name, kind="base") for name in base_model_ids()]
     adapters = (Adapter.objects.filter(tenant_id=tenant_id).order_by("name")
                 .prefetch_related(Prefetch("versions", queryset=AdapterVersion.objects.exclude(
@@ -272,6 +322,12 @@ def servable_models(tenant_id: int) -> list[Servable]:
                                   canary_weight=canary.canary_weight if canary else 0.0))
         found.extend(Servable(model=f"{adapter.name}@{version.version}", kind="pinned", adapter=adapter.name,
                               version=version.version, status=version.status) for version in versions)
+    checkpoints = (Checkpoint.objects.filter(job__tenant_id=tenant_id).exclude(artifact_uri="")
+                   .select_related("job").order_by("-job_id", "-step"))
+    found.extend(Servable(model=checkpoint_pinned_name(adapter=item.job.adapter_name, job_id=item.job_id,
+                                                       step=item.step),
+                          kind="checkpoint", adapter=item.job.adapter_name, version=str(item.step),
+                          status=str(item.job_id)) for item in checkpoints)
     return found
 
 
@@ -323,8 +379,9 @@ def model_get(caller: Caller, model: str) -> ModelEntry:
     target = _load_target(caller, model)
     version = target.pinned or (target.served.active if target.served else None)
     assert version is not None, "a model other than the base resolves to a pin or an adapter's served set"
-    adapter = Adapter.objects.get(tenant_id=caller.tenant_id, name=version.adapter)
-    return ModelEntry(id=model, created=int(adapter.created_at.timestamp()), owned_by=caller.tenant,
+    # A checkpoint's adapter has no row before the job's first version is registered.
+    adapter = Adapter.objects.filter(tenant_id=caller.tenant_id, name=version.adapter).first()
+    return ModelEntry(id=model, created=int(adapter.created_at.timestamp()) if adapter else 0, owned_by=caller.tenant,
                       parent=settings.BASE_MODEL_NAME, root=f"{version.adapter}@{version.version}")
 
 

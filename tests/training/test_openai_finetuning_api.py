@@ -264,7 +264,8 @@ def test_checkpoints_in_openai_shape(openai_a):
                                   metrics={"train_loss": 2.0 / step, "valid_loss": None})
     checkpoints = list(openai_a.fine_tuning.jobs.checkpoints.list(job.id, limit=1))
     assert [item.step_number for item in checkpoints] == [8, 4]
-    assert checkpoints[0].fine_tuned_model_checkpoint == "bot:ckpt-step-8"
+    # OpenAI's checkpoint model name, which the gateway serves (tests/gateway/test_checkpoint_models_e2e.py).
+    assert checkpoints[0].fine_tuned_model_checkpoint == f"ft:{BASE_MODEL_NAME}:alice-co:bot:{job.id}:ckpt-step-8"
     assert checkpoints[0].fine_tuning_job_id == job.id and checkpoints[0].id.startswith("ftckpt-")
     assert checkpoints[0].metrics.step == 8 and checkpoints[0].metrics.train_loss == 0.25
 

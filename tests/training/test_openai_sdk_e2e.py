@@ -97,7 +97,8 @@ def test_the_openai_fine_tuning_flow_runs_unchanged(processes, tenant_a, tenant_
     assert results[-1].split(",")[:2] == ["32", str(metrics[-1]["train_loss"])]
     checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
     assert checkpoints and all(item.step_number % 8 == 0 for item in checkpoints)
-    assert checkpoints[0].fine_tuned_model_checkpoint == f"support-bot:ckpt-step-{checkpoints[0].step_number}"
+    assert checkpoints[0].fine_tuned_model_checkpoint == (
+        f"ft:{BASE_MODEL_NAME}:alice-co:support-bot:{job.id}:ckpt-step-{checkpoints[0].step_number}")
     assert checkpoints[0].metrics.train_loss is not None
 
     # The SDK user's next line: the name the job gave is a model the gateway serves.
