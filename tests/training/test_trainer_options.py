@@ -145,7 +145,7 @@ def test_gradient_checkpointing_trains_the_same_adapter_and_is_switched_off_afte
     plain, checkpointed = run(False), run(True)
     for name, tensor in plain.items():
         torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-4, atol=1e-6)
-    assert not base.model.is_gradient_checkpointing
+    assert not base.model.is_activation_checkpointing
 
 
 def test_resume_with_accumulation_packing_and_cosine_gives_the_uninterrupted_weights(base, examples, tmp_path,
