@@ -27,6 +27,7 @@ class Dataset(models.Model):
         CHAT = "chat", "Chat (messages)"
         COMPLETION = "completion", "Prompt / completion"
         TEXT = "text", "Plain text"
+        PREFERENCE = "preference", "Preference pairs (DPO)"
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="datasets")
     # The uploaded file's name, for people; the storage key never depends on it.

@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving.storage import get_storage
-from training.models import Checkpoint, TrainingJob
+from training.models import Checkpoint, Dataset, TrainingJob
 from training.packing import layout, sequence_sums, target_logprobs
 from training.preference import encode, iter_valid_pairs
 from training_support import BASE_MODEL_NAME, QA, jsonl, sdk, wait_for
@@ -77,6 +77,7 @@ def test_a_killed_dpo_job_resumes_to_the_adapter_of_an_uninterrupted_one(platfor
     client = sdk(wsgi_app, tenant_a.key)
     file = client.files.create(file=("prefs.jsonl", jsonl(preference_lines(2))), purpose="fine-tune")
     wait_for(lambda: client.files.retrieve(file.id).status == "processed", 120, "validation")
+    assert Dataset.objects.get(pk=int(file.id.removeprefix("file-"))).format == Dataset.Format.PREFERENCE
     method = {"type": "dpo", "dpo": {"hyperparameters": {**DPO["dpo"]["hyperparameters"], "n_epochs": 12,
                                                          "batch_size": 2, "lora_dropout": 0.1,
                                                          "gradient_accumulation_steps": 2, "packing": True}}}
