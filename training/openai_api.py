@@ -12,6 +12,8 @@ Decisions where OpenAI's API and this platform differ (docs/training.md says the
   the gateway serves.
 - `hyperparameters` take our LoRA knobs (`r`, `lora_alpha`, `target_modules`, …) beside
   OpenAI's; unknown names are refused.
+- `method` is OpenAI's (`supervised`, or `dpo` with its `beta`; training.methods reads it); the
+  job keeps it among its hyperparameters.
 - Every kept checkpoint is a model: `fine_tuned_model_checkpoint` is OpenAI's
   `ft:<base>:<tenant>:<adapter>:ftjob-<n>:ckpt-step-<N>`, which the gateway serves (and
   `<adapter>@ftjob-<n>:ckpt-step-<N>`, training.checkpoint_names).
