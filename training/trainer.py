@@ -257,14 +257,14 @@ class LoraTrainer:
         model = get_peft_model(self.base.model, config)
         if self.hp.gradient_checkpointing:
             # Reentrant checkpointing needs an input that requires grad (the base's embeddings do not).
-            self.base.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            self.base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
             model.enable_input_require_grads()
         try:
             return self._train(model, target_modules, resume_from)
         finally:
             if self.hp.gradient_checkpointing:
                 self.base.model.disable_input_require_grads()
-                self.base.model.gradient_checkpointing_disable()
+                self.base.model.activation_checkpointing_disable()
             model.unload()
             if hasattr(self.base.model, "peft_config"):
                 # PEFT leaves its config on the base; the next job must find a plain model.

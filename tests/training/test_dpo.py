@@ -73,7 +73,7 @@ def pairs(base):
 
 HP = Hyperparameters(method=DPO, beta=0.5, n_epochs=10, batch_size=4, gradient_accumulation_steps=2, packing=True,
                      learning_rate=1e-2, max_seq_length=128, r=4, lora_alpha=8, lora_dropout=0.1,
-                     lr_scheduler_type="cosine")
+                     lr_scheduler_type="cosine", gradient_checkpointing=True)
 
 
 def dpo_trainer(base, pairs, hooks, work_dir) -> LoraTrainer:
