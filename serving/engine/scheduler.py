@@ -166,12 +166,14 @@ class Scheduler:
 
     def _admit(self, now: int, budget: int, scheduled: dict[Sequence, int]) -> int:
         blocked: set[str | None] = set()
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        # Running sequences' forks still to come (n > 1, prompt not yet prefilled) hold their places.
+        reserved = sum(seq.num_forks for seq in self.running)
+        while budget > 0 and len(self.running) + reserved < self.max_num_seqs:
             head = self._best_head(now, blocked)
             if head is None:
                 break
             seq, group = head.seq, head.seq.adapter_key
-            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
+            if len(self.running) + reserved + 1 + seq.num_forks > self.max_num_seqs:
                 break  # its forks must fit too; in arrival order, so it is next once they do
             slot = -1
             handle, cache = seq.adapter, self.lora_cache
@@ -206,6 +208,7 @@ class Scheduler:
             self.blocks.allocate(seq, num)
             scheduled[seq] = num
             budget -= num
+            reserved += seq.num_forks
         return budget
 
     def _best_head(self, now: int, blocked: set[str | None]) -> _Waiting | None:

@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.engine import LLM, LoRARequest, SamplingParams
+from serving.engine import LLM, EngineConfig, LoRARequest, SamplingParams
+from serving.engine.block_manager import BlockManager
 from serving.engine.sampling_params import seed_of
+from serving.engine.scheduler import Scheduler
+from serving.engine.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -152,3 +155,25 @@ def test_n_on_cuda_prefills_once_and_copies_greedy(tiny_llama_dir: Path, make_ad
     first = [c.token_ids for c in llm.generate(PROMPT, seeded, lora)[0].outputs]
     assert [c.token_ids for c in llm.generate(PROMPT, seeded, lora)[0].outputs] == first
     assert len({tuple(t) for t in first}) > 1
+
+
+def test_admission_keeps_places_for_forks_to_come(tmp_path: Path) -> None:
+    """A request of n = 3 still in its prefill holds three of max_num_seqs, so its forks never push
+    the batch past it."""
+    scheduler = Scheduler(EngineConfig(model=str(tmp_path), max_loras=0, block_size=4, max_num_seqs=4,
+                                       max_num_batched_tokens=12), BlockManager(64, 4), None)
+
+    def seq(name: str, prompt_len: int, forks: int = 0) -> Sequence:
+        return Sequence(request_id=name, prompt=None, prompt_token_ids=list(range(1, prompt_len + 1)),
+                        sampling_params=SamplingParams(n=forks + 1), num_forks=forks,
+                        detokenizer=None)  # type: ignore[arg-type]  # the scheduler never decodes text
+
+    wide = seq("wide", 20, forks=2)
+    scheduler.add(wide)
+    assert scheduler.schedule().scheduled == [(wide, 12)]  # its first chunk: admitted, the prompt not done
+    wide.num_computed_tokens = 12
+    for i in range(3):
+        scheduler.add(seq(f"one-{i}", 3))
+    admitted = {s.request_id for s, _ in scheduler.schedule().scheduled}
+    assert admitted == {"wide", "one-0"}  # 1 running + 2 forks to come + 1 = max_num_seqs
+    assert scheduler.num_running == 2 and scheduler.num_waiting == 2
