@@ -217,7 +217,10 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
         if param.requires_grad:
             exempt = param.ndim < 2 or "bias" in name or "norm" in name
             (kept if exempt else decayed).append(param)
-    return [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    # Only groups with parameters: a LoRA-only model has one, as every optimizer state saved before
+    # the groups existed has, so those checkpoints still resume.
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 class LoraTrainer:

@@ -191,3 +191,17 @@ def test_new_hyperparameters_are_checked():
         with pytest.raises(InvalidInput) as raised:
             resolve_hyperparameters(raw, LIMITS)
         assert raised.value.param == f"hyperparameters.{param}", raw
+
+
+def test_a_lora_models_parameters_are_one_optimizer_group_as_in_checkpoints_saved_before_weight_decay(base):
+    model = get_peft_model(base.model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    try:
+        [group] = optimizer_groups(model, 0.1)
+        assert group["weight_decay"] == 0.1 and len(group["params"]) == 2 * base.model.config.num_hidden_layers
+        # The optimizer state the trainer saved when it made a single group loads into this one.
+        old = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], weight_decay=0.0)
+        torch.optim.AdamW(optimizer_groups(model, 0.0)).load_state_dict(old.state_dict())
+    finally:
+        model.unload()
+        if hasattr(base.model, "peft_config"):
+            del base.model.peft_config
