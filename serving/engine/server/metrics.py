@@ -118,6 +118,11 @@ class _EngineCollector(_StatsCollector[EngineStats]):
         yield GaugeMetricFamily(
             "loraplex_kv_cache_blocks_total", "KV-cache blocks in the cache.", value=stats.kv_blocks_total
         )
+        yield CounterMetricFamily(
+            "loraplex_prefill_tokens",
+            "Prompt tokens the engine computed (again after a preemption; once for all n completions of a prompt).",
+            value=stats.prefill_tokens,
+        )
         resident = GaugeMetricFamily(
             "loraplex_lora_resident",
             "1 for each loaded adapter in each tier where it is resident (gpu: a slot, cpu: the CPU cache).",

@@ -85,6 +85,17 @@ def test_n_choices_streamed_and_not(worker: WorkerProcess, offline) -> None:
     api.close()
 
 
+def test_n_prefills_the_prompt_once(worker: WorkerProcess, offline) -> None:
+    prompt_len = len(offline.get_tokenizer()(OTHER).input_ids)
+    before = worker.metric("loraplex_prefill_tokens_total")
+    api = client(worker)
+    api.completions.create(model="alpha", prompt=OTHER, max_tokens=4, temperature=1.0, n=4)
+    assert worker.metric("loraplex_prefill_tokens_total") - before == prompt_len
+    api.completions.create(model="alpha", prompt=[OTHER] * 2, max_tokens=4, temperature=1.0, n=4)
+    assert worker.metric("loraplex_prefill_tokens_total") - before == 3 * prompt_len  # one prefill a prompt
+    api.close()
+
+
 def test_a_list_of_prompts_gives_prompt_major_choices(worker: WorkerProcess, offline) -> None:
     api = client(worker)
     greedy = SamplingParams(temperature=0, max_tokens=8)
