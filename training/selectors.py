@@ -13,6 +13,7 @@ from serving.storage import get_storage
 from tenants.models import Tenant
 from training.examples import Example, load_json_line, parse_example
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+from training.preference import PREFERENCE, parse as parse_preference
 from training.validation import iter_lines
 
 
@@ -107,7 +108,13 @@ def dataset_preview(*, dataset: Dataset, limit: int = 3) -> list[Example]:
             for line in iter_lines(raw):
                 if not line.strip():
                     continue
-                example, _, _ = parse_example(load_json_line(line), dataset.format)
+                value = load_json_line(line)
+                if dataset.format == PREFERENCE:
+                    # A pair shows as its conversation with the preferred reply.
+                    pair, _, _ = parse_preference(value)
+                    example = pair.preferred if pair is not None else None
+                else:
+                    example, _, _ = parse_example(value, dataset.format)
                 if example is not None:
                     examples.append(example)
                 if len(examples) >= limit:

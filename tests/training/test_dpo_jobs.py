@@ -11,6 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving.storage import get_storage
+from training import datasets, selectors
 from training.models import Checkpoint, Dataset, TrainingJob
 from training.packing import layout, sequence_sums, target_logprobs
 from training.preference import encode, iter_valid_pairs
@@ -105,3 +106,13 @@ def test_a_killed_dpo_job_resumes_to_the_adapter_of_an_uninterrupted_one(platfor
         return get_storage().get_bytes(f"adapters/alice-co/{name}/1.0.0/adapter_model.safetensors")
 
     assert adapter("killed-bot") == adapter("straight-bot")
+
+
+def test_a_preference_files_preview_shows_each_conversation_with_its_preferred_reply(platform, wsgi_app, tenant_a):
+    client = sdk(wsgi_app, tenant_a.key)
+    file = client.files.create(file=("prefs.jsonl", jsonl(preference_lines())), purpose="fine-tune")
+    dataset_id = int(file.id.removeprefix("file-"))
+    datasets.dataset_validate(dataset_id=dataset_id)
+    preview = selectors.dataset_preview(dataset=Dataset.objects.get(pk=dataset_id), limit=2)
+    assert [[message["content"] for message in example.messages] for example in preview] == [
+        ["Answer briefly.", QA[0][0], QA[0][1]], ["Answer briefly.", QA[1][0], QA[1][1]]]
