@@ -19,7 +19,7 @@ from serving.gateway.config import GatewayConfig
 from serving.gateway.outliers import OutlierConfig
 from serving.gateway.prewarm import PrewarmConfig
 from serving.gateway.prewarm_loop import PrewarmLoopConfig
-from serving.gateway.routing import Weights
+from serving.gateway.routing import RoutingConfig
 from serving.gateway.shedding import ShedConfig
 from serving.wire.logs import logging_config
 from serving.wire.redis_guard import RedisGuardConfig
@@ -183,7 +183,7 @@ SERVING_WORKER_API_KEY = platform.serving_worker_api_key
 # own dataclass (defaults there; .env.example lists them) in the settings' environment (the
 # environment over .env): docs/gateway.md, "Configuration".
 GATEWAY = GatewayConfig.from_environ(platform.environ)
-GATEWAY_WEIGHTS = Weights.from_environ(platform.environ)
+GATEWAY_ROUTING = RoutingConfig.from_environ(platform.environ)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -1,7 +1,7 @@
 """The gateway's own settings (those of no single policy), read from the environment once.
 
 Each policy reads its own variables in its own dataclass (serving.wire.breakers.BreakerConfig,
-canary_rule, outliers, shedding, prewarm, prewarm_loop, routing.Weights,
+canary_rule, outliers, shedding, prewarm, prewarm_loop, routing.RoutingConfig,
 serving.wire.redis_guard.RedisGuardConfig); what is left is here. lora_platform.settings holds one
 instance of each (settings.GATEWAY, settings.GATEWAY_BREAKERS, ...), serving.gateway.wiring hands
 them to the pipeline, and .env.example documents every variable with the default written below.

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from serving.gateway import metrics
 from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import GatewayError, invalid_request
-from serving.gateway.failover import MAX_ATTEMPTS, ranked, retryable
+from serving.gateway.failover import MAX_ATTEMPTS, retryable
 from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.ports import Catalog
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
@@ -41,7 +41,7 @@ from serving.gateway.records import Call, Caller, Reply, Target
 from serving.gateway.request_buckets import RequestBuckets
 from serving.gateway.request_fields import decode_body, estimate_prompt_tokens, forwarded, requested_max_tokens
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
-from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
+from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry, route
 from serving.gateway.usage_log import UsageEvent, usage_push
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.wire.access_log import access_note
@@ -59,7 +59,7 @@ class PipelineConfig:
     """What the steps read, built once (serving.gateway.wiring, from the settings' instances)."""
 
     gateway: GatewayConfig
-    weights: Weights
+    routing: RoutingConfig
     # The serving workers' shared key: only workers holding it are routed to (SERVING_WORKER_API_KEY).
     worker_api_key: str
     # The base model's id, the name a degraded reply carries (BASE_MODEL_NAME).
@@ -69,7 +69,8 @@ class PipelineConfig:
 @dataclass
 class Resources:
     """Per event loop (clients bind to the loop that made them): Redis, the buckets, the pool to
-    the workers, the catalog, the worker list cache and this process's in-flight count per worker."""
+    the workers, the catalog, the worker list cache, this process's in-flight count per worker and
+    its round-robin turn (used under GATEWAY_ROUTING=round_robin)."""
 
     redis: aioredis.Redis
     buckets: GuardedBuckets
@@ -81,6 +82,7 @@ class Resources:
     workers: list[WorkerView] = field(default_factory=list)
     workers_read_at: float = -math.inf
     workers_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    rotation: RoundRobin = field(default_factory=RoundRobin)
     flusher: asyncio.Task[None] | None = None
     prewarmer: asyncio.Task[None] | None = None
     key_budgets: KeyBudgets = field(init=False)
@@ -211,19 +213,19 @@ async def _workers(res: Resources) -> list[WorkerView]:
 
 
 async def choose_worker(call: Call, res: Resources) -> WorkerView:
-    """The best worker for the call's version (affinity, queue, KV) among those not ejected, and the
-    next-best ones in `call.fallbacks`; 503 when none is live or, below vip, when all are full."""
+    """The worker for the call's version among those not ejected, by the routing policy (affinity,
+    queue, KV; or round robin: serving.gateway.routing.route), and the next ones in `call.fallbacks`;
+    503 when none is live or, below vip, when all are full."""
     candidates = res.resilience.usable_workers(await _workers(res))
-    weights = res.config.weights
     adapter = call.version.qualified_name if call.version else None
-    worker = pick_worker(candidates, adapter=adapter, inflight=res.inflight, weights=weights)
-    if worker is None:
+    order = route(candidates, adapter=adapter, inflight=res.inflight, config=res.config.routing,
+                  rotation=res.rotation)
+    if not order:
         raise GatewayError(503, "No serving worker is available for this model right now; retry shortly.",
                            code="no_serving_worker", headers={**call.headers, "retry-after": "1"})
     res.resilience.shed_check(call, candidates, res.inflight)
-    scored = score_workers(candidates, adapter=adapter, inflight=res.inflight, weights=weights)
-    call.fallbacks = [other for other in ranked(scored) if other.worker_id != worker.worker_id]
-    return worker
+    call.fallbacks = order[1:]
+    return order[0]
 
 
 def upstream_body(call: Call, worker: WorkerView) -> dict[str, Any]:

@@ -14,6 +14,10 @@ both normalised by their maximum over the candidates. Ties are broken at random.
 
 A worker is a candidate when its heartbeat is younger than its TTL, its state is `ready`, and it
 serves the platform's base model. The key layout is the wire's (serving.wire.registry), which the worker writes.
+
+GATEWAY_ROUTING=round_robin (RoutingConfig) replaces the scoring by turns: each request goes to the
+live worker after the last one picked, blind to adapters and load. It is the baseline that
+bench/fleet.py measures affinity against, and a fallback should the scoring ever misbehave.
 """
 
 from __future__ import annotations
@@ -27,18 +31,23 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from serving.wire.env import env_float
+from serving.gateway.failover import ranked
+from serving.wire.env import env_choice, env_float
 from serving.wire.registry import WORKERS_KEY, worker_key
 
 AFFINITY_GPU = 1.0
 AFFINITY_FREE_SLOT = 0.8
 AFFINITY_CPU = 0.6
 
+# The routing policies (GATEWAY_ROUTING).
+AFFINITY = "affinity"
+ROUND_ROBIN = "round_robin"
+
 
 @dataclass(frozen=True)
 class Weights:
     """Worker scoring's weights of affinity, queue and KV cache (the endpoint picker's defaults;
-    settings.GATEWAY_WEIGHTS, built once, from GATEWAY_WEIGHT_*)."""
+    GATEWAY_WEIGHT_*, read with the policy by RoutingConfig)."""
 
     affinity: float = 1.0
     queue: float = 2.0
@@ -49,6 +58,20 @@ class Weights:
         return cls(affinity=env_float(environ, "GATEWAY_WEIGHT_AFFINITY", cls.affinity),
                    queue=env_float(environ, "GATEWAY_WEIGHT_QUEUE", cls.queue),
                    kv=env_float(environ, "GATEWAY_WEIGHT_KV", cls.kv))
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a worker is picked (settings.GATEWAY_ROUTING, built once): the policy (GATEWAY_ROUTING,
+    `affinity` or `round_robin`) and affinity's scoring weights."""
+
+    policy: str = AFFINITY
+    weights: Weights = Weights()
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> RoutingConfig:
+        return cls(policy=env_choice(environ, "GATEWAY_ROUTING", (AFFINITY, ROUND_ROBIN), cls.policy),
+                   weights=Weights.from_environ(environ))
 
 
 @dataclass(frozen=True)
@@ -157,6 +180,41 @@ def pick_worker(candidates: list[WorkerView], *, adapter: str | None, inflight: 
     best = max(score for score, _ in scored)
     top = [worker for score, worker in scored if score >= best - 1e-9]
     return top[0] if len(top) == 1 else (rng or random).choice(top)
+
+
+class RoundRobin:
+    """Turns over whichever workers are live at each pick: the first worker id after the last one
+    picked, in id order, wrapping around. Keyed by id rather than by position, a worker that left
+    is skipped and one that joined takes its turn without the others' turns shifting. One per
+    gateway event loop (pipeline.Resources): several processes each keep their own turn."""
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+    def turns(self, candidates: list[WorkerView]) -> list[WorkerView]:
+        """The candidates from the one whose turn it is (now taken) onward, wrapping around."""
+        ordered = sorted(candidates, key=lambda worker: worker.worker_id)
+        if not ordered:
+            return []
+        last = self.last
+        start = next((index for index, worker in enumerate(ordered) if last is None or worker.worker_id > last), 0)
+        ordered = ordered[start:] + ordered[:start]
+        self.last = ordered[0].worker_id
+        return ordered
+
+
+def route(candidates: list[WorkerView], *, adapter: str | None, inflight: Mapping[str, int], config: RoutingConfig,
+          rotation: RoundRobin) -> list[WorkerView]:
+    """The workers to try, in order: the pick first, then the fallbacks (serving.gateway.failover);
+    empty when there is no candidate. Affinity: the best-scored, then the rest best first; round
+    robin: the one whose turn it is, then the next ones in turn."""
+    if config.policy == ROUND_ROBIN:
+        return rotation.turns(candidates)
+    worker = pick_worker(candidates, adapter=adapter, inflight=inflight, weights=config.weights)
+    if worker is None:
+        return []
+    scored = score_workers(candidates, adapter=adapter, inflight=inflight, weights=config.weights)
+    return [worker, *(other for other in ranked(scored) if other.worker_id != worker.worker_id)]
 
 
 async def read_registry(client: aioredis.Redis, *, now: float | None = None) -> list[dict[str, Any]]:

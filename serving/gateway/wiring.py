@@ -63,7 +63,7 @@ def resources() -> pipeline.Resources:
             upstream=Upstream(api_key=settings.SERVING_WORKER_API_KEY, timeout_s=gateway.upstream_timeout_s),
             resilience=resilience,
             catalog=catalog,
-            config=pipeline.PipelineConfig(gateway=gateway, weights=settings.GATEWAY_WEIGHTS,
+            config=pipeline.PipelineConfig(gateway=gateway, routing=settings.GATEWAY_ROUTING,
                                            worker_api_key=settings.SERVING_WORKER_API_KEY,
                                            base_model_name=settings.BASE_MODEL_NAME),
         )

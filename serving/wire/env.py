@@ -34,3 +34,13 @@ def env_float(environ: Mapping[str, str], name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def env_choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    """`name` as one of `choices` (compared lower-case), `default` when unset or empty."""
+    value = environ.get(name, "").strip()
+    if not value:
+        return default
+    if value.lower() not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value.lower()

@@ -15,15 +15,15 @@ from serving.gateway.config import GatewayConfig
 from serving.gateway.outliers import OutlierConfig
 from serving.gateway.prewarm import PrewarmConfig
 from serving.gateway.prewarm_loop import PrewarmLoopConfig
-from serving.gateway.routing import Weights
+from serving.gateway.routing import RoutingConfig
 from serving.gateway.shedding import ShedConfig
 from serving.wire.breakers import BreakerConfig
 from serving.wire.redis_guard import RedisGuardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = [GatewayConfig, Weights, BreakerConfig, CanaryRuleConfig, OutlierConfig, ShedConfig, RedisGuardConfig,
+CONFIGS = [GatewayConfig, RoutingConfig, BreakerConfig, CanaryRuleConfig, OutlierConfig, ShedConfig, RedisGuardConfig,
            PrewarmConfig, PrewarmLoopConfig]
-SETTINGS = {"GATEWAY": GatewayConfig, "GATEWAY_WEIGHTS": Weights, "GATEWAY_BREAKERS": BreakerConfig,
+SETTINGS = {"GATEWAY": GatewayConfig, "GATEWAY_ROUTING": RoutingConfig, "GATEWAY_BREAKERS": BreakerConfig,
             "GATEWAY_CANARY_ABORT": CanaryRuleConfig, "GATEWAY_OUTLIERS": OutlierConfig,
             "GATEWAY_SHEDDING": ShedConfig, "GATEWAY_REDIS": RedisGuardConfig, "GATEWAY_PREWARM": PrewarmConfig,
             "GATEWAY_PREWARM_LOOP": PrewarmLoopConfig}

@@ -13,7 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from serving.wire.registry import WORKERS_KEY, api_key_id, worker_key
-from serving.gateway.routing import Weights, WorkerView, live_workers, pick_worker, read_registry, score_workers
+from serving.gateway.routing import (RoundRobin, RoutingConfig, Weights, WorkerView, live_workers, pick_worker,
+                                     read_registry, route, score_workers)
 
 ADAPTER = "alice-co/support-bot@1.0.0"
 NOW = 1_000_000.0
@@ -90,6 +91,44 @@ def test_stale_heartbeats_other_bases_and_unready_workers_are_never_chosen():
     )
     assert [worker.worker_id for worker in candidates] == ["fresh"]
     assert pick_worker(views(document("stale", heartbeat=NOW - 10)), adapter=None, inflight={}) is None
+
+
+def test_round_robin_cycles_through_live_workers_and_skips_dead_ones():
+    config = RoutingConfig(policy="round_robin")
+    rotation = RoundRobin()
+    # Adapter residency and queues play no part: "c" holds the adapter and "a" is the busiest.
+    fleet = [document("c", adapters=[resident()]), document("a", queue=9), document("b"),
+             document("dead", heartbeat=NOW - 10)]
+
+    def picks(count: int, documents: list[dict]) -> list[str]:
+        return [route(views(*documents), adapter=ADAPTER, inflight={"a": 5}, config=config,
+                      rotation=rotation)[0].worker_id for _ in range(count)]
+
+    assert picks(6, fleet) == ["a", "b", "c", "a", "b", "c"]
+    # "b" stops heartbeating mid-cycle: the turn passes to the next live worker.
+    fleet[2] = document("b", heartbeat=NOW - 10)
+    assert picks(4, fleet) == ["a", "c", "a", "c"]
+    # A worker that joins takes its turn in id order; the fallbacks are the next ones in turn.
+    fleet.append(document("bb"))
+    assert picks(3, fleet) == ["a", "bb", "c"]
+    assert [worker.worker_id for worker in route(views(*fleet), adapter=None, inflight={}, config=config,
+                                                 rotation=rotation)] == ["a", "bb", "c"]
+    assert route([], adapter=None, inflight={}, config=config, rotation=rotation) == []
+
+
+def test_affinity_routing_picks_the_best_scored_with_the_rest_as_fallbacks():
+    config = RoutingConfig()
+    candidates = views(document("cold", queue=1), document("warm", adapters=[resident()]), document("busy", queue=4))
+    order = route(candidates, adapter=ADAPTER, inflight={}, config=config, rotation=RoundRobin())
+    assert [worker.worker_id for worker in order] == ["warm", "cold", "busy"]
+
+
+def test_the_routing_policy_is_read_from_gateway_routing():
+    assert RoutingConfig.from_environ({}) == RoutingConfig(policy="affinity", weights=Weights())
+    assert RoutingConfig.from_environ({"GATEWAY_ROUTING": "ROUND_ROBIN", "GATEWAY_WEIGHT_QUEUE": "3"}) == \
+        RoutingConfig(policy="round_robin", weights=Weights(queue=3.0))
+    with pytest.raises(ValueError, match="GATEWAY_ROUTING must be one of affinity, round_robin, got 'random'"):
+        RoutingConfig.from_environ({"GATEWAY_ROUTING": "random"})
 
 
 def test_read_registry_returns_live_documents_from_redis(redis_client):
