@@ -20,7 +20,7 @@ from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from dashboard.views.checkpoints import checkpoint_models
 from serving.wire.errors import InvalidInput, ServiceError
 from training import conf, jobs, selectors
-from training.hyperparameters import ALL_LINEAR, SUPPORTED_TARGET_MODULES, Hyperparameters
+from training.hyperparameters import ALL_LINEAR, METHODS, SCHEDULES, SUPPORTED_TARGET_MODULES, Hyperparameters
 from training.models import Dataset, TrainingJob
 
 # One line of help per hyperparameter, shown under its field.
@@ -33,8 +33,14 @@ HYPERPARAMETER_HELP = {
     "lora_alpha": "LoRA scaling; the update is multiplied by alpha / r.",
     "lora_dropout": "Dropout on the LoRA input during training.",
     "warmup_ratio": "Share of the steps spent warming the learning rate up.",
+    "weight_decay": "AdamW's weight decay on the LoRA matrices.",
+    "gradient_accumulation_steps": "Micro-batches a step's examples go through the model in (less memory).",
+    "beta": "DPO only: how far the adapter may move from the base to fit the preferences.",
 }
-_INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r"}
+_INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r", "gradient_accumulation_steps"}
+# The form's choices and switches beside the numbers (training.hyperparameters).
+_CHOICE_FIELDS = ("method", "lr_scheduler_type")
+_SWITCHES = ("packing", "gradient_checkpointing")
 
 
 @dashboard_view(Role.VIEWER)
@@ -57,6 +63,8 @@ def _job_form_context(request: DashboardRequest, values: dict[str, Any], error: 
         "datasets": ready, "hyperparameters": hyperparameters, "values": values, "error": error,
         "target_modules": SUPPORTED_TARGET_MODULES, "chosen_targets": values.get("targets", []),
         "base_model": settings.BASE_MODEL_NAME, "default_epochs": defaults.n_epochs, "nav": "training",
+        "methods": METHODS, "schedules": SCHEDULES,
+        "switches": [{"name": name, "checked": bool(values.get(name))} for name in _SWITCHES],
     }
 
 
@@ -88,13 +96,16 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
     form = request.POST
     values: dict[str, Any] = {key: form.get(key, "") for key in
                               ("training_file", "validation_file", "adapter", "version", "validation_fraction",
-                               "seed", *HYPERPARAMETER_HELP)}
+                               "seed", *HYPERPARAMETER_HELP, *_CHOICE_FIELDS)}
     values["targets"] = form.getlist("target_modules")
+    values.update({name: name in form for name in _SWITCHES})
     try:
         hyperparameters: dict[str, Any] = {name: _form_number(name, values[name], name in _INTEGER_FIELDS)
                                            for name in HYPERPARAMETER_HELP}
         targets = values["targets"]
         hyperparameters["target_modules"] = ALL_LINEAR if not targets or ALL_LINEAR in targets else targets
+        hyperparameters.update({name: values[name] or None for name in _CHOICE_FIELDS})
+        hyperparameters.update({name: values[name] for name in _SWITCHES})
         job = jobs.training_job_create(
             tenant=request.dashboard.tenant, training_file=_form_id("training_file", values["training_file"]),
             validation_file=_form_id("validation_file", values["validation_file"]),
