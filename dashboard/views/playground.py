@@ -1,4 +1,5 @@
-"""The playground: chat with the base model, an adapter or a pinned version, through the public gateway.
+"""The playground: chat with the base model, an adapter, a pinned version or a job's checkpoint, through the
+public gateway.
 
 The page holds no model call: the browser calls `/v1/chat/completions` itself with a playground key
 (docs/dashboard.md, "Decisions"), so quotas, canary weights, breakers and usage records all apply.
@@ -40,7 +41,8 @@ def _label(model: catalog.Servable) -> str:
 def model_choices(tenant_id: int) -> list[dict[str, Any]]:
     """What the playground may call, grouped: everything the gateway serves to the tenant
     (serving.gateway.catalog.servable_models): the base model, each deployed adapter (its traffic
-    split), each version not archived, pinned (ready and deprecated ones included)."""
+    split), each version not archived, pinned (ready and deprecated ones included), and each kept
+    checkpoint of a training job (by its pinned name)."""
     groups = {"base": "Base model", "adapter": "Deployed adapters (active and canary by weight)",
               "pinned": "Pinned versions", "checkpoint": "Checkpoints of training jobs"}
     models = catalog.servable_models(tenant_id)
