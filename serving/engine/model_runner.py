@@ -305,8 +305,7 @@ class ModelRunner:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             sampled = [t for s in sampled for t in (s, *s.forks)]
         return StepResult(sampled, self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
-                                                [s.guide for s in sampled],
-                                                [(s.token_ids, s.num_prompt_tokens) for s in sampled]))
+                                                [s.guide for s in sampled], sampled))
 
     def _cache_slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

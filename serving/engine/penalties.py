@@ -2,9 +2,10 @@
 whole batch at once: ``min_tokens``, ``logit_bias`` and vLLM's presence / frequency / repetition
 penalties.
 
-Each is one set of tensor operations over the rows that use it; the host only gathers those rows'
-token ids (their counts over the vocabulary are a scatter on the device), never loops over the
-vocabulary. Rows that use none of them are not touched. In vLLM's order and meaning:
+Each is one set of tensor operations over the rows that use it; the host only lays out those rows'
+token ids, from int64 arrays each sequence keeps growing (``Sequence.output_array``: one slice copy
+a row, no list converted), and their counts over the vocabulary are a scatter on the device, with no
+loop over the vocabulary. Rows that use none of them are not touched. In vLLM's order and meaning:
 
 1. ``min_tokens``: while a row has fewer output tokens, its EOS ids (unless ``ignore_eos``) and its
    stop token ids are set to -inf;
@@ -18,20 +19,30 @@ vocabulary. Rows that use none of them are not touched. In vLLM's order and mean
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from serving.engine.sampling_params import SamplingParams
 
-# A row's tokens: all of them (prompt then output) and how many of them are the prompt's.
-History = tuple[list[int], int]
+
+class History(Protocol):
+    """What the penalties read of a row's sequence (serving.engine.sequence.Sequence is one)."""
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    def prompt_array(self) -> np.ndarray: ...
+
+    def output_array(self) -> np.ndarray: ...
 
 
 def needs_processing(params: Sequence[SamplingParams], history: Sequence[History]) -> bool:
     """Whether ``apply`` would change any row (so the caller can skip the copy it writes into)."""
     return any(
-        p.logit_bias or p.has_penalties or (p.min_tokens and len(tokens) - prompt_len < p.min_tokens)
-        for p, (tokens, prompt_len) in zip(params, history)
+        p.logit_bias or p.has_penalties or (p.min_tokens and h.num_output_tokens < p.min_tokens)
+        for p, h in zip(params, history)
     )
 
 
@@ -50,8 +61,8 @@ def _ban_stops(logits: torch.Tensor, params: Sequence[SamplingParams], history: 
     rows: list[int] = []
     tokens: list[int] = []
     vocab = logits.shape[1]
-    for i, (p, (ids, prompt_len)) in enumerate(zip(params, history)):
-        if p.min_tokens and len(ids) - prompt_len < p.min_tokens:
+    for i, (p, h) in enumerate(zip(params, history)):
+        if p.min_tokens and h.num_output_tokens < p.min_tokens:
             assert p.stop_token_ids is not None  # SamplingParams.__post_init__ makes it a list
             banned = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
             banned = {t for t in banned if t < vocab}
@@ -79,15 +90,12 @@ def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], history: list[History]) -> None:
     device, vocab = logits.device, logits.shape[1]
-    outputs = [ids[prompt_len:] for ids, prompt_len in history]
-    # Counts over the vocabulary and one padding column (index ``vocab``) that is dropped.
-    counts = _bincount(outputs, vocab, device, logits.dtype)
+    counts = _bincount([h.output_array() for h in history], vocab, device, logits.dtype)
     index = torch.tensor(rows, device=device)
     selected = logits.index_select(0, index)
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = (counts > 0) | (_bincount([ids[:prompt_len] for ids, prompt_len in history], vocab, device,
-                                         logits.dtype) > 0)
+        seen = (counts > 0) | (_bincount([h.prompt_array() for h in history], vocab, device, logits.dtype) > 0)
         penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
         selected = torch.where(seen, penalized, selected)
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
@@ -96,11 +104,15 @@ def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     logits.index_copy_(0, index, selected)
 
 
-def _bincount(rows: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``[len(rows), vocab]`` occurrence counts of each row's token ids."""
+def _bincount(rows: list[np.ndarray], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(rows), vocab]`` occurrence counts of each row's token ids: rows padded with ``vocab``,
+    counted into one extra column that is dropped."""
     width = max((len(r) for r in rows), default=0)
     counts = torch.zeros(len(rows), vocab + 1, device=device, dtype=dtype)
     if width:
-        padded = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], device=device)
-        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device, dtype=dtype))
+        padded = np.full((len(rows), width), vocab, dtype=np.int64)
+        for i, row in enumerate(rows):
+            padded[i, : len(row)] = row
+        index = torch.from_numpy(padded).to(device)
+        counts.scatter_add_(1, index, torch.ones(index.shape, device=device, dtype=dtype))
     return counts[:, :vocab]

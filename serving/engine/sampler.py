@@ -16,7 +16,7 @@ filters), as in vLLM: the chosen token's, its rank, and the ``k`` most likely to
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +51,9 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         guides: list[Guide | None] | None = None,
-        history: list[History] | None = None,
+        history: Sequence[History] | None = None,
     ) -> SampleResult:
-        """``history``: each row's tokens so far, which the penalties and ``min_tokens`` read
+        """``history``: each row's sequence, whose tokens the penalties and ``min_tokens`` read
         (None: no row has any tokens to count, as for a bare logits test)."""
         logits = logits.float()
         chosen_from = logits

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from serving.engine.lora.request import LoRARequest
@@ -74,6 +75,11 @@ class Sequence:
     # The sequences forked from this one in the current step: they sample from its logits row
     # (model_runner), then decode on their own. Emptied after the step.
     forks: list[Sequence] = field(default_factory=list)
+    # int64 copies of the prompt and the output for the penalties (serving.engine.penalties), made
+    # on first use and then grown by the new tokens only: a step never converts a whole token list.
+    _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)
+    _output_array: np.ndarray | None = field(default=None, init=False, repr=False)
+    _output_filled: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -97,6 +103,27 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's token ids as an int64 array."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_array
+
+    def output_array(self) -> np.ndarray:
+        """The output's token ids as an int64 array (a view: valid until the next call). Output
+        tokens are only ever appended, so the tokens copied before stay right."""
+        count = self.num_output_tokens
+        array = self._output_array
+        if array is None or len(array) < count:
+            grown = np.empty(max(16, 2 * count), dtype=np.int64)
+            if array is not None:
+                grown[: self._output_filled] = array[: self._output_filled]
+            self._output_array = array = grown
+        if self._output_filled < count:
+            array[self._output_filled : count] = self.token_ids[self.num_prompt_tokens + self._output_filled :]
+            self._output_filled = count
+        return array[:count]
 
     @property
     def num_uncomputed_tokens(self) -> int:

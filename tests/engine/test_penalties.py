@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -13,11 +14,29 @@ from transformers import AutoModelForCausalLM
 from serving.engine import LLM, SamplingParams
 from serving.engine import penalties
 from serving.engine.sampler import Sampler
+from serving.engine.sequence import Sequence
 
 VOCAB = 12
 EOS = 11
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Row:
+    """A row's tokens as the penalties read them (an engine's Sequence, reduced)."""
+
+    def __init__(self, tokens: list[int], prompt_len: int) -> None:
+        self.prompt, self.output = np.array(tokens[:prompt_len]), np.array(tokens[prompt_len:])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output)
+
+    def prompt_array(self) -> np.ndarray:
+        return self.prompt
+
+    def output_array(self) -> np.ndarray:
+        return self.output
 
 
 def reference(row: torch.Tensor, params: SamplingParams, tokens: list[int], prompt_len: int) -> torch.Tensor:
@@ -68,7 +87,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 @pytest.mark.parametrize("device", DEVICES)
 def test_processing_equals_the_plain_reference(fixed_logits: torch.Tensor, device: str) -> None:
     params = [p for p, _, _ in ROWS]
-    history = [(tokens, prompt_len) for _, tokens, prompt_len in ROWS]
+    history = [Row(tokens, prompt_len) for _, tokens, prompt_len in ROWS]
     processed = fixed_logits.to(device, copy=True)
     penalties.apply(processed, params, history, {EOS})
     processed = processed.cpu()
@@ -76,7 +95,7 @@ def test_processing_equals_the_plain_reference(fixed_logits: torch.Tensor, devic
         torch.testing.assert_close(processed[i], reference(fixed_logits[i], p, tokens, prompt_len), msg=f"row {i}")
     assert processed[4, 7] == fixed_logits[4, 7] - 100.0  # logit_bias is clamped to [-100, 100]
     assert torch.equal(processed[0], fixed_logits[0])  # a row without any of them is untouched
-    assert not penalties.needs_processing([ROWS[0][0], ROWS[7][0]], [(ROWS[0][1], 2), (ROWS[7][1], 1)])
+    assert not penalties.needs_processing([ROWS[0][0], ROWS[7][0]], [Row(ROWS[0][1], 2), Row(ROWS[7][1], 1)])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8, 1.5])
@@ -85,7 +104,7 @@ def test_sampled_tokens_equal_the_reference_sampling(fixed_logits: torch.Tensor,
     tempered distribution with its own generator: the same token as the reference, seed for seed."""
     sampler = Sampler(torch.device("cpu"), eos_token_ids={EOS})
     params = [SamplingParams(**{**_fields(p), "temperature": temperature}) for p, _, _ in ROWS]
-    history = [(tokens, prompt_len) for _, tokens, prompt_len in ROWS]
+    history = [Row(tokens, prompt_len) for _, tokens, prompt_len in ROWS]
     for seed in range(20):
         generators: list[torch.Generator | None] = [torch.Generator().manual_seed(seed + i) for i in range(len(ROWS))]
         got = sampler(fixed_logits, params, generators, None, history).token_ids
@@ -103,7 +122,7 @@ def test_sampled_tokens_equal_the_reference_sampling(fixed_logits: torch.Tensor,
 def test_logprobs_stay_raw(fixed_logits: torch.Tensor) -> None:
     sampler = Sampler(torch.device("cpu"), eos_token_ids={EOS})
     params = [SamplingParams(temperature=0, logit_bias={5: 100.0}, logprobs=1)]
-    result = sampler(fixed_logits[:1], params, [None], None, [([1], 1)])
+    result = sampler(fixed_logits[:1], params, [None], None, [Row([1], 1)])
     raw = torch.log_softmax(fixed_logits[0], dim=-1)
     assert result.token_ids == [5]
     assert result.logprobs is not None and result.logprobs[0] == pytest.approx(float(raw[5]))
@@ -195,3 +214,15 @@ def test_prompt_logprobs_are_the_models_own(tiny_llama_dir: Path, hf_model: torc
         assert entry[token].logprob == pytest.approx(float(logp[position - 1, token]), abs=1e-4)
         assert entry[token].rank == 1 + int((logp[position - 1] > logp[position - 1, token]).sum())
         assert {int(t) for t in logp[position - 1].topk(2).indices} <= set(entry)
+
+
+def test_a_sequences_token_arrays_follow_its_tokens() -> None:
+    """The arrays the penalties read grow with the sequence (past their capacity, by one token or
+    many between reads) and always equal its prompt and output."""
+    seq = Sequence(request_id="r", prompt=None, prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(),
+                   detokenizer=None)  # type: ignore[arg-type]  # never decoded here
+    assert seq.prompt_array().tolist() == [5, 6, 7] and seq.output_array().tolist() == []
+    for burst in (1, 1, 3, 20, 1, 40):
+        seq.token_ids.extend(range(len(seq.token_ids), len(seq.token_ids) + burst))
+        assert seq.output_array().tolist() == seq.output_token_ids
+    assert seq.prompt_array().tolist() == [5, 6, 7]
