@@ -56,6 +56,11 @@ class EngineConfig:
     ``min(8, max_lora_rank)``; 0 turns LoRA off. ``max_cpu_loras`` bounds the CPU cache's entries and
     ``cpu_lora_cache_bytes`` its bytes (default: twice the GPU pool's, at most a quarter of the
     host's memory).
+
+    ``tensor_parallel_size`` (vLLM's flag): the model is sharded over this many processes, one per
+    device (``cuda:0 .. cuda:N-1``; on CPU all of them on the host), which the engine spawns
+    (serving.engine.distributed). Every rank sizes its KV cache and adapter pool alike (the
+    smallest budget of them on CUDA). CUDA graphs are not captured at sizes above 1.
     """
 
     model: str
@@ -83,6 +88,7 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None
     attention_backend: str = "auto"
     max_flat_tokens: int = 2048
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -138,7 +144,12 @@ class EngineConfig:
             f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, got {self.cuda_graph_sizes}",
         )
         _require(self.max_flat_tokens >= 1, f"max_flat_tokens must be >= 1, got {self.max_flat_tokens}")
+        _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self.torch_device  # validates the device string early
+        if self.tensor_parallel_size > 1 and self.torch_device.type == "cuda":
+            count = torch.cuda.device_count()
+            _require(self.tensor_parallel_size <= count,
+                     f"tensor_parallel_size={self.tensor_parallel_size} needs as many CUDA devices; torch sees {count}")
 
     @property
     def lora_enabled(self) -> bool:
@@ -167,7 +178,9 @@ class EngineConfig:
 
     def graph_sizes(self) -> list[int]:
         """Token counts whose flat step is captured (ascending; empty where graphs are off)."""
-        if self.enforce_eager or self.torch_device.type != "cuda":
+        if self.enforce_eager or self.torch_device.type != "cuda" or self.tensor_parallel_size > 1:
+            # Under tensor parallelism rank 0 asks the others for logits from the host, step by step
+            # (TensorParallel.logits), which a captured graph cannot do.
             return []
         flat_cap = self.max_flat_tokens if self.attention == "triton" else self.max_num_seqs
         return graph_ladder(min(flat_cap, self.max_num_batched_tokens), self.cuda_graph_sizes)

@@ -25,7 +25,9 @@ from kernels import LoRAMeta
 from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
 from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
+from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.lora_linear import MultiLoRALinear
+from serving.engine.lora.integrity import raw_sum
 from serving.engine.lora.records import CachedAdapter, CopyDone
 from serving.engine.memory_plan import plan_memory
 from serving.engine.models import build_model
@@ -44,13 +46,16 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, max_model_len: int,
-                 eos_token_ids: Collection[int] = ()) -> None:
+                 eos_token_ids: Collection[int] = (), *, tp: TensorParallel = SINGLE) -> None:
+        """``tp``: this process's rank of a tensor-parallel engine (its shard of the model, and it
+        samples only as rank 0); ``serving.engine.distributed`` makes the group."""
         self.config = config
+        self.tp = tp
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.model = build_model(hf_config, max_positions=max_model_len, device=self.device, dtype=self.dtype)
+        self.model = build_model(hf_config, max_positions=max_model_len, device=self.device, dtype=self.dtype, tp=tp)
         with torch.no_grad():
             if config.load_format == "dummy":
                 self._init_dummy_weights(config.seed)
@@ -62,7 +67,8 @@ class ModelRunner:
         budget = None
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * config.gpu_memory_utilization - (total - free))
+            # Every rank plans alike (rank 0's block and row numbers hold on all), to the tightest device.
+            budget = tp.all_reduce_min(int(total * config.gpu_memory_utilization - (total - free)))
         self.memory = plan_memory(config, kv_block_bytes=kv_block_bytes, lora_row_bytes=self.lora_row_bytes,
                                   max_model_len=max_model_len, budget=budget)
         self.lora_modules: dict[tuple[int, str], MultiLoRALinear] = {}
@@ -140,6 +146,9 @@ class ModelRunner:
             layer.v_cache = self.kv_cache[1, i]
         return num_blocks
 
+    def shutdown(self) -> None:
+        """Nothing runs beside this process (a tensor-parallel rank 0 stops its ranks here)."""
+
     # ---- adapters -------------------------------------------------------------------------
 
     def write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
@@ -165,6 +174,18 @@ class ModelRunner:
             self.lora_rows[slot] = row
             return stream.record_event() if stream is not None else None
 
+    def rows_checksum(self, adapter: CachedAdapter) -> int:
+        """The raw-bit sum (lora.integrity) of what ``write_rows`` puts in this rank's rows: the
+        adapter's own checksum, or under tensor parallelism that of this rank's part of it."""
+        if self.tp.size == 1:
+            return adapter.checksum
+        assert adapter.weights is not None
+        total = 0
+        for (layer_idx, module), (A, Bt) in adapter.weights.items():
+            a, bt = self.lora_modules[(layer_idx, module)].adapter_part(module, A, Bt)
+            total += raw_sum(a) + raw_sum(bt)
+        return total
+
     # ---- one step -------------------------------------------------------------------------
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -187,16 +208,26 @@ class ModelRunner:
 
         return decode_splits(num_decode, self.model.attention_layers()[0].num_kv_heads, max_context)
 
+    def runs_flat(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Whether ``execute`` lays ``scheduled`` out flat (serving.engine.decode_graphs) rather than
+        eagerly (a step that records a prompt's logprobs runs eagerly)."""
+        prefills = [s for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+        if any(_wants_prompt_logprobs(s) for s in prefills):
+            return False
+        num_tokens = sum(n for _, n in scheduled)
+        return not prefills or (self.attention == "triton" and num_tokens <= self.max_flat_tokens)
+
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
+    def execute(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None) -> StepResult:
+        """Run one step. ``flat``: the layout the caller chose (a tensor-parallel rank takes rank 0's,
+        so that their all-reduces add up the same tokens); None: ``runs_flat`` decides."""
+        if self.runs_flat(scheduled) if flat is None else flat:
+            return self._execute_flat(flat_step(scheduled, self.block_size))
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
         prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
-        num_tokens = sum(n for _, n in scheduled)
         # The prompt's own logits are computed on the eager path only (a flat step's graph keeps
         # the sampled rows' logits alone).
         prompt_logprobs = any(_wants_prompt_logprobs(s) for s, _ in prefills)
-        if not prompt_logprobs and (not prefills or (self.attention == "triton" and num_tokens <= self.max_flat_tokens)):
-            return self._execute_flat(flat_step(scheduled, self.block_size))
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -297,7 +328,7 @@ class ModelRunner:
         return self._sample(step.sampled, logits)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> StepResult:
-        if not sampled:
+        if not sampled or not self.tp.is_driver:
             return StepResult([], None)
         if any(s.forks for s in sampled):
             # Sequences forked from one whose prompt completes now draw from its logits row.

@@ -9,6 +9,10 @@ of every slice of every layer (the model runner places it, ``write_rows``); the 
 kernels index (``scaling``, ``ranks``, ``rows``, shared by all layers) says which rows each slot
 reads. The forward adds ``scaling[s] * Bt[rows_s]^T @ A[rows_s] @ x`` for each token's slot ``s``
 through ``kernels.lora_apply_weights``, reading the step's LoRA metadata from the per-step context.
+
+Under tensor parallelism (``split``, serving.engine.layers.parallel_linear) the widths are this
+rank's, checkpoint tensors and adapters are cut to them as they come in, and a row-parallel
+layer all-reduces its output (the LoRA part with it) before adding its bias.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from torch import nn
 
 from kernels import LoRAWeights, lora_apply_weights
 from serving.engine.context import get_context
+from serving.engine.distributed.parallel import SINGLE, TensorParallel
+from serving.engine.layers.parallel_linear import Split
 
 
 class MultiLoRALinear(nn.Module):
@@ -31,9 +37,15 @@ class MultiLoRALinear(nn.Module):
         layer_idx: int,
         device: torch.device,
         dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+        split: Split | None = None,
     ) -> None:
+        """``slices`` and ``in_features`` are this rank's widths; ``split`` says how they were cut
+        (None: the whole projection)."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
+        self.split = split
         self.in_features = in_features
         self.slice_names = [name for name, _ in slices]
         widths = [width for _, width in slices]
@@ -60,11 +72,24 @@ class MultiLoRALinear(nn.Module):
         return self.slice_offsets[i], self.slice_widths[i]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        reduces = self.split is not None and self.split.reduces
+        y = F.linear(x, self.weight, None if reduces else self.bias)
         lora = get_context().lora
         if lora is not None and self.lora_weights is not None:
             lora_apply_weights(y, x, self.lora_weights, lora)
+        if reduces:
+            self.tp.all_reduce(y)
+            if self.bias is not None:
+                y += self.bias
         return y
+
+    def checkpoint(self, slice_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor of slice ``slice_name`` (``kind``: weight or bias)."""
+        return tensor if self.split is None else self.split.checkpoint(slice_name, kind, tensor)
+
+    def adapter_part(self, slice_name: str, A: torch.Tensor, Bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's ``(A, Bt)`` on slice ``slice_name``."""
+        return (A, Bt) if self.split is None else self.split.adapter(slice_name, A, Bt)
 
     def allocate_rows(self, num_rows: int, *, scaling: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor,
                       max_rank: int) -> None:
@@ -80,7 +105,8 @@ class MultiLoRALinear(nn.Module):
     def write_rows(self, row: int, rank: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy one adapter's ``(A [rank, in], Bt [rank, out])`` per slice name into rows
         ``row .. row + rank``; a slice the adapter does not target gets zeros there (the rows held
-        another adapter before). Copies are queued on the current stream, never waited for."""
+        another adapter before). Whole adapters come in; each rank keeps its part. Copies are
+        queued on the current stream, never waited for."""
         end = row + rank
         for name, A, B in zip(self.slice_names, self.lora_A, self.lora_B):
             pair = weights.get(name)
@@ -88,5 +114,6 @@ class MultiLoRALinear(nn.Module):
                 A[row:end].zero_()
                 B[row:end].zero_()
             else:
-                A[row:end].copy_(pair[0], non_blocking=True)
-                B[row:end].copy_(pair[1], non_blocking=True)
+                a, bt = self.adapter_part(name, *pair)
+                A[row:end].copy_(a, non_blocking=True)
+                B[row:end].copy_(bt, non_blocking=True)

@@ -7,6 +7,9 @@ per layer and four LoRA calls. Most checkpoints store the slices apart (``q_proj
 the fused weight at load, and adapters target each slice by its name. Phi-3 stores them fused
 (``qkv_proj``, ``gate_up_proj``) and PEFT adapts those whole (one A for the three slices), so
 there the fused projection is one slice under the checkpoint's own name.
+
+Under tensor parallelism each rank builds its share (serving.engine.layers.parallel_linear): its
+heads, its MLP columns, its vocabulary rows; checkpoint tensors are cut to it as they are loaded.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from serving.engine.distributed.parallel import TensorParallel
 from serving.engine.layers.attention import PagedAttention
 from serving.engine.layers.layernorm import RMSNorm
 from serving.engine.layers.lora_linear import MultiLoRALinear
+from serving.engine.layers.parallel_linear import (
+    ParallelLMHead,
+    Split,
+    VocabParallelEmbedding,
+    even_share,
+    rows,
+    split_heads,
+)
 from serving.engine.layers.rotary import apply_rotary
 
 _FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
@@ -39,6 +51,7 @@ class LoRASlots(TypedDict):
 
     device: torch.device
     dtype: torch.dtype
+    tp: TensorParallel  # this rank's place in the engine's tensor-parallel group
 
 
 @dataclass(frozen=True)
@@ -71,17 +84,28 @@ class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, options: AttentionOptions,
                  **lora: Unpack[LoRASlots]) -> None:  # fmt: skip
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
-        self.head_dim = head_dim_of(config)
+        tp = lora["tp"]
+        total_heads = config.num_attention_heads
+        total_kv_heads = config.num_key_value_heads or total_heads
+        heads = split_heads(total_heads, total_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's
+        self.head_dim = dim = head_dim_of(config)
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * dim, self.num_kv_heads * dim
+        q_rows, kv_rows = rows(heads.first_head, heads.num_heads, dim), rows(heads.first_kv_head, heads.num_kv_heads, dim)
         slices = [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)]
+        keep = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
         if config.model_type in FUSED_CHECKPOINT_MODEL_TYPES:
             slices = [("qkv_proj", q_size + 2 * kv_size)]
-        self.qkv_proj = MultiLoRALinear(config.hidden_size, slices, bias=qkv_bias, layer_idx=layer_idx, **lora)
-        self.o_proj = MultiLoRALinear(q_size, [("o_proj", config.hidden_size)], bias=o_bias, layer_idx=layer_idx, **lora)
+            k_base, v_base = total_heads * dim, (total_heads + total_kv_heads) * dim
+            keep = {"qkv_proj": torch.cat([q_rows, kv_rows + k_base, kv_rows + v_base])}
+        column = Split(keep=keep) if tp.size > 1 else None
+        row = Split(inputs=slice(heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)) if tp.size > 1 else None
+        self.qkv_proj = MultiLoRALinear(config.hidden_size, slices, bias=qkv_bias, layer_idx=layer_idx, split=column,
+                                        **lora)  # fmt: skip
+        self.o_proj = MultiLoRALinear(q_size, [("o_proj", config.hidden_size)], bias=o_bias, layer_idx=layer_idx,
+                                      split=row, **lora)  # fmt: skip
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window(config, layer_idx),
                                    scale=options.scale, softcap=options.softcap)  # fmt: skip
         self.split = (q_size, kv_size, kv_size)
@@ -111,13 +135,21 @@ class MLP(nn.Module):
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, **lora: Unpack[LoRASlots]) -> None:
         super().__init__()
-        size = config.intermediate_size
+        tp = lora["tp"]
+        first, size = even_share(config.intermediate_size, tp, "intermediate_size")  # this rank's columns
         bias = bool(getattr(config, "mlp_bias", False))
+        columns = rows(first, size, 1)
         slices = [("gate_proj", size), ("up_proj", size)]
+        keep = {"gate_proj": columns, "up_proj": columns}
         if config.model_type in FUSED_CHECKPOINT_MODEL_TYPES:
             slices = [("gate_up_proj", 2 * size)]
-        self.gate_up_proj = MultiLoRALinear(config.hidden_size, slices, bias=bias, layer_idx=layer_idx, **lora)
-        self.down_proj = MultiLoRALinear(size, [("down_proj", config.hidden_size)], bias=bias, layer_idx=layer_idx, **lora)
+            keep = {"gate_up_proj": torch.cat([columns, columns + config.intermediate_size])}
+        column = Split(keep=keep) if tp.size > 1 else None
+        row = Split(inputs=slice(first, first + size)) if tp.size > 1 else None
+        self.gate_up_proj = MultiLoRALinear(config.hidden_size, slices, bias=bias, layer_idx=layer_idx, split=column,
+                                            **lora)  # fmt: skip
+        self.down_proj = MultiLoRALinear(size, [("down_proj", config.hidden_size)], bias=bias, layer_idx=layer_idx,
+                                         split=row, **lora)  # fmt: skip
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         self.act = ACT2FN[activation]
         self.fused_silu = activation == "silu"  # the fused kernel computes SiLU only
@@ -148,13 +180,13 @@ class CausalLM(nn.Module):
 
     model: nn.Module
 
-    def __init__(self, config: PretrainedConfig, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, *, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
-            self.lm_head.weight.requires_grad_(False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, device=device, dtype=dtype)
         # Gemma 2 caps the logits: cap * tanh(logit / cap).
         self.final_softcap: float | None = getattr(config, "final_logit_softcapping", None)
 
@@ -163,12 +195,20 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        embed = cast(nn.Embedding, self.model.get_submodule("embed_tokens"))
-        weight = embed.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = hidden @ weight.T
+        """The logits of ``hidden``'s rows, on rank 0; ranks 1..N-1 get an empty ``[rows, 0]`` (they
+        give their share when rank 0 asks, ``TensorParallel.serve_logits``)."""
+        if not self.tp.is_driver:
+            return hidden.new_empty(hidden.shape[0], 0)
+        logits = self.tp.logits(hidden, self.logits_shard, self.config.vocab_size)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits of ``hidden``."""
+        embed = cast(VocabParallelEmbedding, self.model.get_submodule("embed_tokens"))
+        weight = embed.weight if self.tie_word_embeddings else self.lm_head.weight
+        return hidden @ weight.T
 
     def decoder_layers(self) -> Iterator[DecoderLayer]:
         """The layers, typed (an nn.ModuleList holds plain Modules to the type checker)."""
@@ -191,6 +231,7 @@ class CausalLM(nn.Module):
             if name not in expected:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.model_type} model")
             dest = self._destination(name, params)
+            tensor = self._part(name, tensor)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
@@ -210,16 +251,41 @@ class CausalLM(nn.Module):
                 yield name
 
     def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
-        fused = _FUSED_NAME.match(name)
-        if not fused:
+        fused = _fused_target(name)
+        if fused is None:
             return params[name]
-        prefix, block, module, kind = fused.groups()
-        target = f"{prefix}{block}.{'qkv_proj' if block == 'self_attn' else 'gate_up_proj'}"
+        target, module, kind = fused
         offset, width = self._fused_layer(target).slice_of(module)
         return params[f"{target}.{kind}"][offset : offset + width]
+
+    def _part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (all of it at tensor-parallel size 1)."""
+        if self.tp.size == 1:
+            return tensor
+        fused = _fused_target(name)
+        if fused is not None:
+            target, module, kind = fused
+            return self._fused_layer(target).checkpoint(module, kind, tensor)
+        owner_name, _, kind = name.rpartition(".")
+        owner = self.get_submodule(owner_name)
+        if isinstance(owner, MultiLoRALinear):
+            return owner.checkpoint(owner.slice_names[0], kind, tensor)
+        if isinstance(owner, (VocabParallelEmbedding, ParallelLMHead)):
+            return owner.checkpoint(tensor)
+        return tensor  # norms: every rank holds them whole
 
     def _fused_layer(self, target: str) -> MultiLoRALinear:
         layer = self.get_submodule(target)
         if not isinstance(layer, MultiLoRALinear):
             raise TypeError(f"{target} is a {type(layer).__name__}, not a fused projection")
         return layer
+
+
+def _fused_target(name: str) -> tuple[str, str, str] | None:
+    """``(fused projection, slice, weight or bias)`` of a checkpoint tensor stored apart (``q_proj``
+    ...) that the model holds fused; None for any other."""
+    fused = _FUSED_NAME.match(name)
+    if not fused:
+        return None
+    prefix, block, module, kind = fused.groups()
+    return f"{prefix}{block}.{'qkv_proj' if block == 'self_attn' else 'gate_up_proj'}", module, kind

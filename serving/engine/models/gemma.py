@@ -22,7 +22,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.layernorm import RMSNorm
+from serving.engine.layers.parallel_linear import VocabParallelEmbedding
 from serving.engine.layers.rotary import RotaryEmbedding
 from serving.engine.models.common import MLP, Attention, AttentionOptions, CausalLM, LoRASlots, Rope, head_dim_of
 
@@ -71,8 +73,8 @@ class GemmaBackbone(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int, **lora: Unpack[LoRASlots]) -> None:
         super().__init__()
         device, dtype = lora["device"], lora["dtype"]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, lora["tp"], device=device,
+                                                   dtype=dtype)  # fmt: skip
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device),
                              persistent=False)  # fmt: skip
         # One table per layer type where the RoPE parameters differ per type (Gemma 3), else one.
@@ -93,11 +95,12 @@ class GemmaForCausalLM(CausalLM):
 
     model: GemmaBackbone
 
-    def __init__(self, config: PretrainedConfig, *, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, *, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:  # fmt: skip
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention is not supported: the engine generates, causally")
-        super().__init__(config, device=device, dtype=dtype)
-        self.model = GemmaBackbone(config, max_positions, device=device, dtype=dtype)
+        super().__init__(config, device=device, dtype=dtype, tp=tp)
+        self.model = GemmaBackbone(config, max_positions, device=device, dtype=dtype, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         backbone = self.model

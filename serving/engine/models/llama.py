@@ -15,7 +15,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.layernorm import RMSNorm
+from serving.engine.layers.parallel_linear import VocabParallelEmbedding
 from serving.engine.layers.rotary import RotaryEmbedding
 from serving.engine.models.common import MLP, Attention, AttentionOptions, CausalLM, LoRASlots, Rope, head_dim_of
 
@@ -45,8 +47,8 @@ class Backbone(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int, **lora: Unpack[LoRASlots]) -> None:
         super().__init__()
         device, dtype = lora["device"], lora["dtype"]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, lora["tp"], device=device,
+                                                   dtype=dtype)  # fmt: skip
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, device=device, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, **lora) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
@@ -57,9 +59,10 @@ class LlamaForCausalLM(CausalLM):
 
     model: Backbone
 
-    def __init__(self, config: PretrainedConfig, *, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(config, device=device, dtype=dtype)
-        self.model = Backbone(config, max_positions, device=device, dtype=dtype)
+    def __init__(self, config: PretrainedConfig, *, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:  # fmt: skip
+        super().__init__(config, device=device, dtype=dtype, tp=tp)
+        self.model = Backbone(config, max_positions, device=device, dtype=dtype, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
