@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -60,31 +61,65 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def embedded_platform(var_dir: Path) -> Path:
+    """This process set up as the platform on its embedded defaults in `var_dir` (SQLite, local
+    storage, the embedded Redis, whose URL the settings export to the children), migrated, with the
+    tiny model built as the base; the model's directory. Children started after this inherit it all."""
+    os.environ.update(LORAPLEX_VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="lora_platform.settings",
+                      SERVING_WORKER_API_KEY=WORKER_KEY, DJANGO_DEBUG="0", LOG_LEVEL="WARNING",
+                      # Production's mode needs a key of its own (docs/operations.md, "Settings").
+                      DJANGO_SECRET_KEY="bench-gateway-secret-key")
+    for name in ("REDIS_URL", "DATABASE_URL", "STORAGE_URL"):
+        os.environ.pop(name, None)
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.core.management import call_command
+
+    from serving.engine.tiny import build_tiny_model
+
+    call_command("migrate", interactive=False, verbosity=0)
+    model = build_tiny_model(var_dir / "models" / "tiny-llama", arch="llama", seed=0)
+    os.environ.update(BASE_MODEL_PATH=str(model), BASE_MODEL_NAME="tiny-llama")
+    settings.BASE_MODEL_NAME = "tiny-llama"
+    return model
+
+
+def bench_tenant(slug: str, *, max_adapters: int = 1) -> tuple[Any, str]:
+    """A tenant (and its API key) on the `bench` tier, whose rate limits never bind."""
+    from tenants.models import Tier
+    from tenants.services import tenant_create
+
+    Tier.objects.update_or_create(name="bench", defaults=dict(
+        requests_per_minute=10_000_000, tokens_per_minute=1_000_000_000, max_tokens_per_request=512,
+        priority=0, max_concurrent_training_jobs=1, max_adapters=max_adapters, degradation_allowed=False))
+    return tenant_create(slug=slug, tier_name="bench")
+
+
+def wait_up(url: str, log: Path, timeout_s: float = 300.0) -> None:
+    """Until `url` answers 200; exits naming the log to read if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} did not come up; see {log}")
+
+
 class Platform:
     """The worker and the web process, on a fresh temporary var dir."""
 
     def __init__(self, var_dir: Path, profile: str | None) -> None:
         self.var_dir = var_dir
-        os.environ.update(LORAPLEX_VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="lora_platform.settings",
-                          SERVING_WORKER_API_KEY=WORKER_KEY, DJANGO_DEBUG="0", LOG_LEVEL="WARNING",
-                          # Production's mode needs a key of its own (docs/operations.md, "Settings").
-                          DJANGO_SECRET_KEY="bench-gateway-secret-key")
-        os.environ.pop("REDIS_URL", None)
-        os.environ.pop("DATABASE_URL", None)
-        sys.path.insert(0, str(ROOT))
-        import django
-
-        django.setup()
         from django.conf import settings
-        from django.core.management import call_command
 
-        from serving.engine.tiny import build_tiny_model
-
-        call_command("migrate", interactive=False, verbosity=0)
-        model = build_tiny_model(var_dir / "models" / "tiny-llama", arch="llama", seed=0)
-        os.environ.update(BASE_MODEL_PATH=str(model), BASE_MODEL_NAME="tiny-llama")
-        settings.BASE_MODEL_NAME = "tiny-llama"
-        self.key = self._tenant()
+        model = embedded_platform(var_dir)
+        _, self.key = bench_tenant(f"bench-{int(time.time())}")
         self.worker_port, self.web_port = free_port(), free_port()
         self.worker_url = f"http://127.0.0.1:{self.worker_port}"
         self.web_url = f"http://127.0.0.1:{self.web_port}"
@@ -99,30 +134,8 @@ class Platform:
                               "lora_platform.asgi:application", "--port", str(self.web_port), "--log-level", "warning"],
                              cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT),
         ]
-        self._wait(f"{self.worker_url}/health")
-        self._wait(f"{self.web_url}/metrics")
-
-    @staticmethod
-    def _tenant() -> str:
-        from tenants.models import Tier
-        from tenants.services import tenant_create
-
-        Tier.objects.update_or_create(name="bench", defaults=dict(
-            requests_per_minute=10_000_000, tokens_per_minute=1_000_000_000, max_tokens_per_request=512,
-            priority=0, max_concurrent_training_jobs=1, max_adapters=1, degradation_allowed=False))
-        _, key = tenant_create(slug=f"bench-{int(time.time())}", tier_name="bench")
-        return key
-
-    def _wait(self, url: str) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url, timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise SystemExit(f"{url} did not come up; see {self.var_dir / 'processes.log'}")
+        wait_up(f"{self.worker_url}/health", var_dir / "processes.log")
+        wait_up(f"{self.web_url}/metrics", var_dir / "processes.log")
 
     def stop(self) -> None:
         for child in self.children:
