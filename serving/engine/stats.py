@@ -7,8 +7,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from serving.engine.llm_engine import LLMEngine
+    from serving.engine.block_manager import BlockManager
+    from serving.engine.config import EngineConfig
+    from serving.engine.lora.cache import LoRACache
+    from serving.engine.lora.integrity import SlotChecksums
     from serving.engine.lora.records import CachedAdapter
+    from serving.engine.model_runner import ModelRunner
+    from serving.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -100,24 +105,26 @@ class EngineStats:
     adapters: tuple[LoRAInfo, ...]
 
 
-def engine_stats(engine: LLMEngine) -> EngineStats:
-    """The snapshot of ``engine``'s state and counters (on the engine's thread)."""
-    cache = engine.lora_cache
+def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRunner, config: EngineConfig,
+                 lora_cache: LoRACache | None, checksums: SlotChecksums | None, counts: TokenCounts,
+                 adapters: tuple[LoRAInfo, ...]) -> EngineStats:
+    """The snapshot of an engine's state and counters, from its parts (on the engine's thread)."""
+    cache = lora_cache
     lora = cache.stats if cache is not None else None
     return EngineStats(
-        num_waiting=engine.scheduler.num_waiting,
-        num_running=engine.scheduler.num_running,
-        kv_blocks_total=engine.block_manager.num_blocks,
-        kv_blocks_used=engine.block_manager.num_used_blocks,
-        kv_usage=engine.block_manager.usage,
-        num_preemptions=engine.scheduler.stats.num_preemptions,
-        peak_waiting=engine.scheduler.stats.peak_waiting,
-        steps=engine.scheduler.step_count,
-        prompt_tokens=engine.counts.prompt_tokens,
-        prefill_tokens=engine.counts.prefill_tokens,
-        generation_tokens=engine.counts.generation_tokens,
-        max_loras=engine.runner.memory.lora_slots,
-        max_cpu_loras=engine.config.max_cpu_loras or 0,
+        num_waiting=scheduler.num_waiting,
+        num_running=scheduler.num_running,
+        kv_blocks_total=blocks.num_blocks,
+        kv_blocks_used=blocks.num_used_blocks,
+        kv_usage=blocks.usage,
+        num_preemptions=scheduler.stats.num_preemptions,
+        peak_waiting=scheduler.stats.peak_waiting,
+        steps=scheduler.step_count,
+        prompt_tokens=counts.prompt_tokens,
+        prefill_tokens=counts.prefill_tokens,
+        generation_tokens=counts.generation_tokens,
+        max_loras=runner.memory.lora_slots,
+        max_cpu_loras=config.max_cpu_loras or 0,
         adapters_loading=cache.num_loading if cache is not None else 0,
         adapter_loads=lora.loads if lora else 0,
         adapter_load_failures=lora.load_failures if lora else 0,
@@ -126,23 +133,23 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         slot_loads=lora.slot_loads if lora else 0,
         slot_evictions=lora.slot_evictions if lora else 0,
         cpu_evictions=lora.cpu_evictions if lora else 0,
-        slot_waits=engine.scheduler.stats.slot_waits,
+        slot_waits=scheduler.stats.slot_waits,
         slot_hits=lora.slot_hits if lora else 0,
         slot_misses=lora.slot_misses if lora else 0,
-        lora_rows_total=engine.runner.memory.lora_rows,
+        lora_rows_total=runner.memory.lora_rows,
         lora_rows_used=lora.rows_used if lora else 0,
-        lora_row_bytes=engine.runner.lora_row_bytes,
+        lora_row_bytes=runner.lora_row_bytes,
         lora_bytes_loaded=lora.bytes_loaded if lora else 0,
-        fill_waits=engine.scheduler.stats.fill_waits,
-        cpu_cache_bytes=engine.runner.memory.cpu_cache_bytes,
+        fill_waits=scheduler.stats.fill_waits,
+        cpu_cache_bytes=runner.memory.cpu_cache_bytes,
         cpu_cache_bytes_used=lora.cpu_bytes if lora else 0,
         adapter_load_stalls=lora.load_stalls if lora else 0,
-        slot_checks=engine.slot_checksums.checks if engine.slot_checksums is not None else 0,
-        slot_corruptions=engine.slot_checksums.mismatches if engine.slot_checksums is not None else 0,
+        slot_checks=checksums.checks if checksums is not None else 0,
+        slot_corruptions=checksums.mismatches if checksums is not None else 0,
         slot_repairs=lora.slot_repairs if lora else 0,
         gpu_slots=tuple(_label(a) for a in cache.slots()) if cache is not None else (),
         cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
-        adapters=tuple(engine.list_loras()),
+        adapters=adapters,
     )
 
 
