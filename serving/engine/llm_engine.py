@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode
+from serving.engine.distributed.driver import DriverRunner
 from serving.engine.guided import GrammarCompiler, Guide
 from serving.engine.lora.cache import LoRACache, Placement
 from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
@@ -56,7 +57,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or context or 4096
         self.model_name = config.base_model_name or Path(config.model).resolve().name
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(config, self.hf_config, self.max_model_len, self.eos_token_ids)
+        # Under tensor parallelism this process is rank 0, and its runner spawns and drives the others.
+        runner_class = DriverRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.runner = runner_class(config, self.hf_config, self.max_model_len, self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.lora_cache: LoRACache | None = None
         self.slot_checksums: SlotChecksums | None = None
@@ -414,7 +417,8 @@ class LLMEngine:
     def _write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
         landed = self.runner.write_rows(slot, row, adapter)
         assert self.slot_checksums is not None
-        self.slot_checksums.record(slot, content=adapter.checksum, scaling=adapter.scaling, rank=adapter.rank, row=row)
+        self.slot_checksums.record(slot, content=self.runner.rows_checksum(adapter), scaling=adapter.scaling,
+                                   rank=adapter.rank, row=row)  # fmt: skip
         return landed
 
     def remove_lora(self, name: str) -> None:
@@ -461,4 +465,5 @@ class LLMEngine:
         self.grammars.shutdown()
         if self.lora_cache is not None:
             self.lora_cache.shutdown()
+        self.runner.shutdown()
 
