@@ -4,6 +4,10 @@ A background thread owns the ``LLMEngine`` and runs its steps back to back while
 Callers never touch the engine's state: every call becomes a command that the engine thread runs
 between two steps, and outputs travel back to each caller's event loop through its own queue.
 Adapter loads run on loader threads, so a load never pauses the steps of other requests.
+
+A step that fails fails its requests and the engine goes on, except when a tensor-parallel rank
+died (``RankFailedError``): no step can run again, so from then on the engine is not running,
+every request fails at once, and ``on_dead`` tells the owner (the worker goes not-ready).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, TypeVar
 from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
+from serving.engine.distributed.parallel import RankFailedError
 from serving.engine.llm_engine import LLMEngine, PromptType
 from serving.engine.lora.cache import Placement
 from serving.engine.lora.request import LoRARequest
@@ -40,8 +45,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, on_dead: Callable[[Exception], None] = lambda error: None) -> None:
+        """``on_dead(error)`` is called once, on the engine thread, if the engine can run no more."""
         self._wake = threading.Event()
+        self._on_dead = on_dead
+        self._dead: Exception | None = None
         self.engine = LLMEngine(config, on_load_done=self._wake.set)
         self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
@@ -77,7 +85,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self._dead is None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -233,11 +241,18 @@ class AsyncEngine:
                     break
                 if self._stopping:
                     return
+            if self._dead is not None:
+                self._fail_all(self._dead)  # a request that came in since: nothing can run it
+                self._wake.wait(_IDLE_WAIT_S)
+                continue
             try:
                 outputs = self.engine.step()
             except Exception as exc:
                 logger.exception("engine step failed; failing its requests")
                 self._fail_all(exc)
+                if isinstance(exc, RankFailedError):
+                    self._dead = exc
+                    self._on_dead(exc)
                 continue
             if outputs:
                 self._deliver_step(outputs)
@@ -334,7 +349,7 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if not self.is_running:
-            raise EngineDeadError("the engine is shut down")
+            raise EngineDeadError(f"the engine has stopped: {self._dead}" if self._dead else "the engine is shut down")
 
 
 

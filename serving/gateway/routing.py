@@ -95,6 +95,8 @@ class WorkerView:
     gpu_memory_free_bytes: int | None = None
     # The CPU cache under the slots (the prewarm loop fills both; serving.gateway.prewarm_plan).
     max_cpu_loras: int = 0
+    # The devices its engine spans (one registered worker at any size); 1 when an older worker omits it.
+    tensor_parallel_size: int = 1
 
     @classmethod
     def parse(cls, document: Mapping[str, Any]) -> WorkerView:
@@ -115,6 +117,7 @@ class WorkerView:
             max_queued_requests=_optional_int(document.get("max_queued_requests")),
             gpu_memory_free_bytes=_optional_int(document.get("gpu_memory_free_bytes")),
             max_cpu_loras=int(document.get("max_cpu_loras") or 0),
+            tensor_parallel_size=int(document.get("tensor_parallel_size") or 1),
         )
 
     def affinity(self, adapter: str | None) -> float:

@@ -93,6 +93,12 @@ def test_stale_heartbeats_other_bases_and_unready_workers_are_never_chosen():
     assert pick_worker(views(document("stale", heartbeat=NOW - 10)), adapter=None, inflight={}) is None
 
 
+def test_a_tensor_parallel_worker_is_one_worker_with_its_size_and_older_entries_read_as_one():
+    sharded, older = {**document("tp2"), "tensor_parallel_size": 2}, document("old")
+    assert [(view.worker_id, view.tensor_parallel_size) for view in views(sharded, older)] == [("tp2", 2), ("old", 1)]
+    assert views({**sharded, "state": "failed"}) == [], "a worker whose rank died is not routed to"
+
+
 def test_round_robin_cycles_through_live_workers_and_skips_dead_ones():
     config = RoutingConfig(policy="round_robin")
     rotation = RoundRobin()

@@ -40,7 +40,7 @@ def readiness(worker: Worker) -> dict[str, dict[str, Any]]:
     """The worker's readiness checks for /readyz: the engine, and the registry's adapters."""
     engine: dict[str, Any]
     if worker.state is not State.READY:
-        engine = {"ok": False, "error": f"the worker is {worker.state.value}"}
+        engine = {"ok": False, "error": worker.engine_failure or f"the worker is {worker.state.value}"}
     elif worker.engine is None or not worker.engine.is_running:
         engine = {"ok": False, "error": "the engine's loop has stopped"}
     else:

@@ -61,6 +61,7 @@ class ServerArgs:
     load_format: str = "safetensors"
     seed: int = 0
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
     header_timeout: float = 10.0
@@ -193,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--enforce-eager", action="store_true", help="never replay CUDA graphs (vLLM's flag; graphs are CUDA-only)"
     )
+    engine.add_argument(
+        "--tensor-parallel-size", "-tp", type=_positive(int), default=1,
+        help="shard the model over this many processes, one per GPU (vLLM's flag; on CPU all on the host)",
+    )  # fmt: skip
     server = p.add_argument_group("server")
     server.add_argument(
         "--max-queued-requests",

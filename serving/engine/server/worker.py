@@ -57,6 +57,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         load_format=args.load_format,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -93,6 +94,9 @@ class Worker:
             )
         self.sync: RegistrySync | None = None
         self.slot_guard: SlotGuard | None = None
+        # Why the engine stopped after the worker was ready (a tensor-parallel rank died).
+        self.engine_failure: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def base_model_id(self) -> str:
@@ -102,6 +106,7 @@ class Worker:
 
     async def start(self) -> None:
         """Called once the HTTP server is up: load the engine in the background."""
+        self._loop = asyncio.get_running_loop()
         self._spawn(self._boot(), "engine-boot")
         if self.registration is not None:
             self._spawn(self.registration.run(), "worker-heartbeat")
@@ -110,7 +115,7 @@ class Worker:
         try:
             log.info("loading %s; adapters may be loaded from %s", self.args.model, ", ".join(self.adapter_roots.roots))
             started = time.perf_counter()
-            self.engine = await asyncio.to_thread(AsyncEngine, self.config)
+            self.engine = await asyncio.to_thread(AsyncEngine, self.config, on_dead=self._engine_died)
             self.adapters = AdapterSet(self.engine, base_model_ids=self.base_model_ids, roots=self.adapter_roots,
                                        on_change=self._changed)
             for module in self.args.lora_modules:
@@ -174,6 +179,19 @@ class Worker:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 
+    def _engine_died(self, error: Exception) -> None:
+        """From the engine's thread: the engine can run no more. The worker is failed from then on:
+        its registry entry says so at once (the gateway stops routing to it) and /readyz is 503."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._fail_serving, str(error))
+
+    def _fail_serving(self, reason: str) -> None:
+        log.error("the engine stopped; the worker is failed: %s", reason)
+        self.engine_failure = reason
+        self.state = State.FAILED
+        self.exit_code = 1
+        self._changed()
+
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
@@ -194,6 +212,9 @@ class Worker:
     def _not_ready(self) -> APIError:
         if self.state is State.DRAINING:
             return APIError(503, "The worker is shutting down; send the request to another worker.", code="draining")
+        if self.state is State.FAILED and self.engine_failure is not None:
+            return APIError(503, f"The worker's engine stopped ({self.engine_failure}); send the request to another "
+                            "worker.", code="failed")  # fmt: skip
         if self.state is State.FAILED:
             return APIError(503, "The worker failed to start; see its log.", code="failed")
         return APIError(503, "The model is still loading; retry shortly.", code="loading")
@@ -250,6 +271,8 @@ class Worker:
             "base_model_revision": self.args.model_revision,
             "served_model_names": self.base_model_ids,
             "max_loras": stats.max_loras if stats is not None else self.args.max_loras or 0,
+            # One worker however many devices its engine spans (its ranks never register).
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             "max_cpu_loras": self.config.max_cpu_loras,
             "max_lora_rank": self.args.max_lora_rank,
             "max_num_seqs": self.args.max_num_seqs,
