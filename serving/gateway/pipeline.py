@@ -39,7 +39,9 @@ from serving.gateway.key_budget import KeyBudgets, budget_exceeded, spend_add
 from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
 from serving.gateway.request_buckets import RequestBuckets
-from serving.gateway.request_fields import decode_body, estimate_prompt_tokens, forwarded, requested_max_tokens
+from serving.gateway.request_fields import (
+    decode_body, estimate_prompt_tokens, forwarded, requested_max_tokens, requested_sequences,
+)
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry, route
 from serving.gateway.usage_log import UsageEvent, usage_push
@@ -111,17 +113,23 @@ def prewarm_start(res: Resources, config: PrewarmLoopConfig) -> asyncio.Task[Non
 # ---- steps ---------------------------------------------------------------------------------
 
 
-def check_tier_limits(body: dict[str, Any], endpoint: str, caller: Caller) -> int:
-    """The request's max_tokens: as asked within the tier's limit (400 naming both beyond it), or
-    the tier's limit when not asked."""
+def check_tier_limits(body: dict[str, Any], endpoint: str, caller: Caller) -> tuple[int, int]:
+    """The request's max_tokens per completion and how many completions it generates. The tier's
+    limit is on the request's whole output: max_tokens times the completions (several prompts, n,
+    best_of) within it (400 naming both beyond it); when not asked, the limit shared between them."""
     limit = caller.tier.max_tokens_per_request
     asked = requested_max_tokens(body, endpoint)
-    if asked is not None and asked > limit:
-        param = "max_completion_tokens" if endpoint == "chat" and body.get("max_completion_tokens") else "max_tokens"
-        raise invalid_request(
-            f"{param} is {asked}, but the '{caller.tier.name}' tier allows at most {limit} tokens per request; "
-            f"ask for {limit} or fewer.", param=param, code="max_tokens_exceeded")
-    return asked if asked is not None else limit
+    sequences = requested_sequences(body, endpoint)
+    param = "max_completion_tokens" if endpoint == "chat" and body.get("max_completion_tokens") else "max_tokens"
+    tier = f"the '{caller.tier.name}' tier allows at most {limit} tokens per request"
+    if asked is not None and asked * sequences > limit:
+        each = f" for each of {sequences} completions ({asked * sequences} tokens)" if sequences > 1 else ""
+        raise invalid_request(f"{param} is {asked}{each}, but {tier}; ask for {limit // sequences or 1} or fewer"
+                              f"{' each' if sequences > 1 else ''}.", param=param, code="max_tokens_exceeded")
+    if asked is None and sequences > limit:
+        raise invalid_request(f"The request generates {sequences} completions, but {tier}: not one token each. Ask "
+                              f"for fewer completions (prompts, n, best_of).", param="n", code="max_tokens_exceeded")
+    return (asked if asked is not None else limit // sequences), sequences
 
 
 def _over_quota(call: Call, buckets: RequestBuckets, admission: Admission, retry_after_s: float) -> GatewayError:
@@ -151,13 +159,13 @@ async def key_budget_check(call: Call, res: Resources) -> None:
 
 
 async def admit(call: Call, res: Resources) -> None:
-    """Within the key's budget, reserve 1 request and prompt + max_tokens tokens from the tenant's
+    """Within the key's budget, reserve 1 request and prompt + every completion's max_tokens from the tenant's
     and the key's buckets, all or none; over the tenant's quota, degrade where allowed, else (and
     over the key's own limits) 429."""
     await key_budget_check(call, res)
     buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst)
     call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
-    call.reserved_tokens = call.prompt_estimate + call.max_tokens
+    call.reserved_tokens = call.prompt_estimate + call.max_tokens * call.sequences
     call.admission = await res.buckets.admit(buckets.costs(tokens=call.reserved_tokens))
     call.headers.update(buckets.headers(call.admission))
     if call.admission.admitted:
@@ -338,8 +346,9 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
         if error.status == 404 or error.code == "model_not_allowed":
             raise await _charged_refusal(caller, endpoint, error, res) from None
         raise
-    call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target,
-                max_tokens=check_tier_limits(body, endpoint, caller))
+    max_tokens, sequences = check_tier_limits(body, endpoint, caller)
+    call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
+                sequences=sequences)
     try:
         await admit(call, res)
     except GatewayError as error:

@@ -77,7 +77,9 @@ class Call:
     body: dict[str, Any]
     model: str
     target: Target
-    max_tokens: int
+    max_tokens: int  # per completion
+    # Completions the request generates (prompts x max(n, best_of)): the reservation covers them all.
+    sequences: int = 1
     reserved_tokens: int = 0
     prompt_estimate: int = 0
     admission: Admission | None = None

@@ -123,6 +123,23 @@ def requested_max_tokens(body: dict[str, Any], endpoint: str) -> int | None:
     return None
 
 
+def requested_sequences(body: dict[str, Any], endpoint: str) -> int:
+    """How many completions the request can generate: one per prompt of a completions list, times
+    its ``best_of`` (the sequences generated) or ``n``. The tier's per-request token limit and the
+    bucket's reservation cover all of them."""
+    per_prompt = 1
+    for name in ("best_of", "n"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid_request(f"'{name}' must be a positive integer, got {value!r}.", param=name)
+        per_prompt = max(per_prompt, value)
+    prompt = body.get("prompt") if endpoint == "completions" else None
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return prompts * per_prompt
+
+
 def estimate_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
     if endpoint == "chat":
         messages = body.get("messages")

@@ -55,6 +55,30 @@ def test_max_tokens_over_the_tier_is_a_400_naming_both_numbers(web, ready, adapt
     assert unbounded.status_code == 200 and unbounded.json()["usage"]["completion_tokens"] == 16
 
 
+def test_the_tiers_token_limit_covers_every_completion_of_a_request(web, ready, adapter_dirs):
+    """n, best_of and a list of prompts multiply what one request can generate: the tier's per-request
+    limit (16) holds for all of its completions together, and a request that leaves max_tokens unset
+    shares the limit between them."""
+    key = tenant_with_adapter("many-co", tier("many", rpm=100, degradation=False), adapter_dirs[0])
+    for fields in ({"n": 2, "max_tokens": 9}, {"best_of": 3, "n": 1, "max_tokens": 6},
+                   {"prompt": ["hi", "there"], "max_tokens": 9}):
+        refused = post(web, key, **fields)
+        assert refused.status_code == 400, (fields, refused.text)
+        error = refused.json()["error"]
+        assert error["code"] == "max_tokens_exceeded" and error["param"] == "max_tokens", error
+        assert "completions" in error["message"] and "'many'" in error["message"], error
+    both = post(web, key, n=2, max_tokens=8, ignore_eos=True)
+    assert both.status_code == 200, both.text
+    assert len(both.json()["choices"]) == 2 and both.json()["usage"]["completion_tokens"] == 16
+    # Not asked: 16 shared by 4 completions (2 prompts x n 2), 4 tokens each.
+    shared = post(web, key, prompt=["hi", "there"], n=2, max_tokens=None, ignore_eos=True)
+    assert shared.status_code == 200, shared.text
+    assert [c["index"] for c in shared.json()["choices"]] == [0, 1, 2, 3]
+    assert shared.json()["usage"]["completion_tokens"] == 16
+    too_many = post(web, key, n=17, max_tokens=None)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n", too_many.text
+
+
 def test_over_quota_degrades_once_its_own_bucket_allows_then_429(web, ready, adapter_dirs):
     key = tenant_with_adapter("degrade-co", tier("degrading", rpm=1, degradation=True), adapter_dirs[0])
     first = post(web, key)
