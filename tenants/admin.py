@@ -23,7 +23,7 @@ API_KEY_FIELDS = ("tenant", "name", "key_hint", "scopes", "created_at", "last_us
 @admin.register(Tier)
 class TierAdmin(admin.ModelAdmin):
     list_display = ("name", "priority", "requests_per_minute", "tokens_per_minute", "max_tokens_per_request",
-                    "max_concurrent_training_jobs", "max_adapters", "degradation_allowed")
+                    "max_concurrent_training_jobs", "max_gpus_per_job", "max_adapters", "degradation_allowed")
     ordering = ("priority", "name")
 
 

@@ -25,7 +25,7 @@ class TierSerializer(serializers.ModelSerializer):
         model = Tier
         fields = [
             "name", "requests_per_minute", "tokens_per_minute", "max_tokens_per_request", "priority",
-            "max_concurrent_training_jobs", "max_adapters", "degradation_allowed",
+            "max_concurrent_training_jobs", "max_gpus_per_job", "max_adapters", "degradation_allowed",
         ]
 
 

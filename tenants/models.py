@@ -19,6 +19,8 @@ class Tier(models.Model):
     priority = models.PositiveSmallIntegerField()
     max_concurrent_training_jobs = models.PositiveSmallIntegerField()
     max_adapters = models.PositiveIntegerField()
+    # GPUs one training job may ask for (its `gpus` hyperparameter); more is refused at creation.
+    max_gpus_per_job = models.PositiveSmallIntegerField(default=1)
     # Over quota, may a request run on the base model instead of being refused with 429?
     degradation_allowed = models.BooleanField(default=False)
 

@@ -39,6 +39,8 @@ class Limits:
     max_seq_length: int
     max_epochs: int = 50
     max_batch_size: int = 64
+    # A job's ranks run on one host (training.distributed); the tenant's tier may allow fewer.
+    max_gpus: int = 8
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class Hyperparameters:
     method: str = SUPERVISED
     # DPO's temperature: how far the adapter may move from the base (the reference) to fit the preferences.
     beta: float = 0.1
+    # GPUs (ranks) the job trains on, within its tenant's tier's max_gpus_per_job (a Loraplex extension):
+    # the same global batch split over them, so the adapter is the same to float rounding.
+    gpus: int = 1
     # Names still to be picked from the dataset (fit_to_dataset); empty once the job's data is known.
     auto: list[str] = field(default_factory=list)
 
@@ -233,6 +238,7 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         packing=_flag("packing", values["packing"]),
         method=method,
         beta=_number("beta", values["beta"], integer=False, low=0, high=100, low_open=True),
+        gpus=_number("gpus", values["gpus"], integer=True, low=1, high=limits.max_gpus),
         auto=[name for name in AUTO_NAMES if raw.get(name) == "auto"],
     )
 

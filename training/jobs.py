@@ -67,6 +67,15 @@ def _check_adapter_room(tenant: Tenant, name: str) -> None:
         adapter_room_check(tenant=tenant, name=name, param="adapter")
 
 
+def _check_gpus(tenant: Tenant, hp: Hyperparameters) -> None:
+    """InvalidInput when the job asks for more GPUs than the tenant's tier allows one job."""
+    allowed = tenant.tier.max_gpus_per_job
+    if hp.gpus > allowed:
+        raise InvalidInput(f"Hyperparameter 'gpus' is {hp.gpus}, but tier '{tenant.tier.name}' allows at most {allowed} "
+                           f"GPU(s) per training job (max_gpus_per_job); ask for {allowed} or fewer, or move to a "
+                           "higher tier.", code="max_gpus_per_job_exceeded", param="hyperparameters.gpus")
+
+
 def _check_requested_version(tenant: Tenant, adapter_name: str, version: Any) -> str:
     if version in (None, ""):
         return ""
@@ -132,10 +141,10 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
     """A queued job; it starts once the tenant's concurrent-job limit has room (module docstring).
 
     Every input is checked first (datasets ready and the tenant's, adapter name and tier's adapter
-    limit, version, hyperparameters against the platform limits, base model, metadata, waiting-job
-    limit); a refused job leaves nothing behind. With `await_validation` (OpenAI's behaviour) the
-    files may still be being validated: the job waits for them (`training_jobs_release`) and fails
-    if one turns out invalid.
+    limit, version, hyperparameters against the platform limits and the tier's GPUs per job, base
+    model, metadata, waiting-job limit); a refused job leaves nothing behind. With `await_validation`
+    (OpenAI's behaviour) the files may still be being validated: the job waits for them
+    (`training_jobs_release`) and fails if one turns out invalid.
     """
     hp = resolve_hyperparameters(hyperparameters, conf.limits())
     seed = _check_seed(seed)
@@ -158,6 +167,7 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
                                    param="validation_file" if mismatch[0] == "invalid_validation_file" else
                                    "training_file")
             hp = _fitted(hp, dataset.num_examples or 0, fraction)
+        _check_gpus(locked, hp)
         adapter_name_validate(adapter, param="adapter")
         _check_adapter_room(locked, adapter)
         requested = _check_requested_version(locked, adapter, version)

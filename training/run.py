@@ -192,8 +192,8 @@ class _Interrupted(Exception):
 
 
 def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
-    from training.trainer import (CheckpointMismatch, LoraTrainer, TrainingInterrupted, TrainingSetupError,
-                                  TrainingStopped, load_base)
+    from training.ranks import RunInputs, trainer_base, world_size
+    from training.trainer import TrainingInterrupted, TrainingSetupError, TrainingStopped, load_tokenizer
 
     if job.version and own_artifact(job, job.version):
         event(job, f"Version {job.version} was already published by an earlier attempt; registering it.")
@@ -208,26 +208,29 @@ def _run_claimed(job: TrainingJob, token: str, workspace: Path) -> None:
                          f"base model '{job.base_model}', but this worker has revision "
                          f"{settings.BASE_MODEL_REVISION or '(a local directory)'}; create a new job.",
                          code="base_model_revision_mismatch")
-    base = load_base(str(settings.BASE_MODEL_PATH))
+    base_path = str(settings.BASE_MODEL_PATH)
     hp = Hyperparameters.from_dict(job.hyperparameters)
-    train, valid = _load_examples(job, dataset, hp, base.tokenizer, workspace)
+    train, valid = _load_examples(job, dataset, hp, load_tokenizer(base_path), workspace)
+    inputs = RunInputs(base_path=base_path, hyperparameters=job.hyperparameters, seed=job.seed, train=train,
+                       valid=valid, fingerprint=_fingerprint(job), base_model_name=settings.BASE_MODEL_NAME,
+                       checkpoint_every=conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
+                       log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"))
+    size = world_size(hp.gpus)
+    if size != hp.gpus:
+        event(job, f"The job asks for {hp.gpus} GPUs; this worker has {size}, and trains it on those (same batches, "
+                   "same checkpoints).", level=TrainingEvent.Level.WARNING)
     hooks = _JobHooks(job, token)
     try:
-        trainer = LoraTrainer(
-            base, hp, seed=job.seed, train=train, valid=valid, hooks=hooks, work_dir=workspace / "run",
-            fingerprint=_fingerprint(job), base_model_name=settings.BASE_MODEL_NAME,
-            checkpoint_every=conf.setting_int("TRAINING_CHECKPOINT_EVERY_STEPS"),
-            log_every=conf.setting_int("TRAINING_LOG_EVERY_STEPS"),
-            should_interrupt=lambda: stop_requested() or hooks.pause_requested,
-        )
-        resume = _fetch_checkpoint(job, workspace)
-        try:
+        with trainer_base(inputs, size) as (base, world):
+            trainer = inputs.trainer(base, hooks, workspace / "run", world,
+                                     should_interrupt=lambda: stop_requested() or hooks.pause_requested)
+            resume = _fetch_checkpoint(job, workspace)
+            if resume is not None and not trainer.resumable(resume):
+                event(job, "The last checkpoint does not match this job's data or settings; starting over.",
+                      level=TrainingEvent.Level.WARNING)
+                checkpoints_delete(job.pk)
+                resume = None
             result = trainer.run(resume_from=resume)
-        except CheckpointMismatch:
-            event(job, "The last checkpoint does not match this job's data or settings; starting over.",
-                  level=TrainingEvent.Level.WARNING)
-            checkpoints_delete(job.pk)
-            result = trainer.run()
     except TrainingSetupError as error:
         raise JobFailure(str(error), code="invalid_training_setup") from None
     except TrainingStopped:

@@ -7,6 +7,12 @@ optimizer's one step. Every micro-batch's loss is divided by the whole step's co
 tokens, or pairs), not its own, so k micro-batches give the gradient of one batch k times larger:
 the mean loss per trained token (or per pair) over the step, as one forward pass would.
 
+With several ranks (training.distributed) a rank takes every world_size-th of the step's items
+(DistributedSampler's split) and divides by the whole step's count, so the ranks' gradients summed
+are the one-process step's. Every rank runs as many passes: FSDP's all-gathers in each forward are
+collective, so a rank an item short runs its last pass on a copy of the step's first item with
+its loss times zero.
+
 On CUDA the passes run under bf16 autocast (the base is bf16, the LoRA weights fp32); the loss
 is computed in fp32 either way.
 """
@@ -14,6 +20,7 @@ is computed in fp32 either way.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -55,21 +62,37 @@ def micro_batches(items: Sequence[Item], hp: Hyperparameters) -> Iterator[Sequen
         yield items[start:start + size]
 
 
+def _passes(items: Sequence[Item], hp: Hyperparameters, rank: int,
+            world_size: int) -> Iterator[tuple[Sequence[Item], bool]]:
+    """This rank's micro-batches, each with whether it counts (False: a pass only for the collectives)."""
+    share = items[rank::world_size]
+    chunks = list(micro_batches(share, hp))
+    needed = math.ceil(math.ceil(len(items) / world_size) / hp.micro_batch_size)
+    yield from ((chunk, True) for chunk in chunks)
+    yield from (([items[0]], False) for _ in range(needed - len(chunks)))
+
+
 def train_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,
-               device: torch.device) -> StepOutcome:
-    """The forward and backward passes of one step (gradients accumulated, the optimizer not stepped)."""
+               device: torch.device, rank: int = 0, world_size: int = 1) -> StepOutcome:
+    """The forward and backward passes of one step (gradients accumulated, the optimizer not stepped).
+
+    `items` are the whole step's; with world_size > 1 this rank's share of them is passed through
+    (module docstring) and the outcome is the rank's part, to be summed over the ranks.
+    """
     if hp.method == DPO:
-        return _dpo_step(model, items, hp, pad_id=pad_id, device=device)
+        return _dpo_step(model, items, hp, pad_id=pad_id, device=device, rank=rank, world_size=world_size)
     sequences = [item for item in items if isinstance(item, EncodedExample)]
     denominator = max(1, sum(targets(item) for item in sequences))
     loss_total, correct, counted = 0.0, 0, 0
-    for chunk in micro_batches(sequences, hp):
+    for chunk, counts in _passes(sequences, hp, rank, world_size):
         rows = layout(chunk, pad_id=pad_id, device=device, packed=hp.packing, capacity=hp.max_seq_length)
         with autocast(device):
             logits = model(**rows.model_inputs()).logits
         logprobs, trained = target_logprobs(logits, rows)
-        loss_sum = -(logprobs * trained).sum()
+        loss_sum = -(logprobs * trained).sum() * (1 if counts else 0)
         (loss_sum / denominator).backward()
+        if not counts:
+            continue
         loss_total += loss_sum.item()
         with torch.no_grad():
             hits = (logits[:, :-1].argmax(dim=-1) == rows.labels[:, 1:]) & trained
@@ -78,17 +101,18 @@ def train_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, p
 
 
 def _dpo_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,
-              device: torch.device) -> StepOutcome:
+              device: torch.device, rank: int, world_size: int) -> StepOutcome:
     pairs = [item for item in items if isinstance(item, PreferencePair)]
     loss_total, preferred = 0.0, 0
-    for chunk in micro_batches(pairs, hp):
+    for chunk, counts in _passes(pairs, hp, rank, world_size):
         rows = pair_rows(chunk, pad_id=pad_id, device=device, packed=hp.packing, capacity=hp.max_seq_length)
         with autocast(device):
             outcome = pair_loss_sum(model, rows, len(chunk), hp.beta)
-        (outcome.loss_sum / len(pairs)).backward()
-        loss_total += outcome.loss_sum.item()
-        preferred += outcome.preferred
-    return StepOutcome(loss_total / len(pairs), preferred, len(pairs))
+        (outcome.loss_sum * (1 if counts else 0) / len(pairs)).backward()
+        if counts:
+            loss_total += outcome.loss_sum.item()
+            preferred += outcome.preferred
+    return StepOutcome(loss_total / len(pairs), preferred, len(pairs) if rank == 0 else 0)
 
 
 def evaluation_loss(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,

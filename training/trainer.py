@@ -19,6 +19,11 @@ weights (PEFT's safetensors), the optimizer and scheduler state, the RNG states 
 which the epoch and the position in that epoch's deterministic shuffle follow. Resuming from a
 checkpoint gives the same weights as never having stopped.
 
+Several ranks (a job's `gpus`, training.distributed): every rank runs this loop on its own copy
+of the base, sharded by FSDP2; rank 0 decides before each step whether to stop and broadcasts it,
+each rank passes its share of the step's batch, the LoRA gradients are summed over the ranks, and
+only rank 0 writes checkpoints and the adapter (the same files as one process writes).
+
 No Django here: the caller supplies hooks for progress, metrics, cancellation and checkpoint storage.
 """
 
@@ -39,11 +44,12 @@ from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from training.distributed import World, shard
 from training.examples import EncodedExample
 from training.hyperparameters import ALL_LINEAR, DPO, SUPPORTED_TARGET_MODULES, Hyperparameters
 from training.schedules import lr_lambda
 from training.preference import TrainItem
-from training.steps import evaluation_loss, train_step
+from training.steps import StepOutcome, evaluation_loss, train_step
 
 # The directory of a checkpoint: PEFT's two adapter files, then these (the state file is written
 # last and marks the checkpoint complete).
@@ -229,9 +235,10 @@ class LoraTrainer:
     def __init__(self, base: LoadedBase, hp: Hyperparameters, *, seed: int, train: Sequence[TrainItem],
                  valid: Sequence[TrainItem], hooks: TrainingHooks, work_dir: Path, fingerprint: str,
                  base_model_name: str, checkpoint_every: int, log_every: int,
-                 should_interrupt: Callable[[], bool] = lambda: False) -> None:
+                 should_interrupt: Callable[[], bool] = lambda: False, world: World | None = None) -> None:
         """`should_interrupt` is checked before every step, as the hooks' `should_stop` is: True saves a
-        checkpoint of the steps done (unless the last checkpoint holds them) and raises TrainingInterrupted."""
+        checkpoint of the steps done (unless the last checkpoint holds them) and raises TrainingInterrupted.
+        With a `world` the base is this run's own copy (sharded, never given back) and rank 0's hooks decide."""
         if not train:
             raise TrainingSetupError("There are no training examples with tokens to learn from.")
         self.base = base
@@ -246,11 +253,17 @@ class LoraTrainer:
         self.checkpoint_every = max(1, checkpoint_every)
         self.log_every = max(1, log_every)
         self.should_interrupt = should_interrupt
+        self.world = world
+        # Only rank 0 writes checkpoints and the adapter.
+        self.writes = world is None or world.rank == 0
         self.plan = RunPlan(len(self.train_examples), hp.batch_size, hp.n_epochs)
         tokenizer = base.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(self, resume_from: Path | None = None) -> TrainResult:
+        """Trains to the end; with a world, rank 0's `resume_from` is every rank's (one host, one scratch folder)."""
+        if self.world is not None:
+            resume_from = self.world.broadcast(resume_from)
         torch.manual_seed(self.seed)
         target_modules = resolve_target_modules(self.base.model, self.hp.target_modules)
         # PEFT scales by lora_alpha / r and takes any number; its annotation says int.
@@ -258,6 +271,8 @@ class LoraTrainer:
                             lora_dropout=self.hp.lora_dropout, target_modules=target_modules, bias="none",
                             task_type="CAUSAL_LM")
         model = get_peft_model(self.base.model, config)
+        if self.world is not None:
+            shard(model, self.base.model, self.world)
         if self.hp.gradient_checkpointing:
             # Reentrant checkpointing needs an input that requires grad (the base's embeddings do not).
             self.base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
@@ -265,14 +280,19 @@ class LoraTrainer:
         try:
             return self._train(model, target_modules, resume_from)
         finally:
-            if self.hp.gradient_checkpointing:
-                self.base.model.disable_input_require_grads()
-                self.base.model.activation_checkpointing_disable()
-            model.unload()
-            if hasattr(self.base.model, "peft_config"):
-                # PEFT leaves its config on the base; the next job must find a plain model.
-                del self.base.model.peft_config
-            self.base.model.eval()
+            if self.world is None:
+                self._give_base_back(model)
+
+    def _give_base_back(self, model: Any) -> None:
+        """The shared base as it was before the job (LoRA layers out, checkpointing off, eval mode)."""
+        if self.hp.gradient_checkpointing:
+            self.base.model.disable_input_require_grads()
+            self.base.model.activation_checkpointing_disable()
+        model.unload()
+        if hasattr(self.base.model, "peft_config"):
+            # PEFT leaves its config on the base; the next job must find a plain model.
+            del self.base.model.peft_config
+        self.base.model.eval()
 
     def _train(self, model: Any, target_modules: list[str], resume_from: Path | None) -> TrainResult:
         params = [param for param in model.parameters() if param.requires_grad]
@@ -284,6 +304,9 @@ class LoraTrainer:
         if resume_from is not None:
             step, trained_tokens = self._restore(model, optimizer, scheduler, resume_from)
         resumed_from = step if resume_from is not None else None
+        if self.world is not None:
+            # The fresh LoRA init is the same on every rank (one seed); rank 0's, to be certain.
+            self.world.broadcast_params(params)
         # The newest step a checkpoint holds (a fresh run's step 0 needs none).
         saved_step = step
 
@@ -294,10 +317,14 @@ class LoraTrainer:
         valid_loss: float | None = None
         orders: dict[int, list[int]] = {}
         while step < total:
-            if self.hooks.should_stop():
+            stop = self.hooks.should_stop()
+            interrupt = not stop and self.should_interrupt()
+            if self.world is not None:
+                stop, interrupt = self.world.agree(stop, interrupt)
+            if stop:
                 raise TrainingStopped()
-            if self.should_interrupt():
-                if step > saved_step:
+            if interrupt:
+                if step > saved_step and self.writes:
                     try:
                         self._checkpoint(model, optimizer, scheduler, step, trained_tokens,
                                          {"step": step, "train_loss": last_train_loss, "valid_loss": None,
@@ -310,7 +337,7 @@ class LoraTrainer:
             order = orders.setdefault(epoch, _epoch_order(self.seed, epoch, self.plan.num_examples))
             picked = order[position * self.hp.batch_size:(position + 1) * self.hp.batch_size]
             batch_examples = [self.train_examples[index] for index in picked]
-            outcome = train_step(model, batch_examples, self.hp, pad_id=self.pad_id, device=self.base.device)
+            outcome = self._step(model, params, batch_examples, step)
             window_correct, window_counted = window_correct + outcome.correct, window_counted + outcome.counted
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             optimizer.step()
@@ -337,18 +364,39 @@ class LoraTrainer:
                                       learning_rate=float(scheduler.get_last_lr()[0]), trained_tokens=trained_tokens,
                                       **{accuracy_name: accuracy})
                 self.hooks.on_log(metrics)
-            if checkpoint_due:
+            if checkpoint_due and self.writes:
                 self._checkpoint(model, optimizer, scheduler, step, trained_tokens,
                                  {"step": step, "train_loss": last_train_loss, "valid_loss": valid_loss,
                                   accuracy_name: accuracy})
                 saved_step = step
 
         adapter_dir = self.work_dir / "adapter"
-        model.peft_config["default"].base_model_name_or_path = self.base_model_name
-        model.save_pretrained(adapter_dir, **SAVE_OPTIONS)
+        if self.writes:
+            self._save(model, adapter_dir)
         return TrainResult(adapter_dir=adapter_dir, target_modules=target_modules, steps=step,
                            trained_tokens=trained_tokens, train_loss=last_train_loss, valid_loss=valid_loss,
                            resumed_from_step=resumed_from)
+
+    def _step(self, model: Any, params: list[torch.nn.Parameter], batch: list[TrainItem], step: int) -> StepOutcome:
+        """One step's passes; with a world, this rank's share, the gradients and the outcome summed over the ranks."""
+        if self.world is None:
+            return train_step(model, batch, self.hp, pad_id=self.pad_id, device=self.base.device)
+        self.world.seed_step(self.seed, step)
+        outcome = train_step(model, batch, self.hp, pad_id=self.pad_id, device=self.base.device,
+                             rank=self.world.rank, world_size=self.world.size)
+        self.world.reduce_gradients(params)
+        loss, correct, counted = self.world.sum([outcome.loss, outcome.correct, outcome.counted])
+        return StepOutcome(loss, round(correct), round(counted))
+
+    def _save(self, model: Any, directory: Path) -> None:
+        """PEFT's adapter files of the model's LoRA weights in `directory`."""
+        model.peft_config["default"].base_model_name_or_path = self.base_model_name
+        # With several ranks, the model's state_dict() would reshard rank 0's base alone (FSDP's
+        # pre-hook), and its next all-gather would no longer match the other ranks': PEFT is given
+        # the LoRA weights, whole on every rank, instead.
+        given = ({} if self.world is None else
+                 {"state_dict": {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}})
+        model.save_pretrained(directory, **SAVE_OPTIONS, **given)
 
     def _valid_loss(self, model: Any) -> float:
         return evaluation_loss(model, self.valid_examples, self.hp, pad_id=self.pad_id, device=self.base.device)
@@ -356,8 +404,7 @@ class LoraTrainer:
     def _checkpoint(self, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, step: int,
                     trained_tokens: int, metrics: dict[str, Any]) -> None:
         directory = self.work_dir / f"checkpoint-{step}"
-        model.peft_config["default"].base_model_name_or_path = self.base_model_name
-        model.save_pretrained(directory, **SAVE_OPTIONS)
+        self._save(model, directory)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": _rng_state(self.base.device)}, directory / OPTIMIZER_FILE)
         state = {"step": step, "total_steps": self.plan.total_steps, "trained_tokens": trained_tokens,
@@ -368,11 +415,17 @@ class LoraTrainer:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
+    def resumable(self, directory: Path) -> bool:
+        """Whether the checkpoint in `directory` was written by this job's data and hyperparameters
+        (checked before a run: with several ranks, a mismatch found inside one would strand the others)."""
+        state = json.loads((directory / STATE_FILE).read_text())
+        return bool(state.get("fingerprint") == self.fingerprint and state.get("total_steps") == self.plan.total_steps)
+
     def _restore(self, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                  directory: Path) -> tuple[int, int]:
-        state = json.loads((directory / STATE_FILE).read_text())
-        if state.get("fingerprint") != self.fingerprint or state.get("total_steps") != self.plan.total_steps:
+        if not self.resumable(directory):
             raise CheckpointMismatch("The checkpoint was written for different data or hyperparameters.")
+        state = json.loads((directory / STATE_FILE).read_text())
         set_peft_model_state_dict(model, load_file(directory / ADAPTER_WEIGHTS_FILE, device=str(self.base.device)))
         # Only tensors and plain containers: weights_only refuses anything that would run code.
         # load_state_dict moves the optimizer's tensors to their parameters' device.

@@ -26,7 +26,8 @@ def test_tenant_endpoint_shows_the_callers_tenant_and_tier_limits(client_a, tena
     assert body["slug"] == "alice-co" and body["status"] == "active"
     assert body["tier"] == {
         "name": "standard", "requests_per_minute": 200, "tokens_per_minute": 51_200, "max_tokens_per_request": 256,
-        "priority": 1, "max_concurrent_training_jobs": 2, "max_adapters": 20, "degradation_allowed": True,
+        "priority": 1, "max_concurrent_training_jobs": 2, "max_gpus_per_job": 1, "max_adapters": 20,
+        "degradation_allowed": True,
     }
 
 

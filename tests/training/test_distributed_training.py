@@ -1,0 +1,181 @@
+"""A job on several GPUs, here two ranks over gloo on the CPU (docs/training.md, "Several GPUs").
+
+Rank 0 is this test's process, as it is the Celery task's; rank 1 is the subprocess
+training.distributed starts. FSDP2 shards the tiny base over both. Two ranks give the adapter one
+process gives for the same global batch (to float rounding: the ranks' gradients are summed in
+another order); a two-rank run that dies after its step-3 checkpoint leaves no rank behind and,
+resumed at two ranks, ends with the uninterrupted two-rank run's adapter, and at one rank with it
+to rounding (a checkpoint resumes at any world size). Through the services, a job asking for two
+GPUs runs in the Celery task's body and publishes its version; the tier's max_gpus_per_job refuses
+more with a 400 that names it.
+
+Dropout is off in the comparisons with one process: its masks are drawn per rank.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tenants.models import Tier
+from training import concurrency, datasets, jobs, run
+from training.examples import Example, encode_example
+from training.hyperparameters import Hyperparameters
+from training.models import TrainingJob
+from training.ranks import RunInputs, trainer_base
+from training.trainer import load_tokenizer
+from training_support import QA, chat_lines, jsonl
+
+# 8 examples in batches of 3 (3, 3, 2 a step), each step's share in micro-batches of one: rank 1 is
+# an example short in the steps of 3, so it runs a zero-weight pass to match rank 0's all-gathers.
+HP = Hyperparameters(n_epochs=2, batch_size=3, gradient_accumulation_steps=3, learning_rate=1e-2,
+                     max_seq_length=128, r=4, lora_alpha=8, lora_dropout=0.0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_ranks(monkeypatch, one_thread) -> None:
+    # Rank 1 inherits the environment; one OpenMP thread each on the shared 2-core machine.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def inputs(base_model_dir) -> RunInputs:
+    tokenizer = load_tokenizer(str(base_model_dir))
+    examples = [encode_example(Example(format="chat", messages=(
+        {"role": "user", "content": question, "weight": 1},
+        {"role": "assistant", "content": answer, "weight": 1})), tokenizer) for question, answer in QA]
+    return RunInputs(base_path=str(base_model_dir), hyperparameters=HP.to_dict(), seed=5, train=examples,
+                     valid=examples[:2], fingerprint="data-v1", base_model_name="tiny-llama", checkpoint_every=3,
+                     log_every=2)
+
+
+class Hooks:
+    """Rank 0's hooks: checkpoints kept, and a crash of the worker after `fail_after` steps."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.keep = Path(tempfile.mkdtemp(prefix="ckpt-"))
+        self.fail_after = fail_after
+        self.checkpoints: dict[int, Path] = {}
+        self.losses: list[float] = []
+
+    def should_stop(self) -> bool:
+        return False
+
+    def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
+        if self.fail_after is not None and step > self.fail_after:
+            raise RuntimeError("worker lost")
+
+    def on_log(self, metrics) -> None:
+        self.losses.append(metrics.train_loss)
+
+    def on_checkpoint(self, step: int, directory: Path, metrics: dict) -> None:
+        self.checkpoints[step] = shutil.copytree(directory, self.keep / f"checkpoint-{step}")
+
+
+def train(inputs: RunInputs, size: int, work_dir: Path, hooks: Hooks, resume_from: Path | None = None,
+          ranks: list | None = None):
+    """A run of `size` ranks; `ranks` receives the other ranks' processes (ended once this returns or raises)."""
+    with trainer_base(inputs, size) as (base, world):
+        if world is not None and ranks is not None:
+            ranks.extend(world.children)
+        return inputs.trainer(base, hooks, work_dir, world).run(resume_from=resume_from)
+
+
+def weights(result) -> dict[str, torch.Tensor]:
+    return load_file(result.adapter_dir / "adapter_model.safetensors")
+
+
+def assert_close(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(inputs, tmp_path_factory):
+    """An uninterrupted two-rank run (its result and its hooks)."""
+    hooks = Hooks()
+    return train(inputs, 2, tmp_path_factory.mktemp("two"), hooks), hooks
+
+
+def test_two_ranks_train_the_adapter_one_process_trains(inputs, two_ranks, tmp_path):
+    one_hooks = Hooks()
+    one = train(inputs, 1, tmp_path / "one", one_hooks)
+    two, two_hooks = two_ranks
+    assert two.steps == one.steps == 6 and two.trained_tokens == one.trained_tokens
+    assert sorted(two_hooks.checkpoints) == sorted(one_hooks.checkpoints) == [3]
+    assert two_hooks.losses == pytest.approx(one_hooks.losses, rel=1e-4)
+    expected = weights(one)
+    assert_close(expected, weights(two))
+    # The adapter moved: a comparison of two untrained adapters would prove nothing.
+    assert any(float(tensor.abs().max()) > 1e-3 for name, tensor in expected.items() if "lora_B" in name)
+
+
+def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_adapter(inputs, two_ranks, tmp_path):
+    interrupted = Hooks(fail_after=4)
+    ranks: list = []
+    with pytest.raises(RuntimeError, match="worker lost"):
+        train(inputs, 2, tmp_path / "killed", interrupted, ranks=ranks)
+    assert len(ranks) == 1 and ranks[0].poll() is not None
+    assert sorted(interrupted.checkpoints) == [3]
+
+    straight = weights(two_ranks[0])
+    resumed = train(inputs, 2, tmp_path / "resumed", Hooks(), resume_from=interrupted.checkpoints[3])
+    assert resumed.resumed_from_step == 3 and resumed.steps == 6
+    got = weights(resumed)
+    assert got.keys() == straight.keys() and all(torch.equal(straight[name], got[name]) for name in straight)
+
+    alone = train(inputs, 1, tmp_path / "alone", Hooks(), resume_from=interrupted.checkpoints[3])
+    assert_close(straight, weights(alone))
+
+
+@pytest.mark.django_db
+def test_a_job_on_two_gpus_runs_in_the_task_and_publishes(platform, tenant_a, settings):
+    settings.TRAINING_CHECKPOINT_EVERY_STEPS = 2
+    Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_gpus_per_job=2)
+    created = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="t.jsonl")
+    dataset = datasets.dataset_validate(dataset_id=created.pk)
+    job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot", seed=1,
+                                   hyperparameters={"n_epochs": 1, "batch_size": 2, "r": 4, "gpus": 2})
+    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    run.training_job_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == TrainingJob.Status.SUCCEEDED, job.error_message
+    assert job.hyperparameters["gpus"] == 2 and job.step == job.total_steps == 4
+    assert job.version == "1.0.0" and job.adapter_version is not None
+    assert job.events.filter(message="Checkpoint saved at step 2.").exists()
+
+
+@pytest.mark.django_db
+def test_the_tier_refuses_more_gpus_than_it_allows(platform, client_a, tenant_a):
+    response = client_a.post("/api/v1/datasets", {"file": _upload()}, format="multipart")
+    datasets.dataset_validate(dataset_id=response.json()["id"])
+    body = {"training_file": response.json()["id"], "adapter": "support-bot"}
+
+    refused = client_a.post("/api/v1/training-jobs", {**body, "hyperparameters": {"gpus": 2}}, format="json")
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "max_gpus_per_job_exceeded" and error["param"] == "hyperparameters.gpus"
+    assert "max_gpus_per_job" in error["message"] and "tier 'standard' allows at most 1" in error["message"]
+    assert not TrainingJob.objects.exists()
+
+    beyond = client_a.post("/api/v1/training-jobs", {**body, "hyperparameters": {"gpus": 9}}, format="json")
+    assert beyond.status_code == 400 and beyond.json()["error"]["code"] == "hyperparameter_out_of_range"
+
+    Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_gpus_per_job=2)
+    accepted = client_a.post("/api/v1/training-jobs", {**body, "hyperparameters": {"gpus": 2}}, format="json")
+    assert accepted.status_code == 201, accepted.json()
+    default = client_a.post("/api/v1/training-jobs", {**body, "adapter": "other-bot"}, format="json")
+    assert default.status_code == 201
+    assert [job.hyperparameters["gpus"] for job in TrainingJob.objects.order_by("pk")] == [2, 1]
+
+
+def _upload():
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    return SimpleUploadedFile("train.jsonl", jsonl(chat_lines()))
