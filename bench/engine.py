@@ -26,6 +26,12 @@ adapters, one token per sequence, no KV cache: targets.md's reference measuremen
                            [--modes graph,eager,eager-torch] [--profile-dir DIR] [--compare-transformers]
                            [--compare-peft] [--mixed-chunk 256]
 
+Tensor parallelism (issue 28): ``--tensor-parallel-size 2`` runs every engine of the run sharded
+over two processes (gloo on CPU, NCCL on CUDA; CUDA graphs are not captured then, so ``--modes
+eager`` or ``eager-torch``); memory figures are rank 0's. The 8B decode-step table at TP 1 and 2:
+
+    python bench/engine.py --shape llama3-8b --modes eager [--tensor-parallel-size 2] [--json OUT]
+
 The decode-step table (issue 21): ``--adapter-sweep 32,64,128,256`` times, for each count N, the
 step of batch max(--batch, N) with N distinct adapters against the base step at that batch, in one
 engine sized for the largest (``max_loras`` = the largest count), instead of the run above:
@@ -73,6 +79,7 @@ def _engine(model_dir: Path, args: argparse.Namespace, **overrides: object) -> L
         max_model_len=args.context + args.steps + 128,
         device=args.device,
         seed=0,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))
@@ -114,7 +121,8 @@ def bench_cpu(args: argparse.Namespace, work: Path) -> dict[str, float]:
 
     new = args.new_tokens
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm = LLM(str(base), max_loras=args.adapters, max_lora_rank=args.rank, max_num_seqs=args.batch, device=args.device)
+    llm = LLM(str(base), max_loras=args.adapters, max_lora_rank=args.rank, max_num_seqs=args.batch, device=args.device,
+              tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     for key, loras in (("engine_base_tok_s", None), ("engine_lora_tok_s", spread)):
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), lora_request=loras[:2] if loras else None)
         start = time.perf_counter()
@@ -337,6 +345,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt in the tok/s runs")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the dev machine's 2 cores are shared)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard each engine over this many processes")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--profile-dir", type=Path, help="llama3-8b: write torch.profiler tables of a few steps here")
     parser.add_argument("--compare-transformers", action="store_true", help="llama3-8b: also time transformers' forward")
@@ -357,6 +366,8 @@ def main() -> int:
     args.modes = args.modes.split(",")
     if not set(args.modes) <= {"graph", "eager", "eager-torch"}:
         parser.error(f"--modes takes graph, eager and eager-torch, got {args.modes}")
+    if args.tensor_parallel_size > 1 and args.shape != "small" and "graph" in args.modes:
+        parser.error("--modes graph needs --tensor-parallel-size 1: CUDA graphs are not captured at TP > 1")
     try:
         args.adapter_sweep = [int(n) for n in args.adapter_sweep.split(",")] if args.adapter_sweep else []
     except ValueError:
@@ -388,7 +399,7 @@ def main() -> int:
         "shape": args.shape, "batch": args.batch, "adapters": args.adapter_sweep or args.adapters, "rank": args.rank,
         "context": args.context,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
-        "threads": args.threads, "torch": torch.__version__,
+        "threads": args.threads, "torch": torch.__version__, "tensor_parallel_size": args.tensor_parallel_size,
     }
     for key, value in {**info, **results}.items():
         print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")

@@ -14,6 +14,7 @@ every later step raises the same error, so nothing waits on a group that lost a 
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import signal
@@ -68,6 +69,9 @@ class DriverRunner(ModelRunner):
             self._stop_ranks()
             self.tp.leave()
             raise
+        # An engine never shut down (a script's LLM) still stops its ranks in order at exit, rather
+        # than leaving them to find rank 0 gone.
+        atexit.register(self.shutdown)
 
     # ---- what the other ranks must repeat ------------------------------------------------------
 
@@ -132,6 +136,7 @@ class DriverRunner(ModelRunner):
 
     def shutdown(self) -> None:
         """Stop the other ranks (they exit on the step message None) and leave the group."""
+        atexit.unregister(self.shutdown)
         if self._failure is None:
             self._failure = RankFailedError(0, "was shut down")
             try:
