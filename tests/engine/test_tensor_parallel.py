@@ -6,14 +6,16 @@ one LoRA slice each, cut per rank part by part) and on Gemma 2 (the LM head tied
 vocabulary-parallel embedding, soft-capped logits). Two GPU slots for three adapters make the
 cache evict and reload, so rank 0's writes must reach the other rank in order. A rank killed
 mid-service ends the engine with an error naming it, at once and on every later step, and leaves
-no process behind; head counts the size cannot split are refused, naming them."""
+no process behind, whether it died between steps or while rank 0 waited on it inside one; head counts the size cannot split are refused, naming them."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,6 +133,35 @@ def test_killed_rank_ends_the_engine(tiny_model_factory: Callable[..., Path]) ->
         llm.llm_engine.shutdown()
     assert all(p.poll() is not None for p in runner._ranks.values())
     assert not torch.distributed.is_initialized(), "the group is left, so a new engine can start"
+
+
+def test_a_rank_dying_while_rank_0_waits_on_it_ends_the_step(tiny_model_factory: Callable[..., Path]) -> None:
+    """Rank 1 stopped (SIGSTOP), rank 0's step waits in a collective with it; once rank 1 is
+    killed the collective fails at once (its sockets close) and the step ends with the error."""
+    llm = LLM(str(tiny_model_factory("llama")), **{**ENGINE, "max_loras": 0})
+    runner = llm.llm_engine.runner
+    assert isinstance(runner, DriverRunner)
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        except BaseException as exc:  # handed to the test's thread
+            errors.append(exc)
+
+    try:
+        os.kill(runner.rank_pids[1], signal.SIGSTOP)
+        step = threading.Thread(target=generate)
+        step.start()
+        step.join(2)
+        assert step.is_alive(), "rank 0 cannot finish a step without rank 1"
+        os.kill(runner.rank_pids[1], signal.SIGKILL)
+        step.join(60)
+        assert not step.is_alive(), "the step ended"
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(errors) == 1 and isinstance(errors[0], RankFailedError), errors
+    assert re.search(r"rank 1 exited (during a step|between steps) \(killed by SIGKILL\)", str(errors[0]))
 
 
 def test_head_counts_the_size_cannot_split_are_refused() -> None:
