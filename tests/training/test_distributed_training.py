@@ -3,7 +3,7 @@
 Rank 0 is this test's process, as it is the Celery task's; rank 1 is the subprocess
 training.distributed starts. FSDP2 shards the tiny base over both. Two ranks give the adapter one
 process gives for the same global batch (to float rounding: the ranks' gradients are summed in
-another order); a two-rank run that dies after its step-3 checkpoint leaves no rank behind and,
+another order), supervised and DPO (packed, with gradient checkpointing); a two-rank run that dies after its step-3 checkpoint leaves no rank behind and,
 resumed at two ranks, ends with the uninterrupted two-rank run's adapter, and at one rank with it
 to rounding (a checkpoint resumes at any world size). Through the services, a job asking for two
 GPUs runs in the Celery task's body and publishes its version; the tier's max_gpus_per_job refuses
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,12 @@ from safetensors.torch import load_file
 from tenants.models import Tier
 from training import concurrency, datasets, jobs, run
 from training.examples import Example, encode_example
-from training.hyperparameters import Hyperparameters
+from training.hyperparameters import DPO, Hyperparameters
+from training.preference import encode, iter_valid_pairs
 from training.models import TrainingJob
 from training.ranks import RunInputs, trainer_base
 from training.trainer import load_tokenizer
+from test_dpo import preference_lines, raw
 from training_support import QA, chat_lines, jsonl
 
 # 8 examples in batches of 3 (3, 3, 2 a step), each step's share in micro-batches of one: rank 1 is
@@ -114,6 +117,19 @@ def test_two_ranks_train_the_adapter_one_process_trains(inputs, two_ranks, tmp_p
     assert_close(expected, weights(two))
     # The adapter moved: a comparison of two untrained adapters would prove nothing.
     assert any(float(tensor.abs().max()) > 1e-3 for name, tensor in expected.items() if "lora_B" in name)
+
+
+def test_two_ranks_train_a_dpo_adapter_as_one_process_does(inputs, tmp_path):
+    """DPO's pairs split the same way (packed, a batch of 3 in micro-batches of one, gradient checkpointing)."""
+    pairs = [encode(example, load_tokenizer(inputs.base_path), 128)
+             for example in iter_valid_pairs(raw(preference_lines()))]
+    hp = replace(HP, method=DPO, beta=0.5, n_epochs=1, packing=True, gradient_checkpointing=True)
+    dpo = replace(inputs, hyperparameters=hp.to_dict(), train=pairs, valid=pairs[:2])
+    one_hooks, two_hooks = Hooks(), Hooks()
+    one = train(dpo, 1, tmp_path / "one", one_hooks)
+    two = train(dpo, 2, tmp_path / "two", two_hooks)
+    assert two.steps == one.steps == 3 and two_hooks.losses == pytest.approx(one_hooks.losses, rel=1e-4)
+    assert_close(weights(one), weights(two))
 
 
 def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_adapter(inputs, two_ranks, tmp_path):
