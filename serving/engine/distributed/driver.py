@@ -35,6 +35,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.distributed.parallel import SINGLE, RankFailedError, TensorParallel
 from serving.engine.distributed.rank_worker import RankArgs
 from serving.engine.distributed.step import AdapterWrite, StepMessage, describe
+from serving.engine.lora.reader import Weights
 from serving.engine.lora.records import CachedAdapter, CopyDone
 from serving.engine.model_runner import ModelRunner, StepResult
 from serving.engine.sequence import Sequence
@@ -53,7 +54,7 @@ class DriverRunner(ModelRunner):
         port = _free_port()
         self._ranks: dict[int, subprocess.Popen[bytes]] = {}
         self._failure: RankFailedError | None = None
-        self._writes: list[AdapterWrite] = []
+        self._writes: list[tuple[AdapterWrite, Weights]] = []
         self._copies: list[tuple[int, int]] = []
         for rank in range(1, size):
             args = RankArgs(rank, size, port, config, hf_config, max_model_len, torch.get_num_threads())
@@ -77,8 +78,10 @@ class DriverRunner(ModelRunner):
 
     def write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
         landed = super().write_rows(slot, row, adapter)
-        assert adapter.weights is not None  # super() checked it
-        self._writes.append(AdapterWrite(slot, row, adapter.rank, adapter.scaling, adapter.digest, adapter.weights))
+        weights = adapter.weights
+        assert weights is not None  # super() checked it
+        tensors = [(key, tuple(A.shape), tuple(Bt.shape)) for key, (A, Bt) in weights.items()]
+        self._writes.append((AdapterWrite(slot, row, adapter.rank, adapter.scaling, adapter.digest, tensors), weights))
         return landed
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -88,10 +91,15 @@ class DriverRunner(ModelRunner):
     def execute(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None) -> StepResult:
         self._check()
         flat = self.runs_flat(scheduled) if flat is None else flat
-        message = StepMessage(self._writes, self._copies, describe(scheduled), flat)
+        writes = self._writes
+        message = StepMessage([write for write, _ in writes], self._copies, describe(scheduled), flat)
         self._writes, self._copies = [], []
         try:
             self.tp.broadcast_step(message)
+            for write, weights in writes:
+                for key, _, _ in write.tensors:
+                    for tensor in weights[key]:
+                        self.tp.broadcast_tensor(tensor)
             result = super().execute(scheduled, flat=flat)
             self.tp.end_logits(self.device)
         except Exception as exc:

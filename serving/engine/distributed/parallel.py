@@ -117,6 +117,16 @@ class TensorParallel:
 
     # ---- steps --------------------------------------------------------------------------------
 
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Rank 0: send ``tensor`` to every rank over the compute group (on its device)."""
+        dist.broadcast(tensor.to(self._device()), src=0)
+
+    def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Ranks 1..N-1: the tensor rank 0 sends next (``broadcast_tensor``), on the compute device."""
+        tensor = torch.empty(shape, dtype=dtype, device=self._device())
+        dist.broadcast(tensor, src=0)
+        return tensor
+
     def broadcast_step(self, message: object) -> object:
         """Rank 0 sends ``message`` to every rank (pickled); the others pass None and get it."""
         box = [message]

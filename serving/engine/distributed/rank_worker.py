@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 from serving.engine.config import EngineConfig
 from serving.engine.distributed.parallel import TensorParallel
 from serving.engine.distributed.step import StepMessage
+from serving.engine.lora.reader import Weights
 from serving.engine.lora.records import CachedAdapter
 from serving.engine.model_runner import ModelRunner
 from serving.engine.sequence import Sequence
@@ -75,9 +76,14 @@ def run_rank(args: RankArgs) -> None:
 
 def run_step(runner: ModelRunner, message: StepMessage) -> None:
     """One step of rank 0's, on this rank's shard."""
+    tp = runner.tp
     for write in message.writes:
+        weights: Weights = {}
+        for key, a_shape, b_shape in write.tensors:  # the order rank 0 sends them in
+            a = tp.receive_tensor(a_shape, runner.dtype)
+            weights[key] = (a, tp.receive_tensor(b_shape, runner.dtype))
         adapter = CachedAdapter(digest=write.digest, path="", rank=write.rank, lora_alpha=0.0, scaling=write.scaling,
-                                target_modules=(), weights=write.weights, load_seconds=0.0)  # fmt: skip
+                                target_modules=(), weights=weights, load_seconds=0.0)  # fmt: skip
         if runner.write_rows(write.slot, write.row, adapter) is not None:
             # Rank 0 admits no request to the rows before its own copy lands; here the forward
             # follows at once, so the copy must have landed first.
@@ -86,7 +92,7 @@ def run_step(runner: ModelRunner, message: StepMessage) -> None:
     # The runner reads only StepSeq's fields of a Sequence (step.py), and samples nothing here.
     runner.execute(cast(list[tuple[Sequence, int]], message.scheduled), flat=message.flat)
     config = runner.model.config
-    runner.tp.serve_logits(runner.model.logits_shard, config.hidden_size, runner.dtype, runner.device)
+    tp.serve_logits(runner.model.logits_shard, config.hidden_size, runner.dtype, runner.device)
 
 
 def main() -> None:

@@ -1,10 +1,14 @@
-"""What rank 0 sends the other ranks each step (pickled, over the control group).
+"""What rank 0 sends the other ranks each step: a small pickled description over the control group,
+then the tensors of the adapters it wrote, over the compute group.
 
 A step is described by what the model runner reads of each scheduled sequence (``StepSeq``: the
 tokens it computes this step, its position, block table and adapter slot), the KV block copies
-before it, and the adapter writes rank 0's cache decided since the last step (``AdapterWrite``, whole
-adapters: each rank keeps its part), in the order they were made, so every rank's slot table and
-row pools go through the same states. The path rank 0 runs (flat or eager) goes with it: the ranks'
+before it, and the adapter writes rank 0's cache decided since the last step (``AdapterWrite``: the
+slot, rows and scaling, and which tensors follow), in the order they were made, so every rank's slot
+table and row pools go through the same states. Each write's tensors (whole adapters: each rank keeps
+its part) follow as broadcasts on the compute group, in ``AdapterWrite.tensors``' order: on NCCL
+they travel device to device, and like the forward's collectives they time out, where a large
+pickle on the control group could wait on a hung rank for as long as an idle rank waits for a step. The path rank 0 runs (flat or eager) goes with it: the ranks'
 all-reduces add the rows of one token together only if every rank lays the tokens out alike.
 """
 
@@ -13,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
-from serving.engine.lora.reader import Weights
 from serving.engine.sequence import Sequence
 
 
@@ -46,14 +49,16 @@ class StepSeq:
 
 @dataclass(frozen=True)
 class AdapterWrite:
-    """``ModelRunner.write_rows(slot, row, adapter)`` as rank 0 made it."""
+    """``ModelRunner.write_rows(slot, row, adapter)`` as rank 0 made it; ``tensors`` lists the
+    adapter's ``(layer, module)`` pairs with the shapes of A and B^T, whose tensors follow in this
+    order (A, then B^T, per pair)."""
 
     slot: int
     row: int
     rank: int
     scaling: float
     digest: str
-    weights: Weights
+    tensors: list[tuple[tuple[int, str], tuple[int, ...], tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
