@@ -92,8 +92,13 @@ def upload_create(*, tenant: Tenant, filename: object, purpose: object, size: ob
         if pending >= allowed:
             raise LimitExceeded(f"Tenant '{locked.slug}' has {pending} pending uploads (at most {allowed}); "
                                 "complete or cancel one first.", code="upload_limit_reached")
-        return Upload.objects.create(tenant=locked, filename=filename.strip(), purpose=purpose, mime_type=mime_type,
-                                     size_bytes=size, expires_at=timezone.now() + UPLOAD_TTL)
+        upload = Upload.objects.create(tenant=locked, filename=filename.strip(), purpose=purpose, mime_type=mime_type,
+                                       size_bytes=size, expires_at=timezone.now() + UPLOAD_TTL)
+        # From the row's own created_at, so the object's expires_at is created_at + one hour to the
+        # second (two clock reads could fall either side of a second).
+        upload.expires_at = upload.created_at + UPLOAD_TTL
+        upload.save(update_fields=["expires_at"])
+        return upload
 
 
 def _locked_pending(upload: Upload, action: str) -> Upload:

@@ -307,7 +307,7 @@ def test_a_refused_registry_action_says_why(as_user, people, tenant_a, make_vers
 POST_ROUTES = [
     ("dashboard:tenant-switch", []), ("dashboard:dataset-upload", []), ("dashboard:dataset-delete", [1]),
     ("dashboard:job-create", []), ("dashboard:job-cancel", [1]), ("dashboard:job-pause", [1]),
-    ("dashboard:job-resume", [1]), ("dashboard:adapter-create", []),
+    ("dashboard:job-resume", [1]), ("dashboard:job-checkpoint-version", [1, 8]), ("dashboard:adapter-create", []),
     ("dashboard:adapter-upload", ["x"]), ("dashboard:adapter-deploy", ["x"]), ("dashboard:adapter-canary", ["x"]),
     ("dashboard:adapter-promote", ["x"]), ("dashboard:adapter-abort", ["x"]), ("dashboard:adapter-rollback", ["x"]),
     ("dashboard:adapter-archive", ["x"]), ("dashboard:key-create", []), ("dashboard:key-update", [1]),
