@@ -24,7 +24,7 @@ import torch
 from peft_reference import PeftReference, assert_greedy_match
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from serving.engine import LLM, LoRARequest, SamplingParams
+from serving.engine import LLM, EngineConfig, LoRARequest, SamplingParams
 from serving.engine.distributed.driver import DriverRunner
 from serving.engine.distributed.parallel import RankFailedError, TensorParallel
 from serving.engine.layers.parallel_linear import split_heads
@@ -176,26 +176,7 @@ def test_head_counts_the_size_cannot_split_are_refused() -> None:
         split_heads(12, 3, TensorParallel(rank=0, size=4))
 
 
-def test_tp2_logprobs_equal_one_process(tiny_model_factory: Callable[..., Path]) -> None:
-    """Rank 0 asks the other rank for logits beyond the sampled rows' (a prompt's own, a chunk at a
-    time), through the same protocol: the prompt's and the samples' logprobs equal one process's."""
-    model = str(tiny_model_factory("qwen2"))
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    one = LLM(model, **{**ENGINE, "max_loras": 0, "tensor_parallel_size": 1}).generate(PROMPTS[:3], params)
-    llm = LLM(model, **{**ENGINE, "max_loras": 0})
-    try:
-        two = llm.generate(PROMPTS[:3], params)
-    finally:
-        llm.llm_engine.shutdown()
-    for a, b in zip(one, two):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
-        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(a.prompt_token_ids)
-        pairs = [*zip(a.prompt_logprobs, b.prompt_logprobs), *zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [])]
-        assert len(pairs) == len(a.prompt_token_ids) + 4
-        for mine, theirs in pairs:
-            assert (mine is None) == (theirs is None)
-            if mine is not None and theirs is not None:
-                assert mine.keys() == theirs.keys()
-                for token, entry in mine.items():
-                    assert theirs[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+def test_a_size_below_one_is_refused(tiny_model_factory: Callable[..., Path]) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineConfig(model=str(tiny_model_factory("llama")), tensor_parallel_size=0)

@@ -15,13 +15,12 @@ import httpx
 import psutil
 import pytest
 
+from serving.engine.server.cli import parse_args
+from serving.engine.server.worker import engine_config
 from serving.gateway.routing import live_workers
 from serving.wire.registry import WORKERS_KEY, worker_key
 
 WORKER_ID = "tp-test-worker"
-
-pytestmark = pytest.mark.django_db(transaction=True)
-
 
 def _entry(redis_client: Any) -> dict[str, Any]:
     raw = redis_client.get(worker_key(WORKER_ID))
@@ -29,6 +28,16 @@ def _entry(redis_client: Any) -> dict[str, Any]:
     return dict(json.loads(raw))
 
 
+def test_the_flag_reaches_the_engine_and_a_size_below_one_is_refused(
+        tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert engine_config(parse_args(["--model", str(tiny_model), "-tp", "2"])).tensor_parallel_size == 2
+    assert engine_config(parse_args(["--model", str(tiny_model)])).tensor_parallel_size == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tiny_model), "--tensor-parallel-size", "0"])
+    assert "--tensor-parallel-size" in capsys.readouterr().err
+
+
+@pytest.mark.django_db(transaction=True)
 def test_tp_worker_is_one_worker_and_fails_cleanly_when_a_rank_dies(
         settings: Any, redis_client: Any, start_worker: Callable[..., Any], tiny_model: Path) -> None:
     worker = start_worker("--tensor-parallel-size", "2", "--device", "cpu", "--redis-url", settings.REDIS_URL,
