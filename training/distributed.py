@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 # A collective waits this long for the other ranks (rank 0 may be uploading a checkpoint meanwhile).
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 # The environment a rank ≥ 1 reads (torchrun's names, plus the store rank 0 opened).
-ENV_RANK, ENV_WORLD_SIZE, ENV_STORE = "RANK", "WORLD_SIZE", "LORAPLEX_RANK_STORE"
+ENV_RANK, ENV_WORLD_SIZE, ENV_STORE, ENV_PARENT = "RANK", "WORLD_SIZE", "LORAPLEX_RANK_STORE", "LORAPLEX_RANK_PARENT"
 _PR_SET_PDEATHSIG = 1
 # After the last step a rank ≥ 1 has only its own exit left to do.
 ENDING_SECONDS = 60.0
@@ -119,9 +119,13 @@ def _init(store: dist.Store, rank: int, size: int) -> World:
     return World(rank=rank, size=size, device=device)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: killed when rank 0's process ends, however it ends (Linux)."""
+def _die_with_parent(parent: int) -> None:
+    """This rank killed when rank 0's process ends, however it ends (Linux). Set here rather than in
+    a Popen preexec_fn, which may deadlock in a process with threads (the run's heartbeat); a parent
+    gone before it was set is caught by the check after it."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        raise SystemExit(f"rank 0 (process {parent}) ended before this rank started")
 
 
 @contextmanager
@@ -129,9 +133,9 @@ def launch(size: int) -> Iterator[World]:
     """This process as rank 0 of `size`, the others started as subprocesses; they are ended on exit."""
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               **{ENV_WORLD_SIZE: str(size), ENV_STORE: str(store.port)})
+               **{ENV_WORLD_SIZE: str(size), ENV_STORE: str(store.port), ENV_PARENT: str(os.getpid())})
     children = [subprocess.Popen([sys.executable, "-m", "training.ranks"], env={**env, ENV_RANK: str(rank)},
-                                 cwd=REPO_ROOT, start_new_session=True, preexec_fn=_die_with_parent)
+                                 cwd=REPO_ROOT, start_new_session=True)
                 for rank in range(1, size)]
     ended = False
     try:
@@ -175,6 +179,7 @@ def _end(child: subprocess.Popen[bytes], wait: float) -> None:
 
 def join() -> World:
     """A rank ≥ 1 (started by `launch`) joins rank 0's process group."""
+    _die_with_parent(int(os.environ[ENV_PARENT]))
     rank, size = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD_SIZE])
     store = dist.TCPStore("127.0.0.1", int(os.environ[ENV_STORE]), size, is_master=False,
                           timeout=COLLECTIVE_TIMEOUT)

@@ -101,12 +101,13 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     world = join()
     inputs: RunInputs = world.broadcast(None)
-    with tempfile.TemporaryDirectory(prefix=f"loraplex-rank-{world.rank}-") as work_dir:
-        trainer = inputs.trainer(own_base(inputs.base_path, world), _Silent(), Path(work_dir), world)
-        try:
-            trainer.run()
-        except (TrainingStopped, TrainingInterrupted) as ended:
-            logger.info("Rank %s stops with rank 0: %s", world.rank, type(ended).__name__)
+    # Never created: only rank 0 writes checkpoints and the adapter (so a killed rank leaves nothing).
+    work_dir = Path(tempfile.gettempdir()) / f"loraplex-rank-{world.rank}-unused"
+    trainer = inputs.trainer(own_base(inputs.base_path, world), _Silent(), work_dir, world)
+    try:
+        trainer.run()
+    except (TrainingStopped, TrainingInterrupted) as ended:
+        logger.info("Rank %s stops with rank 0: %s", world.rank, type(ended).__name__)
     return 0
 
 

@@ -6,8 +6,9 @@ process gives for the same global batch (to float rounding: the ranks' gradients
 another order), supervised and DPO (packed, with gradient checkpointing); a two-rank run that dies after its step-3 checkpoint leaves no rank behind and,
 resumed at two ranks, ends with the uninterrupted two-rank run's adapter, and at one rank with it
 to rounding (a checkpoint resumes at any world size). Through the services, a job asking for two
-GPUs runs in the Celery task's body and publishes its version; the tier's max_gpus_per_job refuses
-more with a 400 that names it.
+GPUs runs in the Celery task's body and publishes its version; on a real Celery worker killed
+mid-job, its rank 1 dies with it and the next worker resumes the job from its checkpoint; the
+tier's max_gpus_per_job refuses more with a 400 that names it.
 
 Dropout is off in the comparisons with one process: its masks are drawn per rank.
 """
@@ -28,11 +29,11 @@ from training import concurrency, datasets, jobs, run
 from training.examples import Example, encode_example
 from training.hyperparameters import DPO, Hyperparameters
 from training.preference import encode, iter_valid_pairs
-from training.models import TrainingJob
+from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 from training.ranks import RunInputs, trainer_base
 from training.trainer import load_tokenizer
 from test_dpo import preference_lines, raw
-from training_support import QA, chat_lines, jsonl
+from training_support import QA, chat_lines, jsonl, wait_for
 
 # 8 examples in batches of 3 (3, 3, 2 a step), each step's share in micro-batches of one: rank 1 is
 # an example short in the steps of 3, so it runs a zero-weight pass to match rank 0's all-gathers.
@@ -165,6 +166,54 @@ def test_a_job_on_two_gpus_runs_in_the_task_and_publishes(platform, tenant_a, se
     assert job.hyperparameters["gpus"] == 2 and job.step == job.total_steps == 4
     assert job.version == "1.0.0" and job.adapter_version is not None
     assert job.events.filter(message="Checkpoint saved at step 2.").exists()
+
+
+def rank_processes(storage_url: str) -> list[int]:
+    """The pids of training ranks ≥ 1 started for this test's workers (found by their environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"training.ranks" in command and f"STORAGE_URL={storage_url}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_killed_workers_two_gpu_job_resumes_on_the_next_worker(platform, client_a, tenant_a, start_worker,
+                                                                  settings):
+    """SIGKILL to the worker (its process group): its rank 1, in a session of its own, dies with it
+    (PR_SET_PDEATHSIG, or its next collective failing); the redelivered task resumes from the
+    checkpoint on two ranks again."""
+    env = {"CELERY_VISIBILITY_TIMEOUT": 3, "TRAINING_LEASE_SECONDS": 2, "TRAINING_CHECKPOINT_EVERY_STEPS": 4,
+           "TRAINING_LOG_EVERY_STEPS": 1, "OMP_NUM_THREADS": 1}
+    Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_gpus_per_job=2)
+    first = start_worker(**env)
+    response = client_a.post("/api/v1/datasets", {"file": _upload()}, format="multipart")
+    dataset_id = response.json()["id"]
+    wait_for(lambda: Dataset.objects.get(pk=dataset_id).status == Dataset.Status.READY, 60, "validation")
+    job_id = client_a.post("/api/v1/training-jobs", {
+        "training_file": dataset_id, "adapter": "two-gpus", "seed": 3,
+        "hyperparameters": {"n_epochs": 3, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0, "gpus": 2},
+    }, format="json").json()["id"]
+    wait_for(lambda: Checkpoint.objects.filter(job_id=job_id).exists(), 180, "the first checkpoint", poll=0.05)
+    assert len(rank_processes(settings.STORAGE_URL)) == 1
+    first.kill()
+    assert TrainingJob.objects.get(pk=job_id).status == TrainingJob.Status.RUNNING, "the job ended before the kill"
+    wait_for(lambda: not rank_processes(settings.STORAGE_URL), 30, "the killed worker's rank 1 to die with it")
+
+    start_worker(**env)
+    job = wait_for(lambda: (lambda row: row if row.is_final else None)(TrainingJob.objects.get(pk=job_id)), 300,
+                   "the job to finish", poll=0.5)
+    assert job.status == TrainingJob.Status.SUCCEEDED and job.attempts == 2, job.error_message
+    resumed = job.events.get(message__startswith="Resuming from the checkpoint of step")
+    after = [event.data["step"] for event in job.events.filter(type=TrainingEvent.Type.METRICS, id__gt=resumed.id)
+             .order_by("id")]
+    assert after[0] == resumed.data["step"] + 1 and after[-1] == job.total_steps == 24
+    assert job.adapter_version is not None and not rank_processes(settings.STORAGE_URL)
 
 
 @pytest.mark.django_db
