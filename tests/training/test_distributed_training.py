@@ -5,7 +5,8 @@ training.distributed starts. FSDP2 shards the tiny base over both. Two ranks giv
 process gives for the same global batch (to float rounding: the ranks' gradients are summed in
 another order), supervised and DPO (packed, with gradient checkpointing); a two-rank run that dies after its step-3 checkpoint leaves no rank behind and,
 resumed at two ranks, ends with the uninterrupted two-rank run's adapter, and at one rank with it
-to rounding (a checkpoint resumes at any world size). Through the services, a job asking for two
+to rounding (a checkpoint resumes at any world size); a pause asked of rank 0 stops both at its
+checkpoint, resumed exactly. Through the services, a job asking for two
 GPUs runs in the Celery task's body and publishes its version; on a real Celery worker killed
 mid-job, its rank 1 dies with it and the next worker resumes the job from its checkpoint; the
 tier's max_gpus_per_job refuses more with a 400 that names it.
@@ -31,7 +32,7 @@ from training.hyperparameters import DPO, Hyperparameters
 from training.preference import encode, iter_valid_pairs
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 from training.ranks import RunInputs, trainer_base
-from training.trainer import load_tokenizer
+from training.trainer import TrainingInterrupted, load_tokenizer
 from test_dpo import preference_lines, raw
 from training_support import QA, chat_lines, jsonl, wait_for
 
@@ -82,12 +83,12 @@ class Hooks:
 
 
 def train(inputs: RunInputs, size: int, work_dir: Path, hooks: Hooks, resume_from: Path | None = None,
-          ranks: list | None = None):
+          ranks: list | None = None, **options):
     """A run of `size` ranks; `ranks` receives the other ranks' processes (ended once this returns or raises)."""
     with trainer_base(inputs, size) as (base, world):
         if world is not None and ranks is not None:
             ranks.extend(world.children)
-        return inputs.trainer(base, hooks, work_dir, world).run(resume_from=resume_from)
+        return inputs.trainer(base, hooks, work_dir, world, **options).run(resume_from=resume_from)
 
 
 def weights(result) -> dict[str, torch.Tensor]:
@@ -149,6 +150,20 @@ def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_adapter(inputs, two_
 
     alone = train(inputs, 1, tmp_path / "alone", Hooks(), resume_from=interrupted.checkpoints[3])
     assert_close(straight, weights(alone))
+
+
+def test_a_pause_stops_every_rank_at_rank_0s_checkpoint_and_resumes_exactly(inputs, two_ranks, tmp_path):
+    """A pause or the worker's stop (should_interrupt, asked of rank 0 only) checkpoints the steps done."""
+    paused = Hooks()
+    steps: list[int] = []
+    paused.on_step = lambda step, *rest: steps.append(step)
+    with pytest.raises(TrainingInterrupted) as interrupted:
+        train(inputs, 2, tmp_path / "paused", paused, should_interrupt=lambda: len(steps) >= 2)
+    assert interrupted.value.step == 2 and sorted(paused.checkpoints) == [2]
+
+    resumed = train(inputs, 2, tmp_path / "resumed", Hooks(), resume_from=paused.checkpoints[2])
+    straight, got = weights(two_ranks[0]), weights(resumed)
+    assert resumed.resumed_from_step == 2 and all(torch.equal(straight[name], got[name]) for name in straight)
 
 
 @pytest.mark.django_db
