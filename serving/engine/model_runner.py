@@ -199,7 +199,9 @@ class ModelRunner:
 
     def _forward_sampled(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """The logits of ``sample_rows`` (what a graph captures; the step context is set)."""
-        return self.model.compute_logits(self.model(input_ids, positions).index_select(0, sample_rows))
+        hidden = self.model(input_ids, positions).index_select(0, sample_rows)
+        # Every rank of a tensor-parallel engine runs a flat step alike, so each gives its share.
+        return self.model.compute_logits(hidden, every_rank=True)
 
     def _decode_splits(self, num_decode: int, max_context: int) -> int:
         if self.attention != "triton" or num_decode == 0:

@@ -101,7 +101,8 @@ class DriverRunner(ModelRunner):
                     for tensor in weights[key]:
                         self.tp.broadcast_tensor(tensor)
             result = super().execute(scheduled, flat=flat)
-            self.tp.end_logits(self.device)
+            if not flat:  # the others answer logits requests after an eager step (TensorParallel.logits)
+                self.tp.end_logits(self.device)
         except Exception as exc:
             raise self._fail(exc, "during a step") from exc
         return result

@@ -8,10 +8,12 @@ wait on it while the engine is idle, for as long as it stays idle, so its timeou
 none. A rank that dies closes its sockets, and every collective with it fails at once.
 
 The LM head is vocabulary-parallel: each rank holds ``ceil(V / N)`` rows of it (the last rank's
-padded). Rank 0 alone asks for logits (to sample, or for a prompt's logprobs), whenever it likes,
-so the other ranks follow a small protocol after each step's forward: rank 0 broadcasts the row
-count (``-1``: the step is over) and the hidden rows, every rank multiplies them by its shard, and
-the shards are gathered to rank 0 (``logits`` / ``serve_logits``).
+padded), and the shards of a row's logits are gathered to rank 0. In a flat step every rank knows
+the sampled rows, so each computes its shard and the gather is the only collective
+(``gather_logits``). An eager step's logits are rank 0's to ask for (to sample, or a prompt's
+logprobs, chunk by chunk), so there the other ranks follow a small protocol after the forward:
+rank 0 broadcasts the row count (``-1``: the step is over) and the hidden rows, every rank
+multiplies them by its shard, and the shards are gathered (``logits`` / ``serve_logits``).
 """
 
 from __future__ import annotations
@@ -84,18 +86,27 @@ class TensorParallel:
 
     # ---- the LM head's logits -----------------------------------------------------------------
 
-    def logits(self, hidden: torch.Tensor, shard: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> torch.Tensor:
-        """Rank 0: the full ``[rows, vocab_size]`` logits of ``hidden``; ``shard(hidden)`` is this
-        rank's ``[rows, V / N]`` part. The other ranks answer in ``serve_logits``."""
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank: its ``[rows, V / N]`` shard of the same rows' logits in; rank 0 gets the
+        full ``[rows, vocab_size]``, the others their shard back."""
         if self.size == 1:
-            return shard(hidden)[:, :vocab_size]
-        hidden = hidden.contiguous()
-        dist.broadcast(torch.tensor([hidden.shape[0]], dtype=torch.int64, device=hidden.device), src=0)
-        dist.broadcast(hidden, src=0)
-        local = shard(hidden).contiguous()
+            return local[:, :vocab_size]
+        local = local.contiguous()
+        if not self.is_driver:
+            dist.gather(local, dst=0)
+            return local
         parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.gather(local, parts, dst=0)
         return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def logits(self, hidden: torch.Tensor, shard: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> torch.Tensor:
+        """Rank 0, alone: the full ``[rows, vocab_size]`` logits of ``hidden``; ``shard(hidden)`` is
+        this rank's ``[rows, V / N]`` part. The other ranks answer in ``serve_logits``."""
+        if self.size > 1:
+            hidden = hidden.contiguous()
+            dist.broadcast(torch.tensor([hidden.shape[0]], dtype=torch.int64, device=hidden.device), src=0)
+            dist.broadcast(hidden, src=0)
+        return self.gather_logits(shard(hidden), vocab_size)
 
     def end_logits(self, device: torch.device) -> None:
         """Rank 0: the step asks for no more logits."""
@@ -113,7 +124,7 @@ class TensorParallel:
                 return
             hidden = torch.empty(rows, hidden_size, dtype=dtype, device=device)
             dist.broadcast(hidden, src=0)
-            dist.gather(shard(hidden).contiguous(), dst=0)
+            self.gather_logits(shard(hidden), 0)
 
     # ---- steps --------------------------------------------------------------------------------
 

@@ -91,8 +91,9 @@ def run_step(runner: ModelRunner, message: StepMessage) -> None:
     runner.copy_blocks(message.copies)
     # The runner reads only StepSeq's fields of a Sequence (step.py), and samples nothing here.
     runner.execute(cast(list[tuple[Sequence, int]], message.scheduled), flat=message.flat)
-    config = runner.model.config
-    tp.serve_logits(runner.model.logits_shard, config.hidden_size, runner.dtype, runner.device)
+    if not message.flat:  # a flat step gathered its sampled rows' logits inside the forward
+        config = runner.model.config
+        tp.serve_logits(runner.model.logits_shard, config.hidden_size, runner.dtype, runner.device)
 
 
 def main() -> None:

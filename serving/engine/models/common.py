@@ -194,12 +194,17 @@ class CausalLM(nn.Module):
         """The final hidden state (after the last norm) of each token."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits of ``hidden``'s rows, on rank 0; ranks 1..N-1 get an empty ``[rows, 0]`` (they
-        give their share when rank 0 asks, ``TensorParallel.serve_logits``)."""
-        if not self.tp.is_driver:
+    def compute_logits(self, hidden: torch.Tensor, *, every_rank: bool = False) -> torch.Tensor:
+        """The logits of ``hidden``'s rows, on rank 0. ``every_rank``: every rank calls this for the
+        same rows (a flat step's sampled rows, known to all), and its shard is gathered to rank 0;
+        otherwise rank 0 alone calls it and the others give their share when it asks
+        (``TensorParallel.serve_logits``). Ranks 1..N-1 get a tensor nobody reads."""
+        if every_rank:
+            logits = self.tp.gather_logits(self.logits_shard(hidden), self.config.vocab_size)
+        elif not self.tp.is_driver:
             return hidden.new_empty(hidden.shape[0], 0)
-        logits = self.tp.logits(hidden, self.logits_shard, self.config.vocab_size)
+        else:
+            logits = self.tp.logits(hidden, self.logits_shard, self.config.vocab_size)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
