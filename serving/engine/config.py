@@ -179,8 +179,8 @@ class EngineConfig:
     def graph_sizes(self) -> list[int]:
         """Token counts whose flat step is captured (ascending; empty where graphs are off)."""
         if self.enforce_eager or self.torch_device.type != "cuda" or self.tensor_parallel_size > 1:
-            # Under tensor parallelism rank 0 asks the others for logits from the host, step by step
-            # (TensorParallel.logits), which a captured graph cannot do.
+            # Not under tensor parallelism: the ranks' NCCL collectives inside captured graphs are
+            # untried (no two-GPU machine yet; docs/serving-worker.md, "Tensor parallelism").
             return []
         flat_cap = self.max_flat_tokens if self.attention == "triton" else self.max_num_seqs
         return graph_ladder(min(flat_cap, self.max_num_batched_tokens), self.cuda_graph_sizes)
