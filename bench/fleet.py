@@ -220,7 +220,8 @@ def run_phase(policy: str, model: Path, day: list[tuple[float, int]], served: li
                   cpu_cache=args.cpu_cache, logs=work / f"logs-{policy}")
     try:
         fleet.start()
-        print(f"{policy}: {args.workers} workers and {args.webs} web process(es) up; replaying ...", flush=True)
+        print(f"{policy}: {args.workers} workers and {args.webs} web process(es) up (their logs: {fleet.logs}); "
+              "replaying ...", flush=True)
         outcomes, before, after, wall, seen = asyncio.run(replay(fleet, day, served, args))
     finally:
         fleet.stop()
@@ -256,7 +257,8 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["affinity", "round_robin"],
                         choices=["affinity", "round_robin"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", default=None, help="adapters kept for the next run (default: under /tmp)")
+    parser.add_argument("--work-dir", default=None,
+                        help="adapters kept for the next run, and the last run's process logs (default: under /tmp)")
     args = parser.parse_args()
     if args.workers < 2 or args.webs < 1 or args.adapters < 1 or args.tenants < 1 or args.requests < 1:
         parser.error("needs --workers >= 2 and at least one web process, adapter, tenant and request")
@@ -275,7 +277,7 @@ def main() -> None:
         print(f"{len(served)} adapters registered over {args.tenants} tenants in {time.monotonic() - started:.0f} s; "
               f"the day: {len(day)} requests over {len({index for _, index in day})} distinct adapters in "
               f"{args.day_seconds:g} s", flush=True)
-        summaries = [run_phase(policy, model, day, served, Path(tmp), args) for policy in args.policies]
+        summaries = [run_phase(policy, model, day, served, work, args) for policy in args.policies]
     print()
     for summary in summaries:
         print("\n".join(phase_lines(summary)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,7 +109,8 @@ class Fleet:
                        "--allowed-adapter-path", str(storage), "--uvicorn-log-level", "warning"]
             self.worker_children.append(self._spawn(worker_id, f"http://127.0.0.1:{port}", command, worker_env))
         metrics_dir = self.logs / "prometheus"
-        metrics_dir.mkdir(exist_ok=True)
+        shutil.rmtree(metrics_dir, ignore_errors=True)  # multiprocess mode wants it empty at the start
+        metrics_dir.mkdir()
         web_env = {**os.environ, "GATEWAY_ROUTING": self.policy,
                    # Routing alone: no prefetching into the workers' slots behind its back.
                    "GATEWAY_PREWARM_INTERVAL_SECONDS": "0",
