@@ -9,36 +9,59 @@ completions) share its prompt's blocks instead of prefilling their own. Full blo
 read. A shared *partial* last block is copied on write: the first sequence to write past the
 shared tokens gets a fresh block, and ``take_copies`` hands the model runner the ``(src, dst)``
 pages to copy before the step that writes there (the last holder keeps the original).
+
+With prefix caching, each full prompt block whose KV a step has written is registered under its
+key (serving.engine.prefix_hash: the adapter's seed and every token up to the block's end). A
+request admitted later looks its prompt's keys up in order and takes the blocks that hit by
+reference (``find_prefix``, ``take_prefix``): its prefill starts after them. A registered block no
+sequence holds stays registered and is handed out again only when no unregistered block is free,
+least recently freed first (its key is then dropped): freed KV is reusable until the memory is
+needed. Blocks register only once written (``register_computed``, after the step), so a block
+freed before its step ran (a preemption inside ``schedule``) never carries a key.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
+from serving.engine.prefix_hash import BASE_SEED, adapter_seed, block_hashes
 from serving.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # free and unregistered
         self._refs = [0] * num_blocks
         self._copies: list[tuple[int, int]] = []
+        self._by_key: dict[bytes, int] = {}
+        # Each registered block's key and the digest of the adapter that computed it (None: the base).
+        self._key_of: dict[int, tuple[bytes, str | None]] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none; LRU first
+        # Prompt tokens looked up in the prefix cache at admission, and those found there.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, held by a sequence or not."""
+        return len(self._key_of)
 
     @property
     def usage(self) -> float:
-        """Fraction of the KV cache in use, 0..1."""
+        """Fraction of the KV cache in use, 0..1 (cached blocks no sequence holds are free)."""
         return self.num_used_blocks / self.num_blocks
 
     def _copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -47,20 +70,25 @@ class BlockManager:
                 and len(seq.block_table) * self.block_size > seq.num_computed_tokens
                 and self._refs[seq.block_table[seq.num_computed_tokens // self.block_size]] > 1)
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks ``seq`` must gain to hold ``num_new_tokens`` more computed tokens."""
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> int:
+        """Free blocks ``seq`` must take to hold ``num_new_tokens`` more computed tokens; after
+        ``prefix`` (blocks from ``find_prefix``) when given, those of them no one holds counted too."""
+        if prefix:
+            total = len(prefix) * self.block_size + num_new_tokens
+            revived = sum(1 for block in prefix if self._refs[block] == 0)
+            return max(0, -(-total // self.block_size) - len(prefix)) + revived
         total = seq.num_computed_tokens + num_new_tokens
         grow = max(0, -(-total // self.block_size) - len(seq.block_table))
         return grow + int(self._copy_on_write(seq, num_new_tokens))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> bool:
+        return self.blocks_needed(seq, num_new_tokens, prefix) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Extend ``seq``'s block table to cover ``num_new_tokens`` more tokens."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > len(self._free):
-            raise RuntimeError(f"KV cache has {len(self._free)} free blocks, {needed} needed (check can_allocate first)")
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"KV cache has {self.num_free_blocks} free blocks, {needed} needed (check can_allocate first)")
         if self._copy_on_write(seq, num_new_tokens):
             position = seq.num_computed_tokens // self.block_size
             shared = seq.block_table[position]
@@ -73,29 +101,42 @@ class BlockManager:
             seq.block_table.append(self._take())
 
     def _take(self) -> int:
-        block = self._free.popleft()
+        """A free block: an unregistered one, else the least recently freed cached one (evicted)."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            key, _ = self._key_of.pop(block)
+            del self._by_key[key]
         self._refs[block] = 1
         return block
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` ``parent``'s blocks, shared (its prompt's KV, computed once)."""
         child.block_table = list(parent.block_table)
+        child.num_registered_blocks = parent.num_registered_blocks
         for block in child.block_table:
             self._refs[block] += 1
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; blocks no other sequence holds return to the pool."""
+        """Drop ``seq``'s references; blocks no other sequence holds return to the pool, a
+        registered one kept for later hits. Last blocks first, so the eviction order takes a
+        prompt's tail before its head (a tail is no use without the blocks before it)."""
         released = []
-        for block in seq.block_table:
+        for block in reversed(seq.block_table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                released.append(block)
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    released.append(block)
         if released and self._copies:
             # A copy into a block freed in the same step (its sequence preempted) is not wanted.
             gone = set(released)
             self._copies = [(src, dst) for src, dst in self._copies if dst not in gone]
         self._free.extend(released)
         seq.block_table = []
+        seq.num_registered_blocks = 0
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The ``(src, dst)`` page copies the scheduled step needs first; clears them."""
@@ -105,3 +146,83 @@ class BlockManager:
     def slot_of(self, seq: Sequence, position: int) -> int:
         """Index of token ``position``'s entry in the flattened ``[num_blocks * block_size]`` cache."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ---- prefix caching --------------------------------------------------------------------
+
+    def _keys(self, seq: Sequence) -> list[bytes]:
+        """``seq``'s prompt block keys, made once (its adapter is loaded by the time it is admitted)."""
+        if seq.block_keys is None:
+            handle = seq.adapter
+            if handle is None:
+                seed = BASE_SEED
+            else:
+                assert handle.adapter is not None, "a sequence is admitted once its adapter is loaded"
+                seed = adapter_seed(handle.name, handle.adapter.digest)
+            seq.block_keys = block_hashes(seed, seq.prompt_token_ids, self.block_size)
+        return seq.block_keys
+
+    def find_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding ``seq``'s leading full prompt blocks, for a sequence with
+        nothing computed; at most all of its tokens but the last, which must be computed for its
+        logits. None hit for a sequence that asks for its prompt's logprobs (computed from every
+        prompt position's hidden state)."""
+        if not self.prefix_caching or seq.block_table or seq.prompt_logprobs is not None:
+            return []
+        keys = self._keys(seq)
+        hits: list[int] = []
+        for key in keys[: (seq.num_tokens - 1) // self.block_size]:
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def take_prefix(self, seq: Sequence, prefix: list[int]) -> None:
+        """Start ``seq``'s block table with ``prefix`` (``find_prefix``'s, checked with
+        ``can_allocate``), held by reference: those tokens count as computed. Counts the look-up."""
+        if not self.prefix_caching:
+            return
+        if seq.prompt_logprobs is not None:
+            seq.num_cached_tokens = 0
+            return
+        for block in prefix:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        seq.block_table = list(prefix)
+        seq.num_registered_blocks = len(prefix)
+        hit = len(prefix) * self.block_size
+        seq.num_computed_tokens = hit
+        if seq.num_cached_tokens is None:  # what the request reports: its first admission's hit
+            seq.num_cached_tokens = hit
+        self.prefix_queries += seq.num_prompt_tokens
+        self.prefix_hits += hit
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register ``seq``'s full prompt blocks that the step just run wrote (its
+        ``num_computed_tokens`` counts them). A key already held by another block (the same prefix
+        computed twice in one step) stays with that one; this block stays unregistered."""
+        if not self.prefix_caching or seq.block_keys is None:
+            return
+        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        digest = seq.adapter.adapter.digest if seq.adapter is not None and seq.adapter.adapter is not None else None
+        for index in range(seq.num_registered_blocks, full):
+            key, block = seq.block_keys[index], seq.block_table[index]
+            if key not in self._by_key and block not in self._key_of:
+                self._by_key[key] = block
+                self._key_of[block] = (key, digest)
+        seq.num_registered_blocks = full
+
+    def forget_adapter(self, digest: str) -> int:
+        """Unregister every block an adapter's weights computed (its GPU rows were found corrupted:
+        that KV may be wrong). Blocks in use stay with their sequences; returns how many."""
+        dropped = [block for block, (_, owner) in self._key_of.items() if owner == digest]
+        for block in dropped:
+            key, _ = self._key_of.pop(block)
+            del self._by_key[key]
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
+        return len(dropped)

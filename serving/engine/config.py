@@ -61,6 +61,11 @@ class EngineConfig:
     device (``cuda:0 .. cuda:N-1``; on CPU all of them on the host), which the engine spawns
     (serving.engine.distributed). Every rank sizes its KV cache and adapter pool alike (the
     smallest budget of them on CUDA). CUDA graphs are not captured at sizes above 1.
+
+    ``enable_prefix_caching`` (vLLM's flag, on by default as in vLLM V1): a prompt's leading full
+    KV blocks computed before for the same adapter (name and content) or for the base model are
+    reused instead of prefilled again (serving.engine.block_manager; docs/serving-worker.md,
+    "Prefix caching").
     """
 
     model: str
@@ -89,6 +94,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     max_flat_tokens: int = 2048
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():

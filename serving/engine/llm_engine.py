@@ -10,7 +10,9 @@ A request of ``n`` (or ``best_of``) completions is one sequence until its prompt
 the step that completes the prompt the others are forked from it (``_fork``): they share its KV
 blocks (reference-counted, the partial last block copied on write: serving.engine.block_manager),
 sample their first token from its logits row, then decode on their own. So the prompt is
-prefilled once whatever ``n`` (``EngineStats.prefill_tokens`` counts it).
+prefilled once whatever ``n`` (``EngineStats.prefill_tokens`` counts it). With prefix caching a
+prompt's leading blocks computed before for its adapter are not prefilled at all: the scheduler
+takes them at admission, and each step registers the full prompt blocks it wrote.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class LLMEngine:
         # Under tensor parallelism this process is rank 0, and its runner spawns and drives the others.
         runner_class = DriverRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.runner = runner_class(config, self.hf_config, self.max_model_len, self.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.lora_cache: LoRACache | None = None
         self.slot_checksums: SlotChecksums | None = None
         memory = self.runner.memory
@@ -277,6 +280,7 @@ class LLMEngine:
         for seq, num in plan.scheduled:
             seq.num_computed_tokens += num
             seq.forks = []
+            self.block_manager.register_computed(seq)  # its KV is written: later prompts may share it
         if result.samples is not None:
             progressed: dict[str, RequestState] = {}
             for row, seq in enumerate(result.sampled):
@@ -382,6 +386,9 @@ class LLMEngine:
         placed = [(a.slot, a.row, a.rank) for a in self.lora_cache.landed() if a.slot is not None and a.row is not None]
         repairs = []
         for slot in self.slot_checksums.mismatched(placed):
+            corrupted = self.lora_cache.slots()[slot]
+            if corrupted is not None:  # KV its rows computed may be wrong: no later prompt reuses it
+                self.block_manager.forget_adapter(corrupted.digest)
             stopped = self._stop_corrupted(slot)
             adapter = self.lora_cache.repair(slot)
             if adapter is not None:

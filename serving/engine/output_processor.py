@@ -94,6 +94,7 @@ class OutputProcessor:
             lora_request=first.lora_request,
             error=state.error,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
 

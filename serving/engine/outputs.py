@@ -52,3 +52,5 @@ class RequestOutput:
     error: Exception | None = None
     # With SamplingParams.prompt_logprobs: per prompt token (None for the first), as vLLM.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's: prompt tokens the prefix cache held when the request was admitted (None: caching off).
+    num_cached_tokens: int | None = None

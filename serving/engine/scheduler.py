@@ -5,7 +5,9 @@ Every step, under a budget of ``max_num_batched_tokens`` tokens and ``max_num_se
 1. running sequences that decode (one token each) go first, in priority order, so a long prompt
    never stalls decoding;
 2. running sequences still in their prefill get the next chunk of their prompt;
-3. waiting sequences are admitted while budget, KV blocks and adapter slots allow.
+3. waiting sequences are admitted while budget, KV blocks and adapter slots allow; with prefix
+   caching, the leading blocks of a prompt that the cache holds for its adapter are taken by
+   reference and its prefill starts after them (they cost no budget).
 
 When the KV cache cannot hold a running sequence's next tokens, the lowest-priority running
 sequence is preempted by recompute: its blocks are freed and it waits again with its tokens, to be
@@ -194,8 +196,10 @@ class Scheduler:
                     blocked.add(group)
                     continue
                 slot = acquired
-            num = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_allocate(seq, num):
+            # Its prompt's leading blocks already in the prefix cache are taken, not computed.
+            prefix = self.blocks.find_prefix(seq)
+            num = min(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
+            if not self.blocks.can_allocate(seq, num, prefix):
                 if handle is not None and cache is not None and slot >= 0:
                     cache.release_slot(handle)
                 break
@@ -205,6 +209,7 @@ class Scheduler:
             seq.lora_slot = slot
             bisect.insort(self.running, seq, key=self._key)
             self._running_per_group[group] = self._running_per_group.get(group, 0) + 1
+            self.blocks.take_prefix(seq, prefix)
             self.blocks.allocate(seq, num)
             scheduled[seq] = num
             budget -= num

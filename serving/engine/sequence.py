@@ -75,6 +75,12 @@ class Sequence:
     # The sequences forked from this one in the current step: they sample from its logits row
     # (model_runner), then decode on their own. Emptied after the step.
     forks: list[Sequence] = field(default_factory=list)
+    # Prefix caching (serving.engine.block_manager): the keys of its prompt's full blocks, made at
+    # its first admission; how many of its leading blocks are registered under them (or were taken
+    # from the cache); the prompt tokens its first admission found cached (None: caching is off).
+    block_keys: list[bytes] | None = None
+    num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None
     # int64 copies of the prompt and the output for the penalties (serving.engine.penalties), made
     # on first use and then grown by the new tokens only: a step never converts a whole token list.
     _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False)

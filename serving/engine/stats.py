@@ -70,6 +70,11 @@ class EngineStats:
     # prefill, so n = 4 adds its prompt once.
     prefill_tokens: int
     generation_tokens: int
+    # Prefix caching: prompt tokens looked up at admission (again after a preemption), those found
+    # cached (the hit rate is hits / queries), and the KV blocks registered in the cache now.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_blocks_cached: int
     max_loras: int
     max_cpu_loras: int
     adapters_loading: int
@@ -123,6 +128,9 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
         prompt_tokens=counts.prompt_tokens,
         prefill_tokens=counts.prefill_tokens,
         generation_tokens=counts.generation_tokens,
+        prefix_cache_queries=blocks.prefix_queries,
+        prefix_cache_hits=blocks.prefix_hits,
+        kv_blocks_cached=blocks.num_cached_blocks,
         max_loras=runner.memory.lora_slots,
         max_cpu_loras=config.max_cpu_loras or 0,
         adapters_loading=cache.num_loading if cache is not None else 0,
