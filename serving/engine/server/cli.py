@@ -62,6 +62,7 @@ class ServerArgs:
     seed: int = 0
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
     header_timeout: float = 10.0
@@ -197,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--tensor-parallel-size", "-tp", type=_positive(int), default=1,
         help="shard the model over this many processes, one per GPU (vLLM's flag; on CPU all on the host)",
+    )  # fmt: skip
+    engine.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV of a prompt's leading blocks computed before for the same adapter version (or the "
+        "base) instead of prefilling them again (vLLM's flag; on by default, as vLLM V1)",
     )  # fmt: skip
     server = p.add_argument_group("server")
     server.add_argument(

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from starlette.requests import Request
@@ -47,7 +47,7 @@ from serving.engine.server import metrics as outcomes
 from serving.engine.server.adapters import AdapterSet
 from serving.engine.server.errors import APIError, bad_request, model_not_found, slot_corrupted
 from serving.engine.server.on_demand import ensure_loaded
-from serving.engine.server.protocol import SamplingFields, UsageInfo
+from serving.engine.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from serving.engine.server.sampling import check_supported, sampling_params
 from serving.engine.server.worker import Worker
 from serving.wire.access_log import access_note
@@ -97,12 +97,15 @@ class Delta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
+    # Per prompt, the tokens the prefix cache held at its admission (none while caching is off).
+    cached: dict[int, int] = field(default_factory=dict)
 
     def info(self) -> UsageInfo:
         return UsageInfo(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached.values())) if self.cached else None,
         )
 
 
@@ -293,6 +296,8 @@ class Generation:
         deltas = []
         if output.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = output.prompt_logprobs
+        if output.num_cached_tokens is not None:
+            self.usage.cached[prompt_index] = output.num_cached_tokens
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
             if index in self._ended:

@@ -123,6 +123,15 @@ class _EngineCollector(_StatsCollector[EngineStats]):
             "Prompt tokens the engine computed (again after a preemption; once for all n completions of a prompt).",
             value=stats.prefill_tokens,
         )
+        yield CounterMetricFamily(
+            "loraplex_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission (again after a preemption).",
+            value=stats.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "loraplex_prefix_cache_hits", "Prompt tokens of those lookups found in the prefix cache (not prefilled).",
+            value=stats.prefix_cache_hits,
+        )
         resident = GaugeMetricFamily(
             "loraplex_lora_resident",
             "1 for each loaded adapter in each tier where it is resident (gpu: a slot, cpu: the CPU cache).",

@@ -311,10 +311,16 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's field: prompt tokens the prefix cache held; left out when the worker's caching is off.
+    prompt_tokens_details: PromptTokensDetails | None = _extension()
 
 
 class CompletionLogprobs(_Response):

@@ -58,6 +58,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
