@@ -16,8 +16,13 @@ request admitted later looks its prompt's keys up in order and takes the blocks 
 reference (``find_prefix``, ``take_prefix``): its prefill starts after them. A registered block no
 sequence holds stays registered and is handed out again only when no unregistered block is free,
 least recently freed first (its key is then dropped): freed KV is reusable until the memory is
-needed. Blocks register only once written (``register_computed``, after the step), so a block
-freed before its step ran (a preemption inside ``schedule``) never carries a key.
+needed.
+
+A block registers when the step that completes it is sure to run (``register_full``, called by the
+scheduler once the step's preemptions are over), so a request admitted in the same step can take it
+already: every layer writes the whole step's keys and values into the cache before any token
+attends, so its KV is there when read. A block freed before its step ran (a preemption inside
+``schedule``) never carries a key.
 """
 
 from __future__ import annotations
@@ -198,13 +203,13 @@ class BlockManager:
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += hit
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Register ``seq``'s full prompt blocks that the step just run wrote (its
-        ``num_computed_tokens`` counts them). A key already held by another block (the same prefix
-        computed twice in one step) stays with that one; this block stays unregistered."""
+    def register_full(self, seq: Sequence, num_tokens: int) -> None:
+        """Register ``seq``'s full prompt blocks among its first ``num_tokens`` tokens (those
+        computed and those the step being scheduled computes). A key already held by another block
+        stays with that one; this block stays unregistered."""
         if not self.prefix_caching or seq.block_keys is None:
             return
-        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size
+        full = min(num_tokens, seq.num_prompt_tokens) // self.block_size
         if full <= seq.num_registered_blocks:
             return
         digest = seq.adapter.adapter.digest if seq.adapter is not None and seq.adapter.adapter is not None else None

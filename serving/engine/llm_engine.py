@@ -12,7 +12,7 @@ blocks (reference-counted, the partial last block copied on write: serving.engin
 sample their first token from its logits row, then decode on their own. So the prompt is
 prefilled once whatever ``n`` (``EngineStats.prefill_tokens`` counts it). With prefix caching a
 prompt's leading blocks computed before for its adapter are not prefilled at all: the scheduler
-takes them at admission, and each step registers the full prompt blocks it wrote.
+takes them at admission, and registers the full prompt blocks each step computes.
 """
 
 from __future__ import annotations
@@ -280,7 +280,6 @@ class LLMEngine:
         for seq, num in plan.scheduled:
             seq.num_computed_tokens += num
             seq.forks = []
-            self.block_manager.register_computed(seq)  # its KV is written: later prompts may share it
         if result.samples is not None:
             progressed: dict[str, RequestState] = {}
             for row, seq in enumerate(result.sampled):

@@ -162,6 +162,10 @@ class Scheduler:
                 scheduled[seq] = num
                 budget -= num
 
+        # No sequence scheduled so far can be preempted now: the prompt blocks their step completes
+        # may be shared from this step on (admissions register theirs as they are made).
+        for seq, num in scheduled.items():
+            self.blocks.register_full(seq, seq.num_computed_tokens + num)
         if not preempted:
             budget = self._admit(now, budget, scheduled)
         return SchedulerOutput(list(scheduled.items()), preempted)
@@ -211,6 +215,7 @@ class Scheduler:
             self._running_per_group[group] = self._running_per_group.get(group, 0) + 1
             self.blocks.take_prefix(seq, prefix)
             self.blocks.allocate(seq, num)
+            self.blocks.register_full(seq, seq.num_computed_tokens + num)
             scheduled[seq] = num
             budget -= num
             reserved += seq.num_forks

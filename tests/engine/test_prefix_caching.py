@@ -91,6 +91,21 @@ def test_a_second_request_prefills_only_what_follows_the_cached_blocks(tiny_llam
     assert engine.stats().prefill_tokens - before == BLOCK
 
 
+def test_requests_admitted_in_one_step_share_the_blocks_it_computes(tiny_llama_dir: Path) -> None:
+    """The second request's prompt is admitted in the step that prefills the first's (the budget
+    holds both): it takes the blocks that step writes, and reads them once written."""
+    settings = {**ENGINE, "max_loras": 0}
+    llm = LLM(str(tiny_llama_dir), **settings)
+    prompts = [_prompt(QUESTIONS[0]), _prompt(QUESTIONS[1])]
+    outputs = llm.generate(prompts, GREEDY)
+    stats = llm.llm_engine.stats()
+    assert stats.steps == GREEDY.max_tokens  # both prefilled in the first step
+    assert [o.num_cached_tokens for o in outputs] == [0, len(SYSTEM)]
+    assert stats.prefill_tokens == len(SYSTEM) + len(QUESTIONS[0]) + len(QUESTIONS[1])
+    off = LLM(str(tiny_llama_dir), **settings, enable_prefix_caching=False)
+    assert _tokens(outputs) == _tokens(off.generate(prompts, GREEDY))
+
+
 def test_the_same_prompt_under_another_adapter_or_the_base_gets_no_hit(
     tiny_llama_dir: Path, adapters: dict[str, Path]
 ) -> None:
@@ -185,8 +200,8 @@ def test_eviction_takes_unregistered_blocks_first_then_the_least_recently_freed(
     for seq in (old, recent):
         blocks.take_prefix(seq, blocks.find_prefix(seq))
         blocks.allocate(seq, 5)
+        blocks.register_full(seq, 5)
         seq.num_computed_tokens = 5
-        blocks.register_computed(seq)
     assert blocks.num_cached_blocks == 4
     old_head = old.block_table[0]
     blocks.free(old)
@@ -197,3 +212,23 @@ def test_eviction_takes_unregistered_blocks_first_then_the_least_recently_freed(
     assert blocks.num_cached_blocks == 3
     assert blocks.find_prefix(_seq([1, 2, 3, 4, 5])) == [old_head]
     assert len(blocks.find_prefix(_seq([7, 8, 9, 10, 11]))) == 2
+
+
+def test_tensor_parallel_with_caching_equals_one_process(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
+    """Two ranks over gloo: the step rank 0 broadcasts carries each sequence's block table and
+    computed count, so a prefill that starts after cached blocks reads the same KV on both."""
+    from test_tensor_parallel import ENGINE as TP_ENGINE
+
+    loras = [LoRARequest("a", str(adapters["a"])), None]
+    prompts = [_prompt(q) for q in QUESTIONS[:2] for _ in loras]
+    per_prompt = [lora for _ in QUESTIONS[:2] for lora in loras]
+    results = []
+    for size in (1, 2):
+        llm = LLM(str(tiny_llama_dir), **{**TP_ENGINE, "tensor_parallel_size": size})
+        try:
+            llm.generate([_prompt([99])] * 2, GREEDY, lora_request=loras)
+            results.append(llm.generate(prompts, GREEDY, lora_request=per_prompt))
+            assert llm.llm_engine.stats().prefix_cache_hits == len(prompts) * len(SYSTEM)
+        finally:
+            llm.llm_engine.shutdown()
+    assert _tokens(results[1]) == _tokens(results[0])

@@ -10,6 +10,9 @@ its part) follow as broadcasts on the compute group, in ``AdapterWrite.tensors``
 they travel device to device, and like the forward's collectives they time out, where a large
 pickle on the control group could wait on a hung rank for as long as an idle rank waits for a step. The path rank 0 runs (flat or eager) goes with it: the ranks'
 all-reduces add the rows of one token together only if every rank lays the tokens out alike.
+Prefix caching adds nothing here: a prefill that starts after blocks taken from the cache is a
+sequence whose computed count and block table say so, and those blocks' KV was written on every
+rank by the same earlier (or the same) step.
 """
 
 from __future__ import annotations
