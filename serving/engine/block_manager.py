@@ -47,6 +47,8 @@ class BlockManager:
         # Each registered block's key and the digest of the adapter that computed it (None: the base).
         self._key_of: dict[int, tuple[bytes, str | None]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none; LRU first
+        # Blocks registered for the step being scheduled, whose KV that step has still to write.
+        self._unwritten: list[int] = []
         # Prompt tokens looked up in the prefix cache at admission, and those found there.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -218,16 +220,29 @@ class BlockManager:
             if key not in self._by_key and block not in self._key_of:
                 self._by_key[key] = block
                 self._key_of[block] = (key, digest)
+                self._unwritten.append(block)
         seq.num_registered_blocks = full
+
+    def step_done(self, written: bool) -> None:
+        """The scheduled step ran (``written``), or failed, leaving the KV of the blocks registered
+        for it unwritten: those are unregistered, so no later prompt reads them."""
+        if not written:
+            for block in self._unwritten:
+                if block in self._key_of:
+                    self._unregister(block)
+        self._unwritten.clear()
 
     def forget_adapter(self, digest: str) -> int:
         """Unregister every block an adapter's weights computed (its GPU rows were found corrupted:
         that KV may be wrong). Blocks in use stay with their sequences; returns how many."""
         dropped = [block for block, (_, owner) in self._key_of.items() if owner == digest]
         for block in dropped:
-            key, _ = self._key_of.pop(block)
-            del self._by_key[key]
-            if block in self._evictable:
-                del self._evictable[block]
-                self._free.append(block)
+            self._unregister(block)
         return len(dropped)
+
+    def _unregister(self, block: int) -> None:
+        key, _ = self._key_of.pop(block)
+        del self._by_key[key]
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)

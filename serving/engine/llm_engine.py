@@ -275,8 +275,13 @@ class LLMEngine:
             self.counts.prefill_tokens += max(0, min(computed, seq.num_prompt_tokens) - seq.num_computed_tokens)
             if seq.num_forks and computed == seq.num_tokens:
                 self._fork(seq, computed)
-        self.runner.copy_blocks(self.block_manager.take_copies())
-        result = self.runner.execute(plan.scheduled)
+        try:
+            self.runner.copy_blocks(self.block_manager.take_copies())
+            result = self.runner.execute(plan.scheduled)
+        except BaseException:
+            self.block_manager.step_done(written=False)  # the prefix blocks it was to write are not
+            raise
+        self.block_manager.step_done(written=True)
         for seq, num in plan.scheduled:
             seq.num_computed_tokens += num
             seq.forks = []

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from peft_reference import PeftReference, assert_greedy_match
 
 from serving.engine import LLM, LoRARequest, SamplingParams
@@ -185,6 +186,48 @@ def test_abort_releases_blocks_taken_from_the_cache(tiny_llama_dir: Path) -> Non
     engine.abort_request("r2")
     assert engine.stats().kv_blocks_used == 0
     assert llm.generate(_prompt([6]), GREEDY)[0].num_cached_tokens == len(SYSTEM)
+
+
+def test_a_failed_step_leaves_no_block_it_was_to_write_in_the_cache(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(str(tiny_llama_dir), **{**ENGINE, "max_loras": 0})
+    engine = llm.llm_engine
+    execute = engine.runner.execute
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the device failed mid-step")
+
+    monkeypatch.setattr(engine.runner, "execute", fails)
+    engine.add_request("lost", _prompt([5]), GREEDY)
+    with pytest.raises(RuntimeError, match="mid-step"):
+        engine.step()
+    engine.abort_request("lost")
+    assert engine.stats().kv_blocks_cached == 0
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    assert llm.generate(_prompt([5]), GREEDY)[0].num_cached_tokens == 0
+
+
+def test_a_corrupted_adapter_slot_unregisters_the_blocks_its_weights_computed(
+    tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), **ENGINE)
+    engine = llm.llm_engine
+    a = LoRARequest("a", str(adapters["a"]))
+    llm.generate(_prompt([5]), GREEDY, lora_request=a)
+    llm.generate(_prompt([5]), GREEDY)  # the base's blocks stay
+    cached = engine.stats().kv_blocks_cached
+    (info,) = engine.list_loras()
+    layer = next(iter(engine.runner.model.lora_layers()))
+    with torch.no_grad():
+        layer.lora_A[0][info.gpu_row, 0] += 0.25  # a stray write into the adapter's rows
+    assert len(engine.verify_slots()) == 1
+    assert engine.stats().kv_blocks_cached == cached - len(SYSTEM) // BLOCK  # the adapter's 10, the base's kept
+    while engine.stats().adapters_loading:  # the repair's re-read
+        engine.wait_for_loads(0.05)
+        engine.step()
+    assert llm.generate(_prompt([5]), GREEDY, lora_request=a)[0].num_cached_tokens == 0
+    assert llm.generate(_prompt([5]), GREEDY)[0].num_cached_tokens == len(SYSTEM)
 
 
 def _seq(tokens: list[int]) -> Sequence:
