@@ -275,3 +275,22 @@ def test_tensor_parallel_with_caching_equals_one_process(tiny_llama_dir: Path, a
         finally:
             llm.llm_engine.shutdown()
     assert _tokens(results[1]) == _tokens(results[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_on_cuda_caching_equals_caching_off(tiny_llama_dir: Path, adapters: dict[str, Path], eager: bool) -> None:
+    """On the GPU (flat steps replayed from CUDA graphs, or eager), prompts that start after cached
+    blocks (taken in the same step or later ones) generate what they do without caching."""
+    loras = [LoRARequest("a", str(adapters["a"])), LoRARequest("b", str(adapters["b"])), None]
+    prompts = [_prompt(q) for q in QUESTIONS for _ in loras]
+    per_prompt = [lora for _ in QUESTIONS for lora in loras]
+    results = {}
+    for caching in (False, True):
+        llm = LLM(str(tiny_llama_dir), **{**ENGINE, "device": "cuda", "enforce_eager": eager},
+                  enable_prefix_caching=caching)  # fmt: skip
+        results[caching] = [_tokens(llm.generate(prompts, GREEDY, lora_request=per_prompt)) for _ in range(2)]
+        if caching:
+            assert llm.llm_engine.stats().prefix_cache_hits >= (2 * len(prompts) - len(loras)) * len(SYSTEM)
+    assert results[True] == results[False]
