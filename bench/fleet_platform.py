@@ -127,6 +127,12 @@ class Fleet:
             wait_up(f"{child.url}/health", self.logs / f"{child.name}.log")
         for child in self.web_children:
             wait_up(f"{child.url}/metrics", self.logs / f"{child.name}.log")
+        # A port taken between free_port() and the child's bind (other programs share the machine)
+        # leaves the child dead and another process answering on its port: measure nothing then.
+        for child in (*self.worker_children, *self.web_children):
+            if child.process.poll() is not None:
+                raise SystemExit(f"{child.name} exited with {child.process.returncode} (its port {child.url} answers "
+                                 f"for another process?); see {self.logs / (child.name + '.log')}")
         self._wait_registered()
 
     def _spawn(self, name: str, url: str, command: list[str], env: dict[str, str]) -> Child:
