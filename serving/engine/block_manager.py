@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from serving.engine.prefix_hash import BASE_SEED, adapter_seed, block_hashes
+from serving.engine.prefix_hash import BASE_SEED, adapter_seed, block_hashes, salted
 from serving.engine.sequence import Sequence
 
 
@@ -165,6 +165,8 @@ class BlockManager:
             else:
                 assert handle.adapter is not None, "a sequence is admitted once its adapter is loaded"
                 seed = adapter_seed(handle.name, handle.adapter.digest)
+            if seq.cache_salt is not None:
+                seed = salted(seed, seq.cache_salt)
             seq.block_keys = block_hashes(seed, seq.prompt_token_ids, self.block_size)
         return seq.block_keys
 

@@ -162,6 +162,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = encoded if encoded is not None else self.encode(prompt)
         self.validate(token_ids, sampling_params)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         adapter: AdapterHandle | None = None
         if lora_request is not None:
             if self.lora_cache is None:
@@ -178,6 +181,7 @@ class LLMEngine:
             priority=priority,
             generator=self._generator(sampling_params, 0),
             num_forks=sampling_params.num_sequences - 1,
+            cache_salt=cache_salt,
         )
         state = RequestState(request_id, sampling_params, [seq])
         guided = sampling_params.guided_decoding

@@ -79,6 +79,7 @@ class Sequence:
     # its first admission; how many of its leading blocks are registered under them (or were taken
     # from the cache); the prompt tokens its first admission found cached (None: caching is off).
     block_keys: list[bytes] | None = None
+    cache_salt: str | None = None  # vLLM's: mixed into the keys' seed, so only the same salt shares
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
     # int64 copies of the prompt and the output for the penalties (serving.engine.penalties), made

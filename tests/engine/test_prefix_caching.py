@@ -118,6 +118,17 @@ def test_the_same_prompt_under_another_adapter_or_the_base_gets_no_hit(
     assert llm.generate(_prompt(QUESTIONS[0]), GREEDY, lora_request=a)[0].num_cached_tokens == len(SYSTEM)
 
 
+def test_only_requests_of_one_cache_salt_share(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), **{**ENGINE, "max_loras": 0})
+    salted = {**_prompt(QUESTIONS[0]), "cache_salt": "tenant-1"}
+    assert llm.generate(salted, GREEDY)[0].num_cached_tokens == 0
+    assert llm.generate(_prompt(QUESTIONS[0]), GREEDY)[0].num_cached_tokens == 0  # unsalted: another chain
+    assert llm.generate({**salted, "cache_salt": "tenant-2"}, GREEDY)[0].num_cached_tokens == 0
+    assert llm.generate(salted, GREEDY)[0].num_cached_tokens == len(SYSTEM)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({**salted, "cache_salt": ""}, GREEDY)
+
+
 def test_an_adapter_reloaded_with_other_weights_under_its_name_gets_no_stale_hit(
     tiny_llama_dir: Path, adapters: dict[str, Path]
 ) -> None:

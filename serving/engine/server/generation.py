@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
 
@@ -243,7 +243,7 @@ class Generation:
                 admitted.append(engine_id)
             self._running = set(self._engine_ids)
             outputs = _merged([
-                engine.generate({"prompt_token_ids": ids}, p, engine_id, lora_request=lora_request,
+                engine.generate(_engine_prompt(ids, job.body.cache_salt), p, engine_id, lora_request=lora_request,
                                 priority=job.body.priority)
                 for ids, p, engine_id in zip(self.prompts_token_ids, params, self._engine_ids)
             ])
@@ -337,6 +337,14 @@ class Generation:
                 self.finished = True
                 metrics.e2e.observe(now - self._arrival)
         return deltas
+
+
+def _engine_prompt(token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
+    """The engine's prompt: the token ids, and the prefix cache's salt when the request sent one."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 def _as_prompts(built: list[int] | list[list[int]]) -> list[list[int]]:

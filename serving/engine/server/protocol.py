@@ -8,7 +8,7 @@ what was asked: `suffix` (no served model has a fill-in-the-middle template), an
 
 vLLM extensions kept with vLLM's names: `top_k`, `ignore_eos`, `stop_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`, `repetition_penalty`, `min_tokens`, `priority`
-(lower is served first),
+(lower is served first), `cache_salt` (only requests of the same salt share cached prompt blocks),
 `return_token_ids` (the prompt's and the completion's token ids in the response),
 `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, and structured output's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (on both endpoints; chat also takes
@@ -63,6 +63,8 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    # vLLM's: mixed into the prefix cache's keys, so only requests of the same salt share a prefix.
+    cache_salt: str | None = Field(default=None, min_length=1)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False

@@ -1,7 +1,8 @@
 """Prefix caching through the worker's API: a prompt sent again reports the tokens its adapter's
 cache held in OpenAI's `usage.prompt_tokens_details.cached_tokens` (streamed and not), another
 adapter's request of the same prompt reports none, /metrics counts the lookups and hits, and
-`--no-enable-prefix-caching` leaves the field out; the flag reaches the engine's settings."""
+`--no-enable-prefix-caching` leaves the field out; the flag reaches the engine's settings; vLLM's
+`cache_salt` keeps requests of different salts apart."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import openai
+import pytest
 
 from serving.engine.server.cli import parse_args
 from serving.engine.server.worker import engine_config
@@ -53,6 +55,25 @@ def test_a_repeated_prompt_reports_its_cached_tokens(worker: WorkerProcess, offl
     chat = api.chat.completions.create(model="alpha", messages=[{"role": "user", "content": prompt}], max_tokens=3,
                                        temperature=0)  # fmt: skip
     assert chat.usage.prompt_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // BLOCK * BLOCK
+    api.close()
+
+
+def test_a_cache_salt_keeps_requests_apart(worker: WorkerProcess) -> None:
+    api = client(worker)
+    prompt = _unique_prompt()
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        response = api.completions.create(model="tiny-base", prompt=prompt, max_tokens=2, temperature=0,
+                                          extra_body=extra)  # fmt: skip
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a") > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        cached("")
+    assert "cache_salt" in str(refused.value)
     api.close()
 
 
