@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import torch
 from peft_reference import PeftReference, assert_greedy_match
+from test_tensor_parallel import ENGINE as TP_ENGINE
 
 from serving.engine import LLM, LoRARequest, SamplingParams
 from serving.engine.block_manager import BlockManager
+from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -242,8 +244,6 @@ def test_a_corrupted_adapter_slot_unregisters_the_blocks_its_weights_computed(
 
 
 def _seq(tokens: list[int]) -> Sequence:
-    from serving.engine.detokenizer import IncrementalDetokenizer
-
     params = SamplingParams()
     return Sequence("r", None, tokens, params, IncrementalDetokenizer(lambda ids: "", tokens, True))
 
@@ -271,8 +271,6 @@ def test_eviction_takes_unregistered_blocks_first_then_the_least_recently_freed(
 def test_tensor_parallel_with_caching_equals_one_process(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
     """Two ranks over gloo: the step rank 0 broadcasts carries each sequence's block table and
     computed count, so a prefill that starts after cached blocks reads the same KV on both."""
-    from test_tensor_parallel import ENGINE as TP_ENGINE
-
     loras = [LoRARequest("a", str(adapters["a"])), None]
     prompts = [_prompt(q) for q in QUESTIONS[:2] for _ in loras]
     per_prompt = [lora for _ in QUESTIONS[:2] for lora in loras]
