@@ -40,10 +40,11 @@ from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
 from serving.gateway.request_buckets import RequestBuckets
 from serving.gateway.request_fields import (
-    decode_body, estimate_prompt_tokens, forwarded, requested_max_tokens, requested_sequences,
+    decode_body, estimate_prompt_tokens, requested_max_tokens, requested_sequences,
 )
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry, route
+from serving.gateway.upstream import upstream_body
 from serving.gateway.usage_log import UsageEvent, usage_push
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.wire.access_log import access_note
@@ -52,8 +53,6 @@ from serving.wire.registry import api_key_id
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-# Degraded requests run after every tier's own (the engine serves lower values first).
-DEGRADED_PRIORITY = 10
 
 
 @dataclass(frozen=True)
@@ -234,30 +233,6 @@ async def choose_worker(call: Call, res: Resources) -> WorkerView:
     res.resilience.shed_check(call, candidates, res.inflight)
     call.fallbacks = order[1:]
     return order[0]
-
-
-def upstream_body(call: Call, worker: WorkerView) -> dict[str, Any]:
-    """The worker's request: the internal name, the version's artifact (so a worker that does not
-    hold it loads it, verified by digest), the tier's priority and the effective max_tokens."""
-    body = forwarded(call.body, call.endpoint)
-    if call.version is not None:
-        body["model"] = call.version.qualified_name
-        body["loraplex_adapter"] = {"artifact_uri": call.version.artifact_uri,
-                                    "manifest_sha256": call.version.manifest_sha256}
-    else:
-        body["model"] = worker.base_model
-    max_tokens = call.max_tokens
-    context = worker.max_model_len
-    if requested_max_tokens(call.body, call.endpoint) is None and context:
-        # The tier's limit, bounded by what the context leaves after the (estimated) prompt.
-        max_tokens = max(1, min(max_tokens, context - call.prompt_estimate))
-    body["max_tokens"] = max_tokens
-    body["priority"] = DEGRADED_PRIORITY if call.degraded else call.caller.tier.priority
-    if body.get("stream"):
-        options = dict(body.get("stream_options") or {})
-        options["include_usage"] = True
-        body["stream_options"] = options
-    return body
 
 
 def response_headers(call: Call) -> dict[str, str]:

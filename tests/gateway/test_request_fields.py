@@ -5,16 +5,17 @@ request built from an allow-list, and which outcomes count toward a worker's eje
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from serving.gateway.records import Call, Caller, Target, TierLimits
 from serving.gateway.errors import GatewayError
-from serving.gateway.pipeline import upstream_body
 from serving.gateway.proxy import UpstreamResult
 from serving.gateway.request_fields import FORWARDED, MODEL_MAX_CHARS, decode_body
 from serving.gateway.resilience import worker_failed
 from serving.gateway.routing import WorkerView
+from serving.gateway.upstream import upstream_body
 from serving.gateway.version_pick import ServedVersion
 
 CALLER = Caller(tenant_id=1, tenant="alice-co", key_prefix="abc",
@@ -77,7 +78,7 @@ def test_the_workers_request_holds_only_allowed_fields():
             "store": True, "allow_degradation": False, "priority": -100, "max_completion_tokens": 3,
             "stream": True, "stream_options": {"include_usage": False}, "service_tier": "flex"}
     sent = upstream_body(call("completions", body, version=VERSION), WORKER)
-    gateway_written = {"model", "max_tokens", "priority", "loraplex_adapter"}
+    gateway_written = {"model", "max_tokens", "priority", "loraplex_adapter", "cache_salt"}
     assert set(sent) <= FORWARDED["completions"] | gateway_written
     assert sent["model"] == "alice-co/bot@1.0.0" and sent["priority"] == 1 and sent["max_tokens"] == 16
     assert sent["loraplex_adapter"] == {"artifact_uri": "file:///a", "manifest_sha256": "0" * 64}
@@ -86,8 +87,18 @@ def test_the_workers_request_holds_only_allowed_fields():
         assert dropped not in sent
     chat = upstream_body(call("chat", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_k": 3,
                                        "user": "u", "prompt": "not chat's"}), WORKER)
-    assert set(chat) == {"model", "messages", "top_k", "max_tokens", "priority"}
+    assert set(chat) == {"model", "messages", "top_k", "max_tokens", "priority", "cache_salt"}
     assert chat["model"] == "tiny"  # the base model: no loraplex_adapter at all
+
+
+def test_the_prefix_cache_salt_is_the_tenants_own_whatever_the_caller_sends():
+    """Cached prompt blocks are shared only within a salt: the gateway writes one per tenant, so
+    one tenant's base-model prompts never hit (nor time) another's, and a caller cannot pick one."""
+    body = {"model": "tiny", "prompt": "p", "cache_salt": f"tenant-{CALLER.tenant_id + 1}"}
+    mine = upstream_body(call("completions", body), WORKER)
+    other = upstream_body(replace(call("completions", body), caller=replace(CALLER, tenant_id=CALLER.tenant_id + 1)),
+                          WORKER)
+    assert mine["cache_salt"] == f"tenant-{CALLER.tenant_id}" != other["cache_salt"]
 
 
 def result(status: int, code: str = "", *, ok: bool = False) -> UpstreamResult:
