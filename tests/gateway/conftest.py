@@ -242,12 +242,18 @@ def upload_version(adapter, directory: Path, version: str):
 
 
 def wait_for_worker(redis_client, worker_id: str, timeout: float = 30.0) -> None:
-    """Until the worker's registration is back (tests flush Redis; heartbeats every 0.5 s)."""
+    """Until the worker's registration is back and says ready, the one state the gateway routes to
+    (tests flush Redis; heartbeats every 0.5 s; a worker still starting registers as loading)."""
+    import json
+
     from serving.wire.registry import worker_key
 
     deadline = time.monotonic() + timeout
-    while redis_client.get(worker_key(worker_id)) is None:
-        assert time.monotonic() < deadline, f"worker {worker_id} is not registered in Redis"
+    while True:
+        raw = redis_client.get(worker_key(worker_id))
+        if raw is not None and json.loads(raw).get("state") == "ready":
+            return
+        assert time.monotonic() < deadline, f"worker {worker_id} is not registered as ready in Redis: {raw!r}"
         time.sleep(0.1)
 
 
