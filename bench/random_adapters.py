@@ -39,6 +39,11 @@ LLAMA3_8B: dict[str, Any] = dict(
     bos_token_id=128000,
     eos_token_id=128001,
 )
+# The Llama-3-70B shape (bench/trainer_70b.py trains it cut to a few layers: its 80 take ~131 GiB in bf16).
+LLAMA3_70B: dict[str, Any] = dict(
+    LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+    num_key_value_heads=8,
+)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MODULE_SETS: dict[str, tuple[str, ...]] = {"all": (*ATTENTION, "gate_proj", "up_proj", "down_proj"), "attn": ATTENTION}
 # /dev/shm is used only with this much room to spare beside the adapters (other files, the worker).
@@ -46,14 +51,16 @@ _SHM_SPARE_BYTES = 2 * 2**30
 
 
 def shape_config(shape: str) -> dict[str, Any]:
-    """The model config of a benchmark shape: tiny, small (serving/engine/tiny.py) or llama3-8b."""
+    """The model config of a benchmark shape: tiny, small (serving/engine/tiny.py), llama3-8b or llama3-70b."""
     if shape in ("tiny", "small"):
         from serving.engine.tiny import SIZES
 
         return dict(SIZES[shape])
     if shape == "llama3-8b":
         return dict(LLAMA3_8B)
-    raise ValueError(f"shape must be tiny, small or llama3-8b, got {shape!r}")
+    if shape == "llama3-70b":
+        return dict(LLAMA3_70B)
+    raise ValueError(f"shape must be tiny, small, llama3-8b or llama3-70b, got {shape!r}")
 
 
 def lora_shapes(config: Mapping[str, Any], modules: Sequence[str]) -> dict[str, tuple[int, int]]:

@@ -4,7 +4,9 @@ for a number of steps on random data, reporting trained tokens/s and peak GPU me
 ``--shape llama3-8b`` (CUDA): the Llama-3-8B shape with random bf16 weights made on the device (the
 trainer's CUDA path: bf16 base, LoRA weights in fp32 through PEFT's autocast), rank-16 adapters on
 all linear projections, batches of ``--batch`` sequences of ``--seq-len`` random tokens, every token
-trained. ``--shape tiny``: the tiny llama on the CPU (fp32), a smoke run of the same code.
+trained. ``--shape tiny``: the tiny llama on the CPU (fp32), a smoke run of the same code. ``--shape llama3-70b``
+(CUDA) is the Llama-3-70B shape, and ``--num-layers N`` cuts any shape to N decoder layers
+(bench/trainer_70b.py runs the 70B shape at several cuts against the memory model).
 
     python3 bench/trainer.py --shape llama3-8b [--steps 300] [--batch 4] [--seq-len 512] [--json OUT]
 
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # Run as a script, this file's folder heads sys.path; the repository root must be there instead.
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -32,7 +35,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from bench.engine import LLAMA3_8B  # noqa: E402
+from bench.random_adapters import LLAMA3_8B, LLAMA3_70B  # noqa: E402
 from bench.trainer_hf import run_hf_trainer  # noqa: E402
 from serving.engine.tiny import build_tiny_model  # noqa: E402
 from training.examples import EncodedExample  # noqa: E402
@@ -40,7 +43,25 @@ from training.hyperparameters import Hyperparameters  # noqa: E402
 from training.trainer import LoadedBase, LoraTrainer, StepMetrics, load_tokenizer, pick_device  # noqa: E402
 
 
-class _Timer:
+BIG_SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
+def build_on_device(config: dict[str, Any], num_layers: int | None, device: torch.device) -> Any:
+    """A Llama of `config` (cut to `num_layers` decoder layers) with random weights made on `device`
+    directly, frozen: bf16 on CUDA, fp32 on the CPU."""
+    layers = config["num_hidden_layers"] if num_layers is None else num_layers
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**dict(config, num_hidden_layers=layers)), dtype=dtype)
+    if not hasattr(model, "activation_checkpointing_enable"):
+        # The trainer calls transformers >= 5.2x's names; the GPU machine's 5.17 has the older ones only.
+        model.activation_checkpointing_enable = lambda activation_checkpointing_kwargs=None: (
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=activation_checkpointing_kwargs))
+        model.activation_checkpointing_disable = model.gradient_checkpointing_disable
+    return model.eval().requires_grad_(False)
+
+
+class StepTimer:
     """Training hooks that stamp each step, so the first steps (allocator and kernel warm-up) can be left out."""
 
     def __init__(self) -> None:
@@ -62,7 +83,8 @@ class _Timer:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
+    parser.add_argument("--shape", choices=("tiny", *BIG_SHAPES), default="tiny")
+    parser.add_argument("--num-layers", type=int, help="cut the shape's decoder layers to this many")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -78,14 +100,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_model(Path(tmp) / "tiny", arch="llama", size="tiny")
         tokenizer = load_tokenizer(str(tiny))
-        if args.shape == "llama3-8b":
+        if args.shape in BIG_SHAPES:
             if device.type != "cuda":
-                parser.error("--shape llama3-8b needs a CUDA device")
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA3_8B), dtype=torch.bfloat16)
+                parser.error(f"--shape {args.shape} needs a CUDA device")
+            model = build_on_device(BIG_SHAPES[args.shape], args.num_layers, device)
         else:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(tiny, dtype=dtype).to(device)
+            overrides = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+            model = AutoModelForCausalLM.from_pretrained(tiny, dtype=dtype, **overrides).to(device)
         model.eval().requires_grad_(False)
         base = LoadedBase(model=model, tokenizer=tokenizer, path=str(tiny), device=device)
         vocab = model.config.vocab_size
@@ -100,7 +122,7 @@ def main() -> int:
                              r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                              gradient_accumulation_steps=args.accumulation, packing=args.packing,
                              gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
-        timer = _Timer()
+        timer = StepTimer()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()

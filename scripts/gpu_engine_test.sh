@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine decode-table serve
-# adapters trainer, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
+# adapters trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
 # decode-step table for 32-256 distinct adapters), bench/serve.py, bench/many_adapters.py (issue 21's
-# matrix: adapter count x popularity x GPU adapter budget x rate) and bench/trainer.py on the Llama-3-8B
-# shape. Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
+# matrix: adapter count x popularity x GPU adapter budget x rate), bench/trainer.py on the Llama-3-8B
+# shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
+# model). Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
 # bench/engine.py flags, e.g. --compare-peft) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
 # --counts 1024) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
 # device call, and the adapters stage plans its cells to end a minute inside it (STAGE_TIMEOUT=580 gives
@@ -49,7 +50,10 @@ for stage in "$@"; do
     trainer)
         timeout "$limit" python3 bench/trainer.py --shape llama3-8b --steps "${TRAINER_STEPS:-300}" --json "$out/trainer8b.json" \
             2>&1 | tee "$out/trainer8b.log" || status=1 ;;
-    *) echo "unknown stage $stage (tests, engine, decode-table, serve, adapters, trainer)"; exit 2 ;;
+    trainer70b)
+        timeout "$limit" python3 bench/trainer_70b.py --layers "${TRAINER70B_LAYERS:-2,8,32,64}" --json "$out/trainer70b.json" \
+            2>&1 | tee "$out/trainer70b.log" || status=1 ;;
+    *) echo "unknown stage $stage (tests, engine, decode-table, serve, adapters, trainer, trainer70b)"; exit 2 ;;
     esac
 done
 exit $status
