@@ -61,16 +61,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def embedded_platform(var_dir: Path) -> Path:
+def embedded_platform(var_dir: Path, redis_url: str | None = None) -> Path:
     """This process set up as the platform on its embedded defaults in `var_dir` (SQLite, local
-    storage, the embedded Redis, whose URL the settings export to the children), migrated, with the
-    tiny model built as the base; the model's directory. Children started after this inherit it all."""
+    storage, the embedded Redis, whose URL the settings export to the children, or `redis_url`'s),
+    migrated, with the tiny model built as the base; the model's directory. Children started after
+    this inherit it all."""
     os.environ.update(LORAPLEX_VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="lora_platform.settings",
                       SERVING_WORKER_API_KEY=WORKER_KEY, DJANGO_DEBUG="0", LOG_LEVEL="WARNING",
                       # Production's mode needs a key of its own (docs/operations.md, "Settings").
                       DJANGO_SECRET_KEY="bench-gateway-secret-key")
     for name in ("REDIS_URL", "DATABASE_URL", "STORAGE_URL"):
         os.environ.pop(name, None)
+    if redis_url:
+        os.environ["REDIS_URL"] = redis_url
     sys.path.insert(0, str(ROOT))
     import django
 

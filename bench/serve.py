@@ -28,6 +28,14 @@ before. `--run-time-limit` cuts a run that the worker cannot keep up with (its u
 requests count as failed). bench/many_adapters.py runs the whole matrix.
 
     python bench/serve.py --launch tiny --num-adapters 32 --max-loras 4 --popularity uniform,zipf --request-rate 4,8
+
+Through the gateway (issue 22, item 4): `--through-gateway` runs each rate twice, straight to the
+launched worker and then the same requests (same seed) through `/v1/completions` on
+`--web-processes` web processes (default: production's, $WEB_CONCURRENCY or 1) as a tenant whose
+quotas never bind, and prints both side by side with the gateway's added TTFT p50 and its share of
+direct's output tok/s (bench/serve_gateway.py says how the platform is set up).
+
+    python bench/serve.py --launch tiny --num-adapters 4 --num-prompts 40 --request-rate 4,8 --through-gateway
 """
 
 from __future__ import annotations
@@ -55,7 +63,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(ROOT)
 
 from bench.random_adapters import MODULE_SETS  # noqa: E402
+from bench.serve_gateway import (Gateway, compare, gateway_platform, print_comparisons,  # noqa: E402
+                                 production_web_processes, started_gateway, worker_flags)
 from bench.serve_launch import launched_worker  # noqa: E402
+from bench.serve_report import print_runs, print_summary  # noqa: E402
 from bench.serve_profile import sampled  # noqa: E402
 from bench.worker_metrics import scrape_metrics, total, window_metrics  # noqa: E402
 
@@ -78,10 +89,13 @@ class Result:
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
-                      run_start: float | None = None) -> Result:
+                      run_start: float | None = None, *, url: str = "/v1/completions",
+                      fields: dict[str, Any] | None = None) -> Result:
+    """One streamed completion to ``url``; ``fields`` replace or add to the body's (the gateway's
+    upstream fields, for a worker called straight in --through-gateway)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, **(fields or {}),
     }
     start = time.perf_counter()
     last = None
@@ -95,7 +109,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
             sent = time.perf_counter() - start
 
     try:
-        async with client.stream("POST", "/v1/completions", json=body, extensions={"trace": trace}) as response:
+        async with client.stream("POST", url, json=body, extensions={"trace": trace}) as response:
             chunks = 0
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
@@ -154,8 +168,10 @@ def _requests(args: argparse.Namespace, rng: random.Random, count: int, input_le
     return requests
 
 
-async def run_load(args: argparse.Namespace, popularity: str = "uniform") -> tuple[list[Result], float, dict[str, Any]]:
-    """One run: its warm-up, then the measured window. Returns the window's results, its duration
+async def run_load(args: argparse.Namespace, popularity: str = "uniform", gateway: Gateway | None = None,
+                   path: str = "direct") -> tuple[list[Result], float, dict[str, Any]]:
+    """One run: its warm-up, then the measured window, sent along ``path``: straight to the worker,
+    or through ``gateway``'s web processes in turn. Returns the window's results, its duration
     and what the worker's /metrics say about it (``window_metrics``: ``metrics`` false where it
     could not be read), with how many requests the time limit cut or left unsent."""
     pick = adapter_picker(args.adapters, popularity, args.zipf_alpha) if args.adapters else None
@@ -170,30 +186,43 @@ async def run_load(args: argparse.Namespace, popularity: str = "uniform") -> tup
     # pool and writing on it, so the worker had closed it meanwhile and about one request in 1,000
     # failed with ReadError('') before any response (docs/benchmarks.md).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits, headers=_auth(args)) as client:
+    via = gateway if path == "gateway" else None
+    urls = [f"{url}/v1/completions" for url in via.urls] if via else ["/v1/completions"]
+    fields = gateway.upstream if gateway is not None and via is None else {}
+    tenant = {"Authorization": f"Bearer {via.key}"} if via else {}
+    # The worker's client also reads its /metrics; the gateway's client sends as the tenant.
+    async with (httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits, headers=_auth(args)) as worker,
+                httpx.AsyncClient(timeout=None, limits=limits, headers=tenant) if via
+                else contextlib.nullcontext(worker) as client):
+
+        async def send(index: int, model: str, prompt: list[int], output_len: int,
+                       run_start: float | None = None) -> Result:
+            return await one_request(client, model, prompt, output_len, run_start, url=urls[index % len(urls)],
+                               fields=fields.get(model))
+
         # Warm-up (kernel compilation, first slot loads) is not measured.
-        await asyncio.gather(*(one_request(client, m, p, n) for m, p, n in warmup))
-        settled = await _settle(client)
-        before = await scrape_metrics(client)
+        await asyncio.gather(*(send(i, m, p, n) for i, (m, p, n) in enumerate(warmup)))
+        settled = await _settle(worker)
+        before = await scrape_metrics(worker)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
 
-        async def limited(model: str, prompt: list[int], output_len: int) -> Result:
+        async def limited(index: int, model: str, prompt: list[int], output_len: int) -> Result:
             async with gate:
-                return await one_request(client, model, prompt, output_len, start)
+                return await send(index, model, prompt, output_len, start)
 
         tasks = []
         start = time.perf_counter()
         deadline = start + (args.run_time_limit or float("inf"))
-        for model, prompt, output_len in requests:
+        for index, (model, prompt, output_len) in enumerate(requests):
             if time.perf_counter() >= deadline:
                 break
-            tasks.append(asyncio.create_task(limited(model, prompt, output_len)))
+            tasks.append(asyncio.create_task(limited(index, model, prompt, output_len)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         left = None if args.run_time_limit is None else max(0.0, deadline - time.perf_counter())
         done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
         duration = time.perf_counter() - start
-        after = await scrape_metrics(client)
+        after = await scrape_metrics(worker)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -223,10 +252,11 @@ async def _settle(client: httpx.AsyncClient) -> bool:
     return False
 
 
-async def prime(args: argparse.Namespace) -> tuple[float, int]:
+async def prime(args: argparse.Namespace, fields: dict[str, dict[str, Any]]) -> tuple[float, int]:
     """One short request per adapter, a0 first, 64 in flight at a time, so that a worker's first run
     does not pay every adapter's first load: with room for all, all are resident after it, else the
-    last ones primed. The seconds it took and how many of its requests failed."""
+    last ones primed. ``fields``: per adapter, what its body adds (a registry version's, under
+    --through-gateway). The seconds it took and how many of its requests failed."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     gate = asyncio.Semaphore(64)
     start = time.perf_counter()
@@ -234,7 +264,7 @@ async def prime(args: argparse.Namespace) -> tuple[float, int]:
 
         async def one(adapter: str) -> Result:
             async with gate:
-                return await one_request(client, adapter, [_FIRST_PLAIN_ID] * 4, 1)
+                return await one_request(client, adapter, [_FIRST_PLAIN_ID] * 4, 1, fields=fields.get(adapter))
 
         results = await asyncio.gather(*(one(adapter) for adapter in args.adapters))
     return time.perf_counter() - start, sum(not r.ok for r in results)
@@ -273,59 +303,6 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     return summary
 
 
-def _figure(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    window = summary.get("worker", {})
-    print("=" * 18 + " Serving Benchmark Result " + "=" * 18)
-    picked = f"Adapters ({summary['popularity']} per request)"
-    print(f"{picked:<40}{len(args.adapters):>12}")
-    print(f"{'Successful requests':<40}{summary['completed']:>12}")
-    print(f"{'Failed requests':<40}{summary['failed']:>12}")
-    if window.get("cut"):
-        print(f"{'  of which cut at the time limit':<40}{window['cut']:>12}")
-    print(f"{'Benchmark duration (s)':<40}{summary['duration_s']:>12.2f}")
-    print(f"{'Total input tokens':<40}{summary['total_input_tokens']:>12}")
-    print(f"{'Total generated tokens':<40}{summary['total_output_tokens']:>12}")
-    print(f"{'Request throughput (req/s)':<40}{summary['request_throughput']:>12.2f}")
-    print(f"{'Output token throughput (tok/s)':<40}{summary['output_token_throughput']:>12.2f}")
-    print(f"{'Total token throughput (tok/s)':<40}{summary['total_token_throughput']:>12.2f}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-        if f"mean_{name}_ms" in summary:
-            print(f"{'-' * 15}{title:^32}{'-' * 15}")
-            for stat in ("mean", "median", "p99"):
-                print(f"{f'{stat.capitalize()} {name.upper()} (ms)':<40}{summary[f'{stat}_{name}_ms']:>12.2f}")
-    if window.get("metrics"):
-        print(f"{'-' * 15}{'Adapters (worker /metrics)':^32}{'-' * 15}")
-        hit_rate = window["gpu_hit_rate"]
-        print(f"{'GPU hit rate (%)':<40}{_figure(None if hit_rate is None else 100 * hit_rate, '>12.1f')}")
-        loads = f"Adapter loads/s ({window['adapter_loads_from']})"
-        print(f"{loads:<40}{_figure(window['adapter_loads_per_s'], '>12.2f')}")
-        moved = window["bytes_moved_per_s"]
-        print(f"{'Host->GPU MB/s':<40}{_figure(None if moved is None else moved / 1e6, '>12.1f')}")
-        print(f"{'CPU-cache evictions':<40}{_figure(window['cpu_evictions'], '>12.0f')}")
-        print(f"{'Storage reads':<40}{_figure(window['storage_reads'], '>12.0f')}")
-        print(f"{'Worker non-ok requests':<40}{window['worker_not_ok']:>12.0f}")
-    print("=" * 62)
-
-
-def print_runs(summaries: list[dict[str, Any]]) -> None:
-    """One line per run: the latency and throughput figures, and the worker's adapter figures."""
-    print(f"{'popularity':>10} {'req/s':>7} {'got/s':>6} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'GPU hit':>8} {'loads/s':>8} {'MB/s':>8} {'CPU ev':>7} {'failed':>6}")
-    for s in summaries:
-        w = s.get("worker", {})
-        hit, moved = w.get("gpu_hit_rate"), w.get("bytes_moved_per_s")
-        print(f"{s['popularity']:>10} {s['request_rate']:>7g} {s['request_throughput']:>6.1f} "
-              f"{s['output_token_throughput']:>10.1f} {s.get('median_ttft_ms', 0):>9.1f} {s.get('p99_ttft_ms', 0):>9.1f} "
-              f"{s.get('median_tpot_ms', 0):>9.1f} {_figure(None if hit is None else 100 * hit, '>7.1f')}% "
-              f"{_figure(w.get('adapter_loads_per_s'), '>8.2f')} {_figure(None if moved is None else moved / 1e6, '>8.1f')} "
-              f"{_figure(w.get('cpu_evictions'), '>7.0f')} {s['failed']:>6}")
-
-
 def _comma_list(text: str, kind: Callable[[str], Any], what: str, p: argparse.ArgumentParser) -> list[Any]:
     try:
         return [kind(item) for item in text.split(",")]
@@ -339,9 +316,11 @@ def _popularity(text: str) -> str:
     return text
 
 
-def _write_record(args: argparse.Namespace, summaries: list[dict[str, Any]], launch: dict[str, Any]) -> None:
+def _write_record(args: argparse.Namespace, summaries: list[dict[str, Any]], launch: dict[str, Any],
+                  comparisons: list[dict[str, Any]]) -> None:
     record = {"args": {k: v for k, v in vars(args).items() if k not in ("api_key", "json")},
               "host": platform.node(), "python": platform.python_version(), "launch": launch,
+              **({"gateway": comparisons} if args.through_gateway else {}),
               **(summaries[0] if len(summaries) == 1 else {"runs": summaries})}
     args.json.write_text(json.dumps(record, indent=2, default=str))
 
@@ -392,6 +371,11 @@ def main() -> int:
     # The worker's own default: a larger budget lets a burst of prompts make steps over the
     # captured ladder (max_flat_tokens, 2048), which run eagerly and stall every decode meanwhile.
     launch.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    gateway_args = p.add_argument_group("through the gateway (--through-gateway)")
+    gateway_args.add_argument("--through-gateway", action="store_true",
+                              help="each run also through /v1 on the web processes, as a tenant (needs --launch; primes)")
+    gateway_args.add_argument("--web-processes", type=int, default=None,
+                              help="web processes (default: production's, $WEB_CONCURRENCY or 1)")
     p.add_argument("--py-spy-dir", type=Path, default=None,
                    help="sample the worker (--launch) and this load generator with py-spy during the last run")
     args = p.parse_args()
@@ -409,39 +393,63 @@ def main() -> int:
         p.error(f"--lora-memory-bytes must be > 0, got {args.lora_memory_bytes}")
     if args.max_loras is None:
         args.max_loras = args.num_adapters
+    if args.through_gateway and not (args.launch and args.num_adapters):
+        p.error("--through-gateway registers the launched worker's adapters: it needs --launch and --num-adapters >= 1")
+    if args.web_processes is None:
+        args.web_processes = production_web_processes()
+    if args.web_processes < 1:
+        p.error(f"--web-processes must be >= 1, got {args.web_processes}")
+    # Straight to the worker, the registry's versions load on their first request: primed, neither
+    # path's first run pays for them.
+    args.prime = args.prime or args.through_gateway
     # A stop from outside (the GPU script's timeout) unwinds like Ctrl-C: the launched worker is
     # stopped on the way out rather than left holding the GPU.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # Rates in the order given, each with every popularity: a run cut short of its rates keeps every
     # popularity's figures at the rates it reached (bench/many_adapters.py gives the highest first).
-    runs = [(popularity, rate) for rate in rates for popularity in popularities]
+    # Under --through-gateway each run is followed by the same requests through the gateway.
+    paths = ("direct", "gateway") if args.through_gateway else ("direct",)
+    runs = [(popularity, rate, path) for rate in rates for popularity in popularities for path in paths]
     summaries: list[dict[str, Any]] = []
-    with launched_worker(args) if args.launch else contextlib.nullcontext() as worker:
+    comparisons: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        var_dir = stack.enter_context(gateway_platform(args)) if args.through_gateway else None
+        flags = worker_flags() if args.through_gateway else []
+        worker = stack.enter_context(launched_worker(args, worker_flags=flags, preload=not args.through_gateway)) \
+            if args.launch else None
+        gateway = stack.enter_context(started_gateway(args, worker, var_dir)) if worker and var_dir else None
         launch_info = worker.info if worker else {}
         if args.prime and args.adapters:
-            launch_info["prime_s"], launch_info["prime_failed"] = asyncio.run(prime(args))
+            upstream = gateway.upstream if gateway else {}
+            launch_info["prime_s"], launch_info["prime_failed"] = asyncio.run(prime(args, upstream))
             print(f"primed {len(args.adapters)} adapters in {launch_info['prime_s']:.1f}s "
                   f"({launch_info['prime_failed']} failed)", flush=True)
         if len(runs) > 1:
             print("runs share one worker: each starts with the worker idle after its own warm-up, its worker "
                   "figures are /metrics deltas over its window, and the GPU's adapters carry over from the run before",
                   flush=True)
-        for i, (popularity, rate) in enumerate(runs):
+        for i, (popularity, rate, path) in enumerate(runs):
             args.request_rate = rate
             profiled = args.py_spy_dir is not None and i == len(runs) - 1
             spied = {"worker": worker.process if worker else None, "client": None}
             with sampled(args.py_spy_dir, spied, rate) if profiled else contextlib.nullcontext():
-                results, duration, window = asyncio.run(run_load(args, popularity))
+                results, duration, window = asyncio.run(run_load(args, popularity, gateway, path))
             summary = {"popularity": popularity, "request_rate": rate, **summarize(results, duration), "worker": window}
-            print(f"{popularity} popularity, request rate {rate} req/s")
+            print(f"{popularity} popularity, request rate {rate} req/s" + (f", {path}" if gateway else ""))
             print_summary(summary, args)
             for error in sorted({r.error for r in results if not r.ok})[:5]:
                 print(f"error: {error}")
+            if gateway:
+                summary["path"] = path
+                if path == "gateway":
+                    comparisons.append(compare(summaries[-1], summary))
             summaries.append(summary)
             if args.json:
-                _write_record(args, summaries, launch_info)
+                _write_record(args, summaries, launch_info, comparisons)
     if len(summaries) > 1:
         print_runs(summaries)
+    if comparisons:
+        print_comparisons(comparisons, args.web_processes)
     return 0 if all(s["completed"] for s in summaries) else 1
 
 

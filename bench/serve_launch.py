@@ -14,8 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +62,16 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, list[Path], lis
 class Launched:
     process: subprocess.Popen[bytes]
     info: dict[str, Any]  # what preparing and starting took, where the adapters are
+    model: Path = Path()  # the model directory the worker serves
+    adapter_dirs: list[Path] = field(default_factory=list)  # adapter a<i> is the i-th
 
 
 @contextlib.contextmanager
-def launched_worker(args: argparse.Namespace) -> Iterator[Launched]:
+def launched_worker(args: argparse.Namespace, *, worker_flags: Sequence[str] = (),
+                    preload: bool = True) -> Iterator[Launched]:
+    """The worker, ready. ``worker_flags`` go on its command line; without ``preload`` its adapters
+    are not named on it (--lora-modules), so it serves them only as requests bring them
+    (bench/serve_gateway.py: as the registry's versions, loaded on their first request)."""
     # The adapters go in the work directory unless cached elsewhere: it is on /dev/shm if they fit.
     one = adapter_bytes(shape_config(args.launch), args.rank, MODULE_SETS[args.adapter_modules])
     need = 0 if args.adapter_cache else args.num_adapters * one
@@ -85,14 +91,14 @@ def launched_worker(args: argparse.Namespace) -> Iterator[Launched]:
             "--max-lora-rank", str(args.rank), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-queued-requests", str(args.num_prompts + args.warmup), "--uvicorn-log-level", "warning",
-            *extra,
+            *extra, *worker_flags,
         ]
         # 0: the worker's own default (how it sizes adapter memory unasked).
         if args.max_loras:
             command += ["--max-loras", str(args.max_loras)]
         if args.lora_memory_bytes is not None:
             command += ["--lora-memory-bytes", str(args.lora_memory_bytes)]
-        if adapters:
+        if adapters and preload:
             command += ["--lora-modules", *(f"a{i}={path}" for i, path in enumerate(adapters))]
         # The worker's access lines (one a request, at INFO) stay out of the output and off its event
         # loop, as uvicorn's did under --uvicorn-log-level warning.
@@ -101,7 +107,7 @@ def launched_worker(args: argparse.Namespace) -> Iterator[Launched]:
             wait_ready(args.base_url, process)
             info["ready_s"] = time.perf_counter() - started - info["prepare_s"]
             print(f"worker ready after {time.perf_counter() - started:.1f}s ({info['ready_s']:.1f}s to start)", flush=True)
-            yield Launched(process, info)
+            yield Launched(process, info, model, adapters)
         finally:
             process.send_signal(signal.SIGTERM)
             try:

