@@ -15,9 +15,10 @@ activation bytes: 2 on the CUDA bf16 path, 4 on the CPU fp32 one):
 - **layer inputs** (gradient checkpointing on): L × T × hidden × a, the one tensor a checkpointed
   decoder layer keeps; off, every layer keeps its whole `layer_activation` instead.
 - **layer activation**: what autograd saves inside one decoder layer a token: the two norms'
-  fp32 inputs (2 × 4 × hidden), their outputs, the roped q and k, v and the attention's output
-  (sdpa: its log-sum-exp too, 4 × heads), the MLP's gate, SiLU(gate), up and their product
-  (4 × intermediate) and the rank-r LoRA A outputs. With checkpointing one layer's is live again
+  fp32 inputs (2 × 4 × hidden), the attention kernel's roped q, roped k, v and output (and its
+  log-sum-exp, 4 × heads), the MLP's gate, SiLU(gate) and up (3 × intermediate), and for each
+  adapted projection a copy of its input (PEFT's cast to the LoRA dtype and autocast's back: the
+  frozen projection itself keeps no input) and its rank-r A output. With checkpointing one layer's is live again
   while the backward recomputes it, beside two intermediate-sized gradients and the LoRA gradients.
 - **loss**: the head's logits (T × vocab × a) and, in the loss's backward, cross-entropy's fp32
   log-softmax, its gradient and the logits' fp32 gradient (12 bytes an element): training.packing
@@ -145,13 +146,23 @@ def lora_params(shape: Shape, setup: Setup) -> int:
 def layer_activation_per_token(shape: Shape, setup: Setup) -> int:
     """Bytes autograd saves inside one decoder layer for one token (module docstring)."""
     a = setup.activation_bytes
+    shapes = shape.projection_shapes()
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    attention = shape.hidden + 2 * q + 2 * kv  # norm output, roped q, roped k, v, attention output
-    mlp = shape.hidden + 4 * shape.intermediate  # norm output, gate, SiLU(gate), up, their product
+    if a < 4:
+        # PEFT casts an adapted projection's input to the fp32 LoRA weight's dtype and autocast casts it
+        # back: every LoRA A keeps its own copy of its input (the frozen projection keeps none).
+        inputs = sum(shapes[name][0] for name in setup.targets)
+    else:
+        # In fp32 those casts return the same tensor: the first norm's output, the second's, the product.
+        inputs = (shape.hidden * bool({"q_proj", "k_proj", "v_proj"} & set(setup.targets))
+                  + shape.hidden * bool({"gate_proj", "up_proj"} & set(setup.targets))
+                  + shape.intermediate * ("down_proj" in setup.targets))
     lora = setup.rank * len(setup.targets)  # each adapted projection's A output
+    attention = 2 * q + 2 * kv  # the attention kernel's roped q, roped k, v and output
+    mlp = 3 * shape.intermediate  # gate (SiLU's input), SiLU(gate) and up (the product's inputs)
     norms_fp32 = 2 * 4 * shape.hidden + 2 * 4  # two RMSNorm inputs upcast to fp32, and their rsqrt
     log_sum_exp = 4 * shape.heads
-    return a * (attention + mlp + lora) + norms_fp32 + log_sum_exp
+    return a * (inputs + lora + attention + mlp) + norms_fp32 + log_sum_exp
 
 
 def estimate(shape: Shape, setup: Setup) -> Estimate:

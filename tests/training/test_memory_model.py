@@ -37,18 +37,18 @@ def test_the_small_shape_peak_is_the_hand_computed_bytes() -> None:
     assert e.base == 1704 * 2
     assert e.lora == 512 * 12  # fp32 weights and AdamW's two moments
     assert e.lora_grads == 512 * 4
-    # A token of a layer, bf16: norm output 8, roped q 8, roped k 4, v 4, attention output 8; norm
-    # output 8, gate, SiLU, up, product 4 × 16; seven LoRA A outputs of 2. Then fp32 norm inputs 2 × 8,
-    # their rsqrt, and the log-sum-exp of 2 heads.
-    per_token = 2 * (8 + 8 + 4 + 4 + 8 + 8 + 64 + 14) + 4 * 16 + 8 + 4 * 2
-    assert per_token == 316
-    assert e.layer_activation == 4 * 316
-    assert e.recompute == 4 * 316 + 4 * 2 * (2 * 16 + 2 * 8)
+    # A token of a layer, bf16: each LoRA A's copy of its input (q, k, v, gate, up: 8; o: 8; down: 16)
+    # and its output (2 each); roped q 8, roped k 4, v 4, attention output 8; gate, SiLU, up 3 × 16.
+    # Then the fp32 norm inputs 2 × 8, their rsqrt, and the log-sum-exp of 2 heads.
+    per_token = 2 * (5 * 8 + 8 + 16 + 7 * 2 + 8 + 4 + 4 + 8 + 3 * 16) + 4 * 16 + 8 + 4 * 2
+    assert per_token == 380
+    assert e.layer_activation == 4 * 380
+    assert e.recompute == 4 * 380 + 4 * 2 * (2 * 16 + 2 * 8)
     assert e.loss == 4 * 32 * (2 + 12)  # bf16 logits, then fp32 log-softmax, its gradient, the logits' gradient
     assert e.head == 4 * 8 * (4 + 2)
     assert e.kept_activations == 2 * 4 * 8 * 2  # two layers' bf16 inputs
     # A layer's recompute and the LoRA gradients outweigh the loss here (a 32-token vocabulary).
-    assert e.peak == 3408 + 6144 + 128 + (4 * 316 + 384) + 2048 == 13376
+    assert e.peak == 3408 + 6144 + 128 + (4 * 380 + 384) + 2048 == 13632
     # A 128k vocabulary turns it round: the loss is the transient at the peak.
     big_vocab = estimate(Shape(**{**SMALL.__dict__, "vocab": 4096}), SETUP)
     assert big_vocab.peak - big_vocab.base == 6144 + 128 + 4 * 4096 * 14 + 192
@@ -57,13 +57,21 @@ def test_the_small_shape_peak_is_the_hand_computed_bytes() -> None:
 def test_without_checkpointing_every_layer_keeps_its_activations() -> None:
     e = estimate(SMALL, Setup(rank=2, tokens=4, workspace=0, gradient_checkpointing=False))
     # Every layer's activations and autocast's bf16 copies of the LoRA weights, which the backward needs.
-    assert e.kept_activations == 2 * 4 * 316 + 512 * 2
-    assert e.peak == 3408 + 6144 + 2 * 1264 + 1024 + 1792 + 192
+    assert e.kept_activations == 2 * 4 * 380 + 512 * 2
+    assert e.peak == 3408 + 6144 + 2 * 1520 + 1024 + 1792 + 192
+
+
+def test_in_fp32_the_adapted_projections_share_their_inputs() -> None:
+    # No casts on the CPU path: the norms' outputs (8 each) and the product (16) are saved once.
+    fp32 = Setup(rank=2, tokens=1, base_bytes=4, activation_bytes=4, workspace=0)
+    assert estimate(SMALL, fp32).layer_activation == 4 * (8 + 8 + 16 + 7 * 2 + 8 + 4 + 4 + 8 + 3 * 16) + 72 + 8
+    attention_only = Setup(rank=2, tokens=1, targets=("q_proj", "v_proj"), base_bytes=4, activation_bytes=4)
+    assert estimate(SMALL, attention_only).layer_activation == 4 * (8 + 2 * 2 + 8 + 4 + 4 + 8 + 3 * 16) + 72 + 8
 
 
 def test_fsdp_shards_the_base_and_gathers_the_root_and_two_layers() -> None:
     gathered = (2 * 256 + 8) * 2 + 2 * 592 * 2
-    assert fsdp_peak(SMALL, SETUP, 2) == 13376 - 3408 + 3408 // 2 + gathered
+    assert fsdp_peak(SMALL, SETUP, 2) == 13632 - 3408 + 3408 // 2 + gathered
     full = Shape.from_config(LLAMA3_70B)
     setup = Setup()
     # On the 70B shape sharding pays: each GPU more holds less.
