@@ -198,7 +198,7 @@ async def run_load(args: argparse.Namespace, popularity: str = "uniform", gatewa
         async def send(index: int, model: str, prompt: list[int], output_len: int,
                        run_start: float | None = None) -> Result:
             return await one_request(client, model, prompt, output_len, run_start, url=urls[index % len(urls)],
-                               fields=fields.get(model))
+                                     fields=fields.get(model))
 
         # Warm-up (kernel compilation, first slot loads) is not measured.
         await asyncio.gather(*(send(i, m, p, n) for i, (m, p, n) in enumerate(warmup)))
