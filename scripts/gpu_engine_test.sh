@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine decode-table serve
-# gateway-curve adapters trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
+# gateway-curve adapters structured trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
 # decode-step table for 32-256 distinct adapters), bench/serve.py, bench/many_adapters.py (issue 21's
-# matrix: adapter count x popularity x GPU adapter budget x rate), bench/trainer.py on the Llama-3-8B
-# shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
+# matrix: adapter count x popularity x GPU adapter budget x rate), bench/structured_output.py (issue 24's
+# structured-output TPOT and step tail; needs the xgrammar and apache-tvm-ffi wheels), bench/trainer.py on
+# the Llama-3-8B shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
 # model). Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
 # bench/engine.py flags, e.g. --compare-peft) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
 # --counts 1024) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
@@ -62,13 +63,16 @@ for stage in "$@"; do
             --num-prompts 200 --request-rate "${SERVE_RATES:-16,32,64}" --random-input-len 256 --random-output-len 128 \
             --max-num-seqs 256 --warmup 32 --through-gateway --json "$out/gateway_curve8b.json" 2>&1 \
             | tee "$out/gateway_curve8b.log" || status=1 ;;
+    structured)
+        timeout "$limit" python3 bench/structured_output.py --shape llama3-8b --json "$out/structured_output.json" \
+            2>&1 | tee "$out/structured_output.log" || status=1 ;;
     trainer)
         timeout "$limit" python3 bench/trainer.py --shape llama3-8b --steps "${TRAINER_STEPS:-300}" --json "$out/trainer8b.json" \
             2>&1 | tee "$out/trainer8b.log" || status=1 ;;
     trainer70b)
         timeout "$limit" python3 bench/trainer_70b.py --layers "${TRAINER70B_LAYERS:-2,8,32,64}" --json "$out/trainer70b.json" \
             2>&1 | tee "$out/trainer70b.log" || status=1 ;;
-    *) echo "unknown stage $stage (tests, engine, decode-table, serve, gateway-curve, adapters, trainer, trainer70b)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, engine, decode-table, serve, gateway-curve, adapters, structured, trainer, trainer70b)"; exit 2 ;;
     esac
 done
 exit $status
