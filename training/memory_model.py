@@ -18,8 +18,8 @@ activation bytes: 2 on the CUDA bf16 path, 4 on the CPU fp32 one):
   fp32 inputs (2 × 4 × hidden), the attention kernel's roped q, roped k, v and output (and its
   log-sum-exp, 4 × heads), the MLP's gate, SiLU(gate) and up (3 × intermediate), and for each
   adapted projection a copy of its input (PEFT's cast to the LoRA dtype and autocast's back: the
-  frozen projection itself keeps no input) and its rank-r A output. With checkpointing one layer's is live again
-  while the backward recomputes it, beside two intermediate-sized gradients and the LoRA gradients.
+  frozen projection itself keeps no input) and its rank-r A output. With checkpointing one layer's
+  is live again while the backward recomputes it, beside two intermediate-sized gradients and the LoRA gradients.
 - **loss**: the head's logits (T × vocab × a) and, in the loss's backward, cross-entropy's fp32
   log-softmax, its gradient and the logits' fp32 gradient (12 bytes an element): training.packing
   upcasts the logits to fp32 for the loss. With a 128k vocabulary this is the largest transient.
@@ -29,8 +29,9 @@ activation bytes: 2 on the CUDA bf16 path, 4 on the CPU fp32 one):
 peak = base + lora + workspace + inputs + max(loss + head, recompute + LoRA gradients), where
 recompute = layer_activation + the layer's backward gradients; without checkpointing,
 peak = base + lora + workspace + L × layer_activation + LoRA casts + loss + head.
-(The H200 run of 2026-12-02, bench/trainer_70b.py at 2, 8, 32 and 64 layers of the 70B shape, read
-within 0.5 % of this at every cut; docs/benchmarks.md.)
+(H200 runs of 2026-12-02, bench/trainer_70b.py on the 70B shape cut to 2-64 layers, with and
+without checkpointing, at 1,024-4,096 tokens and ranks 16 and 64, read 0.993-1.000 of this at every
+cut; docs/benchmarks.md.)
 
 `fsdp_peak` is the per-GPU peak under training.distributed's FSDP2 sharding of the frozen base over
 N GPUs: the base's share (base / N), plus what is gathered whole at once (the root's embedding, head
@@ -184,8 +185,8 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
         casts = adapter * a if a < 4 else 0
         kept = shape.layers * layer_activation + casts
         transient = loss + head
-    return Estimate(base=base, lora=lora, lora_grads=lora_grads, workspace=setup.workspace, kept_activations=kept, loss=loss, head=head,
-                    layer_activation=layer_activation, recompute=recompute,
+    return Estimate(base=base, lora=lora, lora_grads=lora_grads, workspace=setup.workspace, kept_activations=kept,
+                    loss=loss, head=head, layer_activation=layer_activation, recompute=recompute,
                     peak=base + lora + setup.workspace + kept + transient)
 
 
