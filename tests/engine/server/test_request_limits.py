@@ -21,6 +21,7 @@ SLOW = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% e
 TEMPLATE_TIMEOUT_S = 3
 # A bound in seconds, far above what a free event loop takes and below what a held one takes.
 HEALTH_TIMEOUT_S = 2.0
+BODY_BOUND = 64 * 1024
 
 
 def chat(url: str, **extra) -> httpx.Response:
@@ -63,8 +64,10 @@ def test_caller_chat_templates_are_refused_unless_the_operator_trusts_them(worke
 
 @pytest.fixture(scope="module")
 def trusting_worker(start_worker):
+    """Trusts callers' chat templates and bounds request bodies: one worker start for the file's
+    tests of either (the templates sent stay far under the bound)."""
     return start_worker("--served-model-name", "base", "--trust-request-chat-template",
-                        "--chat-template-timeout", str(TEMPLATE_TIMEOUT_S))
+                        "--chat-template-timeout", str(TEMPLATE_TIMEOUT_S), "--max-request-body-bytes", str(BODY_BOUND))
 
 
 def test_a_trusted_template_renders_as_the_tokenizer_would(trusting_worker, tiny_model):
@@ -135,9 +138,8 @@ def _error_of(raw: bytes) -> tuple[int, dict]:
     return status, json.loads(payload)["error"]
 
 
-def test_bodies_over_the_bound_get_413_before_they_are_read(start_worker):
-    bound = 64 * 1024
-    worker = start_worker("--served-model-name", "base", "--max-request-body-bytes", str(bound))
+def test_bodies_over_the_bound_get_413_before_they_are_read(trusting_worker):
+    worker, bound = trusting_worker, BODY_BOUND
     # Declares 100 MB and sends 1 KB of it: the answer comes without the rest.
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {100 * 1024 * 1024}\r\n\r\n").encode()
