@@ -52,16 +52,23 @@ def until_logged(process, text: str) -> str:
     return log
 
 
-@pytest.fixture
-def platform(start_web, start_worker, redis_client, monkeypatch: pytest.MonkeyPatch):
-    # Unset, LOG_FORMAT is json (the workers inherit this environment); DEBUG, where Django's own
-    # handler printed each warning a second time.
-    monkeypatch.delenv("LOG_FORMAT", raising=False)
-    assert PlatformSettings.model_fields["log_format"].default == "json"
-    worker = start_worker("rid-worker", "--served-model-name", BASE)
-    web = start_web(BASE_MODEL_NAME=BASE, DJANGO_DEBUG="true")
-    wait_for_worker(redis_client, "rid-worker")
+@pytest.fixture(scope="module")
+def processes(start_web, start_worker):
+    """The file's web process and worker, started once: each test's request ids and paths are its own."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        # Unset, LOG_FORMAT is json (the workers inherit this environment); DEBUG, where Django's own
+        # handler printed each warning a second time.
+        monkeypatch.delenv("LOG_FORMAT", raising=False)
+        assert PlatformSettings.model_fields["log_format"].default == "json"
+        worker = start_worker("rid-worker", "--served-model-name", BASE)
+        web = start_web(BASE_MODEL_NAME=BASE, DJANGO_DEBUG="true")
     return web, worker
+
+
+@pytest.fixture
+def platform(processes, redis_client):
+    wait_for_worker(redis_client, "rid-worker")  # registered again after this test's Redis flush
+    return processes
 
 
 def test_the_request_id_follows_the_request_into_both_logs_and_the_usage_record(platform, tenant_a) -> None:
