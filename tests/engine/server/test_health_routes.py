@@ -68,8 +68,8 @@ def test_readyz_waits_for_the_engine_and_the_registry_while_healthz_always_answe
     assert probe(worker, "/health") == (200, {"status": "ready"})
 
 
-def test_a_worker_without_a_registry_is_ready_once_its_engine_runs(start_worker, tiny_model: Path) -> None:
-    worker = start_worker("--served-model-name", tiny_model.name)
+def test_a_worker_without_a_registry_is_ready_once_its_engine_runs(worker) -> None:
+    # The suites' shared worker: it has no --registry-url, and its engine runs once it is started.
     status, readiness = probe(worker, "/readyz")
     assert status == 200, readiness
     assert readiness["checks"]["adapters"] == {"ok": True, "detail": "no --registry-url: nothing to sync"}
