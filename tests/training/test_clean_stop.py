@@ -44,9 +44,11 @@ def test_a_clean_stop_checkpoints_the_job_releases_it_and_the_next_worker_resume
     dataset_id = upload_ready_dataset(client_a)
     job_id = client_a.post("/api/v1/training-jobs", {
         "training_file": dataset_id, "adapter": "interrupted", "seed": 5,
-        "hyperparameters": {"n_epochs": 30, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
+        "hyperparameters": {"n_epochs": 10, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
     }, format="json").json()["id"]
-    wait_for(lambda: TrainingJob.objects.filter(pk=job_id, step__gte=3).exists(), 120, "the job to train", poll=0.05)
+    # A metrics event a step (the job's own progress is saved once a second, tens of steps late).
+    wait_for(lambda: TrainingEvent.objects.filter(job_id=job_id, type=TrainingEvent.Type.METRICS,
+                                                  data__step__gte=3).exists(), 120, "the job to train", poll=0.05)
 
     first.process.send_signal(signal.SIGTERM)  # the main process only: it tells its pool process
     try:
@@ -57,6 +59,7 @@ def test_a_clean_stop_checkpoints_the_job_releases_it_and_the_next_worker_resume
     job = TrainingJob.objects.get(pk=job_id)
     assert job.status == TrainingJob.Status.RUNNING and job.lease_token == "" and job.interrupted_at is not None
     [checkpoint] = Checkpoint.objects.filter(job=job)  # the one the stop saved: no periodic one fell due
+    print(f"stopped at step {checkpoint.step} of {job.total_steps}")
     stopped = job.events.get(message__startswith="The worker stopped at step")
     assert stopped.data == {"step": checkpoint.step} and checkpoint.step >= 3
     body = client_a.get(f"/api/v1/training-jobs/{job_id}").json()

@@ -32,8 +32,9 @@ FINAL = ("succeeded", "failed", "cancelled")
 @pytest.fixture
 def processes(platform, settings, start_worker, base_model_dir: Path, tmp_path: Path
               ) -> Iterator[Callable[[str], openai.OpenAI]]:
-    """Celery worker, web process and serving worker up; yields `sdk(api_key)` → a client of the web."""
-    start_worker(TRAINING_CHECKPOINT_EVERY_STEPS=8, TRAINING_LOG_EVERY_STEPS=4)
+    """Celery worker, web process and serving worker up; yields `sdk(api_key)` → a client of the web.
+
+    The three start at once (none needs another to come up), then each is waited for."""
     web = WebProcess({
         "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL, "STORAGE_URL": settings.STORAGE_URL,
         "BASE_MODEL_PATH": str(base_model_dir), "BASE_MODEL_NAME": BASE_MODEL_NAME, "BASE_MODEL_ALIASES": "",
@@ -41,11 +42,12 @@ def processes(platform, settings, start_worker, base_model_dir: Path, tmp_path: 
     }, tmp_path / "web.log")
     serving = None
     try:
-        web.wait_ready()
         serving = WorkerProcess(base_model_dir, [
             "--served-model-name", BASE_MODEL_NAME, "--redis-url", settings.REDIS_URL, "--worker-id", "ftapi-e2e",
             "--heartbeat-interval", "0.5", "--api-key", SERVING_KEY, "--max-loras", "2", "--max-lora-rank", "16",
         ], tmp_path / "serving.log", env={"STORAGE_URL": settings.STORAGE_URL})
+        start_worker(TRAINING_CHECKPOINT_EVERY_STEPS=8, TRAINING_LOG_EVERY_STEPS=4)
+        web.wait_ready()
         serving.wait_ready()
         yield lambda key: openai.OpenAI(base_url=f"{web.url}/v1", api_key=key, max_retries=0, timeout=120)
     finally:
