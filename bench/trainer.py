@@ -53,11 +53,6 @@ def build_on_device(config: dict[str, Any], num_layers: int | None, device: torc
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**dict(config, num_hidden_layers=layers)), dtype=dtype)
-    if not hasattr(model, "activation_checkpointing_enable"):
-        # The trainer calls transformers >= 5.2x's names; the GPU machine's 5.17 has the older ones only.
-        model.activation_checkpointing_enable = lambda activation_checkpointing_kwargs=None: (
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=activation_checkpointing_kwargs))
-        model.activation_checkpointing_disable = model.gradient_checkpointing_disable
     return model.eval().requires_grad_(False)
 
 

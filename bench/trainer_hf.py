@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from training.checkpointing import checkpointing_argument, disable_checkpointing
 from training.examples import EncodedExample
 from training.hyperparameters import SUPPORTED_TARGET_MODULES
 
@@ -64,13 +65,13 @@ def run_hf_trainer(model: Any, examples: Sequence[EncodedExample], *, batch: int
             args = TrainingArguments(
                 output_dir=output, per_device_train_batch_size=batch, max_steps=len(examples) // batch,
                 learning_rate=learning_rate, lr_scheduler_type="linear", warmup_steps=int(0.03 * (len(examples) // batch)), bf16=cuda,
-                activation_checkpointing=gradient_checkpointing, logging_steps=10, save_strategy="no", report_to=[],
+                logging_steps=10, save_strategy="no", report_to=[],
                 remove_unused_columns=False, dataloader_num_workers=0, seed=0, max_grad_norm=1.0,
-                use_cpu=not cuda)
+                use_cpu=not cuda, **checkpointing_argument(gradient_checkpointing))
             Trainer(model=peft_model, args=args, train_dataset=_Examples(examples), callbacks=[stamps]).train()
     finally:
         if gradient_checkpointing:
-            model.activation_checkpointing_disable()
+            disable_checkpointing(model)
         peft_model.unload()
         if hasattr(model, "peft_config"):
             del model.peft_config

@@ -44,6 +44,7 @@ from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from training.checkpointing import disable_checkpointing, enable_checkpointing
 from training.distributed import World, shard
 from training.examples import EncodedExample
 from training.hyperparameters import ALL_LINEAR, DPO, SUPPORTED_TARGET_MODULES, Hyperparameters
@@ -275,7 +276,7 @@ class LoraTrainer:
             shard(model, self.base.model, self.world)
         if self.hp.gradient_checkpointing:
             # Reentrant checkpointing needs an input that requires grad (the base's embeddings do not).
-            self.base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+            enable_checkpointing(self.base.model, use_reentrant=True)
             model.enable_input_require_grads()
         try:
             return self._train(model, target_modules, resume_from)
@@ -287,7 +288,7 @@ class LoraTrainer:
         """The shared base as it was before the job (LoRA layers out, checkpointing off, eval mode)."""
         if self.hp.gradient_checkpointing:
             self.base.model.disable_input_require_grads()
-            self.base.model.activation_checkpointing_disable()
+            disable_checkpointing(self.base.model)
         model.unload()
         if hasattr(self.base.model, "peft_config"):
             # PEFT leaves its config on the base; the next job must find a plain model.
