@@ -37,6 +37,10 @@ step of batch max(--batch, N) with N distinct adapters against the base step at 
 engine sized for the largest (``max_loras`` = the largest count), instead of the run above:
 
     python bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes graph [--json OUT]
+
+With ``--profile-dir DIR`` each timed step kind (each batch's base step, each count's LoRA step)
+is also run under torch.profiler, the tables of a mode in one file, ``DIR/profile_sweep_MODE.txt``
+(``--modes graph,eager``: eager shows every kernel, graph what a replay shows).
 """
 
 from __future__ import annotations
@@ -269,6 +273,10 @@ def bench_sweep(args: argparse.Namespace, work: Path) -> dict[str, float]:
     results["adapters_load_s"] = _preload(engine, names)
     runner = engine.runner
     rows = []
+    # One profile file per mode (the device tool brings back few files): each step kind's table, in turn.
+    profiles = work / "sweep_profiles" if args.profile_dir else None
+    if profiles:
+        profiles.mkdir()
     for mode in args.modes if big else ["cpu"]:
         if big:
             runner.enforce_eager = mode != "graph"
@@ -278,8 +286,10 @@ def bench_sweep(args: argparse.Namespace, work: Path) -> dict[str, float]:
             batch = batches[n]
             prompts = random_prompts(batch, args.context, vocab, seed=1)
             if batch not in base_ms:
-                base_ms[batch] = engine_step_ms(engine, prompts, [None] * batch, args.steps)
-            lora_ms = engine_step_ms(engine, prompts, [names[i % n] for i in range(batch)], args.steps)
+                base_ms[batch] = engine_step_ms(engine, prompts, [None] * batch, args.steps,
+                                                profiles / f"{mode}_base_batch{batch}.txt" if profiles else None)
+            lora_ms = engine_step_ms(engine, prompts, [names[i % n] for i in range(batch)], args.steps,
+                                     profiles / f"{mode}_lora_{n}.txt" if profiles else None)
             key = f"sweep_{mode}_{n}"
             results.update({f"{key}_batch": batch, f"{key}_base_step_ms": base_ms[batch], f"{key}_lora_step_ms": lora_ms,
                             f"{key}_over_base": lora_ms / base_ms[batch]})  # fmt: skip
@@ -287,6 +297,11 @@ def bench_sweep(args: argparse.Namespace, work: Path) -> dict[str, float]:
             print(f"{mode}: {n} distinct adapters, batch {batch}: base {base_ms[batch]:.2f} ms, LoRA {lora_ms:.2f} ms",
                   flush=True)
     engine.shutdown()
+    if profiles:
+        for mode in {mode for mode, *_ in rows}:
+            parts = sorted(profiles.glob(f"{mode}_*.txt"))
+            (args.profile_dir / f"profile_sweep_{mode}.txt").write_text(
+                "".join(f"=== {part.stem}\n{part.read_text()}\n\n" for part in parts))
     print(f"\n| mode | distinct adapters | batch | base step (ms) | LoRA step (ms) | LoRA / base (target <= {SWEEP_TARGET}) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for mode, n, batch, base_step, lora_step in rows:

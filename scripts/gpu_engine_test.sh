@@ -7,7 +7,8 @@
 # the Llama-3-8B shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
 # model). Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
 # bench/engine.py flags, e.g. --compare-peft) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
-# --counts 1024) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
+# --counts 1024), SWEEP_MODES (decode-table's --modes, default graph) and SWEEP_PROFILE (set: decode-table
+# writes a torch.profiler file per mode) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
 # device call, and the adapters stage plans its cells to end a minute inside it (STAGE_TIMEOUT=580 gives
 # the matrix its ~8 minutes; it prints its estimate first). The serve stage samples
 # the worker and the load generator with py-spy (on PATH) during its last rate. Uses the
@@ -44,8 +45,8 @@ for stage in "$@"; do
             --request-rate "${SERVE_RATES:-8,16,32,64,96,128}" --random-input-len 256 --random-output-len 128 \
             --max-num-seqs 256 --warmup 32 --py-spy-dir "$out" --json "$out/serve8b.json" 2>&1 | tee "$out/serve8b.log" || status=1 ;;
     decode-table)
-        timeout "$limit" python3 bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes graph \
-            --json "$out/decode_table.json" 2>&1 | tee "$out/decode_table.log" || status=1 ;;
+        timeout "$limit" python3 bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes "${SWEEP_MODES:-graph}" \
+            ${SWEEP_PROFILE:+--profile-dir "$out"} --json "$out/decode_table.json" 2>&1 | tee "$out/decode_table.log" || status=1 ;;
     adapters)
         timeout "$limit" python3 bench/many_adapters.py --launch llama3-8b --time-limit "$((limit - 60))" ${ADAPTERS_ARGS:-} \
             --json "$out/many_adapters.json" --markdown "$out/many_adapters.md" 2>&1 | tee "$out/many_adapters.log" || status=1 ;;
