@@ -6,7 +6,7 @@
 # structured-output TPOT and step tail; needs the xgrammar and apache-tvm-ffi wheels), bench/trainer.py on
 # the Llama-3-8B shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
 # model). Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
-# bench/engine.py flags, e.g. --compare-peft) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
+# bench/engine.py flags, e.g. --compare-peft), TRAINER_ARGS (extra bench/trainer.py flags, e.g. --compare) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
 # --counts 1024), SWEEP_MODES (decode-table's --modes, default graph) and SWEEP_PROFILE (set: decode-table
 # writes a torch.profiler file per mode) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
 # device call, and the adapters stage plans its cells to end a minute inside it (STAGE_TIMEOUT=580 gives
@@ -68,7 +68,8 @@ for stage in "$@"; do
         timeout "$limit" python3 bench/structured_output.py --shape llama3-8b --json "$out/structured_output.json" \
             2>&1 | tee "$out/structured_output.log" || status=1 ;;
     trainer)
-        timeout "$limit" python3 bench/trainer.py --shape llama3-8b --steps "${TRAINER_STEPS:-300}" --json "$out/trainer8b.json" \
+        timeout "$limit" python3 bench/trainer.py --shape llama3-8b --steps "${TRAINER_STEPS:-300}" ${TRAINER_ARGS:-} \
+            --json "$out/trainer8b.json" \
             2>&1 | tee "$out/trainer8b.log" || status=1 ;;
     trainer70b)
         timeout "$limit" python3 bench/trainer_70b.py --layers "${TRAINER70B_LAYERS:-2,8,32,64}" --json "$out/trainer70b.json" \
