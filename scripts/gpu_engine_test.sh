@@ -32,7 +32,7 @@ for stage in "$@"; do
             tests/engine/test_decode_paths.py tests/engine/test_llm_multi_lora.py \
             tests/engine/test_trained_adapter_served.py tests/engine/lora/test_integrity.py \
             tests/engine/test_adapter_memory.py tests/engine/test_architectures.py tests/engine/test_n_completions.py \
-            tests/engine/test_penalties.py tests/engine/test_prefix_caching.py \
+            tests/engine/test_penalties.py tests/engine/test_prefix_caching.py tests/engine/lora/test_loader.py \
             2>&1 | tee "$out/gpu_tests.log" || status=1
         # No gpu mark here, but its dispatch test asks for the Triton backend on a CUDA device.
         timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \

@@ -123,14 +123,22 @@ class AdapterLoader:
             max_lora_rank=self._max_lora_rank,
             base_model_name=self._base_model_name,
         )
+        # One buffer for the whole adapter, each tensor a view of it: on CUDA it is pinned, and one
+        # pinned allocation (cudaHostAlloc, serialised in the driver) replaces two per tensor (a
+        # worker reading 1,024 8B-shape adapters on four threads took 196 s where the CPU work is
+        # ~70 ms each); the tensors' two conversion copies each become one copy into their view.
+        buffer = torch.empty(sum(a.numel() + b.numel() for a, b in loaded.weights.values()), dtype=self._dtype,
+                             pin_memory=self._pin)
         weights: Weights = {}
-        nbytes = checksum = 0
+        offset = 0
         for key, (a, b) in loaded.weights.items():
+            views = []
             # B transposed: the pool keeps an adapter's B as contiguous rows, one per rank index.
-            a, b = a.to(self._dtype).contiguous(), b.to(self._dtype).t().contiguous()
-            if self._pin:
-                a, b = a.pin_memory(), b.pin_memory()
-            weights[key] = (a, b)
-            nbytes += a.nbytes + b.nbytes
-            checksum += raw_sum(a) + raw_sum(b)
-        return LoadResult(loaded, weights, time.perf_counter() - start, nbytes, checksum)
+            for source in (a, b.t()):
+                view = buffer[offset:offset + source.numel()].view(source.shape)
+                view.copy_(source.contiguous())  # transposing in fp32 first, then converting, is the faster order
+                views.append(view)
+                offset += source.numel()
+            weights[key] = (views[0], views[1])
+        # The raw-bit sum is a sum of integers, so the buffer's is the sum of its tensors'.
+        return LoadResult(loaded, weights, time.perf_counter() - start, buffer.nbytes, raw_sum(buffer))
