@@ -24,7 +24,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from lora_platform import launcher
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
 from tests.conftest import free_port
-from tests.engine.server.conftest import WorkerProcess
+from tests.engine.server.conftest import WorkerProcess, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_KEY = "gateway-test-worker-key"
@@ -73,6 +73,7 @@ class WebProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self._stopping = False
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
             self.command(),
@@ -100,9 +101,15 @@ class WebProcess:
             time.sleep(0.2)
         raise AssertionError(f"web process not ready after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
 
+    def stop_begin(self) -> None:
+        """SIGTERM, once (`stop` waits): a fixture's processes are all told before any is waited for."""
+        if self.process.poll() is None and not self._stopping:
+            self.process.terminate()
+            self._stopping = True
+
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.terminate()
+            self.stop_begin()
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
@@ -151,8 +158,7 @@ def _web_processes(gateway_env: dict[str, str], logs: Path) -> Iterator[Callable
     try:
         yield start
     finally:
-        for web in started:
-            web.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +184,15 @@ def web(gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
 @contextlib.contextmanager
 def _worker_processes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                       ) -> Iterator[Callable[..., WorkerProcess]]:
-    """`start(worker_id, *args)` → a ready serving worker registered in Redis with the shared key;
-    every one started is stopped on leaving."""
+    """`start(worker_id, *args)` → a ready serving worker registered in Redis with the shared key
+    (`wait=False`: started, not waited for, so that several come up at once); every one started is
+    stopped on leaving."""
     from django.conf import settings
 
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("gateway-worker-logs")
 
-    def start(worker_id: str, *args: str) -> WorkerProcess:
+    def start(worker_id: str, *args: str, wait: bool = True) -> WorkerProcess:
         worker = WorkerProcess(tiny_model, [
             "--served-model-name", tiny_model.name, "--redis-url", settings.REDIS_URL, "--worker-id", worker_id,
             "--heartbeat-interval", "0.5", "--api-key", WORKER_KEY, "--max-loras", "2", "--max-lora-rank", "16",
@@ -193,14 +200,14 @@ def _worker_processes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
             "--allowed-adapter-path", str(tmp_path_factory.getbasetemp()),
             *args], logs / f"{worker_id}.log")
         started.append(worker)
-        worker.wait_ready()
+        if wait:
+            worker.wait_ready()
         return worker
 
     try:
         yield start
     finally:
-        for worker in started:
-            worker.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,10 @@ def faults_web(start_web):
 
 @pytest.fixture(scope="module")
 def two_workers(start_worker):
-    return [start_worker(worker_id, "--served-model-name", BASE) for worker_id in WORKERS]
+    workers = [start_worker(worker_id, "--served-model-name", BASE, wait=False) for worker_id in WORKERS]
+    for worker in workers:  # both start at once
+        worker.wait_ready()
+    return workers
 
 
 @pytest.fixture

@@ -87,8 +87,9 @@ def requests_served(worker) -> float:
 
 def test_a_sigkilled_worker_fails_over_and_its_restart_gets_traffic_again(
         registry, web, tenant_a, start_worker, redis_client):
-    first = start_worker("rs-kill-a")
-    start_worker("rs-kill-b")
+    first, second = start_worker("rs-kill-a", wait=False), start_worker("rs-kill-b", wait=False)
+    for worker in (first, second):  # both start at once
+        worker.wait_ready()
     for worker_id in ("rs-kill-a", "rs-kill-b"):
         wait_for_worker(redis_client, worker_id)
 

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import pytest
@@ -83,6 +84,7 @@ class WorkerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_before_ready: list[tuple[int, str]] = []
+        self._stopping = False
         command = [sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port", str(self.port),
                    "--max-model-len", "2048", "--num-gpu-blocks-override", "512", *args]
         self._log = open(log_path, "wb")
@@ -109,9 +111,15 @@ class WorkerProcess:
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.process.send_signal(sig)
 
+    def stop_begin(self) -> None:
+        """SIGTERM, once (`stop` waits): a fixture's processes are all told before any is waited for."""
+        if self.process.poll() is None and not self._stopping:
+            self.process.send_signal(signal.SIGTERM)
+            self._stopping = True
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.stop_begin()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -148,8 +156,22 @@ def _worker_processes(tiny_model: Path, logs: Path) -> Iterator[Callable[..., Wo
     try:
         yield start
     finally:
-        for worker in started:
-            worker.stop()
+        stop_all(started)
+
+
+class Stoppable(Protocol):
+    def stop_begin(self) -> None: ...
+
+    def stop(self) -> object: ...
+
+
+def stop_all(processes: Sequence[Stoppable]) -> None:
+    """Stops every process: all are told first, so their shutdowns overlap instead of following
+    one another."""
+    for process in processes:
+        process.stop_begin()
+    for process in processes:
+        process.stop()
 
 
 @pytest.fixture(scope="module")
