@@ -9,10 +9,17 @@ tier whose limits never bind. Then:
    completions, one round direct, one round through the gateway, `--rounds` times; the added
    TTFT (to the first content chunk) and end-to-end latency, p50 and p99;
 2. open loop (Poisson arrivals) at increasing `--rates`, direct and through the gateway in
-   alternating one-second slices; the highest rate whose added p50 stays within 2 ms.
+   alternating one-second slices; the highest rate whose added p50 stays within 2 ms;
+3. the gateway's cost per request: `--cost-requests` streamed completions through the gateway
+   alone, `--cost-concurrency` at a time, and the web process's CPU time (user + system, from
+   /proc) and Redis's commands (INFO commandstats) over them, per request; on the base model, and
+   with `--adapters N` also cycling over N registered adapters of one tenant (tiny rank-8 ones,
+   bench/fleet_platform.py's), which adds the version's breaker and prewarm counts to the path.
 
     python bench/gateway.py [--rounds 30] [--concurrency 1 16 64] [--max-tokens 8]
-        [--rates 25 50 100 200 400] [--profile out.prof]
+        [--rates 25 50 100 200 400] [--cost-requests 300] [--cost-concurrency 4] [--adapters 8]
+        [--profile out.prof]
+        [--json out.json]
 
 `--profile` runs the web process under cProfile and writes its profile at exit.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import random
@@ -34,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_KEY = "bench-worker-key"
@@ -117,12 +127,17 @@ def wait_up(url: str, log: Path, timeout_s: float = 300.0) -> None:
 class Platform:
     """The worker and the web process, on a fresh temporary var dir."""
 
-    def __init__(self, var_dir: Path, profile: str | None) -> None:
+    def __init__(self, var_dir: Path, profile: str | None, adapters: int = 0) -> None:
         self.var_dir = var_dir
         from django.conf import settings
 
-        model = embedded_platform(var_dir)
+        model = embedded_platform(var_dir)  # puts the repository on sys.path
+        from bench.fleet_platform import Served, adapter_files, register
+
         _, self.key = bench_tenant(f"bench-{int(time.time())}")
+        self.adapters: list[Served] = (register(adapter_files(model, adapters, var_dir), 1, f"{int(time.time())}")
+                                       if adapters else [])
+        storage = Path(settings.STORAGE_URL.removeprefix("file://"))
         self.worker_port, self.web_port = free_port(), free_port()
         self.worker_url = f"http://127.0.0.1:{self.worker_port}"
         self.web_url = f"http://127.0.0.1:{self.web_port}"
@@ -131,7 +146,8 @@ class Platform:
             subprocess.Popen([sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port",
                               str(self.worker_port), "--served-model-name", "tiny-llama", "--api-key", WORKER_KEY,
                               "--redis-url", settings.REDIS_URL, "--worker-id", "bench-worker",
-                              "--heartbeat-interval", "1", "--uvicorn-log-level", "warning"],
+                              "--heartbeat-interval", "1", "--allowed-adapter-path", str(storage),
+                              "--uvicorn-log-level", "warning"],
                              cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT),
             subprocess.Popen([sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "uvicorn",
                               "lora_platform.asgi:application", "--port", str(self.web_port), "--log-level", "warning"],
@@ -139,6 +155,10 @@ class Platform:
         ]
         wait_up(f"{self.worker_url}/health", var_dir / "processes.log")
         wait_up(f"{self.web_url}/metrics", var_dir / "processes.log")
+
+    @property
+    def web_pid(self) -> int:
+        return self.children[1].pid
 
     def stop(self) -> None:
         for child in self.children:
@@ -153,17 +173,18 @@ class Platform:
 ERRORS: dict[str, list[str]] = {}
 
 
-async def one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int) -> Sample | None:
+async def one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int,
+              model: str = "tiny-llama") -> Sample | None:
     """One streamed request; None (and the error kept in ERRORS) when it fails."""
     try:
-        return await _one(client, url, key, max_tokens)
+        return await _one(client, url, key, max_tokens, model)
     except httpx.HTTPError as exc:
         ERRORS.setdefault(url, []).append(repr(exc))
         return None
 
 
-async def _one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int) -> Sample:
-    body = {"model": "tiny-llama", "prompt": "The gateway adds", "max_tokens": max_tokens, "ignore_eos": True,
+async def _one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int, model: str) -> Sample:
+    body = {"model": model, "prompt": "The gateway adds", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True}
     start = time.perf_counter()
     ttft = None
@@ -217,6 +238,59 @@ async def open_loop(p: Platform, rate: float, seconds: float, max_tokens: int) -
     return e2e
 
 
+def redis_commands(url: str) -> dict[str, int]:
+    """Redis's count of calls per command since it started (INFO commandstats)."""
+    client = redis.Redis.from_url(url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+async def cost(p: Platform, requests: int, concurrency: int, max_tokens: int, redis_url: str,
+               models: list[tuple[str, str]]) -> dict[str, Any]:
+    """The web process's CPU ms and Redis's commands per request through the gateway, over
+    `requests` streamed completions sent `concurrency` at a time, cycling over `models` ((model,
+    key) pairs), after a warm-up that names each at least twice."""
+    process = psutil.Process(p.web_pid)
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        async def run(count: int) -> list[Sample]:
+            queue = iter(range(count))
+            done: list[Sample] = []
+
+            async def lane() -> None:
+                for index in queue:
+                    model, key = models[index % len(models)]
+                    sample = await one(client, p.web_url, key, max_tokens, model)
+                    if sample is not None:
+                        done.append(sample)
+
+            await asyncio.gather(*(lane() for _ in range(concurrency)))
+            return done
+
+        await run(max(concurrency, 20, 2 * len(models)))
+        commands_before, cpu_before = redis_commands(redis_url), process.cpu_times()
+        started = time.perf_counter()
+        samples = await run(requests)
+        wall = time.perf_counter() - started
+        cpu_after, commands_after = process.cpu_times(), redis_commands(redis_url)
+    cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
+    # The INFO calls themselves are not the gateway's.
+    commands = {name: (calls - commands_before.get(name, 0)) / requests for name, calls in commands_after.items()
+                if calls - commands_before.get(name, 0) - (1 if name == "info" else 0) > 0}
+    commands.pop("info", None)
+    ttft = [sample.ttft for sample in samples]
+    return {"models": len(models), "requests": requests, "concurrency": concurrency, "completed": len(samples), "wall_s": wall,
+            "cpu_ms_per_request": cpu_s * 1000 / requests,
+            "user_ms_per_request": (cpu_after.user - cpu_before.user) * 1000 / requests,
+            "system_ms_per_request": (cpu_after.system - cpu_before.system) * 1000 / requests,
+            "redis_commands_per_request": round(sum(commands.values()), 2),
+            "redis_commands": {name: round(value, 2) for name, value in sorted(commands.items())},
+            "ttft_p50_ms": percentile(ttft, 50) * 1000, "ttft_p99_ms": percentile(ttft, 99) * 1000}
+
+
 def ms(value: float) -> str:
     return f"{value * 1000:8.2f}"
 
@@ -228,14 +302,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--rates", type=float, nargs="*", default=[25, 50, 100, 200, 400])
     parser.add_argument("--seconds", type=float, default=10.0, help="per rate, half of it each way")
+    parser.add_argument("--cost-requests", type=int, default=300, help="0: no cost phase")
+    parser.add_argument("--cost-concurrency", type=int, default=4)
+    parser.add_argument("--adapters", type=int, default=0,
+                        help="also measure the cost over this many registered adapters (0: the base model only)")
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
+    report: dict[str, Any] = {"args": vars(args), "host": platform.node(), "cpus": os.cpu_count(),
+                              "python": platform.python_version(), "load_average": os.getloadavg(),
+                              "closed_loop": [], "open_loop": []}
 
     print(f"# bench/gateway.py {' '.join(sys.argv[1:])}")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
-        p = Platform(Path(tmp), args.profile)
+        p = Platform(Path(tmp), args.profile, args.adapters)
         try:
             print(f"\nclosed loop, streamed /v1/completions, {args.max_tokens} tokens, {args.rounds} rounds each way")
             print("concurrency | direct TTFT p50  p99 | gateway TTFT p50  p99 | added TTFT p50  p99 | "
@@ -250,6 +332,13 @@ def main() -> None:
                       f"{ms(percentile(g_ttft, 99) - percentile(d_ttft, 99))} | "
                       f"{ms(percentile(g_e2e, 50) - percentile(d_e2e, 50))} "
                       f"{ms(percentile(g_e2e, 99) - percentile(d_e2e, 99))}")
+                report["closed_loop"].append({
+                    "concurrency": concurrency,
+                    **{f"{path}_ttft_{q}_ms": percentile(values, q) * 1000
+                       for path, values in (("direct", d_ttft), ("gateway", g_ttft)) for q in (50, 99)},
+                    "added_ttft_p50_ms": (percentile(g_ttft, 50) - percentile(d_ttft, 50)) * 1000,
+                    "added_ttft_p99_ms": (percentile(g_ttft, 99) - percentile(d_ttft, 99)) * 1000,
+                    "added_e2e_p50_ms": (percentile(g_e2e, 50) - percentile(d_e2e, 50)) * 1000})
             if args.rates:
                 print(f"\nopen loop (Poisson), {args.seconds:.0f} s per rate, alternating 1 s slices")
                 print("rate req/s | direct e2e p50 | gateway e2e p50 | added p50 (ms) | completed/s")
@@ -262,7 +351,31 @@ def main() -> None:
                           f"{ms(statistics.median(e2e['gateway']))} | {ms(added)} | {done:8.1f}")
                     if added <= 0.002:
                         sustained = rate
+                    report["open_loop"].append({"rate": rate, "added_e2e_p50_ms": added * 1000,
+                                                "completed_per_s": done})
                 print(f"\nhighest rate with added p50 <= 2 ms: {sustained if sustained is not None else 'none measured'}")
+            if args.cost_requests:
+                from django.conf import settings
+
+                report["cost"] = []
+                kinds = [("base model", [("tiny-llama", p.key)])]
+                if p.adapters:
+                    kinds.append((f"{len(p.adapters)} adapters", [(a.model, a.key) for a in p.adapters]))
+                for kind, models in kinds:
+                    figures = asyncio.run(cost(p, args.cost_requests, args.cost_concurrency, args.max_tokens,
+                                               settings.REDIS_URL, models))
+                    report["cost"].append({"kind": kind, **figures})
+                    print(f"\ngateway cost, {kind}: {args.cost_requests} streamed requests through the gateway, "
+                          f"{args.cost_concurrency} at a time ({figures['completed']} completed in "
+                          f"{figures['wall_s']:.1f} s)")
+                    print(f"web process CPU per request: {figures['cpu_ms_per_request']:.2f} ms (user "
+                          f"{figures['user_ms_per_request']:.2f}, system {figures['system_ms_per_request']:.2f}); "
+                          f"gateway TTFT p50 / p99 {figures['ttft_p50_ms']:.1f} / {figures['ttft_p99_ms']:.1f} ms")
+                    print(f"Redis commands per request: {figures['redis_commands_per_request']:.2f} "
+                          f"({', '.join(f'{name} {value}' for name, value in figures['redis_commands'].items())})")
+            report["load_average_end"] = os.getloadavg()
+            if args.json:
+                Path(args.json).write_text(json.dumps(report, indent=2))
             for url, errors in ERRORS.items():
                 print(f"failed requests to {url}: {len(errors)} ({errors[0]})")
         except BaseException:

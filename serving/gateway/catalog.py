@@ -6,15 +6,22 @@ This module is the gateway's one database port (serving.gateway.ports.Catalog): 
 handed it by serving.gateway.wiring and never imports it; the /v1/models views use it directly.
 
 The cache keeps the ORM off the request path: each entry lives GATEWAY_CACHE_SECONDS
-(settings.GATEWAY.cache_s, 0.5 s by default), so a revoked key, a suspended tenant or a new
-deployment holds on every gateway process within that time, with at most one query per key and
-per model per process in that window.
+(settings.GATEWAY.cache_s, 0.5 s by default) from when its load began, so a revoked key, a
+suspended tenant or a new deployment holds on every gateway process within that time. An entry
+used past half its life is reloaded in the background while it still answers (serving.gateway.
+ttl_cache), and concurrent misses of one entry share one load, so a key or tenant in steady use
+never makes a request wait for the database. An adapter's name is answered from its tenant's
+served versions, loaded in one query per tenant (not one per model and key), so a tenant calling
+many adapters keeps them all warm with the one entry.
 Callers choose what is cached (any header, any `model`), so each cache is bounded by entries and
 bytes and frees what expired (serving.gateway.ttl_cache).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,6 +47,8 @@ from tenants.models import ApiKey
 from training.checkpoint_names import JobModelName, checkpoint_label, checkpoint_pinned_name, job_model_parse
 from training.models import Checkpoint, TrainingJob
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 _SERVED = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)
 # A checkpoint's ServedVersion.status: it is no registry version, so it has none of theirs.
@@ -48,17 +57,52 @@ CHECKPOINT_STATUS = "checkpoint"
 
 async def _get_or_load(cache: TtlCache[T], key: Hashable, load: Callable[[], T]) -> T:
     """The cached value of `key`, or `load()`'s (in a thread, as the ORM needs), cached either way:
-    a refusal (GatewayError) is cached without its traceback, and a copy raised on every hit."""
+    a refusal (GatewayError) is cached without its traceback, and a copy raised on every hit. A hit
+    past half its life starts a reload in the background (the request does not wait for it)."""
     hit, value = cache.get(key)
     if not hit:
-        try:
-            value = await sync_to_async(_with_connection(load))()
-        except GatewayError as error:
-            value = error.with_traceback(None)  # the load's frames (and what they hold) are not kept
-        cache.put(key, value)
+        value = await asyncio.shield(_load_task(cache, key, load))
+    elif cache.refresh_due(key):
+        _load_task(cache, key, load)
     if isinstance(value, GatewayError):
         raise value.fresh()
     return value  # type: ignore[return-value]
+
+
+# The loads under way, per (cache, key, loop): a second miss of the same entry waits for the first's.
+_loads: dict[tuple[int, Hashable, asyncio.AbstractEventLoop], asyncio.Task] = {}
+
+
+def _load_task(cache: TtlCache[T], key: Hashable, load: Callable[[], T]) -> asyncio.Task:
+    """The load of `key` under way, else a new one; it `put`s what it loaded. Its own task in a fresh
+    context: a client that leaves does not cancel it for the others waiting, and its thread is not
+    the first request's (sync_to_async's thread-sensitive executor is bound to the context)."""
+    loop = asyncio.get_running_loop()
+    token = (id(cache), key, loop)
+    task = _loads.get(token)
+    if task is None:
+        task = loop.create_task(_load(cache, key, load), context=contextvars.Context())
+        _loads[token] = task
+        task.add_done_callback(lambda done: _load_done(token, done))
+    return task
+
+
+def _load_done(token: tuple[int, Hashable, asyncio.AbstractEventLoop], task: asyncio.Task) -> None:
+    _loads.pop(token, None)
+    if not task.cancelled() and task.exception() is not None:
+        # A background reload that failed leaves the entry as it was until it expires; a miss
+        # raises the error to its requests.
+        log.warning("gateway catalog load failed: %r", task.exception())
+
+
+async def _load(cache: TtlCache[T], key: Hashable, load: Callable[[], T]) -> T | GatewayError:
+    started = cache.now()
+    try:
+        value: T | GatewayError = await sync_to_async(_with_connection(load))()
+    except GatewayError as error:
+        value = error.with_traceback(None)  # the load's frames (and what they hold) are not kept
+    cache.put(key, value, loaded_at=started)
+    return value
 
 
 def _with_connection(load: Callable[[], T]) -> Callable[[], T]:
@@ -92,6 +136,10 @@ SCOPE_USES: dict[str, str] = {ApiKey.Scope.INFERENCE: "call /v1", ApiKey.Scope.M
 
 _callers: TtlCache[Caller] = TtlCache(_cache_seconds, max_entries=CACHE_MAX_ENTRIES, max_bytes=CACHE_MAX_BYTES)
 _targets: TtlCache[Target] = TtlCache(_cache_seconds, max_entries=CACHE_MAX_ENTRIES, max_bytes=CACHE_MAX_BYTES)
+# Per tenant (id, slug): its adapters that have an active version, by name, as targets.
+_tenants: TtlCache[dict[str, Target]] = TtlCache(_cache_seconds, max_entries=CACHE_MAX_ENTRIES,
+                                                 max_bytes=CACHE_MAX_BYTES)
+_BASE = Target(base=True)
 
 
 def base_model_ids() -> list[str]:
@@ -235,10 +283,39 @@ def _load_target(caller: Caller, model: str) -> Target:
     ))
 
 
+def _load_tenant_served(tenant_id: int, tenant: str) -> dict[str, Target]:
+    """What `_load_target` answers for each of the tenant's adapters with an active version, by
+    name, in one query."""
+    by_adapter: dict[str, dict[str, AdapterVersion]] = {}
+    for row in AdapterVersion.objects.filter(adapter__tenant_id=tenant_id, status__in=_SERVED).select_related(
+            "adapter"):
+        by_adapter.setdefault(row.adapter.name, {})[row.status] = row
+    targets = {}
+    for name, served in by_adapter.items():
+        active, canary = served.get(AdapterVersion.Status.ACTIVE), served.get(AdapterVersion.Status.CANARY)
+        if active is not None:
+            targets[name] = Target(served=ServedSet(
+                active=_served(active, tenant, name), canary=_served(canary, tenant, name) if canary else None,
+                canary_weight=canary.canary_weight if canary else 0.0))
+    return targets
+
+
 async def target_for(caller: Caller, model: str) -> Target:
     """What `model` names in the caller's tenant; the same 404 for unknown and foreign names, 403
     model_not_allowed for a name outside the key's allow-list (checked first: the list is the
-    caller's own, so it tells nothing of other tenants)."""
+    caller's own, so it tells nothing of other tenants). The base model and a deployed adapter's
+    name (the common requests) come without a load of their own: the base needs none, the adapter
+    is in its tenant's served versions; anything else (a pin, a job's model, a refusal) is loaded
+    and cached by name."""
+    bases = base_model_ids()
+    if "@" not in model and job_model_parse(model) is None and model_allowed(
+            caller.key.allowed_models, model, base_model_ids=bases):
+        if model in bases:
+            return _BASE
+        served = await _get_or_load(_tenants, (caller.tenant_id, caller.tenant),
+                                    lambda: _load_tenant_served(caller.tenant_id, caller.tenant))
+        if model in served:
+            return served[model]
     return await _get_or_load(_targets, (caller.tenant_id, caller.key_prefix, model),
                               lambda: _load_target(caller, model))
 
@@ -389,9 +466,11 @@ def targets_forget() -> None:
     """Forget what every `model` resolved to in this process (after a deletion here: other
     processes see it within GATEWAY_CACHE_SECONDS)."""
     _targets.clear()
+    _tenants.clear()
 
 
 def caches_clear() -> None:
     """Forget every cached key and model (tests; an operator's shell after a bulk change)."""
     _callers.clear()
     _targets.clear()
+    _tenants.clear()

@@ -6,6 +6,11 @@ whatever they send: every `put` first frees the entries that have expired, then 
 until both bounds hold again. All entries of one cache live the same TTL, so insertion order is
 expiry order and the expired ones are always at the front: freeing them costs one look at the
 front per `put`, not a scan. An expired entry found by `get` is freed at once as well.
+
+An entry past half its life is due for a refresh (`refresh_due`, true once per entry): the caller
+reloads it off the request path while `get` still answers with it, so a key or model used at least
+once per half-TTL is never waited for; a refreshed entry lives `ttl_s` from when its load began
+(`put(..., loaded_at=)`), so no answer is older than the TTL whichever load produced it.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ def approx_bytes(key: Hashable, value: object) -> int:
 @dataclass
 class _Entry(Generic[T]):
     expires_at: float
+    refresh_at: float
     value: T | BaseException
     size: int
+    refreshing: bool = False
 
 
 class TtlCache(Generic[T]):
@@ -67,11 +74,26 @@ class TtlCache(Generic[T]):
             return False, None
         return True, entry.value
 
-    def put(self, key: Hashable, value: T | BaseException) -> None:
+    def now(self) -> float:
+        """The cache's clock (what `put`'s `loaded_at` is read from)."""
+        return self._clock()
+
+    def refresh_due(self, key: Hashable) -> bool:
+        """True once for a live entry past half its life: the caller reloads it now (and `put`s it)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.refreshing or self._clock() < entry.refresh_at:
+            return False
+        entry.refreshing = True
+        return True
+
+    def put(self, key: Hashable, value: T | BaseException, *, loaded_at: float | None = None) -> None:
+        """Cache `value` for `ttl_s` from `loaded_at` (when its load began; default now)."""
         if key in self._entries:
             self._drop(key)  # re-inserted at the end, so the front stays the oldest
         now = self._clock()
-        entry = _Entry(expires_at=now + self._ttl_s(), value=value, size=approx_bytes(key, value))
+        ttl, start = self._ttl_s(), now if loaded_at is None else min(now, loaded_at)
+        entry = _Entry(expires_at=start + ttl, refresh_at=start + ttl / 2, value=value,
+                       size=approx_bytes(key, value))
         self._entries[key] = entry
         self.bytes += entry.size
         self._free(now)
