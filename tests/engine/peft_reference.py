@@ -3,6 +3,11 @@
 Greedy decoding is only defined up to ties: where PEFT's two best logits are within ``TIE`` of each
 other, fp32 summation order alone can pick either, so from that step on either continuation is
 accepted (and the comparison stops there, since the two runs then see different contexts).
+
+A model whose config soft-caps the attention scores (Gemma 2) is loaded with transformers' eager
+attention: SDPA has no soft-cap, and transformers 5.17 (the GPU machine's) loads Gemma 2 with SDPA
+by default, silently dropping the cap (5.24 refuses SDPA for it), so the oracle changed with the
+installed transformers and disagreed with the engine on the H200 alone.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 TIE = 1e-4
 
@@ -27,7 +32,9 @@ class PeftReference:
     """A PEFT model holding every adapter of a test, generating one prompt at a time."""
 
     def __init__(self, base_dir: Path, adapters: dict[str, Path]) -> None:
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        capped = getattr(AutoConfig.from_pretrained(base_dir), "attn_logit_softcapping", None) is not None
+        attention = {"attn_implementation": "eager"} if capped else {}
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, **attention)
         self.model = base
         names = list(adapters)
         if names:

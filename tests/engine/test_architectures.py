@@ -157,6 +157,22 @@ def test_final_logit_soft_cap_bounds_the_logits(tiny_model_factory: Callable[...
     assert float(logits.abs().max()) > cap / 2, "the cap must bite on the tiny model's logits"
 
 
+def test_reference_soft_caps_attention_whatever_transformers_defaults_to(tiny_model_factory: Callable[..., Path],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.17 (the GPU machine's) declares SDPA for Gemma 2 and loads it so by default, and
+    SDPA drops ``attn_logit_softcapping``: the oracle then disagreed with the engine (which caps) on
+    the H200 only. Gemma 2 claims SDPA here as under 5.17; PEFT's reference must still cap."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
+
+    monkeypatch.setattr(Gemma2PreTrainedModel, "_supports_sdpa", True)
+    base = tiny_model_factory("gemma2")
+    ids = torch.tensor([[1, *range(40, 80)]])
+    eager = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(PeftReference(base, {}).model(input_ids=ids).logits, eager(input_ids=ids).logits)
+
+
 REFUSED_ROPE = {
     "dynamic": "rope_type 'dynamic' is not supported: dynamic NTK scaling changes the frequencies with the "
                "sequence's length; the engine serves default, linear, llama3, yarn",
