@@ -17,8 +17,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
 
 from serving.gateway.quotas import Admission, Bucket, BucketState, TokenBuckets
+from serving.gateway.redis_batch import ScriptCall, run_batch
 from serving.wire.redis_guard import RedisGuard
 
 
@@ -88,6 +92,19 @@ class GuardedBuckets:
             return admission
         self._was_local = True
         return self.local.admit(costs)
+
+    async def admit_batched(self, client: aioredis.Redis, costs: list[tuple[Bucket, float]],
+                            others: list[ScriptCall]) -> tuple[Admission, list[Any] | None]:
+        """`admit` and the `others` scripts in one round trip (serving.gateway.redis_batch): the
+        admission and the others' replies, or the local admission and None while Redis is away
+        (the others did not run)."""
+        replies = await self._guard.call("bucket admit", lambda: run_batch(
+            client, [self.shared.admit_call(costs), *others]))
+        if replies is not None:
+            self._back_to_shared()
+            return TokenBuckets.admission(costs, replies[0]), replies[1:]
+        self._was_local = True
+        return self.local.admit(costs), None
 
     async def refund(self, bucket: Bucket, amount: float, *, now: float | None = None) -> float:
         level = await self._guard.call("bucket refund", lambda: self.shared.refund(bucket, amount, now=now))

@@ -38,6 +38,7 @@ from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename
 from serving.gateway.key_budget import KeyBudgets, budget_exceeded, spend_add
 from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
+from serving.gateway.redis_batch import run_batch
 from serving.gateway.request_buckets import RequestBuckets
 from serving.gateway.request_fields import (
     decode_body, estimate_prompt_tokens, requested_max_tokens, requested_sequences,
@@ -160,15 +161,23 @@ async def key_budget_check(call: Call, res: Resources) -> None:
 async def admit(call: Call, res: Resources) -> None:
     """Within the key's budget, reserve 1 request and prompt + every completion's max_tokens from the tenant's
     and the key's buckets, all or none; over the tenant's quota, degrade where allowed, else (and
-    over the key's own limits) 429."""
+    over the key's own limits) 429. The chosen version's breaker permit is asked in the same round
+    trip (`call.permit`; serving.gateway.resilience.version_permit reads it)."""
     await key_budget_check(call, res)
     buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst)
     call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
     call.reserved_tokens = call.prompt_estimate + call.max_tokens * call.sequences
-    call.admission = await res.buckets.admit(buckets.costs(tokens=call.reserved_tokens))
+    costs = buckets.costs(tokens=call.reserved_tokens)
+    version = call.version
+    call.admission, replies = await res.buckets.admit_batched(
+        res.redis, costs, [res.resilience.acquire_call(version)] if version is not None else [])
+    if version is not None:
+        call.permit = res.resilience.permit_from(version, replies[0] if replies is not None else None)
     call.headers.update(buckets.headers(call.admission))
     if call.admission.admitted:
         return
+    res.resilience.permit_unused(call.permit)
+    call.permit = None
     retry_after = call.admission.retry_after_s
     if degradable(call) and not buckets.key_short(call.admission):
         degraded = await res.buckets.admit(buckets.degraded_costs())
@@ -176,6 +185,7 @@ async def admit(call: Call, res: Resources) -> None:
             call.degraded = True
             call.reserved_tokens = 0
             call.target = Target(base=True)
+            call.version = None
             call.headers["x-loraplex-degraded"] = "quota"
             metrics.DEGRADED.labels(call.caller.tier.name).inc()
             return
@@ -269,38 +279,41 @@ def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
         ttft_ms=(result.first_byte_s * 1000) if result.first_byte_s is not None and status == "ok" else None,
         degraded=call.degraded, worker=result.worker_id, created_at=time.time(),
     )
+    res.resilience.call_over(call, result, live=len(res.workers))
     # Off the reply's path: the client has its last byte before Redis hears of it.
-    task = asyncio.get_running_loop().create_task(_record(call, event, used, res))
+    task = asyncio.get_running_loop().create_task(_record(call, result, event, used, res))
     _background.add(task)
     task.add_done_callback(_background.discard)
-    res.resilience.call_over(call, result, live=len(res.workers))
 
 
 _background: set[asyncio.Task] = set()
 
 
-async def _record(call: Call, event: UsageEvent, used: int, res: Resources) -> None:
-    """The refund and the usage record, in one round trip; the refund first, so a visible usage
-    record means the refund is done. While Redis is away the refund goes to this process's
-    buckets and the record waits in memory, pushed with the first record once Redis is back."""
+async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: int, res: Resources) -> None:
+    """The refund, the call's counts on its version's breaker and in the prewarm demand model
+    (serving.gateway.resilience.outcome_calls) and the usage record, in one round trip
+    (serving.gateway.redis_batch); the refund first, so a visible usage record means the refund is
+    done. While Redis is away the refund goes to this process's buckets, the breaker's count to its
+    own breaker, and the record waits in memory, pushed with the first record once Redis is back."""
     refund = call.reserved_tokens - used if call.reserved_tokens and call.reserved_tokens != used else 0
-    tokens_buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst).tokens
+    tokens_buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst).tokens if refund else ()
     events = [*res.resilience.usage_backlog_take(), event]
+    refunds = [res.buckets.shared.refund_call(bucket, refund) for bucket in tokens_buckets]
+    counts = res.resilience.outcome_calls(call, result)
 
-    async def execute() -> list[Any]:
-        async with res.redis.pipeline(transaction=False) as pipe:
-            for bucket in tokens_buckets if refund else ():
-                await res.buckets.shared.refund(bucket, refund, pipeline=pipe)
-            for item in events:
-                usage_push(pipe, item)
-                spend_add(pipe, item.api_key_prefix, item.prompt_tokens + item.completion_tokens, item.created_at)
-            return await pipe.execute()
+    def usage(pipe: aioredis.client.Pipeline) -> None:
+        for item in events:
+            usage_push(pipe, item)
+            spend_add(pipe, item.api_key_prefix, item.prompt_tokens + item.completion_tokens, item.created_at)
 
     try:
-        if await res.resilience.guard.call("usage record", execute) is None:
-            for bucket in tokens_buckets if refund else ():
+        replies = await res.resilience.guard.call("usage record", lambda: run_batch(
+            res.redis, [*refunds, *counts], usage))
+        if replies is None:
+            for bucket in tokens_buckets:
                 res.buckets.local.refund(bucket, refund)
             res.resilience.usage_backlog_keep(events)
+        await res.resilience.outcome_recorded(call, result, replies[len(refunds):] if replies is not None else None)
     except (aioredis.RedisError, OSError):
         log.exception("could not record usage / refund tokens of %s", call.request_id)
 
@@ -324,12 +337,13 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
     max_tokens, sequences = check_tier_limits(body, endpoint, caller)
     call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
                 sequences=sequences)
+    # Before admission, so that its breaker permit is asked in the admission's round trip.
+    call.version = choose_version(call)
     try:
         await admit(call, res)
     except GatewayError as error:
         metrics.REQUESTS.labels(caller.tier.name, endpoint, str(error.status)).inc()
         raise
-    call.version = choose_version(call)
     try:
         await res.resilience.version_permit(call, degradable=degradable(call))
         call.worker = await choose_worker(call, res)

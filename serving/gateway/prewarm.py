@@ -35,6 +35,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
+from serving.gateway.redis_batch import ScriptCall
 from serving.wire.env import env_float
 
 KEY_PREFIX = "loraplex:prewarm:"
@@ -116,9 +117,14 @@ class DemandModel:
 
     async def record(self, name: str, now: float) -> None:
         """One request for adapter version `name` at unix time `now`."""
+        call = self.record_call(name, now)
+        await self._record(keys=call.keys, args=call.args)
+
+    def record_call(self, name: str, now: float) -> ScriptCall:
+        """`record` as a script run, for a caller that batches it (serving.gateway.redis_batch)."""
         c = self.config
-        await self._record(keys=[EWMA_KEY, f"{HOUR_KEY}{hour_of(now)}"],
-                           args=[name, repr(now), c.tau_s, day_of(now), c.daily_decay])
+        return ScriptCall(self._record, [EWMA_KEY, f"{HOUR_KEY}{hour_of(now)}"],
+                          [name, repr(now), c.tau_s, day_of(now), c.daily_decay])
 
     async def observed(self, now: float) -> dict[str, Observed]:
         """Every known adapter's two figures: its EWMA now and its profile's rate for the hour

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from serving.gateway.redis_batch import ScriptCall
+
 KEY_PREFIX = "loraplex:gateway:bucket:"
 
 # KEYS: the buckets. ARGV[1]: now in seconds ('' for Redis TIME); then per bucket: capacity, rate
@@ -143,10 +145,19 @@ class TokenBuckets:
 
     async def admit(self, costs: list[tuple[Bucket, float]], *, now: float | None = None) -> Admission:
         """Take each cost from its bucket, all or none."""
+        call = self.admit_call(costs, now=now)
+        return self.admission(costs, await self._admit(keys=call.keys, args=call.args))
+
+    def admit_call(self, costs: list[tuple[Bucket, float]], *, now: float | None = None) -> ScriptCall:
+        """The admission as a script run, for a caller that batches it (serving.gateway.redis_batch)."""
         args: list[str | float] = ["" if now is None else repr(now)]
         for bucket, cost in costs:
             args += [repr(float(bucket.capacity)), repr(float(bucket.rate)), repr(float(cost))]
-        reply = await self._admit(keys=[bucket.key for bucket, _ in costs], args=args)
+        return ScriptCall(self._admit, [bucket.key for bucket, _ in costs], args)
+
+    @staticmethod
+    def admission(costs: list[tuple[Bucket, float]], reply: list[bytes | str]) -> Admission:
+        """What the admit script's reply to `costs` says."""
         values = [float(item) for item in reply]
         states = [
             BucketState(bucket=bucket, level=values[2 + 2 * index], wait_s=values[3 + 2 * index])
@@ -154,17 +165,15 @@ class TokenBuckets:
         ]
         return Admission(admitted=values[0] == 1.0, states=states)
 
-    async def refund(self, bucket: Bucket, amount: float, *, now: float | None = None,
-                     pipeline: aioredis.client.Pipeline | None = None) -> float | None:
-        """Give `amount` back to the bucket (negative: charge it); the new level. On a pipeline the
-        refund is queued (the caller executes it) and None is returned."""
-        reply = await self._refund(
-            keys=[bucket.key],
-            args=["" if now is None else repr(now), repr(float(bucket.capacity)), repr(float(bucket.rate)),
-                  repr(float(amount))],
-            client=pipeline,
-        )
-        return None if pipeline is not None else float(reply)
+    async def refund(self, bucket: Bucket, amount: float, *, now: float | None = None) -> float:
+        """Give `amount` back to the bucket (negative: charge it); the new level."""
+        call = self.refund_call(bucket, amount, now=now)
+        return float(await self._refund(keys=call.keys, args=call.args))
+
+    def refund_call(self, bucket: Bucket, amount: float, *, now: float | None = None) -> ScriptCall:
+        """The refund as a script run, for a caller that batches it."""
+        return ScriptCall(self._refund, [bucket.key], ["" if now is None else repr(now), repr(float(bucket.capacity)),
+                                                       repr(float(bucket.rate)), repr(float(amount))])
 
 
 def format_reset(seconds: float) -> str:

@@ -1,12 +1,15 @@
 """The resilience steps of the request path; serving.gateway.pipeline calls each at one place.
 
-    choose the version → `version_permit` (breaker: a canary's open breaker sends its traffic to
-    the active version; an active one's answers 503 adapter_unavailable, or the base model where
-    the tier allows degradation) → choose the worker among `usable_workers` (outlier ejection),
-    after `shed_check` (load shedding below vip) → each attempt, failover included, is counted by
-    `attempt_done` (ejection) → `call_done` counts the call on the version's breaker, judges a
-    canary (auto-abort through the injected `CanaryAbort`, off the request path) and feeds the prewarm
-    demand model.
+    choose the version → its breaker permit, asked in the admission's round trip (`acquire_call`,
+    `permit_from`; given back by `permit_unused` when the request is not admitted) →
+    `version_permit` (breaker: a canary's open breaker sends its traffic to the active version; an
+    active one's answers 503 adapter_unavailable, or the base model where the tier allows
+    degradation) → choose the worker among `usable_workers` (outlier ejection), after `shed_check`
+    (load shedding below vip) → each attempt, failover included, is counted by `attempt_done`
+    (ejection) → the call's counts on the version's breaker and in the prewarm demand model go out
+    with its usage record (`outcome_calls`, one round trip), and `outcome_recorded` reads the
+    breaker's answer and judges a canary (auto-abort through the injected `CanaryAbort`, off the
+    request path).
 
 The policies are the Django-free modules next to this one (outliers, shedding, failover,
 canary_rule, prewarm) and serving.wire.breakers; this module builds them from their configs (one
@@ -24,6 +27,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
@@ -35,10 +39,12 @@ from serving.gateway.ports import CanaryAbort
 from serving.gateway.prewarm import DemandModel, PrewarmConfig
 from serving.gateway.proxy import UpstreamResult
 from serving.gateway.records import Call, Target
+from serving.gateway.redis_batch import ScriptCall
 from serving.gateway.routing import WorkerView
 from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
 from serving.gateway.usage_log import UsageEvent
-from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome, Snapshot, State
+from serving.gateway.version_pick import ServedVersion
+from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome, Permit, Snapshot, State
 from serving.wire.redis_guard import RedisGuard, RedisGuardConfig
 from serving.wire.registry import SLOT_CORRUPTED
 
@@ -141,14 +147,39 @@ class Resilience:
 
     # ---- the version ------------------------------------------------------------------------
 
+    def acquire_call(self, version: ServedVersion) -> ScriptCall:
+        """The breaker's acquire for `version`, to run in the admission's round trip."""
+        keys, args = self.breakers.script_args(version.qualified_name, "acquire")
+        return ScriptCall(self.breakers.script, keys, args)
+
+    def permit_from(self, version: ServedVersion, reply: list[Any] | None) -> Permit:
+        """The permit `acquire_call`'s reply gives; None (Redis away): this process's breaker's."""
+        name = version.qualified_name
+        if reply is None:
+            return CircuitBreakers.permit(name, self.breakers.run_local(name, "acquire"), shared=False)
+        return CircuitBreakers.permit(name, CircuitBreakers.verdict(reply), shared=True)
+
+    def permit_unused(self, permit: Permit | None) -> None:
+        """A permit the request will not use (it was not admitted, or degraded): a half-open trial is
+        given back, off the request path, as an ignored outcome does."""
+        if permit is None or not permit.allowed or permit.state is not State.HALF_OPEN:
+            return
+        task = asyncio.get_running_loop().create_task(self.breakers.record(permit, Outcome.IGNORED, 0.0))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
     async def version_permit(self, call: Call, *, degradable: bool) -> None:
-        """Ask the chosen version's breaker; reroute, degrade or refuse when it is open.
+        """Ask the chosen version's breaker (its permit already asked with the admission, when the
+        version was known then); reroute, degrade or refuse when it is open.
 
         Sets `call.permit` (None when the call runs on the base model)."""
         version = call.version
         if version is None:
+            call.permit = None
             return
-        permit = await self.breakers.acquire(version.qualified_name)
+        permit = call.permit
+        if permit is None or permit.name != version.qualified_name:
+            permit = await self.breakers.acquire(version.qualified_name)
         served = call.target.served
         if not permit.allowed and served is not None and served.canary == version:
             BREAKER_REFUSED.labels("active_version").inc()
@@ -222,23 +253,40 @@ class Resilience:
         self.usage_backlog = combined[-USAGE_BACKLOG_MAX:]
 
     def call_over(self, call: Call, result: UpstreamResult, *, live: int) -> None:
-        """The call's final attempt is over: count it against its worker now and, off the reply's
-        path, on its version's breaker (call_done)."""
+        """The call's final attempt is over: count it against its worker (its version's counts go
+        out with the usage record: `outcome_calls`)."""
         if call.worker is not None:
             self.attempt_done(call.worker, result, live=live)
-        task = asyncio.get_running_loop().create_task(self.call_done(call, result))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
-    async def call_done(self, call: Call, result: UpstreamResult) -> None:
-        """Counts the call on its version's breaker and in the demand model; judges a canary."""
+    def _code(self, result: UpstreamResult) -> int:
+        duration = result.first_byte_s if result.first_byte_s is not None else (result.ended_s or 0.0)
+        return self.breakers.code(breaker_outcome(result), duration)
+
+    def outcome_calls(self, call: Call, result: UpstreamResult) -> list[ScriptCall]:
+        """The scripts that count the call, for its settling round trip: on its version's breaker
+        (when the permit came from Redis; a local permit is counted locally), then in the demand
+        model. None on the base model."""
+        version, permit = call.version, call.permit
+        if version is None or permit is None:
+            return []
+        calls = [self.demand.record_call(version.qualified_name, time.time())]
+        if permit.shared:
+            keys, args = self.breakers.script_args(permit.name, "record", permit.epoch, self._code(result))
+            calls.insert(0, ScriptCall(self.breakers.script, keys, args))
+        return calls
+
+    async def outcome_recorded(self, call: Call, result: UpstreamResult, replies: list[Any] | None) -> None:
+        """`outcome_calls` ran (their replies; None: Redis was away, and nothing of them ran): the
+        breaker's answer (this process's own breaker's when the permit was local or Redis away),
+        its transition logged; a canary judged."""
         version, permit = call.version, call.permit
         if version is None or permit is None:
             return
-        await self.guard.call("prewarm record", lambda: self.demand.record(version.qualified_name, time.time()))
-        outcome = breaker_outcome(result)
-        duration = result.first_byte_s if result.first_byte_s is not None else (result.ended_s or 0.0)
-        snapshot = await self.breakers.record(permit, outcome, duration)
+        if permit.shared and replies is not None:
+            snapshot = CircuitBreakers.snapshot_of(permit.name, CircuitBreakers.verdict(replies[0]), shared=True)
+        else:
+            verdict = self.breakers.run_local(permit.name, "record", permit.epoch, self._code(result))
+            snapshot = CircuitBreakers.snapshot_of(permit.name, verdict, shared=False)
         if snapshot.transition is not None:
             BREAKER_TRANSITIONS.labels(snapshot.transition.value).inc()
             log.warning("circuit breaker of %s is now %s (%d of %d calls failed, %d slow)", version.qualified_name,

@@ -40,8 +40,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
 from serving.wire.env import env_float, env_int
 from serving.wire.redis_guard import RedisGuard
@@ -379,20 +381,58 @@ class CircuitBreakers:
     async def acquire(self, name: str) -> Permit:
         """Whether a call to version `name` (`tenant/adapter@version`) may go out now."""
         result, shared = await self._run(name, "acquire")
+        return self.permit(name, result, shared=shared)
+
+    @staticmethod
+    def permit(name: str, result: Verdict, *, shared: bool) -> Permit:
+        """The permit an acquire's verdict (`verdict` of the script's reply, or the local run's) gives."""
         allowed, state, epoch, retry_s = result[:4]
         return Permit(name=name, allowed=bool(allowed), state=State(state), epoch=epoch,
                       retry_after_s=retry_s, shared=shared)
 
     async def record(self, permit: Permit, outcome: Outcome, duration_s: float) -> Snapshot:
         """Counts the call's outcome; the snapshot says whether it moved the breaker."""
-        code = _code(outcome, duration_s, self.config)
+        code = self.code(outcome, duration_s)
         result, shared = await self._run(permit.name, "record", permit.epoch, code, local_only=not permit.shared)
         return self._snapshot(permit.name, result, shared)
+
+    def code(self, outcome: Outcome, duration_s: float) -> int:
+        """The script's code for an outcome that took `duration_s`."""
+        return _code(outcome, duration_s, self.config)
+
+    @property
+    def script(self) -> AsyncScript:
+        """The registered script, for a caller that batches a run of it with other commands
+        (`script_args` gives the run's keys and arguments, `verdict` reads its reply)."""
+        return self._script
+
+    def script_args(self, name: str, op: str, epoch: int = 0, code: int = 0) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of one run of the script on `name` at this moment."""
+        c = self.config
+        return [KEY_PREFIX + name], [op, repr(self._clock()), c.window_size, c.minimum_calls, c.failure_rate_threshold,
+                                     c.slow_call_rate_threshold, c.cooldown_s, c.half_open_calls, c.idle_ttl_s,
+                                     epoch, code]
+
+    def run_local(self, name: str, op: str, epoch: int = 0, code: int = 0) -> Verdict:
+        """One op on this process's own breakers (Redis away, or a permit handed out locally)."""
+        return self.local.run(name, op, self._clock(), epoch, code)
+
+    @staticmethod
+    def verdict(reply: list[Any]) -> Verdict:
+        """The script's reply as a verdict."""
+        allowed, state, epoch, retry_ms, calls, failures, slows, transition = reply
+        return (int(allowed), _text(state), int(epoch), int(retry_ms) / 1000.0, int(calls), int(failures),
+                int(slows), _text(transition))
 
     async def snapshot(self, name: str) -> Snapshot:
         """The breaker's current state and window figures, changing nothing."""
         result, shared = await self._run(name, "peek")
         return self._snapshot(name, result, shared)
+
+    @staticmethod
+    def snapshot_of(name: str, result: Verdict, *, shared: bool) -> Snapshot:
+        """The snapshot a record's or a peek's verdict gives."""
+        return CircuitBreakers._snapshot(name, result, shared)
 
     @staticmethod
     def _snapshot(name: str, result: Verdict, shared: bool) -> Snapshot:
@@ -402,21 +442,12 @@ class CircuitBreakers:
 
     async def _run(self, name: str, op: str, epoch: int = 0, code: int = 0, *,
                    local_only: bool = False) -> tuple[Verdict, bool]:
-        now = self._clock()
         if not local_only:
-            c = self.config
-            reply = await self._guard.call(
-                f"breaker {op}",
-                lambda: self._script(keys=[KEY_PREFIX + name], args=[
-                    op, repr(now), c.window_size, c.minimum_calls, c.failure_rate_threshold,
-                    c.slow_call_rate_threshold, c.cooldown_s, c.half_open_calls, c.idle_ttl_s, epoch, code,
-                ]),
-            )
+            keys, args = self.script_args(name, op, epoch, code)
+            reply = await self._guard.call(f"breaker {op}", lambda: self._script(keys=keys, args=args))
             if reply is not None:
-                allowed, state, rep_epoch, retry_ms, calls, failures, slows, transition = reply
-                return (int(allowed), _text(state), int(rep_epoch), int(retry_ms) / 1000.0, int(calls),
-                        int(failures), int(slows), _text(transition)), True
-        return self.local.run(name, op, now, epoch, code), False
+                return self.verdict(reply), True
+        return self.run_local(name, op, epoch, code), False
 
 
 def _text(value: bytes | str) -> str:
