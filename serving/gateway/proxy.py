@@ -5,7 +5,9 @@ client must see the `model` it asked for, so that one field is rewritten in the 
 writes compact JSON, so `"model":"<internal>"` appears exactly once per body or event) instead of
 parsing and re-serialising every chunk.
 
-Streams are passed through event by event as they arrive. The gateway always asks the worker for
+Streams are passed through as they arrive, the events of one upstream read in one piece (one ASGI
+send, one write to the client: the read's events are complete, so nothing waits for the next
+read; the end of the stream and `[DONE]` go out with the last read's events). The gateway always asks the worker for
 the final usage chunk (`stream_options.include_usage`) to charge tokens as used, and drops that
 chunk unless the client asked for it too. An upstream failure mid-stream ends the client's stream
 with an OpenAI-shaped error event and `[DONE]`; a client that leaves closes the upstream
@@ -151,9 +153,11 @@ class Upstream:
 
 async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rename: tuple[bytes, bytes],
                        client_wants_usage: bool) -> AsyncGenerator[bytes, None]:
-    """The client's SSE events from the worker's, one by one; closes the upstream however it ends."""
+    """The client's SSE events from the worker's, those of one upstream read together; closes the
+    upstream however it ends."""
     buffer = b""
     done = failed = False
+    out: list[bytes] = []
     try:
         async for chunk in response.aiter_raw():
             if result.first_byte_s is None:
@@ -168,7 +172,7 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
                     failed = True
                     result.error = event[6:506].decode(errors="replace")
                     result.error_code = error_code(event[6:])
-                    yield event
+                    out.append(event)
                     continue
                 if _USAGE in event:
                     try:
@@ -179,19 +183,22 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
                         continue
                 elif b'"role":"assistant"' not in event:
                     result.content_chunks += 1
-                yield event.replace(*rename, 1)
+                out.append(event.replace(*rename, 1))
+            if out and not done:  # once [DONE] came, the rest goes out with it
+                yield b"".join(out)
+                out = []
         if done:
             result.status = "upstream_error" if failed else "ok"
         else:
             result.status = "upstream_error"
             result.error = result.error or "the worker closed the stream before [DONE]"
-            yield stream_error_event("The serving worker ended the stream early; the reply is incomplete.")
-        yield DONE
+            out.append(stream_error_event("The serving worker ended the stream early; the reply is incomplete."))
+        yield b"".join([*out, DONE])
     except httpx.HTTPError as exc:
         result.status = "upstream_error"
         result.error = f"{type(exc).__name__}: {exc}"
-        yield stream_error_event("The connection to the serving worker failed mid-stream; the reply is incomplete.")
-        yield DONE
+        yield b"".join([*out, stream_error_event(
+            "The connection to the serving worker failed mid-stream; the reply is incomplete."), DONE])
     except BaseException:
         # The client left (the response task is cancelled) or the server is stopping.
         if result.status != "ok":

@@ -45,6 +45,17 @@ class Parts(httpx.AsyncByteStream):
 
 
 def relay(parts: list[bytes], *, wants_usage: bool, fail: bool = False) -> tuple[list[bytes], UpstreamResult]:
+    """The events the client gets (split out of what the relay sends)."""
+    sent, result = relay_sends(parts, wants_usage=wants_usage, fail=fail)
+    return [piece + b"\n\n" for piece in b"".join(sent).split(b"\n\n")[:-1]], result
+
+
+def renamed(data: bytes) -> bytes:
+    return data.replace(INTERNAL.encode(), b"support-bot")
+
+
+def relay_sends(parts: list[bytes], *, wants_usage: bool, fail: bool = False) -> tuple[list[bytes], UpstreamResult]:
+    """What the relay sends, piece by piece."""
     async def scenario() -> tuple[list[bytes], UpstreamResult]:
         transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Parts(parts, fail)))
         async with httpx.AsyncClient(transport=transport) as client:
@@ -68,6 +79,15 @@ def test_events_pass_through_renamed_and_usage_is_read_but_not_shown_unless_aske
 
     shown, _ = relay([stream], wants_usage=True)
     assert json.loads(shown[2][6:])["usage"]["total_tokens"] == 7 and json.loads(shown[2][6:])["model"] == "support-bot"
+
+
+def test_the_events_of_one_upstream_read_go_out_in_one_piece_and_done_with_the_last():
+    sent, result = relay_sends([chunk("a") + chunk("b"), chunk("c")[:20], chunk("c")[20:] + chunk("d", "stop"),
+                                USAGE + DONE], wants_usage=False)
+    assert sent == [renamed(chunk("a") + chunk("b")), renamed(chunk("c") + chunk("d", "stop")), DONE]
+    sent, _ = relay_sends([chunk("a"), chunk("b", "stop") + USAGE + DONE], wants_usage=True)
+    assert sent == [renamed(chunk("a")), renamed(chunk("b", "stop") + USAGE) + DONE]
+    assert result.status == "ok" and result.content_chunks == 4
 
 
 def test_an_upstream_failure_mid_stream_ends_with_an_error_event_and_done():
