@@ -44,6 +44,7 @@ from django.contrib.auth import get_user_model
 
 from lora_platform import launcher as launcher_module
 from tenants.models import Membership, Tenant
+from tests.training.training_support import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240
@@ -311,16 +312,6 @@ def ctrl_c_dataset() -> bytes:
     return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def stop_whatever_happened(launcher: Launcher) -> None:
     """A launcher left running by a failed assertion is stopped with its children, not orphaning them."""
     if launcher.process.poll() is None:
@@ -349,13 +340,13 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
         api = httpx.Client(base_url=f"http://127.0.0.1:{first.port}/api/v1",
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
         dataset_id = api.post("/datasets", files={"file": ("train.jsonl", ctrl_c_dataset())}).json()["id"]
-        wait_until(lambda: api.get(f"/datasets/{dataset_id}").json()["status"] == "ready", 120, "validation")
+        wait_for(lambda: api.get(f"/datasets/{dataset_id}").json()["status"] == "ready", 120, "validation")
         created = api.post("/training-jobs", json={
             "training_file": dataset_id, "adapter": "ctrl-c", "seed": 1,
             "hyperparameters": {"n_epochs": 50, "batch_size": 1, "learning_rate": 1e-3}})
         assert created.status_code == 201, created.text
         job_id = created.json()["id"]
-        wait_until(lambda: api.get(f"/training-jobs/{job_id}").json()["progress"]["step"] >= 3, 180, "training")
+        wait_for(lambda: api.get(f"/training-jobs/{job_id}").json()["progress"]["step"] >= 3, 180, "training")
         api.close()
 
         first.process.send_signal(signal.SIGINT)  # Ctrl-C
@@ -382,16 +373,16 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
         events = lambda: [event["message"] for event in api.get(f"/training-jobs/{job_id}/events",
                                                                  params={"limit": 100}).json()["data"]]
-        stopped = wait_until(lambda: [m for m in events() if m.startswith("The worker stopped at step")], 10, "event")
+        stopped = wait_for(lambda: [m for m in events() if m.startswith("The worker stopped at step")], 10, "event")
         step = int(re.search(r"step (\d+)", stopped[0]).group(1))
-        wait_until(lambda: f"Resuming from the checkpoint of step {step}." in events(), RESUME_WAIT_S, "the resumption")
+        wait_for(lambda: f"Resuming from the checkpoint of step {step}." in events(), RESUME_WAIT_S, "the resumption")
         print(f"resumed {time.monotonic() - started:.1f} s after the second start began "
               f"({time.monotonic() - up:.1f} s after its banner)")
         timeline = {event["message"][:40]: event["created_at"] for event in api.get(
             f"/training-jobs/{job_id}/events", params={"limit": 100}).json()["data"]
             if event["type"] == "message"}
         print("events:", json.dumps(timeline, indent=1))
-        body = wait_until(lambda: (lambda b: b if b["progress"]["step"] > step else None)(
+        body = wait_for(lambda: (lambda b: b if b["progress"]["step"] > step else None)(
             api.get(f"/training-jobs/{job_id}").json()), 60, "a step after the checkpoint")
         assert body["status"] == "running" and body["interrupted"] is None and body["attempts"] == 2
         api.close()
