@@ -246,10 +246,13 @@ def playground_key_issue(*, tenant: Tenant, user: User) -> tuple[ApiKey, str]:
                               actor=actor)
 
 
-def api_keys_revoke_created_by(*, tenant: Tenant, user: User) -> list[ApiKey]:
-    """Revokes the live keys `user` created in `tenant` (they leave it); the keys revoked, each
-    audited with the actor `member-left:<username>` (the removal revokes them, whoever removed the
-    member and by whichever path: tenants.receivers)."""
+def api_keys_revoke_created_by(*, tenant: Tenant, user: User, deactivated: bool = False) -> list[ApiKey]:
+    """Revokes the live keys `user` created in `tenant` (they leave it, or their account is
+    deactivated); the keys revoked, each audited with the actor `member-left:<username>` or
+    `user-deactivated:<username>` (the removal or deactivation revokes them, whoever did it and by
+    whichever path: tenants.receivers)."""
+    actor, reason, told = (("user-deactivated", "its creator's account was deactivated", "was deactivated")
+                           if deactivated else ("member-left", "its creator left the tenant", "left the tenant"))
     now = timezone.now()
     with transaction.atomic():
         keys = list(ApiKey.objects.select_for_update().filter(tenant=tenant, created_by_id=user.pk,
@@ -258,10 +261,10 @@ def api_keys_revoke_created_by(*, tenant: Tenant, user: User) -> list[ApiKey]:
         for key in keys:
             key.revoked_at = now
             _audit(tenant=tenant, kind=TenantEvent.Kind.KEY_REVOKE, subject=_key_subject(key),
-                   actor=f"member-left:{user.get_username()}", reason="its creator left the tenant")
+                   actor=f"{actor}:{user.get_username()}", reason=reason)
     for key in keys:
-        log.info("API key lp-%s… (%s) of tenant %s revoked: its creator %s left the tenant", key.prefix, key.name,
-                 tenant.slug, user.get_username())
+        log.info("API key lp-%s… (%s) of tenant %s revoked: its creator %s %s", key.prefix, key.name,
+                 tenant.slug, user.get_username(), told)
     return keys
 
 

@@ -14,7 +14,8 @@ from django.urls import reverse
 from rest_framework.test import APIClient
 
 from serving.gateway import catalog
-from tenants.models import ApiKey, Membership
+from serving.gateway.errors import GatewayError
+from tenants.models import ApiKey, Membership, TenantEvent
 from tenants.services import api_key_create, membership_set_role, playground_key_issue
 
 pytestmark = pytest.mark.django_db
@@ -129,3 +130,44 @@ def test_deleting_a_user_revokes_the_keys_they_created(tenant_a) -> None:
     key_row.refresh_from_db()
     assert key_row.revoked_at is not None and key_row.created_by is None
     assert works_on_api(key) == 401
+
+
+def gateway_status(key: str) -> int:
+    """What the gateway's key check answers (200: accepted), called directly: through the test client
+    the gateway's own connection checks close the test's database connection when a test's first
+    request is a gateway one."""
+    try:
+        catalog.key_authenticate(f"Bearer {key}", scope=ApiKey.Scope.INFERENCE)
+    except GatewayError as error:
+        return error.status
+    return 200
+
+
+def test_deactivating_a_user_revokes_the_keys_they_created_in_every_tenant(tenant_a, tenant_b) -> None:
+    owner_user = user_in(tenant_a.tenant, "olivia", Membership.Role.OWNER)
+    leaver = user_in(tenant_a.tenant, "mario", Membership.Role.OWNER)
+    Membership.objects.create(user=leaver, tenant=tenant_b.tenant, role=Membership.Role.MEMBER)
+    _, alice_key = api_key_create(tenant=tenant_a.tenant, name="mario's", created_by=leaver)
+    _, bob_key = api_key_create(tenant=tenant_b.tenant, name="mario at bob", created_by=leaver)
+    _, olivias_key = api_key_create(tenant=tenant_a.tenant, name="olivia's", created_by=owner_user)
+    leaver.last_name = "Rossi"
+    leaver.save()  # an active user's other changes revoke nothing
+    assert gateway_status(alice_key) == gateway_status(bob_key) == 200
+
+    leaver.is_active = False
+    leaver.save()
+
+    for key in (alice_key, bob_key):
+        assert works_on_api(key) == 401 and gateway_status(key) == 401
+    assert gateway_status(olivias_key) == gateway_status(tenant_a.key) == 200
+    events = TenantEvent.objects.filter(kind="key_revoke").order_by("tenant__slug")
+    assert [(event.tenant_id, event.actor, event.reason) for event in events] == [
+        (tenant_a.tenant.pk, "user-deactivated:mario", "its creator's account was deactivated"),
+        (tenant_b.tenant.pk, "user-deactivated:mario", "its creator's account was deactivated"),
+    ]
+    leaver.save()  # saved again while inactive: nothing more to revoke, nothing audited twice
+    leaver.is_active = True
+    leaver.save()  # reactivated: the revoked keys stay revoked
+    assert TenantEvent.objects.filter(kind="key_revoke").count() == 2
+    assert gateway_status(alice_key) == 401
+    assert not ApiKey.objects.filter(created_by=leaver, revoked_at__isnull=True).exists()
