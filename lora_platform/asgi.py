@@ -35,5 +35,6 @@ application = AccessLog(BodyLimit(GatewayRoutes(django_application)), logger="lo
                         quiet=_QUIET_PATHS)
 
 HTTPProtocol = guarded_h11_protocol(header_timeout_s=settings.WEB_HEADER_TIMEOUT_SECONDS,
+                                    body_idle_timeout_s=settings.WEB_BODY_TIMEOUT_SECONDS,
                                     keep_alive_s=settings.WEB_KEEP_ALIVE_SECONDS,
                                     max_connections_per_client=settings.WEB_MAX_CONNECTIONS_PER_CLIENT)

@@ -132,9 +132,11 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = platform.file_upload_max_memory_size
 # their total size. Per-feature limits (dataset bytes per tier, adapter bytes) are checked as well.
 MAX_UPLOAD_BYTES = platform.max_upload_bytes
 # The web server's connections (docs/web-server.md): seconds a request may take to send its headers
-# (408 past it), seconds an idle keep-alive connection is kept, connections one client address may
-# hold at once (0: no cap). Read by lora_platform.asgi's HTTPProtocol.
+# (408 past it), seconds a request body may go without a byte (408 past it; 0: no limit), seconds
+# an idle keep-alive connection is kept, connections one client address may hold at once (0: no
+# cap). Read by lora_platform.asgi's HTTPProtocol.
 WEB_HEADER_TIMEOUT_SECONDS = platform.web_header_timeout_seconds
+WEB_BODY_TIMEOUT_SECONDS = platform.web_body_timeout_seconds
 WEB_KEEP_ALIVE_SECONDS = platform.web_keep_alive_seconds
 WEB_MAX_CONNECTIONS_PER_CLIENT = platform.web_max_connections_per_client
 

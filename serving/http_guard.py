@@ -1,5 +1,5 @@
-"""Connection guards uvicorn's HTTP/1.1 server (h11) lacks: a header-read deadline and a cap on
-connections per client address. Used by the web process and the serving worker (docs/web-server.md).
+"""Connection guards uvicorn's HTTP/1.1 server (h11) lacks: a header-read deadline, a body-read
+idle timeout and a cap on connections per client address. Used by the web process and the serving worker (docs/web-server.md).
 
 uvicorn arms its keep-alive timer only once a response is complete, and disarms it on the next byte
 received, so a connection that never finishes its request headers (nothing sent, half a request
@@ -7,7 +7,11 @@ line, headers trickled a byte at a time) is kept for ever: 200 such sockets stay
 an attack run (docs/security.md). Here every request must complete its headers within `header_timeout_s` of
 its first byte (of the connection's opening, for the first request), or it gets a 408 and the
 connection is closed. Between requests uvicorn's keep-alive timeout (`--timeout-keep-alive`) still
-applies. uvicorn's own `limit_concurrency` counts all connections together (503 past it); the cap
+applies. Once the headers are in, the body must keep coming: no more than `body_idle_timeout_s`
+between two of its reads (nginx's `client_body_timeout`; each read pushes it back, so a large upload
+on a slow link is not cut, and the time the server itself stops reading because the application
+has not taken what came, uvicorn's flow control, does not count), or a 408 and the connection
+closed: a body sent a byte a minute would otherwise hold the application's request open for ever. uvicorn's own `limit_concurrency` counts all connections together (503 past it); the cap
 here refuses one address's connection past `max_connections_per_client` at once, with a 503, so one
 client cannot hold every socket the process has.
 
@@ -41,11 +45,13 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the two guards; subclass with `guarded_h11_protocol`."""
 
     header_timeout_s: ClassVar[float] = 10.0
+    body_idle_timeout_s: ClassVar[float] = 60.0  # 0: none
     max_connections_per_client: ClassVar[int] = 0  # 0: no cap
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
         self._counted_as: str | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -66,6 +72,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
+        self._disarm_body_deadline()
         if self._counted_as is not None:
             counts = _OPEN.get(self.server_state)
             if counts is not None:
@@ -95,6 +102,10 @@ class GuardedH11Protocol(H11Protocol):
                 self._arm_header_deadline()
         else:
             self._disarm_header_deadline()
+        # Every read of a body still coming pushes its deadline back.
+        self._disarm_body_deadline()
+        if self.conn.their_state is h11.SEND_BODY and self.body_idle_timeout_s > 0:
+            self._body_deadline = self.loop.call_later(self.body_idle_timeout_s, self._body_timed_out)
 
     def _arm_header_deadline(self) -> None:
         if self._header_deadline is None and self.header_timeout_s > 0:
@@ -115,14 +126,37 @@ class GuardedH11Protocol(H11Protocol):
                                    f"({self.header_timeout_s:g} s).\n"))
         self.transport.close()
 
+    def _disarm_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_timed_out(self) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        if self.flow.read_paused:
+            # The server stopped reading (the application has not taken what came): not the
+            # client's gap. Watch again from now.
+            self._body_deadline = self.loop.call_later(self.body_idle_timeout_s, self._body_timed_out)
+            return
+        self._unset_keepalive_if_required()
+        if self.conn.our_state is h11.SEND_RESPONSE:  # the application has not answered yet
+            self.transport.write(_raw_response(
+                "408 Request Timeout", f"Request body stalled: no bytes for the body timeout "
+                                       f"({self.body_idle_timeout_s:g} s).\n"))
+        self.transport.close()
+
 
 def guarded_h11_protocol(*, header_timeout_s: float, max_connections_per_client: int,
-                         keep_alive_s: float | None = None) -> type[GuardedH11Protocol]:
+                         keep_alive_s: float | None = None, body_idle_timeout_s: float = 60.0) -> type[GuardedH11Protocol]:
     """The protocol class to give uvicorn (`http=`, or `--http module:attribute`). `keep_alive_s`
     overrides the server's `timeout_keep_alive` (for servers started from uvicorn's command line)."""
-    if header_timeout_s < 0 or max_connections_per_client < 0 or (keep_alive_s is not None and keep_alive_s <= 0):
-        raise ValueError(f"header_timeout_s ({header_timeout_s}) and max_connections_per_client "
-                         f"({max_connections_per_client}) must be >= 0, keep_alive_s ({keep_alive_s}) > 0")
+    if (header_timeout_s < 0 or body_idle_timeout_s < 0 or max_connections_per_client < 0
+            or (keep_alive_s is not None and keep_alive_s <= 0)):
+        raise ValueError(f"header_timeout_s ({header_timeout_s}), body_idle_timeout_s ({body_idle_timeout_s}) and "
+                         f"max_connections_per_client ({max_connections_per_client}) must be >= 0, "
+                         f"keep_alive_s ({keep_alive_s}) > 0")
 
     class Guarded(GuardedH11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -131,5 +165,6 @@ def guarded_h11_protocol(*, header_timeout_s: float, max_connections_per_client:
                 self.timeout_keep_alive = keep_alive_s  # type: ignore[assignment]  # uvicorn's is an int
 
     Guarded.header_timeout_s = header_timeout_s
+    Guarded.body_idle_timeout_s = body_idle_timeout_s
     Guarded.max_connections_per_client = max_connections_per_client
     return Guarded

@@ -95,6 +95,7 @@ class PlatformSettings(BaseSettings):
     adapter_max_bytes: int = Field(1024 * 1024 * 1024, ge=1)
     # --- The web server's connections (docs/web-server.md)
     web_header_timeout_seconds: float = Field(10.0, gt=0)
+    web_body_timeout_seconds: float = Field(60.0, ge=0)
     web_keep_alive_seconds: float = Field(5.0, gt=0)
     web_max_connections_per_client: int = Field(256, ge=0)
     # --- Base model, adapters, serving workers

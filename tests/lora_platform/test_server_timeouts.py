@@ -1,6 +1,7 @@
 """Issue 23, item 6: the web server closes connections that never finish their request headers
 (nothing sent, a partial request line or headers, or headers trickled a byte at a time) after its
-header timeout, closes idle keep-alive connections after its idle timeout, and refuses more
+header timeout, and a request whose body stops coming after its body timeout (a body that keeps
+coming is read whatever it takes), closes idle keep-alive connections after its idle timeout, and refuses more
 connections from one client address than its cap. Real sockets against the web process as the
 launcher starts it, with small settings."""
 
@@ -32,7 +33,8 @@ def _start(django_db_blocker, tmp_path_factory: pytest.TempPathFactory, **settin
 
 @pytest.fixture(scope="module")
 def web(django_db_setup, django_db_blocker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveWeb]:
-    server = _start(django_db_blocker, tmp_path_factory, WEB_HEADER_TIMEOUT_SECONDS="1", WEB_KEEP_ALIVE_SECONDS="1")
+    server = _start(django_db_blocker, tmp_path_factory, WEB_HEADER_TIMEOUT_SECONDS="1", WEB_KEEP_ALIVE_SECONDS="1",
+                    WEB_BODY_TIMEOUT_SECONDS="1")
     yield server
     server.stop()
 
@@ -78,6 +80,31 @@ def test_headers_trickled_a_byte_at_a_time_do_not_extend_the_header_timeout(web)
             time.sleep(0.1)
         answer = _closed_with(sock)
     assert answer.startswith(b"HTTP/1.1 408 ") or answer == b"", answer
+
+
+def _post_head(length: int) -> bytes:
+    return (f"POST /api/v1/tenant HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def test_a_body_that_stops_coming_is_closed_after_the_body_timeout(web):
+    with web.connect(timeout=PATIENCE_S) as sock:
+        sock.sendall(_post_head(100) + b'{"a": "')  # and never the rest
+        answer = _closed_with(sock)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"body timeout" in answer.lower()
+
+
+def test_a_body_that_keeps_coming_is_read_past_the_body_timeout(web):
+    chunks = [b'{"padding": "'] + [b"x" * 10] * 15 + [b'"}']
+    with web.connect(timeout=PATIENCE_S) as sock:
+        sock.sendall(_post_head(sum(map(len, chunks))))
+        for chunk in chunks:  # 3 s in all, a fifth of the 1 s timeout between two chunks
+            sock.sendall(chunk)
+            time.sleep(0.2)
+        answer = _closed_with(sock)
+    # Read whole and answered by the application: no key, so 401 (not the server's 408).
+    assert answer.startswith(b"HTTP/1.1 401 "), answer
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(web):

@@ -66,6 +66,7 @@ class ServerArgs:
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
     header_timeout: float = 10.0
+    body_timeout: float = 60.0
     max_connections_per_client: int = 0
     slot_verify_interval: float = 60.0
     registry_url: str | None = None
@@ -225,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         "opening); past it 408 and the connection is closed. Idle connections are kept 75 s between requests",
     )
     server.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request body may go without a byte once its headers are in; past it 408 and the "
+        "connection is closed (0: no limit)",
+    )
+    server.add_argument(
         "--max-connections-per-client",
         type=int,
         default=0,
@@ -290,6 +298,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         parser.error(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     if ns.slot_verify_interval < 0:
         parser.error(f"--slot-verify-interval must be >= 0, got {ns.slot_verify_interval}")
+    if ns.body_timeout < 0:
+        parser.error(f"--body-timeout must be >= 0, got {ns.body_timeout}")
     if ns.max_connections_per_client < 0:
         parser.error(f"--max-connections-per-client must be >= 0, got {ns.max_connections_per_client}")
     if ns.timeout_graceful_shutdown < 0:

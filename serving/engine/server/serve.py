@@ -78,7 +78,7 @@ def uvicorn_config(worker: Worker, args: ServerArgs) -> uvicorn.Config:
         AccessLog(build_app(worker), logger="serving.engine.server.access", quiet=_QUIET_PATHS),
         host=args.host,
         port=args.port,
-        http=guarded_h11_protocol(header_timeout_s=args.header_timeout,
+        http=guarded_h11_protocol(header_timeout_s=args.header_timeout, body_idle_timeout_s=args.body_timeout,
                                   max_connections_per_client=args.max_connections_per_client),
         log_level=args.uvicorn_log_level,
         # The process's logging is set up already (main); uvicorn's own configuration would give its

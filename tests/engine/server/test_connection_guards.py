@@ -1,5 +1,6 @@
 """Issue 23, item 6, on the serving worker: a request that never finishes its headers is closed
-after `--header-timeout` (408), one client address holds at most `--max-connections-per-client`
+after `--header-timeout` (408), a request whose body stops coming after `--body-timeout` (408),
+one client address holds at most `--max-connections-per-client`
 connections, and an idle keep-alive connection outlives the header timeout (the gateway's pool
 relies on the worker keeping idle connections 75 s: serving.wire.registry.WORKER_KEEP_ALIVE_S)."""
 
@@ -18,7 +19,7 @@ PATIENCE_S = 30.0
 
 @pytest.fixture(scope="module")
 def guarded_worker(start_worker):
-    return start_worker("--served-model-name", "base", "--header-timeout", "1")
+    return start_worker("--served-model-name", "base", "--header-timeout", "1", "--body-timeout", "1")
 
 
 def _closed_with(sock: socket.socket) -> bytes:
@@ -35,6 +36,15 @@ def test_a_request_that_never_finishes_its_headers_is_closed_after_the_header_ti
         sock.sendall(sent)
         answer = _closed_with(sock)
     assert answer.startswith(b"HTTP/1.1 408 ") and b"(1 s)" in answer, answer
+
+
+def test_a_body_that_stops_coming_is_closed_after_the_body_timeout(guarded_worker):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", guarded_worker.port), timeout=PATIENCE_S) as sock:
+        sock.sendall(head + b'{"model": "')  # and never the rest
+        answer = _closed_with(sock)
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"body timeout (1 s)" in answer, answer
 
 
 def test_one_client_gets_at_most_its_cap_of_connections(start_worker):
