@@ -282,7 +282,8 @@ async def cost(p: Platform, requests: int, concurrency: int, max_tokens: int, re
                 if calls - commands_before.get(name, 0) - (1 if name == "info" else 0) > 0}
     commands.pop("info", None)
     ttft = [sample.ttft for sample in samples]
-    return {"models": len(models), "requests": requests, "concurrency": concurrency, "completed": len(samples), "wall_s": wall,
+    return {"models": len(models), "requests": requests, "concurrency": concurrency, "completed": len(samples),
+            "wall_s": wall,
             "cpu_ms_per_request": cpu_s * 1000 / requests,
             "user_ms_per_request": (cpu_after.user - cpu_before.user) * 1000 / requests,
             "system_ms_per_request": (cpu_after.system - cpu_before.system) * 1000 / requests,
