@@ -7,6 +7,7 @@ what is left (their responses end properly, with `finish_reason: "abort"`), and 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -127,6 +128,11 @@ class Worker:
             self.exit_code = 1
             self.request_stop()
             return
+        # What is loaded by now (torch, transformers, the model, the tokenizer) lives as long as the
+        # process: frozen out of the collector, a full collection walks only what requests leave
+        # (full collections took 131-143 ms about every 30 s under load, stalling every stream).
+        gc.collect()
+        gc.freeze()
         if self.state is State.LOADING:
             self.state = State.READY
         log.info(
