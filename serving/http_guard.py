@@ -1,18 +1,23 @@
 """Connection guards uvicorn's HTTP/1.1 server (h11) lacks: a header-read deadline, a body-read
-idle timeout and a cap on connections per client address. Used by the web process and the serving worker (docs/web-server.md).
+idle timeout and a cap on connections per client address. Used by the web process and the serving
+worker (docs/web-server.md).
 
 uvicorn arms its keep-alive timer only once a response is complete, and disarms it on the next byte
 received, so a connection that never finishes its request headers (nothing sent, half a request
 line, headers trickled a byte at a time) is kept for ever: 200 such sockets stayed open for 60 s in
-an attack run (docs/security.md). Here every request must complete its headers within `header_timeout_s` of
-its first byte (of the connection's opening, for the first request), or it gets a 408 and the
-connection is closed. Between requests uvicorn's keep-alive timeout (`--timeout-keep-alive`) still
-applies. Once the headers are in, the body must keep coming: no more than `body_idle_timeout_s`
-between two of its reads (nginx's `client_body_timeout`; each read pushes it back, so a large upload
-on a slow link is not cut, and the time the server itself stops reading because the application
-has not taken what came, uvicorn's flow control, does not count), or a 408 and the connection
-closed: a body sent a byte a minute would otherwise hold the application's request open for ever. uvicorn's own `limit_concurrency` counts all connections together (503 past it); the cap
-here refuses one address's connection past `max_connections_per_client` at once, with a 503, so one
+an attack run (docs/security.md). Here every request must complete its headers within
+`header_timeout_s` of its first byte (of the connection's opening, for the first request), or it
+gets a 408 and the connection is closed. Between requests uvicorn's keep-alive timeout
+(`--timeout-keep-alive`) still applies.
+
+Once the headers are in, the body must keep coming: no more than `body_idle_timeout_s` between two
+of its reads (nginx's `client_body_timeout`), or a 408 and the connection closed; a body sent a
+byte a minute would otherwise hold the application's request open for ever. Each read pushes the
+deadline back, so a large upload on a slow link is not cut, and the time the server itself stops
+reading (uvicorn's flow control, while the application has not taken what came) does not count.
+
+uvicorn's own `limit_concurrency` counts all connections together (503 past it); the cap here
+refuses one address's connection past `max_connections_per_client` at once, with a 503, so one
 client cannot hold every socket the process has.
 
 Django-free: the serving worker imports it as the web process does.
@@ -148,8 +153,10 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_h11_protocol(*, header_timeout_s: float, max_connections_per_client: int,
-                         keep_alive_s: float | None = None, body_idle_timeout_s: float = 60.0) -> type[GuardedH11Protocol]:
+def guarded_h11_protocol(
+    *, header_timeout_s: float, max_connections_per_client: int, keep_alive_s: float | None = None,
+    body_idle_timeout_s: float = 60.0,
+) -> type[GuardedH11Protocol]:
     """The protocol class to give uvicorn (`http=`, or `--http module:attribute`). `keep_alive_s`
     overrides the server's `timeout_keep_alive` (for servers started from uvicorn's command line)."""
     if (header_timeout_s < 0 or body_idle_timeout_s < 0 or max_connections_per_client < 0
