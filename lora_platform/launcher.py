@@ -82,6 +82,9 @@ def child_processes() -> list[ChildSpec]:
                              # One machine, one worker: it also runs the beat schedule (the
                              # training jobs sweep); compose runs beat as its own service.
                              "--beat", "--schedule", str(settings.VAR_DIR / "celerybeat-schedule"),
+                             # Alone, it has no neighbours to sync with at start (mingle waits a
+                             # second for their replies) or to gossip with.
+                             "--without-mingle", "--without-gossip",
                              "--hostname", f"worker-{os.getpid()}@%h"], stop_timeout_s=WORKER_STOP_TIMEOUT_S),
         # REGISTRY_TOKEN and REDIS_URL reach it through the environment (see ensure_registry_token).
         ChildSpec("serving-worker", [python, "-m", "serving.engine.server",
