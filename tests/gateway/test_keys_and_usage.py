@@ -59,7 +59,12 @@ def test_usage_api_totals_equal_the_responses_usage(web, worker, registry, tenan
     openai.OpenAI(base_url=f"{web.url}/v1", api_key=tenant_b.key, max_retries=0).completions.create(
         model="gw-tiny-llama", prompt="x", max_tokens=3)
 
-    body = client_a.get("/api/v1/usage").json()
+    # Usage is recorded after each reply's last byte, off the reply's path: the last ones may still be
+    # on their way when the replies are in. Wait for all six, then compare every figure.
+    deadline = time.monotonic() + 30
+    while (body := client_a.get("/api/v1/usage").json())["totals"]["requests"] < 6:
+        assert time.monotonic() < deadline, f"the usage records never all arrived: {body['totals']}"
+        time.sleep(0.1)
     assert body["totals"] == {"requests": 6, "prompt_tokens": prompt, "completion_tokens": completion,
                               "total_tokens": prompt + completion, "degraded_requests": 0}
     by_adapter = {row["adapter"]: row for row in client_a.get("/api/v1/usage?group_by=adapter").json()["data"]}
