@@ -16,6 +16,9 @@ The trainer's options: ``--accumulation K`` (micro-batches a step), ``--gradient
 batch and precision in the same process (bench/trainer_hf.py; its rows are the unpacked sequences)
 and prints both sides' tokens/s and peak memory and their ratio: the measurement issue 25 asks
 for to choose between our loop and TRL's (TRL's SFTTrainer is transformers.Trainer underneath).
+``--ablate`` also runs our loop without its speed-ups, one at a time (compiled decoder layers,
+training.compiled_layers; packed rows attended by their bounds, training.packed_attention), to
+show what each is worth.
 """
 
 from __future__ import annotations
@@ -76,6 +79,16 @@ class StepTimer:
         pass
 
 
+def steady_tokens_per_s(timer: StepTimer, warmup_steps: int) -> float:
+    """Trained tokens a second after the first `warmup_steps` (allocator warm-up, compilation)."""
+    (t0, tokens0), (t1, tokens1) = timer.stamps[warmup_steps - 1], timer.stamps[-1]
+    return (tokens1 - tokens0) / (t1 - t0)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=("tiny", *BIG_SHAPES), default="tiny")
@@ -89,6 +102,8 @@ def main() -> int:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--packing", action="store_true", help="sequences of seq-len // 4, packed into rows")
     parser.add_argument("--compare", action="store_true", help="also run transformers.Trainer + PEFT")
+    parser.add_argument("--ablate", action="store_true", help="also run our loop without each speed-up")
+    parser.add_argument("--no-compile", action="store_true", help="our loop with eager decoder layers")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = pick_device()
@@ -117,29 +132,49 @@ def main() -> int:
                              r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                              gradient_accumulation_steps=args.accumulation, packing=args.packing,
                              gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
-        timer = StepTimer()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        result = LoraTrainer(
-            base, hp, seed=0, train=examples, valid=[], hooks=timer, work_dir=Path(tmp) / "job",
-            fingerprint="random", base_model_name=args.shape, checkpoint_every=10**9, log_every=10,
-        ).run()  # fmt: skip
-        total_s = time.perf_counter() - start
-        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+        def ours(compile_layers: bool | None, packed_attention: bool, name: str) -> tuple[Any, StepTimer, float]:
+            timer = StepTimer()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            result = LoraTrainer(
+                base, hp, seed=0, train=examples, valid=[], hooks=timer, work_dir=Path(tmp) / name,
+                fingerprint="random", base_model_name=args.shape, checkpoint_every=10**9, log_every=10,
+                compile_layers=compile_layers, packed_attention=packed_attention,
+            ).run()  # fmt: skip
+            return result, timer, time.perf_counter() - start
+
+        ablations = {}
+        if args.ablate:
+            for label, compile_layers, packed_attention in (("eager_layers", False, True),
+                                                            ("mask_attention", None, False),
+                                                            ("neither", False, False)):
+                _, abl_timer, _ = ours(compile_layers, packed_attention, label)
+                ablations[label] = {"tokens_per_s": steady_tokens_per_s(abl_timer, args.warmup_steps),
+                                    "peak_memory_gib": peak_memory_gib(device), "last_loss": abl_timer.losses[-1]}
+        result, timer, total_s = ours(False if args.no_compile else None, True, "job")
+        peak_gib = peak_memory_gib(device)
         hf = run_hf_trainer(model, examples, batch=per_step, rank=args.rank, learning_rate=1e-4,
                             gradient_checkpointing=args.gradient_checkpointing,
                             warmup_steps=args.warmup_steps) if args.compare else None  # fmt: skip
-    (t0, tokens0), (t1, tokens1) = timer.stamps[args.warmup_steps - 1], timer.stamps[-1]
+    (t0, _), (t1, _) = timer.stamps[args.warmup_steps - 1], timer.stamps[-1]
     results = {
         "shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "steps": result.steps, "batch": args.batch, "seq_len": args.seq_len,
         "rank": args.rank, "trained_tokens": result.trained_tokens, "total_s": total_s,
-        "tokens_per_s": (tokens1 - tokens0) / (t1 - t0), "step_ms": (t1 - t0) / (len(timer.stamps) - args.warmup_steps) * 1e3,
+        "tokens_per_s": steady_tokens_per_s(timer, args.warmup_steps), "step_ms": (t1 - t0) / (len(timer.stamps) - args.warmup_steps) * 1e3,
         "first_loss": timer.losses[0], "last_loss": timer.losses[-1],
         "accumulation": args.accumulation, "packing": args.packing,
         "gradient_checkpointing": args.gradient_checkpointing, "peak_memory_gib": peak_gib,
+        "compiled_layers": not args.no_compile and device.type == "cuda",
     }  # fmt: skip
+    for label, figures in ablations.items():
+        results.update({f"{label}_tokens_per_s": figures["tokens_per_s"],
+                        f"{label}_peak_memory_gib": figures["peak_memory_gib"],
+                        f"{label}_last_loss": figures["last_loss"],
+                        f"speedup_vs_{label}": results["tokens_per_s"] / figures["tokens_per_s"]})
     if hf is not None:
         results.update({"hf_tokens_per_s": hf["tokens_per_s"], "hf_peak_memory_gib": hf["peak_memory_gib"],
                         "speedup_vs_hf": results["tokens_per_s"] / hf["tokens_per_s"]})

@@ -13,11 +13,14 @@ In both layouts the first token of every sequence is never a target: the logits 
 token of one packed sequence must not be trained to predict the first token of the next. So a
 sequence's loss is the same, packed or not, and `owner` tells, for every token, which sequence
 of the micro-batch it belongs to (-1 for padding), which DPO needs to sum log-probabilities per
-sequence.
+sequence. Packed rows also carry their sequences' bounds over the rows laid end to end
+(`cu_seq_lens_q`, each row's padding tail a sequence of its own), which training.packed_attention
+attends by instead of the mask; attention implementations that do not read them ignore them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,9 @@ class Rows:
     owner: torch.Tensor
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
+    # Packed rows: cumulative sequence lengths over the flattened rows (int32) and the longest sequence.
+    bounds: torch.Tensor | None = None
+    longest: int = 0
 
     def model_inputs(self) -> dict[str, Any]:
         # No KV cache: with one, transformers would not derive the packed mask from the positions.
@@ -44,6 +50,9 @@ class Rows:
             inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
+        if self.bounds is not None:
+            inputs.update(cu_seq_lens_q=self.bounds, cu_seq_lens_k=self.bounds, max_length_q=self.longest,
+                          max_length_k=self.longest)
         return inputs
 
 
@@ -75,6 +84,7 @@ def layout(sequences: Sequence[EncodedExample], *, pad_id: int, device: torch.de
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
     owner = torch.full(shape, PADDING_OWNER, dtype=torch.long)
     positions = torch.zeros(shape, dtype=torch.long)
+    lengths: list[int] = []
     for row, group in enumerate(groups):
         at = 0
         for index in group:
@@ -84,10 +94,15 @@ def layout(sequences: Sequence[EncodedExample], *, pad_id: int, device: torch.de
             labels[row, at + 1:at + length] = torch.tensor(item.labels[1:], dtype=torch.long)
             owner[row, at:at + length] = index
             positions[row, at:at + length] = torch.arange(length)
+            lengths.append(length)
             at += length
         positions[row, at:] = torch.arange(width - at)
+        if at < width:
+            lengths.append(width - at)
     if packed:
-        return Rows(ids.to(device), labels.to(device), owner.to(device), None, positions.to(device))
+        bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        return Rows(ids.to(device), labels.to(device), owner.to(device), None, positions.to(device),
+                    bounds.to(device), max(lengths))
     mask = (owner != PADDING_OWNER).long()
     return Rows(ids.to(device), labels.to(device), owner.to(device), mask.to(device), None)
 

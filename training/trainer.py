@@ -29,6 +29,7 @@ No Django here: the caller supplies hooks for progress, metrics, cancellation an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -45,9 +46,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from training.checkpointing import disable_checkpointing, enable_checkpointing
+from training.compiled_layers import compile_wanted, compiled_layers
 from training.distributed import World, shard
 from training.examples import EncodedExample
 from training.hyperparameters import ALL_LINEAR, DPO, SUPPORTED_TARGET_MODULES, Hyperparameters
+from training.packed_attention import use_packed_attention
 from training.schedules import lr_lambda
 from training.preference import TrainItem
 from training.steps import StepOutcome, evaluation_loss, train_step
@@ -236,10 +239,15 @@ class LoraTrainer:
     def __init__(self, base: LoadedBase, hp: Hyperparameters, *, seed: int, train: Sequence[TrainItem],
                  valid: Sequence[TrainItem], hooks: TrainingHooks, work_dir: Path, fingerprint: str,
                  base_model_name: str, checkpoint_every: int, log_every: int,
-                 should_interrupt: Callable[[], bool] = lambda: False, world: World | None = None) -> None:
+                 should_interrupt: Callable[[], bool] = lambda: False, world: World | None = None,
+                 compile_layers: bool | None = None, compile_backend: str = "inductor",
+                 packed_attention: bool = True) -> None:
         """`should_interrupt` is checked before every step, as the hooks' `should_stop` is: True saves a
         checkpoint of the steps done (unless the last checkpoint holds them) and raises TrainingInterrupted.
-        With a `world` the base is this run's own copy (sharded, never given back) and rank 0's hooks decide."""
+        With a `world` the base is this run's own copy (sharded, never given back) and rank 0's hooks decide.
+        `compile_layers` (default: on one CUDA device) compiles the decoder layers (training.compiled_layers)
+        with `compile_backend`, and `packed_attention` attends packed rows by their sequences' bounds
+        (training.packed_attention): both change the speed, not what is computed."""
         if not train:
             raise TrainingSetupError("There are no training examples with tokens to learn from.")
         self.base = base
@@ -255,6 +263,9 @@ class LoraTrainer:
         self.log_every = max(1, log_every)
         self.should_interrupt = should_interrupt
         self.world = world
+        self.compile_layers = compile_wanted(base.device, world is not None) if compile_layers is None else compile_layers
+        self.compile_backend = compile_backend
+        self.packed_attention = packed_attention
         # Only rank 0 writes checkpoints and the adapter.
         self.writes = world is None or world.rank == 0
         self.plan = RunPlan(len(self.train_examples), hp.batch_size, hp.n_epochs)
@@ -279,7 +290,12 @@ class LoraTrainer:
             enable_checkpointing(self.base.model, use_reentrant=True)
             model.enable_input_require_grads()
         try:
-            return self._train(model, target_modules, resume_from)
+            with contextlib.ExitStack() as speedups:
+                if self.hp.packing and self.packed_attention:
+                    speedups.enter_context(use_packed_attention(self.base.model))
+                if self.compile_layers:
+                    speedups.enter_context(compiled_layers(self.base.model, backend=self.compile_backend))
+                return self._train(model, target_modules, resume_from)
         finally:
             if self.world is None:
                 self._give_base_back(model)

@@ -1,0 +1,164 @@
+"""The trainer's speed-ups change the speed, not what is computed: packed rows attended sequence by
+sequence (training.packed_attention) give the loss and gradients of the mask they replace, and
+compiled decoder layers (training.compiled_layers) train the adapter eager layers train."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from training.compiled_layers import compiled_layers, decoder_layers
+from training.examples import Example, encode_example
+from training.hyperparameters import Hyperparameters
+from training.packed_attention import PACKED_ATTENTION, use_packed_attention
+from training.packing import layout, target_logprobs
+from training.trainer import LoraTrainer, load_base
+from training_support import QA
+from test_trainer import Hooks, weights
+
+
+@pytest.fixture(scope="module")
+def base(base_model_dir):
+    return load_base(str(base_model_dir))
+
+
+@pytest.fixture(scope="module")
+def examples(base):
+    chats = [encode_example(Example(format="chat", messages=(
+        {"role": "user", "content": question, "weight": 1},
+        {"role": "assistant", "content": answer, "weight": 1})), base.tokenizer) for question, answer in QA]
+    texts = [encode_example(Example(format="text", text=answer * 3), base.tokenizer) for _, answer in QA[:4]]
+    return chats + texts
+
+
+def loss_and_gradients(base, rows) -> tuple[float, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = get_peft_model(base.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                                  task_type="CAUSAL_LM", init_lora_weights=False))
+    try:
+        logprobs, trained = target_logprobs(model(**rows.model_inputs()).logits, rows)
+        loss = -(logprobs * trained).sum()
+        loss.backward()
+        return loss.item(), {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
+    finally:
+        model.unload()
+        if hasattr(base.model, "peft_config"):
+            del base.model.peft_config
+
+
+def test_packed_rows_carry_their_sequences_bounds(base, examples):
+    rows = layout(examples[:3], pad_id=base.tokenizer.pad_token_id, device=base.device, packed=True, capacity=10_000)
+    lengths = [len(item.input_ids) for item in examples[:3]]
+    assert rows.input_ids.shape == (1, sum(lengths))
+    assert rows.bounds.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    assert rows.longest == max(lengths)
+    padded = layout(examples[:3], pad_id=base.tokenizer.pad_token_id, device=base.device, packed=False, capacity=128)
+    assert padded.bounds is None and "cu_seq_lens_q" not in padded.model_inputs()
+
+
+def test_packed_attention_gives_the_masks_loss_and_gradients(base, examples, one_thread):
+    pad = base.tokenizer.pad_token_id
+    packed = layout(examples, pad_id=pad, device=base.device, packed=True, capacity=128)
+    # Rows of several examples and a padding tail: the tail is a sequence of its own in the bounds.
+    assert packed.input_ids.shape[0] < len(examples) // 3 and int(packed.bounds[-1]) == packed.input_ids.numel()
+    unpacked = layout(examples, pad_id=pad, device=base.device, packed=False, capacity=128)
+    expected_loss, expected = loss_and_gradients(base, unpacked)
+    mask_loss, _ = loss_and_gradients(base, packed)
+    assert mask_loss == pytest.approx(expected_loss, rel=1e-5)
+    with use_packed_attention(base.model) as switched:
+        assert switched and base.model.config._attn_implementation == PACKED_ATTENTION
+        loss, got = loss_and_gradients(base, packed)
+    assert base.model.config._attn_implementation == "sdpa"
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_attention_attends_within_each_sequence_only(base, examples, one_thread):
+    """Bounds that join the first two sequences change the second one's logits and no other's: the
+    bounds, not a mask, decide what is attended."""
+    pad = base.tokenizer.pad_token_id
+    packed = layout(examples[:4], pad_id=pad, device=base.device, packed=True, capacity=10_000)
+    edges = packed.bounds.tolist()
+    joined = dataclasses.replace(packed, bounds=torch.tensor([0, *edges[2:]], dtype=torch.int32))
+    with torch.no_grad():
+        mask = base.model(**packed.model_inputs()).logits[0]
+        with use_packed_attention(base.model):
+            right = base.model(**packed.model_inputs()).logits[0]
+            wrong = base.model(**joined.model_inputs()).logits[0]
+    torch.testing.assert_close(right, mask, rtol=1e-5, atol=1e-5)
+    first, second = slice(edges[0], edges[1]), slice(edges[1], edges[2])
+    assert torch.equal(wrong[first], right[first]) and torch.equal(wrong[edges[2]:], right[edges[2]:])
+    assert (wrong[second] - right[second]).abs().max() > 1e-3
+
+
+def test_unpacked_rows_and_eager_models_keep_their_attention(base, examples, one_thread):
+    pad = base.tokenizer.pad_token_id
+    unpacked = layout(examples, pad_id=pad, device=base.device, packed=False, capacity=128)
+    expected_loss, _ = loss_and_gradients(base, unpacked)
+    with use_packed_attention(base.model):
+        # Padded rows carry no bounds: SDPA with its padding mask, as before.
+        assert loss_and_gradients(base, unpacked)[0] == pytest.approx(expected_loss, rel=1e-6)
+    base.model.set_attn_implementation("eager")
+    try:
+        with use_packed_attention(base.model) as switched:
+            assert not switched and base.model.config._attn_implementation == "eager"
+    finally:
+        base.model.set_attn_implementation("sdpa")
+
+
+def test_compiled_layers_train_the_eager_layers_adapter_and_are_undone(base, examples, tmp_path, one_thread):
+    hp = Hyperparameters(n_epochs=1, batch_size=6, learning_rate=1e-2, max_seq_length=128, r=4, lora_alpha=8,
+                         lora_dropout=0.0, packing=True)
+
+    def run(compile_layers: bool) -> dict[str, torch.Tensor]:
+        # aot_eager traces and replays the layers as the compiler does, without generating code (fast on a CPU).
+        return weights(LoraTrainer(base, hp, seed=7, train=examples, valid=[], hooks=Hooks(tmp_path),
+                                   work_dir=tmp_path / f"compiled-{compile_layers}", fingerprint="x",
+                                   base_model_name="tiny-llama", checkpoint_every=100, log_every=1,
+                                   compile_layers=compile_layers, compile_backend="aot_eager").run())
+
+    eager, compiled = run(False), run(True)
+    assert eager.keys() == compiled.keys()
+    for name, tensor in eager.items():
+        torch.testing.assert_close(compiled[name], tensor, rtol=1e-4, atol=1e-6)
+    layers = decoder_layers(base.model)
+    assert layers and all(layer._compiled_call_impl is None for layer in layers)
+
+
+def test_compiled_layers_compile_each_decoder_layer(base):
+    with compiled_layers(base.model, backend="aot_eager") as count:
+        assert count == base.model.config.num_hidden_layers
+        assert all(layer._compiled_call_impl is not None for layer in decoder_layers(base.model))
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(base.model))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_varlen_attention_matches_causal_attention_per_sequence():
+    """On CUDA the bounds go to PyTorch's variable-length flash kernel in one launch: it must give what
+    causal SDPA gives on each sequence alone (grouped-query heads, bf16, forward and backward)."""
+    from training import packed_attention
+
+    if packed_attention._VARLEN is None:
+        pytest.skip("this PyTorch has no torch.nn.attention.varlen")
+    torch.manual_seed(0)
+    lengths = [512, 300, 700, 536]
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    query = torch.randn(sum(lengths), 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    key = torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    value = torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flash = packed_attention._causal_varlen(query, key, value, bounds, max(lengths), 128**-0.5)
+    flash_grads = torch.autograd.grad(flash.float().square().sum(), (query, key, value))
+    edges = bounds.tolist()
+    reference = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            query[a:b].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1), is_causal=True,
+            scale=128**-0.5, enable_gqa=True).transpose(0, 1) for a, b in zip(edges, edges[1:])])
+    reference_grads = torch.autograd.grad(reference.float().square().sum(), (query, key, value))
+    torch.testing.assert_close(flash, reference, rtol=2e-2, atol=2e-2)
+    for got, expected in zip(flash_grads, reference_grads):
+        torch.testing.assert_close(got, expected, rtol=5e-2, atol=5e-2)

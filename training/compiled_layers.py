@@ -1,0 +1,50 @@
+"""The decoder layers of a training run compiled with torch.compile, one layer's code for all of them.
+
+A LoRA step is bound by what eager PyTorch runs between the GEMMs: the RMS norms in fp32, the
+rotary embedding, SiLU × up, the residual adds, PEFT's A → B → scale → add on every projection and
+the casts autocast inserts, each a kernel of its own, forward and backward. Compiling the decoder
+layer fuses them. Compiling each layer (PyTorch's "regional compilation") rather than the whole
+model costs one compilation, not one per layer: the layers are instances of one class, and
+torch.compile treats their parameters as inputs, so they share the compiled code.
+
+The base model is shared by the jobs of a worker process: `compiled_layers` undoes the
+compilation on leaving, so the next job's adapter (other ranks, other target modules) does not
+meet the compiled code's guards, and the recompilation limit is not spent across jobs. The
+trainer compiles on CUDA alone (`compile_wanted`): on the CPU the compilation costs more than a
+tiny model's run, and a sharded (FSDP) base keeps eager layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (transformers marks them as checkpointable layers)."""
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
+def compile_wanted(device: torch.device, distributed: bool) -> bool:
+    """The trainer's default: compiled on one CUDA device, eager elsewhere (module docstring)."""
+    return device.type == "cuda" and not distributed
+
+
+@contextlib.contextmanager
+def compiled_layers(model: torch.nn.Module, *, backend: str = "inductor") -> Iterator[int]:
+    """Compiles every decoder layer of `model` while inside; yields how many."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(backend=backend)
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            # nn.Module.compile() keeps the compiled callable here; None restores the plain call.
+            layer._compiled_call_impl = None
+        # The compiled code guards on this run's modules; later jobs would only fail those guards.
+        torch._dynamo.reset()
+
