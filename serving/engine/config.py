@@ -66,6 +66,11 @@ class EngineConfig:
     KV blocks computed before for the same adapter (name and content) or for the base model are
     reused instead of prefilled again (serving.engine.block_manager; docs/serving-worker.md,
     "Prefix caching").
+
+    ``async_scheduling`` (vLLM's flag; off by default): the next step is scheduled, its inputs
+    built and its forward launched while the current step still runs on the device, each decode
+    row taking its token id on the device from the step before (serving.engine.async_scheduling,
+    which states what still runs a step at a time). Not under tensor parallelism.
     """
 
     model: str
@@ -95,6 +100,7 @@ class EngineConfig:
     max_flat_tokens: int = 2048
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -151,6 +157,9 @@ class EngineConfig:
         )
         _require(self.max_flat_tokens >= 1, f"max_flat_tokens must be >= 1, got {self.max_flat_tokens}")
         _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _require(not (self.async_scheduling and self.tensor_parallel_size > 1),
+                 "async_scheduling is not supported with tensor_parallel_size > 1 (the ranks take the step's "
+                 "token ids from rank 0's host, which async scheduling does not wait for)")
         self.torch_device  # validates the device string early
         if self.tensor_parallel_size > 1 and self.torch_device.type == "cuda":
             count = torch.cuda.device_count()

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kernels import LoRAMeta
+from serving.engine.async_scheduling import Feed, FedRows
 from serving.engine.context import StepContext, reset_context, set_context
 from serving.engine.sequence import Sequence
 
@@ -36,13 +37,15 @@ IDS, POS, SLOT, LEN, ADAPTER, SEQ = range(6)
 class FlatStep:
     """A step's inputs on the host: ``rows[k][t]`` is field ``k`` of token ``t``; ``tables[s]`` is
     sequence ``s``'s block table padded to the widest; ``sample_rows[i]`` is the token whose logits
-    ``sampled[i]`` samples from."""
+    ``sampled[i]`` samples from; ``fed``: the rows whose token id the step in flight samples (async
+    scheduling), written on the device before the forward."""
 
     rows: list[list[int]]
     tables: list[list[int]]
     sample_rows: list[int]
     sampled: list[Sequence]
     lora: bool
+    fed: FedRows
 
     @property
     def num_tokens(self) -> int:
@@ -53,8 +56,10 @@ class FlatStep:
         return max(self.rows[LEN])
 
 
-def flat_step(scheduled: list[tuple[Sequence, int]], block_size: int) -> FlatStep:
-    """Lay out ``scheduled`` (each sequence with its number of tokens to compute) as a flat step."""
+def flat_step(scheduled: list[tuple[Sequence, int]], block_size: int, feed: Feed | None = None) -> FlatStep:
+    """Lay out ``scheduled`` (each sequence with its number of tokens to compute) as a flat step;
+    ``feed``: the samples of the step in flight, which its tokens still there come from."""
+    fed = FedRows(feed)
     rows: list[list[int]] = [[] for _ in range(SEQ + 1)]
     tables: list[list[int]] = []
     sample_rows: list[int] = []
@@ -64,7 +69,7 @@ def flat_step(scheduled: list[tuple[Sequence, int]], block_size: int) -> FlatSte
     for index, (seq, num) in enumerate(scheduled):
         start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + num, seq.block_table
         positions = range(start, end)
-        rows[IDS].extend(seq.token_ids[start:end])
+        rows[IDS].extend(fed.ids(seq, start, num, len(rows[IDS])))
         rows[POS].extend(positions)
         rows[SLOT].extend(table[p // block_size] * block_size + p % block_size for p in positions)
         rows[LEN].extend(range(start + 1, end + 1))
@@ -72,10 +77,10 @@ def flat_step(scheduled: list[tuple[Sequence, int]], block_size: int) -> FlatSte
         rows[SEQ].extend([index] * num)
         lora |= seq.lora_slot >= 0
         tables.append(table + [0] * (widest - len(table)))
-        if end == seq.num_tokens:
+        if end >= seq.num_tokens:  # its last known token, or past it the one in flight
             sample_rows.append(len(rows[IDS]) - 1)
             sampled.append(seq)
-    return FlatStep(rows, tables, sample_rows, sampled, lora)
+    return FlatStep(rows, tables, sample_rows, sampled, lora, fed)
 
 
 def flat_context(
@@ -229,6 +234,7 @@ class DecodeGraphs:
         self._np_tables[:seqs, : len(step.tables[0])] = step.tables
         used = self._tables_offset + seqs * self._np_tables.shape[1]
         self._buffer[:used].copy_(self._host[:used], non_blocking=True)
+        step.fed.apply(self._inputs[IDS])
         self._copied = torch.cuda.current_stream(self._device).record_event()
         graph, logits = self._graphs[size, step.lora and self._meta is not None]
         graph.replay()

@@ -13,6 +13,10 @@ sample their first token from its logits row, then decode on their own. So the p
 prefilled once whatever ``n`` (``EngineStats.prefill_tokens`` counts it). With prefix caching a
 prompt's leading blocks computed before for its adapter are not prefilled at all: the scheduler
 takes them at admission, and registers the full prompt blocks each step computes.
+
+With ``EngineConfig.async_scheduling`` a step launches the next step on the device before it reads
+the tokens of the one in flight (``_step_overlapped``; serving.engine.async_scheduling says how,
+and what still waits for the tokens): its outputs are those of the step before.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from serving.engine.block_manager import BlockManager
+from serving.engine.async_scheduling import host_bound
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from serving.engine.distributed.driver import DriverRunner
@@ -36,11 +41,11 @@ from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.lora.reader import AdapterError
 from serving.engine.lora.records import AdapterHandle, CachedAdapter, CopyDone
 from serving.engine.lora.request import LoRARequest
-from serving.engine.model_runner import ModelRunner
+from serving.engine.model_runner import ModelRunner, PendingStep, StepResult
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams, seed_of
-from serving.engine.scheduler import Scheduler
+from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.sequence import RequestState, Sequence, SequenceStatus
 from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair, TokenCounts, engine_stats
 
@@ -85,7 +90,7 @@ class LLMEngine:
                 write_rows=self._write_rows,
                 on_load_done=on_load_done,
             )
-        self.scheduler = Scheduler(config, self.block_manager, self.lora_cache)
+        self.scheduler = Scheduler(config, self.block_manager, self.lora_cache, max_model_len=self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.hf_config.vocab_size,
                                         stop_token_ids=self.eos_token_ids, on_done=on_load_done)
         self.outputs = OutputProcessor(self._decode, self.eos_token_ids, self.max_model_len)
@@ -93,10 +98,15 @@ class LLMEngine:
         # Constrained requests whose grammar is being compiled (off the step, on the compiler's
         # thread): scheduled once it is done, as a request waits for its adapter's load.
         self._compiling: dict[str, Future[Any]] = {}
-        # Requests ended between steps (verify_slots), handed out by the next step with its own outputs.
+        # Outputs made between steps (verify_slots: the requests it ended, and the step in flight it
+        # read first), handed out by the next step with its own outputs.
         self._ended: list[RequestOutput] = []
         self.counts = TokenCounts()
+        # Tokens of the step ``step()`` launched, or, when it launched none, of the step it read:
+        # 0 means the call did no work (callers then wait for loads rather than spin).
         self.last_step_tokens = 0
+        # Async scheduling: the step launched and not yet read, with its token count.
+        self._inflight: tuple[PendingStep, int] | None = None
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -265,40 +275,101 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that progressed or ended."""
+        """Run one iteration; returns an output for every request that progressed or ended (under
+        async scheduling: in the step read here, launched by the call before)."""
         outputs, self._ended = self._ended, []
         if self._compiling:
             outputs += self._take_compiled()
         outputs += self._fail_adapter_errors()
+        if self.config.async_scheduling:
+            return outputs + self._step_overlapped()
         plan = self.scheduler.schedule()
         self.last_step_tokens = sum(num for _, num in plan.scheduled)
         if not plan.scheduled:
             return outputs
-        for seq, num in plan.scheduled:
-            computed = seq.num_computed_tokens + num
-            self.counts.prefill_tokens += max(0, min(computed, seq.num_prompt_tokens) - seq.num_computed_tokens)
-            if seq.num_forks and computed == seq.num_tokens:
-                self._fork(seq, computed)
+        self._prepare(plan)
         try:
             self.runner.copy_blocks(self.block_manager.take_copies())
             result = self.runner.execute(plan.scheduled)
         except BaseException:
             self.block_manager.step_done(written=False)  # the prefix blocks it was to write are not
             raise
+        self._launched(plan, result.sampled)
+        return outputs + self._process(result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then read the one in flight while it runs. The step
+        in flight is read first when a sequence it sampled must show its token on the host before
+        its next step (``host_bound``)."""
+        outputs: list[RequestOutput] = []
+        previous = self._inflight
+        if previous is not None and any(host_bound(seq) for seq in previous[0].sampled if not seq.is_finished):
+            outputs += self._read_inflight()
+            previous = None
+        plan = self.scheduler.schedule()
+        launched = sum(num for _, num in plan.scheduled)
+        if plan.scheduled:
+            self._prepare(plan)
+            try:
+                self.runner.copy_blocks(self.block_manager.take_copies())
+                step = self.runner.launch(plan.scheduled, feed=previous[0].feed() if previous is not None else None)
+            except BaseException:
+                self.block_manager.step_done(written=False)
+                raise
+            self._launched(plan, step.sampled)
+            self._inflight = (step, launched)
+        else:
+            self._inflight = None
+        self.last_step_tokens = launched or (previous[1] if previous is not None else 0)
+        if previous is not None:
+            outputs += self._process(previous[0].result())
+        return outputs
+
+    def _read_inflight(self) -> list[RequestOutput]:
+        """Wait for the step in flight and process its tokens (none in flight: nothing)."""
+        if self._inflight is None:
+            return []
+        step, _ = self._inflight
+        self._inflight = None
+        return self._process(step.result())
+
+    def _prepare(self, plan: SchedulerOutput) -> None:
+        """Before the step runs: count its prefill tokens and fork the sequences whose prompt it completes."""
+        for seq, num in plan.scheduled:
+            computed = seq.num_computed_tokens + num
+            self.counts.prefill_tokens += max(0, min(computed, seq.num_prompt_tokens) - seq.num_computed_tokens)
+            if seq.num_forks and computed == seq.num_tokens:
+                self._fork(seq, computed)
+
+    def _launched(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:
+        """The step is queued: its tokens count as computed and each sampled token as pending."""
         self.block_manager.step_done(written=True)
         for seq, num in plan.scheduled:
             seq.num_computed_tokens += num
             seq.forks = []
-        if result.samples is not None:
-            progressed: dict[str, RequestState] = {}
-            for row, seq in enumerate(result.sampled):
-                self.outputs.append(seq, row, result.samples)
-                self.counts.generation_tokens += 1
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq)
-                progressed[seq.request_id] = self._requests[seq.request_id]
-            for state in progressed.values():
-                outputs += self._progress(state)
+        for seq in sampled:
+            seq.num_pending += 1
+
+    def _process(self, result: StepResult) -> list[RequestOutput]:
+        """Append a step's sampled tokens to their sequences and make the outputs. A sequence that
+        ended since the step was launched (finished by the step before, or aborted) takes no token:
+        under async scheduling it was computed only because the step was launched before the end
+        was seen."""
+        if result.samples is None:
+            return []
+        progressed: dict[str, RequestState] = {}
+        for row, seq in enumerate(result.sampled):
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue
+            self.outputs.append(seq, row, result.samples)
+            self.counts.generation_tokens += 1
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            progressed[seq.request_id] = self._requests[seq.request_id]
+        outputs: list[RequestOutput] = []
+        for state in progressed.values():
+            outputs += self._progress(state)
         return outputs
 
     def _fork(self, parent: Sequence, computed: int) -> None:
@@ -391,6 +462,8 @@ class LLMEngine:
         one. The requests stopped here end in the next ``step()``'s outputs."""
         if self.lora_cache is None or self.slot_checksums is None:
             return []
+        # A requeue must see every token: one in flight would be prefilled before it is read.
+        self._ended += self._read_inflight()
         placed = [(a.slot, a.row, a.rank) for a in self.lora_cache.landed() if a.slot is not None and a.row is not None]
         repairs = []
         for slot in self.slot_checksums.mismatched(placed):

@@ -8,6 +8,10 @@ attention backend any step of at most ``max_flat_tokens`` tokens, runs *flat*
 (``serving.engine.decode_graphs``): every token a row of one paged-attention launch, prompt chunks
 included, so on CUDA the whole forward replays a captured graph unless ``enforce_eager`` (and runs
 the same kernels eagerly otherwise). Longer steps run eagerly with each prompt chunk in SDPA.
+
+``launch`` queues a step and starts the copy of its samples to the host without waiting for
+either (``PendingStep``); ``execute`` is a launch read at once. Under async scheduling the engine
+launches the next step with the one in flight's samples as its ``feed`` (serving.engine.async_scheduling).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from kernels import LoRAMeta
+from serving.engine.async_scheduling import Feed, FedRows, device_tensor
 from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
 from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
@@ -32,7 +37,7 @@ from serving.engine.lora.records import CachedAdapter, CopyDone
 from serving.engine.memory_plan import plan_memory
 from serving.engine.models import build_model
 from serving.engine.outputs import Logprob
-from serving.engine.sampler import SampleResult, Sampler
+from serving.engine.sampler import DeviceSamples, SampleResult, Sampler
 from serving.engine.sequence import Sequence
 
 
@@ -42,6 +47,23 @@ class StepResult:
 
     sampled: list[Sequence]
     samples: SampleResult | None
+
+
+@dataclass
+class PendingStep:
+    """A launched step: the sequences that sample in it (row order) and their samples, on the
+    device (their copy to the host under way) until ``result`` reads them."""
+
+    sampled: list[Sequence]
+    samples: DeviceSamples | None
+
+    def feed(self) -> Feed | None:
+        """Where the next step's decode rows of these sequences take their token ids."""
+        return Feed.of(self.sampled, self.samples.tokens) if self.samples is not None else None
+
+    def result(self) -> StepResult:
+        """The samples on the host (waits for their copy)."""
+        return StepResult(self.sampled, self.samples.host() if self.samples is not None else None)
 
 
 class ModelRunner:
@@ -219,12 +241,20 @@ class ModelRunner:
         num_tokens = sum(n for _, n in scheduled)
         return not prefills or (self.attention == "triton" and num_tokens <= self.max_flat_tokens)
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None) -> StepResult:
-        """Run one step. ``flat``: the layout the caller chose (a tensor-parallel rank takes rank 0's,
-        so that their all-reduces add up the same tokens); None: ``runs_flat`` decides."""
+        """Run one step and read its samples. ``flat``: the layout the caller chose (a
+        tensor-parallel rank takes rank 0's, so that their all-reduces add up the same tokens);
+        None: ``runs_flat`` decides."""
+        return self.launch(scheduled, flat=flat).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
+               feed: Feed | None = None) -> PendingStep:
+        """Queue one step (``flat`` as for ``execute``) and start copying its samples to the host,
+        waiting for neither where the step replays a graph. ``feed``: the samples of the step in
+        flight, which the tokens of ``scheduled`` still there are taken from, on the device."""
         if self.runs_flat(scheduled) if flat is None else flat:
-            return self._execute_flat(flat_step(scheduled, self.block_size))
+            return self._execute_flat(flat_step(scheduled, self.block_size, feed))
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
         prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
         # The prompt's own logits are computed on the eager path only (a flat step's graph keeps
@@ -237,15 +267,16 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         spans: list[tuple[int, int, Sequence]] = []
+        fed = FedRows(feed)
         for seq, num in [*decodes, *prefills]:
             start = seq.num_computed_tokens
             row = len(input_ids)
-            input_ids.extend(seq.token_ids[start : start + num])
+            input_ids.extend(fed.ids(seq, start, num, row))
             positions.extend(range(start, start + num))
             slot_mapping.extend(self._cache_slot(seq, p) for p in range(start, start + num))
             token_slots.extend([seq.lora_slot] * num)
             spans.append((row, num, seq))
-            if start + num == seq.num_tokens:
+            if start + num >= seq.num_tokens:  # its last known token, or past it the one in flight
                 sample_rows.append(row + num - 1)
                 sampled.append(seq)
 
@@ -267,12 +298,11 @@ class ModelRunner:
         if self.lora_meta is not None and any(s >= 0 for s in token_slots):
             context.lora = self.lora_meta.prepare(torch.tensor(token_slots, dtype=torch.int32, device=device))
 
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        fed.apply(ids)
         set_context(context)
         try:
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
-            )
+            hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=device))
         finally:
             reset_context()
         if prompt_logprobs:
@@ -280,8 +310,8 @@ class ModelRunner:
                 if _wants_prompt_logprobs(seq):
                     self._record_prompt_logprobs(seq, hidden[row : row + num])
         if not sampled:
-            return StepResult([], None)
-        return self._sample(sampled, self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]))
+            return PendingStep([], None)
+        return self._sample(sampled, self.model.compute_logits(hidden[device_tensor(sample_rows, device)]))
 
     def _record_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Append to ``seq.prompt_logprobs`` the logprob (rank, and the most likely tokens) of each
@@ -307,13 +337,14 @@ class ModelRunner:
                 entry.setdefault(tid, Logprob(tlp, place))
             seq.prompt_logprobs.append(entry)
 
-    def _execute_flat(self, step: FlatStep) -> StepResult:
+    def _execute_flat(self, step: FlatStep) -> PendingStep:
         if self.graphs is not None and not self.enforce_eager:
             size = self.graphs.size_for(step)
             if size is not None:
                 return self._sample(step.sampled, self.graphs.replay(step, size))
         device = self.device
         inputs = host_tensor(step.rows).to(device)
+        step.fed.apply(inputs[IDS])
         context = flat_context(
             inputs,
             host_tensor(step.tables).to(device),
@@ -323,22 +354,24 @@ class ModelRunner:
         )
         set_context(context)
         try:
-            sample_rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
+            sample_rows = device_tensor(step.sample_rows, device)
             logits = self._forward_sampled(inputs[IDS], inputs[POS], sample_rows)
         finally:
             reset_context()
         return self._sample(step.sampled, logits)
 
-    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> StepResult:
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> PendingStep:
         if not sampled or not self.tp.is_driver:
-            return StepResult([], None)
+            return PendingStep([], None)
         if any(s.forks for s in sampled):
             # Sequences forked from one whose prompt completes now draw from its logits row.
             rows = [i for i, s in enumerate(sampled) for _ in range(1 + len(s.forks))]
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, device_tensor(rows, logits.device))
             sampled = [t for s in sampled for t in (s, *s.forks)]
-        return StepResult(sampled, self.sampler(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
-                                                [s.guide for s in sampled], sampled))
+        samples = self.sampler.sample(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
+                                      [s.guide for s in sampled], sampled)
+        samples.start_copy()
+        return PendingStep(sampled, samples)
 
     def _cache_slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

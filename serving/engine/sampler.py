@@ -12,16 +12,22 @@ temperature and filters, to greedy and sampled rows alike.
 
 Log-probabilities come from the model's raw distribution (before grammar masks, temperature and
 filters), as in vLLM: the chosen token's, its rank, and the ``k`` most likely tokens when asked.
+
+``sample`` leaves the results on the device (``DeviceSamples``): their copy to the host starts
+without blocking, and the host waits for it only when it reads them, so under async scheduling
+(serving.engine.async_scheduling) the next step is launched first. Host lists the sampling needs
+on the device go through pinned memory, never a copy that waits for the stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from serving.engine import penalties
+from serving.engine.async_scheduling import device_tensor
 from serving.engine.guided import Guide, mask_logits
 from serving.engine.penalties import History
 from serving.engine.sampling_params import SamplingParams
@@ -36,6 +42,50 @@ class SampleResult:
     ranks: list[int] | None
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+
+
+@dataclass
+class DeviceSamples:
+    """A batch's samples on the device: per row the token, and when asked its logprob, rank and
+    top-k (``top_ids`` None with logprobs: none asked beyond the chosen token's)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    _copies: tuple[torch.Tensor | None, ...] | None = field(default=None, init=False, repr=False)
+    _copied: torch.cuda.Event | None = field(default=None, init=False, repr=False)
+
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.tokens, self.logprobs, self.ranks, self.top_ids, self.top_logprobs
+
+    def start_copy(self) -> None:
+        """Start copying the samples to (pinned) host memory, in stream order, without waiting
+        (CUDA; on CPU they are there already)."""
+        if self.tokens.device.type != "cuda" or self._copies is not None:
+            return
+        self._copies = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in self._tensors())
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._copied.record()
+
+    def host(self) -> SampleResult:
+        """The samples as host lists; waits for their copy (started here if it was not)."""
+        self.start_copy()
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, logprobs, ranks, top_ids, top_logprobs = self._copies or self._tensors()
+        assert tokens is not None
+        if logprobs is None or ranks is None:
+            return SampleResult(tokens.tolist(), None, None, None, None)
+        rows = tokens.shape[0]
+        return SampleResult(
+            tokens.tolist(),
+            logprobs.tolist(),
+            ranks.tolist(),
+            top_ids.tolist() if top_ids is not None else [[] for _ in range(rows)],
+            top_logprobs.tolist() if top_logprobs is not None else [[] for _ in range(rows)],
+        )
 
 
 class Sampler:
@@ -53,8 +103,20 @@ class Sampler:
         guides: list[Guide | None] | None = None,
         history: Sequence[History] | None = None,
     ) -> SampleResult:
-        """``history``: each row's sequence, whose tokens the penalties and ``min_tokens`` read
-        (None: no row has any tokens to count, as for a bare logits test)."""
+        """``sample``'s results on the host."""
+        return self.sample(logits, params, generators, guides, history).host()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        guides: list[Guide | None] | None = None,
+        history: Sequence[History] | None = None,
+    ) -> DeviceSamples:
+        """Each row's token (and logprobs when asked) on the device. ``history``: each row's
+        sequence, whose tokens the penalties and ``min_tokens`` read (None: no row has any tokens
+        to count, as for a bare logits test)."""
         logits = logits.float()
         chosen_from = logits
         guided = guides is not None and any(g is not None for g in guides)
@@ -77,18 +139,14 @@ class Sampler:
         if num_top is None and any(p.num_sequences > p.n for p in params):
             num_top = 0  # best_of ranks its sequences by the chosen tokens' logprobs
         if num_top is None:
-            return SampleResult(tokens.tolist(), None, None, None, None)
+            return DeviceSamples(tokens)
         logp = torch.log_softmax(logits, dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
-        top = logp.topk(num_top, dim=-1) if num_top > 0 else None
-        return SampleResult(
-            tokens.tolist(),
-            chosen.tolist(),
-            ranks.tolist(),
-            top.indices.tolist() if top is not None else [[] for _ in params],
-            top.values.tolist() if top is not None else [[] for _ in params],
-        )
+        if num_top == 0:
+            return DeviceSamples(tokens, chosen, ranks)
+        top = logp.topk(num_top, dim=-1)
+        return DeviceSamples(tokens, chosen, ranks, top.indices, top.values)
 
     def _sample(
         self,
@@ -98,7 +156,8 @@ class Sampler:
         greedy: list[bool],
     ) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+        temperature = device_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device,
+                                    torch.float32)
         scaled = logits / temperature.unsqueeze(1)
         if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
             scaled = self._filter(scaled, params)
@@ -106,12 +165,13 @@ class Sampler:
         race = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            race[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+            draws = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+            race.index_copy_(0, device_tensor(unseeded, device), draws)
         for i, generator in enumerate(generators):
             if generator is not None:
                 race[i].exponential_(generator=generator)
         sampled = (probs / race).argmax(dim=-1)
-        greedy_rows = torch.tensor(greedy, device=device)
+        greedy_rows = device_tensor(greedy, device, torch.bool)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
     @staticmethod
@@ -119,8 +179,8 @@ class Sampler:
         """Mask every token outside each row's top-k and top-p (nucleus) set with -inf."""
         vocab = scaled.shape[1]
         device = scaled.device
-        top_k = torch.tensor([p.top_k if p.top_k_enabled else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = device_tensor([p.top_k if p.top_k_enabled else vocab for p in params], device)
+        top_p = device_tensor([p.top_p for p in params], device, torch.float32)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         position = torch.arange(vocab, device=device).unsqueeze(0)
         outside = position >= top_k.unsqueeze(1)

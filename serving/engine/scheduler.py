@@ -13,6 +13,11 @@ When the KV cache cannot hold a running sequence's next tokens, the lowest-prior
 sequence is preempted by recompute: its blocks are freed and it waits again with its tokens, to be
 prefilled anew (vLLM's default). Nothing is admitted in a step that preempted.
 
+Under async scheduling (serving.engine.async_scheduling) a running sequence's token sampled by
+the step still in flight counts as its next token to compute (``Sequence.num_pending``), so it
+decodes again without waiting for the id; one whose pending tokens already reach ``max_tokens``
+or the context is not scheduled, since it ends whatever their ids.
+
 Waiting order: ``priority`` (lower first, vLLM's convention) improved by one level per
 ``priority_aging_steps`` waited, so nothing starves; among equal levels, the adapter with the fewest
 running sequences goes first (fairness between adapters: a burst for one adapter does not queue
@@ -29,6 +34,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
@@ -62,7 +68,10 @@ class _Waiting:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora_cache: LoRACache | None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora_cache: LoRACache | None, *,
+                 max_model_len: int | None = None) -> None:
+        """``max_model_len``: the engine's context (the config's when None; unbounded if both are)."""
+        self.max_model_len = max_model_len or config.max_model_len or sys.maxsize
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.aging = config.priority_aging_steps
@@ -148,6 +157,8 @@ class Scheduler:
                     continue
                 if (seq.num_uncomputed_tokens == 1) != decoding:
                     continue
+                if seq.num_pending and seq.ends_by_length(self.max_model_len):
+                    continue
                 num = min(seq.num_uncomputed_tokens, budget)
                 while not self.blocks.can_allocate(seq, num):
                     victim = self.running[-1]
@@ -179,6 +190,9 @@ class Scheduler:
             if head is None:
                 break
             seq, group = head.seq, head.seq.adapter_key
+            # Its prefill would read a token still in flight: a step that preempts admits nothing, and
+            # a requeue (verify_slots) first waits for the step in flight.
+            assert seq.num_pending == 0, "a waiting sequence is admitted only once its tokens are read"
             if len(self.running) + reserved + 1 + seq.num_forks > self.max_num_seqs:
                 break  # its forks must fit too; in arrival order, so it is next once they do
             slot = -1

@@ -50,6 +50,10 @@ class Sequence:
     generator: torch.Generator | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still running on the device, whose ids the host has not read yet
+    # (async scheduling, serving.engine.async_scheduling): the next step computes the first of them
+    # as any decode token, its id taken on the device; they are not in token_ids until read.
+    num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     lora_slot: int = -1
@@ -133,8 +137,22 @@ class Sequence:
         return array[:count]
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Its tokens once the steps in flight are read: ``token_ids`` and the pending ones."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Its pending tokens already end it (``max_tokens`` or the context reached), whatever
+        their ids: it must not be scheduled again (its next position may lie past the context)."""
+        limit = self.sampling_params.max_tokens
+        return self.num_pending > 0 and (
+            (limit is not None and self.num_output_tokens + self.num_pending >= limit)
+            or self.num_planned_tokens >= max_model_len
+        )
 
     @property
     def is_finished(self) -> bool:

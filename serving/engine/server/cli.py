@@ -63,6 +63,7 @@ class ServerArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
     header_timeout: float = 10.0
@@ -204,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV of a prompt's leading blocks computed before for the same adapter version (or the "
         "base) instead of prefilling them again (vLLM's flag; on by default, as vLLM V1)",
+    )  # fmt: skip
+    engine.add_argument(
+        "--async-scheduling", action="store_true",
+        help="schedule and launch each step while the one before still runs on the GPU (vLLM's flag; off by "
+        "default; not with --tensor-parallel-size > 1)",
     )  # fmt: skip
     server = p.add_argument_group("server")
     server.add_argument(

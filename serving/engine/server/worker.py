@@ -60,6 +60,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
     )
 
 

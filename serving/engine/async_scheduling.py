@@ -1,0 +1,130 @@
+"""Async scheduling (``EngineConfig.async_scheduling``, the worker's ``--async-scheduling``): the
+next step is scheduled, its inputs built and its forward launched while the current step still runs
+on the device, as vLLM V1's async scheduling does.
+
+A step without it is: schedule, build the inputs on the host, forward, sample, copy the tokens to
+the host, process them (detokenize, stop checks, outputs); the device idles through every host
+part. With it ``LLMEngine.step`` launches step N+1 before it reads step N's tokens:
+
+1. The scheduler counts each sequence that sampled in step N as one token longer
+   (``Sequence.num_pending``), so it decodes again in N+1 (vLLM's placeholder token).
+2. Such a decode row's token id is a placeholder on the host; on the device it is taken from step
+   N's sampled ids (``Feed``: that tensor and each sequence's row in it) before N+1's forward, in
+   stream order (``FedRows``).
+3. Step N's samples are copied to pinned host memory without blocking, and an event recorded
+   (``serving.engine.sampler.DeviceSamples``); the host waits for that event only once N+1 is
+   launched, and processes step N while N+1 runs.
+
+Every device operation of a step (its inputs' copies, the gather of fed ids, the forward, the
+sampling, the copy of the samples) is queued on the one current stream, so step N+1 reads what
+step N wrote; host lists reach the device through pinned memory (``device_tensor``), never a
+blocking copy, which would wait for the whole stream.
+
+A sequence that ends at step N (an EOS or stop token, a stop string, a grammar error) or is
+aborted between steps has one more token computed in N+1: it is dropped when N+1 is read (a
+finished sequence takes no token, ``LLMEngine._process``) and never emitted. Its KV blocks and
+adapter slot are freed when it ends, while N+1 may still write there: any later step that reuses
+them is queued after N+1 on the same stream, and an adapter copy into a freed slot waits for that
+stream first (``ModelRunner.write_rows``). A sequence whose pending tokens reach ``max_tokens`` or
+the context ends whatever their ids, so it is not scheduled again (``Sequence.ends_by_length``).
+
+Policy: what must see a token on the host before the next step
+- guided decoding (the grammar's matcher advances on the host with each token), penalties (counts
+  of the generated tokens, laid out on the host) and ``min_tokens`` reached by the token in flight
+  (the stop-token ban counts the outputs on the host): when the step in flight sampled such a sequence (``host_bound``), the engine reads that
+  step before it schedules the next (what a step without async scheduling does), so the next
+  mask, penalty or ban sees every token;
+- ``n`` / ``best_of``: siblings fork at schedule time in the step that completes the prompt and
+  decode on their own: nothing waits; best_of's ranking reads the logprobs, copied with the tokens;
+- logprobs: copied with the tokens, without waiting;
+- prefix caching: only prompt blocks are hashed, never a generated token: nothing waits;
+- a requeue of running sequences (``LLMEngine.verify_slots``) reads the step in flight first;
+- tensor parallelism: refused (``EngineConfig``); speculative decoding: the engine has none.
+Still correct but not overlapped, because they build device tensors from host lists with blocking
+copies: eager steps (no captured graph: longer than ``max_flat_tokens``, ``enforce_eager``, the
+torch attention backend's mixed steps), prompt logprobs, grammar masks, penalties and a step with
+KV block copies (the first decode of forked siblings).
+
+On CPU nothing runs beside the host, so async scheduling gains nothing there, but the same code
+path runs (and is tested) step for step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.engine.sequence import Sequence
+
+
+def host_bound(seq: Sequence) -> bool:
+    """``seq``'s next step must see its tokens on the host first (the policy above)."""
+    params = seq.sampling_params
+    # min_tokens bans stop tokens while the host's count of outputs is below it: a count short by
+    # the tokens in flight is still below it, except when those very tokens reach it.
+    planned_outputs = seq.num_planned_tokens - seq.num_prompt_tokens
+    return (
+        seq.guide is not None
+        or params.has_penalties
+        or seq.num_output_tokens < params.min_tokens <= planned_outputs
+    )
+
+
+def device_tensor(values: Seq[int] | Seq[float] | Seq[bool], device: torch.device,
+                  dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` on ``device`` without waiting for it: on CUDA through pinned memory, copied in
+    stream order (``torch.tensor(values, device=cuda)`` copies from pageable memory and
+    synchronises the whole stream; the caching host allocator keeps the pinned block until its copy
+    is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class Feed:
+    """The step in flight's sampled token ids, still on the device, and each sampling sequence's
+    row in them: where the next step's decode rows take their token id."""
+
+    tokens: torch.Tensor
+    rows: dict[Sequence, int]
+
+    @classmethod
+    def of(cls, sampled: list[Sequence], tokens: torch.Tensor) -> Feed:
+        return cls(tokens, {seq: row for row, seq in enumerate(sampled)})
+
+
+@dataclass
+class FedRows:
+    """A step's input rows whose token id comes from the previous step's samples on the device."""
+
+    feed: Feed | None
+    rows: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+
+    def ids(self, seq: Sequence, start: int, num: int, row: int) -> list[int]:
+        """``seq``'s input ids for its tokens ``start .. start + num``, laid out from input row
+        ``row``: the ids on the host, and for a token still in flight a placeholder 0 that
+        ``apply`` replaces on the device."""
+        ids = seq.token_ids[start : start + num]
+        if len(ids) == num:
+            return ids
+        # The scheduler gives a sequence with a token in flight that one token alone (it decodes).
+        assert self.feed is not None and len(ids) == num - 1 and seq in self.feed.rows, (
+            f"sequence {seq.request_id} has {num - len(ids)} tokens the step in flight did not sample"
+        )
+        self.rows.append(row + num - 1)
+        self.sources.append(self.feed.rows[seq])
+        return [*ids, 0]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Write the fed rows' ids into the step's ``input_ids`` on the device (stream order)."""
+        if not self.rows:
+            return
+        assert self.feed is not None
+        device = input_ids.device
+        taken = self.feed.tokens.index_select(0, device_tensor(self.sources, device))
+        input_ids.index_copy_(0, device_tensor(self.rows, device), taken)
