@@ -160,5 +160,7 @@ def test_flash_varlen_attention_matches_causal_attention_per_sequence():
             scale=128**-0.5, enable_gqa=True).transpose(0, 1) for a, b in zip(edges, edges[1:])])
     reference_grads = torch.autograd.grad(reference.float().square().sum(), (query, key, value))
     torch.testing.assert_close(flash, reference, rtol=2e-2, atol=2e-2)
+    # bf16 gradients summed in another order: a few of two million elements differ by a few bf16 ulps
+    # (0.08 at most on the H200), so the gradients are compared by their relative error as a whole.
     for got, expected in zip(flash_grads, reference_grads):
-        torch.testing.assert_close(got, expected, rtol=5e-2, atol=5e-2)
+        assert float((got - expected).float().norm() / expected.float().norm()) < 1e-2
