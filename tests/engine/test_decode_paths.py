@@ -3,7 +3,9 @@ on CUDA graph replay against eager steps, token for token on a mixed batch of ad
 
 On CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py
 when there is no CUDA device); on CUDA (gpu mark) compiled, in fp32, with graphs on and off (steps
-with prompt chunks replayed too: every step runs flat there).
+with prompt chunks replayed too: every step runs flat there). Async scheduling (each step launched
+while the one before is in flight, decode rows fed its tokens on the device) gives the same tokens
+on the flat paths: Triton's on the CPU, and the graphs' on CUDA.
 """
 
 from __future__ import annotations
@@ -50,14 +52,19 @@ def test_triton_attention_matches_torch(mistral_with_adapters: tuple[Path, list[
     torch_tokens, _ = _generate(model, adapters, device=device, attention_backend="torch", enforce_eager=True)
     triton_tokens, _ = _generate(model, adapters, device=device, attention_backend="triton", enforce_eager=True)
     assert triton_tokens == torch_tokens
+    overlapped, _ = _generate(model, adapters, device=device, attention_backend="triton", enforce_eager=True,
+                              async_scheduling=True)
+    assert overlapped == torch_tokens
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_graphs_match_eager(mistral_with_adapters: tuple[Path, list[Path]]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_graphs_match_eager(mistral_with_adapters: tuple[Path, list[Path]], async_scheduling: bool) -> None:
     model, adapters = mistral_with_adapters
     eager, _ = _generate(model, adapters, device="cuda", enforce_eager=True)
-    graphed, llm = _generate(model, adapters, device="cuda", cuda_graph_sizes=[1, 2, 4, 128])
+    graphed, llm = _generate(model, adapters, device="cuda", cuda_graph_sizes=[1, 2, 4, 128],
+                             async_scheduling=async_scheduling)
     graphs = llm.llm_engine.runner.graphs
     assert graphs is not None and graphs.replays > 0 and graphs.memory_bytes >= 0
     assert graphs.chunk_replays > 0, "steps with prompt chunks must replay the captured graphs too"

@@ -8,7 +8,9 @@ PEFT's for that prompt alone with its adapter. On the CPU it runs through both p
 reference (the grid, and each group alone); on CUDA (gpu mark) the same runs in fp32 through the
 Triton kernels, against PEFT on the CPU, with decode steps replayed from CUDA graphs and eagerly
 (``enforce_eager``); adapters swap slots between replays, so a replay reading a stale or
-half-written slot would show as a token mismatch.
+half-written slot would show as a token mismatch. The "-async" runs schedule each step while the
+one before is in flight (``async_scheduling``): decode rows take their token on the device from
+the step before, through preemptions, chunked prefills and slot swaps, and must still match PEFT.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ MAX_TOKENS = 12
 # other path; plain "cpu" takes the grid its cost model picks for these tiny shapes).
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = [
-    pytest.param("cpu", True, id="cpu"),
-    pytest.param("cpu-loop", True, id="cpu-loop"),
-    pytest.param("cuda", False, marks=_CUDA, id="cuda-graphs"),
-    pytest.param("cuda", True, marks=_CUDA, id="cuda-eager"),
+    pytest.param("cpu", True, False, id="cpu"),
+    pytest.param("cpu-loop", True, False, id="cpu-loop"),
+    pytest.param("cpu", True, True, id="cpu-async"),
+    pytest.param("cuda", False, False, marks=_CUDA, id="cuda-graphs"),
+    pytest.param("cuda", True, False, marks=_CUDA, id="cuda-eager"),
+    pytest.param("cuda", False, True, marks=_CUDA, id="cuda-graphs-async"),
 ]
 
 
@@ -75,10 +79,11 @@ def _workload(adapters: dict[str, Path]) -> tuple[list[str], list[LoRARequest | 
     return prompts, loras
 
 
-@pytest.mark.parametrize(("device", "enforce_eager"), DEVICES)
+@pytest.mark.parametrize(("device", "enforce_eager", "async_scheduling"), DEVICES)
 def test_mixed_batch_matches_peft(
     device: str,
     enforce_eager: bool,
+    async_scheduling: bool,
     tiny_model_dir: Path,
     adapters_for: Callable[[Path], dict[str, Path]],
     monkeypatch: pytest.MonkeyPatch,
@@ -104,6 +109,7 @@ def test_mixed_batch_matches_peft(
         device=device,
         dtype="float32",
         enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, lora_request=loras)
