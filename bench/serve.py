@@ -371,6 +371,8 @@ def main() -> int:
     # The worker's own default: a larger budget lets a burst of prompts make steps over the
     # captured ladder (max_flat_tokens, 2048), which run eagerly and stall every decode meanwhile.
     launch.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    launch.add_argument("--worker-args", default="",
+                        help="more flags for the launched worker, one string (e.g. \"--async-scheduling\")")
     gateway_args = p.add_argument_group("through the gateway (--through-gateway)")
     gateway_args.add_argument("--through-gateway", action="store_true",
                               help="each run also through /v1 on the web processes, as a tenant (needs --launch; primes)")

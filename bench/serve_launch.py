@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -91,7 +92,7 @@ def launched_worker(args: argparse.Namespace, *, worker_flags: Sequence[str] = (
             "--max-lora-rank", str(args.rank), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-queued-requests", str(args.num_prompts + args.warmup), "--uvicorn-log-level", "warning",
-            *extra, *worker_flags,
+            *extra, *worker_flags, *shlex.split(getattr(args, "worker_args", "")),
         ]
         # 0: the worker's own default (how it sizes adapter memory unasked).
         if args.max_loras:

@@ -7,7 +7,8 @@
 # the Llama-3-8B shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
 # model). Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
 # bench/engine.py flags, e.g. --compare-peft), TRAINER_ARGS (extra bench/trainer.py flags, e.g. --compare) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
-# --counts 1024), SWEEP_MODES (decode-table's --modes, default graph) and SWEEP_PROFILE (set: decode-table
+# --counts 1024), WORKER_ARGS (more flags for the serve and gateway-curve stages' worker, e.g.
+# --async-scheduling) and SERVE_TAG (a suffix for the serve stage's file names), SWEEP_MODES (decode-table's --modes, default graph) and SWEEP_PROFILE (set: decode-table
 # writes a torch.profiler file per mode) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
 # device call, and the adapters stage plans its cells to end a minute inside it (STAGE_TIMEOUT=580 gives
 # the matrix its ~8 minutes; it prints its estimate first). The serve stage samples
@@ -33,6 +34,7 @@ for stage in "$@"; do
             tests/engine/test_trained_adapter_served.py tests/engine/lora/test_integrity.py \
             tests/engine/test_adapter_memory.py tests/engine/test_architectures.py tests/engine/test_n_completions.py \
             tests/engine/test_penalties.py tests/engine/test_prefix_caching.py tests/engine/lora/test_loader.py \
+            tests/engine/test_async_scheduling.py \
             2>&1 | tee "$out/gpu_tests.log" || status=1
         # No gpu mark here, but its dispatch test asks for the Triton backend on a CUDA device.
         timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
@@ -43,7 +45,8 @@ for stage in "$@"; do
     serve)
         timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts 200 \
             --request-rate "${SERVE_RATES:-8,16,32,64,96,128}" --random-input-len 256 --random-output-len 128 \
-            --max-num-seqs 256 --warmup 32 --py-spy-dir "$out" --json "$out/serve8b.json" 2>&1 | tee "$out/serve8b.log" || status=1 ;;
+            --max-num-seqs 256 --warmup 32 --py-spy-dir "$out" --worker-args="${WORKER_ARGS:-}" \
+            --json "$out/serve8b${SERVE_TAG:-}.json" 2>&1 | tee "$out/serve8b${SERVE_TAG:-}.log" || status=1 ;;
     decode-table)
         timeout "$limit" python3 bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes "${SWEEP_MODES:-graph}" \
             ${SWEEP_PROFILE:+--profile-dir "$out"} --json "$out/decode_table.json" 2>&1 | tee "$out/decode_table.log" || status=1 ;;
@@ -62,7 +65,8 @@ for stage in "$@"; do
         fi
         PYTHONPATH="/tmp/site-gw:$PYTHONPATH" timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 \
             --num-prompts 200 --request-rate "${SERVE_RATES:-16,32,64}" --random-input-len 256 --random-output-len 128 \
-            --max-num-seqs 256 --warmup 32 --through-gateway --json "$out/gateway_curve8b.json" 2>&1 \
+            --max-num-seqs 256 --warmup 32 --through-gateway --worker-args="${WORKER_ARGS:-}" \
+            --json "$out/gateway_curve8b.json" 2>&1 \
             | tee "$out/gateway_curve8b.log" || status=1 ;;
     structured)
         timeout "$limit" python3 bench/structured_output.py --shape llama3-8b --json "$out/structured_output.json" \
