@@ -20,7 +20,6 @@ import contextvars
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -439,19 +438,12 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
                 return Reply(status=502, headers=headers, body=_key_refused(worker, response.status_code))
             return Reply(status=response.status_code, headers=headers, body=result.refused_body)
         wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-        relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage)
-
-        async def stream() -> AsyncGenerator[bytes, None]:
-            try:
-                async for event in relay:
-                    yield event
-            finally:
-                await relay.aclose()
-                settle(call, result, res)
-
+        # Settled as the relay ends (its `finally`), however it ends.
+        relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage,
+                             on_end=lambda: settle(call, result, res))
         handed_off = True
         return Reply(status=200, headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
-                     stream=stream())
+                     stream=relay)
     except asyncio.CancelledError:
         result.status = "aborted"  # the client left before the reply
         result.end()

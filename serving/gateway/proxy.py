@@ -5,9 +5,11 @@ client must see the `model` it asked for, so that one field is rewritten in the 
 writes compact JSON, so `"model":"<internal>"` appears exactly once per body or event) instead of
 parsing and re-serialising every chunk.
 
-Streams are passed through as they arrive, the events of one upstream read in one piece (one ASGI
-send, one write to the client: the read's events are complete, so nothing waits for the next
-read; the end of the stream and `[DONE]` go out with the last read's events). The gateway always asks the worker for
+Streams are read with the gateway's own HTTP/1.1 client (serving.gateway.stream_http: httpx's
+streaming iterator cost more CPU per token than the rest of the relay) and passed through as they
+arrive, the events of one upstream read in one piece (one ASGI send, one write to the client: the
+read's events are complete, so nothing waits for the next read; the end of the stream and `[DONE]`
+go out with the last read's events). The gateway always asks the worker for
 the final usage chunk (`stream_options.include_usage`) to charge tokens as used, and drops that
 chunk unless the client asked for it too. An upstream failure mid-stream ends the client's stream
 with an OpenAI-shaped error event and `[DONE]`; a client that leaves closes the upstream
@@ -19,14 +21,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from serving.gateway.errors import error_json
 from serving.gateway.failover import key_refused
+from serving.gateway.stream_http import StreamPool, StreamResponse
 from serving.wire import errors as wire_errors
 from serving.wire.registry import UPSTREAM_IDLE_S
 from serving.wire.request_ids import HEADER
@@ -35,6 +38,7 @@ DONE = b"data: [DONE]\n\n"
 _USAGE = b'"usage":{'
 _EMPTY_CHOICES = b'"choices":[]'
 _ERROR_EVENT = b'data: {"error"'
+_ROLE = b'"role":"assistant"'
 
 
 @dataclass
@@ -82,8 +86,17 @@ class UpstreamResult:
             self.ended_s = time.perf_counter() - self.started
 
 
+class StreamBody(Protocol):
+    """A streamed reply's body as the relay reads it (serving.gateway.stream_http.StreamResponse)."""
+
+    async def read(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Upstream:
-    """One connection pool to the serving workers, authenticated with their shared API key."""
+    """The connections to the serving workers, authenticated with their shared API key: httpx's pool
+    for whole replies (and the prewarm loop), the gateway's own client for streams."""
 
     def __init__(self, *, api_key: str, timeout_s: float, max_connections: int = 1000) -> None:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -92,6 +105,8 @@ class Upstream:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                                 keepalive_expiry=UPSTREAM_IDLE_S),
         )
+        self._streams = StreamPool(read_timeout_s=timeout_s, connect_timeout_s=5.0, idle_s=UPSTREAM_IDLE_S,
+                                   max_connections=max_connections)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -99,6 +114,7 @@ class Upstream:
         return self._client
 
     async def aclose(self) -> None:
+        await self._streams.aclose()
         await self._client.aclose()
 
     def _headers_for(self, request_id: str) -> dict[str, str]:
@@ -130,12 +146,12 @@ class Upstream:
         return content
 
     async def open_stream(self, url: str, body: dict[str, Any], *, result: UpstreamResult,
-                          request_id: str) -> httpx.Response:
+                          request_id: str) -> StreamResponse:
         """The upstream response with its headers read, for the caller to relay; a refusal (not 200) comes
         read and closed, its body in result.refused_body."""
-        request = self._client.build_request("POST", url, json=body, headers=self._headers_for(request_id))
+        payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         try:
-            response = await self._client.send(request, stream=True)
+            response = await self._streams.post(url, payload, self._headers_for(request_id))
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             result.end()
@@ -151,41 +167,37 @@ class Upstream:
         return response
 
 
-async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rename: tuple[bytes, bytes],
-                       client_wants_usage: bool) -> AsyncGenerator[bytes, None]:
+async def relay_stream(response: StreamBody, *, result: UpstreamResult, rename: tuple[bytes, bytes],
+                       client_wants_usage: bool, on_end: Callable[[], None] | None = None,
+                       ) -> AsyncGenerator[bytes, None]:
     """The client's SSE events from the worker's, those of one upstream read together; closes the
-    upstream however it ends."""
+    upstream however it ends, then calls `on_end` (the pipeline's settle)."""
+    old, new = rename
     buffer = b""
     done = failed = False
     out: list[bytes] = []
     try:
-        async for chunk in response.aiter_raw():
+        while chunk := await response.read():
             if result.first_byte_s is None:
                 result.first_byte_s = time.perf_counter() - result.started
-            buffer += chunk
-            while (end := buffer.find(b"\n\n")) >= 0:
-                event, buffer = buffer[:end + 2], buffer[end + 2:]
-                if event == DONE:
-                    done = True
-                    continue
-                if event.startswith(_ERROR_EVENT):
-                    failed = True
-                    result.error = event[6:506].decode(errors="replace")
-                    result.error_code = error_code(event[6:])
-                    out.append(event)
-                    continue
-                if _USAGE in event:
-                    try:
-                        result.take_usage(json.loads(event[6:]).get("usage"))
-                    except (ValueError, AttributeError):
-                        pass
-                    if _EMPTY_CHOICES in event and not client_wants_usage:
-                        continue
-                elif b'"role":"assistant"' not in event:
-                    result.content_chunks += 1
-                out.append(event.replace(*rename, 1))
+            if buffer:
+                chunk = buffer + chunk
+            cut = chunk.rfind(b"\n\n") + 2
+            if cut == 1:  # no event complete yet
+                buffer = chunk
+                continue
+            events, buffer = (chunk, b"") if cut == len(chunk) else (chunk[:cut], chunk[cut:])
+            if _ROLE in events or _USAGE in events or DONE in events or _ERROR_EVENT in events:
+                ended, error = _sort_events(events, out, result, client_wants_usage)
+                done, failed = done or ended, failed or error
+            else:
+                # Content events only (each read but the first and the last): counted, not split.
+                result.content_chunks += events.count(b"\n\n")
+                out.append(events)
             if out and not done:  # once [DONE] came, the rest goes out with it
-                yield b"".join(out)
+                # The worker's compact JSON has `"model":"<internal>"` once per event, and a JSON
+                # string cannot hold it unescaped, so renaming every occurrence renames each event's.
+                yield b"".join(out).replace(old, new)
                 out = []
         if done:
             result.status = "upstream_error" if failed else "ok"
@@ -193,12 +205,12 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
             result.status = "upstream_error"
             result.error = result.error or "the worker closed the stream before [DONE]"
             out.append(stream_error_event("The serving worker ended the stream early; the reply is incomplete."))
-        yield b"".join([*out, DONE])
+        yield b"".join(out).replace(old, new) + DONE
     except httpx.HTTPError as exc:
         result.status = "upstream_error"
         result.error = f"{type(exc).__name__}: {exc}"
         yield b"".join([*out, stream_error_event(
-            "The connection to the serving worker failed mid-stream; the reply is incomplete."), DONE])
+            "The connection to the serving worker failed mid-stream; the reply is incomplete."), DONE]).replace(old, new)
     except BaseException:
         # The client left (the response task is cancelled) or the server is stopping.
         if result.status != "ok":
@@ -206,7 +218,42 @@ async def relay_stream(response: httpx.Response, *, result: UpstreamResult, rena
         raise
     finally:
         result.end()
-        await response.aclose()
+        try:
+            await response.aclose()
+        finally:
+            if on_end is not None:
+                on_end()
+
+
+def _sort_events(events: bytes, out: list[bytes], result: UpstreamResult, client_wants_usage: bool,
+                 ) -> tuple[bool, bool]:
+    """The complete `events` of a read that holds more than content, one by one: `[DONE]` (not
+    passed on: it goes out last), the worker's error event (passed on, noted), the usage chunk
+    (read; passed on if the client asked for it), the role's chunk and content. (done, failed)."""
+    done = failed = False
+    start = 0
+    while (end := events.find(b"\n\n", start)) >= 0:
+        event = events[start:end + 2]
+        start = end + 2
+        if event == DONE:
+            done = True
+        elif event.startswith(_ERROR_EVENT):
+            failed = True
+            result.error = event[6:506].decode(errors="replace")
+            result.error_code = error_code(event[6:])
+            out.append(event)
+        elif _USAGE in event:
+            try:
+                result.take_usage(json.loads(event[6:]).get("usage"))
+            except (ValueError, AttributeError):
+                pass
+            if client_wants_usage or _EMPTY_CHOICES not in event:
+                out.append(event)
+        else:
+            if _ROLE not in event:
+                result.content_chunks += 1
+            out.append(event)
+    return done, failed
 
 
 def error_code(content: bytes) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import httpx
 
@@ -30,18 +29,23 @@ USAGE = event({"id": "c", "object": "text_completion", "created": 1, "model": IN
                "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
 
 
-class Parts(httpx.AsyncByteStream):
-    """Bytes as the network may cut them (events split across reads), then optionally a failure."""
+class Parts:
+    """A reply's body as the network may cut it (events split across reads), then optionally a failure."""
 
     def __init__(self, parts: list[bytes], fail: bool = False) -> None:
-        self.parts = parts
+        self.parts = list(parts)
         self.fail = fail
+        self.closed = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for part in self.parts:
-            yield part
+    async def read(self) -> bytes:
+        if self.parts:
+            return self.parts.pop(0)
         if self.fail:
             raise httpx.ReadError("connection reset")
+        return b""
+
+    async def aclose(self) -> None:
+        self.closed = True
 
 
 def relay(parts: list[bytes], *, wants_usage: bool, fail: bool = False) -> tuple[list[bytes], UpstreamResult]:
@@ -57,13 +61,13 @@ def renamed(data: bytes) -> bytes:
 def relay_sends(parts: list[bytes], *, wants_usage: bool, fail: bool = False) -> tuple[list[bytes], UpstreamResult]:
     """What the relay sends, piece by piece."""
     async def scenario() -> tuple[list[bytes], UpstreamResult]:
-        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Parts(parts, fail)))
-        async with httpx.AsyncClient(transport=transport) as client:
-            response = await client.send(client.build_request("POST", "http://w/v1/completions"), stream=True)
-            result = UpstreamResult(worker_id="w")
-            out = [item async for item in relay_stream(response, result=result, rename=rename_model(INTERNAL, "support-bot"),
-                                                       client_wants_usage=wants_usage)]
-            return out, result
+        body, ended = Parts(parts, fail), []
+        result = UpstreamResult(worker_id="w")
+        out = [item async for item in relay_stream(body, result=result, rename=rename_model(INTERNAL, "support-bot"),
+                                                   client_wants_usage=wants_usage,
+                                                   on_end=lambda: ended.append(body.closed))]
+        assert ended == [True], "the upstream is closed, then on_end called, once"
+        return out, result
 
     return asyncio.run(scenario())
 
@@ -118,3 +122,21 @@ def test_a_stream_stopped_by_a_corrupted_slot_is_relayed_and_is_the_workers_stat
     other = event({"error": {"message": "The stream failed", "type": "api_error", "param": None, "code": "boom"}})
     _, result = relay([chunk("a"), other, DONE], wants_usage=False)
     assert result.error_code == "boom" and breaker_outcome(result) is Outcome.FAILURE
+
+
+def test_a_chat_stream_cut_at_any_place_relays_the_same_events_and_counts_its_content_chunks():
+    role = event({"id": "c", "object": "chat.completion.chunk", "model": INTERNAL,
+                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    content = [event({"id": "c", "object": "chat.completion.chunk", "model": INTERNAL,
+                      "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]})
+               for i in range(6)]
+    stream = role + b"".join(content) + USAGE + DONE
+    for step in (1, 5, 40, len(content[0]), len(stream)):
+        parts = [stream[at:at + step] for at in range(0, len(stream), step)]
+        out, result = relay(parts, wants_usage=False)
+        assert out == [renamed(role), *map(renamed, content), DONE]
+        assert result.content_chunks == 6 and result.status == "ok" and result.completion_tokens == 2
+        # Cut before its usage: what was relayed is what is counted.
+        out, result = relay(parts[:len(stream[:-len(USAGE + DONE)]) // step], wants_usage=False)
+        shown = [e for e in out[:-2] if b'"content":"t' in e]
+        assert result.content_chunks == len(shown) and not result.usage_known
