@@ -66,8 +66,9 @@ class DeviceSamples:
         if self.tokens.device.type != "cuda" or self._copies is not None:
             return
         self._copies = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in self._tensors())
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._copied.record()
+        # On the stream of the samples' device, which their copies were queued on (the thread's
+        # current device may be another).
+        self._copied = torch.cuda.current_stream(self.tokens.device).record_event()
 
     def host(self) -> SampleResult:
         """The samples as host lists; waits for their copy (started here if it was not)."""
