@@ -27,6 +27,7 @@ from serving.engine.async_scheduling import Feed
 from serving.engine.guided import GuidedDecodingParams
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.model_runner import PendingStep
+from serving.engine.outputs import Logprob
 from serving.engine.sequence import Sequence
 from serving.engine.server.cli import parse_args
 from serving.engine.server.worker import engine_config
@@ -90,18 +91,29 @@ def _run(llm: LLM, prompts: list[Any], params: list[SamplingParams], loras: list
     return outputs, launches
 
 
+def _assert_same_logprobs(ours: list[dict[int, Logprob] | None], want: list[dict[int, Logprob] | None]) -> None:
+    assert len(ours) == len(want)
+    for got, expected in zip(ours, want):
+        if expected is None:
+            assert got is None
+            continue
+        assert got is not None and got.keys() == expected.keys()
+        assert [(v.rank, pytest.approx(v.logprob, abs=1e-5)) for v in got.values()] == [
+            (v.rank, v.logprob) for v in expected.values()]
+
+
 def _assert_same(ours: list[RequestOutput], want: list[RequestOutput]) -> None:
     for a, b in zip(ours, want, strict=True):
         assert len(a.outputs) == len(b.outputs)
+        if b.prompt_logprobs is not None:
+            assert a.prompt_logprobs is not None
+            _assert_same_logprobs(a.prompt_logprobs, b.prompt_logprobs)
         for x, y in zip(a.outputs, b.outputs):
             assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
                 y.token_ids, y.text, y.finish_reason, y.stop_reason), a.request_id
             if y.logprobs is not None:
-                assert x.logprobs is not None and len(x.logprobs) == len(y.logprobs)
-                for got, expected in zip(x.logprobs, y.logprobs):
-                    assert got.keys() == expected.keys()
-                    assert [(v.rank, pytest.approx(v.logprob, abs=1e-5)) for v in got.values()] == [
-                        (v.rank, v.logprob) for v in expected.values()]
+                assert x.logprobs is not None
+                _assert_same_logprobs(list(x.logprobs), list(y.logprobs))
                 assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4)
 
 
@@ -206,6 +218,7 @@ def test_requests_that_need_their_tokens_on_the_host_are_read_first(
          for m in range(1, 7)],
         [
             (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3), adapters[1]),
+            (SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2), adapters[0]),
             (SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=11, max_tokens=12, ignore_eos=True),
              adapters[0]),
             (SamplingParams(n=2, best_of=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True), adapters[1]),
