@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from serving.engine.block_manager import BlockManager
 from serving.engine.async_scheduling import host_bound
+from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from serving.engine.distributed.driver import DriverRunner
