@@ -26,6 +26,7 @@ from serving.engine import LLM, AsyncEngine, EngineConfig, LoRARequest, RequestO
 from serving.engine.async_scheduling import Feed
 from serving.engine.guided import GuidedDecodingParams
 from serving.engine.llm_engine import LLMEngine
+from serving.engine.lora.integrity import SlotCorruptedError
 from serving.engine.model_runner import PendingStep
 from serving.engine.outputs import Logprob
 from serving.engine.sequence import Sequence
@@ -280,6 +281,54 @@ def test_slot_checks_between_steps_read_the_step_in_flight(
     for i in range(3):
         assert finals[f"verify-{i}"].outputs[0].token_ids == want[i].outputs[0].token_ids
         assert streamed[f"verify-{i}"] == len(want[i].outputs[0].token_ids), "one output per token, none lost"
+
+
+def test_a_corrupted_slot_requeues_a_prompt_whose_first_token_is_in_flight(
+    tiny_llama_dir: Path, make_adapter: Callable[..., Path], engines: Callable[[str], dict[bool, LLM]]
+) -> None:
+    """A sequence whose prompt the step in flight completes has produced nothing the host has seen,
+    yet its first token exists: ``verify_slots`` reads that step before it stops or requeues what
+    runs on a corrupted slot, so the sequence is stopped with its token (it has output now), and
+    the one still prefilling is served whole after the repair, as without async scheduling."""
+    lora = LoRARequest("checked", str(make_adapter(tiny_llama_dir, r=8, seed=43, init_scale=0.5)))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {"first": PROMPTS[0], "second": "Once upon a time there was a little girl who lived in a village"}
+    want = {rid: out.outputs[0].token_ids
+            for rid, out in zip(prompts, engines("cpu")[False].generate(list(prompts.values()), params,
+                                                                          lora_request=lora))}
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=16, device="cpu", max_model_len=64, num_kv_blocks=64,
+              max_num_seqs=2, max_num_batched_tokens=8, dtype="float32", async_scheduling=True)
+    engine = llm.llm_engine
+    try:
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, params, lora)
+        outputs: dict[str, RequestOutput] = {}
+
+        def step() -> None:
+            outputs.update((o.request_id, o) for o in engine.step())
+            engine.wait_for_loads(0.01)
+
+        def first_token_in_flight() -> bool:
+            running = {seq.request_id: seq for seq in engine.scheduler.running}
+            seq = running.get("first")
+            return seq is not None and seq.num_pending == 1 and seq.num_output_tokens == 0
+
+        while not first_token_in_flight():
+            step()
+        second = next(seq for seq in engine.scheduler.running if seq.request_id == "second")
+        assert second.num_computed_tokens < second.num_prompt_tokens, "the second prompt is still prefilling"
+        layer = next(iter(engine.runner.model.lora_layers()))
+        with torch.no_grad():
+            layer.lora_B[0][engine.list_loras()[0].gpu_row or 0, 1] += 1.0
+        (repair,) = engine.verify_slots()
+        assert repair.stopped == 1, "the first sequence has a token once the step in flight is read"
+        while engine.has_unfinished_requests() or "first" not in outputs:
+            step()
+        assert isinstance(outputs["first"].error, SlotCorruptedError)
+        assert outputs["first"].outputs[0].token_ids == want["first"][:1]
+        assert outputs["second"].error is None and outputs["second"].outputs[0].token_ids == want["second"]
+    finally:
+        engine.shutdown()
 
 
 def test_streaming_and_abort_through_the_async_engine(
