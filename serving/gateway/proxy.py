@@ -5,11 +5,11 @@ client must see the `model` it asked for, so that one field is rewritten in the 
 writes compact JSON, so `"model":"<internal>"` appears exactly once per body or event) instead of
 parsing and re-serialising every chunk.
 
-Streams are read with the gateway's own HTTP/1.1 client (serving.gateway.stream_http: httpx's
-streaming iterator cost more CPU per token than the rest of the relay) and passed through as they
-arrive, the events of one upstream read in one piece (one ASGI send, one write to the client: the
-read's events are complete, so nothing waits for the next read; the end of the stream and `[DONE]`
-go out with the last read's events). The gateway always asks the worker for
+Replies are read with the gateway's own HTTP/1.1 client (serving.gateway.stream_http: httpx's
+streaming iterator cost more CPU per token than the rest of the relay), and streams are passed
+through as they arrive, the events of one upstream read in one piece (one ASGI send, one write to
+the client: the read's events are complete, so nothing waits for the next read; the end of the
+stream and `[DONE]` go out with the last read's events). The gateway always asks the worker for
 the final usage chunk (`stream_options.include_usage`) to charge tokens as used, and drops that
 chunk unless the client asked for it too. An upstream failure mid-stream ends the client's stream
 with an OpenAI-shaped error event and `[DONE]`; a client that leaves closes the upstream
@@ -95,8 +95,9 @@ class StreamBody(Protocol):
 
 
 class Upstream:
-    """The connections to the serving workers, authenticated with their shared API key: httpx's pool
-    for whole replies (and the prewarm loop), the gateway's own client for streams."""
+    """The connections to the serving workers, authenticated with their shared API key: the
+    gateway's own client for the calls it relays (serving.gateway.stream_http), httpx's pool for its
+    own calls (the prewarm loop)."""
 
     def __init__(self, *, api_key: str, timeout_s: float, max_connections: int = 1000) -> None:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -105,34 +106,44 @@ class Upstream:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                                 keepalive_expiry=UPSTREAM_IDLE_S),
         )
-        self._streams = StreamPool(read_timeout_s=timeout_s, connect_timeout_s=5.0, idle_s=UPSTREAM_IDLE_S,
+        self._relayed = StreamPool(read_timeout_s=timeout_s, connect_timeout_s=5.0, idle_s=UPSTREAM_IDLE_S,
                                    max_connections=max_connections)
 
     @property
     def client(self) -> httpx.AsyncClient:
-        """The pool itself, for the gateway's own calls to workers (the prewarm loop)."""
+        """httpx's pool, for the gateway's own calls to workers (the prewarm loop)."""
         return self._client
 
     async def aclose(self) -> None:
-        await self._streams.aclose()
+        await self._relayed.aclose()
         await self._client.aclose()
 
-    def _headers_for(self, request_id: str) -> dict[str, str]:
-        # The worker logs the request under the gateway's id (serving.wire.request_ids).
-        return {**self._headers, HEADER: request_id}
-
-    async def call(self, url: str, body: dict[str, Any], *, result: UpstreamResult,
-                   rename: tuple[bytes, bytes], request_id: str) -> bytes:
-        """A whole (non-streamed) reply's body, `model` renamed; `result` says how it went."""
+    async def _post(self, url: str, body: dict[str, Any], result: UpstreamResult, request_id: str) -> StreamResponse:
+        # httpx's JSON encoding, byte for byte; the worker logs the request under the gateway's id
+        # (serving.wire.request_ids).
+        payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         try:
-            response = await self._client.post(url, json=body, headers=self._headers_for(request_id))
+            response = await self._relayed.post(url, payload, {**self._headers, HEADER: request_id})
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             result.end()
             raise
         result.http_status = response.status_code
+        return response
+
+    async def call(self, url: str, body: dict[str, Any], *, result: UpstreamResult,
+                   rename: tuple[bytes, bytes], request_id: str) -> bytes:
+        """A whole (non-streamed) reply's body, `model` renamed; `result` says how it went."""
+        response = await self._post(url, body, result, request_id)
         result.first_byte_s = time.perf_counter() - result.started
-        content = response.content
+        try:
+            content = await response.aread()
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            result.end()
+            raise
+        finally:
+            await response.aclose()
         if response.status_code == 200:
             result.status = "ok"
             try:
@@ -149,14 +160,7 @@ class Upstream:
                           request_id: str) -> StreamResponse:
         """The upstream response with its headers read, for the caller to relay; a refusal (not 200) comes
         read and closed, its body in result.refused_body."""
-        payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        try:
-            response = await self._streams.post(url, payload, self._headers_for(request_id))
-        except httpx.HTTPError as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-            result.end()
-            raise
-        result.http_status = response.status_code
+        response = await self._post(url, body, result, request_id)
         if response.status_code != 200:
             try:
                 content = await response.aread()
@@ -209,8 +213,8 @@ async def relay_stream(response: StreamBody, *, result: UpstreamResult, rename: 
     except httpx.HTTPError as exc:
         result.status = "upstream_error"
         result.error = f"{type(exc).__name__}: {exc}"
-        yield b"".join([*out, stream_error_event(
-            "The connection to the serving worker failed mid-stream; the reply is incomplete."), DONE]).replace(old, new)
+        failure = stream_error_event("The connection to the serving worker failed mid-stream; the reply is incomplete.")
+        yield b"".join(out).replace(old, new) + failure + DONE
     except BaseException:
         # The client left (the response task is cancelled) or the server is stopping.
         if result.status != "ok":

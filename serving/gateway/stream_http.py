@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 client for streamed calls to the serving workers (issue 22, item 4).
+"""The gateway's HTTP/1.1 client for the calls it relays to the serving workers (issue 22, item 4).
 
 Relaying a token through httpx's streaming iterator cost the web process, per network read, an
 anyio cancel scope with its timer, httpcore's and h11's event machinery and four layers of async
@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-# Past this many unread bytes the connection stops reading, so a slow client slows the worker's
-# socket, not the gateway's memory.
-_HIGH_WATER = 256 * 1024
+# Past this many unread bytes the connection stops reading (httpx read 64 KiB at a time, on
+# demand), so a slow client slows the worker's socket, not the gateway's memory.
+_HIGH_WATER = 64 * 1024
 _MAX_HEAD = 64 * 1024
 _MAX_CHUNK_LINE = 1024
 # Chunked-body states besides "bytes left in the current chunk" (> 0).
@@ -75,9 +75,9 @@ class _Connection(asyncio.Protocol):
         self.lost: Exception | None = None  # what closed it, when it was not a clean close
         self.paused = False
         self.idle_since = 0.0
-        # The read timeout: the time of the last byte (or of the request sent) and one timer.
+        # The read timeout: when the current wait for bytes began, and one timer.
         self.timeout_s = 0.0
-        self.last_data = 0.0
+        self.waiting_since = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -87,7 +87,6 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        self.last_data = self.loop.time()
         if len(self.buffer) > _HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
@@ -111,30 +110,28 @@ class _Connection(asyncio.Protocol):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def expect_reply(self, timeout_s: float) -> None:
-        """The request is sent: the read timeout counts from now."""
-        self.timeout_s = timeout_s
-        self.last_data = self.loop.time()
-
-    async def wait(self) -> None:
-        """Until more bytes, the end of the connection or the read timeout (ReadTimeout)."""
+    async def wait(self, timeout_s: float) -> None:
+        """Until more bytes, the end of the connection, or `timeout_s` without a byte (ReadTimeout)."""
         if self.closed or self.eof:
             return
         if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
         self._waiter = waiter = self.loop.create_future()
+        self.timeout_s = timeout_s
+        self.waiting_since = self.loop.time()
         if self._timer is None:
-            self._timer = self.loop.call_at(self.last_data + self.timeout_s, self._timed_out)
+            self._timer = self.loop.call_at(self.waiting_since + timeout_s, self._timed_out)
         await waiter
 
     def _timed_out(self) -> None:
-        # Armed once per quiet spell, not per read: bytes since it was armed push it back.
+        # One timer for a reply's many waits: one that ends before it fires leaves it armed, and it
+        # moves on to the deadline of the wait under way, if any.
         self._timer = None
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        deadline = self.last_data + self.timeout_s
+        deadline = self.waiting_since + self.timeout_s
         if self.loop.time() < deadline:
             self._timer = self.loop.call_at(deadline, self._timed_out)
             return
@@ -225,7 +222,7 @@ class StreamResponse:
                     return b""
                 self.close()
                 raise conn.failure(in_body=True)
-            await conn.wait()
+            await conn.wait(self._pool.read_timeout_s)
 
     async def aread(self) -> bytes:
         """The whole body."""
@@ -315,7 +312,7 @@ class StreamPool:
 
     def __init__(self, *, read_timeout_s: float, connect_timeout_s: float, idle_s: float,
                  max_connections: int) -> None:
-        self._read_timeout_s = read_timeout_s
+        self.read_timeout_s = read_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._idle_s = idle_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
@@ -345,7 +342,6 @@ class StreamPool:
         try:
             assert conn.transport is not None
             conn.transport.write(request)
-            conn.expect_reply(self._read_timeout_s)
             return await self._response(conn)
         except BaseException:
             conn.close()
@@ -377,7 +373,7 @@ class StreamPool:
             await self._slots.acquire()
             return
         try:
-            async with asyncio.timeout(self._read_timeout_s):
+            async with asyncio.timeout(self.read_timeout_s):
                 await self._slots.acquire()
         except TimeoutError:
             raise httpx.PoolTimeout("Every upstream connection stayed busy for the pool timeout.") from None
@@ -415,7 +411,7 @@ class StreamPool:
                     raise httpx.RemoteProtocolError("The worker's response head is over 64 KiB.")
                 if conn.closed or conn.eof:
                     raise conn.failure(in_body=False)
-                await conn.wait()
+                await conn.wait(self.read_timeout_s)
                 continue
             head = bytes(conn.buffer[:end])
             del conn.buffer[:end + 4]

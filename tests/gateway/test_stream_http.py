@@ -287,3 +287,30 @@ def test_the_read_timeout_is_per_quiet_spell_not_per_reply(run) -> None:
             await response.aclose()
 
     run(scenario())
+
+
+def test_a_consumer_slower_than_the_timeout_is_no_timeout_and_calls_past_the_cap_wait_then_give_up(run) -> None:
+    async def scenario() -> None:
+        async def two_parts(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(HEAD + b"1\r\na\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.3)
+            writer.write(b"1\r\nb\r\n0\r\n\r\n")
+
+        async with Worker(two_parts) as worker:
+            # The timeout counts while waiting for bytes, not while the caller is busy elsewhere.
+            response = await pool(read_timeout_s=0.2).post(worker.url, b"{}", {})
+            assert await response.read() == b"a"
+            await asyncio.sleep(0.25)
+            assert await response.read() == b"b"
+
+            streams = pool(read_timeout_s=0.2, max_connections=1)
+            first = await streams.post(worker.url, b"{}", {})
+            with pytest.raises(httpx.PoolTimeout):
+                await streams.post(worker.url, b"{}", {})
+            await first.aclose()  # its slot back: the next call goes ahead
+            second = await streams.post(worker.url, b"{}", {})
+            assert await second.read() == b"a"
+            await second.aclose()
+
+    run(scenario())
