@@ -40,10 +40,9 @@ Policy: what must see a token on the host before the next step
 - prefix caching: only prompt blocks are hashed, never a generated token: nothing waits;
 - a requeue of running sequences (``LLMEngine.verify_slots``) reads the step in flight first;
 - tensor parallelism: refused (``EngineConfig``); speculative decoding: the engine has none.
-Still correct but not overlapped, because they build device tensors from host lists with blocking
-copies: eager steps (no captured graph: longer than ``max_flat_tokens``, ``enforce_eager``, the
-torch attention backend's mixed steps), prompt logprobs, grammar masks, penalties and a step with
-KV block copies (the first decode of forked siblings).
+Still correct but not overlapped, because the host waits for the device inside them: a step that
+records prompt logprobs (read on the host as the step computes them), and one with penalties (their
+tensors built with blocking copies, serving.engine.penalties).
 
 On CPU nothing runs beside the host, so async scheduling gains nothing there, but the same code
 path runs (and is tested) step for step.
@@ -53,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,13 +72,17 @@ def host_bound(seq: Sequence) -> bool:
     )
 
 
-def device_tensor(values: Seq[int] | Seq[float] | Seq[bool], device: torch.device,
-                  dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``values`` on ``device`` without waiting for it: on CUDA through pinned memory, copied in
-    stream order (``torch.tensor(values, device=cuda)`` copies from pageable memory and
+def device_tensor(values: Seq[Any], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` (a list, or a rectangular list of lists) on ``device`` without waiting for it
+    (``to_device``)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for it: on CUDA through pinned memory, copied in
+    stream order (a copy from pageable memory, as ``torch.tensor(values, device=cuda)`` makes,
     synchronises the whole stream; the caching host allocator keeps the pinned block until its copy
     is done)."""
-    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from kernels import LoRAMeta
-from serving.engine.async_scheduling import Feed, FedRows, device_tensor
+from serving.engine.async_scheduling import Feed, FedRows, device_tensor, to_device
 from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
 from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
@@ -215,8 +215,8 @@ class ModelRunner:
         shared partial block, before the step that writes into the copy)."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        src = device_tensor([s for s, _ in copies], self.device)
+        dst = device_tensor([d for _, d in copies], self.device)
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     def _forward_sampled(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
@@ -251,8 +251,9 @@ class ModelRunner:
     def launch(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
                feed: Feed | None = None) -> PendingStep:
         """Queue one step (``flat`` as for ``execute``) and start copying its samples to the host,
-        waiting for neither where the step replays a graph. ``feed``: the samples of the step in
-        flight, which the tokens of ``scheduled`` still there are taken from, on the device."""
+        waiting for neither (a step that records prompt logprobs reads them on the host). ``feed``:
+        the samples of the step in flight, which the tokens of ``scheduled`` still there are taken
+        from, on the device."""
         if self.runs_flat(scheduled) if flat is None else flat:
             return self._execute_flat(flat_step(scheduled, self.block_size, feed))
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
@@ -282,27 +283,27 @@ class ModelRunner:
 
         device = self.device
         context = StepContext(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device), attention=self.attention
+            slot_mapping=device_tensor(slot_mapping, device), attention=self.attention
         )
         if decodes:
             widest = max(len(s.block_table) for s, _ in decodes)
             tables = [s.block_table + [0] * (widest - len(s.block_table)) for s, _ in decodes]
             context.num_decode = len(decodes)
-            context.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+            context.decode_block_tables = device_tensor(tables, device)
             lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            context.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
+            context.decode_context_lens = device_tensor(lens, device)
             context.decode_splits = self._decode_splits(len(decodes), max(lens))
         for row, num, seq in spans[len(decodes) :]:
-            table = torch.tensor(seq.block_table, dtype=torch.long, device=device) if seq.num_computed_tokens else None
+            table = device_tensor(seq.block_table, device) if seq.num_computed_tokens else None
             context.prefills.append(PrefillSpan(row, num, seq.num_computed_tokens, table))
         if self.lora_meta is not None and any(s >= 0 for s in token_slots):
-            context.lora = self.lora_meta.prepare(torch.tensor(token_slots, dtype=torch.int32, device=device))
+            context.lora = self.lora_meta.prepare(device_tensor(token_slots, device, torch.int32))
 
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        ids = device_tensor(input_ids, device)
         fed.apply(ids)
         set_context(context)
         try:
-            hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=device))
+            hidden = self.model(ids, device_tensor(positions, device))
         finally:
             reset_context()
         if prompt_logprobs:
@@ -343,11 +344,11 @@ class ModelRunner:
             if size is not None:
                 return self._sample(step.sampled, self.graphs.replay(step, size))
         device = self.device
-        inputs = host_tensor(step.rows).to(device)
+        inputs = to_device(host_tensor(step.rows), device)
         step.fed.apply(inputs[IDS])
         context = flat_context(
             inputs,
-            host_tensor(step.tables).to(device),
+            to_device(host_tensor(step.tables), device),
             attention=self.attention,
             splits=self._decode_splits(step.num_tokens, step.max_context),
             lora=self.lora_meta if step.lora else None,
