@@ -27,7 +27,7 @@ from serving.engine.async_scheduling import Feed
 from serving.engine.guided import GuidedDecodingParams
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.lora.integrity import SlotCorruptedError
-from serving.engine.model_runner import PendingStep
+from serving.engine.model_runner import PendingStep, StepResult
 from serving.engine.outputs import Logprob
 from serving.engine.sequence import Sequence
 from serving.engine.server.cli import parse_args
@@ -116,6 +116,42 @@ def _assert_same(ours: list[RequestOutput], want: list[RequestOutput]) -> None:
                 assert x.logprobs is not None
                 _assert_same_logprobs(list(x.logprobs), list(y.logprobs))
                 assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_each_step_is_launched_before_the_one_before_is_read(
+    async_scheduling: bool, engines: Callable[[str], dict[bool, LLM]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host never waits for step N's tokens before it launches step N+1 (without async
+    scheduling it reads each step before the next)."""
+    engine = engines("cpu")[async_scheduling].llm_engine
+    events: list[str] = []
+    launch = engine.runner.launch
+
+    def spy(scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
+            feed: Feed | None = None) -> PendingStep:
+        step = launch(scheduled, flat=flat, feed=feed)
+        number = sum(1 for e in events if e.startswith("launch")) + 1
+        events.append(f"launch {number}")
+        read = step.result
+
+        def result() -> StepResult:
+            events.append(f"read {number}")
+            return read()
+
+        monkeypatch.setattr(step, "result", result)
+        return step
+
+    monkeypatch.setattr(engine.runner, "launch", spy)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"order-{i}", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Four steps: the prompts' (each samples a first token), then three decodes.
+    if async_scheduling:
+        assert events == ["launch 1", "launch 2", "read 1", "launch 3", "read 2", "launch 4", "read 3", "read 4"]
+    else:
+        assert events == ["launch 1", "read 1", "launch 2", "read 2", "launch 3", "read 3", "launch 4", "read 4"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
