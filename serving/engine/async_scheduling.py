@@ -31,9 +31,10 @@ the context ends whatever their ids, so it is not scheduled again (``Sequence.en
 Policy: what must see a token on the host before the next step
 - guided decoding (the grammar's matcher advances on the host with each token), penalties (counts
   of the generated tokens, laid out on the host) and ``min_tokens`` reached by the token in flight
-  (the stop-token ban counts the outputs on the host): when the step in flight sampled such a sequence (``host_bound``), the engine reads that
-  step before it schedules the next (what a step without async scheduling does), so the next
-  mask, penalty or ban sees every token;
+  (the stop-token ban counts the outputs on the host): when the step in flight sampled such a
+  sequence (``host_bound``), the engine reads that step before it schedules the next, as without
+  async scheduling, so the next mask, penalty or ban sees every token. The whole step waits: a
+  batch with such a sequence in it overlaps nothing while that sequence decodes;
 - ``n`` / ``best_of``: siblings fork at schedule time in the step that completes the prompt and
   decode on their own: nothing waits; best_of's ranking reads the logprobs, copied with the tokens;
 - logprobs: copied with the tokens, without waiting;
