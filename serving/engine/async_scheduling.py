@@ -125,11 +125,13 @@ class FedRows:
         self.sources.append(self.feed.rows[seq])
         return [*ids, 0]
 
-    def apply(self, input_ids: torch.Tensor) -> None:
-        """Write the fed rows' ids into the step's ``input_ids`` on the device (stream order)."""
+    def apply(self, input_ids: torch.Tensor, indices: torch.Tensor | None = None) -> None:
+        """Write the fed rows' ids into the step's ``input_ids`` on the device (stream order).
+        ``indices``: ``[rows, sources]`` already on the device (a graph replay uploads them with its
+        inputs); None: uploaded here."""
         if not self.rows:
             return
         assert self.feed is not None
-        device = input_ids.device
-        taken = self.feed.tokens.index_select(0, device_tensor(self.sources, device))
-        input_ids.index_copy_(0, device_tensor(self.rows, device), taken)
+        if indices is None:
+            indices = device_tensor([self.rows, self.sources], input_ids.device)
+        input_ids.index_copy_(0, indices[0], self.feed.tokens.index_select(0, indices[1]))

@@ -145,17 +145,19 @@ class DecodeGraphs:
         # Padding rows: token 0 at position 0, K/V into the scratch page, one key, no adapter, and
         # the extra table row (all scratch pages) past the real sequences'.
         self._pad = [0, 0, scratch_block * block_size, 1, -1, max_seqs]
-        # The static inputs live in one device buffer (the packed rows, the sampled rows, the
-        # tables), mirrored in pinned host memory: a step writes its inputs into the mirror with
+        # The static inputs live in one device buffer (the packed rows, the sampled rows, the rows
+        # fed from the step in flight with their sources, the tables), mirrored in pinned host memory: a step writes its inputs into the mirror with
         # numpy (no padded Python lists) and one copy of the mirror's used prefix moves them, with
         # no staging copy and one GIL round trip (the event loop holds the GIL much of the time).
         # `_copied` marks when the last copy is done, so a step never rewrites what it still reads.
         rows_end = len(self._pad) * self.max_tokens
-        self._tables_offset = rows_end + max_seqs
+        fed_start = rows_end + max_seqs
+        self._tables_offset = fed_start + 2 * max_seqs
         host = torch.empty(self._tables_offset + (max_seqs + 1) * max_blocks_per_seq, dtype=torch.long).pin_memory()
         self._host = host
         self._np_inputs = host[:rows_end].view(len(self._pad), self.max_tokens).numpy()
-        self._np_samples = host[rows_end : self._tables_offset].numpy()
+        self._np_samples = host[rows_end:fed_start].numpy()
+        self._np_fed = host[fed_start : self._tables_offset].view(2, max_seqs).numpy()
         self._np_tables = host[self._tables_offset :].view(max_seqs + 1, max_blocks_per_seq).numpy()
         self._pad_column = np.array(self._pad, dtype=np.int64)[:, None]
         self._np_inputs[:] = self._pad_column
@@ -163,7 +165,8 @@ class DecodeGraphs:
         self._np_tables[:] = scratch_block
         self._buffer = host.to(device)
         self._inputs = self._buffer[:rows_end].view(len(self._pad), self.max_tokens)
-        self._samples = self._buffer[rows_end : self._tables_offset]
+        self._samples = self._buffer[rows_end:fed_start]
+        self._fed = self._buffer[fed_start : self._tables_offset].view(2, max_seqs)
         self._tables = self._buffer[self._tables_offset :].view(max_seqs + 1, max_blocks_per_seq)
         self._copied: torch.cuda.Event | None = None
         self._logits: torch.Tensor | None = None
@@ -232,9 +235,12 @@ class DecodeGraphs:
         # Whole table rows go (the prefix stays contiguous); the columns past this step's widest
         # are never read. The inputs' unused columns (under 100 KB in all) go too.
         self._np_tables[:seqs, : len(step.tables[0])] = step.tables
+        fed = len(step.fed.rows)
+        self._np_fed[0, :fed] = step.fed.rows
+        self._np_fed[1, :fed] = step.fed.sources
         used = self._tables_offset + seqs * self._np_tables.shape[1]
         self._buffer[:used].copy_(self._host[:used], non_blocking=True)
-        step.fed.apply(self._inputs[IDS])
+        step.fed.apply(self._inputs[IDS], self._fed[:, :fed])
         self._copied = torch.cuda.current_stream(self._device).record_event()
         graph, logits = self._graphs[size, step.lora and self._meta is not None]
         graph.replay()

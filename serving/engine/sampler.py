@@ -157,33 +157,38 @@ class Sampler:
         greedy: list[bool],
     ) -> torch.Tensor:
         device = logits.device
-        temperature = device_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device,
-                                    torch.float32)
-        scaled = logits / temperature.unsqueeze(1)
+        vocab = logits.shape[1]
+        # Every row's knobs in one upload: temperature, greedy (1/0), top-k, top-p (float32 holds a
+        # top-k exactly up to 2**24, past any vocabulary).
+        knobs = device_tensor([
+            [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+            [float(g) for g in greedy],
+            [float(p.top_k if p.top_k_enabled else vocab) for p in params],
+            [p.top_p for p in params],
+        ], device, torch.float32)  # fmt: skip
+        scaled = logits / knobs[0].unsqueeze(1)
         if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
-            scaled = self._filter(scaled, params)
+            scaled = self._filter(scaled, knobs[2], knobs[3])
         probs = torch.softmax(scaled, dim=-1)
         race = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
+        if len(unseeded) == len(generators):
+            race.exponential_()  # the same draws as the rows drawn apart below, without an index upload
+        elif unseeded:
             draws = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
             race.index_copy_(0, device_tensor(unseeded, device), draws)
         for i, generator in enumerate(generators):
             if generator is not None:
                 race[i].exponential_(generator=generator)
         sampled = (probs / race).argmax(dim=-1)
-        greedy_rows = device_tensor(greedy, device, torch.bool)
-        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        return torch.where(knobs[1] > 0, logits.argmax(dim=-1), sampled)
 
     @staticmethod
-    def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Mask every token outside each row's top-k and top-p (nucleus) set with -inf."""
+    def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Mask every token outside each row's ``top_k`` and ``top_p`` (nucleus) set with -inf."""
         vocab = scaled.shape[1]
-        device = scaled.device
-        top_k = device_tensor([p.top_k if p.top_k_enabled else vocab for p in params], device)
-        top_p = device_tensor([p.top_p for p in params], device, torch.float32)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        position = torch.arange(vocab, device=device).unsqueeze(0)
+        position = torch.arange(vocab, device=scaled.device).unsqueeze(0)
         outside = position >= top_k.unsqueeze(1)
         sorted_probs = torch.softmax(sorted_logits.masked_fill(outside, float("-inf")), dim=-1)
         # A token is kept while the mass of the tokens before it is below top_p: the top token always is.
