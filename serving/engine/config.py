@@ -71,6 +71,13 @@ class EngineConfig:
     built and its forward launched while the current step still runs on the device, each decode
     row taking its token id on the device from the step before (serving.engine.async_scheduling,
     which states what still runs a step at a time). Not under tensor parallelism.
+
+    ``quantization`` (vLLM's flag; None by default): ``"fp8"`` stores the base projections' weights
+    in FP8 e4m3 with per-output-channel scales once loaded, activations quantized per token at each
+    call; embeddings, LM head, norms and adapters keep ``dtype`` (serving.engine.layers.fp8_linear,
+    which says where it runs natively and where it is emulated). On CUDA it needs bf16. Its tokens
+    agree with the unquantized model's to a measured rate, not exactly (docs/serving-worker.md,
+    "FP8 base weights").
     """
 
     model: str
@@ -101,6 +108,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -161,6 +169,10 @@ class EngineConfig:
                  "async_scheduling is not supported with tensor_parallel_size > 1 (the ranks take the step's "
                  "token ids from rank 0's host, which async scheduling does not wait for)")
         self.torch_device  # validates the device string early
+        _require(self.quantization in (None, "fp8"), f"quantization must be None or 'fp8', got {self.quantization!r}")
+        _require(self.quantization is None or self.torch_device.type != "cuda" or self.torch_dtype == torch.bfloat16,
+                 f"quantization='fp8' on CUDA needs dtype bfloat16 (torch._scaled_mm's rowwise scaling writes bf16), "
+                 f"got {self.dtype!r}")
         if self.tensor_parallel_size > 1 and self.torch_device.type == "cuda":
             count = torch.cuda.device_count()
             _require(self.tensor_parallel_size <= count,

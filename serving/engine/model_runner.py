@@ -31,7 +31,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
 from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
 from serving.engine.distributed.parallel import SINGLE, TensorParallel
-from serving.engine.layers.lora_linear import MultiLoRALinear
+from serving.engine.layers.lora_linear import MultiLoRALinear, quantize_fp8
 from serving.engine.lora.integrity import raw_sum
 from serving.engine.lora.records import CachedAdapter, CopyDone
 from serving.engine.memory_plan import plan_memory
@@ -83,6 +83,9 @@ class ModelRunner:
                 self._init_dummy_weights(config.seed)
             else:
                 self.model.load_weights(_read_safetensors(Path(config.model)))
+            if config.quantization == "fp8":
+                # Before the memory plan measures what is free: it sizes the KV cache by the smaller weights.
+                quantize_fp8(self.model.lora_layers())
         attn = self.model.attention_layers()
         kv_block_bytes = 2 * len(attn) * self.block_size * attn[0].num_kv_heads * attn[0].head_dim * self.dtype.itemsize
         self.lora_row_bytes = sum(layer.row_elements for layer in self.model.lora_layers()) * self.dtype.itemsize

@@ -13,9 +13,15 @@ through ``kernels.lora_apply_weights``, reading the step's LoRA metadata from th
 Under tensor parallelism (``split``, serving.engine.layers.parallel_linear) the widths are this
 rank's, checkpoint tensors and adapters are cut to them as they come in, and a row-parallel
 layer all-reduces its output (the LoRA part with it) before adding its bias.
+
+``quantize_fp8`` (``EngineConfig.quantization="fp8"``, once the weights are in) turns the base
+weight into float8_e4m3fn with per-output-channel scales (serving.engine.layers.fp8_linear); the
+bias, the row pools and the LoRA path stay in the compute dtype.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,7 @@ from torch import nn
 from kernels import LoRAWeights, lora_apply_weights
 from serving.engine.context import get_context
 from serving.engine.distributed.parallel import SINGLE, TensorParallel
+from serving.engine.layers.fp8_linear import fp8_linear, native_fp8, quantize_weight
 from serving.engine.layers.parallel_linear import Split
 
 
@@ -44,6 +51,7 @@ class MultiLoRALinear(nn.Module):
         (None: the whole projection)."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.dtype = dtype  # the compute dtype: activations, bias, adapters (the weight's until quantized)
         self.tp = tp
         self.split = split
         self.in_features = in_features
@@ -56,6 +64,10 @@ class MultiLoRALinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
+        # Set by quantize_fp8: the weight's per-output-channel scales [1, out] (fp32), and whether
+        # torch._scaled_mm runs them (else the emulation).
+        self.weight_scale: torch.Tensor | None = None
+        self.fp8_native = False
         # The row pools, allocated once the model runner knows how many rows memory allows.
         self.lora_A: list[torch.Tensor] = []
         self.lora_B: list[torch.Tensor] = []  # transposed: [rows, out_slice]
@@ -73,7 +85,11 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduces = self.split is not None and self.split.reduces
-        y = F.linear(x, self.weight, None if reduces else self.bias)
+        bias = None if reduces else self.bias
+        if self.weight_scale is not None:
+            y = fp8_linear(x, self.weight, self.weight_scale, bias, native=self.fp8_native)
+        else:
+            y = F.linear(x, self.weight, bias)
         lora = get_context().lora
         if lora is not None and self.lora_weights is not None:
             lora_apply_weights(y, x, self.lora_weights, lora)
@@ -82,6 +98,13 @@ class MultiLoRALinear(nn.Module):
             if self.bias is not None:
                 y += self.bias
         return y
+
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight by its FP8 form and per-channel scales, freeing the original."""
+        weight, scale = quantize_weight(self.weight.data, f"layer {self.layer_idx} {'/'.join(self.slice_names)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = scale
+        self.fp8_native = native_fp8(weight.device)
 
     def checkpoint(self, slice_name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the checkpoint tensor of slice ``slice_name`` (``kind``: weight or bias)."""
@@ -95,7 +118,7 @@ class MultiLoRALinear(nn.Module):
                       max_rank: int) -> None:
         """Allocate ``num_rows`` zeroed rows per slice and bind the slot table the model's layers
         share (``scaling``, ``ranks``, ``rows``: one entry per slot); the kernels check them once."""
-        device, dtype = self.weight.device, self.weight.dtype
+        device, dtype = self.weight.device, self.dtype
         self.lora_A = [torch.zeros(num_rows, self.in_features, device=device, dtype=dtype) for _ in self.slice_widths]
         self.lora_B = [torch.zeros(num_rows, width, device=device, dtype=dtype) for width in self.slice_widths]
         self.lora_weights = LoRAWeights(
@@ -117,3 +140,14 @@ class MultiLoRALinear(nn.Module):
                 a, bt = self.adapter_part(name, *pair)
                 A[row:end].copy_(a, non_blocking=True)
                 B[row:end].copy_(bt, non_blocking=True)
+
+
+def quantize_fp8(layers: Iterable[MultiLoRALinear]) -> None:
+    """Quantize every layer's base weight to FP8 (``MultiLoRALinear.quantize_fp8``), then hand the
+    freed weights' CUDA memory back, so a memory plan measured after this sees the smaller weights."""
+    cuda = False
+    for layer in layers:
+        layer.quantize_fp8()
+        cuda = cuda or layer.weight.is_cuda
+    if cuda:
+        torch.cuda.empty_cache()
