@@ -10,8 +10,9 @@ torch.compile treats their parameters as inputs, so they share the compiled code
 The base model is shared by the jobs of a worker process: `compiled_layers` undoes the
 compilation on leaving, so the next job's adapter (other ranks, other target modules) does not
 meet the compiled code's guards, and the recompilation limit is not spent across jobs. The
-trainer compiles on CUDA alone (`compile_wanted`): on the CPU the compilation costs more than a
-tiny model's run, and a sharded (FSDP) base keeps eager layers.
+trainer compiles on one CUDA device alone (`compile_wanted`): on the CPU the compilation costs more
+than a tiny model's run, a sharded (FSDP) base keeps eager layers, and so does a job with gradient
+checkpointing (its reentrant recomputation under compiled layers is not what was measured).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
-def compile_wanted(device: torch.device, distributed: bool) -> bool:
-    """The trainer's default: compiled on one CUDA device, eager elsewhere (module docstring)."""
-    return device.type == "cuda" and not distributed
+def compile_wanted(device: torch.device, distributed: bool, checkpointing: bool) -> bool:
+    """The trainer's default: compiled on one CUDA device, eager elsewhere (module docstring), and
+    eager with gradient checkpointing, whose recomputation under compiled layers was not measured."""
+    return device.type == "cuda" and not distributed and not checkpointing
 
 
 @contextlib.contextmanager

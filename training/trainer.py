@@ -246,7 +246,7 @@ class LoraTrainer:
         """`should_interrupt` is checked before every step, as the hooks' `should_stop` is: True saves a
         checkpoint of the steps done (unless the last checkpoint holds them) and raises TrainingInterrupted.
         With a `world` the base is this run's own copy (sharded, never given back) and rank 0's hooks decide.
-        `compile_layers` (default: on one CUDA device) compiles the decoder layers (training.compiled_layers)
+        `compile_layers` (default: on one CUDA device without checkpointing) compiles the decoder layers (training.compiled_layers)
         with `compile_backend`, and `packed_attention` attends packed rows by their sequences' bounds
         (training.packed_attention): both change the speed, not what is computed."""
         if not train:
@@ -264,7 +264,8 @@ class LoraTrainer:
         self.log_every = max(1, log_every)
         self.should_interrupt = should_interrupt
         self.world = world
-        self.compile_layers = compile_wanted(base.device, world is not None) if compile_layers is None else compile_layers
+        self.compile_layers = (compile_wanted(base.device, world is not None, hp.gradient_checkpointing)
+                               if compile_layers is None else compile_layers)
         self.compile_backend = compile_backend
         self.packed_attention = packed_attention
         # Only rank 0 writes checkpoints and the adapter.

@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from training.compiled_layers import compiled_layers, decoder_layers
+from training.compiled_layers import compile_wanted, compiled_layers, decoder_layers
 from training.examples import Example, encode_example
 from training.hyperparameters import Hyperparameters
 from training.packed_attention import PACKED_ATTENTION, use_packed_attention
@@ -127,6 +127,14 @@ def test_compiled_layers_train_the_eager_layers_adapter_and_are_undone(base, exa
         torch.testing.assert_close(compiled[name], tensor, rtol=1e-4, atol=1e-6)
     layers = decoder_layers(base.model)
     assert layers and all(layer._compiled_call_impl is None for layer in layers)
+
+
+def test_layers_are_compiled_by_default_only_on_one_cuda_device_without_checkpointing():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compile_wanted(cuda, distributed=False, checkpointing=False)
+    assert not compile_wanted(cpu, distributed=False, checkpointing=False)
+    assert not compile_wanted(cuda, distributed=True, checkpointing=False)
+    assert not compile_wanted(cuda, distributed=False, checkpointing=True)
 
 
 def test_compiled_layers_compile_each_decoder_layer(base):
