@@ -61,6 +61,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
     )
 
 
