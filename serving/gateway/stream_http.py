@@ -266,7 +266,25 @@ class StreamResponse:
         pos, size = 0, len(buffer)
         left = self._left
         while pos < size:
-            if left > 0:
+            if left == _SIZE_LINE:
+                eol = buffer.find(b"\r\n", pos)
+                if eol < 0:
+                    if size - pos > _MAX_CHUNK_LINE:
+                        raise self._malformed(conn, "a chunk-size line over 1 KiB")
+                    break
+                chunk = self._chunk_size(conn, buffer[pos:eol])
+                pos = eol + 2
+                end = pos + chunk
+                if chunk == 0:
+                    left = _TRAILERS
+                elif end + 2 <= size:  # the usual read: the whole chunk and its CRLF
+                    if buffer[end:end + 2] != b"\r\n":
+                        raise self._malformed(conn, "a chunk not followed by CRLF")
+                    out.append(buffer[pos:end])
+                    pos = end + 2
+                else:
+                    left = chunk
+            elif left > 0:
                 end = min(size, pos + left)
                 out.append(buffer[pos:end])
                 left -= end - pos
@@ -280,27 +298,30 @@ class StreamResponse:
                     raise self._malformed(conn, "a chunk not followed by CRLF")
                 pos += 2
                 left = _SIZE_LINE
-            else:
+            else:  # the trailers, up to an empty line
                 eol = buffer.find(b"\r\n", pos)
                 if eol < 0:
-                    if size - pos > _MAX_CHUNK_LINE:
-                        raise self._malformed(conn, "a chunk-size line over 1 KiB")
                     break
-                line = buffer[pos:eol]
+                empty = eol == pos
                 pos = eol + 2
-                if left == _TRAILERS:
-                    if not line:
-                        self._complete = True
-                        break
-                    continue
-                try:
-                    chunk = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    raise self._malformed(conn, f"the chunk size {bytes(line[:40])!r}") from None
-                left = chunk if chunk > 0 else _TRAILERS
-        del buffer[:pos]
+                if empty:
+                    self._complete = True
+                    break
+        if pos == size:
+            buffer.clear()
+        else:
+            del buffer[:pos]
         self._left = left
         return b"".join(out)
+
+    def _chunk_size(self, conn: _Connection, line: bytearray) -> int:
+        try:
+            size = int(line.split(b";", 1)[0] if b";" in line else line, 16)
+        except ValueError:
+            size = -1
+        if size < 0:
+            raise self._malformed(conn, f"the chunk size {bytes(line[:40])!r}")
+        return size
 
     def _malformed(self, conn: _Connection, what: str) -> httpx.RemoteProtocolError:
         self.close()

@@ -314,3 +314,25 @@ def test_a_consumer_slower_than_the_timeout_is_no_timeout_and_calls_past_the_cap
             await second.aclose()
 
     run(scenario())
+
+
+def test_chunk_extensions_and_trailers_are_skipped_and_a_negative_size_is_malformed(run) -> None:
+    async def scenario() -> None:
+        async def extended(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(HEAD + b"5;note=x\r\nhello\r\n0\r\nx-trailer: 1\r\n\r\n")
+
+        async with Worker(extended) as worker:
+            streams = pool()
+            assert (await body_of(streams, worker.url))[1] == [b"hello"]
+            await body_of(streams, worker.url)
+            assert worker.connections == 1, "the trailers were read to the end: the connection is reused"
+
+        async def negative(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(HEAD + b"-1\r\nhello\r\n")
+
+        async with Worker(negative) as worker:
+            response = await pool().post(worker.url, b"{}", {})
+            with pytest.raises(httpx.RemoteProtocolError, match="chunk size"):
+                await response.read()
+
+    run(scenario())
