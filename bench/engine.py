@@ -38,6 +38,15 @@ engine sized for the largest (``max_loras`` = the largest count), instead of the
 
     python bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes graph [--json OUT]
 
+FP8 base weights (issue 22, item 3): ``--quantization fp8`` times, in the same run, a second engine
+whose base projections are FP8 (``EngineConfig.quantization``) beside the bf16 one, every figure of
+it under an ``fp8_`` prefix, and prints each mode's base, LoRA and mixed steps side by side with the
+ratio (target: base step <= 0.6 x bf16's). The engines run one after the other (each sizes its KV
+cache from what the GPU has free). On the CPU the FP8 layers are an emulation (slower than fp32:
+its figures say nothing of the GPU's). With ``--adapter-sweep`` the sweep's one engine is FP8.
+
+    python bench/engine.py --shape llama3-8b --modes graph --quantization fp8 [--json OUT]
+
 With ``--profile-dir DIR`` each timed step kind (each batch's base step, each count's LoRA step)
 is also run under torch.profiler, the tables of a mode in one file, ``DIR/profile_sweep_MODE.txt``
 (``--modes graph,eager``: eager shows every kernel, graph what a replay shows).
@@ -61,6 +70,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 import torch  # noqa: E402
 
 from serving.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+from serving.engine.model_runner import ModelRunner  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 
 from bench.engine_peers import hf_decode_step_ms, peft_forward_ms, transformers_forward_ms  # noqa: E402
@@ -107,10 +117,12 @@ def bench_cpu(args: argparse.Namespace, work: Path) -> dict[str, float]:
     spread = [LoRARequest(names[i % args.adapters], str(adapters[i % args.adapters])) for i in range(args.batch)]
     results: dict[str, float] = {}
 
-    engine = _engine(base, args)
-    results["engine_base_step_ms"] = engine_step_ms(engine, prompts, [None] * args.batch, args.steps)
-    results["engine_lora_step_ms"] = engine_step_ms(engine, prompts, spread, args.steps)
-    engine.shutdown()
+    for quantization in args.quantizations:
+        engine = _engine(base, args, quantization=quantization)
+        prefix = f"{quantization}_" if quantization else ""
+        results[f"{prefix}engine_base_step_ms"] = engine_step_ms(engine, prompts, [None] * args.batch, args.steps)
+        results[f"{prefix}engine_lora_step_ms"] = engine_step_ms(engine, prompts, spread, args.steps)
+        engine.shutdown()
 
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(hf, str(adapters[0]), adapter_name=names[0])
@@ -181,10 +193,31 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     start = time.perf_counter()
     adapters, _ = adapter_set(work, "llama3-8b", count=args.adapters, rank=args.rank, modules="all")
     results = {"adapters_write_s": time.perf_counter() - start}
+    for quantization in args.quantizations:
+        prefix = f"{quantization}_" if quantization else ""
+        figures = _bench_llama3_8b_engine(args, model_dir, adapters, quantization)
+        results.update({prefix + key: value for key, value in figures.items()})
+    # The engine's figures before the peers' (slow to build): a run cut short still reports them.
+    print(f"engine results: {json.dumps(results)}", flush=True)
+    if args.quantization:
+        _print_quantized(args, results)
+    if args.compare_transformers:
+        results["transformers_base_forward_ms"] = transformers_forward_ms(model_dir, args)
+    if args.compare_peft:
+        results.update(peft_forward_ms(model_dir, adapters, args))
+    return results
+
+
+def _bench_llama3_8b_engine(args: argparse.Namespace, model_dir: Path, adapters: list[Path],
+                            quantization: str | None) -> dict[str, float]:  # fmt: skip
+    """One engine's figures (its base weights bf16, or ``quantization``); the engine is shut down
+    and its memory handed back before this returns."""
+    results: dict[str, float] = {}
+    tag = f"{quantization}_" if quantization else ""  # of its profile files
     start = time.perf_counter()
     engine = _engine(
         model_dir, args, load_format="dummy", max_num_batched_tokens=8192, block_size=16,
-        enforce_eager="graph" not in args.modes,
+        enforce_eager="graph" not in args.modes, quantization=quantization,
     )  # fmt: skip
     results["engine_build_s"] = time.perf_counter() - start
     results.update(_memory_gib(engine, args.rank))
@@ -204,18 +237,18 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
         profiled = "eager" if "eager" in args.modes else args.modes[0]
         profile = args.profile_dir if mode == profiled else None
         results[f"{mode}_base_step_ms"] = engine_step_ms(
-            engine, prompts, [None] * args.batch, args.steps, profile / f"profile_{mode}_base.txt" if profile else None
+            engine, prompts, [None] * args.batch, args.steps, profile / f"profile_{tag}{mode}_base.txt" if profile else None
         )
         start = time.perf_counter()
         results[f"{mode}_lora_step_ms"] = engine_step_ms(
-            engine, prompts, spread, args.steps, profile / f"profile_{mode}_lora.txt" if profile else None
+            engine, prompts, spread, args.steps, profile / f"profile_{tag}{mode}_lora.txt" if profile else None
         )
         results[f"{mode}_lora_over_base"] = results[f"{mode}_lora_step_ms"] / results[f"{mode}_base_step_ms"]
         if args.mixed_chunk:
             results[f"{mode}_mixed_lora_step_ms"] = mixed_step_ms(
-                engine, prompts, spread, args.steps, args.mixed_chunk, profile / f"profile_{mode}_mixed.txt" if profile else None
+                engine, prompts, spread, args.steps, args.mixed_chunk, profile / f"profile_{tag}{mode}_mixed.txt" if profile else None
             )
-        print(f"{mode}: base {results[f'{mode}_base_step_ms']:.2f} ms, {args.adapters} adapters "
+        print(f"{quantization or 'bf16'} {mode}: base {results[f'{mode}_base_step_ms']:.2f} ms, {args.adapters} adapters "
               f"{results[f'{mode}_lora_step_ms']:.2f} ms, mixed {results.get(f'{mode}_mixed_lora_step_ms', 0):.2f} ms",
               flush=True)  # fmt: skip
         if "lora_run_total_s" not in results:
@@ -229,17 +262,39 @@ def bench_llama3_8b(args: argparse.Namespace, work: Path) -> dict[str, float]:
     results["slot_write_ms"] = _slot_write_ms(engine)
     # Weights + lm_head (targets.md) plus one read of every layer's K and V for batch x context.
     kv_bytes = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * 2 * args.batch * args.context
-    results["floor_ms"] = 3.13 + kv_bytes / 4.8e12 * 1e3
+    results["floor_ms"] = _weight_floor_ms(runner) + kv_bytes / 4.8e12 * 1e3
     engine.shutdown()
     del engine, runner
     torch.cuda.empty_cache()
-    # The engine's figures before the peers' (slow to build): a run cut short still reports them.
-    print(f"engine results: {json.dumps(results)}", flush=True)
-    if args.compare_transformers:
-        results["transformers_base_forward_ms"] = transformers_forward_ms(model_dir, args)
-    if args.compare_peft:
-        results.update(peft_forward_ms(model_dir, adapters, args))
     return results
+
+
+def _weight_floor_ms(runner: ModelRunner) -> float:
+    """targets.md's weight floor of the 8B shape, 3.13 ms in bf16 (every projection and the LM head
+    read once at 4.8 TB/s), scaled by the bytes this engine's projections hold (FP8: one a weight)."""
+    projections = list(runner.model.lora_layers())
+    held = sum(layer.weight.numel() * layer.weight.element_size() for layer in projections)
+    bf16 = sum(layer.weight.numel() * 2 for layer in projections)
+    lm_head = LLAMA3_8B["vocab_size"] * LLAMA3_8B["hidden_size"] * 2
+    return 3.13 * (held + lm_head) / (bf16 + lm_head)
+
+
+def _print_quantized(args: argparse.Namespace, results: dict[str, float]) -> None:
+    """Each mode's steps, bf16 beside ``--quantization``'s, and their ratio (into ``results`` too)."""
+    q = args.quantization
+    print(f"\n| mode | step | bf16 (ms) | {q} (ms) | {q} / bf16 |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for mode in args.modes:
+        for step, key in (("base", "base_step_ms"), (f"{args.adapters} adapters", "lora_step_ms"),
+                          (f"mixed (chunk {args.mixed_chunk})", "mixed_lora_step_ms")):  # fmt: skip
+            if f"{mode}_{key}" not in results:
+                continue
+            plain, quantized = results[f"{mode}_{key}"], results[f"{q}_{mode}_{key}"]
+            results[f"{q}_over_bf16_{mode}_{key}"] = quantized / plain
+            print(f"| {mode} | {step} | {plain:.2f} | {quantized:.2f} | {quantized / plain:.2f} |")
+    print(f"| | floor | {results['floor_ms']:.2f} | {results[f'{q}_floor_ms']:.2f} | "
+          f"{results[f'{q}_floor_ms'] / results['floor_ms']:.2f} |")  # fmt: skip
+    print(f"(issue 22's target: the {q} base step <= 0.6 x bf16's)\n", flush=True)
 
 
 # ---- the decode-step table: many distinct adapters in one batch (issue 21) ----------------------
@@ -268,7 +323,7 @@ def bench_sweep(args: argparse.Namespace, work: Path) -> dict[str, float]:
     adapters, _ = adapter_set(work, args.shape, count=max(counts), rank=args.rank, modules="all")
     results: dict[str, float] = {"adapters_write_s": time.perf_counter() - start}
     engine = _engine(model_dir, args, max_loras=max(counts), max_cpu_loras=max(counts),
-                     max_num_seqs=max(batches.values()), **overrides)
+                     max_num_seqs=max(batches.values()), quantization=args.quantization, **overrides)
     names = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(adapters)]
     results["adapters_load_s"] = _preload(engine, names)
     runner = engine.runner
@@ -320,6 +375,8 @@ def _memory_gib(engine: LLMEngine, rank: int) -> dict[str, float]:
     runner = engine.runner
     pools = {id(t): t for layer in runner.model.lora_layers() for t in (*layer.lora_A, *layer.lora_B)}
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    # FP8 projections' per-channel scales (fp32) sit beside their weights, not among the parameters.
+    weights += sum(layer.weight_scale.numel() * 4 for layer in runner.model.lora_layers() if layer.weight_scale is not None)
     lora_bytes = sum(t.numel() * t.element_size() for t in pools.values())
     one = adapter_bytes(LLAMA3_8B, rank, MODULES, runner.dtype.itemsize)
     return {
@@ -361,6 +418,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the dev machine's 2 cores are shared)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard each engine over this many processes")
+    parser.add_argument(
+        "--quantization", choices=("fp8",), default=None,
+        help="also time an engine with FP8 base weights, beside the bf16 one (with --adapter-sweep: instead)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--profile-dir", type=Path, help="llama3-8b: write torch.profiler tables of a few steps here")
     parser.add_argument("--compare-transformers", action="store_true", help="llama3-8b: also time transformers' forward")
@@ -390,6 +451,8 @@ def main() -> int:
     if any(n < 1 for n in args.adapter_sweep):
         parser.error(f"--adapter-sweep counts must be >= 1, got {args.adapter_sweep}")
     big = args.shape == "llama3-8b"
+    # The engines timed: the model's dtype's, then --quantization's.
+    args.quantizations = [None, args.quantization] if args.quantization else [None]
     args.batch = args.batch or (64 if big else 32)
     args.adapters = args.adapters or (32 if big else 8)
     args.context = args.context or (512 if big else 64)
@@ -415,6 +478,7 @@ def main() -> int:
         "context": args.context,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
         "threads": args.threads, "torch": torch.__version__, "tensor_parallel_size": args.tensor_parallel_size,
+        "quantization": args.quantization or "none",
     }
     for key, value in {**info, **results}.items():
         print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
