@@ -31,10 +31,12 @@ the context ends whatever their ids, so it is not scheduled again (``Sequence.en
 Policy: what must see a token on the host before the next step
 - guided decoding (the grammar's matcher advances on the host with each token), penalties (counts
   of the generated tokens, laid out on the host) and ``min_tokens`` reached by the token in flight
-  (the stop-token ban counts the outputs on the host): when the step in flight sampled such a
-  sequence (``host_bound``), the engine reads that step before it schedules the next, as without
-  async scheduling, so the next mask, penalty or ban sees every token. The whole step waits: a
-  batch with such a sequence in it overlaps nothing while that sequence decodes;
+  (the stop-token ban counts the outputs on the host): only their sampling reads that state. A
+  step that feeds such a sequence (``host_bound``) has its forward queued as any other's, but is
+  sampled once the step in flight is read and processed (``ModelRunner.forward``, then ``sample``):
+  the output processing still overlaps the forward, but the device idles (after that short
+  sampling) while the host schedules the next step and builds its inputs. A sequence that ended meanwhile samples without its grammar (its matcher
+  has ended too) and its token is dropped;
 - ``n`` / ``best_of``: siblings fork at schedule time in the step that completes the prompt and
   decode on their own: nothing waits; best_of's ranking reads the logprobs, copied with the tokens;
 - logprobs: copied with the tokens, without waiting;
@@ -61,7 +63,7 @@ from serving.engine.sequence import Sequence
 
 
 def host_bound(seq: Sequence) -> bool:
-    """``seq``'s next step must see its tokens on the host first (the policy above)."""
+    """``seq``'s next sampling must see its tokens on the host first (the policy above)."""
     params = seq.sampling_params
     # min_tokens bans stop tokens while the host's count of outputs is below it: a count short by
     # the tokens in flight is still below it, except when those very tokens reach it.

@@ -41,7 +41,7 @@ from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.lora.reader import AdapterError
 from serving.engine.lora.records import AdapterHandle, CachedAdapter, CopyDone
 from serving.engine.lora.request import LoRARequest
-from serving.engine.model_runner import ModelRunner, PendingStep, StepResult
+from serving.engine.model_runner import ModelRunner, PendingStep, StepLogits, StepResult
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams, seed_of
@@ -298,31 +298,37 @@ class LLMEngine:
         return outputs + self._process(result)
 
     def _step_overlapped(self) -> list[RequestOutput]:
-        """Schedule and launch the next step, then read the one in flight while it runs. The step
-        in flight is read first when a sequence it sampled must show its token on the host before
-        its next step (``host_bound``)."""
-        outputs: list[RequestOutput] = []
-        previous = self._inflight
-        if previous is not None and any(host_bound(seq) for seq in previous[0].sampled if not seq.is_finished):
-            outputs += self._read_inflight()
-            previous = None
+        """Schedule and launch the next step, then read the one in flight while it runs. A step
+        that samples a sequence whose sampling reads what its token in flight changes
+        (``host_bound``: a grammar, penalties) has its forward launched first, and its sampling once
+        the step in flight is read."""
+        previous, self._inflight = self._inflight, None
         plan = self.scheduler.schedule()
         launched = sum(num for _, num in plan.scheduled)
+        logits: StepLogits | None = None
+        step: PendingStep | None = None
         if plan.scheduled:
+            late = previous is not None and any(seq.num_pending and host_bound(seq) for seq, _ in plan.scheduled)
             self._prepare(plan)
             try:
                 self.runner.copy_blocks(self.block_manager.take_copies())
-                step = self.runner.launch(plan.scheduled, feed=previous[0].feed() if previous is not None else None)
+                logits = self.runner.forward(plan.scheduled, feed=previous[0].feed() if previous is not None else None)
+                step = None if late else self.runner.sample(logits)
+            except BaseException:
+                self.block_manager.step_done(written=False)
+                self._inflight = previous  # still to read
+                raise
+        self.last_step_tokens = launched or (previous[1] if previous is not None else 0)
+        outputs = self._process(previous[0].result()) if previous is not None else []
+        if logits is not None:
+            try:
+                if step is None:  # its sampling reads the tokens just processed
+                    step = self.runner.sample(logits)
             except BaseException:
                 self.block_manager.step_done(written=False)
                 raise
             self._launched(plan, step.sampled)
             self._inflight = (step, launched)
-        else:
-            self._inflight = None
-        self.last_step_tokens = launched or (previous[1] if previous is not None else 0)
-        if previous is not None:
-            outputs += self._process(previous[0].result())
         return outputs
 
     def _read_inflight(self) -> list[RequestOutput]:

@@ -9,9 +9,12 @@ attention backend any step of at most ``max_flat_tokens`` tokens, runs *flat*
 included, so on CUDA the whole forward replays a captured graph unless ``enforce_eager`` (and runs
 the same kernels eagerly otherwise). Longer steps run eagerly with each prompt chunk in SDPA.
 
-``launch`` queues a step and starts the copy of its samples to the host without waiting for
-either (``PendingStep``); ``execute`` is a launch read at once. Under async scheduling the engine
-launches the next step with the one in flight's samples as its ``feed`` (serving.engine.async_scheduling).
+A step is queued in two parts: ``forward`` (the logits of the rows that sample, ``StepLogits``)
+and ``sample`` (the tokens, whose copy to the host starts without waiting: ``PendingStep``);
+``launch`` queues both, ``execute`` is a launch read at once. Under async scheduling the engine
+queues the next step with the one in flight's samples as its ``feed``, and samples a step whose
+sampling reads host state (a grammar, penalties) only once the step before is read
+(serving.engine.async_scheduling).
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ class StepResult:
 
     sampled: list[Sequence]
     samples: SampleResult | None
+
+
+@dataclass
+class StepLogits:
+    """A queued forward: the sequences that sample in it (row order; siblings forked in this step
+    after the sequence they fork from, on its row) and the logits of those rows, on the device."""
+
+    sampled: list[Sequence]
+    logits: torch.Tensor | None
 
 
 @dataclass
@@ -250,13 +262,17 @@ class ModelRunner:
         None: ``runs_flat`` decides."""
         return self.launch(scheduled, flat=flat).result()
 
-    @torch.inference_mode()
     def launch(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
                feed: Feed | None = None) -> PendingStep:
-        """Queue one step (``flat`` as for ``execute``) and start copying its samples to the host,
-        waiting for neither (a step that records prompt logprobs reads them on the host). ``feed``:
-        the samples of the step in flight, which the tokens of ``scheduled`` still there are taken
-        from, on the device."""
+        """Queue one step, its forward and its sampling (``forward``, ``sample``)."""
+        return self.sample(self.forward(scheduled, flat=flat, feed=feed))
+
+    @torch.inference_mode()
+    def forward(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
+                feed: Feed | None = None) -> StepLogits:
+        """Queue one step's forward (``flat`` as for ``execute``) without waiting for it (a step
+        that records prompt logprobs reads them on the host). ``feed``: the samples of the step in
+        flight, which the tokens of ``scheduled`` still there are taken from, on the device."""
         if self.runs_flat(scheduled) if flat is None else flat:
             return self._execute_flat(flat_step(scheduled, self.block_size, feed))
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
@@ -314,8 +330,8 @@ class ModelRunner:
                 if _wants_prompt_logprobs(seq):
                     self._record_prompt_logprobs(seq, hidden[row : row + num])
         if not sampled:
-            return PendingStep([], None)
-        return self._sample(sampled, self.model.compute_logits(hidden[device_tensor(sample_rows, device)]))
+            return StepLogits([], None)
+        return self._logits_of(sampled, self.model.compute_logits(hidden[device_tensor(sample_rows, device)]))
 
     def _record_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Append to ``seq.prompt_logprobs`` the logprob (rank, and the most likely tokens) of each
@@ -341,11 +357,13 @@ class ModelRunner:
                 entry.setdefault(tid, Logprob(tlp, place))
             seq.prompt_logprobs.append(entry)
 
-    def _execute_flat(self, step: FlatStep) -> PendingStep:
+    def _execute_flat(self, step: FlatStep) -> StepLogits:
         if self.graphs is not None and not self.enforce_eager:
             size = self.graphs.size_for(step)
             if size is not None:
-                return self._sample(step.sampled, self.graphs.replay(step, size))
+                # The replay's logits stay in the graphs' buffer until the next replay, which is
+                # queued only once these are sampled.
+                return self._logits_of(step.sampled, self.graphs.replay(step, size))
         device = self.device
         inputs = to_device(host_tensor(step.rows), device)
         step.fed.apply(inputs[IDS])
@@ -362,18 +380,30 @@ class ModelRunner:
             logits = self._forward_sampled(inputs[IDS], inputs[POS], sample_rows)
         finally:
             reset_context()
-        return self._sample(step.sampled, logits)
+        return self._logits_of(step.sampled, logits)
 
-    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> PendingStep:
+    def _logits_of(self, sampled: list[Sequence], logits: torch.Tensor) -> StepLogits:
         if not sampled or not self.tp.is_driver:
-            return PendingStep([], None)
+            return StepLogits([], None)
         if any(s.forks for s in sampled):
             # Sequences forked from one whose prompt completes now draw from its logits row.
             rows = [i for i, s in enumerate(sampled) for _ in range(1 + len(s.forks))]
             logits = logits.index_select(0, device_tensor(rows, logits.device))
             sampled = [t for s in sampled for t in (s, *s.forks)]
-        samples = self.sampler.sample(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
-                                      [s.guide for s in sampled], sampled)
+        return StepLogits(sampled, logits)
+
+    @torch.inference_mode()
+    def sample(self, step: StepLogits) -> PendingStep:
+        """Queue the sampling of ``step``'s rows, reading each sequence's grammar, penalties and
+        ``min_tokens`` as the host has them now, and start copying the samples to the host. A
+        sequence that ended since its forward was queued samples without its grammar (whose
+        matcher may have ended too): its token is dropped."""
+        if step.logits is None:
+            return PendingStep([], None)
+        sampled = step.sampled
+        guides = [None if s.is_finished else s.guide for s in sampled]
+        samples = self.sampler.sample(step.logits, [s.sampling_params for s in sampled],
+                                      [s.generator for s in sampled], guides, sampled)
         samples.start_copy()
         return PendingStep(sampled, samples)
 

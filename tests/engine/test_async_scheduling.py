@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from serving.engine import LLM, AsyncEngine, EngineConfig, LoRARequest, RequestOutput, SamplingParams
-from serving.engine.async_scheduling import Feed
+from serving.engine.async_scheduling import Feed, host_bound
 from serving.engine.guided import GuidedDecodingParams
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.lora.integrity import SlotCorruptedError
-from serving.engine.model_runner import PendingStep, StepResult
+from serving.engine.model_runner import PendingStep, StepLogits, StepResult
 from serving.engine.outputs import Logprob
 from serving.engine.sequence import Sequence
 from serving.engine.server.cli import parse_args
@@ -67,21 +67,50 @@ def engines(tiny_llama_dir: Path) -> Iterator[Callable[[str], dict[bool, LLM]]]:
 
 
 class Launches:
-    """What each step the engine launches samples, and which sequences it feeds from the device."""
+    """What the engine queues: each step's forward (the sequences it feeds from the step in flight,
+    and those whose sampling reads host state besides), its sampling (rows per request), and the
+    order in which steps' forwards, samplings and reads come."""
 
     def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sampled: Counter[str] = Counter()  # sampled rows per request
         self.fed: list[Sequence] = []  # sequences whose input token came from the step in flight
-        launch = engine.runner.launch
+        self.host_bound: set[int] = set()  # steps that feed a sequence whose sampling reads host state
+        self.events: list[str] = []
+        numbers: dict[int, int] = {}
+        forward, sample = engine.runner.forward, engine.runner.sample
 
-        def spy(scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
-                feed: Feed | None = None) -> PendingStep:
-            self.fed += [seq for seq, _ in scheduled if seq.num_pending]
-            step = launch(scheduled, flat=flat, feed=feed)
+        def spy_forward(scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
+                        feed: Feed | None = None) -> StepLogits:
+            number = len(numbers) + 1
+            fed = [seq for seq, _ in scheduled if seq.num_pending]
+            self.fed += fed
+            if any(host_bound(seq) for seq in fed):
+                self.host_bound.add(number)
+            self.events.append(f"forward {number}")
+            logits = forward(scheduled, flat=flat, feed=feed)
+            numbers[id(logits)] = number
+            return logits
+
+        def spy_sample(logits: StepLogits) -> PendingStep:
+            number = numbers[id(logits)]
+            self.events.append(f"sample {number}")
+            step = sample(logits)
             self.sampled.update(seq.request_id for seq in step.sampled)
+            read = step.result
+
+            def result() -> StepResult:
+                self.events.append(f"read {number}")
+                return read()
+
+            monkeypatch.setattr(step, "result", result)
             return step
 
-        monkeypatch.setattr(engine.runner, "launch", spy)
+        monkeypatch.setattr(engine.runner, "forward", spy_forward)
+        monkeypatch.setattr(engine.runner, "sample", spy_sample)
+
+    def sampled_after_read(self, number: int) -> bool:
+        """Step ``number`` was sampled after the step before it was read."""
+        return self.events.index(f"sample {number}") > self.events.index(f"read {number - 1}")
 
 
 def _run(llm: LLM, prompts: list[Any], params: list[SamplingParams], loras: list[LoRARequest | None],
@@ -122,36 +151,21 @@ def _assert_same(ours: list[RequestOutput], want: list[RequestOutput]) -> None:
 def test_each_step_is_launched_before_the_one_before_is_read(
     async_scheduling: bool, engines: Callable[[str], dict[bool, LLM]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The host never waits for step N's tokens before it launches step N+1 (without async
-    scheduling it reads each step before the next)."""
+    """The host never waits for step N's tokens before it launches step N+1, forward and sampling
+    (without async scheduling it reads each step before the next)."""
     engine = engines("cpu")[async_scheduling].llm_engine
-    events: list[str] = []
-    launch = engine.runner.launch
-
-    def spy(scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
-            feed: Feed | None = None) -> PendingStep:
-        step = launch(scheduled, flat=flat, feed=feed)
-        number = sum(1 for e in events if e.startswith("launch")) + 1
-        events.append(f"launch {number}")
-        read = step.result
-
-        def result() -> StepResult:
-            events.append(f"read {number}")
-            return read()
-
-        monkeypatch.setattr(step, "result", result)
-        return step
-
-    monkeypatch.setattr(engine.runner, "launch", spy)
+    launches = Launches(engine, monkeypatch)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"order-{i}", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     # Four steps: the prompts' (each samples a first token), then three decodes.
     if async_scheduling:
-        assert events == ["launch 1", "launch 2", "read 1", "launch 3", "read 2", "launch 4", "read 3", "read 4"]
+        assert launches.events == ["forward 1", "sample 1", "forward 2", "sample 2", "read 1", "forward 3", "sample 3",
+                                   "read 2", "forward 4", "sample 4", "read 3", "read 4"]
     else:
-        assert events == ["launch 1", "read 1", "launch 2", "read 2", "launch 3", "read 3", "launch 4", "read 4"]
+        assert launches.events == ["forward 1", "sample 1", "read 1", "forward 2", "sample 2", "read 2", "forward 3",
+                                   "sample 3", "read 3", "forward 4", "sample 4", "read 4"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -234,10 +248,11 @@ def test_requests_that_need_their_tokens_on_the_host_are_read_first(
     device: str, engines: Callable[[str], dict[bool, LLM]], adapters: list[LoRARequest],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Grammars and penalties make the engine read the step in flight before it schedules the
-    next (the whole step waits: the batch mixes in free requests); min_tokens only where the
-    token in flight reaches it (run alone: a grammar or penalty beside it would read every step
-    first anyway); logprobs, seeded sampling and n / best_of forks overlap like greedy decoding."""
+    """A step that feeds a sequence with a grammar or penalties, or whose token in flight reaches
+    its min_tokens, is sampled only once the step in flight is read (its forward is queued before,
+    like any other's); every other step is sampled as soon as its forward is queued. Logprobs,
+    seeded sampling and n / best_of forks need nothing of the host. The outputs are those of an
+    engine without async scheduling throughout."""
     llms = engines(device)
     free = llms[False].generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
     guided = SamplingParams(temperature=0, max_tokens=40, guided_decoding=GuidedDecodingParams(regex="[a-z]{3,12}"))
@@ -269,12 +284,23 @@ def test_requests_that_need_their_tokens_on_the_host_are_read_first(
         want, _ = _run(llms[False], prompts, params, loras, monkeypatch)
         ours, launches = _run(llms[True], prompts, params, loras, monkeypatch)
         _assert_same(ours, want)
-        assert launches.fed, f"batch {number}: the requests free of host state overlap"
-        for seq in launches.fed:
-            assert seq.guide is None and not seq.sampling_params.has_penalties
+        assert launches.fed, f"batch {number}: decode rows are fed from the step in flight"
+        steps = sum(1 for event in launches.events if event.startswith("forward"))
+        for step in range(1, steps + 1):
+            if step in launches.host_bound:
+                assert launches.sampled_after_read(step), f"batch {number}: step {step} sampled too early"
+            else:
+                forward = launches.events.index(f"forward {step}")
+                assert launches.events[forward + 1] == f"sample {step}", f"batch {number}: step {step} waited"
         if number == 0:
             assert want[0].outputs[0].finish_reason == "stop" and want[0].outputs[0].text.isalpha()
+            fed = {seq.request_id for seq in launches.fed}
+            assert {ours[0].request_id, ours[1].request_id} <= fed, "grammar and penalty rows are fed too"
+            assert 0 < len(launches.host_bound) < steps, "steps after the grammar and penalties end overlap whole"
+        if number == 1:
+            assert 0 < len(launches.host_bound) < steps, "only the steps where min_tokens is reached wait"
         if number == 2:
+            assert not launches.host_bound
             assert any(seq.request_id == ours[-1].request_id and seq.index > 0 for seq in launches.fed), \
                 "forked siblings are fed"
 
