@@ -6,8 +6,8 @@ outputs: tokens, text, finish and stop reasons, logprobs. Beyond that it checks 
 scheduling changes inside: a sequence that ended (a stop token or string, an abort) while its next
 token was being computed had that token computed (one more sampled row than tokens emitted) and
 never emitted; one that ends by length (``max_tokens``, the context) is not scheduled past it; a
-sequence whose next step must see its tokens on the host (a grammar, penalties) is never fed a
-token from the device. Models run in fp32 on the CPU; the gpu-marked runs do the same on CUDA with
+step whose sampling must see tokens on the host (a grammar, penalties) is sampled only once the
+step before is read. Models run in fp32 on the CPU; the gpu-marked runs do the same on CUDA with
 graphs, where the feed and the sample copies are asynchronous for real.
 """
 
