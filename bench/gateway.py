@@ -14,10 +14,13 @@ tier whose limits never bind. Then:
    alone, `--cost-concurrency` at a time, and the web process's CPU time (user + system, from
    /proc) and Redis's commands (INFO commandstats) over them, per request; on the base model, and
    with `--adapters N` also cycling over N registered adapters of one tenant (tiny rank-8 ones,
-   bench/fleet_platform.py's), which adds the version's breaker and prewarm counts to the path.
+   bench/fleet_platform.py's), which adds the version's breaker and prewarm counts to the path;
+   with `--cost-tokens A B`, the base model's cost phase runs at A and at B tokens per reply, and
+   the difference gives the web process's CPU per relayed token and per request (the intercept).
 
     python bench/gateway.py [--rounds 30] [--concurrency 1 16 64] [--max-tokens 8]
         [--rates 25 50 100 200 400] [--cost-requests 300] [--cost-concurrency 4] [--adapters 8]
+        [--cost-tokens 8 64]
         [--profile out.prof]
         [--json out.json]
 
@@ -296,6 +299,23 @@ def ms(value: float) -> str:
     return f"{value * 1000:8.2f}"
 
 
+def per_token(p: Platform, args: argparse.Namespace) -> dict[str, float]:
+    """The base model's cost phase at `--cost-tokens` A and B tokens per reply: the web process's
+    CPU per relayed token (the slope) and per request (the intercept at 0 tokens)."""
+    from django.conf import settings
+
+    short, long = args.cost_tokens
+    cpu = {tokens: asyncio.run(cost(p, args.cost_requests, args.cost_concurrency, tokens, settings.REDIS_URL,
+                                    [("tiny-llama", p.key)]))["cpu_ms_per_request"] for tokens in (short, long)}
+    slope = (cpu[long] - cpu[short]) / (long - short)
+    figures = {"tokens": [short, long], "cpu_ms_per_request": [cpu[short], cpu[long]],
+               "cpu_ms_per_token": slope, "cpu_ms_per_request_at_0_tokens": cpu[short] - slope * short}
+    print(f"\nweb process CPU per request, base model, {short} / {long} tokens a reply: {cpu[short]:.2f} / "
+          f"{cpu[long]:.2f} ms; per relayed token {slope:.4f} ms, per request (0 tokens) "
+          f"{figures['cpu_ms_per_request_at_0_tokens']:.2f} ms")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
@@ -305,6 +325,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per rate, half of it each way")
     parser.add_argument("--cost-requests", type=int, default=300, help="0: no cost phase")
     parser.add_argument("--cost-concurrency", type=int, default=4)
+    parser.add_argument("--cost-tokens", type=int, nargs=2, default=None, metavar=("A", "B"),
+                        help="also measure the base model's cost at A and B tokens per reply: CPU per relayed token")
     parser.add_argument("--adapters", type=int, default=0,
                         help="also measure the cost over this many registered adapters (0: the base model only)")
     parser.add_argument("--profile", default=None)
@@ -374,6 +396,8 @@ def main() -> None:
                           f"gateway TTFT p50 / p99 {figures['ttft_p50_ms']:.1f} / {figures['ttft_p99_ms']:.1f} ms")
                     print(f"Redis commands per request: {figures['redis_commands_per_request']:.2f} "
                           f"({', '.join(f'{name} {value}' for name, value in figures['redis_commands'].items())})")
+            if args.cost_requests and args.cost_tokens:
+                report["per_token"] = per_token(p, args)
             report["load_average_end"] = os.getloadavg()
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=2))

@@ -31,9 +31,9 @@ requests count as failed). bench/many_adapters.py runs the whole matrix.
 
 Through the gateway (issue 22, item 4): `--through-gateway` runs each rate twice, straight to the
 launched worker and then the same requests (same seed) through `/v1/completions` on
-`--web-processes` web processes (default: production's, $WEB_CONCURRENCY or 1) as a tenant whose
-quotas never bind, and prints both side by side with the gateway's added TTFT p50 and its share of
-direct's output tok/s (bench/serve_gateway.py says how the platform is set up).
+`--web-processes` web processes (default: production's, $WEB_CONCURRENCY else docker-compose.yml's
+default, 4) as a tenant whose quotas never bind, and prints both side by side with the gateway's
+added TTFT p50 and its share of direct's output tok/s (bench/serve_gateway.py says how the platform is set up).
 
     python bench/serve.py --launch tiny --num-adapters 4 --num-prompts 40 --request-rate 4,8 --through-gateway
 """
@@ -377,7 +377,7 @@ def main() -> int:
     gateway_args.add_argument("--through-gateway", action="store_true",
                               help="each run also through /v1 on the web processes, as a tenant (needs --launch; primes)")
     gateway_args.add_argument("--web-processes", type=int, default=None,
-                              help="web processes (default: production's, $WEB_CONCURRENCY or 1)")
+                              help="web processes (default: production's: $WEB_CONCURRENCY, else docker-compose.yml's, 4)")
     p.add_argument("--py-spy-dir", type=Path, default=None,
                    help="sample the worker (--launch) and this load generator with py-spy during the last run")
     args = p.parse_args()

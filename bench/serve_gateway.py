@@ -14,9 +14,9 @@ so both paths run on the same adapters in the worker's slots.
 
 The web processes are bench/fleet_platform.py's (lora_platform.launcher.web_argv, the command
 line production runs), with no worker of their own; requests go to them in turn, as a load
-balancer would. W defaults to what production runs: docker-compose.yml and the Dockerfile start
-uvicorn without --workers, which then runs $WEB_CONCURRENCY processes, else 1
-(docs/benchmarks.md, "Gateway (`/v1` on the web process)").
+balancer would. W defaults to what production runs: docker-compose.yml's web service, uvicorn
+with $WEB_CONCURRENCY processes, 4 unless set there (docs/benchmarks.md, "Web processes on a GPU
+host"); $WEB_CONCURRENCY here overrides it as it does there.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,8 +43,15 @@ THROUGHPUT_TARGET = 0.95
 
 
 def production_web_processes() -> int:
-    """How many web processes production runs: uvicorn's --workers default, $WEB_CONCURRENCY or 1."""
-    return int(os.environ.get("WEB_CONCURRENCY") or 1)
+    """How many web processes production runs: $WEB_CONCURRENCY, else docker-compose.yml's default
+    for it (read as text: the GPU host has no YAML library to spare)."""
+    if os.environ.get("WEB_CONCURRENCY"):
+        return int(os.environ["WEB_CONCURRENCY"])
+    compose = (Path(__file__).resolve().parents[1] / "docker-compose.yml").read_text()
+    default = re.search(r"WEB_CONCURRENCY: \$\{WEB_CONCURRENCY:-(\d+)\}", compose)
+    if default is None:
+        raise SystemExit("docker-compose.yml's web service sets no WEB_CONCURRENCY default; pass --web-processes")
+    return int(default.group(1))
 
 
 @dataclass
