@@ -9,8 +9,10 @@ tokens is scored by the FP8 engine (``prompt_logprobs``), and a position agrees 
 reference's token is the FP8 model's most likely one. (Free-running greedy runs part ways at the
 first disagreement, after which their tokens answer different contexts and mean nothing.)
 
-On the CPU the FP8 layers run the emulation (the same quantized weights and activations in fp32);
-on CUDA (gpu mark) in bf16, natively on Hopper, with decode steps replayed from CUDA graphs.
+On the CPU the FP8 layers run the emulation (the same quantized weights and activations in fp32),
+also at tensor-parallel size 2 (each rank quantizing its shard); the native call (``_scaled_mm``
+with the Triton activation kernel) is checked against the emulation on the CPU too. On CUDA (gpu
+mark) in bf16, natively on Hopper, with decode steps replayed from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 from peft_reference import PeftReference, assert_greedy_match
 
+import kernels.fp8 as fp8_kernel
 from serving.engine import LLM, EngineConfig, LoRARequest, SamplingParams
 from serving.engine.context import StepContext, reset_context, set_context
 from serving.engine.layers.fp8_linear import native_fp8
@@ -43,10 +46,11 @@ NEW_TOKENS = 16
 # Top-1 agreement of FP8 with the unquantized engine over the fixed prompts, teacher-forced. Issue 22
 # asks 99 % of a real model; the tiny random model's next-token distributions are nearly flat
 # (median top-2 gap 0.034 nats), so e4m3's rounding flips near-ties: measured on the CPU 242 of 256
-# (94.5 %), every flip where the reference's gap was under 0.024 nats. (On the 8-layer "small" model:
-# 84.8 %, flips under 0.137 nats, median gap 0.098.) So the bound here is the measured rate, and
-# FP8 must keep every token the reference was decisive about:
-MIN_AGREEMENT = 0.93
+# (94.5 %), every flip where the reference's gap was under 0.024 nats; at TP 2, 239 of 256 (93.4 %),
+# flips under 0.020 nats. (On the 8-layer "small" model: 84.8 %, flips under 0.137 nats, median gap
+# 0.098.) So the bound here is the measured rate, and FP8 must keep every token the reference was
+# decisive about:
+MIN_AGREEMENT = 0.92
 MARGIN = 0.05  # nats between the reference's two most likely tokens
 # The largest change FP8 makes to a reference token's log-probability (measured 0.047 nats).
 MAX_LOGPROB_SHIFT = 0.1
@@ -114,20 +118,25 @@ def test_the_bias_is_added_after_the_fp8_product() -> None:
     torch.testing.assert_close(with_bias, _forward(layer, x) + bias)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_native_fp8_matches_the_emulation() -> None:
-    """On Hopper _scaled_mm and the emulation multiply the same quantized values: they differ only
-    in accumulation order and where bf16 rounds."""
-    if not native_fp8(torch.device("cuda")):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_native_path_matches_the_emulation(device: str) -> None:
+    """``_scaled_mm`` (with the Triton activation kernel) and the emulation multiply the same
+    quantized values: they differ only in accumulation order and where bf16 rounds. On the CPU the
+    native path runs too (torch's CPU ``_scaled_mm`` takes rowwise scales; the kernel interpreted),
+    which checks the call's layouts and scales where no Hopper is at hand."""
+    if device == "cuda" and not native_fp8(torch.device("cuda")):
         pytest.skip("needs a Hopper GPU (compute capability 9.x)")
-    layer = _layer("cuda", torch.bfloat16)
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(device="cuda", dtype=torch.bfloat16)
+    if device == "cpu" and not fp8_kernel.INTERPRETED:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
+    layer = _layer(device, torch.bfloat16)
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=torch.bfloat16)
     quantize_fp8([layer])
-    assert layer.fp8_native
-    native = _forward(layer, x)
+    assert layer.fp8_native == (device == "cuda")
     layer.fp8_native = False
     emulated = _forward(layer, x)
+    layer.fp8_native = True
+    native = _forward(layer, x)
+    assert native.dtype == torch.bfloat16
     assert _relative_error(native, emulated) <= 1e-2
 
 
@@ -235,9 +244,14 @@ def score(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None],
     return scored
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("device", "tp"), [
+    pytest.param("cpu", 1, id="cpu"),
+    # Each rank quantizes its shard: the row-parallel layers' scales span its input columns only.
+    pytest.param("cpu", 2, id="cpu-tp2"),
+    pytest.param("cuda", 1, marks=_CUDA, id="cuda"),
+])  # fmt: skip
 def test_fp8_greedy_tokens_agree_with_the_unquantized_engine(
-    device: str, tiny_llama_dir: Path, make_adapter: Callable[..., Path]
+    device: str, tp: int, tiny_llama_dir: Path, make_adapter: Callable[..., Path]
 ) -> None:
     adapters = {f"ad{i}": make_adapter(tiny_llama_dir, r=r, lora_alpha=alpha, target_modules=mods, seed=i, init_scale=0.5)
                 for i, (r, alpha, mods) in enumerate(ADAPTER_SPECS)}  # fmt: skip
@@ -260,12 +274,12 @@ def test_fp8_greedy_tokens_agree_with_the_unquantized_engine(
     assert all(s.rank == 1 for s, d in zip(ours, decisive) if d or device == "cpu")
     del plain
 
-    fp8 = LLM(str(tiny_llama_dir), quantization="fp8", **engine)  # type: ignore[arg-type]
+    fp8 = LLM(str(tiny_llama_dir), quantization="fp8", tensor_parallel_size=tp, **engine)  # type: ignore[arg-type]
     theirs = score(fp8, prompts, loras, reference)
     agreeing = sum(s.rank == 1 for s in theirs)
     rate = agreeing / len(theirs)
     shift = max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs))
-    print(f"\nFP8 top-1 agreement on {device}: {agreeing}/{len(theirs)} = {rate:.4f}; {sum(decisive)} positions "
+    print(f"\nFP8 top-1 agreement on {device}, TP {tp}: {agreeing}/{len(theirs)} = {rate:.4f}; {sum(decisive)} positions "
           f"decisive (gap >= {MARGIN}); largest log-prob shift {shift:.4f}")  # fmt: skip
     missed = [(i, round(a.gap, 4)) for i, (a, b, d) in enumerate(zip(ours, theirs, decisive)) if d and b.rank != 1]
     assert not missed, f"FP8 changed the top-1 token where the reference was decisive (position, gap): {missed}"
