@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import FP8_DTYPE, quantize_rows, quantize_rows_triton
+from kernels.fp8 import quantize_rows, quantize_rows_triton
 
 # torch._scaled_mm needs the product's inner and output widths to be multiples of this.
 WIDTH_MULTIPLE = 16
