@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from serving.engine.tiny import save_random_peft_adapter
-from tests.lora_platform.test_launcher import Launcher, unused_port
+from tests.lora_platform.test_launcher import Launcher, unused_port, with_demo_model
 
 TRAIN_TIMEOUT_S = 400
 EXAMPLES = [
@@ -25,7 +25,7 @@ EXAMPLES = [
 ]
 
 
-def wait(predicate, timeout: float, what: str, poll: float = 0.5):
+def wait(predicate, timeout: float, what: str, poll: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -37,7 +37,7 @@ def wait(predicate, timeout: float, what: str, poll: float = 0.5):
 
 @pytest.fixture
 def platform(tmp_path: Path):
-    launcher = Launcher(tmp_path / "var", unused_port())
+    launcher = Launcher(with_demo_model(tmp_path / "var"), unused_port())
     try:
         launcher.wait_for("Loraplex is up")
         launcher.wait_serving_healthy()
@@ -70,7 +70,7 @@ def test_dataset_to_training_to_canary_promote_rollback_through_v1(platform, tmp
 
     # 3. Deploy, 4. the first completion through the gateway, by the name training reported too.
     assert api.post("/adapters/journey-bot/versions/1.0.0/deploy", json={}).status_code == 200
-    time.sleep(1.0)  # the gateway's caches hold 0.5 s
+    time.sleep(0.6)  # past the gateway's caches (GATEWAY_CACHE_SECONDS, 0.5 s)
     served: list[str] = []
 
     def ask(model: str = "journey-bot") -> openai.types.chat.ChatCompletion:
@@ -94,7 +94,7 @@ def test_dataset_to_training_to_canary_promote_rollback_through_v1(platform, tmp
     created = api.post("/adapters/journey-bot/versions", files=files, data={"version": "1.1.0"})
     assert created.status_code == 201, created.text
     assert api.post("/adapters/journey-bot/canary", json={"version": "1.1.0", "weight": 0.5}).status_code == 200
-    time.sleep(1.0)
+    time.sleep(0.6)
     served.clear()
     for _ in range(24):
         ask()
@@ -102,13 +102,13 @@ def test_dataset_to_training_to_canary_promote_rollback_through_v1(platform, tmp
 
     # 6. Promote: everything on 1.1.0. 7. Rollback: everything back on 1.0.0.
     assert api.post("/adapters/journey-bot/canary/promote", json={}).status_code == 200
-    time.sleep(1.0)
+    time.sleep(0.6)
     served.clear()
     for _ in range(6):
         ask()
     assert set(served) == {"1.1.0"}
     assert api.post("/adapters/journey-bot/rollback", json={}).status_code == 200
-    time.sleep(1.0)
+    time.sleep(0.6)
     served.clear()
     for _ in range(6):
         ask()
