@@ -76,12 +76,16 @@ class Launches:
         self.fed: list[Sequence] = []  # sequences whose input token came from the step in flight
         self.host_bound: set[int] = set()  # steps that feed a sequence whose sampling reads host state
         self.events: list[str] = []
+        self.forwards = 0
+        # Each forward's number by its result's id (a step is sampled before the next forward,
+        # so an id reused once a result is gone names the newest).
         numbers: dict[int, int] = {}
         forward, sample = engine.runner.forward, engine.runner.sample
 
         def spy_forward(scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None,
                         feed: Feed | None = None) -> StepLogits:
-            number = len(numbers) + 1
+            self.forwards += 1
+            number = self.forwards
             fed = [seq for seq, _ in scheduled if seq.num_pending]
             self.fed += fed
             if any(host_bound(seq) for seq in fed):
@@ -285,7 +289,7 @@ def test_requests_that_need_their_tokens_on_the_host_are_read_first(
         ours, launches = _run(llms[True], prompts, params, loras, monkeypatch)
         _assert_same(ours, want)
         assert launches.fed, f"batch {number}: decode rows are fed from the step in flight"
-        steps = sum(1 for event in launches.events if event.startswith("forward"))
+        steps = launches.forwards
         for step in range(1, steps + 1):
             if step in launches.host_bound:
                 assert launches.sampled_after_read(step), f"batch {number}: step {step} sampled too early"
