@@ -81,8 +81,8 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (rows, heads, width, dim) in, (rows, width, heads, dim) out."""
     bounds = kwargs.get("cu_seq_lens_q")
-    covered = bounds is not None and not dropout and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
-    if not covered:
+    covered = not dropout and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
+    if bounds is None or not covered:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows, heads, width, dim = query.shape
