@@ -275,21 +275,26 @@ def test_fp8_greedy_tokens_agree_with_the_unquantized_engine(
     del plain
 
     fp8 = LLM(str(tiny_llama_dir), quantization="fp8", tensor_parallel_size=tp, **engine)  # type: ignore[arg-type]
-    theirs = score(fp8, prompts, loras, reference)
-    agreeing = sum(s.rank == 1 for s in theirs)
-    rate = agreeing / len(theirs)
-    shift = max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs))
-    print(f"\nFP8 top-1 agreement on {device}, TP {tp}: {agreeing}/{len(theirs)} = {rate:.4f}; {sum(decisive)} positions "
-          f"decisive (gap >= {MARGIN}); largest log-prob shift {shift:.4f}")  # fmt: skip
-    missed = [(i, round(a.gap, 4)) for i, (a, b, d) in enumerate(zip(ours, theirs, decisive)) if d and b.rank != 1]
-    assert not missed, f"FP8 changed the top-1 token where the reference was decisive (position, gap): {missed}"
-    assert rate >= MIN_AGREEMENT, f"top-1 agreement {agreeing}/{len(theirs)} = {rate:.4f} < {MIN_AGREEMENT}"
-    assert shift <= MAX_LOGPROB_SHIFT
-    # Free-running, on the decode path (CUDA graphs on CUDA): it runs, and its first token is the
-    # reference's wherever the reference was decisive about it.
-    generated = _greedy(fp8, prompts, loras)
-    assert all(len(tokens) == NEW_TOKENS for tokens in generated)
-    firsts = [tokens[0] == ref[0] for tokens, ref, d in zip(generated, reference, decisive[::NEW_TOKENS]) if d]
-    assert firsts and all(firsts)
-    graphs = fp8.llm_engine.runner.graphs
-    assert device == "cpu" or (graphs is not None and graphs.replays > 0), "decode steps must replay the graphs"
+    try:
+        theirs = score(fp8, prompts, loras, reference)
+        agreeing = sum(s.rank == 1 for s in theirs)
+        rate = agreeing / len(theirs)
+        shift = max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs))
+        print(f"\nFP8 top-1 agreement on {device}, TP {tp}: {agreeing}/{len(theirs)} = {rate:.4f}; "
+              f"{sum(decisive)} positions decisive (gap >= {MARGIN}); largest log-prob shift {shift:.4f}")  # fmt: skip
+        missed = [(i, round(a.gap, 4)) for i, (a, b, d) in enumerate(zip(ours, theirs, decisive)) if d and b.rank != 1]
+        assert not missed, f"FP8 changed the top-1 token where the reference was decisive (position, gap): {missed}"
+        assert rate >= MIN_AGREEMENT, f"top-1 agreement {agreeing}/{len(theirs)} = {rate:.4f} < {MIN_AGREEMENT}"
+        assert shift <= MAX_LOGPROB_SHIFT
+        # Free-running, on the decode path (CUDA graphs on CUDA): it runs, and its first token is the
+        # reference's wherever the reference was decisive about it.
+        generated = _greedy(fp8, prompts, loras)
+        assert all(len(tokens) == NEW_TOKENS for tokens in generated)
+        firsts = [tokens[0] == ref[0] for tokens, ref, d in zip(generated, reference, decisive[::NEW_TOKENS]) if d]
+        assert firsts and all(firsts)
+        graphs = fp8.llm_engine.runner.graphs
+        assert device == "cpu" or (graphs is not None and graphs.replays > 0), "decode steps must replay the graphs"
+    finally:
+        # A tensor-parallel engine holds this process's torch.distributed group until shut down: the
+        # next engine with ranks on this xdist worker (test_tensor_parallel) would be refused.
+        fp8.llm_engine.shutdown()
