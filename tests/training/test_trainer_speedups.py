@@ -111,8 +111,9 @@ def test_unpacked_rows_and_eager_models_keep_their_attention(base, examples, one
 
 
 def test_compiled_layers_train_the_eager_layers_adapter_and_are_undone(base, examples, tmp_path, one_thread):
-    hp = Hyperparameters(n_epochs=1, batch_size=6, learning_rate=1e-2, max_seq_length=128, r=4, lora_alpha=8,
-                         lora_dropout=0.0, packing=True)
+    # One step of every example: each new packed width is another compilation, seconds each on a CPU.
+    hp = Hyperparameters(n_epochs=1, batch_size=len(examples), learning_rate=1e-2, max_seq_length=128, r=4,
+                         lora_alpha=8, lora_dropout=0.0, packing=True)
 
     def run(compile_layers: bool) -> dict[str, torch.Tensor]:
         # aot_eager traces and replays the layers as the compiler does, without generating code (fast on a CPU).
