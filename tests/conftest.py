@@ -46,8 +46,11 @@ def _flush_postgresql_by_delete() -> None:
     the handful of rows a test leaves. The tables end as empty either way, and sequences carry on as
     they do after a TRUNCATE without RESTART IDENTITY (Django's flush asks for none); Django's
     foreign keys are DEFERRABLE INITIALLY DEFERRED, so they are checked once every table is empty,
-    at the flush's commit. Only the flush without RESTART IDENTITY or CASCADE is changed (pytest-django
-    asks for neither)."""
+    at the flush's commit. The tables are first locked as TRUNCATE locks them (ACCESS EXCLUSIVE):
+    processes a test started may still write (a web process's usage flusher), and without the lock
+    a row inserted between two of the deletes, referring to a row deleted after, failed the flush's
+    commit. Only the flush without RESTART IDENTITY or CASCADE is changed (pytest-django asks for
+    neither)."""
     try:
         from django.db.backends.postgresql.operations import DatabaseOperations
     except ImportError:  # no Django (the accelerator machine), or no psycopg: SQLite only
@@ -58,8 +61,9 @@ def _flush_postgresql_by_delete() -> None:
                   allow_cascade: bool = False) -> list[str]:
         if reset_sequences or allow_cascade or not tables:
             return truncate(self, style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade)
-        return ["SET CONSTRAINTS ALL DEFERRED;",
-                *(f"DELETE FROM {style.SQL_FIELD(self.quote_name(table))};" for table in tables)]
+        names = [style.SQL_FIELD(self.quote_name(table)) for table in tables]
+        return [f"LOCK TABLE {', '.join(names)} IN ACCESS EXCLUSIVE MODE;", "SET CONSTRAINTS ALL DEFERRED;",
+                *(f"DELETE FROM {name};" for name in names)]
 
     DatabaseOperations.sql_flush = sql_flush
 
