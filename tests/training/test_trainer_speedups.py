@@ -11,27 +11,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from training.compiled_layers import compile_wanted, compiled_layers, decoder_layers
-from training.examples import Example, encode_example
 from training.hyperparameters import Hyperparameters
 from training.packed_attention import PACKED_ATTENTION, use_packed_attention
 from training.packing import layout, target_logprobs
-from training.trainer import LoraTrainer, load_base
-from training_support import QA
+from training.trainer import LoraTrainer
 from test_trainer import Hooks, weights
-
-
-@pytest.fixture(scope="module")
-def base(base_model_dir):
-    return load_base(str(base_model_dir))
-
-
-@pytest.fixture(scope="module")
-def examples(base):
-    chats = [encode_example(Example(format="chat", messages=(
-        {"role": "user", "content": question, "weight": 1},
-        {"role": "assistant", "content": answer, "weight": 1})), base.tokenizer) for question, answer in QA]
-    texts = [encode_example(Example(format="text", text=answer * 3), base.tokenizer) for _, answer in QA[:4]]
-    return chats + texts
+# The tiny base and its chat and text examples, the options' tests' own (module-scoped fixtures).
+from test_trainer_options import base, examples  # noqa: F401
 
 
 def loss_and_gradients(base, rows) -> tuple[float, dict[str, torch.Tensor]]:
