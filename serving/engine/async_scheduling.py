@@ -43,9 +43,9 @@ Policy: what must see a token on the host before the next step
 - prefix caching: only prompt blocks are hashed, never a generated token: nothing waits;
 - a requeue of running sequences (``LLMEngine.verify_slots``) reads the step in flight first;
 - tensor parallelism: refused (``EngineConfig``); speculative decoding: the engine has none.
-Still correct but not overlapped, because the host waits for the device inside them: a step that
-records prompt logprobs (read on the host as the step computes them), and one with penalties (their
-tensors built with blocking copies, serving.engine.penalties).
+Still correct but not overlapped, because the host waits for the device inside it: a step that
+records prompt logprobs (read on the host as the step computes them). (Penalties' tensors reach the
+device through pinned memory too, ``device_tensor``, so their steps overlap like the others.)
 
 On CPU nothing runs beside the host, so async scheduling gains nothing there, but the same code
 path runs (and is tested) step for step.

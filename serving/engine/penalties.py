@@ -14,6 +14,10 @@ loop over the vocabulary. Rows that use none of them are not touched. In vLLM's 
    ``r`` if positive, multiplied by ``r`` if not;
 4. ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p``: ``logit -= f * count + p * (count > 0)``
    with ``count`` the token's occurrences in the output only.
+
+The host lists reach the device through pinned memory in stream order
+(``serving.engine.async_scheduling.device_tensor``): a plain ``torch.tensor(values, device=cuda)``
+waits for everything queued on the stream, which under async scheduling is the step in flight.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from serving.engine.async_scheduling import device_tensor, to_device
 from serving.engine.sampling_params import SamplingParams
 
 
@@ -69,8 +74,8 @@ def _ban_stops(logits: torch.Tensor, params: Sequence[SamplingParams], history: 
             rows.extend([i] * len(banned))
             tokens.extend(banned)
     if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+        index = (device_tensor(rows, logits.device), device_tensor(tokens, logits.device))
+        logits.index_put_(index, logits.new_full((), float("-inf")))
 
 
 def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -84,22 +89,22 @@ def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
             biases.extend(p.logit_bias.values())
     if rows:
         device = logits.device
-        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
-        logits.index_put_(index, torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+        index = (device_tensor(rows, device), device_tensor(tokens, device))
+        logits.index_put_(index, device_tensor(biases, device, logits.dtype), accumulate=True)
 
 
 def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], history: list[History]) -> None:
     device, vocab = logits.device, logits.shape[1]
     counts = _bincount([h.output_array() for h in history], vocab, device, logits.dtype)
-    index = torch.tensor(rows, device=device)
+    index = device_tensor(rows, device)
     selected = logits.index_select(0, index)
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
+    repetition = device_tensor([p.repetition_penalty for p in params], device, logits.dtype).unsqueeze(1)
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = (counts > 0) | (_bincount([h.prompt_array() for h in history], vocab, device, logits.dtype) > 0)
         penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
         selected = torch.where(seen, penalized, selected)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype).unsqueeze(1)
+    frequency = device_tensor([p.frequency_penalty for p in params], device, logits.dtype).unsqueeze(1)
+    presence = device_tensor([p.presence_penalty for p in params], device, logits.dtype).unsqueeze(1)
     selected = selected - frequency * counts - presence * (counts > 0).to(logits.dtype)
     logits.index_copy_(0, index, selected)
 
@@ -113,6 +118,6 @@ def _bincount(rows: list[np.ndarray], vocab: int, device: torch.device, dtype: t
         padded = np.full((len(rows), width), vocab, dtype=np.int64)
         for i, row in enumerate(rows):
             padded[i, : len(row)] = row
-        index = torch.from_numpy(padded).to(device)
+        index = to_device(torch.from_numpy(padded), device)
         counts.scatter_add_(1, index, torch.ones(index.shape, device=device, dtype=dtype))
     return counts[:, :vocab]
