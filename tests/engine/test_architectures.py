@@ -201,6 +201,13 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported(tiny_llama_
     assert {"qwen3", "phi3", "gemma2", "gemma3_text"} <= set(SUPPORTED_MODEL_TYPES)
 
 
+def test_an_unsupported_activation_is_refused_naming_the_supported(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    other = _edit_config(tiny_llama_dir, tmp_path / "relu2", hidden_act="relu2")
+    with pytest.raises(ValueError, match="unsupported MLP activation 'relu2': the engine runs gelu, gelu_pytorch_tanh, "
+                                         "silu, swish"):
+        LLM(str(other), max_loras=0, device="cpu")
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_dummy_weights_make_every_norm_the_identity(arch: str, tiny_model_factory: Callable[..., Path]) -> None:
     """load_format="dummy" (benchmarks on a shape without its weights): Gemma's norms scale by

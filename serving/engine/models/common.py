@@ -14,15 +14,16 @@ heads, its MLP columns, its vocabulary rows; checkpoint tensors are cut to it as
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypedDict, Unpack, cast
 
 import torch
 from torch import nn
+from torch.nn import functional
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 from serving.engine.distributed.parallel import TensorParallel
 from serving.engine.layers.attention import PagedAttention
@@ -130,6 +131,18 @@ class Attention(nn.Module):
         return out
 
 
+
+# The MLP activations of the supported families by their configs' names (transformers' ACT2FN
+# entries of the same names compute the same functions). Our own table: importing
+# transformers.activations pulls in its kernel hub and distributed-tensor modules, 1.5 s of CPU at
+# every worker start.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": functional.silu,
+    "swish": functional.silu,
+    "gelu": functional.gelu,
+    "gelu_pytorch_tanh": functools.partial(functional.gelu, approximate="tanh"),
+}
+
 class MLP(nn.Module):
     """``down(act(gate(x)) * up(x))``: SwiGLU for most families, GeGLU (tanh GELU) for Gemma."""
 
@@ -151,7 +164,9 @@ class MLP(nn.Module):
         self.down_proj = MultiLoRALinear(size, [("down_proj", config.hidden_size)], bias=bias, layer_idx=layer_idx,
                                          split=row, **lora)  # fmt: skip
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
-        self.act = ACT2FN[activation]
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {activation!r}: the engine runs {', '.join(sorted(ACTIVATIONS))}")
+        self.act = ACTIVATIONS[activation]
         self.fused_silu = activation == "silu"  # the fused kernel computes SiLU only
         self.size = size
 
