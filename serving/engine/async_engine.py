@@ -24,7 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
 from serving.engine.distributed.parallel import RankFailedError
-from serving.engine.llm_engine import LLMEngine, PromptType
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.prompts import PromptType
 from serving.engine.lora.cache import Placement
 from serving.engine.lora.request import LoRARequest
 from serving.engine.outputs import RequestOutput

@@ -10,7 +10,8 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
-from serving.engine.llm_engine import LLMEngine, PromptType
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.prompts import PromptType
 from serving.engine.lora.request import LoRARequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from serving.engine.async_scheduling import host_bound
 from serving.engine.block_manager import BlockManager
@@ -44,12 +44,11 @@ from serving.engine.lora.request import LoRARequest
 from serving.engine.model_runner import ModelRunner, PendingStep, StepLogits, StepResult
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.outputs import RequestOutput
+from serving.engine.prompts import PromptType, encode_prompt, eos_token_ids, validate_prompt
 from serving.engine.sampling_params import SamplingParams, seed_of
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.sequence import RequestState, Sequence, SequenceStatus
-from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair, TokenCounts, engine_stats
-
-PromptType = str | dict[str, Any]
+from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair, TokenCounts, engine_stats, lora_infos
 
 
 class LLMEngine:
@@ -63,7 +62,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens")
         self.max_model_len = config.max_model_len or context or 4096
         self.model_name = config.base_model_name or Path(config.model).resolve().name
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer, self.config.model)
         # Under tensor parallelism this process is rank 0, and its runner spawns and drives the others.
         runner_class = DriverRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.runner = runner_class(config, self.hf_config, self.max_model_len, self.eos_token_ids)
@@ -108,54 +107,16 @@ class LLMEngine:
         # Async scheduling: the step launched and not yet read, with its token count.
         self._inflight: tuple[PendingStep, int] | None = None
 
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        candidates: list[Any] = [getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
-        try:
-            candidates.append(GenerationConfig.from_pretrained(self.config.model).eos_token_id)
-        except OSError:
-            pass  # no generation_config.json: the config's and tokenizer's EOS are all there is
-        for value in candidates:
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(v for v in value if isinstance(v, int))
-        return frozenset(ids)
-
     # ---- requests -------------------------------------------------------------------------
 
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(prompt text or None, token ids)`` of a string or ``{"prompt_token_ids": [...]}``."""
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], list(self.tokenizer(prompt["prompt"]).input_ids)
-        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids' (or 'prompt'), got {type(prompt).__name__}")
+        return encode_prompt(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Reject a prompt the engine cannot serve, with the reason."""
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.hf_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(token_ids)} tokens; the context is {self.max_model_len}, "
-                "which leaves no room for a completion"
-            )
-        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if params.num_sequences > self.config.max_num_seqs:
-            raise ValueError(f"best_of/n of {params.num_sequences} sequences exceeds max_num_seqs "
-                             f"({self.config.max_num_seqs}), which all of a request's sequences must fit in")
+        validate_prompt(token_ids, params, vocab=self.hf_config.vocab_size, max_model_len=self.max_model_len,
+                        max_num_seqs=self.config.max_num_seqs)
 
     def add_request(
         self,
@@ -177,9 +138,7 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         adapter: AdapterHandle | None = None
         if lora_request is not None:
-            if self.lora_cache is None:
-                raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
-            adapter = self.lora_cache.resolve(lora_request)
+            adapter = self._loras().resolve(lora_request)
         seq = Sequence(
             request_id=request_id,
             prompt=text,
@@ -444,22 +403,23 @@ class LLMEngine:
 
     # ---- adapters -------------------------------------------------------------------------
 
+    def _loras(self) -> LoRACache:
+        if self.lora_cache is None:
+            raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
+        return self.lora_cache
+
     def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False, *,
                  background: bool = False) -> Future[CachedAdapter]:
         """Start loading an adapter under its name; the future resolves once it is in the CPU cache.
         ``background``: a prefetch's read, on the prefetch thread (``LoRACache.add``)."""
-        if self.lora_cache is None:
-            raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
-        return self.lora_cache.add(lora_request, load_inplace=load_inplace, background=background)
+        return self._loras().add(lora_request, load_inplace=load_inplace, background=background)
 
     def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool,
                       keep: Collection[str] = ()) -> Future[Placement]:
         """Bring an adapter into the CPU cache and, with ``to_gpu``, into a slot that is empty or
         idle and holds none of the names in ``keep``; the future says where it ended
         (``LoRACache.prefetch``)."""
-        if self.lora_cache is None:
-            raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
-        return self.lora_cache.prefetch(lora_request, to_gpu=to_gpu, keep=keep)
+        return self._loras().prefetch(lora_request, to_gpu=to_gpu, keep=keep)
 
     def verify_slots(self) -> list[SlotRepair]:
         """Check every occupied GPU slot against the checksum taken when it was written; stop what
@@ -517,38 +477,14 @@ class LLMEngine:
 
     def remove_lora(self, name: str) -> None:
         """Unload ``name``; its slot and CPU copy are freed once its in-flight requests finish."""
-        if self.lora_cache is None:
-            raise AdapterError("LoRA is disabled on this engine (max_loras=0)")
-        self.lora_cache.remove(name)
+        self._loras().remove(name)
 
     def list_loras(self, names: Collection[str] | None = None) -> list[LoRAInfo]:
         """The loaded adapters by name, or only ``names`` (those of them loaded, in their order):
         a caller about a few names (a prefetch call, a load's description) must not build an entry
         for every adapter on the engine thread, where its cost delays every request's next step
         (1,000 bound registry versions made each such call O(all) twice per prefetch phase)."""
-        if self.lora_cache is None:
-            return []
-        cache = self.lora_cache
-        if names is None:
-            pairs = sorted(cache.named().items())
-        else:
-            pairs = [(name, a) for name in names if (a := cache.get(name)) is not None]
-        return [
-            LoRAInfo(
-                name=name,
-                path=a.path,
-                digest=a.digest,
-                rank=a.rank,
-                lora_alpha=a.lora_alpha,
-                target_modules=a.target_modules,
-                gpu_slot=a.slot,
-                gpu_row=a.row,
-                in_cpu_cache=a.weights is not None,
-                active_requests=a.refs,
-                load_seconds=a.load_seconds,
-            )
-            for name, a in pairs
-        ]
+        return [] if self.lora_cache is None else lora_infos(self.lora_cache, names)
 
     def stats(self) -> EngineStats:
         return engine_stats(scheduler=self.scheduler, blocks=self.block_manager, runner=self.runner, config=self.config,

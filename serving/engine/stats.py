@@ -3,6 +3,7 @@ read from another thread)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,6 +109,30 @@ class EngineStats:
     gpu_slots: tuple[str | None, ...]
     cpu_cached: tuple[str, ...]
     adapters: tuple[LoRAInfo, ...]
+
+
+def lora_infos(cache: LoRACache, names: Collection[str] | None = None) -> list[LoRAInfo]:
+    """The loaded adapters by name, or only ``names`` (those of them loaded, in their order)."""
+    if names is None:
+        pairs = sorted(cache.named().items())
+    else:
+        pairs = [(name, a) for name in names if (a := cache.get(name)) is not None]
+    return [
+        LoRAInfo(
+            name=name,
+            path=a.path,
+            digest=a.digest,
+            rank=a.rank,
+            lora_alpha=a.lora_alpha,
+            target_modules=a.target_modules,
+            gpu_slot=a.slot,
+            gpu_row=a.row,
+            in_cpu_cache=a.weights is not None,
+            active_requests=a.refs,
+            load_seconds=a.load_seconds,
+        )
+        for name, a in pairs
+    ]
 
 
 def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRunner, config: EngineConfig,
