@@ -379,7 +379,8 @@ def main() -> int:
     gateway_args.add_argument("--web-processes", type=int, default=None,
                               help="web processes (default: production's: $WEB_CONCURRENCY, else docker-compose.yml's, 4)")
     p.add_argument("--py-spy-dir", type=Path, default=None,
-                   help="sample the worker (--launch) and this load generator with py-spy during the last run")
+                   help="sample the worker (--launch), this load generator and, through the gateway, the web "
+                   "processes with py-spy during the last run")
     args = p.parse_args()
     if args.py_spy_dir is not None and not args.launch:
         p.error("--py-spy-dir samples a launched worker: it needs --launch")
@@ -434,6 +435,8 @@ def main() -> int:
             args.request_rate = rate
             profiled = args.py_spy_dir is not None and i == len(runs) - 1
             spied = {"worker": worker.process if worker else None, "client": None}
+            if gateway and path == "gateway":
+                spied.update(gateway.processes)
             with sampled(args.py_spy_dir, spied, rate) if profiled else contextlib.nullcontext():
                 results, duration, window = asyncio.run(run_load(args, popularity, gateway, path))
             summary = {"popularity": popularity, "request_rate": rate, **summarize(results, duration), "worker": window}

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import os
 import re
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -62,6 +63,8 @@ class Gateway:
     key: str  # the tenant's API key
     # Per model a request names: the fields the gateway would write into the worker's request.
     upstream: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The web processes, by name (web-0 …): bench/serve.py's --py-spy-dir samples them too.
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -125,7 +128,8 @@ def started_gateway(args: argparse.Namespace, worker: Launched, work: Path) -> I
             wait_up(f"{url}/readyz", fleet.logs, timeout_s=60)
         print(f"{args.web_processes} web process(es) ready at {', '.join(fleet.web_urls())} (logs: {fleet.logs})",
               flush=True)
-        yield Gateway(urls=fleet.web_urls(), key=served[0].key, upstream=upstream)
+        yield Gateway(urls=fleet.web_urls(), key=served[0].key, upstream=upstream,
+                      processes={child.name: child.process for child in fleet.web_children})
     except BaseException:
         # The logs go with the temporary directory: their tails now, for a run that cannot be repeated at will.
         for log in sorted(fleet.logs.glob("*.log")):

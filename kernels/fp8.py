@@ -31,7 +31,10 @@ MIN_AMAX = 1e-12
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [M, K] float8_e4m3fn, scale [M, 1] float32)`` with ``q.float() * scale ≈ x``, row by row."""
     h = x.float()
-    scale = h.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    amax = h.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX)
+    # Divided by a tensor, not the Python float: on CUDA torch turns division by a CPU scalar into a
+    # multiplication by its reciprocal, which rounds differently from the kernel's IEEE division.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return (h / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

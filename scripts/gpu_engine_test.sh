@@ -12,7 +12,8 @@
 # writes a torch.profiler file per mode) change a stage's run; STAGE_TIMEOUT (seconds, per stage) keeps one hang from eating a
 # device call, and the adapters stage plans its cells to end a minute inside it (STAGE_TIMEOUT=580 gives
 # the matrix its ~8 minutes; it prints its estimate first). The serve stage samples
-# the worker and the load generator with py-spy (on PATH) during its last rate. Uses the
+# the worker and the load generator with py-spy (on PATH) during its last rate, and the gateway-curve stage the
+# web processes too (its last run goes through the gateway). Uses the
 # machine's python3 (torch, triton, peft, pytest there); the packages it lacks travel as wheels on
 # PYTHONPATH (docs/benchmarks.md lists them: boto3 … uvicorn for the engine, celery and its
 # dependencies for anything importing training, which imports Celery); the gateway-curve stage installs
@@ -34,7 +35,7 @@ for stage in "$@"; do
             tests/engine/test_trained_adapter_served.py tests/engine/lora/test_integrity.py \
             tests/engine/test_adapter_memory.py tests/engine/test_architectures.py tests/engine/test_n_completions.py \
             tests/engine/test_penalties.py tests/engine/test_prefix_caching.py tests/engine/lora/test_loader.py \
-            tests/engine/test_async_scheduling.py \
+            tests/engine/test_async_scheduling.py tests/engine/test_fp8.py tests/kernels/test_fp8_quant.py \
             2>&1 | tee "$out/gpu_tests.log" || status=1
         # No gpu mark here, but its dispatch test asks for the Triton backend on a CUDA device.
         timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
@@ -65,7 +66,7 @@ for stage in "$@"; do
         fi
         PYTHONPATH="/tmp/site-gw:$PYTHONPATH" timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 \
             --num-prompts 200 --request-rate "${SERVE_RATES:-16,32,64}" --random-input-len 256 --random-output-len 128 \
-            --max-num-seqs 256 --warmup 32 --through-gateway --worker-args="${WORKER_ARGS:-}" \
+            --max-num-seqs 256 --warmup 32 --through-gateway --worker-args="${WORKER_ARGS:-}" --py-spy-dir "$out" \
             --json "$out/gateway_curve8b.json" 2>&1 \
             | tee "$out/gateway_curve8b.log" || status=1 ;;
     structured)

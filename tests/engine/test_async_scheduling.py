@@ -433,5 +433,14 @@ def test_the_option_and_the_worker_flag(tiny_llama_dir: Path) -> None:
     assert EngineConfig(model=str(tiny_llama_dir)).async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling is not supported with tensor_parallel_size"):
         EngineConfig(model=str(tiny_llama_dir), device="cpu", async_scheduling=True, tensor_parallel_size=2)
-    assert engine_config(parse_args(["--model", str(tiny_llama_dir)])).async_scheduling is False
-    assert engine_config(parse_args(["--model", str(tiny_llama_dir), "--async-scheduling"])).async_scheduling is True
+    model = ["--model", str(tiny_llama_dir)]
+    assert engine_config(parse_args([*model, "--async-scheduling"])).async_scheduling is True
+    assert engine_config(parse_args([*model, "--device", "cuda:0" if torch.cuda.is_available() else "cpu",
+                                     "--no-async-scheduling"])).async_scheduling is False  # fmt: skip
+    # The worker's default: on for one CUDA device, off on CPU and for a sharded model.
+    assert engine_config(parse_args([*model, "--device", "cpu"])).async_scheduling is False
+    assert engine_config(parse_args([*model, "--device", "cpu", "-tp", "2"])).async_scheduling is False
+    cuda = torch.cuda.is_available()
+    assert engine_config(parse_args(model)).async_scheduling is cuda
+    if cuda:
+        assert engine_config(parse_args([*model, "--device", "cuda"])).async_scheduling is True

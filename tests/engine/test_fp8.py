@@ -49,8 +49,9 @@ NEW_TOKENS = 16
 # (94.5 %), every flip where the reference's gap was under 0.024 nats; at TP 2, 239 of 256 (93.4 %),
 # flips under 0.020 nats. (On the 8-layer "small" model: 84.8 %, flips under 0.137 nats, median gap
 # 0.098.) So the bound here is the measured rate, and FP8 must keep every token the reference was
-# decisive about:
-MIN_AGREEMENT = 0.92
+# decisive about. On CUDA both engines run in bf16, whose own rounding moves the near-ties further:
+# measured on the H200 (2026-12-02) 234 of 256 (91.4 %), no flip where the reference was decisive.
+MIN_AGREEMENT = {"cpu": 0.92, "cuda": 0.90}
 MARGIN = 0.05  # nats between the reference's two most likely tokens
 # The largest change FP8 makes to a reference token's log-probability (measured 0.047 nats).
 MAX_LOGPROB_SHIFT = 0.1
@@ -284,7 +285,8 @@ def test_fp8_greedy_tokens_agree_with_the_unquantized_engine(
               f"{sum(decisive)} positions decisive (gap >= {MARGIN}); largest log-prob shift {shift:.4f}")  # fmt: skip
         missed = [(i, round(a.gap, 4)) for i, (a, b, d) in enumerate(zip(ours, theirs, decisive)) if d and b.rank != 1]
         assert not missed, f"FP8 changed the top-1 token where the reference was decisive (position, gap): {missed}"
-        assert rate >= MIN_AGREEMENT, f"top-1 agreement {agreeing}/{len(theirs)} = {rate:.4f} < {MIN_AGREEMENT}"
+        bound = MIN_AGREEMENT[device]
+        assert rate >= bound, f"top-1 agreement {agreeing}/{len(theirs)} = {rate:.4f} < {bound}"
         assert shift <= MAX_LOGPROB_SHIFT
         # Free-running, on the decode path (CUDA graphs on CUDA): it runs, and its first token is the
         # reference's wherever the reference was decisive about it.

@@ -59,7 +59,10 @@ def quantize_weight(weight: torch.Tensor, name: str = "weight") -> tuple[torch.T
             f"fp8 quantization needs widths that are multiples of {WIDTH_MULTIPLE} (torch._scaled_mm's); {name} "
             f"is [{out_features}, {in_features}] on this rank: serve this model unquantized"
         )
-    q, scale = quantize_rows(weight)
+    # On CUDA the one-launch kernel (bit-equal to the torch chain): the chain's fp32 temporaries,
+    # freed between layers, leave the caching allocator's segments split under the FP8 weights, and
+    # half the memory quantization frees could not be handed back.
+    q, scale = quantize_rows_triton(weight) if weight.is_cuda else quantize_rows(weight)
     return q, scale.view(1, out_features).contiguous()
 
 

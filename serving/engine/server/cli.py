@@ -63,7 +63,7 @@ class ServerArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: on for one CUDA device (engine_config decides)
     quantization: str | None = None
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
@@ -208,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         "base) instead of prefilling them again (vLLM's flag; on by default, as vLLM V1)",
     )  # fmt: skip
     engine.add_argument(
-        "--async-scheduling", action="store_true",
-        help="schedule and launch each step while the one before still runs on the GPU (vLLM's flag; off by "
-        "default; not with --tensor-parallel-size > 1)",
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="schedule and launch each step while the one before still runs on the GPU (vLLM's flag; by "
+        "default on for one CUDA device, off on CPU and with --tensor-parallel-size > 1, which refuses it)",
     )  # fmt: skip
     engine.add_argument(
         "--quantization", choices=["fp8"], default=None,

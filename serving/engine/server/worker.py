@@ -7,6 +7,7 @@ what is left (their responses end properly, with `finish_reason: "abort"`), and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import time
@@ -39,7 +40,7 @@ class State(str, Enum):
 
 def engine_config(args: ServerArgs) -> EngineConfig:
     """The engine's settings from the command line; raises ValueError naming a bad value."""
-    return EngineConfig(
+    config = EngineConfig(
         model=args.model,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
@@ -60,9 +61,17 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=bool(args.async_scheduling),
         quantization=args.quantization,
     )
+    if args.async_scheduling is None:
+        # The worker's default: the overlap pays where a device runs the step while the host
+        # schedules the next (on the H200, TPOT 16.6 -> 9.4 ms at 32 req/s); on CPU the host is the
+        # device, and the ranks of a sharded model take the step's inputs from rank 0 in lockstep.
+        config = dataclasses.replace(
+            config, async_scheduling=config.torch_device.type == "cuda" and config.tensor_parallel_size == 1
+        )
+    return config
 
 
 class Worker:
