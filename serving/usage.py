@@ -19,13 +19,16 @@ from django.db.models.functions import TruncDay
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from serving.gateway.usage_log import UsageEvent, usage_pop, usage_requeue
+from serving.gateway.usage_log import UsageEvent, usage_flush_lock, usage_flush_unlock, usage_peek, usage_trim
 from serving.models import UsageRecord
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
 
 GROUP_BY = ("day", "adapter", "key")
+# How long a usage read waits for another process's flush to end before answering without the
+# records still queued (`complete: false`); a flush of 500 records takes milliseconds.
+READ_FLUSH_WAIT_S = 5.0
 
 # What an unreachable, restarting or frozen Redis raises (as serving.wire.redis_guard counts it).
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
@@ -75,29 +78,42 @@ def _record(event: UsageEvent) -> UsageRecord:
     )
 
 
-def usage_records_flush(*, batch: int | None = None) -> int:
+def usage_records_flush(*, batch: int | None = None, wait_s: float = 10.0) -> int | None:
     """Move every queued usage record into the database, `batch` rows per insert; how many.
 
-    A batch the database refuses goes back on the queue for the next flush. Records of a tenant
-    deleted meanwhile are dropped, and a record already written (same record id) is not repeated.
+    Waits up to `wait_s` for a flush of another process to end (serving.gateway.usage_log: one
+    flusher at a time, records trimmed off the queue only once written), then flushes; returns None
+    without flushing when that flush is still going on. A batch the database refuses stays queued
+    for the next flush. Records of a tenant deleted meanwhile are dropped, and a record already
+    written (same record id) is not repeated.
     """
     size = batch or settings.GATEWAY.usage_batch
+    client = _redis()
+    token = usage_flush_lock(client, wait_s=wait_s)
+    if token is None:
+        return None
     written = 0
-    while True:
-        events = usage_pop(_redis(), size)
-        if not events:
-            return written
-        tenants = set(Tenant.objects.filter(id__in={event.tenant_id for event in events}).values_list("id", flat=True))
-        records = [_record(event) for event in events if event.tenant_id in tenants]
-        try:
-            UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
-        except DatabaseError:
-            usage_requeue(_redis(), events)
-            log.exception("could not write %d usage records; they stay queued", len(records))
-            return written
-        written += len(records)
-        if len(events) < size:
-            return written
+    try:
+        while True:
+            events, taken = usage_peek(client, size)
+            if not taken:
+                return written
+            tenants = set(Tenant.objects.filter(id__in={event.tenant_id for event in events})
+                          .values_list("id", flat=True))  # fmt: skip
+            records = [_record(event) for event in events if event.tenant_id in tenants]
+            try:
+                UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
+            except DatabaseError:
+                log.exception("could not write %d usage records; they stay queued", len(records))
+                return written
+            written += len(records)
+            if not usage_trim(client, token, taken):
+                log.warning("the usage flush lock expired during a write; the process holding it now carries on")
+                return written
+            if taken < size:
+                return written
+    finally:
+        usage_flush_unlock(client, token)
 
 
 def usage_records_flush_for_read() -> bool:
@@ -109,7 +125,10 @@ def usage_records_flush_for_read() -> bool:
     if time.monotonic() < queue.away_until:
         return False
     try:
-        usage_records_flush()
+        if usage_records_flush(wait_s=READ_FLUSH_WAIT_S) is None:
+            log.warning("another process's usage flush held the lock for %.0f s: usage is answered without "
+                        "the records still queued", READ_FLUSH_WAIT_S)
+            return False
     except _OUTAGE as exc:
         queue.away_until = time.monotonic() + settings.GATEWAY_REDIS.retry_interval_s
         log.warning("Redis unreachable (%s: %s): usage is answered from the database without the records "
@@ -124,7 +143,8 @@ async def _flush_forever() -> None:
         try:
             # Not thread-sensitive: this task outlives the request that started it, and that request's
             # thread-sensitive executor is gone once it ends ("CurrentThreadExecutor already quit").
-            await sync_to_async(usage_records_flush, thread_sensitive=False)()
+            # wait_s=0: while another process flushes, this one has nothing to add.
+            await sync_to_async(usage_records_flush, thread_sensitive=False)(wait_s=0.0)
         except Exception:
             log.exception("usage flush failed; retrying")
 

@@ -34,7 +34,7 @@ from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.ports import Catalog
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
 from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
-from serving.gateway.key_budget import KeyBudgets, budget_exceeded, spend_add
+from serving.gateway.key_budget import KeyBudgets, budget_exceeded
 from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
 from serving.gateway.redis_batch import run_batch
@@ -45,7 +45,8 @@ from serving.gateway.request_fields import (
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry, route
 from serving.gateway.upstream import upstream_body
-from serving.gateway.usage_log import UsageEvent, usage_push
+from serving.gateway.usage_backlog import keep_usage, usage_pushes
+from serving.gateway.usage_log import UsageEvent
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.wire.access_log import access_note
 from serving.wire.registry import api_key_id
@@ -299,21 +300,17 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
     events = [*res.resilience.usage_backlog_take(), event]
     refunds = [res.buckets.shared.refund_call(bucket, refund) for bucket in tokens_buckets]
     counts = res.resilience.outcome_calls(call, result)
-
-    def usage(pipe: aioredis.client.Pipeline) -> None:
-        for item in events:
-            usage_push(pipe, item)
-            spend_add(pipe, item.api_key_prefix, item.prompt_tokens + item.completion_tokens, item.created_at)
-
     try:
         replies = await res.resilience.guard.call("usage record", lambda: run_batch(
-            res.redis, [*refunds, *counts], usage))
+            res.redis, [*refunds, *counts], usage_pushes(events)))
         if replies is None:
             for bucket in tokens_buckets:
                 res.buckets.local.refund(bucket, refund)
-            res.resilience.usage_backlog_keep(events)
+            keep_usage(events, res.resilience, res.redis)
         await res.resilience.outcome_recorded(call, result, replies[len(refunds):] if replies is not None else None)
     except (aioredis.RedisError, OSError):
+        # Kept all the same: a record pushed twice is written once (its record id).
+        keep_usage(events, res.resilience, res.redis)
         log.exception("could not record usage / refund tokens of %s", call.request_id)
 
 

@@ -131,8 +131,10 @@ class Resilience:
     # Canaries whose abort this process started, and when (one attempt per JUDGE_INTERVAL_S).
     aborting: dict[str, float] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
-    # Usage records made while Redis was away, pushed with the first record once it is back.
+    # Usage records made while Redis was away, pushed with the first record once it is back, or by
+    # the backlog's own pusher when no request comes (serving.gateway.pipeline).
     usage_backlog: list[UsageEvent] = field(default_factory=list)
+    backlog_pusher: asyncio.Task | None = None
 
     @classmethod
     def build(cls, redis: aioredis.Redis, *, redis_guard: RedisGuardConfig, breakers: BreakerConfig,

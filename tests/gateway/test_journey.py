@@ -114,8 +114,15 @@ def test_dataset_to_training_to_canary_promote_rollback_through_v1(platform, tmp
         ask()
     assert set(served) == {"1.0.0"}
 
-    # 8. The usage API counts every one of those requests.
-    usage = api.get("/usage", params={"group_by": "adapter"}).json()
+    # 8. The usage API counts every one of those requests. A reply's record is queued once its last
+    # byte is sent, so the last replies' records may land a moment after the client has them (on a
+    # loaded machine a slow Redis round trip keeps them in the process until it is back, then the
+    # backlog's pusher sends them): read until they are counted.
+    def counted() -> dict | None:
+        usage = api.get("/usage", params={"group_by": "adapter"}).json()
+        return usage if usage["complete"] and usage["totals"]["requests"] >= 38 else None
+
+    usage = wait(counted, 30, "the usage records")
     rows = {row["adapter"]: row for row in usage["data"]}
     assert rows["journey-bot"]["requests"] == 2 + 24 + 6 + 6
     assert usage["totals"]["requests"] == 38

