@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,14 @@ from pathlib import Path
 
 import httpx
 
+# Run as a script, this file's folder heads sys.path; the repository root must be there instead.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)
+
+from bench.gateway import free_port, wait_up  # noqa: E402
+
 # /proc's CPU times are in clock ticks.
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:
@@ -85,20 +84,6 @@ def measure(url: str, pid: int, requests: int, concurrency: int, tokens: int) ->
             "process_ms_per_request": all_ms, "wall_s": wall}  # fmt: skip
 
 
-def wait_ready(url: str, worker: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if worker.poll() is not None:
-            raise SystemExit(f"the worker exited with {worker.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the worker was not ready in 300 s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
@@ -115,13 +100,15 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         # One torch thread: the engine's compute stays on its own core, off the loop's.
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port", str(port),
-             "--served-model-name", "base", "--device", "cpu", "--max-num-seqs", str(max(args.concurrency, 8)),
-             "--uvicorn-log-level", "warning"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        log = Path(work) / "worker.log"
+        with log.open("wb") as output:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port", str(port),
+                 "--served-model-name", "base", "--device", "cpu", "--max-num-seqs", str(max(args.concurrency, 8)),
+                 "--uvicorn-log-level", "warning"],
+                cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
         try:
-            wait_ready(url, worker)
+            wait_up(f"{url}/health", log)
             measure(url, worker.pid, max(args.concurrency * 2, 20), args.concurrency, long)  # warm-up
             slopes, intercepts = [], []
             print(f"{platform.node()}, {platform.processor() or platform.machine()}, Python {platform.python_version()}; "
