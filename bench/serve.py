@@ -67,6 +67,8 @@ from bench.serve_gateway import (Gateway, compare, gateway_platform, print_compa
                                  production_web_processes, started_gateway, worker_flags)
 from bench.serve_launch import launched_worker  # noqa: E402
 from bench.serve_report import print_runs, print_summary  # noqa: E402
+from bench.serve_load_processes import LoadProcesses  # noqa: E402
+from bench.serve_request import Result, one_request  # noqa: E402
 from bench.serve_profile import sampled  # noqa: E402
 from bench.worker_metrics import scrape_metrics, total, window_metrics  # noqa: E402
 
@@ -75,71 +77,6 @@ _FIRST_PLAIN_ID = 16
 POPULARITIES = ("uniform", "zipf")
 # How long a run waits for the worker to finish the previous run's requests before its window.
 _SETTLE_TIMEOUT_S = 60.0
-
-
-@dataclass
-class Result:
-    ok: bool
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
-                      run_start: float | None = None, *, url: str = "/v1/completions",
-                      fields: dict[str, Any] | None = None) -> Result:
-    """One streamed completion to ``url``; ``fields`` replace or add to the body's (the gateway's
-    upstream fields, for a worker called straight in --through-gateway)."""
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, **(fields or {}),
-    }
-    start = time.perf_counter()
-    last = None
-    result = Result(ok=False, prompt_tokens=len(prompt))
-    # For a failure's message: when the request was written and how far its response got.
-    chunks, sent = -1, None
-
-    async def trace(event: str, info: dict) -> None:
-        nonlocal sent
-        if event == "http11.send_request_body.complete":
-            sent = time.perf_counter() - start
-
-    try:
-        async with client.stream("POST", url, json=body, extensions={"trace": trace}) as response:
-            chunks = 0
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                chunks += 1
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"] and chunk["choices"][0].get("token_ids"):
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-    except httpx.HTTPError as exc:
-        got = "before the response's headers" if chunks < 0 else f"after {chunks} events"
-        began = "" if run_start is None else f", begun {start - run_start:.1f}s into the run"
-        wrote = "unsent" if sent is None else f"sent at {sent:.1f}s"
-        result.error = f"{exc!r} {got}, {time.perf_counter() - start:.1f}s in ({wrote}){began}"
-        return result
-    result.e2e = time.perf_counter() - start
-    result.ok = last is not None
-    return result
 
 
 def adapter_picker(adapters: list[str], popularity: str, alpha: float) -> Callable[[random.Random], str]:
@@ -169,11 +106,12 @@ def _requests(args: argparse.Namespace, rng: random.Random, count: int, input_le
 
 
 async def run_load(args: argparse.Namespace, popularity: str = "uniform", gateway: Gateway | None = None,
-                   path: str = "direct") -> tuple[list[Result], float, dict[str, Any]]:
+                   path: str = "direct", loaders: LoadProcesses | None = None) -> tuple[list[Result], float, dict[str, Any]]:
     """One run: its warm-up, then the measured window, sent along ``path``: straight to the worker,
-    or through ``gateway``'s web processes in turn. Returns the window's results, its duration
-    and what the worker's /metrics say about it (``window_metrics``: ``metrics`` false where it
-    could not be read), with how many requests the time limit cut or left unsent."""
+    or through ``gateway``'s web processes in turn, from this process or from ``loaders``. Returns
+    the window's results, its duration and what the worker's /metrics say about it
+    (``window_metrics``: ``metrics`` false where it could not be read), with how many requests the
+    time limit cut or left unsent."""
     pick = adapter_picker(args.adapters, popularity, args.zipf_alpha) if args.adapters else None
     rng = random.Random(args.seed)  # the requests, then the gaps between their arrivals
     requests = _requests(args, rng, args.num_prompts, args.random_input_len, args.random_output_len, pick)
@@ -204,6 +142,18 @@ async def run_load(args: argparse.Namespace, popularity: str = "uniform", gatewa
         await asyncio.gather(*(send(i, m, p, n) for i, (m, p, n) in enumerate(warmup)))
         settled = await _settle(worker)
         before = await scrape_metrics(worker)
+        if loaders is not None:
+            # The arrival times the single loop below would draw, from the same seeded stream.
+            offsets = list(itertools.accumulate((rng.expovariate(args.request_rate) for _ in requests[1:]), initial=0.0)) \
+                if args.request_rate != float("inf") else [0.0] * len(requests)
+            sent, duration, _ = await loaders.run(
+                requests, offsets, base_url=None if via else args.base_url, headers=tenant if via else _auth(args),
+                urls=urls, fields=fields, time_limit=args.run_time_limit)
+            after = await scrape_metrics(worker)
+            unsent = Result(ok=False, error=f"cut or not sent at the run's time limit ({args.run_time_limit}s)")
+            window = window_metrics(before, after, duration)
+            window.update(settled_before=settled, cut=sum(r is None for r in sent), load_processes=loaders.processes)
+            return [r if r is not None else unsent for r in sent], duration, window
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
 
         async def limited(index: int, model: str, prompt: list[int], output_len: int) -> Result:
@@ -344,6 +294,9 @@ def main() -> int:
         help="Poisson arrivals per second; a comma-separated list runs each rate in turn on the same worker (a curve)",
     )  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--load-processes", type=int, default=1,
+                   help="send each run's measured requests from this many processes (one event loop reads "
+                   "~10,000 chunks/s; bench/serve_load_processes.py)")
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.25)
@@ -388,6 +341,10 @@ def main() -> int:
     popularities = _comma_list(args.popularity, _popularity, f"--popularity takes {' or '.join(POPULARITIES)}", p)
     if args.zipf_alpha <= 0:
         p.error(f"--zipf-alpha must be > 0, got {args.zipf_alpha}")
+    if args.load_processes < 1:
+        p.error(f"--load-processes must be >= 1, got {args.load_processes}")
+    if args.load_processes > 1 and args.max_concurrency:
+        p.error("--max-concurrency caps one event loop's requests in flight: it cannot be split over --load-processes")
     if args.run_time_limit is not None and args.run_time_limit <= 0:
         p.error(f"--run-time-limit must be > 0 seconds, got {args.run_time_limit}")
     if args.num_adapters < 0 or (args.max_loras or 0) < 0:
@@ -422,6 +379,10 @@ def main() -> int:
             if args.launch else None
         gateway = stack.enter_context(started_gateway(args, worker, var_dir)) if worker and var_dir else None
         launch_info = worker.info if worker else {}
+        loaders = None
+        if args.load_processes > 1:
+            loaders = LoadProcesses(args.load_processes)
+            stack.callback(loaders.close)
         if args.prime and args.adapters:
             upstream = gateway.upstream if gateway else {}
             launch_info["prime_s"], launch_info["prime_failed"] = asyncio.run(prime(args, upstream))
@@ -438,7 +399,7 @@ def main() -> int:
             if gateway and path == "gateway":
                 spied.update(gateway.processes)
             with sampled(args.py_spy_dir, spied, rate) if profiled else contextlib.nullcontext():
-                results, duration, window = asyncio.run(run_load(args, popularity, gateway, path))
+                results, duration, window = asyncio.run(run_load(args, popularity, gateway, path, loaders))
             summary = {"popularity": popularity, "request_rate": rate, **summarize(results, duration), "worker": window}
             print(f"{popularity} popularity, request rate {rate} req/s" + (f", {path}" if gateway else ""))
             print_summary(summary, args)

@@ -5,7 +5,8 @@
 # matrix: adapter count x popularity x GPU adapter budget x rate), bench/structured_output.py (issue 24's
 # structured-output TPOT and step tail; needs the xgrammar and apache-tvm-ffi wheels), bench/trainer.py on
 # the Llama-3-8B shape and bench/trainer_70b.py (the 70B shape cut to TRAINER70B_LAYERS layer counts, against its memory
-# model). Logs and JSON go to $OUT (default out/). SERVE_RATES, TRAINER_STEPS, ENGINE_ARGS (extra
+# model). Logs and JSON go to $OUT (default out/). SERVE_RATES, SERVE_PROMPTS (requests a rate, default 200), SERVE_ARGS (more
+# bench/serve.py flags for the serve and gateway-curve stages, e.g. --load-processes 4), PY_SPY (0: no py-spy), TRAINER_STEPS, ENGINE_ARGS (extra
 # bench/engine.py flags, e.g. --compare-peft), TRAINER_ARGS (extra bench/trainer.py flags, e.g. --compare) and ADAPTERS_ARGS (extra bench/many_adapters.py flags, e.g.
 # --counts 1024), WORKER_ARGS (more flags for the serve and gateway-curve stages' worker, e.g.
 # --async-scheduling) and SERVE_TAG (a suffix for the serve stage's file names), SWEEP_MODES (decode-table's --modes, default graph) and SWEEP_PROFILE (set: decode-table
@@ -25,6 +26,9 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
 status=0
 limit="${STAGE_TIMEOUT:-480}"
+# PY_SPY=0 runs the serve and gateway-curve stages without sampling their last rate (py-spy slows it).
+py_spy=(--py-spy-dir "$out")
+[ "${PY_SPY:-1}" = 0 ] && py_spy=()
 for stage in "$@"; do
     case "$stage" in
     tests)
@@ -44,9 +48,9 @@ for stage in "$@"; do
         timeout "$limit" python3 bench/engine.py --shape llama3-8b --modes graph,eager ${ENGINE_ARGS:-} --json "$out/bench8b.json" \
             --profile-dir "$out" 2>&1 | tee "$out/bench8b.log" || status=1 ;;
     serve)
-        timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts 200 \
+        timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 --num-prompts "${SERVE_PROMPTS:-200}" \
             --request-rate "${SERVE_RATES:-8,16,32,64,96,128}" --random-input-len 256 --random-output-len 128 \
-            --max-num-seqs 256 --warmup 32 --py-spy-dir "$out" --worker-args="${WORKER_ARGS:-}" \
+            --max-num-seqs 256 --warmup 32 ${py_spy[@]+"${py_spy[@]}"} --worker-args="${WORKER_ARGS:-}" ${SERVE_ARGS:-} \
             --json "$out/serve8b${SERVE_TAG:-}.json" 2>&1 | tee "$out/serve8b${SERVE_TAG:-}.log" || status=1 ;;
     decode-table)
         timeout "$limit" python3 bench/engine.py --shape llama3-8b --adapter-sweep 32,64,128,256 --modes "${SWEEP_MODES:-graph}" \
@@ -65,8 +69,8 @@ for stage in "$@"; do
                 || { echo "gateway-curve: .whl-gw would not install"; status=1; continue; }
         fi
         PYTHONPATH="/tmp/site-gw:$PYTHONPATH" timeout "$limit" python3 bench/serve.py --launch llama3-8b --num-adapters 32 \
-            --num-prompts 200 --request-rate "${SERVE_RATES:-16,32,64}" --random-input-len 256 --random-output-len 128 \
-            --max-num-seqs 256 --warmup 32 --through-gateway --worker-args="${WORKER_ARGS:-}" --py-spy-dir "$out" \
+            --num-prompts "${SERVE_PROMPTS:-200}" --request-rate "${SERVE_RATES:-16,32,64}" --random-input-len 256 --random-output-len 128 \
+            --max-num-seqs 256 --warmup 32 --through-gateway --worker-args="${WORKER_ARGS:-}" ${py_spy[@]+"${py_spy[@]}"} ${SERVE_ARGS:-} \
             --json "$out/gateway_curve8b.json" 2>&1 \
             | tee "$out/gateway_curve8b.log" || status=1 ;;
     structured)
