@@ -36,6 +36,11 @@ default, 4) as a tenant whose quotas never bind, and prints both side by side wi
 added TTFT p50 and its share of direct's output tok/s (bench/serve_gateway.py says how the platform is set up).
 
     python bench/serve.py --launch tiny --num-adapters 4 --num-prompts 40 --request-rate 4,8 --through-gateway
+
+Past ~80 req/s one event loop reading every chunk is itself the bottleneck: `--load-processes K`
+sends each run's measured requests from K spawned processes at the same Poisson times
+(bench/serve_load_processes.py). A rate's figures hold only once its queue has had time to build:
+200 requests at 128 req/s last 3 s, so sustained curves use 1,000 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
