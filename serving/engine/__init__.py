@@ -35,6 +35,10 @@ The asyncio engine (for the HTTP server; one engine thread, any number of caller
     engine.tokenizer, engine.model_name, engine.max_model_len, engine.is_running
     engine.shutdown()
 
+``ProcessEngine(EngineConfig(...), on_dead=...)`` has the same face (``EngineClient``) with the
+engine core in a spawned child process, so its steps never contend with the caller's event loop
+for the interpreter lock (serving.engine.process_engine; the worker's ``--engine-process``).
+
 Lower priority values are served first (vLLM's convention). Adapters are keyed by content digest;
 a name only points at one. Adapter problems raise ``AdapterError`` with a message naming them; a
 request stopped because its GPU slot failed its checksum raises ``SlotCorruptedError``.
@@ -43,7 +47,8 @@ request stopped because its GPU slot failed its checksum raises ``SlotCorruptedE
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names _LAZY imports, for the type checker
-    from serving.engine.async_engine import AsyncEngine, EngineDeadError
+    from serving.engine.async_engine import AsyncEngine
+    from serving.engine.engine_client import EngineClient, EngineDeadError
     from serving.engine.config import EngineConfig
     from serving.engine.llm import LLM
     from serving.engine.llm_engine import LLMEngine
@@ -52,6 +57,7 @@ if TYPE_CHECKING:  # the names _LAZY imports, for the type checker
     from serving.engine.lora.reader import AdapterError
     from serving.engine.lora.request import LoRARequest
     from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from serving.engine.process_engine import ProcessEngine
     from serving.engine.sampling_params import SamplingParams
     from serving.engine.stats import EngineStats, LoRAInfo
 
@@ -60,7 +66,8 @@ if TYPE_CHECKING:  # the names _LAZY imports, for the type checker
 _LAZY = {
     "AdapterError": "serving.engine.lora.reader",
     "AsyncEngine": "serving.engine.async_engine",
-    "EngineDeadError": "serving.engine.async_engine",
+    "EngineClient": "serving.engine.engine_client",
+    "EngineDeadError": "serving.engine.engine_client",
     "EngineConfig": "serving.engine.config",
     "LLM": "serving.engine.llm",
     "LLMEngine": "serving.engine.llm_engine",
@@ -69,6 +76,7 @@ _LAZY = {
     "CompletionOutput": "serving.engine.outputs",
     "Logprob": "serving.engine.outputs",
     "RequestOutput": "serving.engine.outputs",
+    "ProcessEngine": "serving.engine.process_engine",
     "SamplingParams": "serving.engine.sampling_params",
     "SlotCorruptedError": "serving.engine.lora.integrity",
     "EngineStats": "serving.engine.stats",
@@ -93,6 +101,7 @@ __all__ = [
     "AdapterNotFoundError",
     "AsyncEngine",
     "CompletionOutput",
+    "EngineClient",
     "EngineConfig",
     "EngineDeadError",
     "EngineStats",
@@ -100,6 +109,7 @@ __all__ = [
     "LoRAInfo",
     "LoRARequest",
     "Logprob",
+    "ProcessEngine",
     "RequestOutput",
     "SamplingParams",
     "SlotCorruptedError",

@@ -38,6 +38,11 @@ class RankFailedError(RuntimeError):
     def __init__(self, rank: int, detail: str) -> None:
         super().__init__(f"tensor-parallel rank {rank} {detail}; the engine has stopped")
         self.rank = rank
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[RankFailedError], tuple[int, str]]:
+        # Rebuilt from its fields: it crosses from the engine-core process to the server's.
+        return type(self), (self.rank, self.detail)
 
 
 class TensorParallel:

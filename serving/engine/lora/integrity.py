@@ -95,3 +95,7 @@ class SlotCorruptedError(RuntimeError):
         )
         self.name = name
         self.slot = slot
+
+    def __reduce__(self) -> tuple[type[SlotCorruptedError], tuple[str, int]]:
+        # Rebuilt from its fields: it crosses from the engine-core process to the server's.
+        return type(self), (self.name, self.slot)

@@ -1,0 +1,232 @@
+"""ProcessEngine: the engine core in a spawned child process, behind AsyncEngine's face.
+
+Real processes on the tiny CPU model. AsyncEngine on the same settings is the reference: the same
+greedy tokens and text, the same errors with the same messages. Then what only a process has:
+the child killed under open streams, and shutdown leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from serving.engine import (
+    AdapterError,
+    AdapterNotFoundError,
+    AsyncEngine,
+    EngineConfig,
+    EngineDeadError,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+)
+from serving.engine.engine_client import EngineClient
+from serving.engine.process_engine import ProcessEngine
+
+ENGINE_ARGS = dict(
+    max_loras=2,
+    max_cpu_loras=2,
+    max_lora_rank=64,
+    max_num_seqs=8,
+    max_model_len=256,
+    block_size=4,
+    num_kv_blocks=128,
+    device="cpu",
+    base_model_name="tiny-llama",
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def config(tiny_llama_dir: Path) -> EngineConfig:
+    return EngineConfig(model=str(tiny_llama_dir), **ENGINE_ARGS)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> Path:
+    return make_adapter(tiny_llama_dir, r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), seed=1,
+                        init_scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def engine(config: EngineConfig) -> Iterator[ProcessEngine]:
+    engine = ProcessEngine(config)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(config: EngineConfig) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(config)
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine: EngineClient, prompt: str, params: SamplingParams, rid: str,
+                   lora: LoRARequest | None = None) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, rid, lora_request=lora)]
+
+
+def test_same_tokens_and_text_as_the_thread_engine(engine: ProcessEngine, reference: AsyncEngine,
+                                                   adapter: Path) -> None:
+    lora = LoRARequest("a", str(adapter))
+    cases = [("The quick brown fox", None), ("Hello! How are you today?", lora), ("Once upon a time", None),
+             ("Once upon a time", lora)]
+
+    async def run(on: EngineClient, tag: str) -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(_collect(on, p, GREEDY, f"{tag}-{i}", l) for i, (p, l) in enumerate(cases)))
+
+    got, want = asyncio.run(run(engine, "proc")), asyncio.run(run(reference, "thread"))
+    for streamed, expected in zip(got, want):
+        assert streamed[-1].finished and all(not out.finished for out in streamed[:-1])
+        final, reference_final = streamed[-1].outputs[0], expected[-1].outputs[0]
+        assert (final.token_ids, final.text) == (reference_final.token_ids, reference_final.text)
+        assert final.finish_reason == "length"
+    assert got[3][-1].outputs[0].token_ids != got[2][-1].outputs[0].token_ids  # the adapter changes them
+    assert (engine.model_name, engine.max_model_len, engine.vocab_size) == (
+        reference.model_name, reference.max_model_len, reference.vocab_size)
+
+
+def test_abort_ends_the_stream_with_abort(engine: ProcessEngine) -> None:
+    async def run() -> tuple[RequestOutput, list[RequestOutput], int]:
+        stream = engine.generate("Hello there", LONG, "to-abort")
+        first = await stream.__anext__()
+        await engine.abort("to-abort")
+        rest = [out async for out in stream]
+        return first, rest, (await engine.get_stats()).kv_blocks_used
+
+    first, rest, kv_blocks_used = asyncio.run(run())
+    assert not first.finished
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert len(rest[-1].outputs[0].token_ids) < LONG.max_tokens
+    assert kv_blocks_used == 0
+
+
+def test_leaving_the_stream_early_aborts_in_the_child(engine: ProcessEngine) -> None:
+    async def run() -> tuple[int, int]:
+        stream = engine.generate("Hello there", LONG, "leaves")
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        running = (await engine.get_stats()).num_running
+        await stream.aclose()  # what a server does when its client goes away
+        for _ in range(200):
+            stats = await engine.get_stats()
+            if stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return running, stats.num_running + stats.kv_blocks_used
+
+    running_before, left = asyncio.run(run())
+    assert running_before == 1 and left == 0
+
+
+def test_a_bad_prompt_fails_before_the_pipe(engine: ProcessEngine, reference: AsyncEngine) -> None:
+    bad = {"prompt_token_ids": [1, 2, 10**9]}
+
+    async def error(on: EngineClient) -> str:
+        with pytest.raises(ValueError) as raised:
+            await _collect(on, bad, GREEDY, "bad-prompt")  # type: ignore[arg-type]
+        return str(raised.value)
+
+    sent: list[tuple[object, ...]] = []
+    send = engine._send
+
+    def spy(message: tuple[object, ...]) -> None:
+        sent.append(message)
+        send(message)
+
+    engine._send = spy  # type: ignore[method-assign]
+    try:
+        message = asyncio.run(error(engine))
+    finally:
+        del engine._send
+    assert message == asyncio.run(error(reference)) and "outside the vocabulary" in message
+    assert sent == []
+
+
+def test_adapter_errors_cross_with_their_type_and_message(engine: ProcessEngine, reference: AsyncEngine,
+                                                          tmp_path: Path) -> None:
+    nowhere = LoRARequest("nowhere", str(tmp_path / "does-not-exist"))
+
+    async def errors(on: EngineClient) -> tuple[BaseException, BaseException, BaseException]:
+        with pytest.raises(AdapterError) as by_add:
+            await on.add_lora(nowhere)
+        with pytest.raises(AdapterError) as by_request:
+            await _collect(on, "Hello", GREEDY, "bad-adapter", LoRARequest("nowhere-2", nowhere.lora_path))
+        with pytest.raises(AdapterNotFoundError) as by_remove:
+            await on.remove_lora("never-loaded")
+        return by_add.value, by_request.value, by_remove.value
+
+    got, want = asyncio.run(errors(engine)), asyncio.run(errors(reference))
+    assert [(type(e), str(e)) for e in got] == [(type(e), str(e)) for e in want]
+    assert "does not exist" in str(got[0])
+
+
+def test_adapter_add_list_prefetch_and_remove(engine: ProcessEngine, adapter: Path) -> None:
+    async def run() -> tuple[object, ...]:
+        info = await engine.add_lora(LoRARequest("loaded", str(adapter)))
+        placement = await engine.prefetch_lora(LoRARequest("loaded", str(adapter)), to_gpu=True)
+        names = [i.name for i in await engine.list_loras(["loaded", "absent"])]
+        await engine.remove_lora("loaded")
+        return info, placement, names, [i.name for i in await engine.list_loras()], await engine.verify_slots()
+
+    info, placement, names, after, repairs = asyncio.run(run())
+    assert (info.name, info.rank, info.path) == ("loaded", 8, str(adapter))  # type: ignore[attr-defined]
+    assert placement == "gpu" and names == ["loaded"] and "loaded" not in after and repairs == []
+
+
+def test_shutdown_aborts_streams_and_leaves_no_process(config: EngineConfig) -> None:
+    engine = ProcessEngine(config)
+    child = psutil.Process(engine.pid)
+    family = [child, *child.children(recursive=True)]
+
+    async def run() -> RequestOutput:
+        stream = engine.generate("Hello there", LONG, "at-shutdown")
+        await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown)  # as the worker calls it, its loop still running
+        return [out async for out in stream][-1]
+
+    last = asyncio.run(run())
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert not engine.is_running
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(engine.get_stats())
+    engine.shutdown()  # a second call does nothing
+
+
+def test_a_killed_child_fails_open_streams_and_later_calls(config: EngineConfig) -> None:
+    deaths: list[Exception] = []
+    engine = ProcessEngine(config, on_dead=deaths.append)
+
+    async def run() -> BaseException:
+        stream = engine.generate("Hello there", LONG, "killed-under")
+        await stream.__anext__()
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError) as raised:
+            async for _ in stream:
+                pass
+        return raised.value
+
+    try:
+        error = asyncio.run(run())
+        assert "exit code -9" in str(error)
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.get_stats())
+        with pytest.raises(EngineDeadError):
+            asyncio.run(_collect(engine, "Hello", GREEDY, "after-death"))
+    finally:
+        engine.shutdown()  # joins the reader thread, the only one that tells of a death
+    assert len(deaths) == 1 and isinstance(deaths[0], EngineDeadError)
