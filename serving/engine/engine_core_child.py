@@ -156,8 +156,9 @@ class _Commands:
 
     def call(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
+            value: object = None
             if method == "abort":
-                value: object = self.abort(*args)
+                self.abort(*args)
             else:
                 value = _CALLS[method](self.engine, *args)
         except Exception as exc:

@@ -265,6 +265,7 @@ class ProcessEngine(EngineClient):
             if ok:
                 loop.call_soon_threadsafe(settle_result, future, value)
             else:
+                assert isinstance(value, BaseException)
                 loop.call_soon_threadsafe(settle_error, future, value)
         except RuntimeError:
             pass  # the caller's event loop is closed: nobody is waiting any more

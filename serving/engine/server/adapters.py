@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from serving.engine import AsyncEngine, LoRAInfo, LoRARequest
+from serving.engine import EngineClient, LoRAInfo, LoRARequest
 from serving.engine.server.adapter_roots import AdapterRoots
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class ServedAdapter:
 
 
 class AdapterSet:
-    def __init__(self, engine: AsyncEngine, *, base_model_ids: list[str], roots: AdapterRoots,
+    def __init__(self, engine: EngineClient, *, base_model_ids: list[str], roots: AdapterRoots,
                  on_change: Callable[[], None]) -> None:
         self._engine = engine
         self._roots = roots

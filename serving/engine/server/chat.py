@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving.engine import AsyncEngine
+from serving.engine import EngineClient
 from serving.engine.guided import GrammarError
 from serving.engine.server.chat_template_sandbox import TemplateRefused
 from serving.engine.server.errors import bad_request
@@ -110,7 +110,7 @@ def _template_text(tokenizer: Any) -> str | None:
     return "\n".join(template.values()) if isinstance(template, dict) else template
 
 
-async def chat_prompt_token_ids(worker: Worker, engine: AsyncEngine, body: ChatCompletionRequest,
+async def chat_prompt_token_ids(worker: Worker, engine: EngineClient, body: ChatCompletionRequest,
                                 tools: ChatTools) -> list[int]:
     tokenizer = engine.tokenizer
     variables = dict(body.chat_template_kwargs or {})

@@ -65,6 +65,7 @@ class ServerArgs:
     enable_prefix_caching: bool = True
     async_scheduling: bool | None = None  # None: on for one CUDA device (engine_config decides)
     quantization: str | None = None
+    engine_process: bool = False
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
     header_timeout: float = 10.0
@@ -217,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp8: the base model's projections in FP8 e4m3 with per-channel scales (half the weight bytes; "
         "bf16 on CUDA, native on Hopper); adapters stay in --dtype. Tokens agree with bf16's to a measured rate, "
         "not exactly (vLLM's flag)",
+    )  # fmt: skip
+    engine.add_argument(
+        "--engine-process", action="store_true",
+        help="run the engine core (scheduler, model, adapters) in a child process of its own, so its steps never "
+        "wait for the interpreter lock the HTTP loop holds (as vLLM V1 does); off by default until measured on "
+        "the GPU (docs/serving-worker.md)",
     )  # fmt: skip
     server = p.add_argument_group("server")
     server.add_argument(

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving.engine import AsyncEngine, Logprob
+from serving.engine import EngineClient, Logprob
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
 from serving.engine.server.protocol import (
     CompletionChoice,
@@ -30,7 +30,7 @@ from serving.engine.server.streaming import GenerationStream, SseTemplate, sse
 from serving.engine.server.worker import Worker
 
 
-async def prompt_token_ids(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[list[int]]:
+async def prompt_token_ids(engine: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:
     """Each prompt's token ids; text is encoded as the offline API encodes it (with BOS), on a
     thread: a long prompt takes seconds to tokenize, which the event loop must not wait for."""
 

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from serving.engine import (
     AdapterError,
     AdapterNotFoundError,
-    AsyncEngine,
+    EngineClient,
     EngineDeadError,
     Logprob,
     LoRARequest,
@@ -57,7 +57,7 @@ T = TypeVar("T")
 
 # The prompt's token ids, from the ready engine (its tokenizer): one prompt's, or a list of several
 # prompts' (completions' list of prompts).
-PromptBuilder = Callable[[AsyncEngine], Awaitable[list[int] | list[list[int]]]]
+PromptBuilder = Callable[[EngineClient], Awaitable[list[int] | list[list[int]]]]
 
 
 class ClientDisconnected(Exception):
@@ -166,7 +166,7 @@ class Generation:
         self.prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}
         self.usage = Usage(prompt_tokens=0)
         self.finished = False
-        self._engine: AsyncEngine | None = None
+        self._engine: EngineClient | None = None
         self._arrival = time.perf_counter()
         self._last_token_at: float | None = None
         self._engine_ids: list[str] = []

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from serving.engine.async_engine import AsyncEngine
+from serving.engine.engine_client import EngineClient
 from serving.engine.lora.cache import Placement
 from serving.engine.lora.reader import AdapterError
 from serving.engine.lora.request import LoRARequest
@@ -73,7 +73,7 @@ class Prefetcher:
         self._calls = 0
         self._background: set[asyncio.Task[None]] = set()
 
-    async def prefetch(self, engine: AsyncEngine, adapters: AdapterSet,
+    async def prefetch(self, engine: EngineClient, adapters: AdapterSet,
                        items: list[PrefetchItem]) -> list[PrefetchResult]:
         """Place the `to_gpu` ones of `items` (most wanted first) in slots, then answer: one result
         per item, in the items' order, the CPU-only ones `queued` (their part goes on after)."""
@@ -104,7 +104,7 @@ class Prefetcher:
         if not task.cancelled() and task.exception() is not None:
             log.error("prefetch into the CPU cache failed", exc_info=task.exception())
 
-    async def _phase(self, engine: AsyncEngine, adapters: AdapterSet, items: list[PrefetchItem],
+    async def _phase(self, engine: EngineClient, adapters: AdapterSet, items: list[PrefetchItem],
                      results: dict[str, PrefetchResult], keep: frozenset[str], call: int) -> None:
         if not items:
             return

@@ -26,7 +26,7 @@ import logging
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
-from serving.engine.async_engine import AsyncEngine, EngineDeadError
+from serving.engine.engine_client import EngineClient, EngineDeadError
 from serving.engine.stats import SlotRepair
 from serving.wire.breakers import CircuitBreakers, Outcome
 from serving.wire.names import in_registry_form
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class SlotGuard:
-    def __init__(self, engine: AsyncEngine, *, interval: float, redis_url: str | None, breaker_failures: Counter) -> None:
+    def __init__(self, engine: EngineClient, *, interval: float, redis_url: str | None, breaker_failures: Counter) -> None:
         self._engine = engine
         self._interval = interval
         self._redis: aioredis.Redis | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from serving.engine import AsyncEngine, EngineConfig, EngineDeadError, EngineStats
+from serving.engine import AsyncEngine, EngineClient, EngineConfig, EngineDeadError, EngineStats, ProcessEngine
 from serving.engine.server.adapters import AdapterSet, Source
 from serving.engine.server.chat_template_sandbox import ChatTemplateSandbox
 from serving.engine.server.cli import ServerArgs, adapter_roots
@@ -80,7 +80,7 @@ class Worker:
         self.config = engine_config(args)
         self.base_model_ids = list(args.served_model_name) or [args.model]
         self.state = State.LOADING
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineClient | None = None
         self.adapters: AdapterSet | None = None
         self.adapter_roots = adapter_roots(args.allowed_adapter_path)
         # Callers' chat templates, when the operator allows them; a rendered prompt may be twice
@@ -128,7 +128,9 @@ class Worker:
         try:
             log.info("loading %s; adapters may be loaded from %s", self.args.model, ", ".join(self.adapter_roots.roots))
             started = time.perf_counter()
-            self.engine = await asyncio.to_thread(AsyncEngine, self.config, on_dead=self._engine_died)
+            # --engine-process: the engine core in a child process, off this process's interpreter lock.
+            engine_class: type[AsyncEngine | ProcessEngine] = ProcessEngine if self.args.engine_process else AsyncEngine
+            self.engine = await asyncio.to_thread(engine_class, self.config, on_dead=self._engine_died)
             self.adapters = AdapterSet(self.engine, base_model_ids=self.base_model_ids, roots=self.adapter_roots,
                                        on_change=self._changed)
             for module in self.args.lora_modules:
@@ -198,7 +200,8 @@ class Worker:
             await asyncio.to_thread(self.engine.shutdown)
 
     def _engine_died(self, error: Exception) -> None:
-        """From the engine's thread: the engine can run no more. The worker is failed from then on:
+        """From the engine's thread (its reader thread with --engine-process): the engine can run no
+        more (a tensor-parallel rank died, or the engine-core process did). The worker is failed from then on:
         its registry entry says so at once (the gateway stops routing to it) and /readyz is 503."""
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._fail_serving, str(error))
@@ -221,7 +224,7 @@ class Worker:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def require_ready(self) -> tuple[AsyncEngine, AdapterSet]:
+    def require_ready(self) -> tuple[EngineClient, AdapterSet]:
         """The engine and the adapters, or the 503 that says why there are none."""
         if self.state is State.READY and self.engine is not None and self.adapters is not None:
             return self.engine, self.adapters
