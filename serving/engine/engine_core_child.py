@@ -23,8 +23,11 @@ Parent to child:
     ("shutdown",)                                         abort every request, stop
 Child to parent:
     ("ready", model_name, max_model_len) or ("failed", error)   once, when the engine is built
-    ("step", outputs)             a step's outputs in one message (or an abort's one output)
+    ("step", outputs)             a step's outputs in one message (or an abort's one output), each
+                                  a request's first output whole, then what changed
+                                  (serving.engine.output_deltas)
     ("fail", request_id, error)   a request ended by an error outside a step's outputs
+    ("forget", request_id)        a request dropped without a last output: its delta state goes
     ("reply", call_id, ok, value)     ``value`` is the result, or the exception when not ``ok``
     ("dead", error)               no step can run again (a tensor-parallel rank died)
 """
@@ -44,6 +47,7 @@ from typing import Any, TypeVar
 from serving.engine.config import EngineConfig
 from serving.engine.engine_core import EngineCore
 from serving.engine.llm_engine import LLMEngine
+from serving.engine.output_deltas import OutputEncoder
 from serving.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -90,6 +94,7 @@ class _Channel:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._lock = threading.Lock()
+        self.encoder = OutputEncoder()  # used on the loop's thread only
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._lock:
@@ -102,12 +107,13 @@ class _Channel:
         for output in outputs:
             if output.error is not None:
                 output.error = portable(output.error)
-        self.send(("step", outputs))
+        self.send(("step", self.encoder.encode(outputs)))
 
     def emit(self, request_id: str, item: RequestOutput | Exception) -> None:
         if isinstance(item, RequestOutput):
             self.step([item])
         else:
+            self.encoder.forget(request_id)
             self.send(("fail", request_id, portable(item)))
 
     def reply(self, call_id: int, ok: bool, value: object) -> None:
@@ -147,6 +153,8 @@ class _Commands:
                 self.channel.emit(request_id, exc)
         elif kind == "drop":
             self.engine.abort_request(message[1])
+            if self.channel.encoder.forget(message[1]):
+                self.channel.send(("forget", message[1]))
         elif kind == "call":
             self.call(*message[1:])
         elif kind == "load":

@@ -8,7 +8,8 @@ event loop (serving.engine.engine_client, which ``AsyncEngine`` shares).
 
 Prompts are encoded and checked here, with this process's own tokenizer and model config (both
 cheap to load), so a bad prompt fails before anything crosses the pipe, and the child gets the
-token ids. Text comes back already detokenized by the child.
+token ids. Text comes back already detokenized by the child; a request's outputs cross as what
+changed since its last one and are made cumulative again here (serving.engine.output_deltas).
 
 The child dying (killed, crashed, out of memory) is seen by the reader as the pipe's end: from then
 on the engine is not running, every open stream and pending call fails with EngineDeadError, and
@@ -34,6 +35,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.engine_client import EngineClient, EngineDeadError, settle_error, settle_result
 from serving.engine.lora.cache import Placement
 from serving.engine.lora.request import LoRARequest
+from serving.engine.output_deltas import OutputDecoder
 from serving.engine.prompts import PromptType, encode_prompt, validate_prompt
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
@@ -72,6 +74,7 @@ class ProcessEngine(EngineClient):
         self._dead: Exception | None = None
         self._stopping = False
         self._closed = False
+        self._decoder = OutputDecoder()  # the reader thread's
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()
         # multiprocessing joins non-daemon children at exit; an engine left running would hang it.
@@ -242,9 +245,12 @@ class ProcessEngine(EngineClient):
                 continue
             kind = message[0]
             if kind == "step":
-                self._deliver_step(message[1])
+                self._deliver_step(self._decoder.decode(message[1]))
             elif kind == "fail":
+                self._decoder.forget(message[1])
                 self._deliver(message[1], message[2])
+            elif kind == "forget":
+                self._decoder.forget(message[1])
             elif kind == "reply":
                 self._settle(*message[1:])
             elif kind == "dead":

@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -94,6 +95,59 @@ def test_same_tokens_and_text_as_the_thread_engine(engine: ProcessEngine, refere
     assert got[3][-1].outputs[0].token_ids != got[2][-1].outputs[0].token_ids  # the adapter changes them
     assert (engine.model_name, engine.max_model_len, engine.vocab_size) == (
         reference.model_name, reference.max_model_len, reference.vocab_size)
+
+
+def _shape(streamed: list[RequestOutput]) -> list[Any]:
+    """Everything a stream's final output says, and that every output before extends into it."""
+    final = streamed[-1]
+    for out in streamed[:-1]:
+        for before, after in zip(out.outputs, final.outputs):
+            assert after.token_ids[: len(before.token_ids)] == before.token_ids
+            assert after.text.startswith(before.text)
+    floats: list[float] = []
+    exact = [final.prompt, final.prompt_token_ids, _rounded(final.prompt_logprobs, floats), final.num_cached_tokens,
+             [(c.index, c.text, c.token_ids, _rounded(c.cumulative_logprob, floats), _rounded(c.logprobs, floats),
+               c.finish_reason, c.stop_reason) for c in final.outputs]]
+    return [exact, floats]
+
+
+def _rounded(value: object, floats: list[float] | None = None) -> object:
+    """``value`` with its log-probabilities taken out into ``floats`` (compared approximately: the
+    child's torch runs on its own thread count, so sums may differ in their last bits, the tokens
+    may not)."""
+    if isinstance(value, float) and floats is not None:
+        floats.append(value)
+        return "float"
+    if isinstance(value, list):
+        return [_rounded(item, floats) for item in value]
+    if isinstance(value, dict):
+        return {key: (_rounded(v.logprob, floats), v.rank, v.decoded_token) for key, v in value.items()}
+    return value
+
+
+def test_every_output_field_crosses_the_pipe(engine: ProcessEngine, reference: AsyncEngine) -> None:
+    """n, best_of, logprobs, prompt logprobs, seeds and stop strings: the rebuilt outputs (deltas
+    made cumulative again) say what the thread engine's say."""
+    prompt = "A field guide to the stars"
+    # Both engines hold the prompt in their prefix caches from here, so each request below finds
+    # the same cached blocks; one at a time, so no batch differs between them either.
+    probes = [asyncio.run(_collect(on, prompt, GREEDY, "probe"))[-1].outputs[0].text for on in (engine, reference)]
+    assert probes[0] == probes[1]
+    stop = probes[0][3:5]
+    cases = [
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0.8, seed=5, n=2, best_of=3, max_tokens=8),
+        SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=stop),
+    ]
+
+    async def run(on: EngineClient) -> list[list[object]]:
+        return [_shape(await _collect(on, prompt, params, f"fields-{i}")) for i, params in enumerate(cases)]
+
+    got, want = asyncio.run(run(engine)), asyncio.run(run(reference))
+    assert [exact for exact, _ in got] == [exact for exact, _ in want]
+    for (_, floats), (_, reference_floats) in zip(got, want):
+        assert floats == pytest.approx(reference_floats, abs=1e-3)
 
 
 def test_abort_ends_the_stream_with_abort(engine: ProcessEngine) -> None:

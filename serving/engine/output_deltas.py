@@ -1,0 +1,156 @@
+"""A request's outputs across the engine-core pipe as what changed since the one before.
+
+Outputs are cumulative (every ``RequestOutput`` holds the prompt's token ids, the whole text and
+every token id so far): pickled whole at each step, 256 running requests of 200 + 200 tokens cost
+the child 3.6 ms and the reader 6.6 ms a step on the CPU here, a step's worth of host time on the
+H200, and at 1,000 + 500 tokens 10 and 18 ms. So the child sends a request's first output whole,
+then deltas: the new token ids, the text's new tail, the new logprobs, and the fields that are
+small. The parent rebuilds the cumulative output from the one before, so callers see what
+``AsyncEngine`` gives them.
+
+Each side keeps the last output of every request it has sent or received, and both forget it at
+the same messages (an output that ends the request, a failure), so their states mirror each other.
+A delta is only ever relative to what the encoder sent; whatever it cannot express as an append
+(a text or token list that is not an extension of the last one, a changed prompt) goes whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from serving.engine.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class CompletionDelta:
+    """One completion against the completion at the same position in the request's last output:
+    keep the first ``keep_*`` items of each list (of the text's characters) and append the new
+    ones. ``logprobs`` None: the completion has none."""
+
+    index: int
+    keep_tokens: int
+    new_tokens: list[int]
+    keep_text: int
+    text_tail: str
+    keep_logprobs: int
+    new_logprobs: list[Any] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class OutputDelta:
+    """A request's output against its last one: the prompt, its token ids, its adapter are the
+    same; ``prompt_logprobs`` is sent only when it changed (``prompt_logprobs_same`` False)."""
+
+    request_id: str
+    finished: bool
+    completions: list[CompletionDelta]
+    num_cached_tokens: int | None
+    prompt_logprobs_same: bool
+    prompt_logprobs: list[Any] | None
+
+
+def _kept(new: list[Any], old: list[Any]) -> int:
+    """How many items of ``old`` ``new`` starts with: all of them when it extends ``old``, else 0."""
+    return len(old) if len(new) >= len(old) and new[: len(old)] == old else 0
+
+
+class OutputEncoder:
+    """The child's side: outputs to what crosses the pipe."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, RequestOutput] = {}
+
+    def encode(self, outputs: list[RequestOutput]) -> list[RequestOutput | OutputDelta]:
+        encoded: list[RequestOutput | OutputDelta] = []
+        for output in outputs:
+            encoded.append(self._encode(output))
+            if output.finished or output.error is not None:
+                self._sent.pop(output.request_id, None)
+            else:
+                self._sent[output.request_id] = output
+        return encoded
+
+    def forget(self, request_id: str) -> bool:
+        """Drop what was sent of a request that ends without a last output (it failed, or its caller
+        left); True when there was some, which the decoder must then forget too."""
+        return self._sent.pop(request_id, None) is not None
+
+    def _encode(self, output: RequestOutput) -> RequestOutput | OutputDelta:
+        last = self._sent.get(output.request_id)
+        if (last is None or output.error is not None or output.prompt_token_ids is not last.prompt_token_ids
+                or output.prompt != last.prompt or output.lora_request is not last.lora_request):
+            return output
+        completions = []
+        for position, completion in enumerate(output.outputs):
+            before = last.outputs[position] if position < len(last.outputs) else None
+            if before is None or before.index != completion.index:
+                before = CompletionOutput(index=completion.index, text="", token_ids=[], cumulative_logprob=None,
+                                          logprobs=None)
+            keep_tokens = _kept(completion.token_ids, before.token_ids)
+            keep_text = len(before.text) if completion.text.startswith(before.text) else 0
+            keep_logprobs = 0
+            if completion.logprobs is not None and before.logprobs is not None:
+                keep_logprobs = _kept(completion.logprobs, before.logprobs)
+            completions.append(CompletionDelta(
+                index=completion.index, keep_tokens=keep_tokens, new_tokens=completion.token_ids[keep_tokens:],
+                keep_text=keep_text, text_tail=completion.text[keep_text:], keep_logprobs=keep_logprobs,
+                new_logprobs=completion.logprobs[keep_logprobs:] if completion.logprobs is not None else None,
+                cumulative_logprob=completion.cumulative_logprob, finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason))
+        same = output.prompt_logprobs == last.prompt_logprobs
+        return OutputDelta(request_id=output.request_id, finished=output.finished, completions=completions,
+                           num_cached_tokens=output.num_cached_tokens, prompt_logprobs_same=same,
+                           prompt_logprobs=None if same else output.prompt_logprobs)
+
+
+class OutputDecoder:
+    """The parent's side: what crossed the pipe back to cumulative outputs."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, RequestOutput] = {}
+
+    def decode(self, items: list[RequestOutput | OutputDelta]) -> list[RequestOutput]:
+        outputs = []
+        for item in items:
+            output = item if isinstance(item, RequestOutput) else self._apply(item)
+            if output is None:
+                continue
+            if output.finished or output.error is not None:
+                self._last.pop(output.request_id, None)
+            else:
+                self._last[output.request_id] = output
+            outputs.append(output)
+        return outputs
+
+    def forget(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._last.clear()
+
+    def _apply(self, delta: OutputDelta) -> RequestOutput | None:
+        last = self._last.get(delta.request_id)
+        if last is None:
+            return None  # cannot happen while both sides mirror each other; nobody could read it anyway
+        completions = []
+        for position, change in enumerate(delta.completions):
+            before = last.outputs[position] if position < len(last.outputs) else None
+            tokens = before.token_ids[: change.keep_tokens] if before is not None else []
+            text = before.text[: change.keep_text] if before is not None else ""
+            logprobs: list[Any] | None = None
+            if change.new_logprobs is not None:
+                kept = before.logprobs[: change.keep_logprobs] if before is not None and before.logprobs else []
+                logprobs = kept + change.new_logprobs
+            completions.append(CompletionOutput(
+                index=change.index, text=text + change.text_tail, token_ids=tokens + change.new_tokens,
+                cumulative_logprob=change.cumulative_logprob, logprobs=logprobs, finish_reason=change.finish_reason,
+                stop_reason=change.stop_reason))
+        return RequestOutput(
+            request_id=delta.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
+            outputs=completions, finished=delta.finished, lora_request=last.lora_request,
+            prompt_logprobs=last.prompt_logprobs if delta.prompt_logprobs_same else delta.prompt_logprobs,
+            num_cached_tokens=delta.num_cached_tokens)

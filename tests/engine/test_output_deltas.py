@@ -1,0 +1,76 @@
+"""The engine-core pipe's output codec: a request's outputs sent as deltas come back whole.
+
+Pure data, no engine: streams of cumulative outputs, including what a delta cannot express as an
+append (a text that shrinks, a completion list that changes, a prompt that changes), go through
+an encoder, pickling and a decoder, and come out equal to what went in.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from serving.engine.lora.request import LoRARequest
+from serving.engine.output_deltas import OutputDecoder, OutputDelta, OutputEncoder
+from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def _output(rid: str, texts: list[str], tokens: list[list[int]], *, finished: bool = False,
+            prompt_ids: list[int] | None = None, logprobs: bool = False) -> RequestOutput:
+    return RequestOutput(
+        request_id=rid, prompt="p", prompt_token_ids=prompt_ids if prompt_ids is not None else PROMPT,
+        outputs=[CompletionOutput(index=i, text=text, token_ids=list(ids), cumulative_logprob=-1.0 * len(ids),
+                                  logprobs=[{t: Logprob(-0.5, 1, str(t))} for t in ids] if logprobs else None,
+                                  finish_reason="length" if finished else None)
+                 for i, (text, ids) in enumerate(zip(texts, tokens))],
+        finished=finished, lora_request=LORA)
+
+
+PROMPT = [1, 2, 3]
+LORA = LoRARequest("a", "/adapters/a")
+
+
+def _roundtrip(steps: list[list[RequestOutput]]) -> tuple[list[list[RequestOutput]], list[list[object]]]:
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    got, sent = [], []
+    for outputs in steps:
+        wire = pickle.loads(pickle.dumps(encoder.encode(outputs)))
+        sent.append(wire)
+        got.append(decoder.decode(wire))
+    return got, sent
+
+
+def test_cumulative_outputs_cross_as_deltas_and_come_back_whole() -> None:
+    steps = [
+        [_output("r1", ["he"], [[5]], logprobs=True), _output("r2", ["", ""], [[], []])],
+        [_output("r1", ["hello"], [[5, 6]], logprobs=True), _output("r2", ["a", "b"], [[7], [8]])],
+        [_output("r1", ["hello w"], [[5, 6, 9]], logprobs=True), _output("r2", ["ab", "b"], [[7, 7], [8]])],
+        # A text that is not an extension (a stop string cut it), a completion list that changes.
+        [_output("r1", ["hell"], [[5, 6, 9, 4]], logprobs=True), _output("r2", ["x"], [[1]])],
+        [_output("r1", ["hello"], [[5, 6, 9, 4, 2]], finished=True, logprobs=True)],
+    ]
+    got, sent = _roundtrip(steps)
+    assert got == steps
+    assert isinstance(sent[1][0], OutputDelta) and isinstance(sent[2][1], OutputDelta)
+    assert sent[1][0].completions[0].new_tokens == [6] and sent[1][0].completions[0].text_tail == "llo"
+
+
+def test_a_finished_request_and_a_changed_prompt_go_whole() -> None:
+    steps = [
+        [_output("r", ["a"], [[1]])],
+        [_output("r", ["ab"], [[1, 2]], finished=True)],
+        [_output("r", ["c"], [[3]])],  # the id again, after it finished: a new request
+        [_output("r", ["cd"], [[3, 4]], prompt_ids=[9, 9])],
+    ]
+    got, sent = _roundtrip(steps)
+    assert got == steps
+    assert [type(wire[0]) for wire in sent] == [RequestOutput, OutputDelta, RequestOutput, RequestOutput]
+
+
+def test_forgotten_requests_start_whole_again() -> None:
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    decoder.decode(encoder.encode([_output("r", ["a"], [[1]])]))
+    assert encoder.forget("r") and not encoder.forget("r")
+    decoder.forget("r")
+    again = _output("r", ["ab"], [[1, 2]])
+    wire = encoder.encode([again])
+    assert isinstance(wire[0], RequestOutput) and decoder.decode(wire) == [again]
