@@ -3,8 +3,8 @@
 ``step()`` takes in finished grammar compilations and adapter loads, asks the scheduler for the
 step's work, runs it on the model runner, and turns the sampled tokens into outputs
 (serving.engine.output_processor), freeing what finished. ``LLM`` drives it in a loop;
-``AsyncEngine`` drives it from a background thread. It is not thread-safe: one thread calls
-everything (``encode`` aside).
+``AsyncEngine`` drives it from a thread, ``ProcessEngine`` from a child process (both with
+serving.engine.engine_core's loop). Not thread-safe: one thread calls everything (``encode`` aside).
 
 A request of ``n`` (or ``best_of``) completions is one sequence until its prompt is prefilled; in
 the step that completes the prompt the others are forked from it (``_fork``): they share its KV

@@ -80,6 +80,11 @@ class ProcessEngine(EngineClient):
         # multiprocessing joins non-daemon children at exit; an engine left running would hang it.
         atexit.register(self.shutdown)
 
+    @classmethod
+    def from_args(cls, model: str, **kwargs: Any) -> ProcessEngine:
+        """``ProcessEngine.from_args(PATH, max_loras=..., ...)``: any ``EngineConfig`` field."""
+        return cls(EngineConfig(model=model, **kwargs))
+
     @property
     def pid(self) -> int | None:
         """The engine-core process's id."""

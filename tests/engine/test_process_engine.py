@@ -27,6 +27,7 @@ from serving.engine import (
     RequestOutput,
     SamplingParams,
 )
+from serving.engine.distributed.parallel import RankFailedError
 from serving.engine.engine_client import EngineClient
 from serving.engine.process_engine import ProcessEngine
 
@@ -284,3 +285,28 @@ def test_a_killed_child_fails_open_streams_and_later_calls(config: EngineConfig)
     finally:
         engine.shutdown()  # joins the reader thread, the only one that tells of a death
     assert len(deaths) == 1 and isinstance(deaths[0], EngineDeadError)
+
+
+def test_a_dead_tensor_parallel_rank_ends_the_process_engine_as_the_thread_engine(tiny_llama_dir: Path) -> None:
+    """A rank of the child's tensor-parallel group killed: the step fails with RankFailedError in the
+    child, which fails its requests and says so; the parent stops running and tells its owner once."""
+    config = EngineConfig(model=str(tiny_llama_dir), **{**ENGINE_ARGS, "max_loras": 0,  # type: ignore[arg-type]
+                                                          "tensor_parallel_size": 2, "dtype": "float32"})
+    deaths: list[Exception] = []
+    engine = ProcessEngine(config, on_dead=deaths.append)
+    child = psutil.Process(engine.pid)
+    family = [child, *child.children(recursive=True)]
+    ranks = [p for p in child.children() if "rank_worker" in " ".join(p.cmdline())]
+    try:
+        assert len(ranks) == 1
+        assert len(asyncio.run(_collect(engine, "Hello", GREEDY, "before"))[-1].outputs[0].token_ids) == 10
+        ranks[0].kill()
+        with pytest.raises(EngineDeadError, match="tensor-parallel rank 1"):
+            asyncio.run(_collect(engine, "Hello", GREEDY, "after"))
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError, match="tensor-parallel rank 1"):
+            asyncio.run(engine.get_stats())
+    finally:
+        engine.shutdown()
+    assert len(deaths) == 1 and isinstance(deaths[0], RankFailedError)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
