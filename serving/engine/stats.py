@@ -109,6 +109,10 @@ class EngineStats:
     gpu_slots: tuple[str | None, ...]
     cpu_cached: tuple[str, ...]
     adapters: tuple[LoRAInfo, ...]
+    # The driver's free memory on the engine's CUDA device (other processes' use included); None on
+    # CPU. Read where the engine runs, so a server whose engine is a child process opens no CUDA
+    # context of its own to report it.
+    gpu_memory_free_bytes: int | None = None
 
 
 def lora_infos(cache: LoRACache, names: Collection[str] | None = None) -> list[LoRAInfo]:
@@ -139,6 +143,8 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
                  lora_cache: LoRACache | None, checksums: SlotChecksums | None, counts: TokenCounts,
                  adapters: tuple[LoRAInfo, ...]) -> EngineStats:
     """The snapshot of an engine's state and counters, from its parts (on the engine's thread)."""
+    import torch  # here: whatever imports this module for its values need not load torch
+
     cache = lora_cache
     lora = cache.stats if cache is not None else None
     return EngineStats(
@@ -183,6 +189,7 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
         gpu_slots=tuple(_label(a) for a in cache.slots()) if cache is not None else (),
         cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
         adapters=adapters,
+        gpu_memory_free_bytes=int(torch.cuda.mem_get_info(runner.device)[0]) if runner.device.type == "cuda" else None,
     )
 
 

@@ -275,9 +275,10 @@ class Worker:
         return await self.engine.get_stats()
 
     def gpu_memory_free_bytes(self) -> int | None:
-        """Free memory of the engine's CUDA device as the driver reports it (other processes'
-        use included); None on CPU or before the engine picked its device."""
-        if self.engine is None or self.config.torch_device.type != "cuda":
+        """Free memory of the engine's CUDA device as the driver reports it (other processes' use
+        included), read here when the engine gives no stats (it failed); None on CPU, before the
+        engine picked its device, and with --engine-process (this process opens no CUDA context)."""
+        if self.engine is None or self.config.torch_device.type != "cuda" or self.args.engine_process:
             return None
         free, _ = torch.cuda.mem_get_info(self.config.torch_device)
         return int(free)
@@ -300,7 +301,8 @@ class Worker:
             # The waiting room past which admit() answers 503; the gateway sheds below vip at a
             # share of it (serving.gateway.shedding).
             "max_queued_requests": self.args.max_queued_requests,
-            "gpu_memory_free_bytes": self.gpu_memory_free_bytes(),
+            "gpu_memory_free_bytes": (stats.gpu_memory_free_bytes if stats is not None
+                                      else self.gpu_memory_free_bytes()),
             "max_model_len": self.engine.max_model_len if self.engine is not None else None,
             "started_at": self.started_at,
             "api_key_id": api_key_id(self.args.api_key),
