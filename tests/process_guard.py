@@ -49,13 +49,17 @@ def _run_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 def _interpreter_helpers() -> set[int]:
-    """multiprocessing's resource tracker and fork server (a spawn pool starts the tracker): this
-    interpreter's own helpers, which end when it exits."""
-    if "multiprocessing" not in sys.modules:
-        return set()
-    from multiprocessing import forkserver, resource_tracker
+    """multiprocessing's resource tracker and fork server (a spawn pool starts the tracker) and the
+    suite's zygote (tests.zygote): this interpreter's own helpers, which end when it exits."""
+    helpers: set[int | None] = set()
+    zygote = sys.modules.get("tests.zygote")
+    if zygote is not None:
+        helpers |= zygote.zygote_pids()
+    if "multiprocessing" in sys.modules:
+        from multiprocessing import forkserver, resource_tracker
 
-    return {resource_tracker._resource_tracker._pid, forkserver._forkserver._forkserver_pid} - {None}
+        helpers |= {resource_tracker._resource_tracker._pid, forkserver._forkserver._forkserver_pid}
+    return {pid for pid in helpers if pid is not None}
 
 
 def _started_by_this_run() -> list[psutil.Process]:

@@ -23,6 +23,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from lora_platform import launcher
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
+from tests import zygote
 from tests.conftest import free_port
 from tests.engine.server.conftest import WorkerProcess, stop_all
 
@@ -75,7 +76,7 @@ class WebProcess:
         self.log_path = log_path
         self._stopping = False
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(
+        self.process = zygote.popen(
             self.command(),
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
             # No prewarm loop unless a test asks for one: every suite's web processes share CI's Redis,

@@ -15,6 +15,7 @@ import pytest
 
 from serving.engine.tiny import build_tiny_model
 from serving.storage import get_storage
+from tests import zygote
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +44,8 @@ class Process:
     def __init__(self, argv: list[str], log: Path) -> None:
         self.log = log
         self.handle = log.open("wb")
-        self.process = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ), stdout=self.handle,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = zygote.popen(argv, cwd=ROOT, env=dict(os.environ), stdout=self.handle,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from serving.engine.tiny import build_tiny_model
+from tests import zygote
 from tests.gateway.conftest import WebProcess
 from training_support import BASE_MODEL_NAME, ROOT, process_env, sdk
 
@@ -89,7 +90,7 @@ class Worker:
     def __init__(self, env: dict[str, str], log: Path) -> None:
         self.log = log
         self.handle = log.open("ab")
-        self.process = subprocess.Popen(
+        self.process = zygote.popen(
             [sys.executable, "-m", "celery", "-A", "lora_platform", "worker", "-Q", "quick,training", "-c", "1",
              "--pool", "prefork", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
             cwd=ROOT, env=env, stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True,

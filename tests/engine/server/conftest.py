@@ -30,6 +30,7 @@ from serving.engine.server.cli import ServerArgs
 from serving.engine.server.serve import uvicorn_config
 from serving.engine.server.worker import Worker
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
+from tests import zygote
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -88,8 +89,8 @@ class WorkerProcess:
         command = [sys.executable, "-m", "serving.engine.server", "--model", str(model), "--port", str(self.port),
                    "--max-model-len", "2048", "--num-gpu-blocks-override", "512", *args]
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
+        self.process = zygote.popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **(env or {})})
 
     def wait_ready(self) -> None:
         """Poll /health until 200, keeping what it answered before."""

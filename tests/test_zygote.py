@@ -1,0 +1,119 @@
+"""The suite's processes forked from the zygote (tests/zygote.py) behave as ones started cold."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import zygote
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_module(directory: Path, name: str, source: str) -> None:
+    (directory / f"{name}.py").write_text(source)
+
+
+def start(directory: Path, name: str, *argv: str, env: dict[str, str] | None = None, log_name: str = "",
+          **kwargs: object) -> tuple[subprocess.Popen | zygote.ZygoteProcess, Path]:
+    log = directory / f"{log_name or name}.log"
+    with log.open("wb") as handle:
+        process = zygote.popen([sys.executable, "-m", name, *argv], cwd=directory,
+                               env={**os.environ, **(env or {})}, stdout=handle, stderr=subprocess.STDOUT, **kwargs)
+    return process, log
+
+
+def test_a_module_runs_as_main_with_its_argv_cwd_and_environment(tmp_path: Path) -> None:
+    write_module(tmp_path, "report", (
+        "import json, os, sys\n"
+        "print(json.dumps({'name': __name__, 'argv': sys.argv[1:], 'cwd': os.getcwd(),\n"
+        "                  'var': os.environ.get('ZYGOTE_TEST_VAR'), 'pid': os.getpid()}))\n"))
+    process, log = start(tmp_path, "report", "--flag", "value", env={"ZYGOTE_TEST_VAR": "seen"})
+
+    assert isinstance(process, zygote.ZygoteProcess)
+    assert process.wait(60) == 0
+    report = json.loads(log.read_text())
+    assert report == {"name": "__main__", "argv": ["--flag", "value"], "cwd": str(tmp_path), "var": "seen",
+                      "pid": process.pid}
+
+
+def test_exit_statuses_are_those_of_a_cold_interpreter(tmp_path: Path) -> None:
+    write_module(tmp_path, "exits", (
+        "import sys\n"
+        "kind = sys.argv[1]\n"
+        "if kind == 'code': sys.exit(3)\n"
+        "if kind == 'text': sys.exit('stopped: bad input')\n"
+        "if kind == 'raise': raise RuntimeError('boom')\n"
+        "if kind == 'interrupt': raise KeyboardInterrupt\n"))
+    expected = {"code": (3, ""), "text": (1, "stopped: bad input"), "raise": (1, "RuntimeError: boom"),
+                "interrupt": (-signal.SIGINT, ""), "none": (0, "")}
+    for kind, (status, printed) in expected.items():
+        process, log = start(tmp_path, "exits", kind)
+        assert process.wait(60) == status, (kind, log.read_text())
+        assert printed in log.read_text()
+
+
+def test_threads_are_joined_and_atexit_runs_before_the_exit(tmp_path: Path) -> None:
+    write_module(tmp_path, "ending", (
+        "import atexit, threading, time\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "def late():\n"
+        "    time.sleep(0.3)\n"
+        "    print('thread finished', flush=True)\n"
+        "threading.Thread(target=late).start()\n"))
+    process, log = start(tmp_path, "ending")
+
+    assert process.wait(60) == 0
+    assert log.read_text().splitlines() == ["thread finished", "atexit ran"]
+
+
+def test_signals_and_sessions_work_as_with_popen(tmp_path: Path) -> None:
+    write_module(tmp_path, "waits", "import os, time\nprint(os.getpgid(0), os.getsid(0), flush=True)\ntime.sleep(120)\n")
+    process, log = start(tmp_path, "waits", start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    assert log.read_text().split() == [str(process.pid), str(process.pid)]
+    assert process.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(0.1)
+    os.killpg(process.pid, signal.SIGTERM)  # as the training suites stop a Celery worker's group
+    assert process.wait(60) == -signal.SIGTERM
+    process.kill()  # a no-op once it has ended, as with Popen
+
+    write_module(tmp_path, "interrupted", "import time\ntry:\n    time.sleep(120)\nexcept KeyboardInterrupt:\n"
+                                          "    print('interrupted', flush=True)\n    raise SystemExit(4)\n")
+    process, log = start(tmp_path, "interrupted")
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)  # the default handler: KeyboardInterrupt, as in a cold interpreter
+    assert process.wait(60) == 4
+    assert log.read_text().strip() == "interrupted"
+
+
+def test_import_time_variables_get_a_zygote_of_their_own(tmp_path: Path) -> None:
+    write_module(tmp_path, "threads", "import torch\nprint(torch.get_num_threads())\n")
+    one, one_log = start(tmp_path, "threads", env={"OMP_NUM_THREADS": "1"}, log_name="one")
+    two, two_log = start(tmp_path, "threads", env={"OMP_NUM_THREADS": "2"}, log_name="two")
+
+    assert isinstance(one, zygote.ZygoteProcess) and isinstance(two, zygote.ZygoteProcess)
+    assert (one.wait(60), two.wait(60)) == (0, 0)
+    assert (one_log.read_text().strip(), two_log.read_text().strip()) == ("1", "2")
+    assert len(zygote.zygote_pids()) >= 2
+
+
+def test_what_it_cannot_fork_is_started_cold(tmp_path: Path) -> None:
+    piped = zygote.popen([sys.executable, "-m", "json.tool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert isinstance(piped, subprocess.Popen)
+    assert piped.communicate(b'{"a": 1}', timeout=60)[0].split() == [b"{", b'"a":', b"1", b"}"]
+
+    inline = zygote.popen([sys.executable, "-c", "pass"], stdout=subprocess.DEVNULL)
+    assert isinstance(inline, subprocess.Popen)
+    assert inline.wait(60) == 0

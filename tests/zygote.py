@@ -1,0 +1,331 @@
+"""The suite's Python processes forked from an interpreter that has already imported the heavy
+libraries (a zygote, as Android starts its apps), instead of started cold.
+
+Why: a run starts about a hundred serving workers, web processes and Celery workers, and each
+spent most of its 3-5 s of start-up CPU importing torch, transformers and peft (and reading
+transformers' 1,677 model files for its lazy import structure) before running a line of ours
+(docs/testing.md, "Where the time goes"). A fork of a process that did it once costs a few
+milliseconds, and the pages stay shared.
+
+`popen(argv, ...)` takes what `subprocess.Popen` takes for `[sys.executable, "-m", module, ...]`
+and returns a handle with the part of Popen the suite uses (pid, returncode, poll, wait,
+send_signal, terminate, kill). The child runs the module as `python -m` would: as `__main__`,
+with the argv, working directory, environment and standard streams asked for, in a session of
+its own if asked, with the default signal handlers, and ends as a cold interpreter ends
+(non-daemon threads joined, atexit handlers run, exit status or signal). Anything else falls back
+to a real Popen: another program or `-c`, a pipe or /dev/null asked for. `LORAPLEX_TEST_ZYGOTE=0`
+turns it off.
+
+A zygote is started by the test process (each xdist worker) at the first `popen` of each set of
+values it is asked for in the variables read at import time (HF_*, TRITON_*, OMP_*, PYTHONPATH,
+...: the preloaded libraries read them when the zygote imported them), with that environment, and
+ends with the test process: it leaves when its standard input (a pipe from the test process) closes. The
+process guard (tests.process_guard) counts it as the interpreter's helper, as it does
+multiprocessing's fork server, and its children as the test's.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ENABLED_VAR = "LORAPLEX_TEST_ZYGOTE"
+# The libraries every started process imports first; what follows them is the project's own code,
+# which reads its settings when imported and so is imported in each child.
+PRELOAD = ("torch", "transformers", "peft", "safetensors", "numpy", "httpx", "uvicorn", "celery", "kombu",
+           "redis", "django", "boto3")
+# Variables read when the preloaded libraries are imported (or by the interpreter at start): a
+# child asking for other values than the zygote's is started cold.
+_IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "TRITON", "CUDA", "OMP_",
+                         "MKL_", "OPENBLAS", "TOKENIZERS", "PYTHON", "LD_", "SAFETENSORS", "PEFT")
+# Applied in the child, so they need not match.
+_APPLIED_IN_CHILD = {"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
+_MAX_MESSAGE = 1 << 20
+
+
+def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items()
+            if key.startswith(_IMPORT_TIME_PREFIXES) and key not in _APPLIED_IN_CHILD}
+
+
+# ---- the test process's side -------------------------------------------------------------------
+
+
+class ZygoteProcess:
+    """A child forked by the zygote: its exit status comes back over its own connection, since the
+    test process is not its parent and cannot wait for it."""
+
+    def __init__(self, connection: socket.socket, pid: int, args: Sequence[str]) -> None:
+        self._connection = connection
+        self.pid = pid
+        self.args = list(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._receive(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._receive(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid that may since have been reused
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _receive(self, timeout: float | None) -> None:
+        self._connection.settimeout(timeout)
+        try:
+            message = self._connection.recv(_MAX_MESSAGE)
+        except (BlockingIOError, TimeoutError):
+            return
+        if not message:
+            raise RuntimeError(f"the zygote ended before child {self.pid} did")
+        self.returncode = json.loads(message)["returncode"]
+        self._connection.close()
+
+
+class _Zygote:
+    def __init__(self, env: dict[str, str]) -> None:
+        # An abstract socket (the leading NUL): nothing on disk to clean up.
+        self.name = f"loraplex-test-zygote-{os.getpid()}-{time.monotonic_ns()}"
+        self.address = "\0" + self.name
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.name], cwd=ROOT,
+                                        stdin=subprocess.PIPE, env=env)
+
+    def start(self, args: Sequence[str], *, cwd: str, env: Mapping[str, str], fds: Sequence[int],
+              start_new_session: bool) -> ZygoteProcess:
+        deadline = time.monotonic() + 120
+        while True:
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                connection.connect(self.address)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                connection.close()
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the zygote did not start (exit {self.process.returncode})") from None
+                time.sleep(0.05)
+        request = {"module": args[2], "argv": list(args[3:]), "cwd": cwd, "env": dict(env),
+                   "start_new_session": start_new_session}
+        socket.send_fds(connection, [json.dumps(request).encode()], list(fds))
+        pid = json.loads(connection.recv(_MAX_MESSAGE))["pid"]
+        return ZygoteProcess(connection, pid, args)
+
+
+# One zygote per set of import-time values asked for (the training suites' processes run with
+# OMP_NUM_THREADS=1, which OpenMP reads when torch loads it): a handful per test process.
+_zygotes: dict[frozenset[tuple[str, str]], _Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def zygote_pids() -> set[int]:
+    """This process's live zygotes (tests.process_guard does not count them as left over)."""
+    return {zygote.process.pid for zygote in list(_zygotes.values()) if zygote.process.poll() is None}
+
+
+def _stream_fd(stream: int | IO[Any] | None, own: int) -> int | None:
+    """The descriptor a Popen-style stream argument names; None for a pipe (not supported here)."""
+    if stream is None:
+        return own
+    if stream == subprocess.PIPE:
+        return None
+    if isinstance(stream, int):
+        return stream
+    return stream.fileno()
+
+
+def popen(args: Sequence[str], *, cwd: str | Path | None = None, env: Mapping[str, str] | None = None,
+          stdin: int | IO[Any] | None = None, stdout: int | IO[Any] | None = None,
+          stderr: int | IO[Any] | None = None, start_new_session: bool = False) -> subprocess.Popen | ZygoteProcess:
+    """`subprocess.Popen(args, ...)`, forked from the zygote when it can be (the module docstring)."""
+    env = dict(os.environ if env is None else env)
+    cold = dict(cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=start_new_session)
+    fds = [_stream_fd(stdin, 0), _stream_fd(stdout, 1), _stream_fd(stderr, 2)]
+    if stderr == subprocess.STDOUT:
+        fds[2] = fds[1]
+    if stdin == subprocess.DEVNULL or stdout == subprocess.DEVNULL or stderr == subprocess.DEVNULL:
+        return subprocess.Popen(args, **cold)
+    if (os.environ.get(ENABLED_VAR) == "0" or len(args) < 3 or args[0] != sys.executable or args[1] != "-m"
+            or None in fds):
+        return subprocess.Popen(args, **cold)
+    key = frozenset(_import_time_env(env).items())
+    with _zygotes_lock:
+        zygote = _zygotes.get(key)
+        if zygote is None or zygote.process.poll() is not None:
+            zygote = _zygotes[key] = _Zygote(env)
+    return zygote.start(args, cwd=str(cwd or os.getcwd()), env=env, fds=[fd for fd in fds if fd is not None],
+                        start_new_session=start_new_session)
+
+
+# ---- the zygote's side ---------------------------------------------------------------------------
+
+
+def _run_child(request: dict[str, Any]) -> None:
+    """In the forked child: become `python -m module argv...` as asked, run it, and exit as a cold
+    interpreter would. Never returns."""
+    code: int = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if request["start_new_session"]:
+            os.setsid()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.dont_write_bytecode = bool(request["env"].get("PYTHONDONTWRITEBYTECODE"))
+        if request["env"].get("PYTHONUNBUFFERED"):
+            for stream in (sys.stdout, sys.stderr):
+                stream.reconfigure(write_through=True)
+        sys.path[0] = request["cwd"]
+        sys.argv = [request["module"], *request["argv"]]
+        import runpy
+
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            code = _exit_code(exit_.code)
+        except KeyboardInterrupt:
+            _finish()
+            # As a cold interpreter: an unhandled Ctrl-C ends the process by SIGINT.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        _finish()
+    finally:
+        os._exit(code)
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _finish() -> None:
+    """What the interpreter does on its way out: join non-daemon threads, run atexit, flush."""
+    import atexit
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _fork(connection: socket.socket, own: list[int]) -> int | None:
+    """Read one request from `connection` and fork its child; its pid, or None for a bad request."""
+    message, fds, _, _ = socket.recv_fds(connection, _MAX_MESSAGE, 3)
+    if not message or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return None
+    request = json.loads(message)
+    pid = os.fork()
+    if pid == 0:
+        for index, fd in enumerate(fds):
+            os.dup2(fd, index)
+        for fd in {*fds, *own, connection.fileno()}:
+            if fd > 2:
+                os.close(fd)
+        _run_child(request)
+    for fd in fds:
+        os.close(fd)
+    connection.send(json.dumps({"pid": pid}).encode())
+    return pid
+
+
+def serve(name: str) -> None:
+    """The zygote: preload, then fork a child per connection until standard input closes."""
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+    # Touched here, so transformers' lazy import structure is built once (0.9 s a process).
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    wake_read, wake_write = socket.socketpair()
+    wake_read.setblocking(False)
+    wake_write.setblocking(False)
+    signal.set_wakeup_fd(wake_write.fileno())
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + name)
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "listen")
+    selector.register(wake_read, selectors.EVENT_READ, "child")
+    selector.register(sys.stdin, selectors.EVENT_READ, "parent")
+    children: dict[int, socket.socket] = {}
+    own = [listener.fileno(), wake_read.fileno(), wake_write.fileno(), selector.fileno()]
+    while True:
+        for key, _ in selector.select():
+            if key.data == "parent" and not os.read(sys.stdin.fileno(), 4096):
+                return  # the test process ended; the process guard deals with any child still alive
+            if key.data == "listen":
+                connection, _ = listener.accept()
+                pid = _fork(connection, [*own, *(c.fileno() for c in children.values())])
+                if pid is None:
+                    connection.close()
+                else:
+                    children[pid] = connection
+            if key.data == "child":
+                try:
+                    while wake_read.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                _reap(children)
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is not None:
+            try:
+                connection.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                pass  # the test process dropped the handle
+            connection.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
