@@ -79,10 +79,12 @@ class EngineCore:
                 outputs = self.engine.step()
             except Exception as exc:
                 logger.exception("engine step failed; failing its requests")
-                self._fail_all(exc)
                 if isinstance(exc, RankFailedError):
+                    # Told before the requests fail: a caller that sees its request fail finds the
+                    # engine stopped (the process engine's parent learns it from this message).
                     self.dead = exc
                     self._on_dead(exc)
+                self._fail_all(exc)
                 continue
             if outputs:
                 self._emit_step(outputs)

@@ -35,13 +35,14 @@ Child to parent:
 from __future__ import annotations
 
 import logging
+import logging.config
 import pickle
 import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 from functools import partial
+from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from serving.engine.config import EngineConfig
@@ -49,6 +50,8 @@ from serving.engine.engine_core import EngineCore
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.output_deltas import OutputEncoder
 from serving.engine.outputs import RequestOutput
+from serving.wire.logs import logging_config
+from serving.wire.settings import platform_settings
 
 logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=BaseException)
@@ -88,8 +91,9 @@ def portable(error: E) -> E | RuntimeError:
 
 
 class _Channel:
-    """The child's end of the pipe. Sends come from the loop's thread and, for a load that fails
-    before it starts, the listener: one lock keeps messages whole."""
+    """The child's end of the pipe. Sends come from the loop's thread (a load completes inside a
+    step's poll, so its answer too); the lock keeps messages whole should a future's callback
+    ever run on the thread that completed it."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -117,7 +121,11 @@ class _Channel:
             self.send(("fail", request_id, portable(item)))
 
     def reply(self, call_id: int, ok: bool, value: object) -> None:
-        self.send(("reply", call_id, ok, portable(value) if isinstance(value, BaseException) else value))
+        try:
+            self.send(("reply", call_id, ok, portable(value) if isinstance(value, BaseException) else value))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # nothing was written: say so instead
+            logger.exception("the answer to call %d cannot be pickled", call_id)
+            self.send(("reply", call_id, False, RuntimeError(f"the engine's answer cannot be sent: {exc!r}")))
 
 
 class _Commands:
@@ -181,7 +189,10 @@ class _Commands:
 
     def load(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
         """Start a load and answer when it completes, without holding up the steps meanwhile."""
-        start, then = _LOADS[method]
+        start, then = _LOADS.get(method, (None, None))
+        if start is None or then is None:
+            self.channel.reply(call_id, False, ValueError(f"no such load: {method!r}"))
+            return
 
         def done(load: Future[Any]) -> None:
             error = load.exception()
@@ -201,13 +212,21 @@ class _Commands:
             self.channel.reply(call_id, False, exc)
 
 
+def _ignore_signal(signum: int, frame: object) -> None:
+    logger.info("%s ignored: the serving process stops the engine", signal.Signals(signum).name)
+
+
 def main(config: EngineConfig, conn: Connection) -> None:
     """The child's entry point: build the engine, say so, run the loop until told to stop or the
     parent goes away, then shut the engine down (its tensor-parallel ranks with it)."""
-    # Ctrl-C in a terminal reaches the whole process group; the parent decides when the engine
-    # stops (a drain first), so the child ignores it and waits for "shutdown" or a closed pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group, and a service manager's stop may send
+    # SIGTERM to every process of the service; the parent decides when the engine stops (after
+    # its drain), so the child ignores both and waits for "shutdown" or a closed pipe. A handler,
+    # not SIG_IGN, which the tensor-parallel ranks it starts would inherit (their stop is SIGTERM).
+    signal.signal(signal.SIGINT, _ignore_signal)
+    signal.signal(signal.SIGTERM, _ignore_signal)
+    settings = platform_settings()  # the environment the parent had: its log lines look like the parent's
+    logging.config.dictConfig(logging_config(settings.log_format, settings.log_level))
     channel = _Channel(conn)
     try:
         core = EngineCore(config, emit_step=channel.step, emit=channel.emit,

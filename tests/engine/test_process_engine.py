@@ -244,8 +244,13 @@ def test_shutdown_aborts_streams_and_leaves_no_process(config: EngineConfig) -> 
     engine = ProcessEngine(config)
     child = psutil.Process(engine.pid)
     family = [child, *child.children(recursive=True)]
+    # A terminal's Ctrl-C, a service manager's SIGTERM to every process: the engine waits for its owner.
+    child.send_signal(signal.SIGINT)
+    child.send_signal(signal.SIGTERM)
 
     async def run() -> RequestOutput:
+        assert len((await _collect(engine, "Hello", GREEDY, "after-signals"))[-1].outputs[0].token_ids) == 10
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
         stream = engine.generate("Hello there", LONG, "at-shutdown")
         await stream.__anext__()
         await asyncio.to_thread(engine.shutdown)  # as the worker calls it, its loop still running
