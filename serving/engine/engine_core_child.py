@@ -14,8 +14,9 @@ steps but put it back on the process of the HTTP loop; it is left for when measu
 Messages are tuples whose first item names them.
 
 Parent to child:
-    ("add", request_id, prompt, params, lora_request, priority, encoded)   no answer; a failure to
-                                                           start is a "fail" for the request
+    ("add", request_id, salt, params, lora_request, priority, encoded)   no answer; a failure to
+                                                           start is a "fail" for the request;
+                                                           ``salt``: {"cache_salt": ...} or ""
     ("drop", request_id)                                  abort, no answer (its caller left)
     ("call", call_id, method, args)                       answered by one "reply" (``_CALLS``)
     ("load", call_id, method, args)                       an adapter load (``_LOADS``), answered by

@@ -125,7 +125,10 @@ class ProcessEngine(EngineClient):
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None,
              priority: int, encoded: tuple[str | None, list[int]]) -> None:
-        self._send(("add", request_id, prompt, params, lora_request, priority, encoded))
+        # The engine reads a prompt given with its encoding only for its cache_salt: the token ids
+        # cross once, in ``encoded``.
+        salt = {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, dict) and "cache_salt" in prompt else ""
+        self._send(("add", request_id, salt, params, lora_request, priority, encoded))
 
     def _drop(self, request_id: str) -> None:
         try:

@@ -315,3 +315,20 @@ def test_a_dead_tensor_parallel_rank_ends_the_process_engine_as_the_thread_engin
         engine.shutdown()
     assert len(deaths) == 1 and isinstance(deaths[0], RankFailedError)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
+
+
+def test_a_cache_salt_crosses_with_the_encoded_prompt(engine: ProcessEngine) -> None:
+    ids = list(range(10, 30))  # five full KV blocks of 4
+
+    async def cached(salt: str, rid: str) -> int | None:
+        prompt = {"prompt_token_ids": ids, "cache_salt": salt}
+        return [out async for out in engine.generate(prompt, GREEDY, rid)][-1].num_cached_tokens
+
+    async def run() -> list[int | None]:
+        return [await cached("tenant-1", "salt-1"), await cached("tenant-1", "salt-2"),
+                await cached("tenant-2", "salt-3")]
+
+    first, again, other = asyncio.run(run())
+    assert first == 0 and again is not None and again > 0 and other == 0
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        asyncio.run(cached("", "salt-bad"))
