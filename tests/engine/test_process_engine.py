@@ -30,19 +30,8 @@ from serving.engine import (
 from serving.engine.distributed.parallel import RankFailedError
 from serving.engine.engine_client import EngineClient
 from serving.engine.process_engine import ProcessEngine
+from tests.engine.test_async_engine import ENGINE_ARGS, GREEDY
 
-ENGINE_ARGS = dict(
-    max_loras=2,
-    max_cpu_loras=2,
-    max_lora_rank=64,
-    max_num_seqs=8,
-    max_model_len=256,
-    block_size=4,
-    num_kv_blocks=128,
-    device="cpu",
-    base_model_name="tiny-llama",
-)
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
