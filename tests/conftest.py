@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,10 @@ if not torch.cuda.is_available():
 # skipped there, and the run's summary says so, so a green SQLite run is not mistaken for one that
 # exercised the locks. CI (.ci/run) runs the suite on PostgreSQL.
 POSTGRESQL_SKIP = "needs PostgreSQL (row locks: select_for_update); SQLite has none. Set DATABASE_URL, as CI does"
+
+# PostgreSQL's SQLSTATE for "deadlock detected", and how often a flush it chose as victim is run.
+_DEADLOCK_DETECTED = "40P01"
+_FLUSH_ATTEMPTS = 5
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,6 +57,7 @@ def _flush_postgresql_by_delete() -> None:
     commit. Only the flush without RESTART IDENTITY or CASCADE is changed (pytest-django asks for
     neither)."""
     try:
+        from django.db import OperationalError
         from django.db.backends.postgresql.operations import DatabaseOperations
     except ImportError:  # no Django (the accelerator machine), or no psycopg: SQLite only
         return
@@ -66,6 +72,23 @@ def _flush_postgresql_by_delete() -> None:
                 *(f"DELETE FROM {name};" for name in names)]
 
     DatabaseOperations.sql_flush = sql_flush
+    execute = DatabaseOperations.execute_sql_flush
+
+    def execute_sql_flush(self: DatabaseOperations, sql_list: list[str]) -> None:
+        """The flush again when PostgreSQL chose it as a deadlock's victim: a process the test
+        started may hold a lock on one table in a transaction that then reads another the flush has
+        locked (the tables are locked one by one, and no order avoids every such transaction). The
+        victim's transaction is rolled back whole, so running it again is safe."""
+        for attempt in range(_FLUSH_ATTEMPTS):
+            try:
+                execute(self, sql_list)
+                return
+            except OperationalError as error:
+                if getattr(error.__cause__, "sqlstate", None) != _DEADLOCK_DETECTED or attempt == _FLUSH_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+
+    DatabaseOperations.execute_sql_flush = execute_sql_flush
 
 
 def _tiers_reseed(sender: object, using: str, **kwargs: object) -> None:
