@@ -16,41 +16,22 @@ A delta is only ever relative to what the encoder sent; whatever it cannot expre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from serving.engine.outputs import CompletionOutput, RequestOutput
 
-
-@dataclass
-class CompletionDelta:
-    """One completion against the completion at the same position in the request's last output:
-    keep the first ``keep_*`` items of each list (of the text's characters) and append the new
-    ones. ``logprobs`` None: the completion has none."""
-
-    index: int
-    keep_tokens: int
-    new_tokens: list[int]
-    keep_text: int
-    text_tail: str
-    keep_logprobs: int
-    new_logprobs: list[Any] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class OutputDelta:
-    """A request's output against its last one: the prompt, its token ids, its adapter are the
-    same; ``prompt_logprobs`` is sent only when it changed (``prompt_logprobs_same`` False)."""
-
-    request_id: str
-    finished: bool
-    completions: list[CompletionDelta]
-    num_cached_tokens: int | None
-    prompt_logprobs_same: bool
-    prompt_logprobs: list[Any] | None
+# One completion against the completion at the same position in the request's last output: keep
+# the first ``keep_*`` items of each list (of the text's characters) and append the new ones;
+# ``new_logprobs`` None: the completion has none. Plain tuples, not dataclasses: a step's deltas are
+# pickled on the engine's thread, and tuples pickle 7 x faster (256 deltas: 0.05 ms against 0.36).
+# (index, keep_tokens, new_tokens, keep_text, text_tail, keep_logprobs, new_logprobs,
+#  cumulative_logprob, finish_reason, stop_reason)
+CompletionDelta = tuple[int, int, list[int], int, str, int, list[Any] | None, float | None, str | None,
+                        int | str | None]
+# A request's output against its last one (the prompt, its token ids and its adapter are the same);
+# ``prompt_logprobs`` is sent only when it changed (``prompt_logprobs_same`` False).
+# (request_id, finished, completions, num_cached_tokens, prompt_logprobs_same, prompt_logprobs)
+OutputDelta = tuple[str, bool, tuple[CompletionDelta, ...], int | None, bool, list[Any] | None]
 
 
 def _kept(new: list[Any], old: list[Any]) -> int:
@@ -95,16 +76,14 @@ class OutputEncoder:
             keep_logprobs = 0
             if completion.logprobs is not None and before.logprobs is not None:
                 keep_logprobs = _kept(completion.logprobs, before.logprobs)
-            completions.append(CompletionDelta(
-                index=completion.index, keep_tokens=keep_tokens, new_tokens=completion.token_ids[keep_tokens:],
-                keep_text=keep_text, text_tail=completion.text[keep_text:], keep_logprobs=keep_logprobs,
-                new_logprobs=completion.logprobs[keep_logprobs:] if completion.logprobs is not None else None,
-                cumulative_logprob=completion.cumulative_logprob, finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason))
+            completions.append((
+                completion.index, keep_tokens, completion.token_ids[keep_tokens:], keep_text,
+                completion.text[keep_text:], keep_logprobs,
+                completion.logprobs[keep_logprobs:] if completion.logprobs is not None else None,
+                completion.cumulative_logprob, completion.finish_reason, completion.stop_reason))
         same = output.prompt_logprobs == last.prompt_logprobs
-        return OutputDelta(request_id=output.request_id, finished=output.finished, completions=completions,
-                           num_cached_tokens=output.num_cached_tokens, prompt_logprobs_same=same,
-                           prompt_logprobs=None if same else output.prompt_logprobs)
+        return (output.request_id, output.finished, tuple(completions), output.num_cached_tokens, same,
+                None if same else output.prompt_logprobs)
 
 
 class OutputDecoder:
@@ -133,24 +112,27 @@ class OutputDecoder:
         self._last.clear()
 
     def _apply(self, delta: OutputDelta) -> RequestOutput | None:
-        last = self._last.get(delta.request_id)
+        request_id, finished, changes, num_cached_tokens, prompt_logprobs_same, prompt_logprobs = delta
+        last = self._last.get(request_id)
         if last is None:
             return None  # cannot happen while both sides mirror each other; nobody could read it anyway
         completions = []
-        for position, change in enumerate(delta.completions):
+        for position, change in enumerate(changes):
+            (index, keep_tokens, new_tokens, keep_text, text_tail, keep_logprobs, new_logprobs, cumulative_logprob,
+             finish_reason, stop_reason) = change
             before = last.outputs[position] if position < len(last.outputs) else None
-            tokens = before.token_ids[: change.keep_tokens] if before is not None else []
-            text = before.text[: change.keep_text] if before is not None else ""
+            tokens = before.token_ids[:keep_tokens] if before is not None else []
+            text = before.text[:keep_text] if before is not None else ""
             logprobs: list[Any] | None = None
-            if change.new_logprobs is not None:
-                kept = before.logprobs[: change.keep_logprobs] if before is not None and before.logprobs else []
-                logprobs = kept + change.new_logprobs
+            if new_logprobs is not None:
+                kept = before.logprobs[:keep_logprobs] if before is not None and before.logprobs else []
+                logprobs = kept + new_logprobs
             completions.append(CompletionOutput(
-                index=change.index, text=text + change.text_tail, token_ids=tokens + change.new_tokens,
-                cumulative_logprob=change.cumulative_logprob, logprobs=logprobs, finish_reason=change.finish_reason,
-                stop_reason=change.stop_reason))
+                index=index, text=text + text_tail, token_ids=tokens + new_tokens,
+                cumulative_logprob=cumulative_logprob, logprobs=logprobs, finish_reason=finish_reason,
+                stop_reason=stop_reason))
         return RequestOutput(
-            request_id=delta.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
-            outputs=completions, finished=delta.finished, lora_request=last.lora_request,
-            prompt_logprobs=last.prompt_logprobs if delta.prompt_logprobs_same else delta.prompt_logprobs,
-            num_cached_tokens=delta.num_cached_tokens)
+            request_id=request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
+            outputs=completions, finished=finished, lora_request=last.lora_request,
+            prompt_logprobs=last.prompt_logprobs if prompt_logprobs_same else prompt_logprobs,
+            num_cached_tokens=num_cached_tokens)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 
 from serving.engine.lora.request import LoRARequest
-from serving.engine.output_deltas import OutputDecoder, OutputDelta, OutputEncoder
+from serving.engine.output_deltas import OutputDecoder, OutputEncoder
 from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -50,8 +50,11 @@ def test_cumulative_outputs_cross_as_deltas_and_come_back_whole() -> None:
     ]
     got, sent = _roundtrip(steps)
     assert got == steps
-    assert isinstance(sent[1][0], OutputDelta) and isinstance(sent[2][1], OutputDelta)
-    assert sent[1][0].completions[0].new_tokens == [6] and sent[1][0].completions[0].text_tail == "llo"
+    assert isinstance(sent[1][0], tuple) and isinstance(sent[2][1], tuple)  # deltas, not whole outputs
+    request_id, finished, (completion,), *_ = sent[1][0]
+    assert (request_id, finished) == ("r1", False)
+    index, keep_tokens, new_tokens, keep_text, text_tail, *_ = completion
+    assert (index, keep_tokens, new_tokens, keep_text, text_tail) == (0, 1, [6], 2, "llo")
 
 
 def test_a_finished_request_and_a_changed_prompt_go_whole() -> None:
@@ -63,7 +66,7 @@ def test_a_finished_request_and_a_changed_prompt_go_whole() -> None:
     ]
     got, sent = _roundtrip(steps)
     assert got == steps
-    assert [type(wire[0]) for wire in sent] == [RequestOutput, OutputDelta, RequestOutput, RequestOutput]
+    assert [type(wire[0]) for wire in sent] == [RequestOutput, tuple, RequestOutput, RequestOutput]
 
 
 def test_forgotten_requests_start_whole_again() -> None:

@@ -74,10 +74,22 @@ def engine_config(args: ServerArgs) -> EngineConfig:
     return config
 
 
+def uses_engine_process(asked: bool | None, device_type: str, tensor_parallel_size: int) -> bool:
+    """--engine-process as given, else the worker's default: on for one CUDA device, where the engine
+    thread and the HTTP loop contend for the interpreter lock (on the H200, 6,715 -> 9,800 output
+    tok/s at capacity, docs/benchmarks.md); off on CPU, where the child only costs a second
+    interpreter's start, and under tensor parallelism, whose ranks it has not been measured with."""
+    if asked is not None:
+        return asked
+    return device_type == "cuda" and tensor_parallel_size == 1
+
+
 class Worker:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.config = engine_config(args)
+        self.engine_process = uses_engine_process(args.engine_process, self.config.torch_device.type,
+                                                  self.config.tensor_parallel_size)
         self.base_model_ids = list(args.served_model_name) or [args.model]
         self.state = State.LOADING
         self.engine: EngineClient | None = None
@@ -129,7 +141,7 @@ class Worker:
             log.info("loading %s; adapters may be loaded from %s", self.args.model, ", ".join(self.adapter_roots.roots))
             started = time.perf_counter()
             # --engine-process: the engine core in a child process, off this process's interpreter lock.
-            engine_class: type[AsyncEngine | ProcessEngine] = ProcessEngine if self.args.engine_process else AsyncEngine
+            engine_class: type[AsyncEngine | ProcessEngine] = ProcessEngine if self.engine_process else AsyncEngine
             self.engine = await asyncio.to_thread(engine_class, self.config, on_dead=self._engine_died)
             self.adapters = AdapterSet(self.engine, base_model_ids=self.base_model_ids, roots=self.adapter_roots,
                                        on_change=self._changed)
@@ -278,7 +290,7 @@ class Worker:
         """Free memory of the engine's CUDA device as the driver reports it (other processes' use
         included), read here when the engine gives no stats (it failed); None on CPU, before the
         engine picked its device, and with --engine-process (this process opens no CUDA context)."""
-        if self.engine is None or self.config.torch_device.type != "cuda" or self.args.engine_process:
+        if self.engine is None or self.config.torch_device.type != "cuda" or self.engine_process:
             return None
         free, _ = torch.cuda.mem_get_info(self.config.torch_device)
         return int(free)

@@ -18,6 +18,7 @@ import httpx
 import psutil
 
 from serving.engine.server.cli import parse_args
+from serving.engine.server.worker import Worker, uses_engine_process
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 
@@ -72,6 +73,13 @@ def test_a_killed_engine_process_fails_the_worker(start_worker: Callable[..., An
     assert flagged.process.poll() is None, "the worker stays up to say why (/healthz, /readyz)"
 
 
-def test_the_flag_is_off_by_default(tiny_model: Path) -> None:
-    assert parse_args(["--model", str(tiny_model)]).engine_process is False
+def test_the_flag_is_on_by_default_for_one_cuda_device_only(tiny_model: Path) -> None:
+    assert parse_args(["--model", str(tiny_model)]).engine_process is None
     assert parse_args(["--model", str(tiny_model), "--engine-process"]).engine_process is True
+    assert parse_args(["--model", str(tiny_model), "--no-engine-process"]).engine_process is False
+    assert uses_engine_process(None, "cuda", 1) is True
+    assert uses_engine_process(None, "cpu", 1) is False
+    assert uses_engine_process(None, "cuda", 2) is False
+    assert uses_engine_process(False, "cuda", 1) is False
+    assert uses_engine_process(True, "cpu", 1) is True
+    assert Worker(parse_args(["--model", str(tiny_model), "--device", "cpu"])).engine_process is False
