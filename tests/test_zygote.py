@@ -17,6 +17,12 @@ from tests import zygote
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _zygote_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are the zygote's, even in a run that turned it off for the others."""
+    monkeypatch.delenv(zygote.ENABLED_VAR, raising=False)
+
+
 def write_module(directory: Path, name: str, source: str) -> None:
     (directory / f"{name}.py").write_text(source)
 
