@@ -86,6 +86,8 @@ class Fleet:
     slots: int
     cpu_cache: int
     logs: Path
+    rank: int = 8  # --max-lora-rank
+    worker_flags: tuple[str, ...] = ()  # more worker flags (bench/noisy_neighbour.py's 8B shape: --load-format dummy …)
     worker_children: list[Child] = field(default_factory=list)
     web_children: list[Child] = field(default_factory=list)
 
@@ -105,8 +107,8 @@ class Fleet:
             command = [sys.executable, "-m", "serving.engine.server", "--model", str(self.model), "--port", str(port),
                        "--served-model-name", "tiny-llama", "--api-key", WORKER_KEY, "--redis-url", settings.REDIS_URL,
                        "--worker-id", worker_id, "--heartbeat-interval", "1", "--max-loras", str(self.slots),
-                       "--max-cpu-loras", str(self.cpu_cache), "--max-lora-rank", "8",
-                       "--allowed-adapter-path", str(storage), "--uvicorn-log-level", "warning"]
+                       "--max-cpu-loras", str(self.cpu_cache), "--max-lora-rank", str(self.rank),
+                       "--allowed-adapter-path", str(storage), "--uvicorn-log-level", "warning", *self.worker_flags]
             self.worker_children.append(self._spawn(worker_id, f"http://127.0.0.1:{port}", command, worker_env))
         metrics_dir = self.logs / "prometheus"
         shutil.rmtree(metrics_dir, ignore_errors=True)  # multiprocess mode wants it empty at the start
