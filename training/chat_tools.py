@@ -9,6 +9,11 @@ used twice), `tool_call_unknown_function` (a call of a function the line's tools
 validate against the function's parameters) and `invalid_tool_message` (a tool message without
 string content, or whose `tool_call_id` answers no earlier call). The calls are kept with their
 arguments as objects, the form chat templates render (`tool_call.arguments | tojson`).
+
+Validation never touches the network: a schema may reference only its own parts (`#/…`), a
+remote `$ref` is that line's `invalid_tools` error, and the validators resolve references in a
+registry that retrieves nothing (jsonschema's default fetched any URL a `$ref` named, from the
+worker: SSRF, and a tarpit held the worker for minutes).
 """
 
 from __future__ import annotations
@@ -18,10 +23,17 @@ import re
 from typing import Any
 
 import jsonschema
+from referencing import Registry
+from referencing.exceptions import Unresolvable
 
 from training.problems import Problem
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# The keywords that reference another schema (2020-12, 2019-09 and the older drafts' $ref).
+_REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+# Resolves only what a schema holds (and the drafts' own meta-schemas, which jsonschema adds): no
+# `retrieve`, so any other reference is Unresolvable instead of fetched.
+_NO_RETRIEVAL = Registry()
 
 
 def parse_tools(value: Any) -> tuple[tuple[dict[str, Any], ...], list[Problem]]:
@@ -50,6 +62,9 @@ def parse_tools(value: Any) -> tuple[tuple[dict[str, Any], ...], list[Problem]]:
         parameters = function.get("parameters")
         if parameters is not None and not _is_schema(parameters):
             problems.append(Problem("invalid_tools", f"{where}.function.parameters is not a valid JSON schema."))
+        elif (remote := _remote_reference(parameters)) is not None:
+            problems.append(Problem("invalid_tools", f"{where}.function.parameters: remote $ref {remote!r} is not "
+                                                     "allowed; only local '#/…' references are."))
         if "description" in function and not isinstance(function["description"], str):
             problems.append(Problem("invalid_tools", f"{where}.function.description must be a string."))
         tools.append({"type": "function", "function": function})
@@ -64,6 +79,23 @@ def _is_schema(value: Any) -> bool:
     except jsonschema.SchemaError:
         return False
     return True
+
+
+def _remote_reference(schema: Any) -> str | None:
+    """The first reference in `schema` to anything but a part of itself (`#…`), or None. Iterative:
+    the schema is as deep as its line, which only the JSON parser's recursion bound limits."""
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            for keyword in _REFERENCE_KEYWORDS:
+                target = node.get(keyword)
+                if isinstance(target, str) and not target.startswith("#"):
+                    return target
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return None
 
 
 def parse_tool_calls(value: Any, where: str, tools: tuple[dict[str, Any], ...],
@@ -111,8 +143,16 @@ def _arguments(text: str, at: str, parameters: dict[str, Any] | None) -> tuple[d
         return {}, Problem("invalid_tool_call_arguments",
                            f"{at}.function.arguments must be the JSON text of an object.")
     if parameters is not None:
-        validator = jsonschema.validators.validator_for(parameters)(parameters)
-        error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+        validator = jsonschema.validators.validator_for(parameters)(parameters, registry=_NO_RETRIEVAL)
+        try:
+            error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+        except Unresolvable as unresolvable:
+            return {}, Problem("invalid_tool_call_arguments", f"{at}.function.arguments cannot be checked: the "
+                                                              f"function's parameters have a $ref that does not "
+                                                              f"resolve ({unresolvable}).")
+        except RecursionError:
+            return {}, Problem("invalid_tool_call_arguments", f"{at}.function.arguments cannot be checked: the "
+                                                              "function's parameters refer to themselves without end.")
         if error is not None:
             return {}, Problem("invalid_tool_call_arguments", f"{at}.function.arguments do not match the function's "
                                                               f"parameters: {error.message}.")

@@ -5,6 +5,9 @@ with its calls trained; each malformed part is that line's error with its code."
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from transformers import AutoTokenizer
@@ -81,6 +84,71 @@ def test_malformed_tool_parts_are_line_errors_with_codes():
     assert "messages[2].tool_calls[0] calls 'launch'" in messages[3] and "(get_weather)" in messages[3]
     assert "'town' was unexpected" in messages[5] or "'city' is a required property" in messages[5]
     assert "call_9" in messages[6]
+
+
+@pytest.fixture
+def recording_server() -> Iterator[tuple[str, list[str]]]:
+    """A local HTTP server that answers every GET with a schema and records the paths asked for."""
+    requested: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            requested.append(self.path)
+            body = json.dumps({"type": "object"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/schema+json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", requested
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+def test_a_remote_ref_in_a_tool_schema_is_a_line_error_and_nothing_is_fetched(recording_server):
+    """The attack of issue 37: a tool schema's `$ref` to a URL made the worker fetch it (SSRF; a tarpit
+    held the worker 378 s) and the file failed without a line number. Now the line is refused, and
+    no reference, however spelled, reaches the network: the server must see no request."""
+    url, requested = recording_server
+
+    def tool(parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    remote = [
+        {"type": "object", "properties": {"city": {"$ref": f"{url}/city.json"}}},
+        {"$id": f"{url}/root.json", "type": "object", "properties": {"city": {"$ref": "city.json"}}},
+        {"$schema": f"{url}/meta.json", "type": "object", "$dynamicRef": f"{url}/dynamic.json"},
+        {"type": "object", "allOf": [{"$ref": f"{url}/all.json#/x"}]},
+    ]
+    lines = [json.dumps(LINE).encode()]
+    lines += [json.dumps(with_messages(tools=[tool(parameters)])).encode() for parameters in remote]
+    # Local references still work, and one to a part the schema lacks is that line's error.
+    local = {"$defs": {"city": {"type": "string"}}, "type": "object",
+             "properties": {"city": {"$ref": "#/$defs/city"}}, "required": ["city"]}
+    lines.append(json.dumps(with_messages(tools=[tool(local)])).encode())
+    lines.append(json.dumps(with_messages(tools=[tool({**city, "properties": {"city": {"$ref": "#/$defs/no"}}})]))
+                 .encode())
+
+    report = validate_lines(lines, tokenizer=None, max_seq_length=512).to_dict()
+
+    assert requested == []
+    errors = [(error["line"], error["code"]) for error in report["errors"]]
+    assert [line for line, code in errors if code == "invalid_tools"] == [2, 3, 4, 5]
+    assert (7, "invalid_tool_call_arguments") in errors and all(line != 6 for line, _ in errors)
+    first = next(error["message"] for error in report["errors"] if error["line"] == 2)
+    assert first == (f"tools[0].function.parameters: remote $ref '{url}/city.json' is not allowed; only local "
+                     "'#/…' references are.")
+    dangling = next(error["message"] for error in report["errors"] if error["line"] == 7)
+    assert "does not resolve" in dangling and report["num_examples"] == 2
 
 
 def test_tool_calls_render_through_the_template_and_only_the_replies_are_trained(tokenizer):
