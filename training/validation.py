@@ -9,6 +9,7 @@ The file is read as a stream, one line at a time, so its size does not matter. N
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections import Counter
@@ -103,8 +104,19 @@ class Readable(Protocol):
 def iter_lines(stream: Readable, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes]:
     """The stream's lines without their end-of-line, read in chunks (S3 bodies yield chunks, not lines).
 
-    Raises LineTooLong (after yielding every line before it) when a line exceeds max_line_bytes.
+    A UTF-8 byte order mark before the first line is dropped, as OpenAI's fine-tuning accepts it
+    (editors on Windows write one; it was line 1's `invalid_json`). Raises LineTooLong (after
+    yielding every line before it) when a line exceeds max_line_bytes.
     """
+    lines = _split_lines(stream, max_line_bytes)
+    first = next(lines, None)
+    if first is None:
+        return
+    yield first.removeprefix(codecs.BOM_UTF8)
+    yield from lines
+
+
+def _split_lines(stream: Readable, max_line_bytes: int) -> Iterator[bytes]:
     pending = b""
     while chunk := stream.read(READ_CHUNK_BYTES):
         pending += chunk

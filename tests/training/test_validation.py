@@ -118,6 +118,18 @@ def test_lines_are_read_from_chunked_streams_and_over_long_lines_refused():
     assert codes(report) == [(2, "line_too_long")]
 
 
+def test_a_utf8_byte_order_mark_before_line_1_is_dropped_as_openai_does():
+    """It was line 1's `invalid_json` (issue 37, item 8). Only the file's first bytes: a mark inside
+    the file is still that line's error."""
+    bom = b"\xef\xbb\xbf"
+    rows = [{"text": "Once upon a time."}] * 3
+    assert next(iter_lines(io.BytesIO(bom + jsonl(rows)))) == json.dumps(rows[0]).encode()
+    report = check(bom + jsonl(rows))
+    assert report["valid"] and report["num_examples"] == 3
+    report = check(jsonl(rows[:1]) + bom + jsonl(rows[:1]))
+    assert codes(report) == [(2, "invalid_json")] and "BOM" in report["errors"][0]["message"]
+
+
 def test_invalid_utf8_is_invalid_json():
     report = check([b'{"text": "\xff\xfe"}'])
     assert codes(report) == [(1, "invalid_json")] and "UTF-8" in report["errors"][0]["message"]
