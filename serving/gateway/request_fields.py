@@ -7,9 +7,11 @@ estimated size.
   database, the hash of `user`, the worker's request would each fail with a 500). Refused here,
   once, with a 400 naming the field; the walk over the body only runs when the text holds a
   surrogate escape at all, so ordinary requests pay one substring search.
-- `model` is at most MODEL_MAX_CHARS characters (an adapter name is at most 63, a version 64:
-  `name@version` fits in 128; OpenAI's ids are short too), refused before any lookup, so no cache
-  or query ever sees a megabyte name.
+- No `NaN`/`Infinity` and no nesting deeper than the bound (the gateway's own `json.dumps` of the
+  worker's request refuses a NaN: it was a 500, counted against the worker), and every field whose
+  size sets the request's work within its cap (`model` at most MODEL_MAX_CHARS characters, `stop`,
+  `tools`, `logit_bias`, the structured-output texts, …): serving.wire.request_caps, the bounds the
+  worker checks too. All of it before any token bucket, lookup or queue.
 - Fields named `loraplex_*` are the workers' internal protocol (`loraplex_adapter` makes a
   worker load an artifact): a caller sending one gets a 400 naming it.
 - The worker's request is built from FORWARDED only: the OpenAI (and vLLM-extension) fields the
@@ -20,14 +22,14 @@ estimated size.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any
 
-from serving.gateway.errors import invalid_request
+from serving.gateway.errors import GatewayError, invalid_request
+from serving.wire import request_caps
 
-MODEL_MAX_CHARS = 256
+MODEL_MAX_CHARS = request_caps.MAX_MODEL_CHARS
 INTERNAL_PREFIX = "loraplex_"
 
 # SamplingFields of the worker's protocol, less those the gateway writes itself.
@@ -54,13 +56,15 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def decode_body(raw: bytes) -> dict[str, Any]:
     """The request's JSON object; 400 for a body that is not UTF-8, not JSON, not an object, or
-    holds a lone surrogate, an internal field, or no usable `model`."""
+    holds a lone surrogate, an internal field, no usable `model`, or a field over its cap."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise invalid_request(f"The request body is not valid UTF-8 (byte {exc.start}).") from None
     try:
-        body = json.loads(text or "null")
+        body = request_caps.loads(text or "null")
+    except request_caps.CapExceeded as exc:
+        raise _refusal(exc) from None
     except ValueError as exc:
         raise invalid_request(f"The request body is not valid JSON: {exc}.") from None
     if not isinstance(body, dict):
@@ -75,10 +79,15 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise invalid_request("'model' is required: an adapter name, 'name@version', or the base model's id.",
                               param="model")
-    if len(model) > MODEL_MAX_CHARS:
-        raise invalid_request(f"'model' is {len(model)} characters long; a model name is at most {MODEL_MAX_CHARS} "
-                              "characters.", param="model", code="model_name_too_long")
+    try:
+        request_caps.check_caps(body)
+    except request_caps.CapExceeded as exc:
+        raise _refusal(exc) from None
     return body
+
+
+def _refusal(exc: request_caps.CapExceeded) -> GatewayError:
+    return invalid_request(exc.message, param=exc.param, code=exc.code)
 
 
 def _refuse_surrogates(value: Any, path: str) -> None:

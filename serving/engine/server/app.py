@@ -13,6 +13,7 @@ from serving.engine import AdapterError, AdapterNotFoundError
 from serving.engine.server.adapter_roots import AdapterLocationRefused
 from serving.engine.server.adapters import Source
 from serving.engine.server.auth import OperatorAuth, is_operator
+from serving.engine.server.body_json import CheckedJSONRoute
 from serving.engine.server.body_limit import BodyLimit
 from serving.engine.server.chat import create_chat_completion
 from serving.engine.server.completions import create_completion
@@ -70,6 +71,7 @@ def build_app(worker: Worker) -> FastAPI:
         await worker.stop()
 
     app = FastAPI(title="Loraplex serving worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = CheckedJSONRoute  # bodies within serving.wire.request_caps' bounds
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)

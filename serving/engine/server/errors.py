@@ -85,7 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)))
+        return error_response(APIError(exc.status_code, str(exc.detail), param=getattr(exc, "param", None),
+                                       code=getattr(exc, "code", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

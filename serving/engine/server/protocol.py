@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from serving.wire import request_caps
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -109,7 +111,7 @@ class CompletionRequest(SamplingFields):
     `best_of` generates that many and returns the `n` most likely."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=request_caps.MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
@@ -234,7 +236,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=request_caps.MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

