@@ -77,3 +77,28 @@ def test_forgotten_requests_start_whole_again() -> None:
     again = _output("r", ["ab"], [[1, 2]])
     wire = encoder.encode([again])
     assert isinstance(wire[0], RequestOutput) and decoder.decode(wire) == [again]
+
+
+def test_prompt_logprobs_come_back_on_every_output_sent_once_unless_they_change() -> None:
+    """`prompt_logprobs` (one entry per prompt token, None for the first) is on the first output;
+    the deltas after it leave it out (`same`), and the decoder keeps the one it has, or takes the
+    new one when it changed (a chunked prompt's entries arriving over two steps)."""
+    first_half = [None, {2: Logprob(-1.5, 3, "2")}]
+    whole = [*first_half, {3: Logprob(-0.25, 1, "3"), 7: Logprob(-2.0, 2, "7")}]
+
+    def step(texts: list[str], tokens: list[list[int]], prompt_logprobs: list, **kw: bool) -> RequestOutput:
+        output = _output("r", texts, tokens, **kw)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    steps = [
+        [step(["a"], [[1]], first_half)],
+        [step(["ab"], [[1, 2]], whole)],  # changed: sent
+        [step(["abc"], [[1, 2, 3]], whole)],  # the same: not sent, kept
+        [step(["abcd"], [[1, 2, 3, 4]], whole, finished=True)],
+    ]
+    got, sent = _roundtrip(steps)
+    assert got == steps
+    assert [wire[0][-2:] for wire in sent[1:3]] == [(False, whole), (True, None)]
+    assert all(output.prompt_logprobs == (first_half if index == 0 else whole)
+               for index, (output,) in enumerate(got))

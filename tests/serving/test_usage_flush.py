@@ -68,6 +68,27 @@ def test_a_flush_waits_for_the_one_holding_the_lock(tenant_a, own_redis, client_
     assert own_redis.llen(QUEUE_KEY) == 0 and not own_redis.exists(FLUSH_LOCK_KEY), "the lock is let go"
 
 
+def test_a_record_pushed_between_the_peek_and_the_trim_stays_queued(tenant_a, own_redis, monkeypatch) -> None:
+    """A request finishing while the flusher writes pushes its record behind the head: the trim takes
+    only the entries the flusher read, so that record is written by the next flush, not dropped."""
+    early, late = _events(tenant_a.tenant.pk, 2), _events(tenant_a.tenant.pk, 3)[2:]
+    own_redis.rpush(QUEUE_KEY, *[event.dumps() for event in early])
+    peeks = []
+
+    def peek_then_push(client, count: int):
+        head = usage_peek(client, count)
+        if not peeks:
+            client.rpush(QUEUE_KEY, late[0].dumps())
+        peeks.append(head[1])
+        return head
+
+    monkeypatch.setattr(serving.usage, "usage_peek", peek_then_push)
+    assert usage_records_flush(batch=10) == 2 and peeks == [2]
+    assert [UsageEvent.loads(raw).request_id for raw in own_redis.lrange(QUEUE_KEY, 0, -1)] == ["req-2"]
+    assert usage_records_flush(batch=10) == 1 and own_redis.llen(QUEUE_KEY) == 0
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["req-0", "req-1", "req-2"]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_flushers_in_parallel_write_every_record_once(tenant_a, own_redis) -> None:
     total = 1200

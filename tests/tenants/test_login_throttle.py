@@ -102,6 +102,21 @@ def test_twenty_failures_from_one_address_lock_that_address_for_every_account(cl
     assert log_in(fresh, PASSWORD, ip=spray)[0]
 
 
+def test_successful_sign_ins_from_one_address_never_lock_it(clock) -> None:
+    """An office behind one address: every sign-in is counted when it starts, and a success gives it
+    back, so more successes than the address's failure limit, all in one window, are all let in;
+    its failures still count (a limit's worth of them, on other accounts, then locks it)."""
+    office = address()
+    staff = [account() for _ in range(3)]
+    for turn in range(settings.LOGIN_FAILURES_PER_ADDRESS + 5):
+        ok, page = log_in(staff[turn % len(staff)], PASSWORD, ip=office)
+        assert ok, f"sign-in {turn + 1} from the office was refused: {page[:200]}"
+    for _ in range(settings.LOGIN_FAILURES_PER_ADDRESS):
+        assert not log_in(account(), "guess", ip=office)[0]
+    ok, page = log_in(staff[0], PASSWORD, ip=office)
+    assert not ok and REFUSED in page
+
+
 def test_the_admin_login_is_throttled_by_the_same_counters(clock) -> None:
     admin_name, ip = account(), address()
     get_user_model().objects.filter(username=admin_name).update(is_staff=True, is_superuser=True)

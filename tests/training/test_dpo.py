@@ -13,7 +13,7 @@ import torch
 
 from training.dpo import dpo_losses
 from training.hyperparameters import DPO, Hyperparameters
-from training.preference import encode, iter_valid_pairs
+from training.preference import encode, iter_valid_pairs, parse
 from training.steps import evaluation_loss
 from training.trainer import LoraTrainer, load_base
 from training.validation import validate_lines
@@ -59,6 +59,18 @@ def test_a_malformed_preference_line_is_a_line_error(base):
     # A pair counts both sequences' tokens.
     good = validate_lines(raw(preference_lines()), tokenizer=base.tokenizer, max_seq_length=256)
     assert good.is_valid and good.stats["trained_tokens"] > 0 and good.stats["num_examples"] == len(QA)
+
+
+@pytest.mark.parametrize("output", ["preferred_output", "non_preferred_output"])
+def test_an_output_of_two_assistant_messages_is_refused_not_truncated(output):
+    line = preference_lines()[0]
+    line[output] = [{"role": "assistant", "content": "First."}, {"role": "assistant", "content": "Second."}]
+    example, errors, _ = parse(line)
+    assert example is None
+    assert [problem.code for problem in errors] == [f"invalid_{output}"]
+    assert f"'{output}' must be a list of exactly one assistant message" in errors[0].message
+    line[output] = []
+    assert [problem.code for problem in parse(line)[1]] == [f"invalid_{output}"]
 
 
 @pytest.fixture(scope="module")

@@ -190,6 +190,26 @@ def test_an_upload_expires_after_an_hour(openai_a, django_capture_on_commit_call
     assert uploads.uploads_expire() == []
 
 
+def test_the_sweep_expires_only_the_uploads_past_their_expiry(openai_a, django_capture_on_commit_callbacks):
+    """Beat runs the sweep every minute: an upload with time left keeps its status, its parts and its
+    completion, while the one whose expiry passed a second ago ends."""
+    late, fresh = start(openai_a), start(openai_a)
+    send_parts(openai_a, late.id, thirds(DATA)[:1])
+    first = send_parts(openai_a, fresh.id, thirds(DATA)[:1])
+    now = timezone.now()
+    Upload.objects.filter(pk=int(late.id.removeprefix("upload_"))).update(expires_at=now - timedelta(seconds=1))
+    Upload.objects.filter(pk=int(fresh.id.removeprefix("upload_"))).update(expires_at=now + timedelta(seconds=60))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert uploads.uploads_expire() == [int(late.id.removeprefix("upload_"))]
+    statuses = dict(Upload.objects.values_list("pk", "status"))
+    assert [statuses[int(upload.id.removeprefix("upload_"))] for upload in (late, fresh)] == ["expired", "pending"]
+    assert stored_parts(late.id) == [] and len(stored_parts(fresh.id)) == 1
+    # The one with time left still takes parts and completes.
+    rest = send_parts(openai_a, fresh.id, thirds(DATA)[1:])
+    done = openai_a.uploads.complete(fresh.id, part_ids=first + rest)
+    assert done.status == "completed"
+
+
 def test_another_tenants_upload_is_a_404(openai_a, openai_b):
     upload = start(openai_a)
     part_ids = send_parts(openai_a, upload.id, [DATA])

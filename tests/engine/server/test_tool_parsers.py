@@ -47,6 +47,13 @@ WELL_FORMED = [
     (HERMES, '<tool_call>\n{"name": "order_status", "arguments": "{\\"order_id\\": 42}"}\n</tool_call>', None, [ORDER]),
 ]
 
+# A call without arguments: no object to hand over, so plain content (not a crash).
+NO_ARGUMENTS = [
+    (HERMES, '<tool_call>\n{"name": "get_weather"}\n</tool_call>'),
+    (LLAMA3_JSON, '{"name": "get_weather"}'),
+    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather"}]'),
+]
+
 MALFORMED = [
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}\n</tool_call>'),  # unclosed
     (HERMES, '<tool_call>\n{"arguments": {"city": "Rome"}}\n</tool_call>'),  # no name
@@ -59,6 +66,9 @@ MALFORMED = [
     (MISTRAL, '[1, 2, 3]'),
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {}}'),  # the array never closes
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {"a": tru}}]'),  # not JSON
+    *NO_ARGUMENTS,
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "order_status"}\n</tool_call>'),  # one of two calls without: all content
 ]
 
 
@@ -96,6 +106,12 @@ def test_calls_of_each_family_whole_and_in_every_piece_size(family: Family, text
 def test_malformed_calls_are_left_as_content(family: Family, text: str) -> None:
     whole = parse(family, text)
     assert whole.calls == () and whole.content == text
+
+
+@pytest.mark.parametrize(("family", "text"), NO_ARGUMENTS)
+def test_a_streamed_call_without_arguments_is_content(family: Family, text: str) -> None:
+    for size in (1, 5, len(text)):
+        assert streamed(family, text, size)[:2] == (text, []), size
 
 
 def test_a_stream_sends_a_calls_arguments_as_they_come() -> None:
@@ -163,3 +179,18 @@ def test_the_grammar_of_forced_calls_holds_the_familys_text(family: Family) -> N
     assert not _is_grammar_accept_string(single, call_text(family, [("get_weather", {"city": 3})]))
     # What the grammar writes, the family's parser reads.
     assert [call.name for call in parse(family, call_text(family, two)).calls] == ["get_weather", "ping"]
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3_JSON, MISTRAL])
+def test_the_grammar_of_forced_calls_requires_the_arguments_and_their_required_fields(family: Family) -> None:
+    """The grammar, not a sampled model, is what keeps a forced call whole: a call without its
+    arguments object, or whose arguments lack a required parameter, is not a sentence of it."""
+    single = tool_call_grammar(family, FUNCTIONS, parallel=False)
+    no_arguments = json.dumps({"name": "get_weather"})
+    text = f"{family.grammar_prefix}{family.grammar_open}{no_arguments}{family.grammar_close}{family.grammar_suffix}"
+    assert not _is_grammar_accept_string(single, text)
+    assert not _is_grammar_accept_string(single, call_text(family, [("get_weather", {})]))
+    assert not _is_grammar_accept_string(tool_call_grammar(family, FUNCTIONS[1:], parallel=False),
+                                         text.replace("get_weather", "ping"))
+    assert _is_grammar_accept_string(single, call_text(family, [("get_weather", {"city": "Rome"})]))
+    assert _is_grammar_accept_string(single, call_text(family, [("ping", {})]))

@@ -1,0 +1,120 @@
+"""The admission step in this process (serving.gateway.pipeline.admit) on the run's Redis, at its
+boundaries: a key whose recorded spend has reached its monthly budget exactly is refused, one
+below it is admitted; a key over its own tokens per minute is refused even on a tier that allows
+degradation (degrading spends the tenant's slack, not the key's), while the tenant's quota running
+short on such a tier is degraded. No web process: the catalog is a stand-in whose only answer
+that matters is the key's recorded tokens (what the budget's counter is seeded from)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from serving.gateway import pipeline, wiring
+from serving.gateway.errors import GatewayError
+from serving.gateway.local_buckets import GuardedBuckets
+from serving.gateway.proxy import Upstream
+from serving.gateway.quotas import TokenBuckets
+from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
+
+DEGRADABLE = TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=1_000, max_tokens_per_request=64,
+                        priority=1, degradation_allowed=True)
+
+
+class RecordedCatalog:
+    """The one port admission reads: the key's usage records in the month before its counter."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    async def key_tokens_recorded(self, caller: Caller, start: float, before: float) -> int:
+        return self.tokens
+
+
+def caller(tier: TierLimits = DEGRADABLE, **key: int) -> Caller:
+    return Caller(tenant_id=1, tenant=f"t-{uuid.uuid4().hex[:8]}", key_prefix=uuid.uuid4().hex[:12], tier=tier,
+                  key=KeyControls(**key))
+
+
+def adapter_call(who: Caller, *, max_tokens: int = 8) -> Call:
+    """A chat request for an adapter (not the base model: only those may degrade)."""
+    return Call(endpoint="chat", caller=who, model="support-bot", target=Target(),
+                body={"model": "support-bot", "messages": [{"role": "user", "content": "Hi"}]},
+                max_tokens=max_tokens)
+
+
+def admitting(recorded: int, scenario: Callable[[pipeline.Resources], Awaitable[None]]) -> None:
+    """Runs `scenario` with the pipeline's resources on the run's Redis, as serving.gateway.wiring builds them."""
+    from django.conf import settings
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        resilience = wiring.resilience_build(client)
+        res = pipeline.Resources(
+            redis=client, buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=1),
+            upstream=Upstream(api_key="", timeout_s=5.0), resilience=resilience,
+            catalog=RecordedCatalog(recorded),  # type: ignore[arg-type]  # admission reads only this
+            config=pipeline.PipelineConfig(gateway=settings.GATEWAY, routing=settings.GATEWAY_ROUTING,
+                                           worker_api_key="", base_model_name="tiny"))
+        try:
+            await scenario(res)
+        finally:
+            await res.upstream.aclose()
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("recorded", "admitted"), [(1_000, False), (1_001, False), (500, True)])
+def test_a_key_is_refused_once_its_recorded_spend_reaches_its_budget(redis_client, recorded: int,
+                                                                    admitted: bool) -> None:
+    who = caller(monthly_token_budget=1_000)
+
+    async def scenario(res: pipeline.Resources) -> None:
+        call = adapter_call(who)
+        if admitted:
+            await pipeline.admit(call, res)
+            assert call.admission is not None and call.admission.admitted and not call.degraded
+            return
+        with pytest.raises(GatewayError) as refused:
+            await pipeline.admit(call, res)
+        assert (refused.value.status, refused.value.code) == (429, "key_budget_exceeded")
+        assert f"has used {recorded:,} tokens this month, its monthly budget is 1,000" in str(refused.value)
+
+    admitting(recorded, scenario)
+
+
+def test_a_key_over_its_own_tokens_per_minute_is_refused_not_degraded(redis_client) -> None:
+    # The key's 50 tpm hold 100 tokens (the default burst: two minutes): one 64-token request, not two.
+    # The tenant's 1,000 tpm hold far more, so only the key is short.
+    who = caller(tokens_per_minute=50)
+
+    async def scenario(res: pipeline.Resources) -> None:
+        first = adapter_call(who, max_tokens=64)
+        await pipeline.admit(first, res)
+        assert first.admission is not None and first.admission.admitted
+        over = adapter_call(who, max_tokens=64)
+        with pytest.raises(GatewayError) as refused:
+            await pipeline.admit(over, res)
+        assert (refused.value.status, refused.value.code) == (429, "rate_limit_exceeded")
+        assert "its own limit: 50 tokens per minute" in str(refused.value)
+        assert not over.degraded and not over.target.base and "x-loraplex-degraded" not in over.headers
+
+    admitting(0, scenario)
+
+
+def test_the_tenants_quota_short_on_a_degradable_tier_is_degraded_to_the_base_model(redis_client) -> None:
+    # The tier's 10 tpm hold 20 tokens: a 64-token request is the tenant's short (the key has no limits).
+    who = caller(tier=TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=10,
+                                 max_tokens_per_request=64, priority=1, degradation_allowed=True))
+
+    async def scenario(res: pipeline.Resources) -> None:
+        call = adapter_call(who, max_tokens=64)
+        await pipeline.admit(call, res)
+        assert call.degraded and call.target.base and call.headers["x-loraplex-degraded"] == "quota"
+
+    admitting(0, scenario)
