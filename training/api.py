@@ -71,10 +71,12 @@ class DatasetUploadSerializer(serializers.Serializer):
 
 
 class DatasetUploadHandler(TemporaryFileUploadHandler):
-    """Streams an upload to a temporary file on disk and stops the moment it passes the tier's limit.
+    """Streams an upload to a temporary file on disk and stops the moment it passes the tier's limit,
+    deleting what it wrote.
 
     DRF authenticates before it parses the body and copies `auth` onto the Django request, so the
-    tenant (and so the limit) is known when the first chunk arrives.
+    tenant (and so the limit) is known when the first chunk arrives; the dashboard sets `auth` before
+    its CSRF check parses the form (without it, the platform-wide limit applied: issue 37).
     """
 
     def __init__(self, request: HttpRequest) -> None:
@@ -92,6 +94,9 @@ class DatasetUploadHandler(TemporaryFileUploadHandler):
     def receive_data_chunk(self, raw_data: bytes, start: int) -> bytes | None:
         self.received += len(raw_data)
         if self.limit is not None and self.received > self.limit:
+            # The temporary file is a NamedTemporaryFile: closing it deletes it, so nothing of a
+            # refused upload stays on disk while the error and its request are still referenced.
+            self.file.close()
             raise datasets.dataset_too_large(None, self.limit, self.tenant)
         return super().receive_data_chunk(raw_data, start)
 

@@ -21,7 +21,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from serving.wire.errors import InvalidInput, NotFound, PayloadTooLarge
-from training import uploads
+from training import conf, uploads
 from training.models import Upload, UploadPart
 from training.openai_api import OpenAIView, file_object
 
@@ -94,15 +94,30 @@ class UploadsView(_UploadView):
 
 
 class _PartUploadHandler(TemporaryFileUploadHandler):
-    """Streams a part to a temporary file on disk and stops the moment it passes PART_MAX_BYTES."""
+    """Streams a part to a temporary file on disk and stops the moment it passes PART_MAX_BYTES, or
+    the tier's dataset limit where that is smaller (no part can be more than its whole), deleting
+    what it wrote."""
 
     def __init__(self, request: HttpRequest) -> None:
         super().__init__(request)
         self.received = 0
+        self.limit = uploads.PART_MAX_BYTES
+        self.tier: str | None = None
+
+    def new_file(self, *args: Any, **kwargs: Any) -> None:
+        super().new_file(*args, **kwargs)
+        auth = getattr(self.request, "auth", None)
+        if auth is not None:
+            self.tier = auth.tenant.tier.name
+            self.limit = min(uploads.PART_MAX_BYTES, conf.dataset_max_bytes(self.tier))
 
     def receive_data_chunk(self, raw_data: bytes, start: int) -> bytes | None:
         self.received += len(raw_data)
-        if self.received > uploads.PART_MAX_BYTES:
+        if self.received > self.limit:
+            self.file.close()  # a NamedTemporaryFile: closing deletes it
+            if self.limit < uploads.PART_MAX_BYTES:
+                raise PayloadTooLarge(f"A part may be at most {self.limit} bytes here: datasets on tier '{self.tier}' "
+                                      f"may be at most {self.limit} bytes.", code="part_too_large", param="data")
             raise PayloadTooLarge(f"A part may be at most {uploads.PART_MAX_BYTES} bytes; send the file in more "
                                   "parts.", code="part_too_large", param="data")
         return super().receive_data_chunk(raw_data, start)

@@ -34,7 +34,9 @@ def dataset_upload_view(request: HttpRequest) -> HttpResponse:
     """The upload streams to disk through the API's handler, which stops at the tier's size limit.
 
     Upload handlers must be set before anything reads the body, and the CSRF check reads it, so the
-    check runs inside (Django's documented csrf_exempt + csrf_protect pattern).
+    check runs inside (Django's documented csrf_exempt + csrf_protect pattern), within the `try`
+    that answers a refused upload: the check is what parses the form, so a file over the limit is
+    refused there.
     """
     request.upload_handlers = [DatasetUploadHandler(request)]
     return _dataset_upload(request)
@@ -42,20 +44,24 @@ def dataset_upload_view(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @dashboard_view(Role.MEMBER)
-@csrf_protect
 def _dataset_upload(request: DashboardRequest) -> HttpResponse:
     # The handler reads the tenant (for its limit) from request.auth, as on the API.
     request.auth = request.dashboard.auth  # type: ignore[attr-defined]  # the attribute DRF's Request sets
     try:
-        upload = request.FILES.get("file")
-        if upload is None:
-            raise InvalidInput("Choose a JSONL file to upload.", code="missing_file", param="file")
-        # An UploadedFile is a binary file object (the stubs type it as a File of any string type).
-        dataset = datasets.dataset_create(tenant=request.dashboard.tenant, source=cast(BinaryIO, upload),
-                                          filename=upload.name or "", size=upload.size)
+        return _dataset_store(request)
     except ServiceError as error:
         messages.error(request, error.message)
         return htmx_redirect(request, reverse("dashboard:datasets"))
+
+
+@csrf_protect
+def _dataset_store(request: DashboardRequest) -> HttpResponse:
+    upload = request.FILES.get("file")
+    if upload is None:
+        raise InvalidInput("Choose a JSONL file to upload.", code="missing_file", param="file")
+    # An UploadedFile is a binary file object (the stubs type it as a File of any string type).
+    dataset = datasets.dataset_create(tenant=request.dashboard.tenant, source=cast(BinaryIO, upload),
+                                      filename=upload.name or "", size=upload.size)
     # Shown while the dataset validates (app.js drops it once the page shows another state).
     messages.success(request, f"Uploaded {dataset.filename}; validating it now.",
                      extra_tags=f"dataset-{dataset.pk}:uploaded,validating")
