@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
@@ -27,7 +28,7 @@ from training.base import after_commit
 from training.examples import Problem
 from training.jobs import training_jobs_release
 from training.models import Dataset, TrainingJob
-from training.validation import ValidationReport, iter_lines, validate_lines
+from training.validation import ValidationReport, iter_lines, timeout_problem, validate_lines
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,10 @@ def dataset_validate(*, dataset_id: int) -> Dataset | None:
         dataset.save(update_fields=["status", "validation_started_at"])
     try:
         report = _validate_stored(dataset)
+    except SoftTimeLimitExceeded:
+        # The task's own limit, past the budget: one line's check never came back (training.tasks).
+        report = ValidationReport()
+        report.add_error(None, timeout_problem(validation_budget_s()))
     except Exception as error:
         logger.exception("Validation of dataset %s failed", dataset_id)
         report = ValidationReport()
@@ -113,6 +118,11 @@ def dataset_validate(*, dataset_id: int) -> Dataset | None:
     return validation_record(dataset_id, report)
 
 
+def validation_budget_s() -> int:
+    """How long the check of one file may take (TRAINING_VALIDATION_TIMEOUT_SECONDS)."""
+    return conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS")
+
+
 def _validate_stored(dataset: Dataset) -> ValidationReport:
     """The report on the dataset's stored file."""
     tokenizer = _base_tokenizer()
@@ -120,7 +130,7 @@ def _validate_stored(dataset: Dataset) -> ValidationReport:
         with get_storage().open(dataset.storage_key) as raw:
             hashed = _HashingStream(raw)
             report = validate_lines(iter_lines(hashed), tokenizer=tokenizer,
-                                    max_seq_length=conf.max_seq_length_default())
+                                    max_seq_length=conf.max_seq_length_default(), time_budget_s=validation_budget_s())
             hashed.drain()
         if hashed.hexdigest() != dataset.sha256:
             report.add_error(None, Problem("checksum_mismatch", "The stored file no longer matches the sha256 taken "

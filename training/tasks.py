@@ -14,10 +14,17 @@ from celery.signals import worker_init, worker_ready
 from training import conf, datasets, run, scratch, sweep, uploads
 
 
-# A validation running longer is interrupted (SoftTimeLimitExceeded), which ends the dataset invalid;
-# the sweep ends one whose worker died (prefork pool: the limit is a signal to the pool process).
+# The check stops itself between lines past TRAINING_VALIDATION_TIMEOUT_SECONDS (training.validation);
+# these limits bound a single line that never comes back. Past the soft one the check is interrupted
+# (SoftTimeLimitExceeded, a signal to the pool process), which ends the dataset invalid; past the hard
+# one the pool process is killed (a regular expression in C takes no signal), and the sweep ends the
+# dataset. The slot is free again either way.
+VALIDATION_LINE_GRACE_SECONDS = 60
+
+
 @shared_task(name="training.tasks.dataset_validate", ignore_result=True,
-             soft_time_limit=conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS"))
+             soft_time_limit=conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS") + VALIDATION_LINE_GRACE_SECONDS,
+             time_limit=conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS") + 2 * VALIDATION_LINE_GRACE_SECONDS)
 def dataset_validate(dataset_id: int) -> None:
     datasets.dataset_validate(dataset_id=dataset_id)
 

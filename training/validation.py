@@ -4,16 +4,19 @@ Every problem carries its 1-based line number and a code (`invalid_json`, `missi
 `unrecognized_role`, `missing_content`, `example_missing_assistant_message`, …); the list is capped,
 with a count per code for the rest. Statistics use the base model's tokenizer: examples, tokens,
 trained tokens, the longest example and how many will be truncated at a given sequence length.
-The file is read as a stream, one line at a time, so its size does not matter. No Django here.
+The file is read as a stream, one line at a time, so its size does not matter; the time it may
+take is bounded (`time_budget_s`, TRAINING_VALIDATION_TIMEOUT_SECONDS). No Django here.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import math
 import re
+import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -141,15 +144,24 @@ def iter_valid_examples(lines: Iterable[bytes], fmt: str) -> Iterator[Example]:
 
 
 def validate_lines(lines: Iterable[bytes], *, tokenizer: Any | None, max_seq_length: int,
-                   max_problems: int = MAX_REPORTED_PROBLEMS) -> ValidationReport:
-    """The report for a JSONL file given as its lines (bytes). `tokenizer` None skips token stats."""
+                   max_problems: int = MAX_REPORTED_PROBLEMS, time_budget_s: float = math.inf,
+                   clock: Callable[[], float] = time.monotonic) -> ValidationReport:
+    """The report for a JSONL file given as its lines (bytes). `tokenizer` None skips token stats.
+
+    Past `time_budget_s` (checked before each line) the check stops with a `validation_timeout`
+    error at the line it stopped before: one file may not hold a validation slot for longer.
+    """
     report = ValidationReport(max_problems=max_problems)
     tokens = _TokenStats(tokenizer, max_seq_length)
     line_number = 0
+    deadline = clock() + time_budget_s
     try:
         for line_number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
+            if clock() >= deadline:
+                report.add_error(line_number, timeout_problem(time_budget_s))
+                break
             try:
                 _check_line(line_number, raw, report, tokens)
             except RecursionError:
@@ -174,6 +186,13 @@ def validate_lines(lines: Iterable[bytes], *, tokenizer: Any | None, max_seq_len
             "examples_truncated", f"{tokens.truncated} example(s) are longer than {max_seq_length} tokens and "
                                   "will be truncated (raise max_seq_length or shorten them)."))
     return report
+
+
+def timeout_problem(budget_s: float) -> Problem:
+    """The error of a file whose check ran out of its time budget (here, or at the task's time limit)."""
+    return Problem("validation_timeout", f"Validation of this file did not finish within its {budget_s:g} s budget; "
+                                         "split it into smaller files, or simplify its largest lines (deeply "
+                                         "nested or very large tool schemas), and upload them again.")
 
 
 def _check_line(line_number: int, raw: bytes, report: ValidationReport, tokens: _TokenStats) -> None:

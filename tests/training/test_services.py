@@ -9,6 +9,7 @@ import sys
 from datetime import timedelta
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from django.utils import timezone
 
 from serving.storage import get_storage
@@ -165,6 +166,37 @@ def test_the_sweep_sends_a_validation_never_sent_and_ends_one_stuck_past_its_tim
     assert "did not finish within 600 s" in stuck.report["errors"][0]["message"]
     # A late delivery of its task leaves the verdict alone.
     assert datasets.dataset_validate(dataset_id=stuck.pk).status == Dataset.Status.INVALID
+
+
+def test_a_validation_past_its_time_budget_ends_the_dataset_invalid_with_a_line(tenant_a, platform, settings,
+                                                                                monkeypatch):
+    settings.TRAINING_VALIDATION_TIMEOUT_SECONDS = 0
+    created = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="a.jsonl")
+    dataset = datasets.dataset_validate(dataset_id=created.pk)
+    assert dataset.status == Dataset.Status.INVALID
+    assert [(error["line"], error["code"]) for error in dataset.report["errors"]] == [(1, "validation_timeout")]
+    assert "within its 0 s budget" in dataset.report["errors"][0]["message"]
+
+    # A line that never came back: the task's soft time limit interrupts it, with the same verdict.
+    def interrupted(*_, **__):
+        raise SoftTimeLimitExceeded()
+
+    settings.TRAINING_VALIDATION_TIMEOUT_SECONDS = 600
+    monkeypatch.setattr(datasets, "validate_lines", interrupted)
+    created = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="b.jsonl")
+    dataset = datasets.dataset_validate(dataset_id=created.pk)
+    assert dataset.status == Dataset.Status.INVALID
+    assert [error["code"] for error in dataset.report["errors"]] == ["validation_timeout"]
+    assert "within its 600 s budget" in dataset.report["errors"][0]["message"]
+
+
+def test_the_validation_task_is_bounded_past_the_budget():
+    """The task's limits sit just past the budget (training.tasks), so a line that never returns
+    frees its worker slot: soft, then hard."""
+    from training import conf, tasks
+
+    budget = conf.setting_int("TRAINING_VALIDATION_TIMEOUT_SECONDS")
+    assert budget < tasks.dataset_validate.soft_time_limit < tasks.dataset_validate.time_limit <= budget + 300
 
 
 def test_a_validation_that_crashes_ends_the_dataset_invalid_with_a_message(tenant_a, platform, settings, tmp_path,

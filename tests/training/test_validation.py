@@ -130,6 +130,17 @@ def test_a_utf8_byte_order_mark_before_line_1_is_dropped_as_openai_does():
     assert codes(report) == [(2, "invalid_json")] and "BOM" in report["errors"][0]["message"]
 
 
+def test_a_file_stops_at_the_line_where_its_time_budget_ran_out():
+    """Issue 37, item 5: one file may not hold a validation slot without end. The clock is the test's
+    (a second per look), so the line it stops at is exact and nothing waits."""
+    ticks = iter(range(1000))
+    rows = [{"text": "Once upon a time."}] * 5
+    report = check(jsonl(rows), time_budget_s=2.5, clock=lambda: float(next(ticks)))
+    assert codes(report) == [(3, "validation_timeout")] and report["num_examples"] == 2
+    assert "within its 2.5 s budget" in report["errors"][0]["message"]
+    assert check(jsonl(rows), time_budget_s=2.5)["valid"]  # the real clock: five lines take no 2.5 s
+
+
 def test_invalid_utf8_is_invalid_json():
     report = check([b'{"text": "\xff\xfe"}'])
     assert codes(report) == [(1, "invalid_json")] and "UTF-8" in report["errors"][0]["message"]
