@@ -24,6 +24,15 @@ class GatewayConfig:
     # (GATEWAY_WORKERS_CACHE_SECONDS).
     workers_cache_s: float = 0.25
     upstream_timeout_s: float = 600.0  # GATEWAY_UPSTREAM_TIMEOUT
+    # How long a worker may take to answer a streamed call's headers, which it sends with the first
+    # token: past it the gateway closes the call (the worker aborts it) and fails over to the next
+    # worker, counting it as the first one's failure. A prefill under load takes seconds, not tens of
+    # them (GATEWAY_FIRST_BYTE_TIMEOUT; docs/gateway.md, "Failover").
+    first_byte_timeout_s: float = 30.0
+    # The largest completion request body the gateway reads: the serving worker's own bound (its
+    # --max-request-body-bytes default), so a body the worker would refuse is refused here, before it
+    # is parsed, admitted and charged (GATEWAY_MAX_BODY_BYTES; raise both together).
+    max_body_bytes: int = 1024 * 1024
     # Token buckets hold this many minutes of the tier's rate: 2 is a burst of twice the per-minute
     # rate (GATEWAY_BUCKET_BURST).
     bucket_burst: float = 2.0
@@ -41,6 +50,8 @@ class GatewayConfig:
             cache_s=env_float(environ, "GATEWAY_CACHE_SECONDS", cls.cache_s),
             workers_cache_s=env_float(environ, "GATEWAY_WORKERS_CACHE_SECONDS", cls.workers_cache_s),
             upstream_timeout_s=env_float(environ, "GATEWAY_UPSTREAM_TIMEOUT", cls.upstream_timeout_s),
+            first_byte_timeout_s=env_float(environ, "GATEWAY_FIRST_BYTE_TIMEOUT", cls.first_byte_timeout_s),
+            max_body_bytes=env_int(environ, "GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes),
             bucket_burst=env_float(environ, "GATEWAY_BUCKET_BURST", cls.bucket_burst),
             processes=env_int(environ, "GATEWAY_PROCESSES", env_int(environ, "WEB_CONCURRENCY", cls.processes)),
             usage_batch=env_int(environ, "GATEWAY_USAGE_BATCH", cls.usage_batch),

@@ -4,8 +4,12 @@
   reset, closed mid-headers: it died), it answered 5xx, or it refused the gateway's operator key
   (401/403: the worker is keyed differently, a misconfiguration of that worker, not of the
   request). Nothing of the reply has reached the client yet, so another worker can serve it whole.
-- Not retried: a read timeout (the worker may still be generating: a second copy would double the
-  load exactly when a worker is slow), a 4xx (the request itself is wrong; another worker would
+- Retried too: a stream whose worker sent no response head (it sends it with the first token)
+  within the first-byte bound (GATEWAY_FIRST_BYTE_TIMEOUT, FirstByteTimeout): the worker took the
+  request and is frozen or stuck; the call's connection is closed, so a worker still alive aborts
+  it, and the attempt counts as that worker's failure.
+- Not retried: a read timeout after the head (the worker may still be generating: a second copy
+  would double the load exactly when a worker is slow), a 4xx (the request itself is wrong; another worker would
   say the same), and anything after the first byte (a stream already under way ends with an
   error event instead; serving.gateway.proxy).
 - At most two attempts, on two different workers: the next-best in the ranking, never the same
@@ -21,11 +25,13 @@ from typing import Generic, Protocol, TypeVar
 
 import httpx
 
+from serving.gateway.stream_http import FirstByteTimeout
+
 MAX_ATTEMPTS = 2
 
 # Failures that happen before any reply: the request never ran or its reply is lost.
 _RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                     httpx.WriteError, httpx.PoolTimeout)
+                     httpx.WriteError, httpx.PoolTimeout, FirstByteTimeout)
 
 
 class HasWorkerId(Protocol):

@@ -20,6 +20,7 @@ import contextvars
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,29 +145,58 @@ def _over_quota(call: Call, buckets: RequestBuckets, admission: Admission, retry
 
 
 async def key_budget_check(call: Call, res: Resources) -> None:
-    """429 key_budget_exceeded once the key's month's tokens reach its budget (serving.gateway.key_budget);
-    keys without a budget cost nothing here."""
+    """Reserve the call's tokens against its key's monthly budget (serving.gateway.key_budget): 429
+    key_budget_exceeded once the month's spend plus what the key's requests in flight reserved
+    reaches it. Keys without a budget cost nothing here; while Redis is away the budget fails open."""
     budget = call.caller.key.monthly_token_budget
     if budget is None:
         return
     now = time.time()
-    spend = await res.key_budgets.spent(
-        call.caller.key_prefix, now=now, guard=res.resilience.guard,
+    verdict = await res.key_budgets.reserve(
+        call.caller.key_prefix, budget, call.reserved_tokens, now=now, guard=res.resilience.guard,
         recorded=lambda start, before: res.catalog.key_tokens_recorded(call.caller, start, before))
-    if spend is not None and spend.tokens >= budget:
+    if verdict is None:
+        return
+    if verdict.reservation is None:
         metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
-        raise budget_exceeded(call.caller.key_prefix, budget, spend, now=now, headers=call.headers)
+        raise budget_exceeded(call.caller.key_prefix, budget, verdict.spend, now=now, headers=call.headers)
+    call.budget_reservation = verdict.reservation
+
+
+def check_fits(call: Call, buckets: RequestBuckets) -> None:
+    """400 request_too_large for a request that reserves more tokens than one of its token buckets
+    can ever hold: a 429 would name a wait after which it still would not fit."""
+    for bucket in buckets.tokens:
+        if call.reserved_tokens > bucket.capacity:
+            asked = "" if requested_max_tokens(call.body, call.endpoint) is not None else " (the tier's default)"
+            each = f" for each of {call.sequences} completions" if call.sequences > 1 else ""
+            raise invalid_request(
+                f"This request reserves {call.reserved_tokens:,} tokens (about {call.prompt_estimate:,} of prompt and "
+                f"max_tokens {call.max_tokens:,}{asked}{each}), more than the {round(bucket.capacity):,} tokens the "
+                f"bucket of {buckets.describe_bucket(bucket)} can ever hold, so it could never be admitted. Lower "
+                "max_tokens or shorten the prompt.", param="max_tokens", code="request_too_large")
 
 
 async def admit(call: Call, res: Resources) -> None:
-    """Within the key's budget, reserve 1 request and prompt + every completion's max_tokens from the tenant's
-    and the key's buckets, all or none; over the tenant's quota, degrade where allowed, else (and
-    over the key's own limits) 429. The chosen version's breaker permit is asked in the same round
-    trip (`call.permit`; serving.gateway.resilience.version_permit reads it)."""
-    await key_budget_check(call, res)
+    """Reserve the call's tokens against its key's budget, then 1 request and prompt + every
+    completion's max_tokens from the tenant's and the key's buckets, all or none; over the tenant's
+    quota, degrade where allowed, else (and over the key's own limits) 429, giving the budget's
+    reservation back. A request larger than a bucket's capacity is a 400. The chosen version's
+    breaker permit is asked in the buckets' round trip (`call.permit`;
+    serving.gateway.resilience.version_permit reads it)."""
     buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst)
     call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
     call.reserved_tokens = call.prompt_estimate + call.max_tokens * call.sequences
+    check_fits(call, buckets)
+    await key_budget_check(call, res)
+    try:
+        await _admit_buckets(call, buckets, res)
+    except BaseException:
+        await _release_budget(call, res)
+        raise
+
+
+async def _admit_buckets(call: Call, buckets: RequestBuckets, res: Resources) -> None:
     costs = buckets.costs(tokens=call.reserved_tokens)
     version = call.version
     call.admission, replies = await res.buckets.admit_batched(
@@ -192,6 +222,14 @@ async def admit(call: Call, res: Resources) -> None:
         retry_after = min(retry_after, degraded.retry_after_s)
     metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
     raise _over_quota(call, buckets, call.admission, retry_after)
+
+
+async def _release_budget(call: Call, res: Resources) -> None:
+    """Give back the budget's reservation of a call that reached no worker (it lapses by itself
+    when Redis is away: serving.gateway.key_budget.RESERVATION_HOLD_S)."""
+    reservation, call.budget_reservation = call.budget_reservation, None
+    if reservation is not None:
+        await res.resilience.guard.call("key budget release", lambda: res.key_budgets.release(reservation))
 
 
 def degradable(call: Call) -> bool:
@@ -302,7 +340,7 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
     counts = res.resilience.outcome_calls(call, result)
     try:
         replies = await res.resilience.guard.call("usage record", lambda: run_batch(
-            res.redis, [*refunds, *counts], usage_pushes(events)))
+            res.redis, [*refunds, *counts], _then_release(usage_pushes(events), call, res)))
         if replies is None:
             for bucket in tokens_buckets:
                 res.buckets.local.refund(bucket, refund)
@@ -312,6 +350,21 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
         # Kept all the same: a record pushed twice is written once (its record id).
         keep_usage(events, res.resilience, res.redis)
         log.exception("could not record usage / refund tokens of %s", call.request_id)
+
+
+def _then_release(queue: Callable[[aioredis.client.Pipeline], None], call: Call,
+                  res: Resources) -> Callable[[aioredis.client.Pipeline], None]:
+    """`queue` (the usage records and their spend), then the release of the call's budget
+    reservation: after the spend, so no admission sees the call's tokens neither spent nor reserved."""
+    reservation, call.budget_reservation = call.budget_reservation, None
+    if reservation is None:
+        return queue
+
+    def both(pipe: aioredis.client.Pipeline) -> None:
+        queue(pipe)
+        res.key_budgets.release_queue(pipe, reservation)
+
+    return both
 
 
 # ---- the whole path ------------------------------------------------------------------------
@@ -328,7 +381,7 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
         target = await res.catalog.target_for(caller, model)
     except GatewayError as error:
         if error.status == 404 or error.code == "model_not_allowed":
-            raise await _charged_refusal(caller, endpoint, error, res) from None
+            raise await charged_refusal(caller, endpoint, error, res) from None
         raise
     max_tokens, sequences = check_tier_limits(body, endpoint, caller)
     call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
@@ -349,9 +402,10 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
     return await forward(call, res)
 
 
-async def _charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:
-    """A model the caller cannot have (404, or 403 outside its key's allow-list) still costs one
-    request from its buckets, so a flood of unknown names is rate-limited as any other flood: the refusal with the rate-limit headers, or
+async def charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:
+    """A model the caller cannot have (404, or 403 outside its key's allow-list), asked for in a
+    completion or looked up (`GET /v1/models/{id}`, serving.gateway.views), still costs one request
+    from its buckets, so a flood of unknown names is rate-limited as any other flood: the refusal with the rate-limit headers, or
     429 once the bucket is empty. The refusal may be a cached one: it is copied, never changed."""
     buckets = RequestBuckets.of(caller, res.config.gateway.bucket_burst)
     admission = await res.buckets.admit(buckets.costs(tokens=0))
@@ -375,6 +429,7 @@ async def _release(call: Call, res: Resources) -> None:
     if call.reserved_tokens:
         for bucket in RequestBuckets.of(call.caller, res.config.gateway.bucket_burst).tokens:
             await res.buckets.refund(bucket, call.reserved_tokens)
+    await _release_budget(call, res)
     metrics.REQUESTS.labels(call.caller.tier.name, call.endpoint, "503").inc()
 
 

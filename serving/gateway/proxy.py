@@ -99,8 +99,11 @@ class Upstream:
     gateway's own client for the calls it relays (serving.gateway.stream_http), httpx's pool for its
     own calls (the prewarm loop)."""
 
-    def __init__(self, *, api_key: str, timeout_s: float, max_connections: int = 1000) -> None:
+    def __init__(self, *, api_key: str, timeout_s: float, first_byte_timeout_s: float | None = None,
+                 max_connections: int = 1000) -> None:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # A streamed call's bound on the worker's response head (its first token); None: the read timeout.
+        self._first_byte_timeout_s = first_byte_timeout_s
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
@@ -118,12 +121,14 @@ class Upstream:
         await self._relayed.aclose()
         await self._client.aclose()
 
-    async def _post(self, url: str, body: dict[str, Any], result: UpstreamResult, request_id: str) -> StreamResponse:
+    async def _post(self, url: str, body: dict[str, Any], result: UpstreamResult, request_id: str, *,
+                    head_timeout_s: float | None = None) -> StreamResponse:
         # httpx's JSON encoding, byte for byte; the worker logs the request under the gateway's id
         # (serving.wire.request_ids).
         payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         try:
-            response = await self._relayed.post(url, payload, {**self._headers, HEADER: request_id})
+            response = await self._relayed.post(url, payload, {**self._headers, HEADER: request_id},
+                                                head_timeout_s=head_timeout_s)
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             result.end()
@@ -159,8 +164,11 @@ class Upstream:
     async def open_stream(self, url: str, body: dict[str, Any], *, result: UpstreamResult,
                           request_id: str) -> StreamResponse:
         """The upstream response with its headers read, for the caller to relay; a refusal (not 200) comes
-        read and closed, its body in result.refused_body."""
-        response = await self._post(url, body, result, request_id)
+        read and closed, its body in result.refused_body. The worker sends a stream's headers with
+        its first token: without them within the first-byte bound, FirstByteTimeout (the pipeline
+        fails over). A whole reply's headers come with its last token, so only the read timeout
+        bounds those."""
+        response = await self._post(url, body, result, request_id, head_timeout_s=self._first_byte_timeout_s)
         if response.status_code != 200:
             try:
                 content = await response.aread()

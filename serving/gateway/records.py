@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.gateway.key_budget import Reservation
 from serving.gateway.quotas import Admission
 from serving.gateway.routing import WorkerView
 from serving.gateway.version_pick import ServedSet, ServedVersion
@@ -83,6 +84,9 @@ class Call:
     reserved_tokens: int = 0
     prompt_estimate: int = 0
     admission: Admission | None = None
+    # The tokens held against the key's monthly budget (serving.gateway.key_budget), released when
+    # the call is settled; None for a key without a budget, or while Redis is away.
+    budget_reservation: Reservation | None = None
     degraded: bool = False
     version: ServedVersion | None = None
     # The version's circuit-breaker permit (None on the base model).

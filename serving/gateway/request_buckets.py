@@ -84,5 +84,8 @@ class RequestBuckets:
 
     def describe(self, state: BucketState) -> str:
         """`tenant 'acme' ('standard' tier: 200 requests per minute)`, or the key's own limit."""
-        limit = self.limits[state.bucket.key]
+        return self.describe_bucket(state.bucket)
+
+    def describe_bucket(self, bucket: Bucket) -> str:
+        limit = self.limits[bucket.key]
         return f"{limit.owner}: {limit.per_minute} {limit.unit} per minute)"

@@ -11,7 +11,8 @@ the read timeout of every read.
 Failures keep httpx's exception classes, which serving.gateway.failover and the relay already
 judge: ConnectError / ConnectTimeout (no connection), RemoteProtocolError (the worker closed the
 connection before its reply or inside it, or sent something that is not HTTP/1.1), ReadError (the
-connection was reset), ReadTimeout (no byte for the read timeout), PoolTimeout (`max_connections`
+connection was reset), ReadTimeout (no byte for the read timeout; FirstByteTimeout, its subclass, when a call's own bound
+on the response head passed: the gateway fails over on that one), PoolTimeout (`max_connections`
 calls in flight for the pool timeout), LocalProtocolError (a header value that would split the
 request).
 
@@ -39,6 +40,12 @@ _MAX_HEAD = 64 * 1024
 _MAX_CHUNK_LINE = 1024
 # Chunked-body states besides "bytes left in the current chunk" (> 0).
 _SIZE_LINE, _CHUNK_END, _TRAILERS = -1, -2, -3
+
+
+class FirstByteTimeout(httpx.ReadTimeout):
+    """The worker sent no response head within the call's first-byte bound: it took the request
+    and answers nothing (frozen, or stuck), and the connection is closed, which aborts the request
+    on a worker still alive; another worker may serve it (serving.gateway.failover)."""
 
 
 @dataclass(frozen=True)
@@ -341,8 +348,10 @@ class StreamPool:
         self._busy: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> StreamResponse:
-        """POST `body` (JSON) to `url` with `headers`; the reply once its status and headers came."""
+    async def post(self, url: str, body: bytes, headers: dict[str, str], *,
+                   head_timeout_s: float | None = None) -> StreamResponse:
+        """POST `body` (JSON) to `url` with `headers`; the reply once its status and headers came,
+        within `head_timeout_s` when given (FirstByteTimeout past it), else the read timeout."""
         target = _target(url)
         request = bytearray(target.head)
         request += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
@@ -363,7 +372,7 @@ class StreamPool:
         try:
             assert conn.transport is not None
             conn.transport.write(request)
-            return await self._response(conn)
+            return await self._response(conn, head_timeout_s)
         except BaseException:
             conn.close()
             self.done(conn, reuse=False)
@@ -424,7 +433,8 @@ class StreamPool:
             raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
         return conn
 
-    async def _response(self, conn: _Connection) -> StreamResponse:
+    async def _response(self, conn: _Connection, head_timeout_s: float | None) -> StreamResponse:
+        deadline = None if head_timeout_s is None else conn.loop.time() + head_timeout_s
         while True:
             end = conn.buffer.find(b"\r\n\r\n")
             if end < 0:
@@ -432,7 +442,15 @@ class StreamPool:
                     raise httpx.RemoteProtocolError("The worker's response head is over 64 KiB.")
                 if conn.closed or conn.eof:
                     raise conn.failure(in_body=False)
-                await conn.wait(self.read_timeout_s)
+                if deadline is None:
+                    await conn.wait(self.read_timeout_s)
+                    continue
+                # The bound is on the whole head, however its bytes trickle in.
+                try:
+                    await conn.wait(max(0.0, deadline - conn.loop.time()))
+                except httpx.ReadTimeout:
+                    raise FirstByteTimeout(f"No response from the worker within {head_timeout_s:g} s (the "
+                                           "first-byte bound).") from None
                 continue
             head = bytes(conn.buffer[:end])
             del conn.buffer[:end + 4]

@@ -10,7 +10,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from serving.gateway import catalog, metrics
+from serving.gateway import catalog, metrics, pipeline, wiring
 from serving.gateway.errors import GatewayError
 from serving.gateway.model_delete import model_delete
 
@@ -77,7 +77,8 @@ async def models(request: HttpRequest) -> HttpResponse:
 
 @csrf_exempt
 async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
-    """`GET /v1/models/{id}`: one model the caller may request; the same 404 for others' names.
+    """`GET /v1/models/{id}`: one model the caller may request; the same 404 for others' names, which
+    costs one request from the caller's bucket as a completion's would (serving.gateway.pipeline.charged_refusal).
     `DELETE`: deletes a fine-tuned model of the caller's (serving.gateway.model_delete)."""
     refusal = _method_refusal(request, ("GET", "DELETE"))
     if refusal is not None:
@@ -86,8 +87,14 @@ async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
         return await _model_delete(request, model)
     try:
         caller = await catalog.caller_for(_authorization(request))
+    except GatewayError as error:
+        return _error(error)
+    try:
         entry = await sync_to_async(catalog.model_get)(caller, model)
     except GatewayError as error:
+        if error.status == 404 or error.code == "model_not_allowed":
+            # As in a completion: probing names costs a request from the caller's bucket (429 once empty).
+            return _error(await pipeline.charged_refusal(caller, "models", error, wiring.resources()))
         return _error(error)
     return HttpResponse(json.dumps(_card(entry)), content_type=_JSON)
 

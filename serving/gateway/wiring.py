@@ -60,7 +60,8 @@ def resources() -> pipeline.Resources:
         found = pipeline.Resources(
             redis=client,
             buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=gateway.processes),
-            upstream=Upstream(api_key=settings.SERVING_WORKER_API_KEY, timeout_s=gateway.upstream_timeout_s),
+            upstream=Upstream(api_key=settings.SERVING_WORKER_API_KEY, timeout_s=gateway.upstream_timeout_s,
+                              first_byte_timeout_s=gateway.first_byte_timeout_s),
             resilience=resilience,
             catalog=catalog,
             config=pipeline.PipelineConfig(gateway=gateway, routing=settings.GATEWAY_ROUTING,

@@ -62,11 +62,13 @@ def test_records_add_up_in_their_own_months_counter_and_the_seed_is_added_once(r
                 await pipe.execute()
             assert await budgets.read(prefix, now=MID_NEXT + 120) == (42, MID_NEXT, False)
             # Unseeded: the records of the month before the counter's first record are added.
-            spend = await budgets.spent(prefix, now=MID_NEXT + 120, guard=guard, recorded=recorded)
-            assert spend is not None and spend.tokens == 1_042 and spend.month.name == Month.of(MID_NEXT).name
+            verdict = await budgets.reserve(prefix, 10**6, 5, now=MID_NEXT + 120, guard=guard, recorded=recorded)
+            assert verdict is not None and verdict.reservation is not None
+            assert verdict.spend.tokens == 1_042 and verdict.spend.month.name == Month.of(MID_NEXT).name
             assert asked == [(Month.of(MID_NEXT).start, MID_NEXT)]
             # Seeded once: later reads never ask the records again, whoever seeded.
-            assert (await budgets.spent(prefix, now=MID_NEXT + 180, guard=guard, recorded=recorded)).tokens == 1_042
+            again = await budgets.reserve(prefix, 10**6, 5, now=MID_NEXT + 180, guard=guard, recorded=recorded)
+            assert again is not None and (again.spend.tokens, again.spend.reserved) == (1_042, 5)
             assert await budgets.seed(prefix, 1_000, now=MID_NEXT + 180) == 1_042
             assert len(asked) == 1
             # Kept a week past the month's end (a record held back while Redis was away may still land).
@@ -89,10 +91,11 @@ def test_a_key_with_no_counter_yet_is_seeded_from_all_of_the_months_records_up_t
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url())
         try:
-            spend = await KeyBudgets(client).spent(prefix, now=MID_NEXT, guard=RedisGuard(), recorded=recorded)
+            verdict = await KeyBudgets(client).reserve(prefix, 100, 5, now=MID_NEXT, guard=RedisGuard(),
+                                                       recorded=recorded)
         finally:
             await client.aclose()
-        assert spend is not None and spend.tokens == 7
+        assert verdict is not None and verdict.spend.tokens == 7 and verdict.reservation is not None
         assert asked == [(Month.of(MID_NEXT).start, MID_NEXT)]
 
     asyncio.run(scenario())
@@ -107,8 +110,8 @@ def test_redis_away_fails_open():
 
         client = aioredis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.2)
         try:
-            assert await KeyBudgets(client).spent("abc", now=MID_NEXT, guard=RedisGuard(),
-                                                  recorded=recorded) is None
+            assert await KeyBudgets(client).reserve("abc", 100, 5, now=MID_NEXT, guard=RedisGuard(),
+                                                    recorded=recorded) is None
         finally:
             await client.aclose()
 
