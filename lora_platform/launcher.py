@@ -70,22 +70,27 @@ def web_argv(host: str, port: int) -> list[str]:
 
 
 def child_processes() -> list[ChildSpec]:
-    """The platform's processes: web, Celery worker, and one serving worker synced to the registry."""
+    """The platform's processes: web, Celery workers (quick, training), one serving worker synced to the registry."""
     from django.conf import settings
 
     python = sys.executable
     snapshot_url = f"http://{WEB_HOST}:{WEB_PORT}/api/v1/internal/registry/snapshot"
     return [
         ChildSpec("web", web_argv(WEB_HOST, WEB_PORT)),
+        # Two Celery workers, so quick work never waits for training (settings.CELERY_TASK_ROUTES): one on
+        # `quick` (validation, repairs; two at once, so one large file does not hold another's) that also
+        # runs the beat schedule (compose runs beat as its own service), one on `training`. Neither
+        # needs its neighbour at start (mingle waits a second for replies) or to gossip with it.
         ChildSpec("worker", [python, "-m", "celery", "-A", "lora_platform", "worker",
-                             "--queues", "quick,training", "--concurrency", "1", "--loglevel", "INFO",
-                             # One machine, one worker: it also runs the beat schedule (the
-                             # training jobs sweep); compose runs beat as its own service.
+                             "--queues", "quick", "--concurrency", "2", "--loglevel", "INFO",
                              "--beat", "--schedule", str(settings.VAR_DIR / "celerybeat-schedule"),
-                             # Alone, it has no neighbours to sync with at start (mingle waits a
-                             # second for their replies) or to gossip with.
                              "--without-mingle", "--without-gossip",
-                             "--hostname", f"worker-{os.getpid()}@%h"], stop_timeout_s=WORKER_STOP_TIMEOUT_S),
+                             "--hostname", f"worker-{os.getpid()}@%h"]),
+        ChildSpec("training-worker", [python, "-m", "celery", "-A", "lora_platform", "worker",
+                                      "--queues", "training", "--concurrency", "1", "--loglevel", "INFO",
+                                      "--without-mingle", "--without-gossip",
+                                      "--hostname", f"training-{os.getpid()}@%h"],
+                  stop_timeout_s=WORKER_STOP_TIMEOUT_S),
         # REGISTRY_TOKEN and REDIS_URL reach it through the environment (see ensure_registry_token).
         ChildSpec("serving-worker", [python, "-m", "serving.engine.server",
                                      "--model", str(settings.BASE_MODEL_PATH),

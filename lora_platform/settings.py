@@ -228,8 +228,18 @@ CELERY_RESULT_BACKEND = platform.celery_result_backend or celery_redis_url(REDIS
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Two queues, each with its own worker (the launcher's children, compose's services; docs/operations.md):
+# `quick` for validation and the periodic repairs, `training` for training runs, so neither waits for
+# the other (a training job used to hold a tenant's 17 KB validation for 14 minutes). Every task is
+# routed by name (tests/lora_platform/test_celery_queues.py checks each has a route to a queue some
+# worker consumes); Celery's own tasks fall to `quick`, never to an unconsumed `celery` queue.
 CELERY_TASK_DEFAULT_QUEUE = "quick"
-CELERY_TASK_ROUTES = {"training.tasks.training_job_run": {"queue": "training"}}
+CELERY_TASK_ROUTES = {
+    "training.tasks.dataset_validate": {"queue": "quick"},
+    "training.tasks.training_jobs_sweep": {"queue": "quick"},
+    "training.tasks.uploads_expire": {"queue": "quick"},
+    "training.tasks.training_job_run": {"queue": "training"},
+}
 # A redelivered task must wait for the broker's visibility timeout; training jobs can run for
 # hours, so the timeout is generous, and tests shorten it.
 CELERY_BROKER_TRANSPORT_OPTIONS = {
