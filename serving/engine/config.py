@@ -7,10 +7,12 @@ Names and defaults follow vLLM's engine arguments where vLLM has them (``max_lor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from serving.engine.grammar_pool import GrammarBudget
 
 _DTYPES = {
     "float32": torch.float32,
@@ -78,6 +80,10 @@ class EngineConfig:
     which says where it runs natively and where it is emulated). On CUDA it needs bf16. Its tokens
     agree with the unquantized model's to a measured rate, not exactly (docs/serving-worker.md,
     "FP8 base weights").
+
+    ``grammar``: structured output's compile budget, pool and cache (serving.engine.grammar_pool's
+    ``GrammarBudget``: time, nesting and size per constraint, compiling processes, a tenant's share
+    of them, the per-tenant cache's bounds).
     """
 
     model: str
@@ -109,6 +115,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     quantization: str | None = None
+    grammar: GrammarBudget = field(default_factory=GrammarBudget)
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():

@@ -35,7 +35,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from serving.engine.distributed.driver import DriverRunner
-from serving.engine.guided import GrammarCompiler, Guide
+from serving.engine.guided import GrammarCompiler, Guide, grammar_tenant
 from serving.engine.lora.cache import LoRACache, Placement
 from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.lora.reader import AdapterError
@@ -91,7 +91,8 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache, max_model_len=self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.hf_config.vocab_size,
-                                        stop_token_ids=self.eos_token_ids, on_done=on_load_done)
+                                        stop_token_ids=self.eos_token_ids, budget=config.grammar,
+                                        on_done=on_load_done)
         self.outputs = OutputProcessor(self._decode, self.eos_token_ids, self.max_model_len)
         self._requests: dict[str, RequestState] = {}
         # Constrained requests whose grammar is being compiled (off the step, on the compiler's
@@ -155,7 +156,8 @@ class LLMEngine:
         state = RequestState(request_id, sampling_params, [seq])
         guided = sampling_params.guided_decoding
         if guided is not None:
-            grammar = self.grammars.compile(guided)
+            # Compiled in the tenant's share of the pool and cached in its own cache (guided.py).
+            grammar = self.grammars.compile(guided, grammar_tenant(cache_salt, seq.adapter_key))
             if grammar.done():
                 state.grammar = grammar.result()  # a cached grammar, or its error raised here
                 seq.guide = Guide(state.grammar)
@@ -208,7 +210,8 @@ class LLMEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return None
-        if self._compiling.pop(request_id, None) is not None:
+        if (grammar := self._compiling.pop(request_id, None)) is not None:
+            self.grammars.release(grammar)  # its compile is cancelled when no other request waits for it
             state.first.finish_reason = "abort"
             self._drop_unscheduled(state.first)
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jsonschema
@@ -44,8 +44,10 @@ def adapter(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> LoRARequ
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir), max_loras=2, max_lora_rank=8, device="cpu", max_model_len=512, num_kv_blocks=128)
+def llm(tiny_llama_dir: Path) -> Iterator[LLM]:
+    llm = LLM(str(tiny_llama_dir), max_loras=2, max_lora_rank=8, device="cpu", max_model_len=512, num_kv_blocks=128)
+    yield llm
+    llm.llm_engine.shutdown()  # its grammar pool's processes
 
 
 def constrained(guided: GuidedDecodingParams, **kwargs: object) -> SamplingParams:

@@ -6,6 +6,7 @@ tokens the benchmark times), and each arriving schema is one the engine has neve
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,10 @@ def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id])
+def compiler(tokenizer: PreTrainedTokenizerBase) -> Iterator[GrammarCompiler]:
+    compiler = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id])
+    yield compiler
+    compiler.shutdown()  # its pool's processes
 
 
 @pytest.mark.parametrize(("form", "index"), FORMS)

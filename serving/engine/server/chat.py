@@ -88,8 +88,8 @@ class ChatTools:
         return ToolReplies(self.plan, self.family)
 
 
-async def _resolve_tools(worker: Worker, body: ChatCompletionRequest, template_text: str | None,
-                        tools: ChatTools) -> None:
+async def _resolve_tools(worker: Worker, engine: EngineClient, body: ChatCompletionRequest,
+                         template_text: str | None, tools: ChatTools) -> None:
     """`tools` for this request; a reply that must be calls is held to their grammar."""
     tools.family = family_for(worker.args.tool_call_parser, template_text)
     tools.plan = plan = tool_plan(body, tools.family)
@@ -98,9 +98,9 @@ async def _resolve_tools(worker: Worker, body: ChatCompletionRequest, template_t
     assert tools.family is not None  # a plan that parses has a family (tool_plan)
     try:
         grammar = await asyncio.to_thread(tool_call_grammar, tools.family, plan.callable_functions(),
-                                          parallel=plan.parallel)
+                                          parallel=plan.parallel, budget=engine.config.grammar)
     except GrammarError as exc:
-        raise bad_request(str(exc), param="functions" if plan.legacy else "tools") from exc
+        raise bad_request(str(exc), param="functions" if plan.legacy else "tools", code=exc.code) from exc
     body.hold_to_tool_calls(plan.field, grammar)
 
 
@@ -119,7 +119,7 @@ async def chat_prompt_token_ids(worker: Worker, engine: EngineClient, body: Chat
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: they are not template "
                           "variables but parameters of how the prompt is built", param="chat_template_kwargs")
-    await _resolve_tools(worker, body, template if template is not None else _template_text(tokenizer), tools)
+    await _resolve_tools(worker, engine, body, template if template is not None else _template_text(tokenizer), tools)
     try:
         messages = template_messages(body.messages)
     except ValueError as exc:  # a content part that is not text

@@ -65,6 +65,10 @@ class ServerArgs:
     enable_prefix_caching: bool = True
     async_scheduling: bool | None = None  # None: on for one CUDA device (engine_config decides)
     quantization: str | None = None
+    grammar_compile_timeout: float = 5.0
+    grammar_compile_workers: int = 2
+    grammar_tenant_share: int | None = None
+    max_grammar_schema_depth: int = 64
     engine_process: bool | None = None  # None: on for one CUDA device (worker.uses_engine_process decides)
     max_queued_requests: int = 1024
     timeout_graceful_shutdown: float = 30.0
@@ -225,6 +229,25 @@ def build_parser() -> argparse.ArgumentParser:
         "wait for the interpreter lock the HTTP loop holds (as vLLM V1 does); by default on for one CUDA device "
         "(on the H200 +46 %% output tok/s at capacity), off on CPU and with --tensor-parallel-size > 1 "
         "(docs/serving-worker.md)",
+    )  # fmt: skip
+    grammar = p.add_argument_group("structured output (docs/security.md, \"Grammar compilation\")")
+    grammar.add_argument(
+        "--grammar-compile-timeout", type=_positive(float), default=5.0,
+        help="seconds one constraint (response_format, guided_*, tools) may take to compile; past it its compiling "
+        "process is killed and the request refused with 400 grammar_too_complex",
+    )  # fmt: skip
+    grammar.add_argument(
+        "--grammar-compile-workers", type=_positive(int), default=2,
+        help="processes compiling constraints; their queue is served round-robin between tenants",
+    )  # fmt: skip
+    grammar.add_argument(
+        "--grammar-tenant-share", type=_positive(int), default=None,
+        help="compiles one tenant may run at once (default: one fewer than --grammar-compile-workers, at least 1, "
+        "so another tenant's compile starts at once)",
+    )  # fmt: skip
+    grammar.add_argument(
+        "--max-grammar-schema-depth", type=_positive(int), default=64,
+        help="deepest JSON nesting of a schema compiled (a schema level under properties is two); deeper: 400",
     )  # fmt: skip
     server = p.add_argument_group("server")
     server.add_argument(

@@ -279,7 +279,7 @@ class Generation:
             first = await unless_disconnected(self._request, anext(outputs, None))
         except GrammarError as exc:
             constraints = self.job.body.constraints()
-            raise bad_request(str(exc), param=constraints[0][0] if constraints else None) from exc
+            raise bad_request(str(exc), param=constraints[0][0] if constraints else None, code=exc.code) from exc
         except BaseException as exc:
             error = _as_api_error(exc)
             if error is exc:

@@ -5,8 +5,11 @@ calls allowed, without a named function) one or more. The reply then always pars
 
 The object is a JSON schema (anyOf one per function, the name a `const`) turned into EBNF by the
 grammar library (serving.engine.guided's compact JSON, name first); the wrapping is literal text
-around it. Built on a thread (the library's import and the schema's conversion take milliseconds to
-seconds); the engine compiles and caches it as any `guided_grammar`.
+around it. The functions' schema is held to the engine's compile budget first (nesting and size,
+serving.engine.guided.check_schema_budget: a 400 `grammar_too_complex` naming `tools`), which keeps
+its conversion under a second; built on a thread (the library's import takes seconds, and its
+conversion lets go of the interpreter lock); the engine then compiles and caches it as any
+`guided_grammar`, in the tenant's share of its pool and within its time budget.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from serving.engine.guided import GrammarError, json_schema_grammar, library_detail
+from serving.engine.guided import GrammarBudget, GrammarError, check_schema_budget, json_schema_grammar, library_detail
 from serving.engine.server.tool_parsers import Family
 
 # The call's rule, renamed from the library's `root`; the library names its own rules root_* and basic_*.
@@ -37,17 +40,21 @@ def call_schema(function: dict[str, Any], args_key: str) -> dict[str, Any]:
     }
 
 
-def tool_call_grammar(family: Family, functions: Sequence[dict[str, Any]], *, parallel: bool) -> str:
+def tool_call_grammar(family: Family, functions: Sequence[dict[str, Any]], *, parallel: bool,
+                      budget: GrammarBudget | None = None) -> str:
     """EBNF (GBNF's syntax, `root` first) whose sentences are one call of one of `functions`, or
     several when `parallel`, in `family`'s wrapping. A parameters schema the library refuses
-    raises GrammarError naming the construct (as a `guided_json` would)."""
+    raises GrammarError naming the construct (as a `guided_json` would); one past `budget`'s
+    nesting or size (default: the engine's default budget), GrammarTooComplex."""
     import xgrammar as xgr
 
     schemas = [call_schema(function, family.args_key) for function in functions]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    text = json.dumps(schema)
+    check_schema_budget(schema, len(text.encode()), budget or GrammarBudget(), "the tools' parameters schema")
     try:
         # Property order is the schema's (name first), so a streamed call's name comes before its arguments.
-        call_object = xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps(schema)))
+        call_object = xgr.Grammar.from_ebnf(json_schema_grammar(text))
     except RuntimeError as exc:
         detail = library_detail(exc)
         names = ", ".join(function["name"] for function in functions)

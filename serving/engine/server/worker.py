@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from serving.engine import AsyncEngine, EngineClient, EngineConfig, EngineDeadError, EngineStats, ProcessEngine
+from serving.engine.guided import GrammarBudget
 from serving.engine.server.adapters import AdapterSet, Source
 from serving.engine.server.chat_template_sandbox import ChatTemplateSandbox
 from serving.engine.server.cli import ServerArgs, adapter_roots
@@ -63,6 +64,8 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=bool(args.async_scheduling),
         quantization=args.quantization,
+        grammar=GrammarBudget(timeout=args.grammar_compile_timeout, workers=args.grammar_compile_workers,
+                              tenant_share=args.grammar_tenant_share, max_schema_depth=args.max_grammar_schema_depth),
     )
     if args.async_scheduling is None:
         # The worker's default: the overlap pays where a device runs the step while the host

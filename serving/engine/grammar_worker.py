@@ -1,0 +1,142 @@
+"""A grammar-compiling process of the engine's pool (serving.engine.grammar_pool): it turns one
+constraint at a time into xgrammar's compiled grammar and sends it back serialized.
+
+Compiling runs in a process, not on a thread, because xgrammar's compile is C++ that cannot be
+interrupted: a constraint past its time budget is stopped by killing its process (the pool starts
+another). The grammar's size is bounded here too, where the library exposes it: the EBNF a JSON
+schema becomes (its conversion is superlinear in the schema's nesting) and the compiled grammar's
+bytes. A grammar whose language is empty (``root ::= root root``) is refused as well: its first
+token mask allows nothing, and a row of -inf logits cannot be sampled.
+
+Started by the pool as ``python -m serving.engine.grammar_worker FD``; ``FD`` is its end of a socket
+pair. Messages (pickled, multiprocessing.connection's framing):
+
+    pool -> process: ("init", tokenizer_info_json, limits) once, then ("compile", task_id, kind, text)
+    process -> pool: ("ready",) once, then per task ("ok", task_id, compiled_json, memory_bytes)
+                     or ("error", task_id, too_complex, message)
+
+It imports xgrammar only (not the engine), so it starts in the library's own import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import xgrammar
+
+# xgrammar 0.2.8 spells a length-bounded JSON string's character as [^"\\\r\n], which lets raw
+# control characters (U+0000-U+001F) into the string: not JSON (RFC 8259), json.loads refuses it.
+# Its unbounded strings exclude them; bounded ones are given the same class (no escapes, a subset).
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+# xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the caller needs the rest.
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+# Linux's prctl option: the kernel sends this process a signal when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class CompileLimits:
+    """What one compiled constraint may cost besides its time: the EBNF text a constraint becomes
+    (a schema's conversion), and the compiled grammar's bytes (memory_size_bytes: its token-mask
+    cache, which grows with the vocabulary)."""
+
+    max_grammar_bytes: int
+    max_compiled_bytes: int
+
+
+def library_detail(exc: Exception) -> str:
+    """The grammar library's message for the caller (without its log line's prefix)."""
+    return _LOG_PREFIX.sub("", str(exc).strip())
+
+
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF grammar of compact JSON (no free whitespace) matching `schema`: a model that loops
+    on spaces or newlines inside an object would otherwise run to max_tokens without closing it."""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_STRING_CHAR,
+                                                                                   _JSON_STRING_CHAR)
+
+
+class TooComplex(Exception):
+    """The constraint is past a size limit (CompileLimits)."""
+
+
+def compile_constraint(compiler: xgrammar.GrammarCompiler, kind: str, text: str,
+                       limits: CompileLimits) -> xgrammar.CompiledGrammar:
+    """Compile one constraint (GuidedDecodingParams.key's kind and text). RuntimeError: the library
+    refuses it; TooComplex: past `limits`; ValueError: its language is empty."""
+    import xgrammar as xgr
+
+    if kind == "regex":
+        compiled = compiler.compile_regex(text)
+    else:
+        if kind == "json":
+            ebnf = json_schema_grammar(text)
+        elif kind == "json_object":
+            ebnf = json_schema_grammar('{"type": "object"}')
+        else:  # "grammar" (a choice comes as its EBNF: serving.engine.guided)
+            ebnf = text
+        if len(ebnf) > limits.max_grammar_bytes:
+            raise TooComplex(f"it becomes a grammar of {len(ebnf):,} bytes, over this worker's limit of "
+                             f"{limits.max_grammar_bytes:,}")
+        compiled = compiler.compile_grammar(ebnf)
+    if compiled.memory_size_bytes > limits.max_compiled_bytes:
+        raise TooComplex(f"its compiled grammar takes {compiled.memory_size_bytes:,} bytes, over this worker's "
+                         f"limit of {limits.max_compiled_bytes:,}")
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    if not bool(mask.any()):
+        raise ValueError("it matches no output at all (every rule needs itself before any text)")
+    return compiled
+
+
+def _die_with_parent() -> None:
+    """Killed when the engine's process dies, even mid-compile (when no message can be read)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def serve(conn: Connection) -> None:
+    import xgrammar as xgr
+
+    message: Any = conn.recv()
+    _, tokenizer_info_json, limits = message
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn.send(("ready",))
+    while True:
+        try:
+            _, task_id, kind, text = conn.recv()
+        except EOFError:
+            return
+        try:
+            compiled = compile_constraint(compiler, kind, text, limits)
+        except TooComplex as exc:
+            conn.send(("error", task_id, True, str(exc)))
+        except (RuntimeError, ValueError) as exc:
+            conn.send(("error", task_id, False, library_detail(exc)))
+        else:
+            conn.send(("ok", task_id, compiled.serialize_json(), compiled.memory_size_bytes))
+
+
+def main() -> None:
+    _die_with_parent()
+    # SIGINT goes to the whole foreground group on Ctrl-C; the engine stops its pool itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve(Connection(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
