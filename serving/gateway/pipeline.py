@@ -165,8 +165,13 @@ async def key_budget_check(call: Call, res: Resources) -> None:
 
 def check_fits(call: Call, buckets: RequestBuckets) -> None:
     """400 request_too_large for a request that reserves more tokens than one of its token buckets
-    can ever hold: a 429 would name a wait after which it still would not fit."""
+    can ever hold: a 429 would name a wait after which it still would not fit. The tenant's bucket
+    is exempt where the call may degrade: there the base model answers what the quota cannot hold
+    (a key's own bucket never degrades: serving.gateway.request_buckets)."""
+    may_degrade = degradable(call)
     for bucket in buckets.tokens:
+        if may_degrade and not buckets.limits[bucket.key].own_key:
+            continue
         if call.reserved_tokens > bucket.capacity:
             asked = "" if requested_max_tokens(call.body, call.endpoint) is not None else " (the tier's default)"
             each = f" for each of {call.sequences} completions" if call.sequences > 1 else ""
