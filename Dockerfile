@@ -17,5 +17,8 @@ RUN pip install . && useradd --create-home --uid 1000 loraplex && mkdir -p /var/
 USER loraplex
 
 ENV LORAPLEX_VAR_DIR=/var/lib/loraplex
+# The proxies whose X-Forwarded-For names the client (uvicorn's --forwarded-allow-ips): none unless
+# set; uvicorn's own default trusts 127.0.0.1 (docs/security.md, "Uploads, proxies and the platform's processes").
+ENV FORWARDED_ALLOW_IPS=""
 EXPOSE 8000
 CMD ["uvicorn", "lora_platform.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--http", "lora_platform.asgi:HTTPProtocol"]

@@ -61,12 +61,19 @@ class ChildSpec:
     stop_timeout_s: float = STOP_TIMEOUT_S
 
 
-def web_argv(host: str, port: int) -> list[str]:
+def web_argv(host: str, port: int, trusted_proxies: list[str] | None = None) -> list[str]:
     """The web process's command line (docker-compose.yml and the Dockerfile run the same). Its
     HTTP protocol bounds how long a request may take to send its headers, how long an idle
-    connection is kept and how many connections one client may hold (docs/web-server.md)."""
+    connection is kept and how many connections one client may hold (docs/web-server.md).
+
+    X-Forwarded-For names the client only on a connection from TRUSTED_PROXIES (default: the
+    setting; none: uvicorn's proxy headers off). Left to itself uvicorn trusts 127.0.0.1, so anyone
+    on this machine could rotate the header past the sign-in throttle's per-address count (issue 37).
+    """
+    proxies = platform_settings().trusted_proxies if trusted_proxies is None else trusted_proxies
+    proxy_flags = ["--forwarded-allow-ips", ",".join(proxies)] if proxies else ["--no-proxy-headers"]
     return [sys.executable, "-m", "uvicorn", "lora_platform.asgi:application", "--host", host, "--port", str(port),
-            "--http", "lora_platform.asgi:HTTPProtocol", "--log-level", "warning"]
+            "--http", "lora_platform.asgi:HTTPProtocol", *proxy_flags, "--log-level", "warning"]
 
 
 def child_processes() -> list[ChildSpec]:

@@ -68,6 +68,10 @@ class PlatformSettings(BaseSettings):
     login_failures_per_account: int = Field(5, ge=1)
     login_failures_per_address: int = Field(20, ge=1)
     login_failure_window_seconds: int = Field(15 * 60, ge=1)
+    # Addresses or networks (CIDR) of the reverse proxies in front of the web process: only a
+    # connection from one of them may name the client in X-Forwarded-For (uvicorn's
+    # --forwarded-allow-ips, set from this by the launcher). None by default: the header is ignored.
+    trusted_proxies: CommaList = []
     # --- Logs
     log_level: LogLevel = "INFO"
     # json everywhere but on a developer's terminal: `make up` sets text.
@@ -115,10 +119,22 @@ class PlatformSettings(BaseSettings):
 
     _environ: Mapping[str, str] = PrivateAttr(default_factory=dict)
 
-    @field_validator("django_allowed_hosts", "django_csrf_trusted_origins", "base_model_aliases", mode="before")
+    @field_validator("django_allowed_hosts", "django_csrf_trusted_origins", "base_model_aliases", "trusted_proxies",
+                     mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         return [item.strip() for item in value.split(",") if item.strip()] if isinstance(value, str) else value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network (CIDR); uvicorn would take it for a "
+                                 "host name and never match it") from None
+        return value
 
     @field_validator("base_model")
     @classmethod
