@@ -37,6 +37,10 @@ class EngineConfig:
     safetensors (vLLM's option of that name), for benchmarks of shapes whose weights are not at hand.
     ``priority_aging_steps``: a waiting request gains one priority level (lower is served first)
     per this many engine steps, so low-priority work is delayed, never starved.
+    ``fairness_prompt_weight`` and ``fairness_output_weight``: what a computed token and a sampled
+    token cost a tenant's Virtual Token Counter (serving.engine.fairness; the paper's 1 and 2);
+    within a priority tier the least-served tenant is admitted first. Both 0 turn tenant fairness
+    off (admission by age alone).
     ``max_flat_tokens``: with the Triton attention backend a step of at most this many tokens runs
     flat, every token (prompt chunks' too) a row of one paged-attention launch, so its shapes
     depend on the token count alone; longer steps attend each prompt chunk in SDPA.
@@ -106,6 +110,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "safetensors"
     priority_aging_steps: int = 64
+    fairness_prompt_weight: int = 1
+    fairness_output_weight: int = 2
     base_model_name: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
@@ -154,6 +160,10 @@ class EngineConfig:
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
         )
         _require(self.priority_aging_steps >= 1, f"priority_aging_steps must be >= 1, got {self.priority_aging_steps}")
+        _require(self.fairness_prompt_weight >= 0,
+                 f"fairness_prompt_weight must be >= 0, got {self.fairness_prompt_weight}")
+        _require(self.fairness_output_weight >= 0,
+                 f"fairness_output_weight must be >= 0, got {self.fairness_output_weight}")
         _require(
             self.dtype == "auto" or self.dtype in _DTYPES,
             f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}",

@@ -361,6 +361,7 @@ class LLMEngine:
                 num_computed_tokens=computed,
                 guide=Guide(state.grammar) if state.grammar is not None else None,
                 index=index,
+                cache_salt=parent.cache_salt,  # its prefix-cache keys if it is preempted, and its tenant
             )
             child.prompt_logprobs = None  # the request's are its first sequence's, computed once
             self.block_manager.fork(parent, child)

@@ -9,8 +9,9 @@ Every step, under a budget of ``max_num_batched_tokens`` tokens and ``max_num_se
    caching, the leading blocks of a prompt that the cache holds for its adapter are taken by
    reference and its prefill starts after them (they cost no budget).
 
-When the KV cache cannot hold a running sequence's next tokens, the lowest-priority running
-sequence is preempted by recompute: its blocks are freed and it waits again with its tokens, to be
+When the KV cache cannot hold a running sequence's next tokens, a sequence of the lowest
+priority level running is preempted by recompute: the newest of the most-served tenant's there
+(serving.engine.fairness). Its blocks are freed and it waits again with its tokens, to be
 prefilled anew (vLLM's default). Nothing is admitted in a step that preempted.
 
 Under async scheduling (serving.engine.async_scheduling) a running sequence's token sampled by
@@ -19,9 +20,16 @@ decodes again without waiting for the id; one whose pending tokens already reach
 or the context is not scheduled, since it ends whatever their ids.
 
 Waiting order: ``priority`` (lower first, vLLM's convention) improved by one level per
-``priority_aging_steps`` waited, so nothing starves; among equal levels, the adapter with the fewest
-running sequences goes first (fairness between adapters: a burst for one adapter does not queue
-everyone else behind it); then arrival. A request whose adapter is still loading waits without
+``priority_aging_steps`` waited, so nothing starves; the tier admitted from is the raw priority of
+the waiting request whose level is best (ties: the adapter with the fewest running sequences, then
+arrival). Within that tier, the tenant that has been served the fewest weighted tokens goes first
+(the Virtual Token Counter, serving.engine.fairness: a tenant flooding requests gets its share, not
+the batch; an older request of the same tier does not outrank another tenant's by its age); among
+one tenant's requests, the best level, then the adapter with the fewest running sequences
+(fairness between adapters: a burst for one adapter does not queue everyone else behind it), then
+arrival. Every scheduled token is charged to its tenant's counter as it is scheduled, so
+admissions within one step alternate between tenants. Each decision is O(waiting queues), one queue
+per tenant and adapter, never O(requests). A request whose adapter is still loading waits without
 holding up the others, and so does one whose adapter is being copied into the GPU pool (on CUDA the
 copy runs beside the steps; the request is admitted in the first step after it lands). One whose
 adapter finds no room (running sequences pin the rows it would need) waits too; once it has
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
+from serving.engine.fairness import Client, VirtualTokenCounter
 from serving.engine.lora.cache import LoRACache
 from serving.engine.sequence import Sequence, SequenceStatus
 
@@ -77,8 +86,12 @@ class Scheduler:
         self.aging = config.priority_aging_steps
         self.blocks = block_manager
         self.lora_cache = lora_cache
-        self.running: list[Sequence] = []  # sorted by _key: the last one is preempted first
-        self._waiting: dict[str | None, list[_Waiting]] = {}
+        self.running: list[Sequence] = []  # sorted by _key
+        # The running sequences of each (tenant, priority), sorted by _key: the preemption candidates.
+        self._running_by: dict[tuple[Client, int], list[Sequence]] = {}
+        self.fairness = VirtualTokenCounter(config.fairness_prompt_weight, config.fairness_output_weight)
+        # One heap per (tenant, adapter): a tenant's requests for one adapter wait in arrival order.
+        self._waiting: dict[tuple[Client, str | None], list[_Waiting]] = {}
         self._num_waiting = 0
         self._running_per_group: dict[str | None, int] = {}
         self._order = itertools.count()
@@ -105,11 +118,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.step_count
+        self.fairness.join(seq.fairness_client)
         self._push_waiting(seq)
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting.setdefault(seq.adapter_key, []), _Waiting(self._key(seq), next(self._order), seq))
+        queue = self._waiting.setdefault((seq.fairness_client, seq.adapter_key), [])
+        heapq.heappush(queue, _Waiting(self._key(seq), next(self._order), seq))
         self._num_waiting += 1
         self.stats.peak_waiting = max(self.stats.peak_waiting, self._num_waiting)
 
@@ -119,6 +134,7 @@ class Scheduler:
             self._stop_running(seq)
         elif seq.status is SequenceStatus.WAITING:
             self._num_waiting -= 1  # its heap entry is skipped when it reaches the top
+        self.fairness.leave(seq.fairness_client)
         seq.status = SequenceStatus.FINISHED
         if seq.adapter is not None and self.lora_cache is not None:
             self.lora_cache.release(seq.adapter)
@@ -134,8 +150,9 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         child.lora_slot = slot
         child.arrival_step = parent.arrival_step
-        bisect.insort(self.running, child, key=self._key)
-        self._running_per_group[child.adapter_key] = self._running_per_group.get(child.adapter_key, 0) + 1
+        self._start_running(child)
+        self.fairness.join(child.fairness_client)
+        self.fairness.charge(child.fairness_client, 1, samples=True)  # it sampled from its parent's logits
 
     def requeue(self, seq: Sequence) -> None:
         """Stop running ``seq`` and queue it again, to be prefilled anew (a preemption by recompute):
@@ -161,7 +178,7 @@ class Scheduler:
                     continue
                 num = min(seq.num_uncomputed_tokens, budget)
                 while not self.blocks.can_allocate(seq, num):
-                    victim = self.running[-1]
+                    victim = self._victim()
                     budget += scheduled.pop(victim, 0)
                     self._preempt(victim)
                     preempted.append(victim)
@@ -174,9 +191,11 @@ class Scheduler:
                 budget -= num
 
         # No sequence scheduled so far can be preempted now: the prompt blocks their step completes
-        # may be shared from this step on (admissions register theirs as they are made).
+        # may be shared from this step on (admissions register theirs as they are made), and the
+        # tokens they compute are served (admissions charge theirs as they are made).
         for seq, num in scheduled.items():
             self.blocks.register_full(seq, seq.num_computed_tokens + num)
+            self._charge(seq, num)
         if not preempted:
             budget = self._admit(now, budget, scheduled)
         return SchedulerOutput(list(scheduled.items()), preempted)
@@ -189,7 +208,8 @@ class Scheduler:
             head = self._best_head(now, blocked)
             if head is None:
                 break
-            seq, group = head.seq, head.seq.adapter_key
+            seq = head.seq
+            group = seq.adapter_key
             # Its prefill would read a token still in flight: a step that preempts admits nothing, and
             # a requeue (verify_slots) first waits for the step in flight.
             assert seq.num_pending == 0, "a waiting sequence is admitted only once its tokens are read"
@@ -221,39 +241,73 @@ class Scheduler:
                 if handle is not None and cache is not None and slot >= 0:
                     cache.release_slot(handle)
                 break
-            heapq.heappop(self._waiting[group])
+            heapq.heappop(self._waiting[seq.fairness_client, group])
             self._num_waiting -= 1
             seq.status = SequenceStatus.RUNNING
             seq.lora_slot = slot
-            bisect.insort(self.running, seq, key=self._key)
-            self._running_per_group[group] = self._running_per_group.get(group, 0) + 1
+            self._start_running(seq)
             self.blocks.take_prefix(seq, prefix)
             self.blocks.allocate(seq, num)
             self.blocks.register_full(seq, seq.num_computed_tokens + num)
+            self._charge(seq, num)
             scheduled[seq] = num
             budget -= num
             reserved += seq.num_forks
         return budget
 
     def _best_head(self, now: int, blocked: set[str | None]) -> _Waiting | None:
-        """The waiting request to admit next: aged priority level, then adapter fairness, then age."""
-        best, best_rank = None, None
-        for group, queue in list(self._waiting.items()):
+        """The waiting request to admit next: the tier (raw priority) of the best aged level, then,
+        within it, the least-served tenant, then that tenant's best aged level, adapter fairness
+        and age. One pass over the queues, whose heads are their best (a heap by aged key)."""
+        tier, tier_rank = None, None
+        in_tier: dict[int, tuple[tuple[int, int, int, int, int], _Waiting]] = {}  # raw priority -> best
+        for (client, group), queue in list(self._waiting.items()):
             while queue and queue[0].seq.is_finished:
                 heapq.heappop(queue)
             if not queue:
-                del self._waiting[group]
+                del self._waiting[client, group]
                 continue
             if group in blocked:
                 continue
             head = queue[0]
-            rank = ((head.key - now) // self.aging, self._running_per_group.get(group, 0), head.key, head.order)
-            if best_rank is None or rank < best_rank:
-                best, best_rank = head, rank
+            level = (head.key - now) // self.aging
+            rank = (level, self._running_per_group.get(group, 0), head.key, head.order)
+            if tier_rank is None or rank < tier_rank:
+                tier, tier_rank = head.seq.priority, rank
+            fair = (self.fairness.counter(client), *rank)
+            best = in_tier.get(head.seq.priority)
+            if best is None or fair < best[0]:
+                in_tier[head.seq.priority] = (fair, head)
+        return None if tier is None else in_tier[tier][1]
+
+    def _charge(self, seq: Sequence, num: int) -> None:
+        """Charge ``seq``'s tenant for ``num`` tokens computed in this step (sampling one after them
+        when they are all it has left to compute)."""
+        self.fairness.charge(seq.fairness_client, num, samples=num == seq.num_uncomputed_tokens)
+
+    def _victim(self) -> Sequence:
+        """The sequence to preempt: among the running of the lowest level (the last one's raw
+        priority), the most-served tenant's newest. O(tenants × priorities running)."""
+        worst = self.running[-1].priority
+        best, best_rank = self.running[-1], None
+        for (client, priority), seqs in self._running_by.items():
+            if priority == worst:
+                rank = (self.fairness.counter(client), self._key(seqs[-1]))
+                if best_rank is None or rank > best_rank:
+                    best, best_rank = seqs[-1], rank
         return best
+
+    def _start_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=self._key)
+        bisect.insort(self._running_by.setdefault((seq.fairness_client, seq.priority), []), seq, key=self._key)
+        self._running_per_group[seq.adapter_key] = self._running_per_group.get(seq.adapter_key, 0) + 1
 
     def _stop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        mates = self._running_by[seq.fairness_client, seq.priority]
+        mates.remove(seq)
+        if not mates:
+            del self._running_by[seq.fairness_client, seq.priority]
         group = seq.adapter_key
         self._running_per_group[group] -= 1
         self.blocks.free(seq)

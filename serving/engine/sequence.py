@@ -163,6 +163,14 @@ class Sequence:
         """The scheduler's fairness group: the adapter's name, or None for the base model."""
         return self.lora_request.lora_name if self.lora_request is not None else None
 
+    @property
+    def fairness_client(self) -> str | None:
+        """The client whose share of the batch it counts toward (serving.engine.fairness): its
+        ``cache_salt``, which names the tenant (the gateway salts every request it forwards, base
+        model or adapter, ``tenant-<id>``, and drops a caller's own), so a tenant's requests for
+        every adapter share one counter; None for unsalted requests (one client between them)."""
+        return self.cache_salt
+
 
 @dataclass(eq=False)
 class RequestState:
