@@ -505,6 +505,12 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
         result.status = "aborted"  # the client left before the reply
         result.end()
         raise
+    except Exception:
+        # The worker's failures are answered above; what escapes is the gateway's own (a request it
+        # could not encode, a bug): no count on the worker's ejection record or the adapter's breaker.
+        result.gateway_fault = True
+        result.end()
+        raise
     finally:
         if not handed_off:
             settle(call, result, res)

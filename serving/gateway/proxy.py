@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from serving.gateway.errors import error_json
+from serving.gateway.errors import error_json, invalid_request
 from serving.gateway.failover import key_refused
 from serving.gateway.stream_http import StreamPool, StreamResponse
 from serving.wire import errors as wire_errors
@@ -66,6 +66,9 @@ class UpstreamResult:
     error_code: str = ""
     # A refusal's whole body (error keeps its first 500 characters), relayed to the client as it came.
     refused_body: bytes = b""
+    # The gateway itself failed the call (a request it could not encode, a bug of its own): whatever
+    # the status says, neither the worker's nor the adapter's doing (serving.gateway.resilience).
+    gateway_fault: bool = False
 
     def take_usage(self, usage: dict[str, Any] | None) -> None:
         if isinstance(usage, dict):
@@ -125,7 +128,14 @@ class Upstream:
                     head_timeout_s: float | None = None) -> StreamResponse:
         # httpx's JSON encoding, byte for byte; the worker logs the request under the gateway's id
         # (serving.wire.request_ids).
-        payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        try:
+            payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        except (ValueError, UnicodeEncodeError) as exc:
+            # NaN, Infinity or a lone surrogate that got past the request's checks: the caller's, a 400.
+            result.status, result.http_status, result.gateway_fault = "client_error", 400, True
+            result.end()
+            raise invalid_request(f"The request holds a value JSON cannot carry to the worker ({exc}); send finite "
+                                  "numbers and valid Unicode.", code="invalid_json") from None
         try:
             response = await self._relayed.post(url, payload, {**self._headers, HEADER: request_id},
                                                 head_timeout_s=head_timeout_s)

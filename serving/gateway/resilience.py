@@ -81,12 +81,15 @@ def breaker_outcome(result: UpstreamResult) -> Outcome:
     """The version's view of a call's final answer (after failover): a worker's 503 (loading,
     draining, over its queue bound, a corrupted slot), its refusal of the operator key
     (misconfigured) and an error whose code is in WORKER_STATE_CODES (a stream stopped by a
-    corrupted slot) are the worker's state, and a 4xx or a client that left says nothing of the
-    adapter; other failures (5xx such as adapter_load_failed, no connection, a timeout, a stream
-    that broke or ended with any other error event) count against it. The canary guard judges by
+    corrupted slot) are the worker's state, and a 4xx, a client that left or the gateway's own
+    failure (`gateway_fault`) says nothing of the adapter; other failures (5xx such as
+    adapter_load_failed, no connection, a timeout, a stream that broke or ended with any other
+    error event) count against it. The canary guard judges by
     the breaker's figures, so this is its rule too."""
     if result.status == "ok":
         return Outcome.SUCCESS
+    if result.gateway_fault:
+        return Outcome.IGNORED
     worker_state = (result.http_status == 503 or result.key_refused
                     or result.error_code in WORKER_STATE_CODES)
     if result.status == "upstream_error" and not worker_state:
@@ -105,10 +108,11 @@ def worker_failed(result: UpstreamResult) -> bool | None:
     """An attempt's outcome for its worker's outlier record: True (a failure: no connection, a
     timeout, a 5xx, a broken stream, a refusal of the operator key), False (a success), or None
     when it says nothing of the worker, which then counts neither way: the caller's own fault
-    (the worker refused the request, 4xx), a caller that left, or an ADAPTER_FAULT_CODES error."""
+    (the worker refused the request, 4xx), a caller that left, an ADAPTER_FAULT_CODES error, or the
+    gateway's own failure (`gateway_fault`: a request it could not encode, a bug of its own)."""
     if result.status == "ok":
         return False
-    if result.status != "upstream_error" or result.error_code in ADAPTER_FAULT_CODES:
+    if result.status != "upstream_error" or result.error_code in ADAPTER_FAULT_CODES or result.gateway_fault:
         return None
     return True
 
