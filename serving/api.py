@@ -23,13 +23,14 @@ from drf_spectacular.utils import (
 from rest_framework import exceptions, mixins, serializers, status
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.decorators import action
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from serving.wire.errors import InvalidInput, NotFound
+from api.parsers import JSONParser
 from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from serving import selectors, services, usage
 from serving.models import ADAPTER_NAME_PATTERN, Adapter, AdapterVersion, DeploymentEvent

@@ -16,10 +16,11 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
-from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.parsers import MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from api.parsers import JSONParser
 from api.schema import error_response
 from serving.api import VersionSerializer, request_actor
 from serving.checkpoint_versions import checkpoint_version_create

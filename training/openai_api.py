@@ -35,12 +35,13 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.metadata import SimpleMetadata
 from rest_framework.negotiation import BaseContentNegotiation
-from rest_framework.parsers import BaseParser, FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import BaseParser, FormParser, MultiPartParser
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from api.parsers import JSONParser
 from api.schema import error_response
 from serving.wire.errors import InvalidInput, NotFound, ServiceError
 from api.pagination import PageRequest, list_body, page_request, paging_parameters, take

@@ -16,10 +16,11 @@ from django.http import HttpRequest
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from api.parsers import JSONParser
 from serving.wire.errors import InvalidInput, NotFound, PayloadTooLarge
 from training import conf, uploads
 from training.models import Upload, UploadPart
