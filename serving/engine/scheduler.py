@@ -9,10 +9,11 @@ Every step, under a budget of ``max_num_batched_tokens`` tokens and ``max_num_se
    caching, the leading blocks of a prompt that the cache holds for its adapter are taken by
    reference and its prefill starts after them (they cost no budget).
 
-When the KV cache cannot hold a running sequence's next tokens, a sequence of the lowest
-priority level running is preempted by recompute: the newest of the most-served tenant's there
-(serving.engine.fairness). Its blocks are freed and it waits again with its tokens, to be
-prefilled anew (vLLM's default). Nothing is admitted in a step that preempted.
+When the KV cache cannot hold a running sequence's next tokens, one is preempted by recompute:
+among the running sequences of the lowest-ranked one's priority, the most-served tenant's newest
+(serving.engine.fairness; with one tenant, the lowest-ranked itself). Its blocks are freed and it
+waits again with its tokens, to be prefilled anew (vLLM's default). Nothing is admitted in a step
+that preempted.
 
 Under async scheduling (serving.engine.async_scheduling) a running sequence's token sampled by
 the step still in flight counts as its next token to compute (``Sequence.num_pending``), so it
@@ -28,13 +29,14 @@ the batch; an older request of the same tier does not outrank another tenant's b
 one tenant's requests, the best level, then the adapter with the fewest running sequences
 (fairness between adapters: a burst for one adapter does not queue everyone else behind it), then
 arrival. Every scheduled token is charged to its tenant's counter as it is scheduled, so
-admissions within one step alternate between tenants. Each decision is O(waiting queues), one queue
-per tenant and adapter, never O(requests). A request whose adapter is still loading waits without
-holding up the others, and so does one whose adapter is being copied into the GPU pool (on CUDA the
-copy runs beside the steps; the request is admitted in the first step after it lands). One whose
-adapter finds no room (running sequences pin the rows it would need) waits too; once it has
-waited longer than an aging period, admissions stop until running sequences finish and free room,
-so no adapter waits longer than that plus the longest running sequence's remaining tokens.
+admissions within one step alternate between tenants. Each decision is O(waiting queues), one
+queue per tenant, adapter and priority, never O(requests). A request whose adapter is still loading
+waits without holding up the others, and so does one whose adapter is being copied into the GPU
+pool (on CUDA the copy runs beside the steps; the request is admitted in the first step after it
+lands). One whose adapter finds no room (running sequences pin the rows it would need) waits too;
+once it has waited longer than an aging period, admissions stop until running sequences finish and
+free room, so no adapter waits longer than that plus the longest running sequence's remaining
+tokens.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ class Scheduler:
         # The running sequences of each (tenant, priority), sorted by _key: the preemption candidates.
         self._running_by: dict[tuple[Client, int], list[Sequence]] = {}
         self.fairness = VirtualTokenCounter(config.fairness_prompt_weight, config.fairness_output_weight)
-        # One heap per (tenant, adapter): a tenant's requests for one adapter wait in arrival order.
-        self._waiting: dict[tuple[Client, str | None], list[_Waiting]] = {}
+        # One heap per (tenant, adapter, priority): a tenant's requests for one adapter in one tier
+        # wait in arrival order, so every tier sees each tenant's oldest request of it.
+        self._waiting: dict[tuple[Client, str | None, int], list[_Waiting]] = {}
         self._num_waiting = 0
         self._running_per_group: dict[str | None, int] = {}
         self._order = itertools.count()
@@ -123,7 +126,7 @@ class Scheduler:
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        queue = self._waiting.setdefault((seq.fairness_client, seq.adapter_key), [])
+        queue = self._waiting.setdefault((seq.fairness_client, seq.adapter_key, seq.priority), [])
         heapq.heappush(queue, _Waiting(self._key(seq), next(self._order), seq))
         self._num_waiting += 1
         self.stats.peak_waiting = max(self.stats.peak_waiting, self._num_waiting)
@@ -241,7 +244,7 @@ class Scheduler:
                 if handle is not None and cache is not None and slot >= 0:
                     cache.release_slot(handle)
                 break
-            heapq.heappop(self._waiting[seq.fairness_client, group])
+            heapq.heappop(self._waiting[seq.fairness_client, group, seq.priority])
             self._num_waiting -= 1
             seq.status = SequenceStatus.RUNNING
             seq.lora_slot = slot
@@ -261,11 +264,11 @@ class Scheduler:
         and age. One pass over the queues, whose heads are their best (a heap by aged key)."""
         tier, tier_rank = None, None
         in_tier: dict[int, tuple[tuple[int, int, int, int, int], _Waiting]] = {}  # raw priority -> best
-        for (client, group), queue in list(self._waiting.items()):
+        for (client, group, priority), queue in list(self._waiting.items()):
             while queue and queue[0].seq.is_finished:
                 heapq.heappop(queue)
             if not queue:
-                del self._waiting[client, group]
+                del self._waiting[client, group, priority]
                 continue
             if group in blocked:
                 continue
@@ -273,11 +276,11 @@ class Scheduler:
             level = (head.key - now) // self.aging
             rank = (level, self._running_per_group.get(group, 0), head.key, head.order)
             if tier_rank is None or rank < tier_rank:
-                tier, tier_rank = head.seq.priority, rank
+                tier, tier_rank = priority, rank
             fair = (self.fairness.counter(client), *rank)
-            best = in_tier.get(head.seq.priority)
+            best = in_tier.get(priority)
             if best is None or fair < best[0]:
-                in_tier[head.seq.priority] = (fair, head)
+                in_tier[priority] = (fair, head)
         return None if tier is None else in_tier[tier][1]
 
     def _charge(self, seq: Sequence, num: int) -> None:

@@ -134,6 +134,20 @@ def test_priority_tiers_win_over_fairness(tmp_path: Path) -> None:
     assert order[6:] == ["a7", "a8", "a9", "c0", "c1", "c2"], order
 
 
+def test_a_tenants_request_of_another_tier_does_not_hide_its_requests_of_this_one(tmp_path: Path) -> None:
+    """b's degraded request (priority 10) waits behind the tier a floods; b's priority-1 request,
+    queued after it for the same model, still competes in that tier as the least served."""
+    scheduler = _scheduler(tmp_path, max_num_seqs=1, priority_aging_steps=4)
+    for i in range(100):
+        scheduler.add(_seq(f"a{i}", "a", priority=1))
+    scheduler.add(_seq("b-degraded", "b", priority=10))
+    _admissions(scheduler, 40)  # the degraded one ages past a fresh priority-1 request's rank
+    scheduler.add(_seq("b-tier", "b", priority=1))
+    order = _admissions(scheduler, 2)
+    assert "b-tier" in order, order
+    assert "b-degraded" not in order and scheduler.num_waiting > 50
+
+
 def test_a_returning_tenant_is_lifted_to_the_least_served_active_one(tmp_path: Path) -> None:
     scheduler = _scheduler(tmp_path, max_num_seqs=1)
     fairness = scheduler.fairness
