@@ -14,6 +14,11 @@ history stay, and a new version of the adapter makes it a model again.
 - A served model (an active or canary version) is refused, 409 `adapter_serving` or
   `version_serving`, unless `?force=true`, which stops serving it at once.
 - The base model and its aliases: 403 `model_not_deletable`.
+- A fine-tuning job's models (training.checkpoint_names): its `ft:…:ftjob-<n>` name is the version
+  the job registered, deleted as `<adapter>@<version>` is; a kept checkpoint's name (`ft:…:ckpt-step-<N>`
+  or `<adapter>@ftjob-<n>:ckpt-step-<N>`) is served from the job's checkpoints, not the registry,
+  and is refused 403 `checkpoint_not_deletable` saying so (it was a 404 "does not exist" for a
+  model the same key could call: issue 37, item 8).
 - Another tenant's model, an unknown one and one already deleted are one 404 (`model_not_found`,
   catalog.model_not_found's body): nothing tells them apart.
 - The deletion holds at once in this process (its cache of models is cleared) and in the others
@@ -32,7 +37,9 @@ from serving.models import Adapter, AdapterVersion
 from serving.versions import SEMVER_RE
 from serving.wire.errors import NotFound, ServiceError
 from tenants.key_controls import model_allowed
-from tenants.models import ApiKey
+from tenants.models import ApiKey, Tenant
+from training.checkpoint_names import JobModelName, job_model_parse
+from training.models import Checkpoint, TrainingJob
 
 QUERY_PARAMS = ("force", "reason")
 _FLAGS = {"true": True, "1": True, "false": False, "0": False}
@@ -67,31 +74,70 @@ def model_delete(authorization: str | None, model: str, query: Mapping[str, list
     force, reason = _delete_query(query)
     key = auth.api_key
     assert key is not None, "key_authenticate authenticates by key"
-    if not model_allowed(key.allowed_models, model, base_model_ids=base_model_ids()):
+    named = job_model_parse(model)
+    bases = base_model_ids()
+    # As the catalog allows a job's model: also by what it stands for (a checkpoint's pinned name, the adapter).
+    if not (model_allowed(key.allowed_models, model, base_model_ids=bases) or named is not None and model_allowed(
+            key.allowed_models, named.pinned or named.adapter, base_model_ids=bases)):
         raise model_not_allowed(key.prefix, tuple(key.allowed_models), model)
     if model in base_model_ids():
         raise GatewayError(403, f"'{model}' is the platform's base model, which no tenant can delete; delete a "
                            "fine-tuned model of yours ('<adapter>' or '<adapter>@<version>').",
                            code="model_not_deletable", param="model")
-    name, _, pinned = model.partition("@")
-    adapter = Adapter.objects.filter(tenant=auth.tenant, name=name).first()
-    if adapter is None or (pinned and not SEMVER_RE.match(pinned)):
-        raise model_not_found(model)
     reason = reason or f"DELETE /v1/models/{model}"
     try:
-        if pinned:
-            version = adapter.versions.filter(version=pinned).exclude(status=AdapterVersion.Status.ARCHIVED).first()
-            if version is None:
-                raise model_not_found(model)
-            services.adapter_version_archive(version=version, actor=auth.actor, reason=reason, force=force)
-        elif not services.adapter_archive(adapter=adapter, actor=auth.actor, reason=reason, force=force):
-            raise model_not_found(model)  # nothing left to archive: deleted before
+        if named is not None:
+            services.adapter_version_archive(version=_job_version(auth.tenant, model, named), actor=auth.actor,
+                                             reason=reason, force=force)
+        else:
+            _archive(auth.tenant, model, actor=auth.actor, reason=reason, force=force)
     except NotFound:
         raise model_not_found(model) from None  # deleted meanwhile
     except ServiceError as error:
         raise _refusal(error, model) from None
     targets_forget()
     return {"id": model, "object": "model", "deleted": True}
+
+
+def _archive(tenant: Tenant, model: str, *, actor: str, reason: str, force: bool) -> None:
+    """Archives `<adapter>` (every version not archived yet) or `<adapter>@<version>`."""
+    name, _, pinned = model.partition("@")
+    adapter = Adapter.objects.filter(tenant=tenant, name=name).first()
+    if adapter is None or (pinned and not SEMVER_RE.match(pinned)):
+        raise model_not_found(model)
+    if pinned:
+        version = adapter.versions.filter(version=pinned).exclude(status=AdapterVersion.Status.ARCHIVED).first()
+        if version is None:
+            raise model_not_found(model)
+        services.adapter_version_archive(version=version, actor=actor, reason=reason, force=force)
+    elif not services.adapter_archive(adapter=adapter, actor=actor, reason=reason, force=force):
+        raise model_not_found(model)  # nothing left to archive: deleted before
+
+
+def _job_version(tenant: Tenant, model: str, named: JobModelName) -> AdapterVersion:
+    """The registry version a job's model name stands for, as the catalog resolves it (another
+    tenant's job or a name that is not the job's: the 404 of a name that never was); a kept
+    checkpoint's name is refused, saying why."""
+    if named.tenant is not None and named.tenant != tenant.slug:
+        raise model_not_found(model)
+    job = (TrainingJob.objects.filter(tenant=tenant, pk=named.job_id, adapter_name=named.adapter)
+           .select_related("adapter_version").first())
+    if job is None or named.base not in (None, job.base_model):
+        raise model_not_found(model)
+    if named.step is not None:
+        if not Checkpoint.objects.filter(job=job, step=named.step).exclude(artifact_uri="").exists():
+            raise model_not_found(model)
+        version = job.adapter_version
+        instead = (f" Its job's model can be: '{named.adapter}@{version.version}'."
+                   if version is not None and version.status != AdapterVersion.Status.ARCHIVED else "")
+        raise GatewayError(403, f"'{model:.200}' is a checkpoint of fine-tuning job ftjob-{job.pk}, served from the "
+                           "job's kept checkpoints rather than the registry: it cannot be deleted through "
+                           f"/v1/models. It stays callable while the job keeps it.{instead}",
+                           code="checkpoint_not_deletable", param="model")
+    version = job.adapter_version
+    if version is None or version.status == AdapterVersion.Status.ARCHIVED:
+        raise model_not_found(model)
+    return version
 
 
 def _refusal(error: ServiceError, model: str) -> GatewayError:
