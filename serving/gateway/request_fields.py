@@ -157,8 +157,9 @@ def estimate_prompt_tokens(body: dict[str, Any], endpoint: str) -> int:
         total = 0
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            if isinstance(content, list):  # the worker refuses parts that are not text; none counts here
+                content = "".join(text for part in content if isinstance(part, dict)
+                                  and isinstance(text := part.get("text"), str))
             total += _TOKENS_PER_MESSAGE + math.ceil(len(str(content or "").encode()) / _BYTES_PER_TOKEN)
         return total
     prompt = body.get("prompt")

@@ -103,3 +103,31 @@ def test_an_adapter_no_worker_can_load_ejects_no_worker(faults_web, ready, tenan
         assert reply.json()["error"]["code"] == "adapter_load_failed"
     assert ejections(faults_web) == before
     both_workers_serve(faults_web, tenant_b.key, ready)
+
+
+def test_malformed_and_oversized_requests_are_400s_the_workers_never_see(faults_web, ready, tenant_a, tenant_b):
+    """Issue 37: a NaN temperature (the gateway's json.dumps of the worker's request raised: a 500
+    counted against the worker, twelve ejected it), a 100,000-deep body (RecursionError: 500), 95,000
+    stop strings and 19,000 tools (each held a worker's loop for seconds) are refused by the gateway
+    with a 400 naming the field, before any bucket or worker; a grammar that matches nothing is the
+    worker's 400, the caller's fault. No worker is ejected, and another tenant reaches both."""
+    headers = {"Authorization": f"Bearer {tenant_a.key}", "Content-Type": "application/json"}
+    url = f"{faults_web.url}/v1/completions"
+    before, seen_before = ejections(faults_web), [served(worker) for worker in ready]
+    for _ in range(12):
+        reply = httpx.post(url, headers=headers, timeout=60,
+                           content=f'{{"model": "{BASE}", "prompt": "hi", "max_tokens": 1, "temperature": NaN}}')
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "temperature" and reply.json()["error"]["code"] == "non_finite_number"
+    deep = httpx.post(url, headers=headers, content="[" * 100_000 + "]" * 100_000, timeout=60)
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == "nesting_too_deep", deep.text[:300]
+    for extra, param in (({"stop": [f"s{i}" for i in range(95_000)]}, "stop"),
+                         ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(19_000)],
+                           "tool_choice": {"type": "function", "function": {"name": "none-of-them"}}}, "tools")):
+        reply = complete(faults_web, tenant_a.key, **extra)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text[:300]
+    assert [served(worker) for worker in ready] == seen_before  # none of it was forwarded
+    endless = complete(faults_web, tenant_a.key, guided_grammar="root ::= root root")
+    assert endless.status_code == 400 and endless.json()["error"]["param"] == "guided_grammar", endless.text
+    assert ejections(faults_web) == before
+    both_workers_serve(faults_web, tenant_b.key, ready)

@@ -1,6 +1,8 @@
 """What the gateway takes from a caller's body and what it forwards: the body decoded and checked
 once (lone surrogates, internal `loraplex_*` fields, the model name's length), the worker's
-request built from an allow-list, and which outcomes count toward a worker's ejection."""
+request built from an allow-list, and which outcomes count toward a worker's ejection; the request
+caps (serving.wire.request_caps): non-finite numbers, nesting, oversized fields, and no body that
+makes decoding fail other than with a 400."""
 
 from __future__ import annotations
 
@@ -8,15 +10,25 @@ import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from serving.gateway.records import Call, Caller, Target, TierLimits
 from serving.gateway.errors import GatewayError
 from serving.gateway.proxy import UpstreamResult
-from serving.gateway.request_fields import FORWARDED, MODEL_MAX_CHARS, decode_body
+from serving.gateway.request_fields import (
+    FORWARDED,
+    MODEL_MAX_CHARS,
+    decode_body,
+    estimate_prompt_tokens,
+    requested_max_tokens,
+    requested_sequences,
+)
 from serving.gateway.resilience import worker_failed
 from serving.gateway.routing import WorkerView
 from serving.gateway.upstream import upstream_body
 from serving.gateway.version_pick import ServedVersion
+from serving.wire.request_caps import MAX_JSON_DEPTH
 
 CALLER = Caller(tenant_id=1, tenant="alice-co", key_prefix="abc",
                 tier=TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=100_000,
@@ -25,6 +37,13 @@ WORKER = WorkerView(worker_id="w1", url="http://w1", base_model="tiny", served_m
                     max_model_len=2048, queue_depth=0, kv_cache_usage=0.0)
 VERSION = ServedVersion(tenant="alice-co", adapter="bot", version="1.0.0", artifact_uri="file:///a",
                         manifest_sha256="0" * 64, status="active")
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 def refusal(raw: bytes) -> GatewayError:
@@ -124,3 +143,71 @@ def test_only_the_workers_own_failures_count_toward_its_ejection():
     aborted = UpstreamResult(worker_id="w1")
     aborted.status = "aborted"
     assert worker_failed(aborted) is None
+
+
+def test_non_finite_numbers_are_refused_naming_the_field():
+    """The gateway's own json.dumps(allow_nan=False) of the worker's request raised on them: a 500."""
+    for raw, param in [(b'{"model": "bot", "prompt": "p", "temperature": NaN}', "temperature"),
+                       (b'{"model": "bot", "prompt": "p", "logit_bias": {"3": -Infinity}}', "logit_bias.3"),
+                       (b'{"model": "bot", "prompt": "p", "top_p": 1e999}', "top_p")]:
+        error = refusal(raw)
+        assert error.code == "non_finite_number" and error.param == param, (raw, error.param)
+        json.loads(error.body())
+
+
+def test_a_body_nested_past_the_bound_is_a_400_not_a_recursion_error():
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"model": "bot", "x": ' + b"[" * 100_000 + b"}",
+                json.dumps({"model": "bot", "prompt": "p", "x": nested(MAX_JSON_DEPTH)}).encode()):
+        error = refusal(raw)
+        assert error.code == "nesting_too_deep" and str(MAX_JSON_DEPTH) in error.message
+    assert decode_body(json.dumps({"model": "bot", "x": nested(MAX_JSON_DEPTH - 1)}).encode())["model"] == "bot"
+
+
+def test_fields_over_their_caps_are_refused_before_any_lookup():
+    for extra, param in (({"stop": [f"s{i}" for i in range(95_000)]}, "stop"),
+                         ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(19_000)]},
+                          "tools"),
+                         ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias")):
+        error = refusal(json.dumps({"model": "bot", "prompt": "p", **extra}).encode())
+        assert error.status == 400 and error.param == param and "at most" in error.message
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                     max_leaves=30)
+_FIELDS = st.sampled_from(["model", "prompt", "messages", "stop", "tools", "functions", "logit_bias", "guided_json",
+                           "guided_choice", "guided_regex", "guided_grammar", "response_format", "temperature", "n",
+                           "best_of", "max_tokens", "stop_token_ids", "loraplex_adapter", "user"])
+
+
+_PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | _JSON}, optional={"text": _JSON})
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool"]) | _JSON},
+                                 optional={"content": _JSON | st.lists(_PART | _JSON, max_size=3), "name": _JSON})
+_SHAPED = st.fixed_dictionaries({"model": st.text(min_size=1, max_size=8)}, optional={"messages": st.lists(_MESSAGE | _JSON, max_size=3) | _JSON,
+    "prompt": st.lists(st.integers() | st.text(max_size=5) | st.lists(st.integers(), max_size=3), max_size=3) | _JSON,
+    "n": st.integers() | _JSON, "best_of": st.integers() | _JSON, "max_tokens": st.integers() | _JSON,
+    "max_completion_tokens": st.integers() | _JSON})
+
+
+@given(st.one_of(
+    st.binary(max_size=64),
+    st.dictionaries(_FIELDS, _JSON, max_size=6).map(lambda body: json.dumps(body).encode()),
+    _SHAPED.map(lambda body: json.dumps(body).encode()),
+    st.tuples(st.dictionaries(_FIELDS, _JSON, max_size=4), st.sampled_from(["NaN", "-Infinity", "1e400", "[" * 70]))
+    .map(lambda pair: json.dumps(pair[0])[:-1].encode() + b', "extra": ' + pair[1].encode() + b"}"),
+))
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_no_body_makes_the_gateways_decoding_fail_other_than_with_a_400(raw: bytes):
+    try:
+        body = decode_body(raw)
+    except GatewayError as error:
+        assert error.status == 400
+        json.loads(error.body())
+        return
+    for endpoint in ("completions", "chat"):
+        for step in (requested_max_tokens, requested_sequences, estimate_prompt_tokens):
+            try:
+                step(body, endpoint)
+            except GatewayError as error:
+                assert error.status == 400
+    json.dumps(body, allow_nan=False)  # what the gateway sends the worker

@@ -61,7 +61,8 @@ class SamplingFields(_Request):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # What the engine's torch.Generator takes (a larger one failed there with "Overflow when unpacking long long").
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
