@@ -144,8 +144,9 @@ class ApiKeyViewSet(mixins.RetrieveModelMixin, mixins.DestroyModelMixin, TenantS
 
     @extend_schema(parameters=[OpenApiParameter("reason", str, required=False,
                                                 description="Why; kept in the tenant's audit log.")],
-                   responses=ApiKeySerializer, summary="Revoke an API key")
+                   responses={204: None}, summary="Revoke an API key (it stays listed, with its revoked_at)")
     def destroy(self, request: Request, *args: object, **kwargs: object) -> Response:
-        key = services.api_key_revoke(api_key=self.get_object(), actor=self.tenant_auth.actor,
-                                      reason=request.query_params.get("reason", "")[:2000])
-        return Response(ApiKeySerializer(key).data)
+        # 204 and no body, as the schema has always said of a DELETE (it answered 200 with the key).
+        services.api_key_revoke(api_key=self.get_object(), actor=self.tenant_auth.actor,
+                                reason=request.query_params.get("reason", "")[:2000])
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -121,7 +121,7 @@ def test_the_rest_api_creates_shows_and_changes_a_keys_controls(client_a, tenant
     assert above.status_code == 400
     assert above.json()["error"]["code"] == "key_limit_above_tier"
     assert above.json()["error"]["param"] == "requests_per_minute"
-    assert client_a.delete(f"/api/v1/api-keys/{body['id']}?reason=rotated").status_code == 200
+    assert client_a.delete(f"/api/v1/api-keys/{body['id']}?reason=rotated").status_code == 204
     assert TenantEvent.objects.get(kind="key_revoke").reason == "rotated"
 
 

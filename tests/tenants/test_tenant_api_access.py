@@ -46,7 +46,8 @@ def test_create_list_read_and_revoke_own_keys(client_a, tenant_a) -> None:
     assert client_a.get(f"/api/v1/api-keys/{key['id']}").json()["name"] == "ci"
 
     revoked = client_a.delete(f"/api/v1/api-keys/{key['id']}")
-    assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+    assert revoked.status_code == 204 and revoked.content == b""  # as the schema says (issue 37, item 8)
+    assert client_a.get(f"/api/v1/api-keys/{key['id']}").json()["revoked_at"] is not None
     refused = APIClient().get("/api/v1/tenant", HTTP_AUTHORIZATION=f"Bearer {key['key']}")
     assert refused.status_code == 401 and "revoked" in error_of(refused)["message"]
 
