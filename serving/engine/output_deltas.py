@@ -30,8 +30,9 @@ CompletionDelta = tuple[int, int, list[int], int, str, int, list[Any] | None, fl
                         int | str | None]
 # A request's output against its last one (the prompt, its token ids and its adapter are the same);
 # ``prompt_logprobs`` is sent only when it changed (``prompt_logprobs_same`` False).
-# (request_id, finished, completions, num_cached_tokens, prompt_logprobs_same, prompt_logprobs)
-OutputDelta = tuple[str, bool, tuple[CompletionDelta, ...], int | None, bool, list[Any] | None]
+# (request_id, finished, completions, num_cached_tokens, num_generated_tokens, prompt_logprobs_same,
+#  prompt_logprobs)
+OutputDelta = tuple[str, bool, tuple[CompletionDelta, ...], int | None, int, bool, list[Any] | None]
 
 
 def _kept(new: list[Any], old: list[Any]) -> int:
@@ -82,8 +83,8 @@ class OutputEncoder:
                 completion.logprobs[keep_logprobs:] if completion.logprobs is not None else None,
                 completion.cumulative_logprob, completion.finish_reason, completion.stop_reason))
         same = output.prompt_logprobs == last.prompt_logprobs
-        return (output.request_id, output.finished, tuple(completions), output.num_cached_tokens, same,
-                None if same else output.prompt_logprobs)
+        return (output.request_id, output.finished, tuple(completions), output.num_cached_tokens,
+                output.num_generated_tokens, same, None if same else output.prompt_logprobs)
 
 
 class OutputDecoder:
@@ -112,7 +113,8 @@ class OutputDecoder:
         self._last.clear()
 
     def _apply(self, delta: OutputDelta) -> RequestOutput | None:
-        request_id, finished, changes, num_cached_tokens, prompt_logprobs_same, prompt_logprobs = delta
+        (request_id, finished, changes, num_cached_tokens, num_generated_tokens, prompt_logprobs_same,
+         prompt_logprobs) = delta
         last = self._last.get(request_id)
         if last is None:
             return None  # cannot happen while both sides mirror each other; nobody could read it anyway
@@ -135,4 +137,4 @@ class OutputDecoder:
             request_id=request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
             outputs=completions, finished=finished, lora_request=last.lora_request,
             prompt_logprobs=last.prompt_logprobs if prompt_logprobs_same else prompt_logprobs,
-            num_cached_tokens=num_cached_tokens)
+            num_cached_tokens=num_cached_tokens, num_generated_tokens=num_generated_tokens)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from serving.engine.detokenizer import find_stop
 from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.engine.sampler import SampleResult
 from serving.engine.sequence import RequestState, Sequence
@@ -48,8 +47,9 @@ class OutputProcessor:
         if delta:
             seq.output_text += delta
             # Until min_tokens are out a stop string does not end the output either (as vLLM).
-            if params.stop_strings and seq.num_output_tokens >= params.min_tokens:
-                found = find_stop(seq.output_text, len(delta), params.stop_strings)
+            stops = params.stop_matcher
+            if stops is not None and seq.num_output_tokens >= params.min_tokens:
+                found = stops.find(seq.output_text, len(delta))
                 if found is not None:
                     index, stop = found
                     seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
@@ -95,16 +95,17 @@ class OutputProcessor:
             error=state.error,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             num_cached_tokens=first.num_cached_tokens,
+            num_generated_tokens=sum(seq.num_output_tokens for seq in state.seqs),
         )
 
 
 def _completion(seq: Sequence, index: int, *, finished: bool) -> CompletionOutput:
     text = seq.output_text
-    stops = seq.sampling_params.stop_strings
-    if not finished and stops:
+    stops = seq.sampling_params.stop_matcher
+    if not finished and stops is not None:
         # Hold back what could be the start of a stop string, so a streamed text never shows
         # characters the final text cuts: every streamed text is a prefix of the final one.
-        hold = max(len(s) for s in stops) - 1
+        hold = stops.max_len - 1
         text = text[: max(0, len(text) - hold)]
     return CompletionOutput(
         index=index,

@@ -54,3 +54,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # vLLM's: prompt tokens the prefix cache held when the request was admitted (None: caching off).
     num_cached_tokens: int | None = None
+    # Tokens generated so far over all the request's sequences, those a ``best_of > n`` request
+    # discards included: what its usage charges (OpenAI bills best_of's every token).
+    num_generated_tokens: int = 0

@@ -20,7 +20,6 @@ import contextvars
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from serving.gateway import metrics
+from serving.gateway.accounting import charged_tokens, check_fits, release_after
 from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import MAX_ATTEMPTS, retryable
@@ -163,25 +163,6 @@ async def key_budget_check(call: Call, res: Resources) -> None:
     call.budget_reservation = verdict.reservation
 
 
-def check_fits(call: Call, buckets: RequestBuckets) -> None:
-    """400 request_too_large for a request that reserves more tokens than one of its token buckets
-    can ever hold: a 429 would name a wait after which it still would not fit. The tenant's bucket
-    is exempt where the call may degrade: there the base model answers what the quota cannot hold
-    (a key's own bucket never degrades: serving.gateway.request_buckets)."""
-    may_degrade = degradable(call)
-    for bucket in buckets.tokens:
-        if may_degrade and not buckets.limits[bucket.key].own_key:
-            continue
-        if call.reserved_tokens > bucket.capacity:
-            asked = "" if requested_max_tokens(call.body, call.endpoint) is not None else " (the tier's default)"
-            each = f" for each of {call.sequences} completions" if call.sequences > 1 else ""
-            raise invalid_request(
-                f"This request reserves {call.reserved_tokens:,} tokens (about {call.prompt_estimate:,} of prompt and "
-                f"max_tokens {call.max_tokens:,}{asked}{each}), more than the {round(bucket.capacity):,} tokens the "
-                f"bucket of {buckets.describe_bucket(bucket)} can ever hold, so it could never be admitted. Lower "
-                "max_tokens or shorten the prompt.", param="max_tokens", code="request_too_large")
-
-
 async def admit(call: Call, res: Resources) -> None:
     """Reserve the call's tokens against its key's budget, then 1 request and prompt + every
     completion's max_tokens from the tenant's and the key's buckets, all or none; over the tenant's
@@ -192,7 +173,7 @@ async def admit(call: Call, res: Resources) -> None:
     buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst)
     call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
     call.reserved_tokens = call.prompt_estimate + call.max_tokens * call.sequences
-    check_fits(call, buckets)
+    check_fits(call, buckets, may_degrade=degradable(call))
     await key_budget_check(call, res)
     try:
         await _admit_buckets(call, buckets, res)
@@ -297,14 +278,12 @@ def response_headers(call: Call) -> dict[str, str]:
 
 
 def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
-    """The upstream call is over: refund unused tokens (charge overruns), record usage and metrics.
-
-    Tokens used are the worker's usage; without it (the client left mid-stream) the prompt estimate
-    plus one token per relayed chunk."""
+    """The upstream call is over: refund unused tokens (charge overruns), record usage (what
+    `charged_tokens` says) and metrics."""
     res.inflight[result.worker_id] = max(0, res.inflight.get(result.worker_id, 1) - 1)
     metrics.IN_FLIGHT.dec()
-    used = (result.prompt_tokens + result.completion_tokens if result.usage_known
-            else call.prompt_estimate + result.content_chunks if result.http_status == 200 else 0)
+    prompt_tokens, completion_tokens = charged_tokens(call, result)
+    used = prompt_tokens + completion_tokens
     status = result.status
     # A worker's refusal of the operator key reached the client as 502 (_key_refused).
     http_status = 502 if result.key_refused else result.http_status or 502
@@ -316,8 +295,7 @@ def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
         request_id=call.request_id, tenant_id=call.caller.tenant_id, api_key_prefix=call.caller.key_prefix,
         endpoint=call.endpoint, model=call.model,
         adapter=call.version.adapter if call.version else "", version=call.version.version if call.version else "",
-        prompt_tokens=result.prompt_tokens if result.usage_known else (call.prompt_estimate if used else 0),
-        completion_tokens=result.completion_tokens if result.usage_known else (result.content_chunks if used else 0),
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         status=status, http_status=http_status, latency_ms=(time.perf_counter() - call.started) * 1000,
         ttft_ms=(result.first_byte_s * 1000) if result.first_byte_s is not None and status == "ok" else None,
         degraded=call.degraded, worker=result.worker_id, created_at=time.time(),
@@ -345,7 +323,7 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
     counts = res.resilience.outcome_calls(call, result)
     try:
         replies = await res.resilience.guard.call("usage record", lambda: run_batch(
-            res.redis, [*refunds, *counts], _then_release(usage_pushes(events), call, res)))
+            res.redis, [*refunds, *counts], release_after(usage_pushes(events), call, res.key_budgets)))
         if replies is None:
             for bucket in tokens_buckets:
                 res.buckets.local.refund(bucket, refund)
@@ -355,21 +333,6 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
         # Kept all the same: a record pushed twice is written once (its record id).
         keep_usage(events, res.resilience, res.redis)
         log.exception("could not record usage / refund tokens of %s", call.request_id)
-
-
-def _then_release(queue: Callable[[aioredis.client.Pipeline], None], call: Call,
-                  res: Resources) -> Callable[[aioredis.client.Pipeline], None]:
-    """`queue` (the usage records and their spend), then the release of the call's budget
-    reservation: after the spend, so no admission sees the call's tokens neither spent nor reserved."""
-    reservation, call.budget_reservation = call.budget_reservation, None
-    if reservation is None:
-        return queue
-
-    def both(pipe: aioredis.client.Pipeline) -> None:
-        queue(pipe)
-        res.key_budgets.release_queue(pipe, reservation)
-
-    return both
 
 
 # ---- the whole path ------------------------------------------------------------------------

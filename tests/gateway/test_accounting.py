@@ -1,7 +1,7 @@
 """Issue 37, item 4, at the admission step (serving.gateway.pipeline.admit) on the run's Redis: a
 request that reserves more tokens than a bucket can ever hold is a 400 naming the limit, not a 429
-whose retry-after never comes; and a key's budget reservation goes back when its buckets refuse
-the request. No web process: the catalog is a stand-in that admission reads only for the budget's
+whose retry-after never comes; a key's budget reservation goes back when its buckets refuse the
+request; and what a call is charged when it ends (serving.gateway.accounting.charged_tokens). No web process: the catalog is a stand-in that admission reads only for the budget's
 seed."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from serving.gateway import pipeline, wiring
+from serving.gateway.accounting import charged_tokens
 from serving.gateway.errors import GatewayError
 from serving.gateway.key_budget import Month, counter_key
 from serving.gateway.local_buckets import GuardedBuckets
-from serving.gateway.proxy import Upstream
+from serving.gateway.proxy import Upstream, UpstreamResult
 from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
 
@@ -102,3 +103,26 @@ def test_a_budget_reservation_goes_back_when_the_buckets_refuse(redis_client) ->
         assert int(reserved) == first.budget_reservation.tokens  # the refused one's share is back
 
     admitting(scenario)
+
+
+def settled(call: Call, *, status: str, http_status: int = 200, chunks: int = 0,
+            usage: tuple[int, int] | None = None) -> tuple[int, int]:
+    result = UpstreamResult(worker_id="w1", http_status=http_status, status=status, content_chunks=chunks)
+    if usage is not None:
+        result.take_usage({"prompt_tokens": usage[0], "completion_tokens": usage[1]})
+    return charged_tokens(call, result)
+
+
+def test_what_a_call_is_charged_is_never_less_than_the_worker_generated() -> None:
+    call = chat(caller(DEGRADABLE), max_tokens=101)
+    call.prompt_estimate, call.sequences = 9, 2
+    # The worker's usage when it came (it counts best_of's discarded sequences: tests/engine).
+    assert settled(call, status="ok", usage=(8, 40)) == (8, 40)
+    # The client left mid-stream after 51 chunks: the worker went on until it noticed, so the
+    # reservation is charged (it was 51 of 101 tokens generated, issue 37), a whole reply's too.
+    assert settled(call, status="aborted", chunks=51) == (9, 202)
+    assert settled(call, status="aborted", http_status=0) == (9, 202)
+    # The worker broke the stream: what reached the client; it refused or failed before replying: nothing.
+    assert settled(call, status="upstream_error", chunks=7) == (9, 7)
+    assert settled(call, status="client_error", http_status=400) == (0, 0)
+    assert settled(call, status="upstream_error", http_status=0) == (0, 0)

@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from serving.gateway import pipeline
+from serving.gateway.accounting import release_after
 from serving.gateway.errors import GatewayError
 from serving.gateway.key_budget import RESERVATION_HOLD_S, KeyBudgets, Month, counter_key, spend_add
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
@@ -56,7 +57,7 @@ def call_of(caller: Caller, reserved: int) -> Call:
 async def settle(client: aioredis.Redis, res: SimpleNamespace, call: Call, used: int) -> None:
     """What pipeline._record does for the budget: the usage record's spend, then the release."""
     async with client.pipeline(transaction=False) as pipe:
-        pipeline._then_release(lambda p: spend_add(p, call.caller.key_prefix, used, time.time()), call, res)(pipe)
+        release_after(lambda p: spend_add(p, call.caller.key_prefix, used, time.time()), call, res.key_budgets)(pipe)
         await pipe.execute()
 
 

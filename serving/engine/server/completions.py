@@ -2,7 +2,8 @@
 streamed.
 
 Each prompt gets `n` choices (`best_of` generated), indexed prompt-major as OpenAI does
-(`prompt_i * n + j`); usage sums the prompts' tokens and every returned choice's. A stream's chunks
+(`prompt_i * n + j`); usage sums the prompts' tokens and every generated one's, best_of's discarded
+sequences included (as OpenAI bills them; issue 37). A stream's chunks
 each carry one choice, by its index, as OpenAI's SDK reads them. `echo` puts the prompt's text
 (a prompt of token ids decoded) before its choices' text, in a stream with the choice's first chunk;
 with `logprobs`, the prompt's tokens come first in the logprobs too, the first with none (nothing

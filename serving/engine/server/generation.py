@@ -173,6 +173,7 @@ class Generation:
         self._running: set[str] = set()  # engine requests not finished
         self._aborted = False
         self._sent: dict[int, tuple[int, int]] = {}  # per choice index: characters and tokens sent
+        self._generated: dict[int, int] = {}  # per prompt: tokens generated over all its sequences
         self._ended: set[int] = set()  # choices whose finish was sent
         self._events = self._lifetime()
 
@@ -330,7 +331,11 @@ class Generation:
                 for _ in range(new_tokens):
                     metrics.itl.observe(gap)
             self._last_token_at = now
-        self.usage.completion_tokens = sum(tokens for _, tokens in self._sent.values())
+        # Every token generated is charged: a best_of request's discarded sequences too (the engine's
+        # count); the choices' own count where the engine reported none.
+        self._generated[prompt_index] = output.num_generated_tokens
+        self.usage.completion_tokens = max(sum(tokens for _, tokens in self._sent.values()),
+                                           sum(self._generated.values()))
         if output.finished:
             self._running.discard(self._engine_ids[prompt_index])
             if not self._running:
