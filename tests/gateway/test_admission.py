@@ -21,8 +21,8 @@ from serving.gateway.proxy import Upstream
 from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
 
-DEGRADABLE = TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=1_000, max_tokens_per_request=64,
-                        priority=1, degradation_allowed=True)
+DEGRADABLE = TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=1_000,
+                        max_tokens_per_request=64, priority=1, degradation_allowed=True)
 
 
 class RecordedCatalog:
@@ -108,13 +108,16 @@ def test_a_key_over_its_own_tokens_per_minute_is_refused_not_degraded(redis_clie
 
 
 def test_the_tenants_quota_short_on_a_degradable_tier_is_degraded_to_the_base_model(redis_client) -> None:
-    # The tier's 10 tpm hold 20 tokens: a 64-token request is the tenant's short (the key has no limits).
-    who = caller(tier=TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=10,
+    # The tier's 100 tpm hold 200 tokens: two 64-token requests fit, the third finds the tenant short
+    # (the key has no limits of its own) and is degraded.
+    who = caller(tier=TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=100,
                                  max_tokens_per_request=64, priority=1, degradation_allowed=True))
 
     async def scenario(res: pipeline.Resources) -> None:
-        call = adapter_call(who, max_tokens=64)
-        await pipeline.admit(call, res)
-        assert call.degraded and call.target.base and call.headers["x-loraplex-degraded"] == "quota"
+        calls = [adapter_call(who, max_tokens=64) for _ in range(3)]
+        for call in calls:
+            await pipeline.admit(call, res)
+        assert [call.degraded for call in calls] == [False, False, True]
+        assert calls[2].target.base and calls[2].headers["x-loraplex-degraded"] == "quota"
 
     admitting(0, scenario)
