@@ -77,5 +77,12 @@ def api_key_is_live(*, tenant: Tenant, full_key: str) -> bool:
                                                         revoked_at__isnull=True).exists()
 
 
+def api_key_live(*, tenant_id: int, full_key: str, created_by: AbstractBaseUser) -> ApiKey | None:
+    """The tenant's live key `full_key` if `created_by` made it (a playground key kept in their session)."""
+    parsed = parse_key(full_key)
+    return None if parsed is None else ApiKey.objects.filter(
+        tenant_id=tenant_id, prefix=parsed.prefix, created_by=created_by, revoked_at__isnull=True).first()
+
+
 def membership_list(*, tenant: Tenant) -> QuerySet[Membership]:
     return Membership.objects.filter(tenant=tenant).select_related("user").order_by("role", "user__username")

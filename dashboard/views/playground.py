@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpResponse, JsonResponse
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
@@ -73,7 +74,8 @@ def playground_key_view(request: DashboardRequest) -> JsonResponse:
     """The user's playground key for this tenant (inference scope), issued once per session.
 
     The browser calls `/v1` with it, so the playground's requests take the public path with its
-    quotas and usage records. A key revoked meanwhile is replaced.
+    quotas and usage records. A key revoked meanwhile is replaced; signing out revokes it
+    (playground_keys_revoke).
     """
     tenant = request.dashboard.tenant
     keys = request.session.get(PLAYGROUND_SESSION_KEY, {})
@@ -83,3 +85,19 @@ def playground_key_view(request: DashboardRequest) -> JsonResponse:
         keys[str(tenant.pk)] = full_key
         request.session[PLAYGROUND_SESSION_KEY] = keys
     return JsonResponse({"key": full_key})
+
+
+def playground_keys_revoke(sender: type, request: HttpRequest | None, user: AbstractBaseUser | None,
+                           **kwargs: Any) -> None:
+    """`user_logged_out` (the dashboard's and the admin's sign-out alike): the playground keys this
+    session was handed are revoked before the session is emptied. The browser held their secrets,
+    so a key that outlived the sign-out kept calling `/v1` for whoever had the page's memory or
+    history (issue 37, item 8); a session that expires unsigned-out leaves its key to be replaced
+    (each new one revokes the last) or revoked on the key page."""
+    if request is None or user is None or not hasattr(request, "session"):
+        return
+    for tenant_id, full_key in request.session.get(PLAYGROUND_SESSION_KEY, {}).items():
+        key = tenant_selectors.api_key_live(tenant_id=int(tenant_id), full_key=full_key, created_by=user)
+        if key is not None:
+            tenant_services.api_key_revoke(api_key=key, actor=f"user:{user.get_username()}",
+                                           reason="its user signed out of the dashboard")
