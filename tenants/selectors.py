@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypedDict
 
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.contrib.auth.models import AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 from django.db.models import Count, Q, QuerySet
 
 from serving.wire.errors import NotFound
@@ -77,7 +77,7 @@ def api_key_is_live(*, tenant: Tenant, full_key: str) -> bool:
                                                         revoked_at__isnull=True).exists()
 
 
-def api_key_live(*, tenant_id: int, full_key: str, created_by: AbstractBaseUser) -> ApiKey | None:
+def api_key_live(*, tenant_id: int, full_key: str, created_by: User) -> ApiKey | None:
     """The tenant's live key `full_key` if `created_by` made it (a playground key kept in their session)."""
     parsed = parse_key(full_key)
     return None if parsed is None else ApiKey.objects.filter(

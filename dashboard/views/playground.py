@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_POST
@@ -87,7 +87,7 @@ def playground_key_view(request: DashboardRequest) -> JsonResponse:
     return JsonResponse({"key": full_key})
 
 
-def playground_keys_revoke(sender: type, request: HttpRequest | None, user: AbstractBaseUser | None,
+def playground_keys_revoke(sender: type, request: HttpRequest | None, user: User | None,
                            **kwargs: Any) -> None:
     """`user_logged_out` (the dashboard's and the admin's sign-out alike): the playground keys this
     session was handed are revoked before the session is emptied. The browser held their secrets,
