@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from tests.engine.server.conftest import WorkerProcess
+from serving.engine.server.cli import ServerArgs
+from tests.engine.server.conftest import WorkerProcess, serve_in_process
 
 BASE = "tiny-base"
 SCHEMA = {
@@ -101,3 +103,57 @@ def test_refused_constraints_are_400s_naming_them(worker: WorkerProcess, kwargs:
     assert message in error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def _nested_schema(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_grammar_whose_language_is_empty_is_a_400_not_a_500(worker: WorkerProcess) -> None:
+    # Every rule needs itself first: no token is allowed at all, which the sampler would meet as a
+    # row of -inf (a 500 before); the compile refuses it.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(worker).completions.create(model=BASE, prompt="Answer:", max_tokens=8,
+                                          extra_body={"guided_grammar": "root ::= root root"})
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert "matches no output" in error["message"] and error["param"] == "guided_grammar"
+    assert client(worker).completions.create(model=BASE, prompt="Answer:", max_tokens=2).choices
+
+
+def _wide_schema(depth: int, width: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {f"p{i}": schema for i in range(width)}}
+    return schema
+
+
+def test_the_compile_budget_refuses_with_grammar_too_complex_naming_the_field(tiny_model: Path) -> None:
+    """A worker with a small budget (nesting 10 JSON levels, 1 ms a compile): a schema nested past
+    it is refused before compiling, one within it whose compile outlasts the time (a 44 KB schema
+    of nested objects 6 wide: about 0.2 s of conversion) is killed and refused; both are 400s with
+    the code and the field, and the worker serves on."""
+    args = ServerArgs(model=str(tiny_model), device="cpu", max_loras=0, max_model_len=512, num_gpu_blocks_override=64,
+                      slot_verify_interval=0, served_model_name=[BASE], grammar_compile_timeout=0.001,
+                      max_grammar_schema_depth=10)
+    deep = {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(5)}}
+    with serve_in_process(args) as (_, url):
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=8,
+                                        response_format=deep)  # type: ignore[arg-type]
+        error = caught.value.body
+        assert isinstance(error, dict)
+        assert (error["code"], error["param"]) == ("grammar_too_complex", "response_format")
+        assert "nests 11 levels deep" in error["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.completions.create(model=BASE, prompt="Answer:", max_tokens=8,
+                                   extra_body={"guided_json": _wide_schema(4, 6)})
+        error = caught.value.body
+        assert isinstance(error, dict)
+        assert (error["code"], error["param"]) == ("grammar_too_complex", "guided_json")
+        assert "took longer than this worker's budget of 0.001 s" in error["message"]
+        assert api.completions.create(model=BASE, prompt="Answer:", max_tokens=2).choices

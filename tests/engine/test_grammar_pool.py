@@ -1,0 +1,242 @@
+"""Grammar compilation as a shared resource with a per-tenant share (issue 37, item 2;
+serving.engine.grammar_pool, serving.engine.guided): the queue is fair between tenants, a
+constraint past the compile budget is refused (and a compile past its time is killed), a compile
+nobody waits for is cancelled and its process killed, compiled grammars are cached per tenant, and
+tenant B's new small schema is served while tenant A's pathological one still compiles.
+
+No durations are asserted: waits poll for a condition (with a generous guard), and "B is not held
+behind A" is an ordering: B's request ends while A's compile is still running."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from serving.engine import LLM, SamplingParams
+from serving.engine.grammar_pool import FairQueue, GrammarBudget, GrammarTooComplex
+from serving.engine.guided import (
+    GrammarCompiler,
+    GrammarError,
+    GuidedDecodingParams,
+    TenantGrammarCache,
+    grammar_tenant,
+)
+
+SMALL = GuidedDecodingParams(json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+# Generous: only a guard against a hung test, never what a test checks.
+GUARD_S = 300.0
+
+
+def nested(depth: int) -> dict[str, Any]:
+    """The attack's schema: objects nested `depth` schema levels (2 × depth JSON levels); xgrammar's
+    conversion of it is superlinear in depth (300 levels: seconds; 400, the attack's: 18 s here, 39 s on its host)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+HUGE = GuidedDecodingParams(json=nested(400))
+# A budget that lets the huge schema in, so it compiles for long (the time budget is tested apart).
+PERMISSIVE = GrammarBudget(timeout=600.0, workers=2, max_schema_depth=10_000)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.02)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture
+def make_compiler(tokenizer: PreTrainedTokenizerBase) -> Iterator[Callable[[GrammarBudget], GrammarCompiler]]:
+    made: list[GrammarCompiler] = []
+
+    def make(budget: GrammarBudget) -> GrammarCompiler:
+        made.append(GrammarCompiler(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id],
+                                    budget=budget))
+        return made[-1]
+
+    yield make
+    for compiler in made:
+        compiler.shutdown()
+
+
+# ---- the fair queue (deterministic) ------------------------------------------------------------
+
+
+def test_a_tenant_never_waits_behind_another_tenants_queue() -> None:
+    queue: FairQueue[str] = FairQueue(share=2)
+    for i in range(5):
+        queue.push("A", f"a{i}")
+    queue.push("B", "b0")
+    queue.push("C", "c0")
+    # A queued first and most, yet B and C each run after at most one of A's.
+    assert [queue.pop() for _ in range(4)] == [("A", "a0"), ("B", "b0"), ("C", "c0"), ("A", "a1")]
+    # A is at its share (2 running): the rest waits though it is the only tenant with work.
+    assert queue.pop() is None
+    queue.finished("A")
+    assert queue.pop() == ("A", "a2")
+
+
+def test_a_tenant_runs_at_most_its_share_so_a_worker_stays_free() -> None:
+    budget = GrammarBudget(workers=2)
+    assert budget.share == 1  # one worker fewer than the pool: one is left for the others
+    queue: FairQueue[str] = FairQueue(share=budget.share)
+    queue.push("A", "a0")
+    queue.push("A", "a1")
+    assert queue.pop() == ("A", "a0")
+    assert queue.pop() is None  # A's second waits for its first, not for a free worker
+    queue.push("B", "b0")
+    assert queue.pop() == ("B", "b0")
+    assert queue.remove("A", "a1") and not queue.remove("A", "a1")
+    assert len(queue) == 0
+
+
+# ---- the per-tenant cache ----------------------------------------------------------------------
+
+
+def test_compiled_grammars_are_cached_per_tenant(make_compiler: Callable[[GrammarBudget], GrammarCompiler]) -> None:
+    compiler = make_compiler(GrammarBudget())
+    a = compiler.compile(SMALL, "salt:tenant-1")
+    assert compiler.compile(SMALL, "salt:tenant-1") is a  # the tenant's own cache (or compile in flight)
+    b = compiler.compile(SMALL, "salt:tenant-2")
+    assert b is not a  # another tenant never gets (nor times) the first one's grammar
+    a.result(timeout=GUARD_S), b.result(timeout=GUARD_S)
+    wait_for(lambda: compiler.cached_keys("salt:tenant-1") == compiler.cached_keys("salt:tenant-2") != [],
+             "both tenants' entries")
+    assert compiler.cached_keys("salt:tenant-1")[0][0] == "json"
+
+
+def test_the_cache_evicts_the_largest_holder_first() -> None:
+    cache = TenantGrammarCache(entries=2, max_bytes=100)
+    futures = {name: Future[Any]() for name in ("a1", "a2", "a3", "b1")}
+    cache.put("A", ("json", "a1"), futures["a1"])
+    cache.put("A", ("json", "a2"), futures["a2"])
+    cache.put("A", ("json", "a3"), futures["a3"])  # past A's 2 entries: A's oldest goes
+    assert cache.keys("A") == [("json", "a2"), ("json", "a3")]
+    cache.put("B", ("json", "b1"), futures["b1"])
+    cache.settled("B", ("json", "b1"), futures["b1"], 30)
+    cache.settled("A", ("json", "a2"), futures["a2"], 40)
+    cache.settled("A", ("json", "a3"), futures["a3"], 40)  # 110 bytes in all: A holds the most
+    assert cache.keys("A") == [("json", "a3")] and cache.keys("B") == [("json", "b1")]
+
+
+def test_the_tenant_of_a_request() -> None:
+    assert grammar_tenant("tenant-7", "acme/bot@1.0.0") == "salt:tenant-7"  # the gateway's salt first
+    assert grammar_tenant(None, "acme/bot@1.0.0") == "tenant:acme"
+    assert grammar_tenant(None, None) == grammar_tenant(None, "local-adapter") == "local"
+
+
+# ---- the budget ---------------------------------------------------------------------------------
+
+
+def test_a_schema_past_the_nesting_budget_is_refused_before_it_is_queued(
+    make_compiler: Callable[[GrammarBudget], GrammarCompiler],
+) -> None:
+    compiler = make_compiler(GrammarBudget())
+    refused = compiler.compile(HUGE, "salt:tenant-1")
+    assert refused.done()  # at once: nothing was queued
+    error = refused.exception()
+    assert isinstance(error, GrammarTooComplex) and error.code == "grammar_too_complex"
+    assert "nests 801 levels" in str(error)
+    assert compiler.pool.running_pids() == []
+
+
+def test_a_compile_past_its_time_is_killed_and_refused(make_compiler: Callable[[GrammarBudget], GrammarCompiler]) -> None:
+    compiler = make_compiler(GrammarBudget(timeout=0.5, workers=2, max_schema_depth=10_000))
+    future = compiler.compile(HUGE, "salt:tenant-1")
+    wait_for(lambda: bool(compiler.pool.running_pids()) or future.done(), "the compile to start")
+    pids = compiler.pool.running_pids()
+    with pytest.raises(GrammarTooComplex, match="took longer than this worker's budget of 0.5 s"):
+        future.result(timeout=GUARD_S)
+    wait_for(lambda: all(gone(pid) for pid in pids), "the compiling process to be killed")
+    # The pool goes on: the tenant's next (small) schema compiles.
+    assert compiler.compile(SMALL, "salt:tenant-1").result(timeout=GUARD_S) is not None
+
+
+def test_an_empty_language_is_a_grammar_error_not_a_crash(make_compiler: Callable[[GrammarBudget], GrammarCompiler]) -> None:
+    compiler = make_compiler(GrammarBudget())
+    with pytest.raises(GrammarError, match="matches no output"):
+        compiler.compile(GuidedDecodingParams(grammar="root ::= root root"), "local").result(timeout=GUARD_S)
+
+
+# ---- cancellation -------------------------------------------------------------------------------
+
+
+def test_a_compile_nobody_waits_for_is_cancelled_and_its_process_killed(
+    make_compiler: Callable[[GrammarBudget], GrammarCompiler],
+) -> None:
+    compiler = make_compiler(dataclasses.replace(PERMISSIVE, tenant_share=1))
+    future = compiler.compile(HUGE, "salt:tenant-1")
+    again = compiler.compile(HUGE, "salt:tenant-1")  # a second request of the same tenant waits for it too
+    assert again is future
+    wait_for(lambda: bool(compiler.pool.running_pids()), "the compile to start")
+    [pid] = compiler.pool.running_pids()
+    compiler.release(future)
+    assert not future.cancelled() and not gone(pid)  # one request still waits
+    compiler.release(future)
+    assert future.cancelled()
+    wait_for(lambda: gone(pid), "the compiling process to be killed")
+    assert compiler.cached_keys("salt:tenant-1") == []  # not cached as if it had compiled
+    # The tenant's slot is free (its share is 1): its next compile runs at once.
+    assert compiler.compile(SMALL, "salt:tenant-1").result(timeout=GUARD_S) is not None
+
+
+# ---- B's small schema while A's huge one compiles ----------------------------------------------
+
+
+def test_b_is_not_held_behind_a_in_the_pool(make_compiler: Callable[[GrammarBudget], GrammarCompiler]) -> None:
+    compiler = make_compiler(PERMISSIVE)
+    a = [compiler.compile(GuidedDecodingParams(json=nested(400 + i)), "salt:tenant-a") for i in range(3)]
+    wait_for(lambda: bool(compiler.pool.running_pids()), "A's compiles to start")
+    # A has queued three and runs what its share allows; B comes after all of them.
+    b = compiler.compile(SMALL, "salt:tenant-b")
+    b.result(timeout=GUARD_S)
+    assert not any(f.done() for f in a)  # B's compile ended while A's still compile
+
+
+def test_b_is_served_while_a_compiles_and_a_leaving_kills_its_compile(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_loras=0, max_model_len=256, num_kv_blocks=64, grammar=PERMISSIVE)
+    engine = llm.llm_engine
+    try:
+        prompt = engine.encode("Hello")[1]
+        engine.add_request("a", {"prompt_token_ids": prompt, "cache_salt": "tenant-a"},
+                           SamplingParams(max_tokens=8, guided_decoding=HUGE))
+        engine.add_request("b", {"prompt_token_ids": prompt, "cache_salt": "tenant-b"},
+                           SamplingParams(max_tokens=8, temperature=0, guided_decoding=SMALL))
+        finished: dict[str, Any] = {}
+        deadline = time.monotonic() + GUARD_S
+        while "b" not in finished:
+            assert time.monotonic() < deadline, "B's request did not finish"
+            finished.update({out.request_id: out for out in engine.step() if out.finished})
+            time.sleep(0.01)
+        assert finished["b"].outputs[0].finish_reason in ("stop", "length")
+        assert "a" not in finished
+        pids = engine.grammars.pool.running_pids()
+        assert len(pids) == 1  # A's compile still runs, B's request is done
+        engine.abort_request("a")  # A hangs up: its compile is cancelled
+        wait_for(lambda: gone(pids[0]), "A's compiling process to be killed")
+        assert engine.grammars.pool.running_pids() == []
+    finally:
+        engine.shutdown()
