@@ -211,8 +211,7 @@ class Scheduler:
             head = self._best_head(now, blocked)
             if head is None:
                 break
-            seq = head.seq
-            group = seq.adapter_key
+            seq, group = head.seq, head.seq.adapter_key
             # Its prefill would read a token still in flight: a step that preempts admits nothing, and
             # a requeue (verify_slots) first waits for the step in flight.
             assert seq.num_pending == 0, "a waiting sequence is admitted only once its tokens are read"
@@ -292,13 +291,9 @@ class Scheduler:
         """The sequence to preempt: among the running of the lowest level (the last one's raw
         priority), the most-served tenant's newest. O(tenants × priorities running)."""
         worst = self.running[-1].priority
-        best, best_rank = self.running[-1], None
-        for (client, priority), seqs in self._running_by.items():
-            if priority == worst:
-                rank = (self.fairness.counter(client), self._key(seqs[-1]))
-                if best_rank is None or rank > best_rank:
-                    best, best_rank = seqs[-1], rank
-        return best
+        tier = [(self.fairness.counter(client), self._key(seqs[-1]), seqs[-1])
+                for (client, priority), seqs in self._running_by.items() if priority == worst]
+        return max(tier, key=lambda candidate: candidate[:2])[2]
 
     def _start_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=self._key)
