@@ -240,3 +240,16 @@ def test_b_is_served_while_a_compiles_and_a_leaving_kills_its_compile(tiny_llama
         assert engine.grammars.pool.running_pids() == []
     finally:
         engine.shutdown()
+
+
+def test_a_tools_schema_past_the_budget_is_refused_before_its_conversion() -> None:
+    from serving.engine.server.tool_grammar import tool_call_grammar
+    from serving.engine.server.tool_parsers import family_for
+
+    family = family_for("hermes", None)
+    assert family is not None
+    deep = [{"name": "f", "parameters": nested(40)}]  # 81 JSON levels under the call's own 2
+    with pytest.raises(GrammarTooComplex, match="the tools' parameters schema nests 83 levels deep") as caught:
+        tool_call_grammar(family, deep, parallel=False, budget=GrammarBudget())
+    assert caught.value.code == "grammar_too_complex"
+    assert tool_call_grammar(family, [{"name": "f", "parameters": nested(3)}], parallel=False, budget=GrammarBudget())
