@@ -19,6 +19,13 @@ The Celery ping is reported but does not fail readiness: the web process serves 
 API and the dashboard without a Celery worker (training jobs and validations wait in the queue
 until one comes back), so taking it out of rotation would stop inference for nothing.
 
+Each check's `detail` and `error` name workers, Celery hosts and what failed: they are for the
+operator, shown to a caller on this machine (a loopback REMOTE_ADDR: the peer, or behind
+TRUSTED_PROXIES the client the proxy names) or one that sends the operator's key
+(`Authorization: Bearer $SERVING_WORKER_API_KEY`). Anyone else, a load balancer's probe included,
+gets the same status code and `failing`, and each check's `ok`, `required` and `seconds` only
+(issue 37, item 7; docs/operations.md, "Who may read the probes and metrics").
+
 A probe that hangs (an S3 endpoint that never answers) keeps its thread until its client gives up;
 the next `/readyz` does not start another one beside it but reports the one still running, so a
 dead dependency polled every few seconds never piles up threads.
@@ -27,6 +34,8 @@ dead dependency polled every few seconds never piles up threads.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -218,6 +227,20 @@ async def healthz(request: HttpRequest) -> JsonResponse:
 
 
 _last_failing: list[str] = []
+# What an anonymous caller sees of a check (the module's docstring).
+_PUBLIC_FIELDS = ("ok", "required", "seconds")
+
+
+def _may_read_details(request: HttpRequest) -> bool:
+    """A caller on this machine, or one with the operator's key (the module's docstring)."""
+    try:
+        if ipaddress.ip_address(str(request.META.get("REMOTE_ADDR", ""))).is_loopback:
+            return True
+    except ValueError:
+        pass
+    scheme, _, token = str(request.META.get("HTTP_AUTHORIZATION", "")).strip().partition(" ")
+    key = settings.SERVING_WORKER_API_KEY
+    return bool(key) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 @never_cache
@@ -233,6 +256,9 @@ async def readyz(request: HttpRequest) -> JsonResponse:
         else:
             logger.info("ready again (was failing: %s)", ", ".join(_last_failing))
         _last_failing = body["failing"]
+    if not _may_read_details(request):
+        body = {**body, "checks": {name: {field: check[field] for field in _PUBLIC_FIELDS}
+                                   for name, check in body["checks"].items()}}
     response = JsonResponse(body, status=status)
     # Django's request log would add an error line per 503 probe; the transitions above say it once.
     setattr(response, "_has_been_logged", True)

@@ -1,7 +1,10 @@
 """The worker's one key: the operator's (`--api-key`, default `$SERVING_WORKER_API_KEY`).
 
 With a key set, every `/v1/*` request must carry it (`Authorization: Bearer KEY`; the scheme in
-any case, as HTTP says) or gets 401; `/health` and `/metrics` stay open for probes and scrapers.
+any case, as HTTP says) or gets 401; `/health`, `/healthz` and `/readyz` stay open for probes.
+`/metrics` is the operator's too (the key), or a scraper's on this machine (a loopback peer): its
+adapter labels are `<tenant>/<adapter>@<version>`, every tenant's names, which no anonymous caller
+on the network may list (issue 37, item 7; docs/operations.md, "Who may read the probes and metrics").
 A request that carried it is the operator's: the gateway, or a person running the worker. Without
 a key the worker is open and nobody is the operator, so what only the operator may do (see
 docs/serving-worker.md: registry names on load/unload, storage paths in `/v1/models`) nobody can.
@@ -10,6 +13,7 @@ docs/serving-worker.md: registry names on load/unload, storage paths in `/v1/mod
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,6 +35,17 @@ def is_operator(request: Request) -> bool:
     return bool(request.scope.get(_OPERATOR))
 
 
+def is_local(scope: Scope) -> bool:
+    """Whether the peer is on this machine: a loopback address, or no address (a Unix socket)."""
+    client = scope.get("client")
+    if not client:
+        return True
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:  # not an IP address: no peer we can place, so not local
+        return False
+
+
 class OperatorAuth:
     """ASGI middleware: 401 for a `/v1/*` request without the key; marks the operator's requests."""
 
@@ -44,7 +59,8 @@ class OperatorAuth:
             presented = (token or "").encode()
             # compare_digest on every request, matching or not, so timing tells nothing of the key.
             scope[_OPERATOR] = hmac.compare_digest(presented, self._key) and token is not None
-            if scope["path"].startswith("/v1/") and not scope[_OPERATOR]:
+            keyed = scope["path"].startswith("/v1/") or scope["path"] == "/metrics" and not is_local(scope)
+            if keyed and not scope[_OPERATOR]:
                 response = error_response(APIError(
                     401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"))
                 await response(scope, receive, send)
