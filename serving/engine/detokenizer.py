@@ -1,4 +1,5 @@
-"""Turning generated token ids into text one token at a time, and cutting at stop strings.
+"""Turning generated token ids into text one token at a time (stop strings are found in it by
+serving.engine.stop_strings).
 
 Decoding token by token is not the same as decoding each token alone: byte-level BPE and
 sentencepiece tokens only become valid text next to their neighbours (a multi-byte character split
@@ -96,18 +97,3 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._ids)
         self._prefix_text = None
         return full[len(prefix) :]
-
-
-def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """The earliest stop string that ends within the last ``new_chars`` characters of ``text``.
-
-    Returns ``(index where it starts, the stop string)``, or None. Only occurrences that the new
-    text completes are searched, so each step costs the length of the new text, not of all of it.
-    """
-    found: tuple[int, str] | None = None
-    for stop in stops:
-        start = max(0, len(text) - new_chars - len(stop) + 1)
-        index = text.find(stop, start)
-        if index >= 0 and (found is None or index < found[0]):
-            found = (index, stop)
-    return found

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from serving.engine.guided import GuidedDecodingParams
+from serving.engine.stop_strings import StopStrings
 
 _GREEDY_EPS = 1e-5
 # OpenAI's bound on a logit bias; a larger one is clamped to it (it already bans or forces the token).
@@ -106,6 +108,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @cached_property
+    def stop_matcher(self) -> StopStrings | None:
+        """The stop strings as one matcher, built once per request where they are matched."""
+        return StopStrings(self.stop_strings) if self.stop_strings else None
 
     @property
     def greedy(self) -> bool:
