@@ -10,6 +10,7 @@ read as the platform's settings read it (serving.wire.settings: the environment 
 | TRAINING_DATASET_MAX_BYTES_BY_TIER | "" | per-tier overrides, `vip=1073741824,batch=52428800` |
 | TRAINING_MAX_SEQ_LENGTH | 4096 | platform cap on max_seq_length (the base model's context also caps it) |
 | TRAINING_MAX_WAITING_JOBS | 10 | jobs a tenant may have waiting, beyond its tier's concurrent jobs |
+| TRAINING_DISPATCH_AHEAD | 1 | training tasks on the queue untaken at once; the next job is chosen, fairly between tenants, as one is taken |
 | TRAINING_MAX_PENDING_UPLOADS | 10 | multi-part uploads (/v1/uploads) a tenant may have pending at once |
 | TRAINING_CHECKPOINT_EVERY_STEPS | 100 | steps between checkpoints |
 | TRAINING_CHECKPOINTS_KEPT | 2 | newest checkpoints kept per job |
@@ -34,6 +35,8 @@ _DEFAULTS: dict[str, int] = {
     "TRAINING_DATASET_MAX_BYTES": 100 * 1024 * 1024,
     "TRAINING_MAX_SEQ_LENGTH": 4096,
     "TRAINING_MAX_WAITING_JOBS": 10,
+    # More would choose jobs before a worker needs one, when fewer tenants are waiting (training.concurrency).
+    "TRAINING_DISPATCH_AHEAD": 1,
     "TRAINING_MAX_PENDING_UPLOADS": 10,
     "TRAINING_CHECKPOINT_EVERY_STEPS": 100,
     "TRAINING_CHECKPOINTS_KEPT": 2,

@@ -1,10 +1,10 @@
 """Training jobs: creation (every input checked first), cancel, pause and resume, retry, and settling jobs
 that waited for their files.
 
-A created job waits for room under its tenant's concurrent-job limit (training.concurrency); beyond those a tenant may have
-TRAINING_MAX_WAITING_JOBS waiting, and more is refused (LimitExceeded). A job created while its
-files are still being validated (OpenAI's `validating_files`) is settled by
-`training_jobs_release` once they are.
+A created job waits for its turn, fairly between tenants, within its tenant's concurrent-job limit
+(training.concurrency); beyond those a tenant may have TRAINING_MAX_WAITING_JOBS waiting, and more
+is refused (LimitExceeded). A job created while its files are still being validated (OpenAI's
+`validating_files`) is settled by `training_jobs_release` once they are.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
                         validation_fraction: Any = None, version: Any = None,
                         hyperparameters: dict[str, Any] | None = None, seed: Any = None, base_model: Any = None,
                         metadata: Any = None, await_validation: bool = False) -> TrainingJob:
-    """A queued job; it starts once the tenant's concurrent-job limit has room (module docstring).
+    """A queued job; it starts when its turn comes, within the tenant's concurrent-job limit (module docstring).
 
     Every input is checked first (datasets ready and the tenant's, adapter name and tier's adapter
     limit, version, hyperparameters against the platform limits and the tier's GPUs per job, base
@@ -181,7 +181,7 @@ def training_job_create(*, tenant: Tenant, training_file: Any, adapter: Any, val
         )
         examples = "its files are being validated" if pending else f"{dataset.num_examples} examples"
         event(job, f"Job created: adapter '{adapter}', {examples}, {hp.n_epochs} epoch(s).")
-        after_commit(partial(training_jobs_dispatch, tenant_id=locked.pk))
+        after_commit(training_jobs_dispatch)
     return job
 
 
@@ -228,7 +228,7 @@ def training_jobs_release(*, dataset_id: int) -> list[int]:
     it joins the queue again. Idempotent: a settled job is left as it is.
     """
     failed: list[int] = []
-    tenants: set[int] = set()
+    settled = False
     waiting = TrainingJob.objects.filter(Q(dataset_id=dataset_id) | Q(validation_dataset_id=dataset_id),
                                          status=Status.QUEUED, dispatched_at__isnull=True)
     for job_id in waiting.values_list("pk", flat=True):
@@ -251,9 +251,9 @@ def training_jobs_release(*, dataset_id: int) -> list[int]:
                 finish(job, Status.FAILED, job.error_message, level=TrainingEvent.Level.ERROR,
                        data={"code": job.error_code})
                 failed.append(job.pk)
-            tenants.add(job.tenant_id)
-    for tenant_id in sorted(tenants):
-        after_commit(partial(training_jobs_dispatch, tenant_id=tenant_id))
+            settled = True
+    if settled:
+        after_commit(training_jobs_dispatch)
     return failed
 
 
@@ -300,7 +300,7 @@ def training_job_cancel(*, job: TrainingJob) -> TrainingJob:
             # Queued, or its worker is gone: no run will see the request, so it ends here.
             finish(job, Status.CANCELLED, "Job cancelled.")
             after_commit(partial(checkpoints_delete, job.pk))
-            after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            after_commit(training_jobs_dispatch)
         else:
             event(job, "Cancellation requested; the job stops before its next step.")
     return job
@@ -330,7 +330,7 @@ def training_job_pause(*, job: TrainingJob) -> TrainingJob:
         else:
             # Waiting, or its worker is gone (its run, if it comes back, finds its lease taken and stops).
             pause(job)
-            after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            after_commit(training_jobs_dispatch)
     return job
 
 
@@ -361,7 +361,7 @@ def training_job_resume(*, job: TrainingJob) -> TrainingJob:
         if job.total_steps is None and job.dataset_id is not None:
             # Paused while its files were validated: settle it now (steps planned, or failed on a bad file).
             training_jobs_release(dataset_id=job.dataset_id)
-        after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+        after_commit(training_jobs_dispatch)
     return job
 
 
@@ -386,5 +386,5 @@ def training_job_retry(*, job: TrainingJob) -> TrainingJob:
         job.step = resume.step if resume else 0
         job.save()
         event(job, "Job retried" + (f"; it resumes from step {resume.step}." if resume else "."))
-        after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+        after_commit(training_jobs_dispatch)
     return job

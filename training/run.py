@@ -90,12 +90,12 @@ def training_job_claim(*, job_id: int) -> Claim:
         if job.cancel_requested_at is not None:
             finish(job, Status.CANCELLED, "Job cancelled.")
             after_commit(partial(checkpoints_delete, job.pk))
-            after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            after_commit(training_jobs_dispatch)
             return Claim(None, reason="the job was cancelled")
         if job.pause_requested_at is not None:
             # Asked of a run that stopped reporting before it could pause: the job pauses here.
             pause(job)
-            after_commit(partial(training_jobs_dispatch, tenant_id=job.tenant_id))
+            after_commit(training_jobs_dispatch)
             return Claim(None, reason="the job was paused")
         lost = job.status == Status.RUNNING
         interrupted = job.interrupted_at is not None
@@ -115,6 +115,8 @@ def training_job_claim(*, job_id: int) -> Claim:
                   level=TrainingEvent.Level.WARNING)
         else:
             event(job, f"Training started (attempt {job.attempts}).")
+        # A task taken from the queue: the next job in turn is sent (training.concurrency).
+        after_commit(training_jobs_dispatch)
     return Claim(job, token=token)
 
 
@@ -153,7 +155,7 @@ def training_job_run(*, job_id: int) -> Claim:
                     "again, contact the platform operator.")
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
-        training_jobs_dispatch(tenant_id=job.tenant_id)
+        training_jobs_dispatch()
     return claim
 
 

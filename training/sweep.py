@@ -40,9 +40,7 @@ def training_jobs_sweep() -> dict[str, list[int]]:
       UNSENT_TASK_SECONDS; one sent but never started, after the visibility timeout.
     - A validation running longer than TRAINING_VALIDATION_TIMEOUT_SECONDS ends the dataset invalid.
     """
-    tenants = set(TrainingJob.objects.filter(status=Status.QUEUED, dispatched_at__isnull=True)
-                  .values_list("tenant_id", flat=True))
-    dispatched = [pk for tenant_id in sorted(tenants) for pk in training_jobs_dispatch(tenant_id=tenant_id)]
+    dispatched = training_jobs_dispatch()
     now = timezone.now()
     visibility = settings.CELERY_BROKER_TRANSPORT_OPTIONS.get("visibility_timeout", 3600)
     expired = now - timedelta(seconds=2 * lease_seconds())

@@ -186,9 +186,9 @@ def test_concurrent_job_limit_queues_the_excess_and_refuses_beyond_the_waiting_r
     dataset_id = ready_dataset(api_client)
 
     first = create_job(api_client, dataset_id).json()["id"]
-    assert concurrency.training_jobs_dispatch(tenant_id=tenant.pk) == [first]
+    assert concurrency.training_jobs_dispatch() == [first]
     second = create_job(api_client, dataset_id, adapter="other-bot").json()["id"]
-    assert concurrency.training_jobs_dispatch(tenant_id=tenant.pk) == []
+    assert concurrency.training_jobs_dispatch() == []
 
     refused = create_job(api_client, dataset_id, adapter="third-bot")
     assert refused.status_code == 403
@@ -198,7 +198,7 @@ def test_concurrent_job_limit_queues_the_excess_and_refuses_beyond_the_waiting_r
 
     cancelled = api_client.post(f"/api/v1/training-jobs/{first}/cancel").json()
     assert cancelled["status"] == "cancelled"
-    assert concurrency.training_jobs_dispatch(tenant_id=tenant.pk) == [second]
+    assert concurrency.training_jobs_dispatch() == [second]
 
 
 def test_dataset_delete_is_refused_while_a_job_uses_it(platform, client_a, django_capture_on_commit_callbacks):

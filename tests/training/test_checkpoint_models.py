@@ -38,7 +38,7 @@ def dataset(platform, tenant_a, settings) -> Dataset:
 def trained(tenant_a, dataset: Dataset, **fields) -> TrainingJob:
     job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="ckpt-bot",
                                    hyperparameters=HYPERPARAMETERS, seed=3, **fields)
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED, job.error_message

@@ -174,7 +174,7 @@ def test_a_job_on_two_gpus_runs_in_the_task_and_publishes(platform, tenant_a, se
     dataset = datasets.dataset_validate(dataset_id=created.pk)
     job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot", seed=1,
                                    hyperparameters={"n_epochs": 1, "batch_size": 2, "r": 4, "gpus": 2})
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED, job.error_message

@@ -155,7 +155,7 @@ def test_a_job_waits_in_validating_files_then_queues_or_fails(openai_a):
     good = upload(openai_a, chat_lines(), validate=False)
     waiting = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=good.id, suffix="bot")
     assert waiting.status == "validating_files"
-    assert concurrency.training_jobs_dispatch(tenant_id=TrainingJob.objects.get().tenant_id) == []
+    assert concurrency.training_jobs_dispatch() == []
     datasets.dataset_validate(dataset_id=int(good.id.removeprefix("file-")))
     queued = openai_a.fine_tuning.jobs.retrieve(waiting.id)
     assert queued.status == "queued"

@@ -48,18 +48,18 @@ def test_a_waiting_job_pauses_at_once_and_frees_its_place(openai_a, tenant_a, on
     file_id = ready_file(openai_a)
     first = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=file_id, suffix="first")
     second = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=file_id, suffix="second")
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     assert holding(tenant_a.tenant) == [row(first.id).pk]
 
     paused = openai_a.fine_tuning.jobs.pause(first.id)
     assert paused.status == "paused" and openai_a.fine_tuning.jobs.retrieve(first.id).status == "paused"
     assert row(first.id).dispatched_at is None
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     assert holding(tenant_a.tenant) == [row(second.id).pk]  # the paused job's place went to the next one
 
     resumed = openai_a.fine_tuning.jobs.resume(first.id)
     assert resumed.status == "queued"
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     assert holding(tenant_a.tenant) == [row(second.id).pk]  # it waits for room like any queued job
     messages = [event.message for event in openai_a.fine_tuning.jobs.list_events(first.id)]
     assert messages[0].startswith("Job resumed; it goes on from the start")
@@ -68,7 +68,7 @@ def test_a_waiting_job_pauses_at_once_and_frees_its_place(openai_a, tenant_a, on
 
 def test_pause_twice_is_one_pause_and_a_paused_job_is_claimed_by_no_run(openai_a, tenant_a):
     job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=ready_file(openai_a), suffix="bot")
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     openai_a.fine_tuning.jobs.pause(job.id)
     assert openai_a.fine_tuning.jobs.pause(job.id).status == "paused"
     assert row(job.id).events.filter(message__startswith="Job paused").count() == 1
@@ -99,7 +99,7 @@ def test_resume_of_a_job_that_is_not_paused_is_refused(openai_a):
 
 def test_a_running_job_is_asked_to_pause_and_a_run_that_finds_the_request_pauses_it(openai_a, tenant_a):
     job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=ready_file(openai_a), suffix="bot")
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     assert run.training_job_claim(job_id=row(job.id).pk).token  # a live run holds the job
     assert openai_a.fine_tuning.jobs.pause(job.id).status == "running"  # it pauses before its next step
     assert row(job.id).pause_requested_at is not None

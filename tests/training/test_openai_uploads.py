@@ -70,7 +70,7 @@ def test_three_parts_complete_into_a_file_that_validates_and_trains(openai_a, se
     assert openai_a.files.retrieve(done.file.id).status == "processed"
     job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=done.file.id, suffix="parts-bot",
                                            hyperparameters={"n_epochs": 1, "batch_size": 4})
-    concurrency.training_jobs_dispatch(tenant_id=dataset.tenant_id)
+    concurrency.training_jobs_dispatch()
     run.training_job_run(job_id=int(job.id.removeprefix("ftjob-")))
     finished = openai_a.fine_tuning.jobs.retrieve(job.id)
     assert finished.status == "succeeded" and finished.fine_tuned_model == "parts-bot@1.0.0"

@@ -34,7 +34,7 @@ def dataset(platform, tenant_a, settings) -> Dataset:
 def new_job(tenant_a, dataset: Dataset, **fields) -> TrainingJob:
     job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="support-bot",
                                        hyperparameters=SMALL, seed=1, **fields)
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     return job
 
 
@@ -86,7 +86,7 @@ def test_when_registration_fails_the_artifact_is_deleted(tenant_a, dataset, one_
 
     Tier.objects.filter(pk=tenant_a.tenant.tier_id).update(max_adapters=5)
     jobs.training_job_retry(job=job)
-    concurrency.training_jobs_dispatch(tenant_id=tenant_a.tenant.pk)
+    concurrency.training_jobs_dispatch()
     run.training_job_run(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == TrainingJob.Status.SUCCEEDED and job.adapter_version.version == "1.0.0"
