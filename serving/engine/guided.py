@@ -322,10 +322,23 @@ class Guide:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
+        # The last mask allowed no token: the grammar cannot be completed from here (a rule that
+        # needs itself first, reached after some text); whatever is sampled is then refused.
+        self.dead_end = False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask`'s row `row`."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self.dead_end = not bool(bitmask[row].any())
+
+    def refusal(self, token: int) -> Exception:
+        """Why `token`, which ``accept`` refused, ends the sequence: the caller's grammar when it
+        allowed nothing (a 400 naming its field), else an engine bug (the mask allows only what the
+        grammar accepts)."""
+        if self.dead_end:
+            return GrammarError("the grammar cannot be used for guided decoding: after the text generated so far it "
+                                "allows no token and cannot end (a rule that needs itself before any text)")
+        return RuntimeError(f"token {token} was sampled outside the request's grammar")
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled `token`; False if the grammar does not allow it (which the mask

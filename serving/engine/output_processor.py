@@ -29,8 +29,7 @@ class OutputProcessor:
         assert params.stop_token_ids is not None  # SamplingParams.__post_init__ makes it a list
         seq.token_ids.append(token)
         if seq.guide is not None and not seq.guide.accept(token):
-            # The mask allows only what the grammar accepts: a refused token is an engine bug.
-            seq.error = RuntimeError(f"token {token} was sampled outside the request's grammar")
+            seq.error = seq.guide.refusal(token)  # the grammar's dead end, or an engine bug
             seq.finish_reason = "error"
             return
         if samples.logprobs is not None:

@@ -132,6 +132,24 @@ def test_a_grammar_the_library_refuses_names_the_construct(llm: LLM, guided: Gui
     assert llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
 
 
+def test_a_grammar_that_dead_ends_mid_output_fails_its_request_alone(llm: LLM) -> None:
+    """`x` needs itself first, so after "a" nothing is allowed: the request fails with the caller's
+    GrammarError (a 400 at HTTP, not the engine's "sampled outside the grammar" 500) and its free
+    neighbour in the same batch is served as alone."""
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], free)[0].outputs[0].token_ids
+    engine = llm.llm_engine
+    engine.add_request("dead", PROMPTS[0], constrained(GuidedDecodingParams(grammar='root ::= "a" x\nx ::= x "b"'),
+                                                       temperature=0))
+    engine.add_request("free", PROMPTS[1], free)
+    ended = {}
+    while engine.has_unfinished_requests():
+        ended.update({out.request_id: out for out in engine.step() if out.finished})
+    assert isinstance(ended["dead"].error, GrammarError)
+    assert "allows no token and cannot end" in str(ended["dead"].error)
+    assert ended["free"].outputs[0].token_ids == alone
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({}, "exactly one"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),

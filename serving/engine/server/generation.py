@@ -257,7 +257,10 @@ class Generation:
                     yield delta
                 if self.finished:
                     return
-                item = await _next_output(outputs)
+                try:
+                    item = await _next_output(outputs)
+                except GrammarError as exc:  # the caller's grammar reached a dead end mid-output
+                    raise self._grammar_refused(exc) from exc
         except BaseException as exc:
             if not self.finished:  # a close after the last delta changes nothing
                 status = _status(exc)
@@ -279,8 +282,7 @@ class Generation:
         try:
             first = await unless_disconnected(self._request, anext(outputs, None))
         except GrammarError as exc:
-            constraints = self.job.body.constraints()
-            raise bad_request(str(exc), param=constraints[0][0] if constraints else None, code=exc.code) from exc
+            raise self._grammar_refused(exc) from exc
         except BaseException as exc:
             error = _as_api_error(exc)
             if error is exc:
@@ -289,6 +291,11 @@ class Generation:
         if first is None:
             raise APIError(500, "The engine ended the request without output.")
         return first
+
+    def _grammar_refused(self, error: GrammarError) -> APIError:
+        """A constraint the engine refused, as a 400 naming the field it came from."""
+        constraints = self.job.body.constraints()
+        return bad_request(str(error), param=constraints[0][0] if constraints else None, code=error.code)
 
     def _advance(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
         """What `output` (of prompt `prompt_index`) adds to each choice; observes the latency

@@ -10,6 +10,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -122,6 +123,23 @@ def test_a_grammar_whose_language_is_empty_is_a_400_not_a_500(worker: WorkerProc
     assert isinstance(error, dict)
     assert "matches no output" in error["message"] and error["param"] == "guided_grammar"
     assert client(worker).completions.create(model=BASE, prompt="Answer:", max_tokens=2).choices
+
+
+def test_a_grammar_that_dead_ends_after_some_text_is_a_400_or_its_streams_error_event(worker: WorkerProcess) -> None:
+    # After "a" the grammar allows nothing ("x" needs itself first): the caller's grammar, not an
+    # engine failure (it was a 500 the gateway counted against the worker).
+    grammar = {"guided_grammar": 'root ::= "a" x\nx ::= x "b"'}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(worker).completions.create(model=BASE, prompt="Answer:", max_tokens=8, extra_body=grammar)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert "allows no token and cannot end" in error["message"] and error["param"] == "guided_grammar"
+    response = httpx.post(f"{worker.url}/v1/completions", timeout=120, json={
+        "model": BASE, "prompt": "Answer:", "max_tokens": 8, "stream": True, **grammar})
+    assert response.status_code == 200  # its first token was sent before the dead end
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["param"] == "guided_grammar"
 
 
 def _wide_schema(depth: int, width: int) -> dict[str, object]:
