@@ -106,8 +106,9 @@ def _uncount(count: _Count) -> None:
 
 
 def client_address(request: HttpRequest) -> str:
-    """The client's address as the ASGI server reports it (behind a proxy: uvicorn's
-    --forwarded-allow-ips makes it the client's rather than the proxy's)."""
+    """The client's address as the ASGI server reports it: the connection's peer, or the client a
+    proxy in TRUSTED_PROXIES names in X-Forwarded-For (uvicorn's --forwarded-allow-ips, set from that
+    setting by lora_platform.launcher.web_argv; from anyone else the header is ignored)."""
     return str(request.META.get("REMOTE_ADDR") or "unknown")
 
 
