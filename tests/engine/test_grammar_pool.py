@@ -253,3 +253,33 @@ def test_a_tools_schema_past_the_budget_is_refused_before_its_conversion() -> No
         tool_call_grammar(family, deep, parallel=False, budget=GrammarBudget())
     assert caught.value.code == "grammar_too_complex"
     assert tool_call_grammar(family, [{"name": "f", "parameters": nested(3)}], parallel=False, budget=GrammarBudget())
+
+
+def test_the_process_engine_compiles_in_its_pool_and_leaves_no_process(tiny_llama_dir: Path) -> None:
+    """With the engine core in a child process the pool's processes are the child's; a refusal
+    crosses the pipe with its code; the child's shutdown (or death) takes them along."""
+    import asyncio
+
+    from serving.engine import EngineConfig
+    from serving.engine.process_engine import ProcessEngine
+
+    engine = ProcessEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", max_loras=0, max_model_len=256,
+                                        num_kv_blocks=64))
+    choice = SamplingParams(max_tokens=8, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+
+    async def run() -> tuple[str, BaseException]:
+        outputs = [out async for out in engine.generate("Hello", choice, "choice")]
+        with pytest.raises(GrammarTooComplex) as caught:
+            async for _ in engine.generate("Hello", SamplingParams(max_tokens=8, guided_decoding=HUGE), "huge"):
+                pass
+        return outputs[-1].outputs[0].text, caught.value
+
+    try:
+        text, error = asyncio.run(run())
+        assert text in ("yes", "no")
+        assert getattr(error, "code", None) == "grammar_too_complex"
+        family = psutil.Process(engine.pid).children(recursive=True)
+        assert any("serving.engine.grammar_worker" in " ".join(p.cmdline()) for p in family)
+    finally:
+        engine.shutdown()
+    wait_for(lambda: all(gone(p.pid) for p in family), "the pool's processes to end with the engine")
