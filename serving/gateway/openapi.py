@@ -146,7 +146,7 @@ def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: 
         "/v1/models/{model}": {
             "get": {"operationId": "gateway_models_retrieve", "summary": "OpenAI: one model",
                     "tags": ["v1"], "security": security, "parameters": [_MODEL_PATH_PARAMETER],
-                    "responses": _responses(card, "The model.", (401, 403, 404))},
+                    "responses": _responses(card, "The model.", (401, 403, 404, 429))},
             "delete": {
                 "operationId": "gateway_models_delete", "summary": "OpenAI: delete a fine-tuned model",
                 "description": "Archives the adapter's versions (`<adapter>`) or one version (`<adapter>@<version>`) "

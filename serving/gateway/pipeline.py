@@ -45,6 +45,7 @@ from serving.gateway.request_fields import (
 )
 from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
 from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry, route
+from serving.gateway.stream_http import FirstByteTimeout
 from serving.gateway.upstream import upstream_body
 from serving.gateway.usage_backlog import keep_usage, usage_pushes
 from serving.gateway.usage_log import UsageEvent
@@ -436,7 +437,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
                 if may_retry and retryable(status=None, error=exc):
                     handed_off = _abandon(call, result, res)
                     return None
-                return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
+                return Reply(status=502, headers=headers, body=_upstream_unreachable(worker, exc))
             if may_retry and retryable(status=result.http_status, error=None):
                 handed_off = _abandon(call, result, res)
                 return None
@@ -449,7 +450,7 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
             if may_retry and retryable(status=None, error=exc):
                 handed_off = _abandon(call, result, res)
                 return None
-            return Reply(status=502, headers=headers, body=_upstream_unreachable(worker))
+            return Reply(status=502, headers=headers, body=_upstream_unreachable(worker, exc))
         if response.status_code != 200:
             if may_retry and retryable(status=response.status_code, error=None):
                 handed_off = _abandon(call, result, res)
@@ -491,8 +492,10 @@ def _abandon(call: Call, result: UpstreamResult, res: Resources) -> bool:
     return True
 
 
-def _upstream_unreachable(worker: WorkerView) -> bytes:
-    return GatewayError(502, f"The serving worker {worker.worker_id} could not be reached; retry the request.",
+def _upstream_unreachable(worker: WorkerView, error: httpx.HTTPError) -> bytes:
+    silent = isinstance(error, FirstByteTimeout)
+    what = "sent nothing within the first-byte bound (GATEWAY_FIRST_BYTE_TIMEOUT)" if silent else "could not be reached"
+    return GatewayError(502, f"The serving worker {worker.worker_id} {what}; retry the request.",
                         code="upstream_unavailable").body()
 
 

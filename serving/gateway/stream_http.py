@@ -11,8 +11,8 @@ the read timeout of every read.
 Failures keep httpx's exception classes, which serving.gateway.failover and the relay already
 judge: ConnectError / ConnectTimeout (no connection), RemoteProtocolError (the worker closed the
 connection before its reply or inside it, or sent something that is not HTTP/1.1), ReadError (the
-connection was reset), ReadTimeout (no byte for the read timeout; FirstByteTimeout, its subclass, when a call's own bound
-on the response head passed: the gateway fails over on that one), PoolTimeout (`max_connections`
+connection was reset), ReadTimeout (no byte for the read timeout; its subclass FirstByteTimeout
+when a call's own bound on the response head passed: the gateway fails over on that one), PoolTimeout (`max_connections`
 calls in flight for the pool timeout), LocalProtocolError (a header value that would split the
 request).
 

@@ -1,8 +1,8 @@
 """Issue 37, item 4, at the admission step (serving.gateway.pipeline.admit) on the run's Redis: a
 request that reserves more tokens than a bucket can ever hold is a 400 naming the limit, not a 429
 whose retry-after never comes; a key's budget reservation goes back when its buckets refuse the
-request; and what a call is charged when it ends (serving.gateway.accounting.charged_tokens). No web process: the catalog is a stand-in that admission reads only for the budget's
-seed."""
+request; and what a call is charged when it ends (serving.gateway.accounting.charged_tokens). No
+web process: the catalog is a stand-in that admission reads only for the budget's seed."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def caller(tier: TierLimits, **key: int) -> Caller:
 
 def chat(who: Caller, *, max_tokens: int) -> Call:
     return Call(endpoint="chat", caller=who, model="support-bot", target=Target(),
-                body={"model": "support-bot", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens},
+                body={"model": "support-bot", "messages": [{"role": "user", "content": "Hi"}],
+                      "max_tokens": max_tokens},
                 max_tokens=max_tokens)
 
 
