@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from serving.wire.request_caps import MAX_JSON_DEPTH, too_deep
 from training import preference
 from training.examples import (
     EncodingError,
@@ -34,6 +35,9 @@ from training.preference import PreferenceExample
 MAX_REPORTED_PROBLEMS = 100
 # A line longer than this is refused rather than held in memory (a JSONL example is rarely > 1 MB).
 MAX_LINE_BYTES = 16 * 1024 * 1024
+# A line nested deeper is refused before it is parsed, as the APIs refuse such a body: an example is
+# a few levels deep, a tool's parameters a few more, and every level costs the schema checks recursion.
+MAX_LINE_DEPTH = MAX_JSON_DEPTH
 # OpenAI's checker asks for at least 10 examples; fewer train, but rarely well.
 RECOMMENDED_MIN_EXAMPLES = 10
 READ_CHUNK_BYTES = 1024 * 1024
@@ -165,8 +169,7 @@ def validate_lines(lines: Iterable[bytes], *, tokenizer: Any | None, max_seq_len
             try:
                 _check_line(line_number, raw, report, tokens)
             except RecursionError:
-                report.add_error(line_number, Problem("json_too_deep", "Line is nested too deeply to be an example; "
-                                                                       "an example is a flat JSON object."))
+                report.add_error(line_number, _too_deep())
             except LINE_ERRORS as error:
                 # Whatever else a line's content makes the parser or the tokenizer raise is that
                 # line's problem, not the end of the validation.
@@ -195,7 +198,15 @@ def timeout_problem(budget_s: float) -> Problem:
                                          "nested or very large tool schemas), and upload them again.")
 
 
+def _too_deep() -> Problem:
+    return Problem("json_too_deep", f"Line nests arrays and objects more than {MAX_LINE_DEPTH} levels deep; an example "
+                                    "is a flat JSON object, and its tools' parameters a few levels more.")
+
+
 def _check_line(line_number: int, raw: bytes, report: ValidationReport, tokens: _TokenStats) -> None:
+    if too_deep(raw.decode("utf-8", "replace"), MAX_LINE_DEPTH):
+        report.add_error(line_number, _too_deep())
+        return
     try:
         value = load_json_line(raw)
     except ValueError as error:

@@ -161,6 +161,17 @@ def test_a_line_nested_too_deeply_or_with_a_lone_surrogate_is_that_lines_error(t
     assert report["stats"]["tokens_counted"]
 
 
+def test_a_line_nested_past_the_bound_is_refused_before_it_is_parsed():
+    """MAX_LINE_DEPTH (64, the APIs' bound): the object and 63 arrays inside it pass, one more does not
+    (it used to pass until the parser's recursion ran out, near a thousand)."""
+    def nested(arrays: int) -> bytes:
+        return b'{"text": "Once.", "meta": ' + b"[" * arrays + b"]" * arrays + b"}"
+
+    report = check([nested(63), nested(64), nested(100)])
+    assert codes(report) == [(2, "json_too_deep"), (3, "json_too_deep")]
+    assert "more than 64 levels" in report["errors"][0]["message"]
+
+
 def test_any_other_failure_of_the_tokenizer_on_a_line_is_that_lines_error():
     class Exploding:
         def __getattr__(self, name):
