@@ -240,7 +240,7 @@ class Generation:
             several = len(self.prompts_token_ids) > 1
             self._engine_ids = [f"{self.request_id}-{i}" if several else self.request_id for i in range(len(params))]
             for engine_id in self._engine_ids:
-                worker.admit(engine_id)
+                worker.admit(engine_id, job.body.cache_salt)
                 admitted.append(engine_id)
             self._running = set(self._engine_ids)
             outputs = _merged([

@@ -26,6 +26,7 @@ from serving.engine.server.errors import APIError, overloaded
 from serving.engine.server.metrics import ServerMetrics
 from serving.engine.server.registry_sync import RegistrySync
 from serving.engine.server.slot_guard import SlotGuard
+from serving.engine.server.waiting_room import WaitingRoom
 from serving.engine.server.worker_registry import WorkerRegistration
 from serving.wire.registry import api_key_id
 
@@ -110,7 +111,7 @@ class Worker:
         self.exit_code = 0
         # Set by the server: ends the process when the worker cannot start.
         self.request_stop: Callable[[], None] = lambda: None
-        self._inflight: set[str] = set()
+        self._inflight = WaitingRoom(self.capacity)
         self._tasks: set[asyncio.Task[None]] = set()
         self.registration: WorkerRegistration | None = None
         if args.redis_url:
@@ -255,21 +256,28 @@ class Worker:
             return APIError(503, "The worker failed to start; see its log.", code="failed")
         return APIError(503, "The model is still loading; retry shortly.", code="loading")
 
-    def admit(self, request_id: str) -> None:
-        """Count a request in, or refuse it with 503 when the worker stopped being ready since the
-        request began (a drain) or the queue is over its bound."""
+    def admit(self, request_id: str, tenant: str | None = None) -> None:
+        """Count a request of `tenant` (its cache salt; None: the operator's) in, or refuse it: 503
+        when the worker stopped being ready since the request began (a drain) or the room is full,
+        429 when the tenant holds its share of the room's last places (serving.engine.server.waiting_room)."""
         if self.state is not State.READY:
             raise self._not_ready()
-        if len(self._inflight) >= self.capacity:
+        refusal = self._inflight.refusal(tenant)
+        if refusal == "full":
             raise overloaded(
                 f"The worker is at capacity: {len(self._inflight)} requests in flight "
                 f"(max_num_seqs {self.args.max_num_seqs} + max_queued_requests {self.args.max_queued_requests}). "
                 "Retry later or on another worker."
             )
-        self._inflight.add(request_id)
+        if refusal is not None and tenant is not None:
+            # A 4xx: the tenant's own load, which counts against no worker and no adapter.
+            raise APIError(429, f"This tenant holds {self._inflight.held(tenant)} of the worker's "
+                                f"{self.capacity} places for requests, its share while the room is nearly full; "
+                                "retry when some of its requests finish.", code="tenant_share_exceeded")
+        self._inflight.enter(request_id, tenant)
 
     def release(self, request_id: str) -> None:
-        self._inflight.discard(request_id)
+        self._inflight.leave(request_id)
 
     def abort_soon(self, request_id: str) -> None:
         """Abort without awaiting: usable where the caller is being cancelled (a disconnect)."""
