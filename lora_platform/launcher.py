@@ -3,10 +3,14 @@
 `python -m lora_platform.launcher` prepares what the processes need (database tables, the embedded
 Redis, a base model, a demo tenant and an admin user the first time), starts the processes of the
 platform as children (the list in `child_processes`), prints where to go, and stops the children
-cleanly on Ctrl-C or SIGTERM. If one child dies, the others are stopped too: a half-running
-platform is worse than a stopped one. Each child runs in a process group of its own, and stopping
-ends the whole group: a Celery worker's pool and beat processes go with it, even when the worker's
-main process was killed first.
+cleanly on Ctrl-C or SIGTERM. A child that dies is started again (Supervisor.tend): its exit
+status is logged, what it left in its process group is ended first, and the pause before the new
+one doubles with each death in a row, from RESTART_BACKOFF_FIRST_S to RESTART_BACKOFF_CAP_S (a
+child that ran RESTART_STABLE_S first starts the count over). It never gives up: one crash used to
+stop the whole platform for every tenant (issue 37, item 7), and a child that cannot start says so
+in the log at least every 30 s while the others serve. Each child runs in a process group of its
+own, and stopping ends the whole group: a Celery worker's pool and beat processes go with it, even
+when the worker's main process was killed first.
 
 A clean stop is quick: the Celery worker's warm shutdown used to wait for a running training task,
 which runs for minutes, until the stop timeout killed it and left the job's lease to expire. Its
@@ -52,6 +56,11 @@ STOP_TIMEOUT_S = 15.0
 # model than the demo's takes longer than the others' stop).
 WORKER_STOP_TIMEOUT_S = 60.0
 SERVING_KEY_FILE = "serving-worker-api-key"
+# A dead child's pause before it is started again: doubled from the first with each death in a row,
+# capped; a child that ran this long before dying was healthy, so its next death pauses the least.
+RESTART_BACKOFF_FIRST_S = 1.0
+RESTART_BACKOFF_CAP_S = 30.0
+RESTART_STABLE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -213,25 +222,66 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+@dataclass
+class _Life:
+    """A child's current run: when it started, its deaths in a row, when it is due to start again."""
+
+    started_at: float
+    deaths: int = 0
+    due: float | None = None  # set while it is dead and waits for its restart
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"status {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"status {code}"
+    return f"status {code}"
+
+
 class Supervisor:
-    """Starts the children, watches them, and stops them all once: SIGTERM to each child (which stops
-    its own helpers gracefully), then SIGKILL to whatever is left of its process group."""
+    """Starts the children, restarts the ones that die (`tend`, called by the main loop), and stops
+    them all once: SIGTERM to each child (which stops its own helpers gracefully), then SIGKILL to
+    whatever is left of its process group. Ctrl-C and SIGTERM only ask for the stop
+    (`stop_requested`); the main loop does it, so a signal never lands inside a restart."""
 
     def __init__(self, specs: list[ChildSpec]) -> None:
         self.specs = {spec.name: spec for spec in specs}
         self.children: dict[str, subprocess.Popen] = {}
+        self.lives: dict[str, _Life] = {}
+        self.stop_requested = False
         self.stopping = False
 
-    def start(self) -> None:
-        for spec in self.specs.values():
-            # A session of its own: Ctrl-C reaches only the launcher, which stops each child once.
-            self.children[spec.name] = subprocess.Popen(spec.argv, start_new_session=True)
+    def _spawn(self, name: str) -> None:
+        # A session of its own: Ctrl-C reaches only the launcher, which stops each child once.
+        self.children[name] = subprocess.Popen(self.specs[name].argv, start_new_session=True)
+        life = self.lives.setdefault(name, _Life(started_at=0.0))
+        life.started_at, life.due = time.monotonic(), None
 
-    def dead_child(self) -> str | None:
-        for name, child in self.children.items():
-            if child.poll() is not None:
-                return name
-        return None
+    def start(self) -> None:
+        for name in self.specs:
+            self._spawn(name)
+
+    def tend(self) -> None:
+        """Notes each child that died since the last call (logged with its exit status, its process
+        group ended, its restart scheduled) and starts again each one whose pause is over."""
+        for name, child in list(self.children.items()):
+            if self.stop_requested:
+                return
+            life = self.lives[name]
+            if life.due is None and child.poll() is not None:
+                # What it left (a killed Celery worker's pool and beat) must not run beside its successor.
+                _end_group(child.pid)
+                ran = time.monotonic() - life.started_at
+                life.deaths = 1 if ran >= RESTART_STABLE_S else life.deaths + 1
+                pause = min(RESTART_BACKOFF_CAP_S, RESTART_BACKOFF_FIRST_S * 2 ** (life.deaths - 1))
+                life.due = time.monotonic() + pause
+                say(f"{name} exited with {_exit_text(child.returncode)} after {ran:.0f} s; restarting it in "
+                    f"{pause:g} s (death {life.deaths} in a row).")
+            elif life.due is not None and time.monotonic() >= life.due:
+                self._spawn(name)
+                say(f"{name} restarted (pid {self.children[name].pid}).")
 
     def stop(self) -> None:
         if self.stopping:
@@ -259,6 +309,14 @@ class Supervisor:
                 _signal_group(child.pid, signal.SIGKILL)
                 _group_ends(child.pid, time.monotonic() + STOP_TIMEOUT_S)
             child.wait()
+
+
+def _end_group(group: int) -> None:
+    """Ends what is left of a dead child's process group: SIGTERM, then SIGKILL past STOP_TIMEOUT_S."""
+    _signal_group(group, signal.SIGTERM)
+    if not _group_ends(group, time.monotonic() + STOP_TIMEOUT_S):
+        _signal_group(group, signal.SIGKILL)
+        _group_ends(group, time.monotonic() + STOP_TIMEOUT_S)
 
 
 def _group_alive(group: int) -> bool:
@@ -301,9 +359,8 @@ def _signal_group(group: int, signum: int) -> None:
 
 def wait_until_ready(supervisor: Supervisor, url: str) -> bool:
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and not supervisor.stopping:
-        if supervisor.dead_child() is not None:
-            return False
+    while time.monotonic() < deadline and not supervisor.stop_requested:
+        supervisor.tend()  # a child that dies while the platform comes up is started again too
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -365,7 +422,7 @@ def main() -> int:
     supervisor = Supervisor(child_processes())
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        supervisor.stop()
+        supervisor.stop_requested = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -373,16 +430,13 @@ def main() -> int:
     try:
         supervisor.start()
         if not wait_until_ready(supervisor, f"{base}/healthz"):
-            if supervisor.stopping:
+            if supervisor.stop_requested:
                 return 0
             say(f"The web app did not answer at {base}/healthz; stopping.")
             return 1
         say(banner(base, demo_key, admin_password, serving_key_file))
-        while not supervisor.stopping:
-            dead = supervisor.dead_child()
-            if dead is not None:
-                say(f"{dead} exited with status {supervisor.children[dead].returncode}; stopping the platform.")
-                return 1
+        while not supervisor.stop_requested:
+            supervisor.tend()
             time.sleep(0.5)
         return 0
     finally:

@@ -254,8 +254,9 @@ def test_first_run_setup_happens_once_and_secrets_are_printed_only_then() -> Non
 
 def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_restart(
         first_run: Launcher) -> None:
-    """Issue 16, items 1 and 3, against `make up` itself, twice on one var/ directory; the second
-    run is stopped as Ctrl-C stops it (SIGTERM): every child stops and the ports are released."""
+    """Issue 16, items 1 and 3, against `make up` itself, twice on one var/ directory: the Celery
+    worker killed is started again, its old process tree gone first (issue 37, item 7); each run is
+    stopped as Ctrl-C stops it (SIGTERM): every child stops and the ports are released."""
     first = first_run
     var = first.var_dir
     try:
@@ -282,12 +283,17 @@ def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_re
             time.sleep(0.2)
         helpers = [pid for pid in group_members(celery_main) if pid != celery_main]
         os.kill(celery_main, signal.SIGKILL)
-        assert first.process.wait(timeout=90) == 1
-        first._reader.join(timeout=10)
+        # Issue 37, item 7: the platform stays up; the worker's leftovers are ended and a new one starts.
+        first.wait_for("worker restarted (pid")
+        assert "worker exited with status -9 (SIGKILL)" in first.output
+        assert helpers and group_members(celery_main) == []  # the beat and pool children went with it
+        restarted = first.child(f"worker-{first.process.pid}@")
+        assert restarted != celery_main and f"worker restarted (pid {restarted})" in first.output
+        assert first.get("/healthz")[0] == 200 and first.process.poll() is None
+        assert first.terminate() == 0  # Ctrl-C still stops everything cleanly
     finally:
         first.kill()
-    assert "worker exited with status -9; stopping the platform." in first.output
-    assert helpers and group_members(celery_main) == []  # the beat and pool children went with it
+    assert "Loraplex stopped." in first.output
     assert processes_with(f"worker-{first.process.pid}@") == []
     assert port_is_free(first.port) and port_is_free(first.serving_port)
 
@@ -401,3 +407,68 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
     finally:
         stop_whatever_happened(second)
     assert "did not stop within" not in second.output and "killing" not in second.output
+
+
+# The supervisor's restarts on its own (issue 37, item 7), on small children and short pauses.
+
+def supervise_until(supervisor: launcher_module.Supervisor, done, capsys) -> str:
+    """Tends the children until `done(output so far)`; the launcher's lines meanwhile."""
+    output = ""
+    deadline = time.monotonic() + 60
+    while not done(output):
+        assert time.monotonic() < deadline, output
+        supervisor.tend()
+        output += capsys.readouterr().out
+        time.sleep(0.01)
+    return output
+
+
+def test_a_killed_child_is_started_again_and_a_stop_still_ends_everything(capsys) -> None:
+    supervisor = launcher_module.Supervisor([
+        launcher_module.ChildSpec("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"]),
+        launcher_module.ChildSpec("other", [sys.executable, "-c", "import time; time.sleep(600)"])])
+    supervisor.start()
+    try:
+        first, other = supervisor.children["sleeper"].pid, supervisor.children["other"].pid
+        os.kill(first, signal.SIGKILL)
+        output = supervise_until(supervisor, lambda text: "sleeper restarted" in text, capsys)
+        assert "sleeper exited with status -9 (SIGKILL) after" in output
+        assert "restarting it in 1 s (death 1 in a row)" in output
+        second = supervisor.children["sleeper"]
+        assert second.pid != first and second.poll() is None and f"sleeper restarted (pid {second.pid})" in output
+        assert supervisor.children["other"].pid == other  # the others went on as they were
+    finally:
+        supervisor.stop()
+    assert all(child.poll() is not None for child in supervisor.children.values())
+    assert group_members(supervisor.children["sleeper"].pid) == []
+
+
+def test_a_child_that_keeps_dying_is_logged_each_time_with_a_doubling_capped_pause(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(launcher_module, "RESTART_BACKOFF_FIRST_S", 0.01)
+    monkeypatch.setattr(launcher_module, "RESTART_BACKOFF_CAP_S", 0.04)
+    supervisor = launcher_module.Supervisor([
+        launcher_module.ChildSpec("crasher", [sys.executable, "-c", "import sys; sys.exit(3)"])])
+    supervisor.start()
+    try:
+        output = supervise_until(supervisor, lambda text: "death 5 in a row" in text, capsys)
+    finally:
+        supervisor.stop()
+    deaths = [line for line in output.splitlines() if "crasher exited with status 3 after" in line]
+    pauses = [re.search(r"restarting it in (\S+) s \(death (\d+) in a row\)", line).groups() for line in deaths]
+    assert pauses == [("0.01", "1"), ("0.02", "2"), ("0.04", "3"), ("0.04", "4"), ("0.04", "5")]
+    assert output.count("crasher restarted (pid") >= 4
+
+
+def test_a_stop_asked_for_while_a_restart_waits_starts_nothing(capsys) -> None:
+    supervisor = launcher_module.Supervisor([
+        launcher_module.ChildSpec("crasher", [sys.executable, "-c", "import sys; sys.exit(3)"])])
+    supervisor.start()
+    try:
+        supervise_until(supervisor, lambda text: "restarting it in 1 s" in text, capsys)
+        dead = supervisor.children["crasher"]
+        supervisor.stop_requested = True  # what Ctrl-C and SIGTERM do
+        time.sleep(1.1)  # past the pause: a tend now would have started it again
+        supervisor.tend()
+        assert supervisor.children["crasher"] is dead and "restarted" not in capsys.readouterr().out
+    finally:
+        supervisor.stop()
