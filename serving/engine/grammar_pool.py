@@ -356,7 +356,14 @@ class GrammarPool:
             assert self._info is not None
             import xgrammar as xgr
 
-            _settle(task.future, result=xgr.CompiledGrammar.deserialize_json(message[2], self._info))
+            try:
+                # At a 128k vocabulary a typical schema's is 2.7 MB of JSON, read in 65 ms (docs/serving-worker.md).
+                compiled = xgr.CompiledGrammar.deserialize_json(message[2], self._info)
+            except Exception as exc:  # the pool's thread must go on serving the other tenants
+                logger.exception("a compiled grammar could not be read back from its process")
+                _settle(task.future, error=RuntimeError(f"the compiled {task.label} could not be read back: {exc}"))
+                return
+            _settle(task.future, result=compiled)
             return
         _, _, too_complex, detail = message
         if too_complex:
