@@ -283,3 +283,17 @@ def test_the_process_engine_compiles_in_its_pool_and_leaves_no_process(tiny_llam
     finally:
         engine.shutdown()
     wait_for(lambda: all(gone(p.pid) for p in family), "the pool's processes to end with the engine")
+
+
+def test_the_worker_flags_reach_the_engines_budget(tiny_llama_dir: Path) -> None:
+    from serving.engine.server.cli import parse_args
+    from serving.engine.server.worker import engine_config
+
+    default = engine_config(parse_args(["--model", str(tiny_llama_dir)])).grammar
+    assert default == GrammarBudget() and (default.timeout, default.workers, default.share) == (5.0, 2, 1)
+    budget = engine_config(parse_args([
+        "--model", str(tiny_llama_dir), "--grammar-compile-timeout", "2.5", "--grammar-compile-workers", "4",
+        "--grammar-tenant-share", "2", "--max-grammar-schema-depth", "16"])).grammar
+    assert (budget.timeout, budget.workers, budget.share, budget.max_schema_depth) == (2.5, 4, 2, 16)
+    with pytest.raises(ValueError, match="tenant_share must be in 1..workers"):
+        engine_config(parse_args(["--model", str(tiny_llama_dir), "--grammar-tenant-share", "3"]))
