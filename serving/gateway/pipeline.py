@@ -374,8 +374,8 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
 async def charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:
     """A model the caller cannot have (404, or 403 outside its key's allow-list), asked for in a
     completion or looked up (`GET /v1/models/{id}`, serving.gateway.views), still costs one request
-    from its buckets, so a flood of unknown names is rate-limited as any other flood: the refusal with the rate-limit headers, or
-    429 once the bucket is empty. The refusal may be a cached one: it is copied, never changed."""
+    from its buckets, so a flood of unknown names is rate-limited as any other flood: the refusal
+    with the rate-limit headers, or 429 once the bucket is empty. The refusal may be a cached one: it is copied, never changed."""
     buckets = RequestBuckets.of(caller, res.config.gateway.bucket_burst)
     admission = await res.buckets.admit(buckets.costs(tokens=0))
     headers = buckets.headers(admission)
