@@ -15,7 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from serving import services
 from serving.engine import LoRARequest, SamplingParams
-from serving.wire.registry import WORKERS_KEY, worker_key
+from serving.wire.registry import WORKERS_KEY, events_channel, worker_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -54,9 +54,28 @@ def wait_for(condition, timeout: float = 90.0) -> None:
         time.sleep(0.2)
 
 
+def events_subscribers(redis_client) -> int:
+    channel = events_channel(int(redis_client.connection_pool.connection_kwargs.get("db", 0)))
+    return dict(redis_client.pubsub_numsub(channel)).get(channel.encode(), 0)
+
+
+def snapshots_refused(settings, worker) -> None:
+    """From now until the token is put back, every snapshot the worker asks for is refused, so only a
+    deploy event can change what it serves. The wait ends once one was refused: the reconciles run
+    one after another, so none still in flight can apply a snapshot taken after this."""
+    refused = worker.metric("loraplex_registry_snapshot_failures_total")
+    settings.REGISTRY_TOKEN = "not-the-workers-token"
+    wait_for(lambda: worker.metric("loraplex_registry_snapshot_failures_total") > refused)
+
+
 def test_deploy_events_and_reconcile_keep_the_worker_in_sync(
     registry, settings, redis_client, tenant_a, start_worker, make_adapter, offline, tiny_model
 ):
+    """Each path alone: while the worker's snapshots are refused (the live server's token changed
+    under it), a deploy or rollback reaches it only as an event; while events are lost, only the
+    reconcile. (Both open, the 3 s reconcile may apply a deploy before its event arrives, and the
+    worker then rightly skips the event: waiting for the event would flake.)"""
+    subscribed = events_subscribers(redis_client)
     worker = start_worker(
         "--allowed-adapter-path", settings.STORAGE_URL, "--registry-url", registry, "--registry-token", TOKEN, "--redis-url", settings.REDIS_URL,
         "--registry-reconcile-interval", str(RECONCILE_S), "--heartbeat-interval", "1",
@@ -70,11 +89,13 @@ def test_deploy_events_and_reconcile_keep_the_worker_in_sync(
 
     # 1. A deploy event: the worker downloads the artifact from S3 and serves it.
     wait_for(lambda: worker.metric("loraplex_registry_snapshots_total") >= 1)
-    events = worker.metric("loraplex_registry_events_total")
+    wait_for(lambda: events_subscribers(redis_client) > subscribed)  # an event published now is heard
+    snapshots_refused(settings, worker)
+    events, snapshots = worker.metric("loraplex_registry_events_total"), worker.metric("loraplex_registry_snapshots_total")
     services.adapter_version_deploy(version=v1, actor="test")
     wait_for(lambda: first in served_models(worker))
-    # Under load the 3 s reconcile can serve it before the event is counted: the event must still come.
-    wait_for(lambda: worker.metric("loraplex_registry_events_total") > events)
+    assert worker.metric("loraplex_registry_events_total") == events + 1
+    assert worker.metric("loraplex_registry_snapshots_total") == snapshots
     greedy = SamplingParams(temperature=0, max_tokens=10)
     expected = offline.generate("Hello there", greedy, LoRARequest("first-local", str(first_dir)))[0]
     reply = httpx.post(f"{worker.url}/v1/completions", timeout=60, json={
@@ -94,6 +115,7 @@ def test_deploy_events_and_reconcile_keep_the_worker_in_sync(
     assert redis_client.zscore(WORKERS_KEY, WORKER_ID) is not None
 
     # 2. A deploy whose event is lost (Redis unreachable when it is published): reconcile heals it.
+    settings.REGISTRY_TOKEN = TOKEN
     v2 = upload(adapter, second_dir, "1.1.0")
     wait_for(lambda: worker.metric("loraplex_registry_revision") >= _last_event_id(adapter))
     events = worker.metric("loraplex_registry_events_total")
@@ -107,9 +129,10 @@ def test_deploy_events_and_reconcile_keep_the_worker_in_sync(
     assert worker.metric("loraplex_registry_snapshots_total") > snapshots
 
     # 3. A rollback's event: back to 1.0.0, and 1.1.0 is dropped.
+    snapshots_refused(settings, worker)
     services.adapter_rollback(adapter=adapter, actor="test")
     wait_for(lambda: first in served_models(worker) and second not in served_models(worker))
-    wait_for(lambda: worker.metric("loraplex_registry_events_total") > events)
+    assert worker.metric("loraplex_registry_events_total") == events + 1
     assert worker.metric("loraplex_registry_load_failures_total") == 0
 
     # Leaving: the registration goes with the worker.
