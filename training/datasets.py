@@ -1,6 +1,8 @@
 """Datasets: upload (streamed, with its sha256), validation against the stored file, deletion.
 
-A dataset is validated by a Celery task sent after its upload commits; the jobs waiting for it
+A dataset is validated by a Celery task sent after its upload commits, one file of a tenant at a
+time: a tenant's next file is sent when its previous one's report is recorded, so ten large files
+of one tenant hold one of the quick worker's slots, never all of them. The jobs waiting for a file
 are settled once its report is recorded (training.jobs.training_jobs_release).
 """
 
@@ -79,10 +81,34 @@ def dataset_too_large(size: int | None, limit: int, tenant: Tenant | None) -> Se
 
 
 def validation_send(dataset_id: int) -> None:
-    """Sends the dataset's validation task (after its upload committed, or again from the sweep)."""
-    dispatch.task_send(dispatch.VALIDATE_DATASET, dataset_id)
-    # Only a sent task is recorded: a dataset left without one is sent again by the sweep.
-    Dataset.objects.filter(pk=dataset_id, status=Dataset.Status.UPLOADED).update(validation_queued_at=timezone.now())
+    """Sends the dataset's validation task (after its upload committed, or again from the sweep),
+    unless another file of its tenant is being validated: then it is sent when that one ends."""
+    with transaction.atomic():
+        dataset = Dataset.objects.filter(pk=dataset_id, status=Dataset.Status.UPLOADED).first()
+        if dataset is None:
+            return
+        # The tenant's row lock orders its uploads' sends: two committing at once do not both go.
+        Tenant.objects.select_for_update().filter(pk=dataset.tenant_id).first()
+        in_flight = Dataset.objects.filter(
+            Q(status=Dataset.Status.VALIDATING) | Q(status=Dataset.Status.UPLOADED, validation_queued_at__isnull=False),
+            tenant_id=dataset.tenant_id).exclude(pk=dataset_id)
+        if in_flight.exists():
+            return
+        Dataset.objects.filter(pk=dataset_id).update(validation_queued_at=timezone.now())
+    try:
+        dispatch.task_send(dispatch.VALIDATE_DATASET, dataset_id)
+    except Exception:
+        # Not sent: it waits again, for the sweep to send it (and holds no place its tenant's next needs).
+        Dataset.objects.filter(pk=dataset_id, status=Dataset.Status.UPLOADED).update(validation_queued_at=None)
+        raise
+
+
+def _validation_send_next(tenant_id: int) -> None:
+    """The tenant's oldest file still waiting for its validation, sent now that one ended."""
+    waiting = (Dataset.objects.filter(tenant_id=tenant_id, status=Dataset.Status.UPLOADED,
+                                      validation_queued_at__isnull=True).order_by("pk").values_list("pk", flat=True))
+    if (next_id := waiting.first()) is not None:
+        validation_send(next_id)
 
 
 def dataset_validate(*, dataset_id: int) -> Dataset | None:
@@ -153,7 +179,9 @@ def validation_record(dataset_id: int, report: ValidationReport) -> Dataset | No
     if not updated:
         return Dataset.objects.filter(pk=dataset_id).first()
     training_jobs_release(dataset_id=dataset_id)
-    return Dataset.objects.get(pk=dataset_id)
+    dataset = Dataset.objects.get(pk=dataset_id)
+    after_commit(partial(_validation_send_next, dataset.tenant_id))
+    return dataset
 
 
 class _HashingStream:

@@ -1,15 +1,19 @@
-"""Training jobs start in turns between tenants (training.concurrency; issue 37, item 5): the next job
-is chosen when a worker takes one, round robin between the tenants waiting (fewest running first),
-oldest first within a tenant, never more than TRAINING_DISPATCH_AHEAD tasks untaken on the queue.
-The worker is played by the test: a claim is what a worker does when it takes a job's task."""
+"""Celery work comes in turns between tenants (issue 37, item 5). Training jobs (training.concurrency):
+the next job is chosen when a worker takes one, round robin between the tenants waiting (fewest
+running first), oldest first within a tenant, never more than TRAINING_DISPATCH_AHEAD tasks untaken
+on the queue; the worker is played by the test (a claim is what a worker does when it takes a job's
+task). Validations (training.datasets): one file of a tenant at a time on the quick queue."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from tenants.models import Tenant, Tier
 from tenants.services import tenant_create
-from training import concurrency, datasets, jobs, run, sweep
+from training import concurrency, datasets, dispatch, jobs, run, sweep
 from training.models import Dataset, TrainingJob
 from training_support import chat_lines, jsonl
 
@@ -93,3 +97,32 @@ def test_one_task_waits_on_the_queue_and_each_tenants_limit_still_holds(three_te
     assert concurrency.training_jobs_dispatch() == []
     TrainingJob.objects.filter(pk=a1).update(status=TrainingJob.Status.SUCCEEDED)  # its run ended
     assert concurrency.training_jobs_dispatch() == [a2]
+
+
+def test_a_tenants_files_are_validated_one_at_a_time_so_another_tenants_file_goes_at_once(
+        platform, tenant_a, tenant_b, monkeypatch, django_capture_on_commit_callbacks):
+    """Ten large files of one tenant used to fill the quick queue ahead of another tenant's small one;
+    now a tenant has one file on the queue or being checked, and its next goes when that one ends."""
+    sent: list[int] = []
+    monkeypatch.setattr(dispatch, "task_send", lambda name, dataset_id: sent.append(dataset_id))
+
+    def upload(tenant: Tenant, name: str) -> int:
+        with django_capture_on_commit_callbacks(execute=True):  # the upload's commit sends its task
+            return datasets.dataset_create(tenant=tenant, source=jsonl(chat_lines(1)), filename=name).pk
+
+    a1, a2, a3 = (upload(tenant_a.tenant, f"a{index}.jsonl") for index in range(3))
+    b1 = upload(tenant_b.tenant, "b.jsonl")
+    assert sent == [a1, b1]
+
+    # The sweep's minute does not send a file whose tenant has one in flight.
+    Dataset.objects.filter(pk__in=[a2, a3]).update(created_at=timezone.now() - timedelta(minutes=2))
+    with django_capture_on_commit_callbacks(execute=True):
+        sweep.training_jobs_sweep()
+    assert sent == [a1, b1]
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert datasets.dataset_validate(dataset_id=a1).status == Dataset.Status.READY
+    assert sent == [a1, b1, a2]
+    with django_capture_on_commit_callbacks(execute=True):
+        datasets.dataset_validate(dataset_id=a2)
+    assert sent == [a1, b1, a2, a3]
