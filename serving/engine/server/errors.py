@@ -80,7 +80,10 @@ def install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors():
             where = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        first_param = next((str(e["loc"][-1]) for e in exc.errors() if e.get("loc")), None)
+        # The request's field (`logit_bias`, `messages`), not the last step of pydantic's path to the
+        # value, which may be a dict key ("5") or a union member's type ("list[str]").
+        first_param = next((str(loc[1] if loc[0] == "body" and len(loc) > 1 else loc[-1])
+                            for e in exc.errors() if (loc := e.get("loc"))), None)
         return error_response(APIError(400, "; ".join(problems) or "invalid request body", param=first_param))
 
     @app.exception_handler(StarletteHTTPException)

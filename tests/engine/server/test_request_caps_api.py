@@ -143,3 +143,13 @@ def test_no_completion_body_makes_the_worker_answer_5xx(worker: WorkerProcess, b
             text = reply.read().decode()
     assert reply.status_code < 500, (body, text[:500])
     assert '"internal_error"' not in text, (body, text[:500])  # nor as a streamed error event
+
+
+def test_a_nested_value_pydantic_refuses_names_the_requests_field(unstarted):
+    """Not the last step of pydantic's path: a dict key ("5") or a union member's type ("str")."""
+    for body, param in (({"model": "m", "prompt": "p", "logit_bias": {"5": "x"}}, "logit_bias"),
+                        ({"model": "m", "prompt": "p", "stop": 5}, "stop"),
+                        ({"model": "m", "messages": [{"role": "robot"}]}, "messages")):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        refused = post(unstarted, path, json.dumps(body))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
