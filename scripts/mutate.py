@@ -90,11 +90,17 @@ def tree_copy(destination: Path, source: str) -> None:
     (destination / ".venv").symlink_to(ROOT / ".venv")
 
 
+def bytecode_drop(path: Path) -> None:
+    """Delete `path`'s cached bytecode: a file put back within the second its mutant was compiled,
+    at the same size, would pass the cache's check (the source's mtime in seconds and its size) and
+    the mutant would run on. The rest of the copy keeps its cache, so each run imports it quickly."""
+    for cached in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"):
+        cached.unlink()
+
+
 def pytest_run(copy: Path, tests: tuple[str, ...], timeout_s: float, extra: list[str]) -> tuple[int | None, str]:
     """(pytest's exit status or None on timeout, its output's tail), run in the copy."""
-    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
-    # No bytecode is written, so a file put back within the second its mutant was compiled is never
-    # read from a stale cache (the cache's check is the source's mtime in seconds and its size).
+    env = {**os.environ, "PYTHONPATH": str(copy)}
     command = [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                *extra, *tests]
     try:
@@ -114,11 +120,13 @@ def mutation_check(copy: Path, mutation: Mutation, timeout_s: float, extra: list
                                                f"(occurrences: {counts})")
     original = mutation.originals[counts.index(1)]
     started = time.monotonic()
+    bytecode_drop(path)
     path.write_text(text.replace(original, mutation.replacement))
     try:
         status, output = pytest_run(copy, mutation.tests, timeout_s, extra)
     finally:
         path.write_text(text)
+        bytecode_drop(path)
     seconds = time.monotonic() - started
     last = output.strip().splitlines()[-1] if output.strip() else ""
     if status == 1:

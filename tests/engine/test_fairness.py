@@ -239,3 +239,15 @@ def test_the_engine_admits_a_later_tenant_before_a_flood_drains(tiny_llama_dir: 
     step(lambda: not engine.has_unfinished_requests())
     assert sorted(started) == sorted([f"a{i}" for i in range(30)] + [f"b{i}" for i in range(5)])
     assert max(started.index(f"b{i}") for i in range(5)) < started.index("a14"), started
+
+
+def test_a_returning_client_is_lifted_to_the_smallest_active_counter_not_the_largest() -> None:
+    vtc = VirtualTokenCounter(W_P, W_Q)
+    for client, tokens in (("light", 10), ("heavy", 500)):
+        vtc.join(client)
+        vtc.charge(client, tokens, samples=False)
+    vtc.join("back")
+    assert vtc.counter("back") == 10, "lifted to the least-served active client: level with it, not behind all"
+    vtc.leave("light")
+    vtc.join("later")
+    assert vtc.counter("later") == 10, "the least served of those active now ('back', at 10)"

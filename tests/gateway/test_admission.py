@@ -20,6 +20,7 @@ from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.proxy import Upstream
 from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
+from serving.gateway.request_fields import estimate_prompt_tokens
 
 DEGRADABLE = TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=1_000,
                         max_tokens_per_request=64, priority=1, degradation_allowed=True)
@@ -119,5 +120,23 @@ def test_the_tenants_quota_short_on_a_degradable_tier_is_degraded_to_the_base_mo
             await pipeline.admit(call, res)
         assert [call.degraded for call in calls] == [False, False, True]
         assert calls[2].target.base and calls[2].headers["x-loraplex-degraded"] == "quota"
+
+    admitting(0, scenario)
+
+
+def test_a_request_reserving_exactly_its_keys_bucket_is_admitted_and_one_token_more_is_a_400(redis_client) -> None:
+    body = adapter_call(caller()).body
+    prompt = estimate_prompt_tokens(body, "chat")
+    max_tokens = 40 + (prompt % 2)  # an even reservation: the key's tpm is half of it (two minutes' burst)
+    who = caller(tokens_per_minute=(prompt + max_tokens) // 2)
+
+    async def scenario(res: pipeline.Resources) -> None:
+        with pytest.raises(GatewayError) as refused:
+            await pipeline.admit(adapter_call(who, max_tokens=max_tokens + 1), res)
+        assert (refused.value.status, refused.value.code) == (400, "request_too_large")
+        exact = adapter_call(who, max_tokens=max_tokens)
+        await pipeline.admit(exact, res)
+        assert exact.reserved_tokens == prompt + max_tokens and exact.admission is not None
+        assert exact.admission.admitted
 
     admitting(0, scenario)
