@@ -50,6 +50,7 @@ from serving.gateway.upstream import upstream_body
 from serving.gateway.usage_backlog import keep_usage, usage_pushes
 from serving.gateway.usage_log import UsageEvent
 from serving.gateway.version_pick import ServedVersion, pick_version
+from serving.gateway.worker_watch import unless_worker_gone
 from serving.wire.access_log import access_note
 from serving.wire.registry import api_key_id
 
@@ -375,7 +376,8 @@ async def charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, 
     """A model the caller cannot have (404, or 403 outside its key's allow-list), asked for in a
     completion or looked up (`GET /v1/models/{id}`, serving.gateway.views), still costs one request
     from its buckets, so a flood of unknown names is rate-limited as any other flood: the refusal
-    with the rate-limit headers, or 429 once the bucket is empty. The refusal may be a cached one: it is copied, never changed."""
+    with the rate-limit headers, or 429 once the bucket is empty. The refusal may be a cached one:
+    it is copied, never changed."""
     buckets = RequestBuckets.of(caller, res.config.gateway.bucket_burst)
     admission = await res.buckets.admit(buckets.costs(tokens=0))
     headers = buckets.headers(admission)
@@ -431,8 +433,11 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
     try:
         if not body.get("stream"):
             try:
-                content = await res.upstream.call(url, body, result=result, rename=rename,
-                                                  request_id=call.request_id)
+                # Its head comes with its last token: a silent worker is judged by its heartbeat.
+                content = await unless_worker_gone(
+                    res.upstream.call(url, body, result=result, rename=rename, request_id=call.request_id),
+                    worker=worker, redis=res.redis, guard=res.resilience.guard,
+                    first_check_s=res.config.gateway.first_byte_timeout_s)
             except httpx.HTTPError as exc:
                 if may_retry and retryable(status=None, error=exc):
                     handed_off = _abandon(call, result, res)

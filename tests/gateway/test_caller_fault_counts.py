@@ -68,9 +68,9 @@ def forwarding(body: dict, upstream_of, monkeypatch: pytest.MonkeyPatch) -> tupl
         async with Scripted(BAD_REQUEST) as worker:
             upstream = upstream_of()
             res = SimpleNamespace(
-                upstream=upstream, inflight={}, workers=[],
+                upstream=upstream, inflight={}, workers=[], redis=None,  # the worker watch: never reached
                 config=SimpleNamespace(base_model_name="base", gateway=GatewayConfig()),
-                resilience=SimpleNamespace(call_over=lambda call, result, live: counted.append(result),
+                resilience=SimpleNamespace(guard=None, call_over=lambda call, result, live: counted.append(result),
                                            attempt_done=lambda w, result, live: counted.append(result)))
             call = Call(endpoint="completions", caller=Caller(tenant_id=1, tenant="t", key_prefix="p", tier=TIER),
                         body=body, model="base", target=Target(base=True), max_tokens=4)

@@ -1,16 +1,21 @@
 """Issue 37, item 7: a worker that takes a streamed request and sends nothing (frozen, stuck) is
 given up on once the first-byte bound passes (GATEWAY_FIRST_BYTE_TIMEOUT): its connection closed (a
 live worker then aborts the request), the request failed over to the next worker, and the attempt
-counted as the silent worker's failure. Against scripted workers on real sockets; the bound is
-small so the test waits little, and nothing asserts a duration."""
+counted as the silent worker's failure. A whole reply, whose head comes with its last token, is
+given up on the same way once its worker has left the registry (serving.gateway.worker_watch),
+never while the worker heartbeats. Against scripted workers on real sockets and the run's Redis;
+the bounds are small so the tests wait little, and nothing asserts a duration."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from serving.gateway import pipeline
 from serving.gateway.config import GatewayConfig
@@ -20,9 +25,15 @@ from serving.gateway.records import Call, Caller, Target, TierLimits
 from serving.gateway.resilience import worker_failed
 from serving.gateway.routing import WorkerView
 from serving.gateway.stream_http import FirstByteTimeout, StreamPool
+from serving.gateway.worker_watch import unless_worker_gone
+from serving.wire.redis_guard import RedisGuard
+from serving.wire.registry import worker_key
 
 TIER = TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=51_200, max_tokens_per_request=256,
                   priority=1, degradation_allowed=True)
+WHOLE_BODY = b'{"id":"c","object":"text_completion","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+WHOLE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+    len(WHOLE_BODY), WHOLE_BODY)
 STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
           b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n"))
 
@@ -110,3 +121,78 @@ def test_a_silent_worker_is_failed_over_and_counted_as_its_failure() -> None:
 def test_the_bound_is_a_setting_sized_for_a_prefill_under_load() -> None:
     assert GatewayConfig().first_byte_timeout_s == 30.0
     assert GatewayConfig.from_environ({"GATEWAY_FIRST_BYTE_TIMEOUT": "5"}).first_byte_timeout_s == 5.0
+
+
+def redis_url() -> str:
+    from django.conf import settings
+
+    return settings.REDIS_URL
+
+
+def test_a_whole_replys_silent_worker_is_failed_over_once_it_left_the_registry(redis_client, monkeypatch) -> None:
+    counted: list[tuple[str, bool | None]] = []
+
+    async def no_record(*args: object) -> None:  # the usage record: Redis's business, not this test's
+        return None
+
+    monkeypatch.setattr(pipeline, "_record", no_record)
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url())
+        async with Scripted(None) as silent, Scripted(WHOLE) as healthy:
+            # A read timeout of its own, so that without the watch the call ends (502), not the test.
+            upstream = Upstream(api_key="k", timeout_s=20.0)
+            gateway = replace(GatewayConfig(), first_byte_timeout_s=0.2)
+            res = SimpleNamespace(
+                upstream=upstream, inflight={}, workers=[], redis=client,
+                config=SimpleNamespace(base_model_name="base", gateway=gateway),
+                resilience=SimpleNamespace(
+                    guard=RedisGuard(), call_over=lambda call, result, live: None,
+                    attempt_done=lambda w, result, live: counted.append((w.worker_id, worker_failed(result)))))
+            call = Call(endpoint="completions", caller=Caller(tenant_id=1, tenant="t", key_prefix="p", tier=TIER),
+                        body={"model": "base", "prompt": "hi"}, model="base", target=Target(base=True), max_tokens=4)
+            call.worker = worker("frozen", silent.url)  # no registry entry: its heartbeat stopped
+            call.fallbacks = [worker("alive", healthy.url)]
+            reply = await pipeline.forward(call, res)
+            assert reply.status == 200 and json.loads(reply.body)["object"] == "text_completion"
+            assert call.worker.worker_id == "alive" and (silent.requests, healthy.requests) == (1, 1)
+            await asyncio.wait_for(silent.closed_by_client.wait(), 30)
+            await upstream.aclose()
+        await client.aclose()
+
+    asyncio.run(scenario())
+    assert counted == [("frozen", True)]
+
+
+def test_a_whole_reply_waits_while_its_worker_heartbeats_and_not_for_another_instance(redis_client) -> None:
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url())
+        guard, view = RedisGuard(), replace(worker("w1", "http://127.0.0.1:1"), started_at=5.0)
+        await client.set(worker_key("w1"), json.dumps({"worker_id": "w1", "started_at": 5.0}), ex=60)
+        reads = 0
+        real_get = client.get
+
+        async def counting_get(key: str) -> object:
+            nonlocal reads
+            reads += 1
+            return await real_get(key)
+
+        client.get = counting_get  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[str] = loop.create_future()
+        watched = asyncio.ensure_future(unless_worker_gone(answer, worker=view, redis=client, guard=guard,
+                                                           first_check_s=0.01, every_s=0.01))
+        while reads < 3:  # looked up three times, still there: the call goes on
+            await asyncio.sleep(0.01)
+        assert not watched.done()
+        answer.set_result("the reply")
+        assert await watched == "the reply"
+        # Restarted (another instance): the request is lost with the old one.
+        await client.set(worker_key("w1"), json.dumps({"worker_id": "w1", "started_at": 6.0}), ex=60)
+        pending: asyncio.Future[str] = loop.create_future()
+        with pytest.raises(FirstByteTimeout, match="left the registry"):
+            await unless_worker_gone(pending, worker=view, redis=client, guard=guard, first_check_s=0.01)
+        assert pending.cancelled()
+        await client.aclose()
+
+    asyncio.run(scenario())
