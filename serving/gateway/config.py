@@ -26,8 +26,9 @@ class GatewayConfig:
     upstream_timeout_s: float = 600.0  # GATEWAY_UPSTREAM_TIMEOUT
     # How long a worker may take to answer a streamed call's headers, which it sends with the first
     # token: past it the gateway closes the call (the worker aborts it) and fails over to the next
-    # worker, counting it as the first one's failure. A prefill under load takes seconds, not tens of
-    # them (GATEWAY_FIRST_BYTE_TIMEOUT; docs/gateway.md, "Failover").
+    # worker, counting it as the first one's failure; a whole reply's worker is judged by its
+    # heartbeat from then on (serving.gateway.worker_watch). A prefill under load takes seconds, not
+    # tens of them (GATEWAY_FIRST_BYTE_TIMEOUT; docs/resilience.md, "Failover and outlier ejection").
     first_byte_timeout_s: float = 30.0
     # The largest completion request body the gateway reads: the serving worker's own bound (its
     # --max-request-body-bytes default), so a body the worker would refuse is refused here, before it
