@@ -79,6 +79,14 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise invalid_request("'model' is required: an adapter name, 'name@version', or the base model's id.",
                               param="model")
+    # The gateway reads these two itself (to relay a stream and ask for its usage), so their types
+    # are its business: `"stream_options": [1]` made building the worker's request raise, a 500.
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid_request(f"'stream' must be true or false, got {stream!r:.40}.", param="stream")
+    if options is not None and not isinstance(options, dict):
+        raise invalid_request("'stream_options' must be an object, such as {\"include_usage\": true}.",
+                              param="stream_options")
     try:
         request_caps.check_caps(body)
     except request_caps.CapExceeded as exc:

@@ -186,7 +186,7 @@ _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "to
 _SHAPED = st.fixed_dictionaries({"model": st.text(min_size=1, max_size=8)}, optional={"messages": st.lists(_MESSAGE | _JSON, max_size=3) | _JSON,
     "prompt": st.lists(st.integers() | st.text(max_size=5) | st.lists(st.integers(), max_size=3), max_size=3) | _JSON,
     "n": st.integers() | _JSON, "best_of": st.integers() | _JSON, "max_tokens": st.integers() | _JSON,
-    "max_completion_tokens": st.integers() | _JSON})
+    "max_completion_tokens": st.integers() | _JSON, "stream": st.booleans() | _JSON, "stream_options": _JSON})
 
 
 @given(st.one_of(
@@ -205,9 +205,21 @@ def test_no_body_makes_the_gateways_decoding_fail_other_than_with_a_400(raw: byt
         json.loads(error.body())
         return
     for endpoint in ("completions", "chat"):
-        for step in (requested_max_tokens, requested_sequences, estimate_prompt_tokens):
+        steps = (requested_max_tokens, requested_sequences, estimate_prompt_tokens,
+                 # What the worker is sent, as the gateway writes it.
+                 lambda body, endpoint: json.dumps(upstream_body(call(endpoint, body), WORKER), allow_nan=False))
+        for step in steps:
             try:
                 step(body, endpoint)
             except GatewayError as error:
                 assert error.status == 400
-    json.dumps(body, allow_nan=False)  # what the gateway sends the worker
+
+
+def test_stream_and_its_options_must_have_their_types():
+    """The gateway reads both itself: `"stream_options": [1]` made building the worker's request raise (a 500)."""
+    for extra, param in (({"stream": True, "stream_options": [1]}, "stream_options"),
+                         ({"stream": True, "stream_options": "usage"}, "stream_options"),
+                         ({"stream": "no"}, "stream")):
+        assert refusal(json.dumps({"model": "bot", "prompt": "p", **extra}).encode()).param == param
+    body = decode_body(json.dumps({"model": "bot", "prompt": "p", "stream": True, "stream_options": None}).encode())
+    assert upstream_body(call("completions", body), WORKER)["stream_options"] == {"include_usage": True}
