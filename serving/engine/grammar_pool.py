@@ -59,7 +59,8 @@ class GrammarBudget:
     levels: a schema level under ``properties`` is two; the library's conversion is superlinear in
     it) and ``max_constraint_bytes`` (a schema's, regex's or choice list's text). Checked while it
     compiles: ``timeout`` seconds, ``max_grammar_bytes`` of EBNF (a caller's grammar, or what a
-    schema becomes) and ``max_compiled_bytes`` of compiled grammar. ``workers`` processes compile,
+    schema becomes), ``max_compiled_bytes`` of compiled grammar and ``max_compile_memory_bytes``
+    of memory a compiling process may take beyond its own. ``workers`` processes compile,
     a tenant using at most ``tenant_share`` of them at once (None: one fewer than ``workers``, at
     least one). Each tenant's compiled grammars are cached, at most ``cache_entries`` a tenant and
     ``cache_bytes`` in all."""
@@ -71,13 +72,15 @@ class GrammarBudget:
     max_constraint_bytes: int = 256 << 10
     max_grammar_bytes: int = 4 << 20
     max_compiled_bytes: int = 128 << 20
+    max_compile_memory_bytes: int = 1 << 30
     cache_entries: int = 64
     cache_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         numbers = {name: getattr(self, name) for name in ("timeout", "workers", "max_schema_depth",
                                                           "max_constraint_bytes", "max_grammar_bytes",
-                                                          "max_compiled_bytes", "cache_entries", "cache_bytes")}
+                                                          "max_compiled_bytes", "max_compile_memory_bytes",
+                                                          "cache_entries", "cache_bytes")}
         for name, value in numbers.items():
             if value <= 0:
                 raise ValueError(f"grammar budget: {name} must be > 0, got {value}")
@@ -90,7 +93,8 @@ class GrammarBudget:
 
     @property
     def limits(self) -> CompileLimits:
-        return CompileLimits(max_grammar_bytes=self.max_grammar_bytes, max_compiled_bytes=self.max_compiled_bytes)
+        return CompileLimits(max_grammar_bytes=self.max_grammar_bytes, max_compiled_bytes=self.max_compiled_bytes,
+                             max_compile_memory_bytes=self.max_compile_memory_bytes)
 
 
 class GrammarError(ValueError):

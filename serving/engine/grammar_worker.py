@@ -5,7 +5,8 @@ Compiling runs in a process, not on a thread, because xgrammar's compile is C++ 
 interrupted: a constraint past its time budget is stopped by killing its process (the pool starts
 another). The grammar's size is bounded here too, where the library exposes it: the EBNF a JSON
 schema becomes (its conversion is superlinear in the schema's nesting) and the compiled grammar's
-bytes. A grammar whose language is empty (``root ::= root root``) is refused as well: its first
+bytes; and the memory a compile may take, by the process's data limit (RLIMIT_DATA, set once the
+library and the tokenizer's table are in: a compile past it fails with the library's bad_alloc). A grammar whose language is empty (``root ::= root root``) is refused as well: its first
 token mask allows nothing, and a row of -inf logits cannot be sampled.
 
 Started by the pool as ``python -m serving.engine.grammar_worker FD``; ``FD`` is its end of a socket
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import re
+import resource
 import signal
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -52,6 +55,7 @@ class CompileLimits:
 
     max_grammar_bytes: int
     max_compiled_bytes: int
+    max_compile_memory_bytes: int
 
 
 def library_detail(exc: Exception) -> str:
@@ -102,6 +106,18 @@ def compile_constraint(compiler: xgrammar.GrammarCompiler, kind: str, text: str,
     return compiled
 
 
+def _limit_memory(extra: int) -> None:
+    """Let this process's heap grow by at most `extra` bytes from here (Linux: RLIMIT_DATA counts
+    its private writable memory, which the library's imports have already taken their share of)."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return
+    found = re.search(r"^VmData:\s+(\d+) kB", status.read_text(), re.MULTILINE)
+    if found is not None:
+        limit = int(found.group(1)) * 1024 + extra
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 def _die_with_parent() -> None:
     """Killed when the engine's process dies, even mid-compile (when no message can be read)."""
     if sys.platform.startswith("linux"):
@@ -115,6 +131,7 @@ def serve(conn: Connection) -> None:
     _, tokenizer_info_json, limits = message
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    _limit_memory(limits.max_compile_memory_bytes)
     conn.send(("ready",))
     while True:
         try:
@@ -125,8 +142,12 @@ def serve(conn: Connection) -> None:
             compiled = compile_constraint(compiler, kind, text, limits)
         except TooComplex as exc:
             conn.send(("error", task_id, True, str(exc)))
-        except (RuntimeError, ValueError) as exc:
-            conn.send(("error", task_id, False, library_detail(exc)))
+        except (MemoryError, RuntimeError, ValueError) as exc:
+            if isinstance(exc, MemoryError) or "bad_alloc" in str(exc):  # past the data limit
+                conn.send(("error", task_id, True, f"compiling it needs more memory than this worker's "
+                                                   f"{limits.max_compile_memory_bytes:,} bytes"))
+            else:
+                conn.send(("error", task_id, False, library_detail(exc)))
         else:
             conn.send(("ok", task_id, compiled.serialize_json(), compiled.memory_size_bytes))
 

@@ -297,3 +297,14 @@ def test_the_worker_flags_reach_the_engines_budget(tiny_llama_dir: Path) -> None
     assert (budget.timeout, budget.workers, budget.share, budget.max_schema_depth) == (2.5, 4, 2, 16)
     with pytest.raises(ValueError, match="tenant_share must be in 1..workers"):
         engine_config(parse_args(["--model", str(tiny_llama_dir), "--grammar-tenant-share", "3"]))
+
+
+def test_a_compile_past_its_memory_is_refused(make_compiler: Callable[[GrammarBudget], GrammarCompiler]) -> None:
+    """A 44 KB schema of objects nested 4 deep, 6 wide (a 4 MB compiled grammar at the tiny
+    vocabulary) with 8 MiB a compile: the library's allocation fails in its process."""
+    compiler = make_compiler(GrammarBudget(max_compile_memory_bytes=8 << 20))
+    wide: dict[str, Any] = {"type": "string"}
+    for _ in range(4):
+        wide = {"type": "object", "properties": {f"p{i}": wide for i in range(6)}}
+    with pytest.raises(GrammarTooComplex, match="needs more memory than this worker's 8,388,608 bytes"):
+        compiler.compile(GuidedDecodingParams(json=wide), "local").result(timeout=GUARD_S)
