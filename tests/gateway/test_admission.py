@@ -2,12 +2,15 @@
 boundaries: a key whose recorded spend has reached its monthly budget exactly is refused, one
 below it is admitted; a key over its own tokens per minute is refused even on a tier that allows
 degradation (degrading spends the tenant's slack, not the key's), while the tenant's quota running
-short on such a tier is degraded. No web process: the catalog is a stand-in whose only answer
-that matters is the key's recorded tokens (what the budget's counter is seeded from)."""
+short on such a tier is degraded; a request reserving exactly what its key's bucket holds is
+admitted, one token more is a 400 (it could never be). No web process: the catalog is a stand-in
+whose only answer that matters is the key's recorded tokens (what the budget's counter is seeded
+from). The buckets hold two minutes of their rate (BURST), pinned here whatever the environment says."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -22,6 +25,7 @@ from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
 from serving.gateway.request_fields import estimate_prompt_tokens
 
+BURST = 2.0
 DEGRADABLE = TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=1_000,
                         max_tokens_per_request=64, priority=1, degradation_allowed=True)
 
@@ -59,7 +63,8 @@ def admitting(recorded: int, scenario: Callable[[pipeline.Resources], Awaitable[
             redis=client, buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=1),
             upstream=Upstream(api_key="", timeout_s=5.0), resilience=resilience,
             catalog=RecordedCatalog(recorded),  # type: ignore[arg-type]  # admission reads only this
-            config=pipeline.PipelineConfig(gateway=settings.GATEWAY, routing=settings.GATEWAY_ROUTING,
+            config=pipeline.PipelineConfig(gateway=dataclasses.replace(settings.GATEWAY, bucket_burst=BURST),
+                                           routing=settings.GATEWAY_ROUTING,
                                            worker_api_key="", base_model_name="tiny"))
         try:
             await scenario(res)
@@ -70,7 +75,7 @@ def admitting(recorded: int, scenario: Callable[[pipeline.Resources], Awaitable[
     asyncio.run(run())
 
 
-@pytest.mark.parametrize(("recorded", "admitted"), [(1_000, False), (1_001, False), (500, True)])
+@pytest.mark.parametrize(("recorded", "admitted"), [(1_000, False), (1_001, False), (999, True), (500, True)])
 def test_a_key_is_refused_once_its_recorded_spend_reaches_its_budget(redis_client, recorded: int,
                                                                     admitted: bool) -> None:
     who = caller(monthly_token_budget=1_000)
@@ -90,7 +95,7 @@ def test_a_key_is_refused_once_its_recorded_spend_reaches_its_budget(redis_clien
 
 
 def test_a_key_over_its_own_tokens_per_minute_is_refused_not_degraded(redis_client) -> None:
-    # The key's 50 tpm hold 100 tokens (the default burst: two minutes): one 64-token request, not two.
+    # The key's 50 tpm hold 100 tokens: one 64-token request, not two.
     # The tenant's 1,000 tpm hold far more, so only the key is short.
     who = caller(tokens_per_minute=50)
 
@@ -127,8 +132,8 @@ def test_the_tenants_quota_short_on_a_degradable_tier_is_degraded_to_the_base_mo
 def test_a_request_reserving_exactly_its_keys_bucket_is_admitted_and_one_token_more_is_a_400(redis_client) -> None:
     body = adapter_call(caller()).body
     prompt = estimate_prompt_tokens(body, "chat")
-    max_tokens = 40 + (prompt % 2)  # an even reservation: the key's tpm is half of it (two minutes' burst)
-    who = caller(tokens_per_minute=(prompt + max_tokens) // 2)
+    max_tokens = 40 + (prompt % 2)  # an even reservation: the key's tpm is half of it (BURST minutes)
+    who = caller(tokens_per_minute=int((prompt + max_tokens) / BURST))
 
     async def scenario(res: pipeline.Resources) -> None:
         with pytest.raises(GatewayError) as refused:
