@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -204,7 +205,9 @@ class GrammarPool:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._info: xgrammar.TokenizerInfo | None = None
-        self._info_json = ""
+        # The table, serialized, in a file each process reads when it starts (3.6 MB at 128k: sent
+        # down its socket it would hold this thread until the process had imported the library).
+        self._info_file: Path | None = None
         self._start_error: Exception | None = None
         self._failed_starts = 0  # processes in a row that ended before they were ready
 
@@ -252,6 +255,8 @@ class GrammarPool:
             self._tasks.clear()
             for process in self._processes:
                 self._retire(process)
+            if self._info_file is not None:  # here too: a process's exit does not wait for the thread
+                self._info_file.unlink(missing_ok=True)
         for task in pending:
             task.future.cancel()
         self._wake()
@@ -267,11 +272,29 @@ class GrammarPool:
     def _run(self) -> None:
         try:
             self._info = self._tokenizer_info()
-            self._info_json = self._info.serialize_json()
+            with tempfile.NamedTemporaryFile("w", prefix="loraplex-tokenizer-", suffix=".json", delete=False) as file:
+                file.write(self._info.serialize_json())
+            with self._lock:
+                self._info_file = Path(file.name)
+                if self._closed:  # closed while the table was built
+                    self._info_file.unlink()
+                    return
         except Exception as exc:
             logger.exception("the grammar compiler's tokenizer table could not be built")
             self._fail_all(RuntimeError(f"grammar compilation is unavailable: {exc}"))
             return
+        try:
+            self._serve()
+        except Exception as exc:  # a bug: the requests waiting must not wait forever
+            logger.exception("the grammar pool stopped")
+            self._fail_all(RuntimeError(f"grammar compilation failed: {exc}"))
+            self.close()
+        finally:
+            with self._lock:
+                self._reap_and_spawn()
+                self._info_file.unlink(missing_ok=True)
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 if self._closed:
@@ -287,8 +310,6 @@ class GrammarPool:
                 else:
                     self._receive(ready)
             self._expire()
-        with self._lock:
-            self._reap_and_spawn()
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
@@ -315,7 +336,7 @@ class GrammarPool:
                                  stdin=subprocess.DEVNULL)
         theirs.close()
         conn = Connection(ours.detach())
-        conn.send(("init", self._info_json, self._limits))
+        conn.send(("init", str(self._info_file), self._limits))
         process = _Process(popen, conn)
         self._processes.append(process)
         return process

@@ -12,7 +12,7 @@ token mask allows nothing, and a row of -inf logits cannot be sampled.
 Started by the pool as ``python -m serving.engine.grammar_worker FD``; ``FD`` is its end of a socket
 pair. Messages (pickled, multiprocessing.connection's framing):
 
-    pool -> process: ("init", tokenizer_info_json, limits) once, then ("compile", task_id, kind, text)
+    pool -> process: ("init", tokenizer_info_path, limits) once, then ("compile", task_id, kind, text)
     process -> pool: ("ready",) once, then per task ("ok", task_id, compiled_json, memory_bytes)
                      or ("error", task_id, too_complex, message)
 
@@ -128,8 +128,8 @@ def serve(conn: Connection) -> None:
     import xgrammar as xgr
 
     message: Any = conn.recv()
-    _, tokenizer_info_json, limits = message
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    _, tokenizer_info_path, limits = message
+    info = xgr.TokenizerInfo.deserialize_json(Path(tokenizer_info_path).read_text())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     _limit_memory(limits.max_compile_memory_bytes)
     conn.send(("ready",))
