@@ -87,11 +87,13 @@ def purge_queues() -> None:
 class Worker:
     """A real `celery worker` process (its own process group, so SIGKILL takes its pool too)."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(self, env: dict[str, str], log: Path, queues: list[str] | None = None) -> None:
         self.log = log
         self.handle = log.open("ab")
+        # One worker for both queues unless asked (`queues`: the queue and concurrency options to run with).
+        queues = queues or ["-Q", "quick,training", "-c", "1"]
         self.process = zygote.popen(
-            [sys.executable, "-m", "celery", "-A", "lora_platform", "worker", "-Q", "quick,training", "-c", "1",
+            [sys.executable, "-m", "celery", "-A", "lora_platform", "worker", *queues,
              "--pool", "prefork", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
             cwd=ROOT, env=env, stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -126,11 +128,12 @@ class Worker:
 
 @pytest.fixture
 def start_worker(transactional_db, tmp_path: Path, settings) -> Iterator[Callable[..., Worker]]:
-    """`start_worker(**env)` → a ready worker on the test database with this test's settings."""
+    """`start_worker(**env)` → a ready worker on the test database with this test's settings
+    (`start_worker(queues=[...], **env)`: on those queues, as `Worker` takes them)."""
     workers: list[Worker] = []
 
-    def start(**extra: str) -> Worker:
-        worker = Worker(process_env(settings, extra), tmp_path / f"worker-{len(workers)}.log")
+    def start(queues: list[str] | None = None, **extra: str) -> Worker:
+        worker = Worker(process_env(settings, extra), tmp_path / f"worker-{len(workers)}.log", queues)
         workers.append(worker)
         worker.wait_ready()
         return worker
