@@ -1,4 +1,5 @@
-"""The periodic repair (a Celery beat task): starts the waiting jobs the limit has room for, re-sends lost tasks, ends stuck validations.
+"""The periodic repair (a Celery beat task): starts the waiting jobs whose turn it is, re-sends lost tasks, ends
+stuck validations.
 
 A killed worker, a message the broker lost and a task never sent while the broker was down all
 leave a job or a dataset waiting for a task that will not come; the sweep finds them by their
@@ -30,7 +31,8 @@ UNSENT_TASK_SECONDS = 60
 
 
 def training_jobs_sweep() -> dict[str, list[int]]:
-    """The periodic repair: starts waiting jobs wherever the limit has room, re-sends tasks that were lost, ends stuck validations.
+    """The periodic repair: starts the waiting jobs whose turn it is, re-sends tasks that were lost, ends stuck
+    validations.
 
     - A running job whose run has not reported for two leases is re-sent (its worker was killed, and
       its unacknowledged task would come back only after the broker's visibility timeout); the

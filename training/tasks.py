@@ -1,8 +1,8 @@
 """Celery tasks of the training pipeline: thin wrappers named after the services they call.
 
-`dataset_validate`, `training_jobs_sweep` and `uploads_expire` run on the default `quick` queue; `training_job_run`
-is routed to the `training` queue (settings.CELERY_TASK_ROUTES), so long jobs never hold up quick
-work. Late acks and reject-on-worker-lost (settings) put a job's task back on the queue when its
+`dataset_validate`, `training_jobs_sweep` and `uploads_expire` are routed to the `quick` queue,
+`training_job_run` to the `training` queue (settings.CELERY_TASK_ROUTES), each with a worker of its
+own, so long jobs never hold up quick work. Late acks and reject-on-worker-lost (settings) put a job's task back on the queue when its
 worker dies; the service makes any redelivery safe.
 """
 
