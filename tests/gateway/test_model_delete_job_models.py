@@ -58,3 +58,39 @@ def test_a_jobs_ft_name_deletes_the_version_it_stands_for(job, tenant_a):
     assert model_delete(f"Bearer {tenant_a.key}", model, {}) == {"id": model, "object": "model", "deleted": True}
     assert AdapterVersion.objects.get(pk=job.adapter_version_id).status == AdapterVersion.Status.ARCHIVED
     assert refusal(tenant_a.key, model).code == "model_not_found"  # deleted before
+
+
+def job_of(tenant, adapter_name: str, version: str) -> TrainingJob:
+    """A finished job of `tenant` and the registry version it made (active: deleting it needs force)."""
+    job = TrainingJob.objects.create(tenant=tenant, adapter_name=adapter_name, base_model=BASE, seed=1,
+                                     status=TrainingJob.Status.SUCCEEDED)
+    adapter, _ = Adapter.objects.get_or_create(tenant=tenant, name=adapter_name)
+    made = AdapterVersion.objects.create(
+        adapter=adapter, version=version, artifact_uri="file:///storage/w/", manifest_sha256="b" * 64,
+        base_model=BASE, rank=4, lora_alpha=8, target_modules=["q_proj"], size_bytes=1, source="training_job",
+        source_id=str(job.pk))
+    TrainingJob.objects.filter(pk=job.pk).update(adapter_version=made)
+    job.refresh_from_db()
+    return job
+
+
+def test_another_tenants_adapter_and_jobs_are_as_missing_as_names_that_never_were(job, tenant_a, tenant_b):
+    """Tenant isolation at each lookup: bob-co names alice-co's adapter (it has one of that name too),
+    its version, and alice-co's job by bob-co's own ft: name; alice-co's versions are untouched."""
+    bobs = job_of(tenant_b.tenant, "ckpt-bot", "2.0.0")
+    alices = AdapterVersion.objects.get(pk=job.adapter_version_id)
+    for model in ("ckpt-bot@1.0.0", f"ft:{BASE}:bob-co:ckpt-bot:ftjob-{job.pk}", f"ckpt-bot@ftjob-{job.pk}"):
+        assert refusal(tenant_b.key, model).code == "model_not_found", model
+    # The adapter name alone is bob-co's own: it archives bob-co's version, never alice-co's.
+    assert model_delete(f"Bearer {tenant_b.key}", "ckpt-bot", {"force": ["true"]})["deleted"] is True
+    assert AdapterVersion.objects.get(pk=bobs.adapter_version_id).status == AdapterVersion.Status.ARCHIVED
+    alices.refresh_from_db()
+    assert alices.status != AdapterVersion.Status.ARCHIVED
+
+
+def test_an_ft_name_naming_another_tenant_is_missing_even_for_the_callers_own_job(tenant_b):
+    own = job_of(tenant_b.tenant, "bob-bot", "1.0.0")
+    assert refusal(tenant_b.key, f"ft:{BASE}:alice-co:bob-bot:ftjob-{own.pk}").code == "model_not_found"
+    assert AdapterVersion.objects.get(pk=own.adapter_version_id).status != AdapterVersion.Status.ARCHIVED
+    assert model_delete(f"Bearer {tenant_b.key}", f"ft:{BASE}:bob-co:bob-bot:ftjob-{own.pk}", {"force": ["true"]})[
+        "deleted"] is True
