@@ -308,3 +308,17 @@ def test_a_compile_past_its_memory_is_refused(make_compiler: Callable[[GrammarBu
         wide = {"type": "object", "properties": {f"p{i}": wide for i in range(6)}}
     with pytest.raises(GrammarTooComplex, match="needs more memory than this worker's 8,388,608 bytes"):
         compiler.compile(GuidedDecodingParams(json=wide), "local").result(timeout=GUARD_S)
+
+
+def test_each_size_bound_refuses_with_grammar_too_complex(make_compiler: Callable[[GrammarBudget], GrammarCompiler]) -> None:
+    compiler = make_compiler(GrammarBudget(max_constraint_bytes=4_000, max_grammar_bytes=2_000, max_compiled_bytes=5_000))
+    refused = compiler.compile(GuidedDecodingParams(regex="a" * 4_001), "local")
+    assert refused.done()  # the text's size: before it is queued
+    with pytest.raises(GrammarTooComplex, match="the regex is 4,001 bytes; this worker compiles at most 4,000"):
+        refused.result()
+    # What a schema becomes, measured in the compiling process.
+    with pytest.raises(GrammarTooComplex, match="it becomes a grammar of .* bytes, over this worker's limit of 2,000"):
+        compiler.compile(GuidedDecodingParams(json=nested(20)), "local").result(timeout=GUARD_S)
+    # The compiled grammar's bytes (xgrammar's memory_size_bytes, which grows with the vocabulary).
+    with pytest.raises(GrammarTooComplex, match="its compiled grammar takes .* bytes, over this worker's limit of 5,000"):
+        compiler.compile(GuidedDecodingParams(json=nested(2)), "local").result(timeout=GUARD_S)
