@@ -40,6 +40,37 @@ def check_fits(call: Call, buckets: RequestBuckets, *, may_degrade: bool) -> Non
                 "max_tokens or shorten the prompt.", param="max_tokens", code="request_too_large")
 
 
+# What a prompt's tokens may add to the bytes of its request (below): the chat template's own tokens
+# (role headers, separators, the generation prompt, a default system prompt, the tool preamble). Generous
+# for the templates served: Llama 3's is about 5 a message, ChatML's 5, the tiny test model's 14 for
+# one message with its BOS and generation prompt.
+TEMPLATE_TOKENS = 128
+# A completion's prompts have no template: their BOS tokens only (a prompt is at least a byte of the body).
+COMPLETION_TOKENS = 8
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+TEMPLATE_TOKENS_PER_TOOL = 64
+
+
+def most_tokens(call: Call) -> int:
+    """The most tokens `call` can be charged: what its key's budget reserves. The prompt estimate the
+    buckets reserve (about four bytes a token, the template's tokens unknown) is a rate's guess,
+    and an overrun is charged to the bucket afterwards; a budget is a ceiling, and requests in
+    flight together would pass it by every one's error at once (a one-message chat on the test
+    model used 24 tokens where 14 were estimated: 200 at once on a 250-token budget used 504). A
+    token covers at least one byte of text (byte-level BPE, and SentencePiece with its byte
+    fallback), and every text the prompt holds is in the body, so the prompt has at most the
+    body's bytes plus the template's own tokens; the completions at most max_tokens each."""
+    template = COMPLETION_TOKENS
+    if call.endpoint == "chat":
+        template = (TEMPLATE_TOKENS + TEMPLATE_TOKENS_PER_MESSAGE * _count(call.body.get("messages"))
+                    + TEMPLATE_TOKENS_PER_TOOL * (_count(call.body.get("tools")) + _count(call.body.get("functions"))))
+    return max(call.reserved_tokens, call.body_bytes + template + call.max_tokens * call.sequences)
+
+
+def _count(items: object) -> int:
+    return len(items) if isinstance(items, list) else 0
+
+
 def charged_tokens(call: Call, result: UpstreamResult) -> tuple[int, int]:
     """The (prompt, completion) tokens a call is charged, never fewer than the worker generated:
 

@@ -27,7 +27,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from serving.gateway import metrics
-from serving.gateway.accounting import charged_tokens, check_fits, release_after
+from serving.gateway.accounting import charged_tokens, check_fits, most_tokens, release_after
 from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import MAX_ATTEMPTS, retryable
@@ -147,7 +147,8 @@ def _over_quota(call: Call, buckets: RequestBuckets, admission: Admission, retry
 
 
 async def key_budget_check(call: Call, res: Resources) -> None:
-    """Reserve the call's tokens against its key's monthly budget (serving.gateway.key_budget): 429
+    """Reserve the most tokens the call can be charged (serving.gateway.accounting.most_tokens)
+    against its key's monthly budget (serving.gateway.key_budget): 429
     key_budget_exceeded once the month's spend plus what the key's requests in flight reserved
     reaches it. Keys without a budget cost nothing here; while Redis is away the budget fails open."""
     budget = call.caller.key.monthly_token_budget
@@ -155,7 +156,7 @@ async def key_budget_check(call: Call, res: Resources) -> None:
         return
     now = time.time()
     verdict = await res.key_budgets.reserve(
-        call.caller.key_prefix, budget, call.reserved_tokens, now=now, guard=res.resilience.guard,
+        call.caller.key_prefix, budget, most_tokens(call), now=now, guard=res.resilience.guard,
         recorded=lambda start, before: res.catalog.key_tokens_recorded(call.caller, start, before))
     if verdict is None:
         return
@@ -355,7 +356,7 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
         raise
     max_tokens, sequences = check_tier_limits(body, endpoint, caller)
     call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
-                sequences=sequences)
+                sequences=sequences, body_bytes=len(raw_body))
     # Before admission, so that its breaker permit is asked in the admission's round trip.
     call.version = choose_version(call)
     try:

@@ -84,6 +84,8 @@ class Call:
     reserved_tokens: int = 0
     prompt_estimate: int = 0
     admission: Admission | None = None
+    # The request body's size in bytes: what bounds its prompt's tokens (serving.gateway.accounting).
+    body_bytes: int = 0
     # The tokens held against the key's monthly budget (serving.gateway.key_budget), released when
     # the call is settled; None for a key without a budget, or while Redis is away.
     budget_reservation: Reservation | None = None

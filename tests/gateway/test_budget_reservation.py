@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from serving.gateway import pipeline
-from serving.gateway.accounting import release_after
+from serving.gateway.accounting import COMPLETION_TOKENS, most_tokens, release_after
 from serving.gateway.errors import GatewayError
 from serving.gateway.key_budget import RESERVATION_HOLD_S, KeyBudgets, Month, counter_key, spend_add
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
@@ -48,10 +48,16 @@ def resources(client: aioredis.Redis) -> SimpleNamespace:
                                start, before)))
 
 
-def call_of(caller: Caller, reserved: int) -> Call:
-    call = Call(endpoint="chat", caller=caller, body={}, model="bot", target=Target(base=True), max_tokens=reserved)
-    call.reserved_tokens = reserved
+def call_of(caller: Caller, max_tokens: int) -> Call:
+    """A completion of `max_tokens`, its prompt's estimate 0: the budget holds max_tokens plus the
+    most its empty body's prompt can hold (serving.gateway.accounting.most_tokens)."""
+    call = Call(endpoint="completions", caller=caller, body={}, model="bot", target=Target(base=True),
+                max_tokens=max_tokens)
+    call.reserved_tokens = max_tokens
     return call
+
+
+SHARE = COMPLETION_TOKENS  # what the budget holds beyond max_tokens for such a call
 
 
 async def settle(client: aioredis.Redis, res: SimpleNamespace, call: Call, used: int) -> None:
@@ -64,12 +70,13 @@ async def settle(client: aioredis.Redis, res: SimpleNamespace, call: Call, used:
 def test_200_concurrent_requests_never_pass_the_budget_by_more_than_one_reservation(redis_client):
     budget, reserved, used = 250, 40, 25
     caller = budgeted(budget)
+    assert most_tokens(call_of(caller, reserved - SHARE)) == reserved
 
     async def scenario() -> tuple[int, int, int]:
         client = aioredis.Redis.from_url(redis_url(), max_connections=400)  # 200 at once
         res = resources(client)
         try:
-            calls = [call_of(caller, reserved) for _ in range(200)]
+            calls = [call_of(caller, reserved - SHARE) for _ in range(200)]
             outcomes = await asyncio.gather(*(pipeline.key_budget_check(call, res) for call in calls),
                                             return_exceptions=True)
             admitted = [call for call, outcome in zip(calls, outcomes) if outcome is None]
@@ -108,11 +115,12 @@ def test_a_spend_equal_to_the_budget_is_refused_and_one_below_it_admitted(redis_
             assert int(error.headers["retry-after"]) > 1  # the month's end
             admitted = call_of(below, 5)
             await pipeline.key_budget_check(admitted, res)
-            assert admitted.budget_reservation is not None and admitted.budget_reservation.tokens == 5
-            # Reserved 99 + 5 = 104 >= 100: the next one waits for the first to settle, a second away.
+            assert admitted.budget_reservation is not None and admitted.budget_reservation.tokens == 5 + SHARE
+            # Spent 99, reserved 13: the next one waits for the first to settle, a second away.
             with pytest.raises(GatewayError) as waiting:
                 await pipeline.key_budget_check(call_of(below, 5), res)
-            assert waiting.value.headers["retry-after"] == "1" and "5 more are reserved" in waiting.value.message
+            assert waiting.value.headers["retry-after"] == "1"
+            assert f"{5 + SHARE} more are reserved" in waiting.value.message
             await settle(client, res, admitted, 0)  # it used nothing: its reservation comes back whole
             await pipeline.key_budget_check(call_of(below, 5), res)
         finally:
