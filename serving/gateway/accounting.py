@@ -1,11 +1,13 @@
 """What a call is charged, and the bounds on what it may reserve (issue 37, item 4: accounting that
-cannot be outrun). serving.gateway.pipeline calls each at one place: `check_fits` before admission,
-`charged_tokens` when the call is settled, `release_after` in the settling round trip.
+cannot be outrun). serving.gateway.pipeline calls each at one place: `check_fits` and `most_tokens`
+before admission, `charged_tokens` when the call is settled, `release_after` in the settling round
+trip.
 
-The reservation a call holds against its tenant's and key's token buckets and its key's monthly
-budget is the prompt estimate plus max_tokens for every sequence it generates (prompts × max(n,
-best_of)); what it is charged when it ends is the worker's usage, which counts every generated
-token, best_of's discarded sequences included (serving.engine.server.generation).
+The reservation a call holds against its tenant's and key's token buckets is the prompt estimate
+plus max_tokens for every sequence it generates (prompts × max(n, best_of)); against its key's
+monthly budget, the most it can be charged (`most_tokens`). What it is charged when it ends is the
+worker's usage, which counts every generated token, best_of's discarded sequences included
+(serving.engine.server.generation).
 """
 
 from __future__ import annotations
