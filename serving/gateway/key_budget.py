@@ -15,8 +15,8 @@ scored by the time they lapse).
 
 Every usage record adds its tokens as it is queued (`spend_add`, on the record's own pipeline: no
 round trip of its own) and sets `since` to its time if none is set yet. A budgeted key's request
-reserves its most tokens (the prompt estimate plus max_tokens for every sequence, what the token
-buckets reserve) in one script: admitted only while `tokens + reserved` is below the budget, and
+reserves the most tokens it can be charged (serving.gateway.accounting.most_tokens) in one script:
+admitted only while `tokens + reserved` is below the budget, and
 then `reserved` grows by the request's share before any other request is judged. The request's end
 (whatever ended it: the reply, the client leaving, the worker failing) releases the reservation
 in the same round trip that adds its usage record's tokens, the release after the add, so no
