@@ -133,8 +133,13 @@ _FIELDS = {
 }
 
 
-@given(body=st.fixed_dictionaries({"model": st.just("tiny-base")}, optional=_FIELDS).map(
-    lambda body: {"prompt": "hi", "max_tokens": 2, **body}))
+def some_of(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict]:
+    """A few of `fields` (all of them at once would nearly always hold one the protocol refuses)."""
+    return st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({name: fields[name] for name in names}))
+
+
+@given(body=some_of(_FIELDS).map(lambda body: {"model": "tiny-base", "prompt": "hi", "max_tokens": 2, **body}))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 def test_no_completion_body_makes_the_worker_answer_5xx(worker: WorkerProcess, body: dict):
@@ -153,3 +158,45 @@ def test_a_nested_value_pydantic_refuses_names_the_requests_field(unstarted):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         refused = post(unstarted, path, json.dumps(body))
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
+_TEXT = st.text(alphabet="ab{}\"\\ .", max_size=5)
+_SCHEMA = st.sampled_from([{"type": "object"}, {"type": 5}, {"$ref": "#/nope"}, {"type": "integer", "minimum": 3,
+                                                                                 "maximum": 1},
+                           {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}]) | _ANY
+_FUNCTION = st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "bad name", ""]) | _ANY},
+                                  optional={"parameters": _SCHEMA, "description": _ANY})
+_CALL = st.fixed_dictionaries({"id": st.sampled_from(["c1", "c2"]) | _ANY, "function": st.fixed_dictionaries(
+    {"name": st.just("f") | _ANY, "arguments": st.sampled_from(["{}", "[]", "{oops", '{"a": 1}']) | _ANY})})
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "function"]) | _ANY},
+    optional={"content": _TEXT | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"])},
+                                                                optional={"text": _TEXT | _ANY}), max_size=2) | _ANY,
+              "name": _TEXT | _ANY, "tool_calls": st.lists(_CALL, max_size=2) | _ANY,
+              "tool_call_id": st.sampled_from(["c1", "c2"]) | _ANY})
+_CHAT_FIELDS = {
+    "messages": st.lists(_MESSAGE, min_size=1, max_size=3) | _ANY,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function") | _ANY, "function": _FUNCTION}),
+                      max_size=2) | _ANY,
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]) | _ANY,
+    "functions": st.lists(_FUNCTION, max_size=2) | _ANY,
+    "function_call": st.sampled_from(["none", "auto", {"name": "f"}]) | _ANY,
+    "parallel_tool_calls": _ANY,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"]) | _ANY},
+        optional={"json_schema": st.fixed_dictionaries({"name": st.just("s") | _ANY, "schema": _SCHEMA})}) | _ANY,
+    "logprobs": _ANY, "top_logprobs": _NUMBER, "add_generation_prompt": _ANY, "continue_final_message": _ANY,
+    "chat_template_kwargs": _ANY, "max_completion_tokens": st.sampled_from([1, 2]) | _ANY, "stream": st.booleans(),
+    "n": st.sampled_from([1, 2]) | _ANY, "stop": st.lists(_TEXT, max_size=3) | _ANY,
+}
+
+
+@given(body=some_of(_CHAT_FIELDS).map(lambda body: {"model": "tiny-base", "messages": CHAT, "max_tokens": 2, **body}))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+def test_no_chat_body_makes_the_worker_answer_5xx(worker: WorkerProcess, body: dict):
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{worker.url}/v1/chat/completions", json=body) as reply:
+            text = reply.read().decode()
+    assert reply.status_code < 500, (body, text[:500])
+    assert '"internal_error"' not in text, (body, text[:500])
