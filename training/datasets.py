@@ -229,6 +229,8 @@ def dataset_delete(*, dataset: Dataset) -> None:
         key = locked.storage_key
         locked.delete()
         after_commit(partial(_delete_blob, key))
+        # Its validation may have been the tenant's one in flight: the next file's turn.
+        after_commit(partial(_validation_send_next, locked.tenant_id))
 
 
 def _delete_blob(key: str) -> None:
