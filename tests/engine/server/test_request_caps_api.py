@@ -2,8 +2,9 @@
 nested past the bound (100,000 deep was a RecursionError), 95,000 stop strings or 19,000 tools is a
 400 naming the field, decided while the body is decoded, before pydantic or the engine sees it (the
 in-process app below never starts its engine: a request that got past decoding would be its 503
-`loading`). On the shared worker: a grammar that matches nothing is a 400, and no body a caller
-sends makes the worker answer 5xx."""
+`loading`); a seed past the generator's range and a nested value pydantic refuses name their
+field too. On the shared worker: a grammar that matches nothing is a 400, duplicate tool names are
+found among many, and no completions or chat body a caller sends makes the worker answer 5xx."""
 
 from __future__ import annotations
 
