@@ -14,15 +14,8 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from lora_platform.embedded_redis import celery_redis_url, redis_url_or_embedded
-from serving.gateway.canary_rule import CanaryRuleConfig
-from serving.gateway.config import GatewayConfig
-from serving.gateway.outliers import OutlierConfig
-from serving.gateway.prewarm import PrewarmConfig
-from serving.gateway.prewarm_loop import PrewarmLoopConfig
-from serving.gateway.routing import RoutingConfig
-from serving.gateway.shedding import ShedConfig
+from serving.gateway.config import GatewaySettings
 from serving.wire.logs import logging_config
-from serving.wire.redis_guard import RedisGuardConfig
 from serving.wire.settings import PROJECT_DIR, platform_settings
 
 # Lower case, so not a Django setting itself (settings pages and diffsettings would show its secrets).
@@ -181,11 +174,13 @@ REGISTRY_TOKEN = platform.registry_token
 # The public gateway (/v1, docs/gateway.md). The serving workers' shared API key: the gateway sends
 # it on every call, and only callers holding it may have a worker load a registry version.
 SERVING_WORKER_API_KEY = platform.serving_worker_api_key
-# The gateway's settings, one instance per policy, each read from its GATEWAY_* variables by its
-# own dataclass (defaults there; .env.example lists them) in the settings' environment (the
-# environment over .env): docs/gateway.md, "Configuration".
-GATEWAY = GatewayConfig.from_environ(platform.environ)
-GATEWAY_ROUTING = RoutingConfig.from_environ(platform.environ)
+# The gateway's settings: one nested model (serving.gateway.config.GatewaySettings; defaults and
+# variable names in its policies' fields, .env.example lists them) read from the settings'
+# environment (the environment over .env), one instance per policy named below: docs/gateway.md,
+# "Configuration".
+GATEWAY_SETTINGS = GatewaySettings.from_environ(platform.environ)
+GATEWAY = GATEWAY_SETTINGS.gateway
+GATEWAY_ROUTING = GATEWAY_SETTINGS.routing
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -269,12 +264,12 @@ CELERY_BEAT_SCHEDULE = {
 # auto-abort, outlier ejection of workers, load shedding, the Redis-outage fallback, and the
 # demand model and loop behind prewarming. Rates are fractions (0.3 = 30 %).
 GATEWAY_BREAKERS = platform.breakers
-GATEWAY_CANARY_ABORT = CanaryRuleConfig.from_environ(platform.environ)
-GATEWAY_OUTLIERS = OutlierConfig.from_environ(platform.environ)
-GATEWAY_SHEDDING = ShedConfig.from_environ(platform.environ)
-GATEWAY_REDIS = RedisGuardConfig.from_environ(platform.environ)
-GATEWAY_PREWARM = PrewarmConfig.from_environ(platform.environ)
-GATEWAY_PREWARM_LOOP = PrewarmLoopConfig.from_environ(platform.environ)
+GATEWAY_CANARY_ABORT = GATEWAY_SETTINGS.canary_abort
+GATEWAY_OUTLIERS = GATEWAY_SETTINGS.outliers
+GATEWAY_SHEDDING = GATEWAY_SETTINGS.shedding
+GATEWAY_REDIS = GATEWAY_SETTINGS.redis
+GATEWAY_PREWARM = GATEWAY_SETTINGS.prewarm
+GATEWAY_PREWARM_LOOP = GATEWAY_SETTINGS.prewarm_loop
 
 # One handler on the root, text or JSON lines with the request id (serving.wire.logs; LOG_FORMAT,
 # LOG_LEVEL); the Celery worker applies the same (lora_platform.celery).

@@ -9,28 +9,18 @@ The reason carries the figures, for the audit log.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 from serving.wire.breakers import Snapshot, State
-from serving.wire.env import env_float, env_int
+from serving.wire.env import EnvModel, env
 
 ACTOR = "system:canary-guard"
 
 
-@dataclass(frozen=True)
-class CanaryRuleConfig:
+class CanaryRuleConfig(EnvModel):
     """When a canary is aborted: its breaker opened, or its failure rate is over the active
     version's by more than `failure_rate_margin`, both over at least `minimum_calls` calls."""
 
-    failure_rate_margin: float = 0.10
-    minimum_calls: int = 50
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> CanaryRuleConfig:
-        """GATEWAY_CANARY_ABORT_MARGIN and GATEWAY_CANARY_ABORT_MIN_CALLS (settings.GATEWAY_CANARY_ABORT)."""
-        return cls(failure_rate_margin=env_float(environ, "GATEWAY_CANARY_ABORT_MARGIN", cls.failure_rate_margin),
-                   minimum_calls=env_int(environ, "GATEWAY_CANARY_ABORT_MIN_CALLS", cls.minimum_calls))
+    failure_rate_margin: float = env(0.10, "GATEWAY_CANARY_ABORT_MARGIN")
+    minimum_calls: int = env(50, "GATEWAY_CANARY_ABORT_MIN_CALLS")
 
 
 def _figures(snapshot: Snapshot) -> str:

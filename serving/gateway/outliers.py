@@ -18,31 +18,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from serving.wire.env import env_float, env_int
+from serving.wire.env import EnvModel, env
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class OutlierConfig:
+class OutlierConfig(EnvModel):
     """Ejection of failing workers (settings.GATEWAY_OUTLIERS, from GATEWAY_OUTLIER_*)."""
 
-    consecutive_failures: int = 5
-    base_ejection_s: float = 30.0
-    max_ejection_s: float = 300.0
-    max_ejection_fraction: float = 0.5
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> OutlierConfig:
-        return cls(
-            consecutive_failures=env_int(environ, "GATEWAY_OUTLIER_CONSECUTIVE_FAILURES", cls.consecutive_failures),
-            base_ejection_s=env_float(environ, "GATEWAY_OUTLIER_EJECTION_SECONDS", cls.base_ejection_s),
-            max_ejection_s=env_float(environ, "GATEWAY_OUTLIER_MAX_EJECTION_SECONDS", cls.max_ejection_s),
-            max_ejection_fraction=env_float(environ, "GATEWAY_OUTLIER_MAX_EJECTED_FRACTION", cls.max_ejection_fraction),
-        )
+    consecutive_failures: int = env(5, "GATEWAY_OUTLIER_CONSECUTIVE_FAILURES")
+    base_ejection_s: float = env(30.0, "GATEWAY_OUTLIER_EJECTION_SECONDS")
+    max_ejection_s: float = env(300.0, "GATEWAY_OUTLIER_MAX_EJECTION_SECONDS")
+    max_ejection_fraction: float = env(0.5, "GATEWAY_OUTLIER_MAX_EJECTED_FRACTION")
 
 
 @dataclass

@@ -29,37 +29,28 @@ so a time-compressed day can be replayed (bench/prewarm.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
 import redis.asyncio as aioredis
 
 from serving.gateway.redis_batch import ScriptCall
-from serving.wire.env import env_float
+from serving.wire.env import EnvModel, env
 
 KEY_PREFIX = "loraplex:prewarm:"
 EWMA_KEY = KEY_PREFIX + "ewma"  # name → "rate at" (rate per second as of unix time `at`)
 HOUR_KEY = KEY_PREFIX + "hour:"  # + hour 0–23: name → decayed count; field "_day": day of the last decay
 
 
-@dataclass(frozen=True)
-class PrewarmConfig:
+class PrewarmConfig(EnvModel):
     """The demand model (settings.GATEWAY_PREWARM, from GATEWAY_PREWARM_*)."""
 
-    tau_s: float = 300.0
-    daily_decay: float = 0.5
-    lookahead_s: float = 900.0
+    tau_s: float = env(300.0, "GATEWAY_PREWARM_TAU_SECONDS")
+    daily_decay: float = env(0.5, "GATEWAY_PREWARM_DAILY_DECAY")
+    lookahead_s: float = env(900.0, "GATEWAY_PREWARM_LOOKAHEAD_SECONDS")
     # How many seconds of observation the hour-of-day profile is worth against the EWMA's recent
     # requests in the prediction (a larger value trusts the profile more).
-    prior_s: float = 3600.0
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> PrewarmConfig:
-        return cls(tau_s=env_float(environ, "GATEWAY_PREWARM_TAU_SECONDS", cls.tau_s),
-                   daily_decay=env_float(environ, "GATEWAY_PREWARM_DAILY_DECAY", cls.daily_decay),
-                   lookahead_s=env_float(environ, "GATEWAY_PREWARM_LOOKAHEAD_SECONDS", cls.lookahead_s),
-                   prior_s=env_float(environ, "GATEWAY_PREWARM_PRIOR_SECONDS", cls.prior_s))
+    prior_s: float = env(3600.0, "GATEWAY_PREWARM_PRIOR_SECONDS")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -41,7 +41,7 @@ from serving.gateway.prewarm import KEY_PREFIX, DemandModel
 from serving.gateway.prewarm_plan import Placement, plan_prefetch
 from serving.gateway.routing import WorkerView
 from serving.gateway.version_pick import ServedVersion
-from serving.wire.env import env_float, env_int
+from serving.wire.env import EnvModel, env
 from serving.wire.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
@@ -50,28 +50,23 @@ LOCK_KEY = KEY_PREFIX + "lock"
 PREFETCH_PATH = "/v1/prefetch_lora_adapters"
 
 
-@dataclass(frozen=True)
-class PrewarmLoopConfig:
+class PrewarmLoopConfig(EnvModel):
     """The prewarm loop (settings.GATEWAY_PREWARM_LOOP): one round per `interval_s` across all
     gateway processes (0: no loop), at most `max_adapters` versions, each predicted at least
-    `min_rate` requests per second."""
+    `min_per_hour` requests per hour (as an operator counts them; `min_rate` per second)."""
 
-    interval_s: float = 30.0
-    max_adapters: int = 256
-    min_rate: float = 0.0
+    interval_s: float = env(30.0, "GATEWAY_PREWARM_INTERVAL_SECONDS")
+    max_adapters: int = env(256, "GATEWAY_PREWARM_MAX_ADAPTERS")
+    min_per_hour: float = env(0.0, "GATEWAY_PREWARM_MIN_PER_HOUR")
     # A version goes into a CPU cache by a storage read only if its predicted rate × interval_s
     # (the requests expected before the next round ranks afresh) reaches this; slot placements
     # and versions already in memory are not held to it (docs/resilience.md, "Predictive prewarm").
-    min_expected: float = 1.0
+    min_expected: float = env(1.0, "GATEWAY_PREWARM_MIN_EXPECTED")
 
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> PrewarmLoopConfig:
-        """GATEWAY_PREWARM_INTERVAL_SECONDS, _MAX_ADAPTERS, _MIN_PER_HOUR (requests per hour, as an
-        operator counts them) and _MIN_EXPECTED."""
-        return cls(interval_s=env_float(environ, "GATEWAY_PREWARM_INTERVAL_SECONDS", cls.interval_s),
-                   max_adapters=env_int(environ, "GATEWAY_PREWARM_MAX_ADAPTERS", cls.max_adapters),
-                   min_rate=env_float(environ, "GATEWAY_PREWARM_MIN_PER_HOUR", cls.min_rate * 3600.0) / 3600.0,
-                   min_expected=env_float(environ, "GATEWAY_PREWARM_MIN_EXPECTED", cls.min_expected))
+    @property
+    def min_rate(self) -> float:
+        """`min_per_hour` in requests per second, the demand model's unit."""
+        return self.min_per_hour / 3600.0
 
 
 @dataclass

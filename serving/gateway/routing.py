@@ -27,12 +27,13 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
+from pydantic import field_validator
 
 from serving.gateway.failover import ranked
-from serving.wire.env import env_choice, env_float
+from serving.wire.env import EnvModel, env
 from serving.wire.registry import WORKERS_KEY, worker_key
 
 AFFINITY_GPU = 1.0
@@ -44,34 +45,26 @@ AFFINITY = "affinity"
 ROUND_ROBIN = "round_robin"
 
 
-@dataclass(frozen=True)
-class Weights:
+class Weights(EnvModel):
     """Worker scoring's weights of affinity, queue and KV cache (the endpoint picker's defaults;
-    GATEWAY_WEIGHT_*, read with the policy by RoutingConfig)."""
+    read with the policy by RoutingConfig)."""
 
-    affinity: float = 1.0
-    queue: float = 2.0
-    kv: float = 2.0
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> Weights:
-        return cls(affinity=env_float(environ, "GATEWAY_WEIGHT_AFFINITY", cls.affinity),
-                   queue=env_float(environ, "GATEWAY_WEIGHT_QUEUE", cls.queue),
-                   kv=env_float(environ, "GATEWAY_WEIGHT_KV", cls.kv))
+    affinity: float = env(1.0, "GATEWAY_WEIGHT_AFFINITY")
+    queue: float = env(2.0, "GATEWAY_WEIGHT_QUEUE")
+    kv: float = env(2.0, "GATEWAY_WEIGHT_KV")
 
 
-@dataclass(frozen=True)
-class RoutingConfig:
-    """How a worker is picked (settings.GATEWAY_ROUTING, built once): the policy (GATEWAY_ROUTING,
-    `affinity` or `round_robin`) and affinity's scoring weights."""
+class RoutingConfig(EnvModel):
+    """How a worker is picked (settings.GATEWAY_ROUTING, built once): the policy and affinity's
+    scoring weights."""
 
-    policy: str = AFFINITY
+    policy: Literal["affinity", "round_robin"] = env(AFFINITY, "GATEWAY_ROUTING")
     weights: Weights = Weights()
 
+    @field_validator("policy", mode="before")
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> RoutingConfig:
-        return cls(policy=env_choice(environ, "GATEWAY_ROUTING", (AFFINITY, ROUND_ROBIN), cls.policy),
-                   weights=Weights.from_environ(environ))
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
 
 @dataclass(frozen=True)

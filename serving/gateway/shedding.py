@@ -18,26 +18,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serving.wire.env import env_float, env_int
+from serving.wire.env import EnvModel, env
 
 VIP_PRIORITY = 0
 
 
-@dataclass(frozen=True)
-class ShedConfig:
+class ShedConfig(EnvModel):
     """Load shedding (settings.GATEWAY_SHEDDING, from GATEWAY_SHED_*): a worker is full when its
     waiting queue reaches `queue_fraction` of its max_queued_requests (or of `default_queue_bound`
     when it reports none)."""
 
-    queue_fraction: float = 0.5
-    default_queue_bound: int = 256
-    retry_after_s: float = 1.0
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> ShedConfig:
-        return cls(queue_fraction=env_float(environ, "GATEWAY_SHED_QUEUE_FRACTION", cls.queue_fraction),
-                   default_queue_bound=env_int(environ, "GATEWAY_SHED_DEFAULT_QUEUE_BOUND", cls.default_queue_bound),
-                   retry_after_s=env_float(environ, "GATEWAY_SHED_RETRY_AFTER", cls.retry_after_s))
+    queue_fraction: float = env(0.5, "GATEWAY_SHED_QUEUE_FRACTION")
+    default_queue_bound: int = env(256, "GATEWAY_SHED_DEFAULT_QUEUE_BOUND")
+    retry_after_s: float = env(1.0, "GATEWAY_SHED_RETRY_AFTER")
 
 
 @dataclass(frozen=True)

@@ -37,15 +37,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import redis.asyncio as aioredis
+from pydantic import model_validator
 from redis.commands.core import AsyncScript
 
-from serving.wire.env import env_float, env_int
+from serving.wire.env import EnvModel, env
 from serving.wire.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
@@ -67,38 +68,24 @@ class Outcome(int, Enum):
     IGNORED = 4
 
 
-@dataclass(frozen=True)
-class BreakerConfig:
-    """Thresholds (defaults: the design's and resilience4j's; GATEWAY_BREAKER_* through `from_environ`)."""
+class BreakerConfig(EnvModel):
+    """Thresholds (defaults: the design's and resilience4j's). The web process's settings
+    (settings.GATEWAY_BREAKERS) and a serving worker reporting a corrupted slot both read them with
+    `from_environ`, so the two judge alike."""
 
-    window_size: int = 100
-    minimum_calls: int = 50
-    failure_rate_threshold: float = 0.30
-    slow_call_rate_threshold: float = 0.50
-    slow_call_duration_s: float = 30.0
-    cooldown_s: float = 30.0
-    half_open_calls: int = 5
+    window_size: int = env(100, "GATEWAY_BREAKER_WINDOW")
+    minimum_calls: int = env(50, "GATEWAY_BREAKER_MINIMUM_CALLS")
+    failure_rate_threshold: float = env(0.30, "GATEWAY_BREAKER_FAILURE_RATE")
+    slow_call_rate_threshold: float = env(0.50, "GATEWAY_BREAKER_SLOW_CALL_RATE")
+    # A call is slow when the worker's first byte takes at least this long.
+    slow_call_duration_s: float = env(30.0, "GATEWAY_BREAKER_SLOW_CALL_SECONDS")
+    cooldown_s: float = env(30.0, "GATEWAY_BREAKER_COOLDOWN_SECONDS")
+    half_open_calls: int = env(5, "GATEWAY_BREAKER_HALF_OPEN_CALLS")
     # An idle breaker's key expires after this; an expired key reads as a fresh CLOSED breaker.
     idle_ttl_s: int = 86400
 
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> BreakerConfig:
-        """The thresholds from the GATEWAY_BREAKER_* variables: the web process's settings
-        (settings.GATEWAY_BREAKERS) and a serving worker reporting a corrupted slot both call this,
-        so the two judge alike; an unset variable keeps the field's default."""
-        d = cls
-        return cls(
-            window_size=env_int(environ, "GATEWAY_BREAKER_WINDOW", d.window_size),
-            minimum_calls=env_int(environ, "GATEWAY_BREAKER_MINIMUM_CALLS", d.minimum_calls),
-            failure_rate_threshold=env_float(environ, "GATEWAY_BREAKER_FAILURE_RATE", d.failure_rate_threshold),
-            slow_call_rate_threshold=env_float(environ, "GATEWAY_BREAKER_SLOW_CALL_RATE", d.slow_call_rate_threshold),
-            # A call is slow when the worker's first byte takes at least this long.
-            slow_call_duration_s=env_float(environ, "GATEWAY_BREAKER_SLOW_CALL_SECONDS", d.slow_call_duration_s),
-            cooldown_s=env_float(environ, "GATEWAY_BREAKER_COOLDOWN_SECONDS", d.cooldown_s),
-            half_open_calls=env_int(environ, "GATEWAY_BREAKER_HALF_OPEN_CALLS", d.half_open_calls),
-        )
-
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _consistent(self) -> BreakerConfig:
         if not 1 <= self.minimum_calls <= self.window_size:
             raise ValueError(f"minimum_calls must be within 1 and window_size ({self.window_size}), "
                              f"got {self.minimum_calls}")
@@ -108,6 +95,7 @@ class BreakerConfig:
                 raise ValueError(f"{name} must be a rate within 0 and 1, got {value}")
         if self.half_open_calls < 1 or self.cooldown_s <= 0 or self.slow_call_duration_s <= 0:
             raise ValueError("half_open_calls must be >= 1, cooldown_s and slow_call_duration_s > 0")
+        return self
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 
-from serving.wire.env import env_float
+from serving.wire.env import EnvModel, env
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +33,19 @@ T = TypeVar("T")
 _OUTAGE = (ConnectionError, TimeoutError, BusyLoadingError, OSError, asyncio.TimeoutError)
 
 
-@dataclass(frozen=True)
-class RedisGuardConfig:
-    """Each call's bound and the pause after a failure (GATEWAY_REDIS_TIMEOUT, GATEWAY_REDIS_RETRY_SECONDS)."""
+class RedisGuardConfig(EnvModel):
+    """Each call's bound and the pause after a failure."""
 
-    timeout_s: float = 0.25
-    retry_interval_s: float = 1.0
+    timeout_s: float = env(0.25, "GATEWAY_REDIS_TIMEOUT")
+    retry_interval_s: float = env(1.0, "GATEWAY_REDIS_RETRY_SECONDS")
 
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> RedisGuardConfig:
-        return cls(timeout_s=env_float(environ, "GATEWAY_REDIS_TIMEOUT", cls.timeout_s),
-                   retry_interval_s=env_float(environ, "GATEWAY_REDIS_RETRY_SECONDS", cls.retry_interval_s))
+
+_DEFAULT = RedisGuardConfig()
 
 
 class RedisGuard:
-    def __init__(self, *, timeout_s: float = RedisGuardConfig.timeout_s,
-                 retry_interval_s: float = RedisGuardConfig.retry_interval_s,
+    def __init__(self, *, timeout_s: float = _DEFAULT.timeout_s,
+                 retry_interval_s: float = _DEFAULT.retry_interval_s,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[bool], None] | None = None) -> None:
         self.timeout_s = timeout_s

@@ -12,8 +12,8 @@ Where the values come from, first match wins: the environment, then the `.env` f
 below. An empty variable is the default, as unset. A value that does not parse stops the process
 with a message naming the variable (`SettingsError`).
 
-The policies that parse their own variables (the gateway's GATEWAY_* dataclasses, each with a
-`from_environ`, and training/conf.py) read them from `environ`, the same environment and `.env`
+The policies' nested models (serving.gateway.config.GatewaySettings, each policy a
+serving.wire.env.EnvModel with `from_environ`, and training/conf.py) read them from `environ`, the same environment and `.env`
 overlaid, so a variable in `.env` counts everywhere. `breakers` is the one instance of the circuit
 breakers' thresholds a process uses: the web process's gateway and the serving worker (which
 records a corrupted slot on the same breakers) read the same instance of this module.

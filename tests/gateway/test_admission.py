@@ -10,7 +10,6 @@ from). The buckets hold two minutes of their rate (BURST), pinned here whatever 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -63,7 +62,7 @@ def admitting(recorded: int, scenario: Callable[[pipeline.Resources], Awaitable[
             redis=client, buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=1),
             upstream=Upstream(api_key="", timeout_s=5.0), resilience=resilience,
             catalog=RecordedCatalog(recorded),  # type: ignore[arg-type]  # admission reads only this
-            config=pipeline.PipelineConfig(gateway=dataclasses.replace(settings.GATEWAY, bucket_burst=BURST),
+            config=pipeline.PipelineConfig(gateway=settings.GATEWAY.model_copy(update={"bucket_burst": BURST}),
                                            routing=settings.GATEWAY_ROUTING,
                                            worker_api_key="", base_model_name="tiny"))
         try:

@@ -6,7 +6,6 @@ versions (one load for all of a tenant's adapters) exactly as the per-name load 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import pytest
@@ -35,7 +34,7 @@ def test_an_entry_is_due_for_refresh_once_past_half_its_life():
 
 @pytest.fixture
 def short_cache(settings):
-    settings.GATEWAY = dataclasses.replace(settings.GATEWAY, cache_s=0.2)
+    settings.GATEWAY = settings.GATEWAY.model_copy(update={"cache_s": 0.2})
     catalog.caches_clear()
     yield
     catalog.caches_clear()

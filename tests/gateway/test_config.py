@@ -1,6 +1,7 @@
-"""One config path (docs/gateway.md, "Configuration"): each policy's dataclass reads its own
-GATEWAY_* variables (`from_environ`), its defaults written once, as its fields'; the settings
-hold the instances; .env.example documents every variable with that default."""
+"""One config path (docs/gateway.md, "Configuration"): each policy's model (serving.wire.env.EnvModel)
+reads its own GATEWAY_* variables (`from_environ`), each default written once, as its field's;
+GatewaySettings nests them; the settings hold the instances; .env.example documents every variable
+with that default, and no variable the models do not define."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from serving.gateway.canary_rule import CanaryRuleConfig
-from serving.gateway.config import GatewayConfig
+from serving.gateway.config import GatewayConfig, GatewaySettings
 from serving.gateway.outliers import OutlierConfig
 from serving.gateway.prewarm import PrewarmConfig
 from serving.gateway.prewarm_loop import PrewarmLoopConfig
@@ -57,13 +58,22 @@ def _documented() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.__name__)
-def test_every_variable_is_documented_with_the_dataclass_default(config) -> None:
+def test_every_variable_is_documented_with_the_model_default(config) -> None:
     documented = _documented()
     environ = Recording(documented)
     assert config.from_environ(environ) == config(), ".env.example's values are the fields' defaults"
     read = {name for name in environ.asked if name.startswith("GATEWAY_")}
     assert read and read <= documented.keys(), f"undocumented: {sorted(read - documented.keys())}"
     assert config.from_environ({}) == config()
+
+
+def test_env_example_lists_exactly_the_gateway_settings_variables_with_their_defaults() -> None:
+    defined = dict(GatewaySettings.variables())
+    documented = _documented()
+    assert sorted(documented) == sorted(defined), "a GATEWAY_* line of .env.example for each field, no other"
+    for name, default in defined.items():
+        assert type(default)(documented[name]) == default, name
+    assert GatewaySettings.from_environ(documented) == GatewaySettings()
 
 
 def test_a_variable_overrides_its_field_and_a_bad_value_names_the_variable() -> None:
@@ -77,6 +87,18 @@ def test_a_variable_overrides_its_field_and_a_bad_value_names_the_variable() -> 
         OutlierConfig.from_environ({"GATEWAY_OUTLIER_CONSECUTIVE_FAILURES": "five"})
     with pytest.raises(ValueError, match="GATEWAY_REDIS_TIMEOUT must be a number, got '1s'"):
         RedisGuardConfig.from_environ({"GATEWAY_REDIS_TIMEOUT": "1s"})
+    with pytest.raises(ValueError, match="GATEWAY_BREAKER_MINIMUM_CALLS.*minimum_calls must be within 1 and window_size"):
+        GatewaySettings.from_environ({"GATEWAY_BREAKER_MINIMUM_CALLS": "500"})
+
+
+def test_the_nested_settings_read_each_policy_from_the_one_environment() -> None:
+    read = GatewaySettings.from_environ({"GATEWAY_SHED_QUEUE_FRACTION": "0.25", "GATEWAY_WEIGHT_KV": "3",
+                                         "GATEWAY_PREWARM_TAU_SECONDS": " 60 ", "WEB_CONCURRENCY": "3"})
+    assert read.shedding == ShedConfig(queue_fraction=0.25)
+    assert read.routing.weights.kv == 3.0
+    assert read.prewarm.tau_s == 60.0
+    assert read.gateway.processes == 3
+    assert read.breakers == BreakerConfig()
 
 
 def test_the_settings_hold_one_instance_per_policy(settings) -> None:

@@ -3,7 +3,6 @@ serves), its own checks, and what Django's own handler (WSGI, its test client) a
 
 from __future__ import annotations
 
-import dataclasses
 
 import httpx
 import pytest
@@ -23,7 +22,7 @@ def test_the_asgi_application_serves_the_request_path_in_process(settings, regis
     settings.SERVING_WORKER_API_KEY = WORKER_KEY
     # A new event loop's first Redis call opens its connection: on a loaded 2-core machine that can
     # outlast the guard's 0.25 s, and a guarded-away registry read leaves no worker to route to.
-    settings.GATEWAY_REDIS = dataclasses.replace(settings.GATEWAY_REDIS, timeout_s=5.0)
+    settings.GATEWAY_REDIS = settings.GATEWAY_REDIS.model_copy(update={"timeout_s": 5.0})
     wait_for_worker(redis_client, "gw-worker-1")
     auth = {"Authorization": f"Bearer {tenant_a.key}"}
 

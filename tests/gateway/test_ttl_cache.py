@@ -4,7 +4,6 @@ and expired entries are freed as soon as anything is put (not only once the cach
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 from resilience_support import Clock
@@ -82,7 +81,7 @@ def test_the_catalog_frees_expired_model_lookups(settings, tenant_a, monkeypatch
     gone with the next lookup once their TTL is over."""
     from serving.gateway import catalog
 
-    settings.GATEWAY = dataclasses.replace(settings.GATEWAY, cache_s=0.05)
+    settings.GATEWAY = settings.GATEWAY.model_copy(update={"cache_s": 0.05})
     catalog.caches_clear()
     # The lookups' cache reads a clock the test moves: under load 300 lookups outlast a real 0.05 s.
     clock = [1000.0]
