@@ -142,7 +142,7 @@ def test_a_whole_replys_silent_worker_is_failed_over_once_it_left_the_registry(r
         async with Scripted(None) as silent, Scripted(WHOLE) as healthy:
             # A read timeout of its own, so that without the watch the call ends (502), not the test.
             upstream = Upstream(api_key="k", timeout_s=20.0)
-            gateway = replace(GatewayConfig(), first_byte_timeout_s=0.2)
+            gateway = GatewayConfig(first_byte_timeout_s=0.2)
             res = SimpleNamespace(
                 upstream=upstream, inflight={}, workers=[], redis=client,
                 config=SimpleNamespace(base_model_name="base", gateway=gateway),
