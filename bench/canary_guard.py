@@ -75,6 +75,7 @@ async def run_one(weight: float, requests: int, concurrency: int, seed: int) -> 
     from serving.gateway import catalog
     from serving.gateway.proxy import UpstreamResult
     from serving.gateway.records import Call
+    from serving.gateway.redis_batch import run_batch
     from serving.gateway.version_pick import pick_version
     from serving.gateway.wiring import resilience_build
     from serving.models import DeploymentEvent
@@ -94,7 +95,8 @@ async def run_one(weight: float, requests: int, concurrency: int, seed: int) -> 
         target = await catalog.target_for(caller, "support-bot")
         call = Call(endpoint="completions", caller=caller, body={}, model="support-bot", target=target, max_tokens=1)
         call.version = pick_version(target.served, user=None, rng=rng)
-        await resilience.version_permit(call, degradable=False)
+        verdict = await resilience.version_permit(call.version, None, target.served, degradable=False, headers={})
+        call.version, call.permit = verdict.version, verdict.permit
         counts["requests"] += 1
         result = UpstreamResult(worker_id="stand-in")
         result.first_byte_s = result.ended_s = 0.005
@@ -104,7 +106,9 @@ async def run_one(weight: float, requests: int, concurrency: int, seed: int) -> 
             result.http_status, result.status = 500, "upstream_error"
         else:
             result.http_status, result.status = 200, "ok"
-        await resilience.call_done(call, result)
+        # What the pipeline's settling does: the outcome's counts in one round trip, then the verdict.
+        replies = await run_batch(client, resilience.outcome_calls(call, result))
+        await resilience.outcome_recorded(call, result, replies)
         if to_canary and "wall" not in opened:
             snapshot = await resilience.breakers.snapshot(canary.qualified_name)
             if snapshot.state.value == "open":

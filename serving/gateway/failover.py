@@ -80,15 +80,20 @@ class Tried(Generic[W, T]):
 
 
 async def with_failover(workers: Sequence[W], attempt: Callable[[W], Awaitable[T]],
-                        should_retry: Callable[[T], bool]) -> list[Tried[W, T]]:
-    """Runs `attempt` on the best worker and, if `should_retry` says so, once more on the next one.
+                        should_retry: Callable[[T], bool],
+                        on_retry: Callable[[W, T], None] | None = None) -> list[Tried[W, T]]:
+    """Runs `attempt` on the best worker and, if `should_retry` says so and another worker is
+    there, once more on the next one; `on_retry` hears of each attempt given up for the next, before
+    that one starts (the pipeline counts it on its worker's record and leaves its in-flight count).
 
-    Returns every attempt in order (the last one is the answer); the caller counts each attempt's
-    outcome against its worker (outlier ejection) and its version (breaker)."""
+    Returns every attempt in order (the last one is the answer, whatever `should_retry` says of it)."""
     tried: list[Tried[W, T]] = []
-    for worker in workers[:MAX_ATTEMPTS]:
+    chances = workers[:MAX_ATTEMPTS]
+    for index, worker in enumerate(chances):
         result = await attempt(worker)
         tried.append(Tried(worker=worker, result=result))
-        if not should_retry(result):
+        if index + 1 == len(chances) or not should_retry(result):
             break
+        if on_retry is not None:
+            on_retry(worker, result)
     return tried

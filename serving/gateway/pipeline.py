@@ -1,12 +1,13 @@
-"""The request path of `/v1/chat/completions` and `/v1/completions`, step by step:
+"""The request path of `/v1/chat/completions` and `/v1/completions`. `handle` reads it top to bottom:
 
-    authenticate → resolve the model → tier limits → the key's budget → token buckets (or degradation) →
-    choose the version → choose the worker → call it → settle (refund, usage, metrics)
+    authenticate → resolve the model → tier limits → choose the version → admit (the key's budget,
+    then the token buckets, or degradation) → the version's breaker → the worker order →
+    the attempts, with failover → settle (refund, usage, metrics)
 
-Each step is one function below, so later policies hook in at one place: `choose_version` is where
-a version is chosen, `choose_worker` where a worker is chosen, `settle` where the outcome of the
-upstream call is known. The resilience rules (serving.gateway.resilience: breakers, canary guard,
-outlier ejection, shedding, failover, the Redis-outage fallback) hook in at those places.
+Each step is one call whose answer `handle` (or `forward`, for the attempts) puts on the `Call`:
+the resilience rules (serving.gateway.resilience: breakers, canary guard, outlier ejection,
+shedding, the Redis-outage fallback) return their decisions and never write it, and the attempts
+run through serving.gateway.failover.with_failover, where the retry rule is written once.
 Refusals are GatewayErrors; the edge (serving.gateway.asgi) turns everything into HTTP.
 
 Django-free: the database is the `Catalog` in `Resources` (serving.gateway.ports), and every
@@ -30,7 +31,7 @@ from serving.gateway import metrics
 from serving.gateway.accounting import charged_tokens, check_fits, most_tokens, release_after
 from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import GatewayError, invalid_request
-from serving.gateway.failover import MAX_ATTEMPTS, retryable
+from serving.gateway.failover import retryable, with_failover
 from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.ports import Catalog
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
@@ -43,11 +44,11 @@ from serving.gateway.request_buckets import RequestBuckets
 from serving.gateway.request_fields import (
     decode_body, estimate_prompt_tokens, requested_max_tokens, requested_sequences,
 )
-from serving.gateway.resilience import FAILOVER_RETRIES, Resilience
+from serving.gateway.resilience import FAILOVER_RETRIES, Resilience, VersionVerdict
 from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry, route
 from serving.gateway.stream_http import FirstByteTimeout
 from serving.gateway.upstream import upstream_body
-from serving.gateway.usage_backlog import keep_usage, usage_pushes
+from serving.gateway.usage_backlog import UsageBacklog, usage_pushes
 from serving.gateway.usage_log import UsageEvent
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.gateway.worker_watch import unless_worker_gone
@@ -74,8 +75,9 @@ class PipelineConfig:
 @dataclass
 class Resources:
     """Per event loop (clients bind to the loop that made them): Redis, the buckets, the pool to
-    the workers, the catalog, the worker list cache, this process's in-flight count per worker and
-    its round-robin turn (used under GATEWAY_ROUTING=round_robin)."""
+    the workers, the catalog, the worker list cache, this process's in-flight count per worker,
+    its round-robin turn (used under GATEWAY_ROUTING=round_robin) and the usage records Redis has
+    not taken yet (serving.gateway.usage_backlog)."""
 
     redis: aioredis.Redis
     buckets: GuardedBuckets
@@ -91,9 +93,11 @@ class Resources:
     flusher: asyncio.Task[None] | None = None
     prewarmer: asyncio.Task[None] | None = None
     key_budgets: KeyBudgets = field(init=False)
+    usage_backlog: UsageBacklog = field(init=False)
 
     def __post_init__(self) -> None:
         self.key_budgets = KeyBudgets(self.redis)
+        self.usage_backlog = UsageBacklog(self.redis, self.resilience.guard)
 
 
 def prewarm_start(res: Resources, config: PrewarmLoopConfig) -> asyncio.Task[None] | None:
@@ -227,15 +231,14 @@ def degradable(call: Call) -> bool:
             and call.body.get("allow_degradation", True) is not False)
 
 
-def choose_version(call: Call) -> ServedVersion | None:
-    """The version that serves the call (None: the base model)."""
-    target = call.target
+def choose_version(target: Target, body: dict[str, Any]) -> ServedVersion | None:
+    """The version that serves the request (None: the base model)."""
     if target.base:
         return None
     if target.pinned is not None:
         return target.pinned
     assert target.served is not None, "a target is the base model, a pinned version or an adapter's served set"
-    user = call.body.get("user")
+    user = body.get("user")
     return pick_version(target.served, user=user if isinstance(user, str) else None)
 
 
@@ -256,10 +259,11 @@ async def _workers(res: Resources) -> list[WorkerView]:
     return res.workers
 
 
-async def choose_worker(call: Call, res: Resources) -> WorkerView:
-    """The worker for the call's version among those not ejected, by the routing policy (affinity,
-    queue, KV; or round robin: serving.gateway.routing.route), and the next ones in `call.fallbacks`;
-    503 when none is live or, below vip, when all are full."""
+async def choose_workers(call: Call, res: Resources) -> list[WorkerView]:
+    """The workers for the call's version, best first, among those not ejected, by the routing
+    policy (affinity, queue, KV; or round robin: serving.gateway.routing.route): the first is
+    called, the next where it fails before its first byte. 503 when none is live or, below vip,
+    when all are full."""
     candidates = res.resilience.usable_workers(await _workers(res))
     adapter = call.version.qualified_name if call.version else None
     order = route(candidates, adapter=adapter, inflight=res.inflight, config=res.config.routing,
@@ -267,9 +271,19 @@ async def choose_worker(call: Call, res: Resources) -> WorkerView:
     if not order:
         raise GatewayError(503, "No serving worker is available for this model right now; retry shortly.",
                            code="no_serving_worker", headers={**call.headers, "retry-after": "1"})
-    res.resilience.shed_check(call, candidates, res.inflight)
-    call.fallbacks = order[1:]
-    return order[0]
+    shed = res.resilience.shed_refusal(call.caller.tier, candidates, res.inflight, headers=call.headers)
+    if shed is not None:
+        raise shed
+    return order
+
+
+def breaker_applied(call: Call, verdict: VersionVerdict) -> None:
+    """The breaker's verdict on the call: the version it runs (and permit), or the base model."""
+    call.version, call.permit = verdict.version, verdict.permit
+    if verdict.degraded is not None:
+        call.degraded = True
+        call.target = Target(base=True)
+        call.headers["x-loraplex-degraded"] = verdict.degraded
 
 
 def response_headers(call: Call) -> dict[str, str]:
@@ -280,9 +294,9 @@ def response_headers(call: Call) -> dict[str, str]:
     return headers
 
 
-def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
-    """The upstream call is over: refund unused tokens (charge overruns), record usage (what
-    `charged_tokens` says) and metrics."""
+def settle(call: Call, worker: WorkerView, result: UpstreamResult, res: Resources) -> None:
+    """The call's last attempt (on `worker`) is over: count it on the worker's outlier record,
+    refund unused tokens (charge overruns), record usage (what `charged_tokens` says) and metrics."""
     res.inflight[result.worker_id] = max(0, res.inflight.get(result.worker_id, 1) - 1)
     metrics.IN_FLIGHT.dec()
     prompt_tokens, completion_tokens = charged_tokens(call, result)
@@ -303,7 +317,7 @@ def settle(call: Call, result: UpstreamResult, res: Resources) -> None:
         ttft_ms=(result.first_byte_s * 1000) if result.first_byte_s is not None and status == "ok" else None,
         degraded=call.degraded, worker=result.worker_id, created_at=time.time(),
     )
-    res.resilience.call_over(call, result, live=len(res.workers))
+    res.resilience.attempt_done(worker, result, live=len(res.workers))
     # Off the reply's path: the client has its last byte before Redis hears of it.
     task = asyncio.get_running_loop().create_task(_record(call, result, event, used, res))
     _background.add(task)
@@ -321,7 +335,7 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
     own breaker, and the record waits in memory, pushed with the first record once Redis is back."""
     refund = call.reserved_tokens - used if call.reserved_tokens and call.reserved_tokens != used else 0
     tokens_buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst).tokens if refund else ()
-    events = [*res.resilience.usage_backlog_take(), event]
+    events = [*res.usage_backlog.take(), event]
     refunds = [res.buckets.shared.refund_call(bucket, refund) for bucket in tokens_buckets]
     counts = res.resilience.outcome_calls(call, result)
     try:
@@ -330,11 +344,11 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
         if replies is None:
             for bucket in tokens_buckets:
                 res.buckets.local.refund(bucket, refund)
-            keep_usage(events, res.resilience, res.redis)
+            res.usage_backlog.keep(events)
         await res.resilience.outcome_recorded(call, result, replies[len(refunds):] if replies is not None else None)
     except (aioredis.RedisError, OSError):
         # Kept all the same: a record pushed twice is written once (its record id).
-        keep_usage(events, res.resilience, res.redis)
+        res.usage_backlog.keep(events)
         log.exception("could not record usage / refund tokens of %s", call.request_id)
 
 
@@ -355,22 +369,22 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
             raise await charged_refusal(caller, endpoint, error, res) from None
         raise
     max_tokens, sequences = check_tier_limits(body, endpoint, caller)
+    # Chosen before admission, so that its breaker permit is asked in the admission's round trip.
     call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
-                sequences=sequences, body_bytes=len(raw_body))
-    # Before admission, so that its breaker permit is asked in the admission's round trip.
-    call.version = choose_version(call)
+                sequences=sequences, body_bytes=len(raw_body), version=choose_version(target, body))
     try:
         await admit(call, res)
     except GatewayError as error:
         metrics.REQUESTS.labels(caller.tier.name, endpoint, str(error.status)).inc()
         raise
     try:
-        await res.resilience.version_permit(call, degradable=degradable(call))
-        call.worker = await choose_worker(call, res)
+        breaker_applied(call, await res.resilience.version_permit(
+            call.version, call.permit, call.target.served, degradable=degradable(call), headers=call.headers))
+        workers = await choose_workers(call, res)
     except GatewayError:
         await _release(call, res)
         raise
-    return await forward(call, res)
+    return await forward(call, workers, res)
 
 
 async def charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:
@@ -405,24 +419,33 @@ async def _release(call: Call, res: Resources) -> None:
     metrics.REQUESTS.labels(call.caller.tier.name, call.endpoint, "503").inc()
 
 
-async def forward(call: Call, res: Resources) -> Reply:
-    """Call the chosen worker and, when it fails before its first byte, once more the next-best one
-    (serving.gateway.failover); a stream is settled when it ends, anything else before returning."""
-    workers = [call.worker, *call.fallbacks][:MAX_ATTEMPTS]
-    for index, worker in enumerate(workers):
-        call.worker = worker
-        reply = await _attempt(call, res, may_retry=index + 1 < len(workers))
-        if reply is not None:
-            return reply
-        FAILOVER_RETRIES.inc()
-    raise AssertionError("the last attempt always answers")
+@dataclass
+class Attempt:
+    """One upstream attempt's answer: what the client gets if it stands, and whether it failed
+    before its first byte in a way another worker may mend (serving.gateway.failover.retryable)."""
+
+    result: UpstreamResult
+    reply: Reply
+    retryable: bool = False
+    # A stream under way: its relay settles the call as it ends.
+    relayed: bool = False
 
 
-async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | None:
-    """One upstream attempt on `call.worker`; None when it failed before its first byte and
-    `may_retry` (the attempt is then counted on the worker's record and not settled)."""
-    worker = call.worker
-    assert worker is not None
+async def forward(call: Call, workers: list[WorkerView], res: Resources) -> Reply:
+    """Call the first of `workers` and, when it fails before its first byte, once more the next
+    (serving.gateway.failover.with_failover); the attempt that answers settles the call: a stream
+    when it ends, anything else before returning."""
+    tried = await with_failover(workers, lambda worker: _attempt(call, worker, res), lambda attempt: attempt.retryable,
+                                on_retry=lambda worker, attempt: _abandon(worker, attempt.result, res))
+    last = tried[-1]
+    if not last.result.relayed:
+        settle(call, last.worker, last.result.result, res)
+    return last.result.reply
+
+
+async def _attempt(call: Call, worker: WorkerView, res: Resources) -> Attempt:
+    """One upstream attempt on `worker`, unsettled unless it raised (the client left, or the
+    gateway's own fault) or its stream is under way (settled by its relay)."""
     url = f"{worker.url}{ENDPOINTS[call.endpoint]}"
     body = upstream_body(call, worker)
     rename = rename_model(body["model"], res.config.base_model_name if call.degraded else call.model)
@@ -430,9 +453,24 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
     res.inflight[worker.worker_id] = res.inflight.get(worker.worker_id, 0) + 1
     metrics.IN_FLIGHT.inc()
     headers = response_headers(call)
-    handed_off = False
+    error: httpx.HTTPError | None = None
+    status, content = 0, b""
     try:
-        if not body.get("stream"):
+        if body.get("stream"):
+            try:
+                response = await res.upstream.open_stream(url, body, result=result, request_id=call.request_id)
+            except httpx.HTTPError as exc:
+                error = exc
+            else:
+                if response.status_code == 200:
+                    wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+                    # Settled as the relay ends (its `finally`), however it ends.
+                    relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage,
+                                         on_end=lambda: settle(call, worker, result, res))
+                    return Attempt(result, Reply(status=200, stream=relay, headers={
+                        **headers, "cache-control": "no-cache", "x-accel-buffering": "no"}), relayed=True)
+                status, content = response.status_code, result.refused_body
+        else:
             try:
                 # Its head comes with its last token: a silent worker is judged by its heartbeat.
                 content = await unless_worker_gone(
@@ -440,62 +478,39 @@ async def _attempt(call: Call, res: Resources, *, may_retry: bool) -> Reply | No
                     worker=worker, redis=res.redis, guard=res.resilience.guard,
                     first_check_s=res.config.gateway.first_byte_timeout_s)
             except httpx.HTTPError as exc:
-                if may_retry and retryable(status=None, error=exc):
-                    handed_off = _abandon(call, result, res)
-                    return None
-                return Reply(status=502, headers=headers, body=_upstream_unreachable(worker, exc))
-            if may_retry and retryable(status=result.http_status, error=None):
-                handed_off = _abandon(call, result, res)
-                return None
-            if result.key_refused:
-                return Reply(status=502, headers=headers, body=_key_refused(worker, result.http_status))
-            return Reply(status=result.http_status, headers=headers, body=content)
-        try:
-            response = await res.upstream.open_stream(url, body, result=result, request_id=call.request_id)
-        except httpx.HTTPError as exc:
-            if may_retry and retryable(status=None, error=exc):
-                handed_off = _abandon(call, result, res)
-                return None
-            return Reply(status=502, headers=headers, body=_upstream_unreachable(worker, exc))
-        if response.status_code != 200:
-            if may_retry and retryable(status=response.status_code, error=None):
-                handed_off = _abandon(call, result, res)
-                return None
-            if result.key_refused:
-                return Reply(status=502, headers=headers, body=_key_refused(worker, response.status_code))
-            return Reply(status=response.status_code, headers=headers, body=result.refused_body)
-        wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-        # Settled as the relay ends (its `finally`), however it ends.
-        relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage,
-                             on_end=lambda: settle(call, result, res))
-        handed_off = True
-        return Reply(status=200, headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
-                     stream=relay)
+                error = exc
+            else:
+                status = result.http_status
     except asyncio.CancelledError:
         result.status = "aborted"  # the client left before the reply
         result.end()
+        settle(call, worker, result, res)
         raise
     except Exception:
-        # The worker's failures are answered above; what escapes is the gateway's own (a request it
+        # The worker's failures are answered below; what escapes is the gateway's own (a request it
         # could not encode, a bug): no count on the worker's ejection record or the adapter's breaker.
         result.gateway_fault = True
         result.end()
+        settle(call, worker, result, res)
         raise
-    finally:
-        if not handed_off:
-            settle(call, result, res)
+    if error is not None:
+        return Attempt(result, Reply(status=502, headers=headers, body=_upstream_unreachable(worker, error)),
+                       retryable=retryable(status=None, error=error))
+    if result.key_refused:
+        reply = Reply(status=502, headers=headers, body=_key_refused(worker, status))
+    else:
+        reply = Reply(status=status, headers=headers, body=content)
+    return Attempt(result, reply, retryable=retryable(status=status, error=None))
 
 
-def _abandon(call: Call, result: UpstreamResult, res: Resources) -> bool:
+def _abandon(worker: WorkerView, result: UpstreamResult, res: Resources) -> None:
     """An attempt that failed before its first byte and is retried elsewhere: it leaves the
     worker's in-flight count and counts on the worker's record as `resilience.worker_failed` says
-    (an adapter's load failure does not); the request is settled once, by the attempt that answers. True (the attempt is handed off to the retry)."""
-    worker = call.worker
-    assert worker is not None
+    (an adapter's load failure does not); the request is settled once, by the attempt that answers."""
     res.inflight[worker.worker_id] = max(0, res.inflight.get(worker.worker_id, 1) - 1)
     metrics.IN_FLIGHT.dec()
     res.resilience.attempt_done(worker, result, live=len(res.workers))
-    return True
+    FAILOVER_RETRIES.inc()
 
 
 def _upstream_unreachable(worker: WorkerView, error: httpx.HTTPError) -> bytes:

@@ -2,8 +2,9 @@
 call as it moves through the path (serving.gateway.pipeline), plus the reply the edge sends.
 
 Plain records, Django-free: the catalog (serving.gateway.catalog) fills `Caller` and `Target`
-from the database, the pipeline and the resilience rules (serving.gateway.resilience) read and
-fill `Call`. Living here, they leave no module importing its caller back.
+from the database; the pipeline fills `Call` with each step's answer, which the resilience rules
+(serving.gateway.resilience) read and never write. Living here, they leave no module importing
+its caller back.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 
 from serving.gateway.key_budget import Reservation
 from serving.gateway.quotas import Admission
-from serving.gateway.routing import WorkerView
 from serving.gateway.version_pick import ServedSet, ServedVersion
 from serving.wire.breakers import Permit
 from serving.wire.request_ids import request_id_current, request_id_mint
@@ -93,9 +93,6 @@ class Call:
     version: ServedVersion | None = None
     # The version's circuit-breaker permit (None on the base model).
     permit: Permit | None = None
-    worker: WorkerView | None = None
-    # The next-best workers, best first: where a failure before the first byte is retried.
-    fallbacks: list[WorkerView] = field(default_factory=list)
     # The request's X-Request-ID (serving.wire.request_ids: the edge's, or minted here outside one).
     request_id: str = field(default_factory=lambda: request_id_current() or request_id_mint())
     started: float = field(default_factory=time.perf_counter)

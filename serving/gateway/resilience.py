@@ -1,15 +1,17 @@
 """The resilience steps of the request path; serving.gateway.pipeline calls each at one place.
+Each decision is returned (a permit, a `VersionVerdict`, a refusal, a worker list); nothing here
+writes the pipeline's `Call`.
 
     choose the version → its breaker permit, asked in the admission's round trip (`acquire_call`,
     `permit_from`; given back by `permit_unused` when the request is not admitted) →
     `version_permit` (breaker: a canary's open breaker sends its traffic to the active version; an
     active one's answers 503 adapter_unavailable, or the base model where the tier allows
-    degradation) → choose the worker among `usable_workers` (outlier ejection), after `shed_check`
-    (load shedding below vip) → each attempt, failover included, is counted by `attempt_done`
-    (ejection) → the call's counts on the version's breaker and in the prewarm demand model go out
-    with its usage record (`outcome_calls`, one round trip), and `outcome_recorded` reads the
-    breaker's answer and judges a canary (auto-abort through the injected `CanaryAbort`, off the
-    request path).
+    degradation) → choose the worker among `usable_workers` (outlier ejection), unless
+    `shed_refusal` refuses (load shedding below vip) → each attempt, failover included, is counted
+    by `attempt_done` (ejection) → the call's counts on the version's breaker and in the prewarm
+    demand model go out with its usage record (`outcome_calls`, one round trip), and
+    `outcome_recorded` reads the breaker's answer and judges a canary (auto-abort through the
+    injected `CanaryAbort`, off the request path).
 
 The policies are the Django-free modules next to this one (outliers, shedding, failover,
 canary_rule, prewarm) and serving.wire.breakers; this module builds them from their configs (one
@@ -38,12 +40,11 @@ from serving.gateway.outliers import OutlierConfig, OutlierDetector
 from serving.gateway.ports import CanaryAbort
 from serving.gateway.prewarm import DemandModel, PrewarmConfig
 from serving.gateway.proxy import UpstreamResult
-from serving.gateway.records import Call, Target
+from serving.gateway.records import Call, TierLimits
 from serving.gateway.redis_batch import ScriptCall
 from serving.gateway.routing import WorkerView
 from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
-from serving.gateway.usage_log import UsageEvent
-from serving.gateway.version_pick import ServedVersion
+from serving.gateway.version_pick import ServedSet, ServedVersion
 from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome, Permit, Snapshot, State
 from serving.wire.redis_guard import RedisGuard, RedisGuardConfig
 from serving.wire.registry import SLOT_CORRUPTED
@@ -52,8 +53,6 @@ log = logging.getLogger(__name__)
 
 # How long after starting a canary's abort this process leaves it alone.
 JUDGE_INTERVAL_S = 5.0
-# Usage records one process keeps while Redis is away (about 40 MB at most).
-USAGE_BACKLOG_MAX = 100_000
 
 REDIS_AVAILABLE = Gauge("loraplex_gateway_redis_available",
                         "1 while the gateway reaches Redis (shared buckets and breakers), 0 while it serves "
@@ -121,6 +120,17 @@ def _redis_changed(available: bool) -> None:
     REDIS_AVAILABLE.set(1 if available else 0)
 
 
+@dataclass(frozen=True)
+class VersionVerdict:
+    """The breaker step's answer: the version that serves the call and its permit (both None on the
+    base model), and why the base model answers instead of the adapter, when it does."""
+
+    version: ServedVersion | None
+    permit: Permit | None
+    # The x-loraplex-degraded reason ("circuit_open") when the version's breaker sent it to the base model.
+    degraded: str | None = None
+
+
 @dataclass
 class Resilience:
     """One event loop's breakers, outlier detector, demand model and the guard they share."""
@@ -135,10 +145,6 @@ class Resilience:
     # Canaries whose abort this process started, and when (one attempt per JUDGE_INTERVAL_S).
     aborting: dict[str, float] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
-    # Usage records made while Redis was away, pushed with the first record once it is back, or by
-    # the backlog's own pusher when no request comes (serving.gateway.pipeline).
-    usage_backlog: list[UsageEvent] = field(default_factory=list)
-    backlog_pusher: asyncio.Task | None = None
 
     @classmethod
     def build(cls, redis: aioredis.Redis, *, redis_guard: RedisGuardConfig, breakers: BreakerConfig,
@@ -174,19 +180,16 @@ class Resilience:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def version_permit(self, call: Call, *, degradable: bool) -> None:
-        """Ask the chosen version's breaker (its permit already asked with the admission, when the
-        version was known then); reroute, degrade or refuse when it is open.
-
-        Sets `call.permit` (None when the call runs on the base model)."""
-        version = call.version
+    async def version_permit(self, version: ServedVersion | None, permit: Permit | None, served: ServedSet | None,
+                             *, degradable: bool, headers: dict[str, str]) -> VersionVerdict:
+        """The chosen version's breaker (`permit`: the one asked with the admission, when the version
+        was known then): the version that runs and its permit, rerouted to the active version when a
+        canary's breaker is open, degraded to the base model (where `degradable`) or refused (503
+        adapter_unavailable, raised, with `headers` and its retry-after) when the version's own is."""
         if version is None:
-            call.permit = None
-            return
-        permit = call.permit
+            return VersionVerdict(version=None, permit=None)
         if permit is None or permit.name != version.qualified_name:
             permit = await self.breakers.acquire(version.qualified_name)
-        served = call.target.served
         if not permit.allowed and served is not None and served.canary == version:
             BREAKER_REFUSED.labels("active_version").inc()
             if permit.state is State.OPEN and self._may_judge(version.qualified_name):
@@ -194,24 +197,20 @@ class Resilience:
                 snapshot = await self.breakers.snapshot(version.qualified_name)
                 reason = canary_abort_reason(canary=snapshot, active=None, config=self.canary_rule)
                 if reason is not None:
-                    self._abort_canary_later(call, reason=reason)
+                    self._abort_canary_later(served, reason=reason)
             version = served.active
             permit = await self.breakers.acquire(version.qualified_name)
         if permit.allowed:
-            call.version, call.permit = version, permit
-            return
+            return VersionVerdict(version=version, permit=permit)
         retry = max(1, math.ceil(permit.retry_after_s))
         if degradable:
             BREAKER_REFUSED.labels("base_model").inc()
-            call.version, call.permit, call.degraded = None, None, True
-            call.target = Target(base=True)
-            call.headers["x-loraplex-degraded"] = "circuit_open"
-            return
+            return VersionVerdict(version=None, permit=None, degraded="circuit_open")
         BREAKER_REFUSED.labels("refused").inc()
         raise GatewayError(
             503, f"The adapter version {version.version} of '{version.adapter}' is failing and its circuit breaker "
                  f"is open; retry in {retry} s.", code="adapter_unavailable",
-            headers={**call.headers, "retry-after": str(retry)})
+            headers={**headers, "retry-after": str(retry)})
 
     # ---- the workers ------------------------------------------------------------------------
 
@@ -225,17 +224,19 @@ class Resilience:
         self.outliers.forget_except(self.instance(worker) for worker in candidates)
         return [worker for worker in candidates if not self.outliers.is_ejected(self.instance(worker))]
 
-    def shed_check(self, call: Call, candidates: list[WorkerView], inflight: dict[str, int]) -> None:
-        """503 server_overloaded below vip when every candidate is over its queue bound."""
+    def shed_refusal(self, tier: TierLimits, candidates: list[WorkerView],
+                     inflight: dict[str, int], headers: dict[str, str]) -> GatewayError | None:
+        """503 server_overloaded (with `headers` and its retry-after) below vip when every candidate is
+        over its queue bound; None: served."""
         saturations = [Saturation(worker_id=w.worker_id, queue_depth=w.queue_depth,
                                   max_queued_requests=w.max_queued_requests, kv_cache_usage=w.kv_cache_usage,
                                   gpu_memory_free_bytes=w.gpu_memory_free_bytes) for w in candidates]
-        priority = call.caller.tier.priority
-        shed = shed_decision(saturations, priority=priority, inflight=inflight, config=self.shed)
-        if shed is not None:
-            SHED.labels(call.caller.tier.name).inc()
-            raise GatewayError(503, shed.message, code="server_overloaded",
-                               headers={**call.headers, "retry-after": str(max(1, math.ceil(shed.retry_after_s)))})
+        shed = shed_decision(saturations, priority=tier.priority, inflight=inflight, config=self.shed)
+        if shed is None:
+            return None
+        SHED.labels(tier.name).inc()
+        return GatewayError(503, shed.message, code="server_overloaded",
+                            headers={**headers, "retry-after": str(max(1, math.ceil(shed.retry_after_s)))})
 
     def attempt_done(self, worker: WorkerView, result: UpstreamResult, *, live: int) -> None:
         """One attempt on `worker` is over: counted on its outlier record as `worker_failed` says."""
@@ -244,25 +245,6 @@ class Resilience:
             EJECTIONS.inc()
 
     # ---- the outcome ------------------------------------------------------------------------
-
-    def usage_backlog_take(self) -> list[UsageEvent]:
-        """The usage records kept while Redis was away (emptied: the caller pushes them now)."""
-        backlog, self.usage_backlog = self.usage_backlog, []
-        return backlog
-
-    def usage_backlog_keep(self, events: list[UsageEvent]) -> None:
-        """Keeps records Redis could not take, at most USAGE_BACKLOG_MAX (the oldest dropped, logged)."""
-        combined = [*self.usage_backlog, *events]
-        if len(combined) > USAGE_BACKLOG_MAX:
-            log.error("usage backlog over %d records during the Redis outage; the oldest %d are dropped",
-                      USAGE_BACKLOG_MAX, len(combined) - USAGE_BACKLOG_MAX)
-        self.usage_backlog = combined[-USAGE_BACKLOG_MAX:]
-
-    def call_over(self, call: Call, result: UpstreamResult, *, live: int) -> None:
-        """The call's final attempt is over: count it against its worker (its version's counts go
-        out with the usage record: `outcome_calls`)."""
-        if call.worker is not None:
-            self.attempt_done(call.worker, result, live=live)
 
     def _code(self, result: UpstreamResult) -> int:
         duration = result.first_byte_s if result.first_byte_s is not None else (result.ended_s or 0.0)
@@ -308,7 +290,7 @@ class Resilience:
             active = await self.breakers.snapshot(served.active.qualified_name)
         reason = canary_abort_reason(canary=snapshot, active=active, config=self.canary_rule)
         if reason is not None:
-            self._abort_canary_later(call, reason=reason)
+            self._abort_canary_later(served, reason=reason)
 
     def _may_judge(self, name: str) -> bool:
         """False while this process's abort of `name` is recent: the served versions it sees are
@@ -316,9 +298,9 @@ class Resilience:
         started = self.aborting.get(name)
         return started is None or time.monotonic() - started > JUDGE_INTERVAL_S
 
-    def _abort_canary_later(self, call: Call, *, reason: str) -> None:
-        """Aborts the call's canary in the registry, off the request path, once per process at a time."""
-        canary = call.target.served.canary if call.target.served else None
+    def _abort_canary_later(self, served: ServedSet, *, reason: str) -> None:
+        """Aborts the served set's canary in the registry, off the request path, once per process at a time."""
+        canary = served.canary
         if canary is None or not self._may_judge(canary.qualified_name):
             return
         self.aborting[canary.qualified_name] = time.monotonic()

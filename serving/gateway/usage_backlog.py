@@ -1,24 +1,29 @@
 """Usage records Redis did not take (it was away, or the batch failed): kept in the process
-(`Resilience.usage_backlog`) and pushed once Redis is back, by the next request's record or,
-when none comes, by the backlog's own pusher, every retry interval. Without the pusher a record
-made in the last moments of an outage waited for a request that might never come, and a usage read
-after the outage missed it. A record pushed twice (its push reached Redis though the reply did
-not) is written once: the flusher skips a record id it has written (serving.gateway.usage_log)."""
+(`UsageBacklog`, one per event loop, owned by what records usage: serving.gateway.pipeline's
+settling) and pushed once Redis is back, by the next request's record or, when none comes, by the
+backlog's own pusher, every retry interval. Without the pusher a record made in the last moments of
+an outage waited for a request that might never come, and a usage read after the outage missed it.
+A record pushed twice (its push reached Redis though the reply did not) is written once: the
+flusher skips a record id it has written (serving.gateway.usage_log)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from serving.gateway.key_budget import spend_add
 from serving.gateway.redis_batch import run_batch
-from serving.gateway.resilience import Resilience
 from serving.gateway.usage_log import UsageEvent, usage_push
+from serving.wire.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
+
+# Usage records one process keeps while Redis is away (about 40 MB at most).
+USAGE_BACKLOG_MAX = 100_000
 
 
 def usage_pushes(events: list[UsageEvent]) -> Callable[[aioredis.client.Pipeline], None]:
@@ -32,26 +37,47 @@ def usage_pushes(events: list[UsageEvent]) -> Callable[[aioredis.client.Pipeline
     return usage
 
 
-def keep_usage(events: list[UsageEvent], resilience: Resilience, redis: aioredis.Redis) -> None:
-    """Keep records Redis did not take, and start the pusher unless it runs."""
-    resilience.usage_backlog_keep(events)
-    pusher = resilience.backlog_pusher
-    if pusher is None or pusher.done():
-        resilience.backlog_pusher = asyncio.get_running_loop().create_task(_push_backlog(resilience, redis))
+@dataclass
+class UsageBacklog:
+    """One event loop's kept usage records and their pusher, on its Redis and its guard."""
 
+    redis: aioredis.Redis
+    guard: RedisGuard
+    events: list[UsageEvent] = field(default_factory=list)
+    pusher: asyncio.Task[None] | None = None
 
-async def _push_backlog(resilience: Resilience, redis: aioredis.Redis) -> None:
-    """Every retry interval while records are kept: push them (usage records and spend only; the
-    refunds and breaker counts of an outage stay with this process's buckets and breakers)."""
-    while resilience.usage_backlog:
-        await asyncio.sleep(resilience.guard.retry_interval_s)
-        events = resilience.usage_backlog_take()
-        if not events:
-            return
-        try:
-            replies = await resilience.guard.call("usage backlog", lambda: run_batch(redis, [], usage_pushes(events)))
-        except (aioredis.RedisError, OSError):
-            replies = None
-            log.exception("could not push %d kept usage records; retrying", len(events))
-        if replies is None:
-            resilience.usage_backlog_keep(events)
+    def take(self) -> list[UsageEvent]:
+        """The records kept (emptied: the caller pushes them now)."""
+        backlog, self.events = self.events, []
+        return backlog
+
+    def keep(self, events: list[UsageEvent]) -> None:
+        """Keep records Redis did not take, and start the pusher unless it runs."""
+        self._hold(events)
+        if self.pusher is None or self.pusher.done():
+            self.pusher = asyncio.get_running_loop().create_task(self._push())
+
+    def _hold(self, events: list[UsageEvent]) -> None:
+        """At most USAGE_BACKLOG_MAX records are held (the oldest dropped, logged)."""
+        combined = [*self.events, *events]
+        if len(combined) > USAGE_BACKLOG_MAX:
+            log.error("usage backlog over %d records during the Redis outage; the oldest %d are dropped",
+                      USAGE_BACKLOG_MAX, len(combined) - USAGE_BACKLOG_MAX)
+        self.events = combined[-USAGE_BACKLOG_MAX:]
+
+    async def _push(self) -> None:
+        """Every retry interval while records are kept: push them (usage records and spend only; the
+        refunds and breaker counts of an outage stay with this process's buckets and breakers)."""
+        while self.events:
+            await asyncio.sleep(self.guard.retry_interval_s)
+            events = self.take()
+            if not events:
+                return
+            try:
+                replies = await self.guard.call("usage backlog",
+                                                lambda: run_batch(self.redis, [], usage_pushes(events)))
+            except (aioredis.RedisError, OSError):
+                replies = None
+                log.exception("could not push %d kept usage records; retrying", len(events))
+            if replies is None:
+                self._hold(events)  # this task goes on pushing them

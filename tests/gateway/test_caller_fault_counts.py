@@ -70,14 +70,13 @@ def forwarding(body: dict, upstream_of, monkeypatch: pytest.MonkeyPatch) -> tupl
             res = SimpleNamespace(
                 upstream=upstream, inflight={}, workers=[], redis=None,  # the worker watch: never reached
                 config=SimpleNamespace(base_model_name="base", gateway=GatewayConfig()),
-                resilience=SimpleNamespace(guard=None, call_over=lambda call, result, live: counted.append(result),
-                                           attempt_done=lambda w, result, live: counted.append(result)))
+                resilience=SimpleNamespace(guard=None, attempt_done=lambda w, result, live: counted.append(result)))
             call = Call(endpoint="completions", caller=Caller(tenant_id=1, tenant="t", key_prefix="p", tier=TIER),
                         body=body, model="base", target=Target(base=True), max_tokens=4)
-            call.worker = WorkerView(worker_id="w1", url=worker.url, base_model="base", served_model_names=("base",),
-                                     max_loras=1, max_model_len=2048, queue_depth=0, kv_cache_usage=0.0)
+            only = WorkerView(worker_id="w1", url=worker.url, base_model="base", served_model_names=("base",),
+                              max_loras=1, max_model_len=2048, queue_depth=0, kv_cache_usage=0.0)
             try:
-                outcome: object = await pipeline.forward(call, res)
+                outcome: object = await pipeline.forward(call, [only], res)
             except Exception as exc:
                 outcome = exc
             finally:

@@ -106,11 +106,10 @@ def test_a_silent_worker_is_failed_over_and_counted_as_its_failure() -> None:
             call = Call(endpoint="completions", caller=Caller(tenant_id=1, tenant="t", key_prefix="p", tier=TIER),
                         body={"model": "base", "prompt": "hi", "stream": True}, model="base",
                         target=Target(base=True), max_tokens=4)
-            call.worker = worker("frozen", silent.url)
-            call.fallbacks = [worker("alive", healthy.url)]
-            reply = await pipeline.forward(call, res)
+            # The frozen one first, the alive one next.
+            reply = await pipeline.forward(call, [worker("frozen", silent.url), worker("alive", healthy.url)], res)
             assert reply.status == 200 and reply.stream is not None
-            assert call.worker.worker_id == "alive" and (silent.requests, healthy.requests) == (1, 1)
+            assert (silent.requests, healthy.requests) == (1, 1)
             await asyncio.wait_for(silent.closed_by_client.wait(), 30)
             await upstream.aclose()
 
@@ -147,21 +146,21 @@ def test_a_whole_replys_silent_worker_is_failed_over_once_it_left_the_registry(r
                 upstream=upstream, inflight={}, workers=[], redis=client,
                 config=SimpleNamespace(base_model_name="base", gateway=gateway),
                 resilience=SimpleNamespace(
-                    guard=RedisGuard(), call_over=lambda call, result, live: None,
+                    guard=RedisGuard(),
                     attempt_done=lambda w, result, live: counted.append((w.worker_id, worker_failed(result)))))
             call = Call(endpoint="completions", caller=Caller(tenant_id=1, tenant="t", key_prefix="p", tier=TIER),
                         body={"model": "base", "prompt": "hi"}, model="base", target=Target(base=True), max_tokens=4)
-            call.worker = worker("frozen", silent.url)  # no registry entry: its heartbeat stopped
-            call.fallbacks = [worker("alive", healthy.url)]
-            reply = await pipeline.forward(call, res)
+            # The frozen one first (no registry entry: its heartbeat stopped), the alive one next.
+            reply = await pipeline.forward(call, [worker("frozen", silent.url), worker("alive", healthy.url)], res)
             assert reply.status == 200 and json.loads(reply.body)["object"] == "text_completion"
-            assert call.worker.worker_id == "alive" and (silent.requests, healthy.requests) == (1, 1)
+            assert (silent.requests, healthy.requests) == (1, 1)
             await asyncio.wait_for(silent.closed_by_client.wait(), 30)
             await upstream.aclose()
         await client.aclose()
 
     asyncio.run(scenario())
-    assert counted == [("frozen", True)]
+    # The frozen one as its failure; the alive one's answer, settled, as its success.
+    assert counted == [("frozen", True), ("alive", False)]
 
 
 def test_a_whole_reply_waits_while_its_worker_heartbeats_and_not_for_another_instance(redis_client) -> None:

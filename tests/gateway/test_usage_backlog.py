@@ -12,20 +12,9 @@ import redis
 import redis.asyncio as aioredis
 from resilience_support import redis_relay
 
-from serving.gateway.canary_rule import CanaryRuleConfig
-from serving.gateway.outliers import OutlierConfig
-from serving.gateway.prewarm import PrewarmConfig
-from serving.gateway.resilience import Resilience
-from serving.gateway.shedding import ShedConfig
-from serving.gateway.usage_backlog import keep_usage
+from serving.gateway.usage_backlog import UsageBacklog
 from serving.gateway.usage_log import QUEUE_KEY, UsageEvent
-from serving.gateway.version_pick import ServedVersion
-from serving.wire.breakers import BreakerConfig
-from serving.wire.redis_guard import RedisGuardConfig
-
-
-async def _never_abort(version: ServedVersion, reason: str) -> bool:
-    return False
+from serving.wire.redis_guard import RedisGuard, RedisGuardConfig
 
 
 def _event() -> UsageEvent:
@@ -50,23 +39,21 @@ def test_records_kept_during_an_outage_are_pushed_once_redis_is_back_without_a_r
 
         async def main() -> None:
             client = aioredis.Redis.from_url(relay.url, socket_connect_timeout=0.5, socket_timeout=0.5)
-            resilience = Resilience.build(
-                client, redis_guard=RedisGuardConfig(timeout_s=0.25, retry_interval_s=0.2), breakers=BreakerConfig(),
-                outliers=OutlierConfig(), prewarm=PrewarmConfig(), canary_rule=CanaryRuleConfig(), shed=ShedConfig(),
-                canary_abort=_never_abort)  # fmt: skip
+            guard = RedisGuard.from_config(RedisGuardConfig(timeout_s=0.25, retry_interval_s=0.2))
+            backlog = UsageBacklog(client, guard)
             kept = [_event(), _event()]
             try:
                 relay.cut()
-                keep_usage(kept[:1], resilience, client)
-                keep_usage(kept[1:], resilience, client)
-                pusher = resilience.backlog_pusher
+                backlog.keep(kept[:1])
+                backlog.keep(kept[1:])
+                pusher = backlog.pusher
                 assert pusher is not None and not pusher.done(), "one pusher, started by the first record kept"
                 await asyncio.sleep(0.6)  # retries while Redis is away: the records stay kept
-                assert [e.record_id for e in resilience.usage_backlog] == [e.record_id for e in kept]
+                assert [e.record_id for e in backlog.events] == [e.record_id for e in kept]
                 assert not pusher.done()
                 relay.restore()
                 await asyncio.wait_for(pusher, timeout=10)
-                assert resilience.usage_backlog == []
+                assert backlog.events == []
                 assert {e.record_id for e in kept} <= _queued_ids(settings.REDIS_URL)
             finally:
                 await client.aclose()
