@@ -1,11 +1,12 @@
 """Plant listed mutations, one at a time, on a copy of the tree and run the tests named for each.
 
     .venv/bin/python scripts/mutate.py                 # every mutation in scripts/mutations.toml
-    .venv/bin/python scripts/mutate.py budget-equality tool-no-arguments
+    .venv/bin/python scripts/mutate.py budget-equality tool-call-without-arguments
     .venv/bin/python scripts/mutate.py --list
     .venv/bin/python scripts/mutate.py --baseline      # the tests on the unmutated copy first
 
-A mutation is a file, an exact piece of its text (it must occur exactly once) and its replacement,
+A mutation is a file, an exact piece of its text (it must occur exactly once; a list: the texts it
+had as the code moved, the first found is planted) and its replacement,
 with the tests meant to catch it (docs/testing.md, "Mutation checks"). The repository is never
 touched: the tree (tracked and untracked files git does not ignore, as they are now, or a commit's
 with --source) is copied to a temporary folder, and each mutation is planted there, its tests run
