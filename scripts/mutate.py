@@ -5,9 +5,9 @@
     .venv/bin/python scripts/mutate.py --list
     .venv/bin/python scripts/mutate.py --baseline      # the tests on the unmutated copy first
 
-A mutation is a file, an exact piece of its text (it must occur exactly once; a list: the texts it
-had as the code moved, the first found is planted) and its replacement,
-with the tests meant to catch it (docs/testing.md, "Mutation checks"). The repository is never
+A mutation is a file, an exact piece of its text (it must occur exactly once) and its replacement
+(or lists of both: the texts it had as the code moved, the first found is planted), with the tests
+meant to catch it (docs/testing.md, "Mutation checks"). The repository is never
 touched: the tree (tracked and untracked files git does not ignore, as they are now, or a commit's
 with --source) is copied to a temporary folder, and each mutation is planted there, its tests run
 with this repository's virtual environment, and the file put back. A mutation is *caught* when its
@@ -39,9 +39,9 @@ MUTATIONS = ROOT / "scripts" / "mutations.toml"
 class Mutation:
     name: str
     file: str
-    # The texts it had over time; the first one found is planted.
+    # The texts it had over time, each with its replacement; the first one found is planted.
     originals: tuple[str, ...]
-    replacement: str
+    replacements: tuple[str, ...]
     tests: tuple[str, ...]
     breaks: str
 
@@ -57,11 +57,17 @@ class Outcome:
 def mutations_load(path: Path) -> list[Mutation]:
     with path.open("rb") as handle:
         entries = tomllib.load(handle)["mutation"]
-    mutations = [Mutation(name=entry["name"], file=entry["file"],
-                          originals=tuple([entry["original"]] if isinstance(entry["original"], str)
-                                          else entry["original"]),
-                          replacement=entry["replacement"], tests=tuple(entry["tests"]), breaks=entry["breaks"])
-                 for entry in entries]
+    mutations = []
+    for entry in entries:
+        originals = [entry["original"]] if isinstance(entry["original"], str) else entry["original"]
+        replacements = entry["replacement"]
+        if isinstance(replacements, str):
+            replacements = [replacements] * len(originals)
+        if len(replacements) != len(originals):
+            raise SystemExit(f"{path}: {entry['name']}: one replacement, or one for each original")
+        mutations.append(Mutation(name=entry["name"], file=entry["file"], originals=tuple(originals),
+                                  replacements=tuple(replacements), tests=tuple(entry["tests"]),
+                                  breaks=entry["breaks"]))
     names = [mutation.name for mutation in mutations]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
@@ -119,10 +125,10 @@ def mutation_check(copy: Path, mutation: Mutation, timeout_s: float, extra: list
     if 1 not in counts:
         return Outcome(mutation, "stale", 0.0, f"no original text occurs exactly once in {mutation.file} "
                                                f"(occurrences: {counts})")
-    original = mutation.originals[counts.index(1)]
+    found = counts.index(1)
     started = time.monotonic()
     bytecode_drop(path)
-    path.write_text(text.replace(original, mutation.replacement))
+    path.write_text(text.replace(mutation.originals[found], mutation.replacements[found]))
     try:
         status, output = pytest_run(copy, mutation.tests, timeout_s, extra)
     finally:
