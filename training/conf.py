@@ -1,23 +1,10 @@
-"""The training pipeline's settings: a Django setting of the same name wins, else the environment.
+"""The training pipeline's settings: one pydantic model, `TrainingSettings`, each field naming its
+variable and default once (serving.wire.env.EnvModel, the gateway's style).
 
-Reading them through Django settings first lets tests override them with pytest-django's
-`settings` fixture; the environment (documented in docs/training.md) configures web and workers,
-read as the platform's settings read it (serving.wire.settings: the environment over `.env`).
-
-| setting | default | meaning |
-| --- | --- | --- |
-| TRAINING_DATASET_MAX_BYTES | 100 MiB | largest dataset upload |
-| TRAINING_DATASET_MAX_BYTES_BY_TIER | "" | per-tier overrides, `vip=1073741824,batch=52428800` |
-| TRAINING_MAX_SEQ_LENGTH | 4096 | platform cap on max_seq_length (the base model's context also caps it) |
-| TRAINING_MAX_WAITING_JOBS | 10 | jobs a tenant may have waiting, beyond its tier's concurrent jobs |
-| TRAINING_DISPATCH_AHEAD | 1 | training tasks on the queue untaken at once; the next job is chosen, fairly between tenants, as one is taken |
-| TRAINING_MAX_PENDING_UPLOADS | 10 | multi-part uploads (/v1/uploads) a tenant may have pending at once |
-| TRAINING_CHECKPOINT_EVERY_STEPS | 100 | steps between checkpoints |
-| TRAINING_CHECKPOINTS_KEPT | 2 | newest checkpoints kept per job |
-| TRAINING_LOG_EVERY_STEPS | 10 | steps between metrics events |
-| TRAINING_LEASE_SECONDS | 60 | a running job whose worker has not reported for this long is taken over (the sweep re-sends it after two) |
-| TRAINING_VALIDATION_TIMEOUT_SECONDS | 600 | the time one dataset file's validation may take; past it, the file is invalid |
-| TRAINING_SCRATCH_DIR | $TMPDIR/loraplex-training | where runs unpack their dataset and checkpoints (swept at worker start) |
+They are read from the environment as the platform's settings read it (serving.wire.settings: the
+environment over `.env`), with a Django setting of the same name winning, so that tests override
+one with pytest-django's `settings` fixture; .env.example documents every variable with the default
+written below (tests/training/test_conf.py holds the two together), docs/training.md what each does.
 """
 
 from __future__ import annotations
@@ -25,59 +12,84 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
+from pydantic import field_validator
 
+from serving.wire.env import EnvModel, env
 from serving.wire.settings import platform_settings
 from training.hyperparameters import Limits, default_max_seq_length
 
-_DEFAULTS: dict[str, int] = {
-    "TRAINING_DATASET_MAX_BYTES": 100 * 1024 * 1024,
-    "TRAINING_MAX_SEQ_LENGTH": 4096,
-    "TRAINING_MAX_WAITING_JOBS": 10,
-    # More would choose jobs before a worker needs one, when fewer tenants are waiting (training.concurrency).
-    "TRAINING_DISPATCH_AHEAD": 1,
-    "TRAINING_MAX_PENDING_UPLOADS": 10,
-    "TRAINING_CHECKPOINT_EVERY_STEPS": 100,
-    "TRAINING_CHECKPOINTS_KEPT": 2,
-    "TRAINING_LOG_EVERY_STEPS": 10,
-    "TRAINING_LEASE_SECONDS": 60,
-    # 100 MiB (the default upload limit) of short chat examples checks in about 5 minutes on the 2-core
-    # host (0.33 MiB/s measured with the tiny tokenizer; longer examples check faster per byte).
-    "TRAINING_VALIDATION_TIMEOUT_SECONDS": 600,
-}
+
+class TrainingSettings(EnvModel):
+    """Every training setting; each field is its variable without TRAINING_, lower-case."""
+
+    # Largest dataset upload in bytes (enforced while it streams), and per-tier overrides written
+    # as tier=bytes pairs (`vip=1073741824,batch=52428800`).
+    dataset_max_bytes: int = env(100 * 1024 * 1024, "TRAINING_DATASET_MAX_BYTES")
+    dataset_max_bytes_by_tier: dict[str, int] = env({}, "TRAINING_DATASET_MAX_BYTES_BY_TIER")
+    # Platform cap on a job's max_seq_length (the base model's context caps it too).
+    max_seq_length: int = env(4096, "TRAINING_MAX_SEQ_LENGTH")
+    # Jobs a tenant may have waiting, beyond its tier's concurrent jobs.
+    max_waiting_jobs: int = env(10, "TRAINING_MAX_WAITING_JOBS")
+    # Training tasks on the queue untaken at once; the next job is chosen, fairly between tenants, as
+    # one is taken. More would choose jobs before a worker needs one, when fewer tenants are waiting
+    # (training.concurrency).
+    dispatch_ahead: int = env(1, "TRAINING_DISPATCH_AHEAD")
+    # Multi-part uploads (/v1/uploads) a tenant may have pending at once.
+    max_pending_uploads: int = env(10, "TRAINING_MAX_PENDING_UPLOADS")
+    checkpoint_every_steps: int = env(100, "TRAINING_CHECKPOINT_EVERY_STEPS")
+    checkpoints_kept: int = env(2, "TRAINING_CHECKPOINTS_KEPT")
+    log_every_steps: int = env(10, "TRAINING_LOG_EVERY_STEPS")
+    # A running job whose worker has not reported for this long is taken over (the sweep re-sends it
+    # after two).
+    lease_seconds: int = env(60, "TRAINING_LEASE_SECONDS")
+    # The time one dataset file's validation may take; past it, the file is invalid. 100 MiB (the
+    # default upload limit) of short chat examples checks in about 5 minutes on the 2-core host
+    # (0.33 MiB/s measured with the tiny tokenizer; longer examples check faster per byte).
+    validation_timeout_seconds: int = env(600, "TRAINING_VALIDATION_TIMEOUT_SECONDS")
+    # Where runs unpack their dataset and checkpoints, one folder per run (swept at worker start);
+    # None: $TMPDIR/loraplex-training.
+    scratch_dir: Path | None = env(None, "TRAINING_SCRATCH_DIR")
+
+    @field_validator("dataset_max_bytes_by_tier", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        pairs = [item.partition("=") for item in value.split(",") if item.strip()]
+        return {tier.strip(): limit.strip() for tier, _, limit in pairs if limit.strip()}
 
 
-def _value(name: str) -> str | None:
-    configured = getattr(settings, name, None)
-    if configured is not None:
-        return str(configured)
-    return platform_settings().environ.get(name) or None
+def training_settings() -> TrainingSettings:
+    """The settings now: Django's setting of a variable's name over the platform's environment
+    (read on each call, so a test's override counts)."""
+    environ = dict(platform_settings().environ)
+    for name, _ in TrainingSettings.variables():
+        configured = getattr(settings, name, None)
+        if configured is not None:
+            environ[name] = str(configured)
+    return TrainingSettings.from_environ(environ)
 
 
 def setting_int(name: str) -> int:
-    raw = _value(name)
-    if raw is None:
-        return _DEFAULTS[name]
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    """The integer setting of variable `name` (TRAINING_LEASE_SECONDS is the field lease_seconds)."""
+    value = getattr(training_settings(), name.removeprefix("TRAINING_").lower())
+    if not isinstance(value, int):
+        raise TypeError(f"{name} is not an integer setting")
+    return value
 
 
 def dataset_max_bytes(tier_name: str) -> int:
     """The largest dataset a tenant of this tier may upload."""
-    overrides = _value("TRAINING_DATASET_MAX_BYTES_BY_TIER") or ""
-    for item in overrides.split(","):
-        tier, _, limit = item.partition("=")
-        if tier.strip() == tier_name and limit.strip():
-            return int(limit)
-    return setting_int("TRAINING_DATASET_MAX_BYTES")
+    read = training_settings()
+    return read.dataset_max_bytes_by_tier.get(tier_name, read.dataset_max_bytes)
 
 
 def scratch_dir() -> Path:
     """The directory training runs keep their local files in, one folder per run."""
-    return Path(_value("TRAINING_SCRATCH_DIR") or Path(tempfile.gettempdir()) / "loraplex-training")
+    return training_settings().scratch_dir or Path(tempfile.gettempdir()) / "loraplex-training"
 
 
 def _base_max_positions() -> int | None:
@@ -91,7 +103,7 @@ def _base_max_positions() -> int | None:
 
 def limits() -> Limits:
     """The platform's limits on hyperparameters: the settings', capped by the base model's context."""
-    cap = setting_int("TRAINING_MAX_SEQ_LENGTH")
+    cap = training_settings().max_seq_length
     positions = _base_max_positions()
     return Limits(max_rank=settings.MAX_LORA_RANK, max_seq_length=min(cap, positions) if positions else cap)
 

@@ -1,0 +1,48 @@
+"""`.env.example` lists exactly the settings the models define, each with its default, so the two
+cannot drift: PlatformSettings (serving/wire/settings.py), the gateway's GatewaySettings and
+training's TrainingSettings; the only other names are those read from the environment by others
+(docs/operations.md, "Settings": boto3's AWS_*, prometheus_client's, OpenMP's)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, cast
+
+from serving.gateway.config import GatewaySettings
+from serving.wire.settings import PlatformSettings
+from training.conf import TrainingSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_SETTINGS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "PROMETHEUS_MULTIPROC_DIR",
+                "OMP_NUM_THREADS"}
+
+
+def _lines() -> list[tuple[bool, str, str]]:
+    """(commented out, NAME, value) of every variable line."""
+    text = (ROOT / ".env.example").read_text()
+    return [(bool(hash_), name, value) for hash_, name, value in
+            re.findall(r"^(# ?)?([A-Z][A-Z0-9_]*)=(.*)$", text, re.MULTILINE)]
+
+
+def _defined() -> set[str]:
+    platform = {name.upper() for name in PlatformSettings.model_fields}
+    return platform | {name for name, _ in GatewaySettings.variables()} | {name for name, _ in TrainingSettings.variables()}
+
+
+def test_env_example_names_every_setting_once_and_nothing_else() -> None:
+    names = [name for _, name, _ in _lines()]
+    assert len(names) == len(set(names)), "a variable listed twice"
+    assert not sorted(_defined() - set(names)), "settings .env.example does not list"
+    assert not sorted(set(names) - _defined() - NOT_SETTINGS), "variables no settings model defines"
+
+
+def test_an_uncommented_platform_line_holds_the_fields_default() -> None:
+    fields = PlatformSettings.model_fields
+    for commented, name, value in _lines():
+        field = name.lower()
+        if commented or field not in fields:
+            continue
+        read = getattr(cast(Any, PlatformSettings)(_env_file=None, **{field: value}), field)
+        default = fields[field].default
+        assert read == default or (value == "" and default in ("", [], None)), f"{name}={value}, default {default!r}"
