@@ -4,9 +4,10 @@ Two engines wear this face: ``AsyncEngine`` (the ``LLMEngine`` on a thread of th
 ``ProcessEngine`` (the ``LLMEngine`` in a child process, serving.engine.process_engine). What they
 share lives here, so the two cannot drift apart: each request's stream (an ``asyncio.Queue`` on its
 caller's event loop), the delivery of a step's outputs to those streams in one hop per event loop,
-and ``generate()``, which checks the prompt here, hands the request to the engine, yields its
-cumulative outputs and aborts it when the caller leaves early. How a request, an abort or a call
-reaches the engine is each engine's own (the ``_add`` / ``_drop`` hooks and the calls).
+``generate()``, which checks the prompt here, hands the request to the engine, yields its
+cumulative outputs and aborts it when the caller leaves early, and every call, each one command
+(serving.engine.engine_messages) that ``EngineCore`` runs. How a command reaches the engine is each
+engine's own, and all it does: ``_submit`` (no answer) and ``_call`` (await the answer).
 """
 
 from __future__ import annotations
@@ -15,11 +16,23 @@ import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Collection
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from transformers import PreTrainedTokenizerBase
 
 from serving.engine.config import EngineConfig
+from serving.engine.engine_messages import (
+    AbortRequest,
+    AddLora,
+    AddRequest,
+    DropRequest,
+    EngineCommand,
+    GetStats,
+    ListLoras,
+    PrefetchLora,
+    RemoveLora,
+    VerifySlots,
+)
 from serving.engine.lora.cache import Placement
 from serving.engine.lora.request import LoRARequest
 from serving.engine.outputs import RequestOutput
@@ -36,9 +49,9 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient(ABC):
-    """What the HTTP server calls. Subclasses drive an ``LLMEngine`` and report each step's outputs
-    with ``_deliver_step`` and a single request's output or failure with ``_deliver``, from any
-    thread."""
+    """What the HTTP server calls. Subclasses carry commands to an ``EngineCore`` (``_submit``,
+    ``_call``) and report each step's outputs with ``_deliver_step`` and a single request's output
+    or failure with ``_deliver``, from any thread."""
 
     def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Stream]] = {}
@@ -97,9 +110,12 @@ class EngineClient(ABC):
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, stream)
 
+        # The engine reads only the salt of a prompt it is given encoded: the token ids cross once.
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        command = AddRequest(request_id, sampling_params, encoded, lora_request, priority, cache_salt=salt)
         finished = False
         try:
-            self._add(request_id, prompt, sampling_params, lora_request, priority, encoded)
+            self._submit(command)
             while True:
                 item = await stream.get()
                 # Outputs are cumulative: when the caller lags, only the newest one matters.
@@ -119,7 +135,10 @@ class EngineClient(ABC):
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self._drop(request_id)
+                try:
+                    self._submit(DropRequest(request_id))
+                except EngineDeadError:
+                    pass  # nothing runs it any more
 
     @abstractmethod
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -130,48 +149,72 @@ class EngineClient(ABC):
         """Raise ValueError for a prompt the engine cannot serve (``LLMEngine.validate``)."""
 
     @abstractmethod
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None,
-             priority: int, encoded: tuple[str | None, list[int]]) -> None:
-        """Hand the request to the engine; its failure to start is ``_deliver``-ed to its stream."""
-
-    @abstractmethod
-    def _drop(self, request_id: str) -> None:
-        """Abort a request whose caller left, without waiting: nobody reads its stream any more."""
-
-    @abstractmethod
     def _check_alive(self) -> None:
         """Raise EngineDeadError when the engine can take no more work."""
 
     @abstractmethod
+    def _submit(self, command: EngineCommand) -> None:
+        """Hand ``command`` to the engine without waiting (EngineDeadError when nothing can run it)."""
+
+    @abstractmethod
+    async def _call(self, command: EngineCommand) -> Any:
+        """Hand ``command`` to the engine and return its answer, or raise the error it raised."""
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with ``finish_reason="abort"``. Unknown ids are ignored."""
+        await self._call(AbortRequest(request_id))
 
     # ---- adapters and state ---------------------------------------------------------------
 
-    @abstractmethod
     async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False, *,
                        background: bool = False) -> LoRAInfo:
-        """Load an adapter into the CPU cache under its name and describe it (AsyncEngine.add_lora)."""
+        """Load an adapter into the CPU cache under its name (off the decode path) and describe it.
 
-    @abstractmethod
+        Raises AdapterError with the reason (bad files, rank, modules, digest, base model), or when
+        the name is loaded with other content and ``load_inplace`` is False. With ``load_inplace``
+        the name is re-pointed at once: requests already running keep the old weights, every later
+        request gets the new ones. ``background`` (a prefetch's load) reads on the prefetch thread,
+        so requests waiting for reads never queue behind it."""
+        return cast(LoRAInfo, await self._call(AddLora(lora_request, load_inplace, background)))
+
     async def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool, keep: Collection[str] = ()) -> Placement:
-        """Bring an adapter up ahead of its traffic; where it ended (AsyncEngine.prefetch_lora)."""
+        """Bring an adapter up ahead of its traffic (predictive prewarm) and say where it ended.
 
-    @abstractmethod
+        The adapter is read into the CPU cache under ``lora_request.lora_name`` on a loader thread,
+        as ``add_lora`` does (no read when that name already holds that content in memory); the
+        decode steps of other requests go on meanwhile. With ``to_gpu`` it is then copied into a
+        GPU slot, unpinned, only where a slot is empty or holds an idle adapter (no running
+        sequence and no waiting request; the least recently used such slot) and holds none of the
+        names in ``keep`` (the others a prewarm round wants in a slot, so one placement does not
+        evict another): a pinned, busy or kept slot is never evicted. Returns ``"gpu"`` when it is
+        in a slot, ``"cpu"`` when it is in the CPU cache only (``to_gpu=False``, or every slot
+        pinned, busy or kept).
+
+        Raises AdapterError as ``add_lora`` does (bad files, digest, base model, LoRA disabled),
+        and when the name is loaded from another path: a prefetch never changes what a name
+        serves. Measure its effect with ``get_stats()``: ``slot_hits`` / ``slot_misses`` (GPU-slot
+        hit rate of admissions) and ``adapter_load_stalls`` (requests that waited for a read)."""
+        return cast(Placement, await self._call(PrefetchLora(lora_request, to_gpu, tuple(keep))))
+
     async def verify_slots(self) -> list[SlotRepair]:
-        """Check every occupied GPU slot's checksum; the repairs started (AsyncEngine.verify_slots)."""
+        """Check every occupied GPU slot's checksum (between two steps); each slot that changed since
+        it was written is repaired from storage in the background and listed here. The requests
+        that had produced tokens from such a slot end at once with SlotCorruptedError; those that
+        had produced nothing wait for the repair (LLMEngine.verify_slots)."""
+        return cast(list[SlotRepair], await self._call(VerifySlots()))
 
-    @abstractmethod
     async def remove_lora(self, name: str) -> None:
-        """Unload ``name`` (AdapterNotFoundError if it is not loaded)."""
+        """Unload ``name`` (AdapterNotFoundError if it is not loaded). Requests already using it
+        finish with it; its GPU slot and CPU copy are freed when the last one does."""
+        await self._call(RemoveLora(name))
 
-    @abstractmethod
     async def list_loras(self, names: Collection[str] | None = None) -> list[LoRAInfo]:
-        """The loaded adapters, or only those of ``names`` loaded."""
+        """The loaded adapters, or only those of ``names`` loaded (LLMEngine.list_loras)."""
+        return cast(list[LoRAInfo], await self._call(ListLoras(None if names is None else tuple(names))))
 
-    @abstractmethod
     async def get_stats(self) -> EngineStats:
         """Queue depth, running sequences, KV use, slot and cache residency, load counters."""
+        return cast(EngineStats, await self._call(GetStats()))
 
     @abstractmethod
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -218,6 +261,18 @@ class EngineClient(ABC):
 def _put_all(batch: list[tuple[Stream, RequestOutput]]) -> None:
     for stream, output in batch:
         stream.put_nowait(output)
+
+
+def settle_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], ok: bool, value: object) -> None:
+    """Settle ``future`` with a command's answer (``EngineCore``'s ``reply(ok, value)``), from any
+    thread, on its event loop."""
+    try:
+        if ok:
+            loop.call_soon_threadsafe(settle_result, future, value)
+        else:
+            loop.call_soon_threadsafe(settle_error, future, cast(BaseException, value))
+    except RuntimeError:
+        pass  # the caller's event loop is closed: nobody is waiting any more
 
 
 def settle_result(future: asyncio.Future[T], value: T) -> None:

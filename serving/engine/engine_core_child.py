@@ -5,31 +5,25 @@ and PyTorch's bindings release and retake it around every op; with the HTTP loop
 waits, and the steps are host-bound on the GPU (vLLM V1 moved its engine core into its own process
 for the same reason). ``ProcessEngine`` (serving.engine.process_engine) starts ``main`` with
 multiprocessing's ``spawn`` context (never ``fork``: a forked CUDA context is unusable) and talks to
-it over one duplex pipe. The loop is ``EngineCore``'s, the one ``AsyncEngine`` runs on a thread.
+it over one duplex pipe. The loop and the commands are ``EngineCore``'s, the ones ``AsyncEngine``
+runs on a thread: this module only carries them (a listener thread that submits what the pipe
+brings, a channel that sends back what the core emits and answers).
 
 Detokenization stays here, in the engine's output processing: outputs cross the pipe with their
 text. Moving it to the parent (vLLM V1 does, in its front end) would take work off the child's
 steps but put it back on the process of the HTTP loop; it is left for when measurements say so.
 
-Messages are tuples whose first item names them.
-
-Parent to child:
-    ("add", request_id, salt, params, lora_request, priority, encoded)   no answer; a failure to
-                                                           start is a "fail" for the request;
-                                                           ``salt``: {"cache_salt": ...} or ""
-    ("drop", request_id)                                  abort, no answer (its caller left)
-    ("call", call_id, method, args)                       answered by one "reply" (``_CALLS``)
-    ("load", call_id, method, args)                       an adapter load (``_LOADS``), answered by
-                                                           one "reply" when the load completes
-    ("shutdown",)                                         abort every request, stop
-Child to parent:
+Parent to child: ``(call_id, command)``, a command of serving.engine.engine_messages; ``call_id``
+is None for a command sent without waiting (add, drop, shutdown), else its one "reply" names it.
+Child to parent, tuples whose first item names them (a step's outputs cross once per step; a tuple
+pickles several times cheaper than a dataclass):
     ("ready", model_name, max_model_len) or ("failed", error)   once, when the engine is built
     ("step", outputs)             a step's outputs in one message (or an abort's one output), each
                                   a request's first output whole, then what changed
                                   (serving.engine.output_deltas)
     ("fail", request_id, error)   a request ended by an error outside a step's outputs
     ("forget", request_id)        a request dropped without a last output: its delta state goes
-    ("reply", call_id, ok, value)     ``value`` is the result, or the exception when not ``ok``
+    ("reply", call_id, ok, value)     ``value`` is the answer, or the exception when not ``ok``
     ("dead", error)               no step can run again (a tensor-parallel rank died)
 """
 
@@ -40,15 +34,13 @@ import logging.config
 import pickle
 import signal
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine_core import EngineCore
-from serving.engine.llm_engine import LLMEngine
+from serving.engine.engine_messages import Shutdown
 from serving.engine.output_deltas import OutputEncoder
 from serving.engine.outputs import RequestOutput
 from serving.wire.logs import logging_config
@@ -56,29 +48,6 @@ from serving.wire.settings import platform_settings
 
 logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=BaseException)
-
-# Calls answered at once, between two steps: method name -> what runs on the engine.
-_CALLS: dict[str, Callable[..., Any]] = {
-    "verify_slots": LLMEngine.verify_slots,
-    "remove_lora": LLMEngine.remove_lora,
-    "list_loras": LLMEngine.list_loras,
-    "stats": LLMEngine.stats,
-}
-
-
-def _describe(engine: LLMEngine, args: tuple[Any, ...], result: object) -> object:
-    """An added adapter's LoRAInfo, read when its load completes (inside a step's poll)."""
-    (info,) = engine.list_loras([args[0].lora_name])
-    return info
-
-
-# Loads: method name -> (what starts the load, what turns its result into the answer).
-_LOADS: dict[str, tuple[Callable[..., Future[Any]], Callable[[LLMEngine, tuple[Any, ...], Any], object]]] = {
-    "add_lora": (lambda engine, request, inplace, background: engine.add_lora(request, inplace, background=background),
-                 _describe),
-    "prefetch_lora": (lambda engine, request, to_gpu, keep: engine.prefetch_lora(request, to_gpu=to_gpu, keep=keep),
-                      lambda engine, args, placement: placement),
-}
 
 
 def portable(error: E) -> E | RuntimeError:
@@ -121,6 +90,10 @@ class _Channel:
             self.encoder.forget(request_id)
             self.send(("fail", request_id, portable(item)))
 
+    def forget(self, request_id: str) -> None:
+        if self.encoder.forget(request_id):
+            self.send(("forget", request_id))
+
     def reply(self, call_id: int, ok: bool, value: object) -> None:
         try:
             self.send(("reply", call_id, ok, portable(value) if isinstance(value, BaseException) else value))
@@ -129,88 +102,19 @@ class _Channel:
             self.send(("reply", call_id, False, RuntimeError(f"the engine's answer cannot be sent: {exc!r}")))
 
 
-class _Commands:
-    """Turns the parent's messages into commands the loop runs between steps."""
-
-    def __init__(self, core: EngineCore, channel: _Channel) -> None:
-        self.core = core
-        self.engine = core.engine
-        self.channel = channel
-
-    def listen(self) -> None:
-        """On a thread of its own, so the pipe drains while a step runs (the parent never blocks
-        on a full pipe) and a message wakes an idle loop at once."""
-        while True:
-            try:
-                message = self.channel.conn.recv()
-            except (EOFError, OSError):
-                logger.warning("the serving process closed the pipe; stopping the engine")
-                self.core.submit(self.core.stop)
-                return
-            if message[0] == "shutdown":
-                self.core.submit(self.core.stop)
-                return
-            self.core.submit(partial(self.run, message))
-
-    def run(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "add":
-            _, request_id, prompt, params, lora_request, priority, encoded = message
-            try:
-                self.engine.add_request(request_id, prompt, params, lora_request, priority, encoded=encoded)
-            except Exception as exc:  # the caller's: its stream raises it
-                self.channel.emit(request_id, exc)
-        elif kind == "drop":
-            self.engine.abort_request(message[1])
-            if self.channel.encoder.forget(message[1]):
-                self.channel.send(("forget", message[1]))
-        elif kind == "call":
-            self.call(*message[1:])
-        elif kind == "load":
-            self.load(*message[1:])
-        else:
-            logger.error("unknown message from the serving process: %r", kind)
-
-    def call(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
+def _listen(core: EngineCore, channel: _Channel) -> None:
+    """On a thread of its own, so the pipe drains while a step runs (the parent never blocks on a
+    full pipe) and a command wakes an idle loop at once."""
+    while True:
         try:
-            value: object = None
-            if method == "abort":
-                self.abort(*args)
-            else:
-                value = _CALLS[method](self.engine, *args)
-        except Exception as exc:
-            self.channel.reply(call_id, False, exc)
-        else:
-            self.channel.reply(call_id, True, value)
-
-    def abort(self, request_id: str) -> None:
-        output = self.engine.abort_request(request_id)
-        if output is not None:
-            self.channel.emit(request_id, output)  # before the reply: the stream has ended when abort() returns
-
-    def load(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
-        """Start a load and answer when it completes, without holding up the steps meanwhile."""
-        start, then = _LOADS.get(method, (None, None))
-        if start is None or then is None:
-            self.channel.reply(call_id, False, ValueError(f"no such load: {method!r}"))
+            call_id, command = channel.conn.recv()
+        except (EOFError, OSError):
+            logger.warning("the serving process closed the pipe; stopping the engine")
+            core.submit(Shutdown())
             return
-
-        def done(load: Future[Any]) -> None:
-            error = load.exception()
-            if error is not None:
-                self.channel.reply(call_id, False, error)
-                return
-            try:
-                value = then(self.engine, args, load.result())
-            except Exception as exc:
-                self.channel.reply(call_id, False, exc)
-            else:
-                self.channel.reply(call_id, True, value)
-
-        try:
-            start(self.engine, *args).add_done_callback(done)
-        except Exception as exc:
-            self.channel.reply(call_id, False, exc)
+        core.submit(command, None if call_id is None else partial(channel.reply, call_id))
+        if isinstance(command, Shutdown):
+            return
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
@@ -222,7 +126,7 @@ def main(config: EngineConfig, conn: Connection) -> None:
     parent goes away, then shut the engine down (its tensor-parallel ranks with it)."""
     # Ctrl-C in a terminal reaches the whole process group, and a service manager's stop may send
     # SIGTERM to every process of the service; the parent decides when the engine stops (after
-    # its drain), so the child ignores both and waits for "shutdown" or a closed pipe. A handler,
+    # its drain), so the child ignores both and waits for Shutdown or a closed pipe. A handler,
     # not SIG_IGN, which the tensor-parallel ranks it starts would inherit (their stop is SIGTERM).
     signal.signal(signal.SIGINT, _ignore_signal)
     signal.signal(signal.SIGTERM, _ignore_signal)
@@ -230,7 +134,7 @@ def main(config: EngineConfig, conn: Connection) -> None:
     logging.config.dictConfig(logging_config(settings.log_format, settings.log_level))
     channel = _Channel(conn)
     try:
-        core = EngineCore(config, emit_step=channel.step, emit=channel.emit,
+        core = EngineCore(config, emit_step=channel.step, emit=channel.emit, forget=channel.forget,
                           on_dead=lambda error: channel.send(("dead", portable(error))))
     except Exception as exc:
         logger.exception("the engine could not start")
@@ -238,7 +142,7 @@ def main(config: EngineConfig, conn: Connection) -> None:
         conn.close()
         return
     channel.send(("ready", core.engine.model_name, core.engine.max_model_len))
-    threading.Thread(target=_Commands(core, channel).listen, name="engine-core-listener", daemon=True).start()
+    threading.Thread(target=_listen, args=(core, channel), name="engine-core-listener", daemon=True).start()
     try:
         core.run()
     finally:

@@ -2,9 +2,10 @@
 
 The ``LLMEngine`` and its loop run in the engine-core process (serving.engine.engine_core_child
 says why, and what crosses the pipe), so its steps never wait for the interpreter lock this
-process's HTTP loop holds. Here: the calls, each a message down the pipe, and one reader thread
-that takes every message the child sends and delivers it, a step's outputs in one hop per caller
-event loop (serving.engine.engine_client, which ``AsyncEngine`` shares).
+process's HTTP loop holds. Here, transport only: each call's command (serving.engine.engine_messages,
+the ones ``AsyncEngine`` hands its thread) down the pipe, and one reader thread that takes every
+message the child sends and delivers it, a step's outputs in one hop per caller event loop
+(serving.engine.engine_client, which ``AsyncEngine`` shares).
 
 Prompts are encoded and checked here, with this process's own tokenizer and model config (both
 cheap to load), so a bad prompt fails before anything crosses the pipe, and the child gets the
@@ -24,21 +25,19 @@ import itertools
 import logging
 import multiprocessing
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_connections
-from typing import Any, cast
+from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from serving.engine import engine_core_child
 from serving.engine.config import EngineConfig
-from serving.engine.engine_client import EngineClient, EngineDeadError, settle_error, settle_result
-from serving.engine.lora.cache import Placement
-from serving.engine.lora.request import LoRARequest
+from serving.engine.engine_client import EngineClient, EngineDeadError, settle_error, settle_from_thread
+from serving.engine.engine_messages import EngineCommand, Shutdown
 from serving.engine.output_deltas import OutputDecoder
 from serving.engine.prompts import PromptType, encode_prompt, validate_prompt
 from serving.engine.sampling_params import SamplingParams
-from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
 
 logger = logging.getLogger(__name__)
 
@@ -123,50 +122,6 @@ class ProcessEngine(EngineClient):
         validate_prompt(token_ids, params, vocab=self._vocab_size, max_model_len=self._max_model_len,
                         max_num_seqs=self._config.max_num_seqs)
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None,
-             priority: int, encoded: tuple[str | None, list[int]]) -> None:
-        # The engine reads a prompt given with its encoding only for its cache_salt: the token ids
-        # cross once, in ``encoded``.
-        salt = {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, dict) and "cache_salt" in prompt else ""
-        self._send(("add", request_id, salt, params, lora_request, priority, encoded))
-
-    def _drop(self, request_id: str) -> None:
-        try:
-            self._send(("drop", request_id))
-        except EngineDeadError:
-            pass  # nothing runs it any more
-
-    async def abort(self, request_id: str) -> None:
-        """Stop a request; its stream ends with ``finish_reason="abort"``. Unknown ids are ignored."""
-        await self._call("call", "abort", request_id)
-
-    # ---- adapters and state (AsyncEngine's methods of these names say what each does) -------
-
-    async def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False, *,
-                       background: bool = False) -> LoRAInfo:
-        """Load an adapter into the CPU cache under its name and describe it (AsyncEngine.add_lora)."""
-        return cast(LoRAInfo, await self._call("load", "add_lora", lora_request, load_inplace, background))
-
-    async def prefetch_lora(self, lora_request: LoRARequest, *, to_gpu: bool, keep: Collection[str] = ()) -> Placement:
-        """Bring an adapter up ahead of its traffic; where it ended (AsyncEngine.prefetch_lora)."""
-        return cast(Placement, await self._call("load", "prefetch_lora", lora_request, to_gpu, tuple(keep)))
-
-    async def verify_slots(self) -> list[SlotRepair]:
-        """Check every occupied GPU slot's checksum; the repairs started (AsyncEngine.verify_slots)."""
-        return cast(list[SlotRepair], await self._call("call", "verify_slots"))
-
-    async def remove_lora(self, name: str) -> None:
-        """Unload ``name`` (AdapterNotFoundError if it is not loaded)."""
-        await self._call("call", "remove_lora", name)
-
-    async def list_loras(self, names: Collection[str] | None = None) -> list[LoRAInfo]:
-        """The loaded adapters, or only those of ``names`` loaded."""
-        return cast(list[LoRAInfo], await self._call("call", "list_loras", None if names is None else list(names)))
-
-    async def get_stats(self) -> EngineStats:
-        """Queue depth, running sequences, KV use, slot and cache residency, load counters."""
-        return cast(EngineStats, await self._call("call", "stats"))
-
     # ---- life cycle -----------------------------------------------------------------------
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -178,7 +133,7 @@ class ProcessEngine(EngineClient):
         self._stopping = True
         atexit.unregister(self.shutdown)
         try:
-            self._send(("shutdown",))
+            self._send((None, Shutdown()))
         except EngineDeadError:
             pass  # already gone
         self._process.join(timeout)
@@ -211,7 +166,7 @@ class ProcessEngine(EngineClient):
         _, model_name, max_model_len = message
         return str(model_name), int(max_model_len)
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: tuple[int | None, EngineCommand]) -> None:
         """Callers' threads send; one lock keeps messages whole."""
         with self._send_lock:
             try:
@@ -219,8 +174,11 @@ class ProcessEngine(EngineClient):
             except (OSError, ValueError) as exc:  # a broken or closed pipe: the child is gone
                 raise EngineDeadError(f"the engine-core process is gone: {exc!r}") from exc
 
-    async def _call(self, kind: str, method: str, *args: object) -> Any:
-        """Send a call and await its reply (which the reader settles on this event loop)."""
+    def _submit(self, command: EngineCommand) -> None:
+        self._send((None, command))
+
+    async def _call(self, command: EngineCommand) -> Any:
+        """Send ``command`` and await its answer (which the reader settles on this event loop)."""
         loop = asyncio.get_running_loop()
         result: asyncio.Future[Any] = loop.create_future()
         with self._lock:  # the lock _die takes: a call is either registered before, or refused
@@ -228,7 +186,7 @@ class ProcessEngine(EngineClient):
             call_id = next(self._call_ids)
             self._calls[call_id] = (loop, result)
         try:
-            self._send((kind, call_id, method, args))
+            self._send((call_id, command))
         except EngineDeadError:
             with self._lock:
                 self._calls.pop(call_id, None)
@@ -272,17 +230,8 @@ class ProcessEngine(EngineClient):
     def _settle(self, call_id: int, ok: bool, value: object) -> None:
         with self._lock:
             target = self._calls.pop(call_id, None)
-        if target is None:
-            return
-        loop, future = target
-        try:
-            if ok:
-                loop.call_soon_threadsafe(settle_result, future, value)
-            else:
-                assert isinstance(value, BaseException)
-                loop.call_soon_threadsafe(settle_error, future, value)
-        except RuntimeError:
-            pass  # the caller's event loop is closed: nobody is waiting any more
+        if target is not None:
+            settle_from_thread(*target, ok, value)
 
     def _die(self, error: Exception, *, fail: bool = True, notify: bool = True) -> None:
         """The engine can run no more: refuse new work; with ``fail``, end every open stream and
