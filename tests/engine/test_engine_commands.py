@@ -9,15 +9,15 @@ import asyncio
 import pickle
 import threading
 from contextlib import aclosing
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from pathlib import Path
-from typing import get_args
+from typing import cast, get_args
 
 import pytest
 
-from serving.engine import AsyncEngine, SamplingParams
+from serving.engine import AsyncEngine, RequestOutput, SamplingParams
 from serving.engine.engine_core import EngineCore, Reply
 from serving.engine.engine_core_child import _Channel, _listen
 from serving.engine.engine_messages import (
@@ -90,7 +90,8 @@ def test_the_thread_driver_dispatches_through_the_core(engine: AsyncEngine, monk
     async def run() -> None:
         await engine.get_stats()
         await engine.list_loras(["none"])
-        stream = engine.generate({"prompt_token_ids": [5, 6, 7], "cache_salt": "tenant-7"}, GREEDY, "spied")
+        stream = cast(AsyncGenerator[RequestOutput, None],  # generate() is one; its type says AsyncIterator
+                      engine.generate({"prompt_token_ids": [5, 6, 7], "cache_salt": "tenant-7"}, GREEDY, "spied"))
         async with aclosing(stream):
             await anext(stream)  # then leaving early drops it
         await engine.abort("spied")
@@ -114,8 +115,11 @@ def test_the_salt_reaches_the_engine_as_the_salt(engine: AsyncEngine) -> None:
         done.set()
 
     queued = threading.Event()
-    # The loop waits in this reply until all is queued, then drains it at once: no step between.
-    core.submit(GetStats(), lambda ok, value: queued.wait(TIMEOUT_S))
+
+    def hold(ok: bool, value: object) -> None:
+        queued.wait(TIMEOUT_S)  # the loop waits here until all is queued, then drains it: no step between
+
+    core.submit(GetStats(), hold)
     core.submit(AddRequest("salted", GREEDY, (None, [5, 6, 7]), cache_salt="tenant-9"))
     core.submit(AddRequest("unsalted", GREEDY, (None, [5, 6, 7])))
     core.submit(GetStats(), look)
