@@ -1,4 +1,5 @@
-# The two commands: `make up` runs the platform on its embedded defaults, `make test` runs every test.
+# The two commands: `make up` runs the platform on its embedded defaults, `make test` runs every test
+# (both tiers; `make test-fast` the in-process one, docs/testing.md).
 # Both set themselves up on a fresh machine: virtualenv, packages, database, models.
 
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 # Re-installs only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test up migrate lint-imports typecheck vendor-static screenshots
+.PHONY: install test test-fast up migrate lint-imports typecheck vendor-static screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,18 +37,24 @@ lint-imports: install
 typecheck: install
 	DJANGO_DEBUG=true REDIS_URL=redis://mypy-never-connects.invalid:6379/0 $(VENV)/bin/mypy
 
-# The suite on four pytest-xdist workers on the 2-core machine (417 s against 584 s on two: the
-# figures in docs/testing.md), each file whole on one worker; each worker has its own test database,
-# Redis database and temporary directory. PYTEST_WORKERS=0: one process.
+# The suite on four pytest-xdist workers on the 2-core machine (faster than two: it waits on the
+# processes it starts as much as it computes), each file whole on one worker; each worker has its own
+# test database, Redis database and temporary directory (docs/testing.md). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 4
 
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE, as many
 # images set): otherwise every xdist worker rewrites every test module's asserts again and every
-# web process, serving worker and Celery worker the suite starts compiles the project again
-# (docs/testing.md, "Where the time goes"). The files go to __pycache__/, which git ignores.
+# web process, serving worker and Celery worker the suite starts compiles the project
+# again. The files go to __pycache__/, which git ignores.
 # --durations=30: every run (CI's included) prints its slowest set-ups and tests, where the time goes.
 test: lint-imports typecheck
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
+
+# The fast tier: every test but those marked e2e (they start real processes: web processes, serving
+# and Celery workers, Redis servers), on the same workers; what a developer runs between edits. No
+# mypy (make typecheck): it is the slow part of a small change's check.
+test-fast: lint-imports
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not e2e" --durations=30 $(PYTEST_ARGS)
 
 up: migrate
 	$(PY) -m lora_platform.launcher

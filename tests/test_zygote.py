@@ -14,6 +14,8 @@ import pytest
 
 from tests import zygote
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

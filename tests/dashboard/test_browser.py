@@ -26,6 +26,8 @@ import pytest
 
 from tests.dashboard.browser_support import LAPTOP, Shots, confirm_action, launched_browser
 
+pytestmark = pytest.mark.e2e
+
 BASE_MODEL_NAME = "tiny-llama"
 PASSWORD = "correct-horse-battery"
 WORKER_KEY = "dashboard-test-worker-key"

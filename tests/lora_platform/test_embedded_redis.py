@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 # Starts the server, holds a second connection as kombu's pool would, runs `action`, prints the pid.
 SCRIPT = """

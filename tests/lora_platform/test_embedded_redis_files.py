@@ -7,7 +7,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.lora_platform.test_embedded_redis import gone, run
+
+pytestmark = pytest.mark.e2e
 
 # Prints the server's directory too, to check it is gone afterwards.
 DIRECTORY = "print(embedded._server.redis_dir, flush=True)"

@@ -47,6 +47,8 @@ from serving.engine.tiny import build_tiny_model
 from tenants.models import Membership, Tenant
 from tests.training.training_support import wait_for
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240
 

@@ -1,0 +1,43 @@
+"""The suite's tiers (docs/testing.md, "Tiers and markers"): a test that uses a process-starting
+fixture is marked e2e at collection, and the processes a test starts are counted, so one that
+starts a process unmarked is named at the end of the run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests import tiers
+
+
+class _Item:
+    def __init__(self, fixturenames: list[str]) -> None:
+        self.fixturenames = fixturenames
+        self.markers: list[str] = []
+
+    def add_marker(self, marker: pytest.MarkDecorator) -> None:
+        self.markers.append(marker.name)
+
+    def get_closest_marker(self, name: str) -> None:
+        return None
+
+
+def test_a_test_using_a_process_fixture_directly_or_not_is_marked_e2e() -> None:
+    # pytest lists a fixture's own fixtures in the test's fixturenames: `registry` -> `start_worker`.
+    through_another, direct, in_process = _Item(["registry", "start_worker"]), _Item(["web"]), _Item(["db", "client"])
+    tiers.mark([through_another, direct, in_process])  # type: ignore[list-item]
+    assert "e2e" in through_another.markers and "e2e" in direct.markers
+    assert "e2e" not in in_process.markers
+
+
+def test_the_e2e_marker_is_registered(pytestconfig: pytest.Config) -> None:
+    assert any(line.startswith("e2e:") for line in pytestconfig.getini("markers"))
+
+
+@pytest.mark.e2e
+def test_a_process_the_test_starts_is_counted() -> None:
+    before = tiers.starts[0]
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert tiers.starts[0] == before + 1
