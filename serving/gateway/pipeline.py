@@ -10,18 +10,17 @@ shedding, the Redis-outage fallback) return their decisions and never write it, 
 run through serving.gateway.failover.with_failover, where the retry rule is written once.
 Refusals are GatewayErrors; the edge (serving.gateway.asgi) turns everything into HTTP.
 
-Django-free: the database is the `Catalog` in `Resources` (serving.gateway.ports), and every
-setting arrives as a config built once; serving.gateway.wiring builds both, per event loop.
+Django-free: the database is the `Catalog` in `Resources` (serving.gateway.resources, with every
+setting as a config built once); serving.gateway.wiring builds them, per event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,14 +28,10 @@ import redis.asyncio as aioredis
 
 from serving.gateway import metrics
 from serving.gateway.accounting import charged_tokens, check_fits, most_tokens, release_after
-from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import retryable, with_failover
-from serving.gateway.local_buckets import GuardedBuckets
-from serving.gateway.ports import Catalog
-from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig
-from serving.gateway.proxy import Upstream, UpstreamResult, relay_stream, rename_model
-from serving.gateway.key_budget import KeyBudgets, budget_exceeded
+from serving.gateway.proxy import UpstreamResult, relay_stream, rename_model
+from serving.gateway.key_budget import budget_exceeded
 from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
 from serving.gateway.redis_batch import run_batch
@@ -44,77 +39,55 @@ from serving.gateway.request_buckets import RequestBuckets
 from serving.gateway.request_fields import (
     decode_body, estimate_prompt_tokens, requested_max_tokens, requested_sequences,
 )
-from serving.gateway.resilience import FAILOVER_RETRIES, Resilience, VersionVerdict
-from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry, route
+from serving.gateway.resilience import FAILOVER_RETRIES, VersionVerdict
+from serving.gateway.resources import Resources, current_workers
+from serving.gateway.routing import WorkerView, route
 from serving.gateway.stream_http import FirstByteTimeout
 from serving.gateway.upstream import upstream_body
-from serving.gateway.usage_backlog import UsageBacklog, usage_pushes
+from serving.gateway.usage_backlog import usage_pushes
 from serving.gateway.usage_log import UsageEvent
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.gateway.worker_watch import unless_worker_gone
 from serving.wire.access_log import access_note
-from serving.wire.registry import api_key_id
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    """What the steps read, built once (serving.gateway.wiring, from the settings' instances)."""
-
-    gateway: GatewayConfig
-    routing: RoutingConfig
-    # The serving workers' shared key: only workers holding it are routed to (SERVING_WORKER_API_KEY).
-    worker_api_key: str
-    # The base model's id, the name a degraded reply carries (BASE_MODEL_NAME).
-    base_model_name: str
+# ---- the whole path ------------------------------------------------------------------------
 
 
-@dataclass
-class Resources:
-    """Per event loop (clients bind to the loop that made them): Redis, the buckets, the pool to
-    the workers, the catalog, the worker list cache, this process's in-flight count per worker,
-    its round-robin turn (used under GATEWAY_ROUTING=round_robin) and the usage records Redis has
-    not taken yet (serving.gateway.usage_backlog)."""
-
-    redis: aioredis.Redis
-    buckets: GuardedBuckets
-    upstream: Upstream
-    resilience: Resilience
-    catalog: Catalog
-    config: PipelineConfig
-    inflight: dict[str, int] = field(default_factory=dict)
-    workers: list[WorkerView] = field(default_factory=list)
-    workers_read_at: float = -math.inf
-    workers_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    rotation: RoundRobin = field(default_factory=RoundRobin)
-    flusher: asyncio.Task[None] | None = None
-    prewarmer: asyncio.Task[None] | None = None
-    key_budgets: KeyBudgets = field(init=False)
-    usage_backlog: UsageBacklog = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key_budgets = KeyBudgets(self.redis)
-        self.usage_backlog = UsageBacklog(self.redis, self.resilience.guard)
-
-
-def prewarm_start(res: Resources, config: PrewarmLoopConfig) -> asyncio.Task[None] | None:
-    """The prewarm loop on this loop (serving.gateway.prewarm_loop), unless its interval is 0."""
-    if config.interval_s <= 0:
-        return None
-
-    async def workers() -> list[WorkerView]:
-        return res.resilience.usable_workers(await _workers(res))
-
-    prewarmer = Prewarmer(redis=res.redis, demand=res.resilience.demand, guard=res.resilience.guard, workers=workers,
-                          served=res.catalog.served_versions, client=res.upstream.client,
-                          api_key=res.config.worker_api_key, config=config)
-    # A fresh context: inherited from the first request, the registry lookups (sync_to_async) would
-    # run on that request's thread executor, which is gone once it ends.
-    return asyncio.get_running_loop().create_task(prewarmer.run(), name="gateway-prewarm",
-                                                  context=contextvars.Context())
+async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, res: Resources) -> Reply:
+    """One completion request, from its HTTP parts to the reply, on this loop's `res`
+    (serving.gateway.wiring.resources)."""
+    caller = await res.catalog.caller_for(authorization)
+    body = decode_body(raw_body)  # checked once: serving.gateway.request_fields
+    model = body["model"]
+    access_note(tenant=caller.tenant, model=model)
+    try:
+        target = await res.catalog.target_for(caller, model)
+    except GatewayError as error:
+        if error.status == 404 or error.code == "model_not_allowed":
+            raise await charged_refusal(caller, endpoint, error, res) from None
+        raise
+    max_tokens, sequences = check_tier_limits(body, endpoint, caller)
+    # Chosen before admission, so that its breaker permit is asked in the admission's round trip.
+    call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
+                sequences=sequences, body_bytes=len(raw_body), version=choose_version(target, body))
+    try:
+        await admit(call, res)
+    except GatewayError as error:
+        metrics.REQUESTS.labels(caller.tier.name, endpoint, str(error.status)).inc()
+        raise
+    try:
+        breaker_applied(call, await res.resilience.version_permit(
+            call.version, call.permit, call.target.served, degradable=degradable(call), headers=call.headers))
+        workers = await choose_workers(call, res)
+    except GatewayError:
+        await _release(call, res)
+        raise
+    return await forward(call, workers, res)
 
 
 # ---- steps ---------------------------------------------------------------------------------
@@ -242,29 +215,12 @@ def choose_version(target: Target, body: dict[str, Any]) -> ServedVersion | None
     return pick_version(target.served, user=user if isinstance(user, str) else None)
 
 
-async def _workers(res: Resources) -> list[WorkerView]:
-    """Live workers, read from Redis at most every GATEWAY_WORKERS_CACHE_SECONDS per process."""
-    every = res.config.gateway.workers_cache_s
-    if time.monotonic() - res.workers_read_at > every:
-        async with res.workers_lock:
-            if time.monotonic() - res.workers_read_at > every:
-                documents = await res.resilience.guard.call("worker registry", lambda: read_registry(res.redis))
-                # Redis away: the last list read stays in use (failover handles a worker gone meanwhile).
-                if documents is not None:
-                    res.workers = live_workers(documents, base_models=res.catalog.base_model_ids(),
-                                               key_id=api_key_id(res.config.worker_api_key))
-                res.workers_read_at = time.monotonic()
-    # A cached entry whose heartbeat has since expired is dropped by the next read; meanwhile the
-    # worker is still within its TTL of three heartbeats.
-    return res.workers
-
-
 async def choose_workers(call: Call, res: Resources) -> list[WorkerView]:
     """The workers for the call's version, best first, among those not ejected, by the routing
     policy (affinity, queue, KV; or round robin: serving.gateway.routing.route): the first is
     called, the next where it fails before its first byte. 503 when none is live or, below vip,
     when all are full."""
-    candidates = res.resilience.usable_workers(await _workers(res))
+    candidates = res.resilience.usable_workers(await current_workers(res))
     adapter = call.version.qualified_name if call.version else None
     order = route(candidates, adapter=adapter, inflight=res.inflight, config=res.config.routing,
                   rotation=res.rotation)
@@ -350,41 +306,6 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
         # Kept all the same: a record pushed twice is written once (its record id).
         res.usage_backlog.keep(events)
         log.exception("could not record usage / refund tokens of %s", call.request_id)
-
-
-# ---- the whole path ------------------------------------------------------------------------
-
-
-async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, res: Resources) -> Reply:
-    """One completion request, from its HTTP parts to the reply, on this loop's `res`
-    (serving.gateway.wiring.resources)."""
-    caller = await res.catalog.caller_for(authorization)
-    body = decode_body(raw_body)  # checked once: serving.gateway.request_fields
-    model = body["model"]
-    access_note(tenant=caller.tenant, model=model)
-    try:
-        target = await res.catalog.target_for(caller, model)
-    except GatewayError as error:
-        if error.status == 404 or error.code == "model_not_allowed":
-            raise await charged_refusal(caller, endpoint, error, res) from None
-        raise
-    max_tokens, sequences = check_tier_limits(body, endpoint, caller)
-    # Chosen before admission, so that its breaker permit is asked in the admission's round trip.
-    call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
-                sequences=sequences, body_bytes=len(raw_body), version=choose_version(target, body))
-    try:
-        await admit(call, res)
-    except GatewayError as error:
-        metrics.REQUESTS.labels(caller.tier.name, endpoint, str(error.status)).inc()
-        raise
-    try:
-        breaker_applied(call, await res.resilience.version_permit(
-            call.version, call.permit, call.target.served, degradable=degradable(call), headers=call.headers))
-        workers = await choose_workers(call, res)
-    except GatewayError:
-        await _release(call, res)
-        raise
-    return await forward(call, workers, res)
 
 
 async def charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:

@@ -182,7 +182,8 @@ class RoundRobin:
     """Turns over whichever workers are live at each pick: the first worker id after the last one
     picked, in id order, wrapping around. Keyed by id rather than by position, a worker that left
     is skipped and one that joined takes its turn without the others' turns shifting. One per
-    gateway event loop (pipeline.Resources): several processes each keep their own turn."""
+    gateway event loop (serving.gateway.resources.Resources): several processes each keep their
+    own turn."""
 
     def __init__(self) -> None:
         self.last: str | None = None

@@ -23,10 +23,11 @@ from serving.gateway.proxy import Upstream
 from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Reply
 from serving.gateway.resilience import Resilience
+from serving.gateway.resources import PipelineConfig, Resources, prewarm_start
 from serving.gateway.version_pick import ServedVersion
 from serving.usage import usage_flusher_start
 
-_resources: dict[asyncio.AbstractEventLoop, pipeline.Resources] = {}
+_resources: dict[asyncio.AbstractEventLoop, Resources] = {}
 
 
 async def canary_abort(canary: ServedVersion, reason: str) -> bool:
@@ -45,7 +46,7 @@ def resilience_build(redis: aioredis.Redis) -> Resilience:
                             canary_abort=canary_abort)
 
 
-def resources() -> pipeline.Resources:
+def resources() -> Resources:
     """This event loop's resources, built on first use (with the usage flusher and the prewarm loop)."""
     loop = asyncio.get_running_loop()
     found = _resources.get(loop)
@@ -57,20 +58,20 @@ def resources() -> pipeline.Resources:
                                          socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT)
         resilience = resilience_build(client)
         gateway = settings.GATEWAY
-        found = pipeline.Resources(
+        found = Resources(
             redis=client,
             buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=gateway.processes),
             upstream=Upstream(api_key=settings.SERVING_WORKER_API_KEY, timeout_s=gateway.upstream_timeout_s,
                               first_byte_timeout_s=gateway.first_byte_timeout_s),
             resilience=resilience,
             catalog=catalog,
-            config=pipeline.PipelineConfig(gateway=gateway, routing=settings.GATEWAY_ROUTING,
+            config=PipelineConfig(gateway=gateway, routing=settings.GATEWAY_ROUTING,
                                            worker_api_key=settings.SERVING_WORKER_API_KEY,
                                            base_model_name=settings.BASE_MODEL_NAME),
         )
         _resources[loop] = found
         found.flusher = usage_flusher_start()
-        found.prewarmer = pipeline.prewarm_start(found, settings.GATEWAY_PREWARM_LOOP)
+        found.prewarmer = prewarm_start(found, settings.GATEWAY_PREWARM_LOOP)
     return found
 
 

@@ -22,6 +22,7 @@ from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.proxy import Upstream, UpstreamResult
 from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
+from serving.gateway.resources import PipelineConfig, Resources
 
 STRICT = TierLimits(name="strict", requests_per_minute=600, tokens_per_minute=10, max_tokens_per_request=64,
                     priority=1, degradation_allowed=False)
@@ -46,17 +47,17 @@ def chat(who: Caller, *, max_tokens: int) -> Call:
                 max_tokens=max_tokens)
 
 
-def admitting(scenario: Callable[[pipeline.Resources, aioredis.Redis], Awaitable[None]]) -> None:
+def admitting(scenario: Callable[[Resources, aioredis.Redis], Awaitable[None]]) -> None:
     from django.conf import settings
 
     async def run() -> None:
         client = aioredis.Redis.from_url(settings.REDIS_URL)
         resilience = wiring.resilience_build(client)
-        res = pipeline.Resources(
+        res = Resources(
             redis=client, buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=1),
             upstream=Upstream(api_key="", timeout_s=5.0), resilience=resilience,
             catalog=NothingRecorded(),  # type: ignore[arg-type]  # admission reads only this
-            config=pipeline.PipelineConfig(gateway=settings.GATEWAY, routing=settings.GATEWAY_ROUTING,
+            config=PipelineConfig(gateway=settings.GATEWAY, routing=settings.GATEWAY_ROUTING,
                                            worker_api_key="", base_model_name="tiny"))
         try:
             await scenario(res, client)
@@ -74,7 +75,7 @@ def admitting(scenario: Callable[[pipeline.Resources, aioredis.Redis], Awaitable
 def test_a_request_no_bucket_can_ever_hold_is_a_400_naming_the_limit(redis_client, tier, key, named) -> None:
     who = caller(tier, **key)
 
-    async def scenario(res: pipeline.Resources, client: aioredis.Redis) -> None:
+    async def scenario(res: Resources, client: aioredis.Redis) -> None:
         # 10 tpm with the default burst of two minutes hold 20 tokens; this request reserves 64 and its prompt.
         with pytest.raises(GatewayError) as refused:
             await pipeline.admit(chat(who, max_tokens=64), res)
@@ -93,7 +94,7 @@ def test_a_request_no_bucket_can_ever_hold_is_a_400_naming_the_limit(redis_clien
 def test_a_budget_reservation_goes_back_when_the_buckets_refuse(redis_client) -> None:
     who = caller(DEGRADABLE, tokens_per_minute=50, monthly_token_budget=1_000)
 
-    async def scenario(res: pipeline.Resources, client: aioredis.Redis) -> None:
+    async def scenario(res: Resources, client: aioredis.Redis) -> None:
         first = chat(who, max_tokens=64)
         await pipeline.admit(first, res)
         assert first.budget_reservation is not None

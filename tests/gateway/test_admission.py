@@ -23,6 +23,7 @@ from serving.gateway.proxy import Upstream
 from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
 from serving.gateway.request_fields import estimate_prompt_tokens
+from serving.gateway.resources import PipelineConfig, Resources
 
 BURST = 2.0
 DEGRADABLE = TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=1_000,
@@ -51,18 +52,18 @@ def adapter_call(who: Caller, *, max_tokens: int = 8) -> Call:
                 max_tokens=max_tokens)
 
 
-def admitting(recorded: int, scenario: Callable[[pipeline.Resources], Awaitable[None]]) -> None:
+def admitting(recorded: int, scenario: Callable[[Resources], Awaitable[None]]) -> None:
     """Runs `scenario` with the pipeline's resources on the run's Redis, as serving.gateway.wiring builds them."""
     from django.conf import settings
 
     async def run() -> None:
         client = aioredis.Redis.from_url(settings.REDIS_URL)
         resilience = wiring.resilience_build(client)
-        res = pipeline.Resources(
+        res = Resources(
             redis=client, buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=1),
             upstream=Upstream(api_key="", timeout_s=5.0), resilience=resilience,
             catalog=RecordedCatalog(recorded),  # type: ignore[arg-type]  # admission reads only this
-            config=pipeline.PipelineConfig(gateway=settings.GATEWAY.model_copy(update={"bucket_burst": BURST}),
+            config=PipelineConfig(gateway=settings.GATEWAY.model_copy(update={"bucket_burst": BURST}),
                                            routing=settings.GATEWAY_ROUTING,
                                            worker_api_key="", base_model_name="tiny"))
         try:
@@ -79,7 +80,7 @@ def test_a_key_is_refused_once_its_recorded_spend_reaches_its_budget(redis_clien
                                                                     admitted: bool) -> None:
     who = caller(monthly_token_budget=1_000)
 
-    async def scenario(res: pipeline.Resources) -> None:
+    async def scenario(res: Resources) -> None:
         call = adapter_call(who)
         if admitted:
             await pipeline.admit(call, res)
@@ -98,7 +99,7 @@ def test_a_key_over_its_own_tokens_per_minute_is_refused_not_degraded(redis_clie
     # The tenant's 1,000 tpm hold far more, so only the key is short.
     who = caller(tokens_per_minute=50)
 
-    async def scenario(res: pipeline.Resources) -> None:
+    async def scenario(res: Resources) -> None:
         first = adapter_call(who, max_tokens=64)
         await pipeline.admit(first, res)
         assert first.admission is not None and first.admission.admitted
@@ -118,7 +119,7 @@ def test_the_tenants_quota_short_on_a_degradable_tier_is_degraded_to_the_base_mo
     who = caller(tier=TierLimits(name="standard", requests_per_minute=600, tokens_per_minute=100,
                                  max_tokens_per_request=64, priority=1, degradation_allowed=True))
 
-    async def scenario(res: pipeline.Resources) -> None:
+    async def scenario(res: Resources) -> None:
         calls = [adapter_call(who, max_tokens=64) for _ in range(3)]
         for call in calls:
             await pipeline.admit(call, res)
@@ -134,7 +135,7 @@ def test_a_request_reserving_exactly_its_keys_bucket_is_admitted_and_one_token_m
     max_tokens = 40 + (prompt % 2)  # an even reservation: the key's tpm is half of it (BURST minutes)
     who = caller(tokens_per_minute=int((prompt + max_tokens) / BURST))
 
-    async def scenario(res: pipeline.Resources) -> None:
+    async def scenario(res: Resources) -> None:
         with pytest.raises(GatewayError) as refused:
             await pipeline.admit(adapter_call(who, max_tokens=max_tokens + 1), res)
         assert (refused.value.status, refused.value.code) == (400, "request_too_large")
