@@ -17,7 +17,8 @@ from typing import Any, cast
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest
+from django.http.response import HttpResponseBase
 
 from serving.wire.errors import NotFound
 from tenants.authentication import SESSION_TENANT_KEY, TenantAuth
@@ -85,13 +86,16 @@ def dashboard_actor(request: HttpRequest) -> str:
     return f"user:{request.user.get_username()}"
 
 
-def dashboard_view(role: str = Role.VIEWER) -> Callable[[Callable[..., HttpResponse]], Callable[..., HttpResponse]]:
-    """Login, tenant and role checks for a dashboard view; the view finds `request.dashboard`."""
+def dashboard_view(
+        role: str = Role.VIEWER) -> Callable[[Callable[..., HttpResponseBase]], Callable[..., HttpResponseBase]]:
+    """Login, tenant and role checks for a dashboard view; the view finds `request.dashboard`.
 
-    def decorate(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    A view may answer with any response, a streamed file (the guides' screenshots) included."""
+
+    def decorate(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
         @login_required
         @wraps(view)
-        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
             context = tenant_context(request)
             if context is None:
                 raise PermissionDenied("Your account is not a member of any tenant; ask a tenant owner to add you.")

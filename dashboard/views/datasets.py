@@ -10,6 +10,7 @@ from typing import Any, BinaryIO, cast
 
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
@@ -30,7 +31,7 @@ def dataset_list_view(request: DashboardRequest) -> HttpResponse:
 
 
 @csrf_exempt
-def dataset_upload_view(request: HttpRequest) -> HttpResponse:
+def dataset_upload_view(request: HttpRequest) -> HttpResponseBase:
     """The upload streams to disk through the API's handler, which stops at the tier's size limit.
 
     Upload handlers must be set before anything reads the body, and the CSRF check reads it, so the
