@@ -29,6 +29,7 @@ from serving.engine import (
 )
 from serving.engine.distributed.parallel import RankFailedError
 from serving.engine.engine_client import EngineClient
+from serving.engine.engine_messages import AddRequest
 from serving.engine.process_engine import ProcessEngine
 from tests.engine.test_async_engine import ENGINE_ARGS, GREEDY
 
@@ -317,7 +318,22 @@ def test_a_cache_salt_crosses_with_the_encoded_prompt(engine: ProcessEngine) -> 
         return [await cached("tenant-1", "salt-1"), await cached("tenant-1", "salt-2"),
                 await cached("tenant-2", "salt-3")]
 
-    first, again, other = asyncio.run(run())
+    sent: list[tuple[object, ...]] = []
+    send = engine._send
+
+    def spy(message: tuple[Any, ...]) -> None:
+        sent.append(message)
+        send(message)
+
+    engine._send = spy  # type: ignore[method-assign]
+    try:
+        first, again, other = asyncio.run(run())
+    finally:
+        del engine._send
     assert first == 0 and again is not None and again > 0 and other == 0
+    # It crosses as the command's salt, beside the token ids, and nothing else of the prompt.
+    adds = [command for _, command in sent if isinstance(command, AddRequest)]
+    assert [(add.cache_salt, add.encoded) for add in adds] == [
+        ("tenant-1", (None, ids)), ("tenant-1", (None, ids)), ("tenant-2", (None, ids))]
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         asyncio.run(cached("", "salt-bad"))
