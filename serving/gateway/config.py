@@ -21,6 +21,7 @@ from serving.gateway.shedding import ShedConfig
 from serving.wire.breakers import BreakerConfig
 from serving.wire.env import EnvModel, env
 from serving.wire.redis_guard import RedisGuardConfig
+from serving.wire.settings import MAX_REQUEST_BODY_BYTES
 
 
 class GatewayConfig(EnvModel):
@@ -39,9 +40,9 @@ class GatewayConfig(EnvModel):
     # tens of them (docs/resilience.md, "Failover and outlier ejection").
     first_byte_timeout_s: float = env(30.0, "GATEWAY_FIRST_BYTE_TIMEOUT")
     # The largest completion request body the gateway reads: the serving worker's own bound (its
-    # --max-request-body-bytes default), so a body the worker would refuse is refused here, before it
-    # is parsed, admitted and charged (raise both together).
-    max_body_bytes: int = env(1024 * 1024, "GATEWAY_MAX_BODY_BYTES")
+    # --max-request-body-bytes default, the same constant), so a body the worker would refuse is
+    # refused here, before it is parsed, admitted and charged (raise both together).
+    max_body_bytes: int = env(MAX_REQUEST_BODY_BYTES, "GATEWAY_MAX_BODY_BYTES")
     # Token buckets hold this many minutes of the tier's rate: 2 is a burst of twice the per-minute
     # rate.
     bucket_burst: float = env(2.0, "GATEWAY_BUCKET_BURST")

@@ -45,6 +45,10 @@ ENV_FILE_VARIABLE = "LORAPLEX_ENV_FILE"
 DEFAULT_SECRET_KEY = "loraplex-insecure-development-key-change-me"
 LOCAL_HOSTS = frozenset({"localhost", "testserver"})  # testserver: Django's test client
 _SECRET_NAMES = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+# The largest completion request body, by default, of both readers: the serving worker
+# (--max-request-body-bytes) and the gateway in front of it (GATEWAY_MAX_BODY_BYTES), so a body the
+# worker would refuse is refused before the gateway parses, admits and charges it.
+MAX_REQUEST_BODY_BYTES = 1024 * 1024
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 # A comma-separated list ("a, b"), not pydantic-settings' JSON list.

@@ -5,21 +5,41 @@ admission bound, shutdown grace period, adapter roots, request body bound).
     python -m serving.engine.server --model PATH|ORG/NAME[@REVISION] [--host 127.0.0.1] [--port 8100]
         [--max-loras N] [--max-cpu-loras N] [--max-lora-rank R] [--lora-memory-bytes B] [--lora-modules name=path …]
         [--registry-url URL --registry-token T] [--api-key K]
+
+The flags are generated from `ServerArgs`, a pydantic dataclass of the worker's settings: each field
+marked `Flag` is the flag of its name (`max_lora_rank` is --max-lora-rank), its description the
+help, its default the flag's (the engine's own defaults are EngineConfig's and GrammarBudget's,
+written there once), a `gt=0`/`ge=0` bound the flag's check. Three defaults are settings, read
+through serving.wire.settings (environment, then .env): --api-key, --registry-token, --redis-url.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
+import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar, Union, cast, get_args, get_origin
 
+import annotated_types
+from pydantic import Field
+from pydantic.fields import FieldInfo
+from pydantic.dataclasses import dataclass as settings_dataclass
+
+from serving.engine.config import EngineConfig
+from serving.engine.grammar_pool import GrammarBudget
 from serving.engine.server.adapter_roots import AdapterRoots, platform_storage_url
 from serving.engine.server.tool_parsers import PARSER_CHOICES
 from serving.wire.hub import ModelSourceError, resolve_model
-from serving.wire.settings import platform_settings
+from serving.wire.settings import MAX_REQUEST_BODY_BYTES, PlatformSettings, platform_settings
+
+_ENGINE: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_GRAMMAR = GrammarBudget()
+LORA, ENGINE, GRAMMAR = "LoRA", "engine", "structured output (docs/security.md, \"Grammar compilation\")"
+SERVER, REGISTRY = "server", "registry sync and self-registration"
 
 
 @dataclass(frozen=True)
@@ -28,62 +48,163 @@ class LoRAModule:
     path: str
 
 
-@dataclass
+@dataclass(frozen=True)
+class Flag:
+    """Marks a ServerArgs field as a command-line flag, with what argparse needs beyond its type."""
+
+    group: str | None = None  # None: the parser's own options
+    short: str | None = None
+    choices: Sequence[str] | None = None
+    metavar: str | None = None
+    repeat: bool = False  # a list given by repeating the flag, not by several values after it
+    negatable: bool = False  # --x / --no-x, for a bool default True or None
+    parse: Callable[[str], Any] | None = None  # one value's parser, for a type argparse does not know
+    from_settings: Callable[[PlatformSettings], Any] | None = None  # the default, from the settings
+
+
+def _lora_module(text: str) -> LoRAModule:
+    """`name=path`, or vLLM's JSON form `{"name": …, "path": …}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return LoRAModule(name=str(spec["name"]), path=str(spec["path"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules JSON needs 'name' and 'path': {text!r}") from exc
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {text!r}")
+    return LoRAModule(name=name, path=path)
+
+
+@settings_dataclass
 class ServerArgs:
-    model: str  # the local directory (a Hugging Face id's snapshot in the hub cache)
+    # The local directory (a Hugging Face id's snapshot in the hub cache).
+    model: Annotated[str, Flag()] = Field(description=(
+        "a local Hugging Face model directory, or a Hugging Face id org/name[@revision] found in the hub cache "
+        "(HF_HOME) or else downloaded (HF_TOKEN for gated models; HF_HUB_OFFLINE=1: the cache only)"))
     # The base's commit when --model names a Hugging Face id or a cache snapshot (serving.wire.hub);
     # None for a plain directory. Registry versions built on another commit are refused.
     model_revision: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8100
-    served_model_name: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    max_loras: int | None = None
-    max_cpu_loras: int | None = None
-    max_lora_rank: int = 16
-    lora_memory_bytes: int | None = None
-    lora_memory_fraction: float = 0.2
-    cpu_lora_cache_bytes: int | None = None
-    lora_modules: list[LoRAModule] = field(default_factory=list)
-    allowed_adapter_path: list[str] = field(default_factory=list)
-    trust_request_chat_template: bool = False
-    tool_call_parser: str = "auto"
-    chat_template_timeout: float = 5.0
-    max_request_body_bytes: int = 1024 * 1024
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"
-    device: str = "auto"
-    load_format: str = "safetensors"
-    seed: int = 0
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = True
-    async_scheduling: bool | None = None  # None: on for one CUDA device (engine_config decides)
-    quantization: str | None = None
-    grammar_compile_timeout: float = 5.0
-    grammar_compile_workers: int = 2
-    grammar_tenant_share: int | None = None
-    max_grammar_schema_depth: int = 64
-    engine_process: bool | None = None  # None: on for one CUDA device (worker.uses_engine_process decides)
-    max_queued_requests: int = 1024
-    timeout_graceful_shutdown: float = 30.0
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    max_connections_per_client: int = 0
-    slot_verify_interval: float = 60.0
-    registry_url: str | None = None
-    registry_token: str | None = None
-    registry_reconcile_interval: float = 30.0
-    redis_url: str | None = None
-    worker_id: str | None = None
-    advertise_url: str | None = None
-    heartbeat_interval: float = 5.0
-    uvicorn_log_level: str = "info"
+    host: Annotated[str, Flag()] = "127.0.0.1"
+    port: Annotated[int, Flag()] = 8100
+    served_model_name: Annotated[list[str], Flag()] = Field(
+        default_factory=list, description="the base model's id(s) in the API (default: --model)")
+    api_key: Annotated[str | None, Flag(from_settings=lambda s: s.serving_worker_api_key or None)] = Field(
+        default=None, description="the operator's key, required as `Authorization: Bearer KEY` on /v1/* (default: "
+        "$SERVING_WORKER_API_KEY, from the environment or .env; unset: open, and no caller is the operator)")
+    # --- LoRA
+    max_loras: Annotated[int | None, Flag(LORA)] = Field(default=_ENGINE["max_loras"], description=(
+        "at most this many adapters resident on the GPU at once (default: as many as the adapter memory "
+        "holds); alone, it also sizes that memory to this many adapters of --max-lora-rank; 0 turns LoRA off"))
+    max_cpu_loras: Annotated[int | None, Flag(LORA)] = Field(
+        default=_ENGINE["max_cpu_loras"], description="at most this many adapters in the CPU cache")
+    max_lora_rank: Annotated[int, Flag(LORA)] = _ENGINE["max_lora_rank"]
+    lora_memory_bytes: Annotated[int | None, Flag(LORA)] = Field(
+        default=_ENGINE["lora_memory_bytes"], gt=0, description=(
+        "GPU bytes for adapters (default: what the KV cache leaves, at least --lora-memory-fraction)"))
+    lora_memory_fraction: Annotated[float, Flag(LORA)] = Field(default=_ENGINE["lora_memory_fraction"], description=(
+        "share of the memory budget adapters get at least, by default (docs/adapter-memory.md)"))
+    cpu_lora_cache_bytes: Annotated[int | None, Flag(LORA)] = Field(
+        default=_ENGINE["cpu_lora_cache_bytes"], gt=0, description=(
+        "host bytes for the CPU adapter cache (default: twice the GPU adapter memory, at most 1/4 of RAM)"))
+    lora_modules: Annotated[list[LoRAModule], Flag(LORA, metavar="NAME=PATH", parse=_lora_module)] = Field(
+        default_factory=list, description="adapters to load at start")
+    allowed_adapter_path: Annotated[list[str], Flag(LORA, metavar="ROOT", repeat=True)] = Field(
+        default_factory=list, description="a directory, file:///path or s3://bucket[/prefix] adapters may be "
+        "loaded from, besides the platform's storage ($STORAGE_URL); repeatable. --lora-modules are not restricted")
+    # --- engine
+    max_num_seqs: Annotated[int, Flag(ENGINE)] = Field(default=_ENGINE["max_num_seqs"], gt=0)
+    max_num_batched_tokens: Annotated[int, Flag(ENGINE)] = Field(default=_ENGINE["max_num_batched_tokens"], gt=0)
+    max_model_len: Annotated[int | None, Flag(ENGINE)] = Field(default=_ENGINE["max_model_len"], gt=0)
+    block_size: Annotated[int, Flag(ENGINE)] = Field(default=_ENGINE["block_size"], gt=0)
+    num_gpu_blocks_override: Annotated[int | None, Flag(ENGINE)] = Field(
+        default=_ENGINE["num_kv_blocks"], gt=0, description="KV-cache blocks (CPU too)")
+    gpu_memory_utilization: Annotated[float, Flag(ENGINE)] = _ENGINE["gpu_memory_utilization"]
+    dtype: Annotated[str, Flag(ENGINE)] = _ENGINE["dtype"]
+    device: Annotated[str, Flag(ENGINE)] = _ENGINE["device"]
+    load_format: Annotated[str, Flag(ENGINE, choices=("safetensors", "dummy"))] = Field(
+        default=_ENGINE["load_format"], description=(
+        "dummy: random base weights of the model's shape (benchmarks without the weights)"))
+    seed: Annotated[int, Flag(ENGINE)] = _ENGINE["seed"]
+    enforce_eager: Annotated[bool, Flag(ENGINE)] = Field(default=_ENGINE["enforce_eager"], description=(
+        "never replay CUDA graphs (vLLM's flag; graphs are CUDA-only)"))
+    tensor_parallel_size: Annotated[int, Flag(ENGINE, short="-tp")] = Field(
+        default=_ENGINE["tensor_parallel_size"], gt=0, description=(
+            "shard the model over this many processes, one per GPU (vLLM's flag; on CPU all on the host)"))
+    enable_prefix_caching: Annotated[bool, Flag(ENGINE, negatable=True)] = Field(
+        default=_ENGINE["enable_prefix_caching"], description=(
+            "reuse the KV of a prompt's leading blocks computed before for the same adapter version (or the "
+            "base) instead of prefilling them again (vLLM's flag; on by default, as vLLM V1)"))
+    # None: on for one CUDA device (engine_config decides).
+    async_scheduling: Annotated[bool | None, Flag(ENGINE, negatable=True)] = Field(default=None, description=(
+        "schedule and launch each step while the one before still runs on the GPU (vLLM's flag; by "
+        "default on for one CUDA device, off on CPU and with --tensor-parallel-size > 1, which refuses it)"))
+    quantization: Annotated[str | None, Flag(ENGINE, choices=("fp8",))] = Field(
+        default=_ENGINE["quantization"], description=(
+        "fp8: the base model's projections in FP8 e4m3 with per-channel scales (half the weight bytes; "
+        "bf16 on CUDA, native on Hopper); adapters stay in --dtype. Tokens agree with bf16's to a measured rate, "
+        "not exactly (vLLM's flag)"))
+    # None: on for one CUDA device (worker.uses_engine_process decides).
+    engine_process: Annotated[bool | None, Flag(ENGINE, negatable=True)] = Field(default=None, description=(
+        "run the engine core (scheduler, model, adapters) in a child process of its own, so its steps never "
+        "wait for the interpreter lock the HTTP loop holds (as vLLM V1 does); by default on for one CUDA device "
+        "(on the H200 +46 % output tok/s at capacity), off on CPU and with --tensor-parallel-size > 1 "
+        "(docs/serving-worker.md)"))
+    # --- structured output
+    grammar_compile_timeout: Annotated[float, Flag(GRAMMAR)] = Field(default=_GRAMMAR.timeout, gt=0, description=(
+        "seconds one constraint (response_format, guided_*, tools) may take to compile; past it its compiling "
+        "process is killed and the request refused with 400 grammar_too_complex"))
+    grammar_compile_workers: Annotated[int, Flag(GRAMMAR)] = Field(default=_GRAMMAR.workers, gt=0, description=(
+        "processes compiling constraints; their queue is served round-robin between tenants"))
+    grammar_tenant_share: Annotated[int | None, Flag(GRAMMAR)] = Field(
+        default=_GRAMMAR.tenant_share, gt=0, description=(
+        "compiles one tenant may run at once (default: one fewer than --grammar-compile-workers, at least 1, "
+        "so another tenant's compile starts at once)"))
+    max_grammar_schema_depth: Annotated[int, Flag(GRAMMAR)] = Field(
+        default=_GRAMMAR.max_schema_depth, gt=0, description=(
+        "deepest JSON nesting of a schema compiled (a schema level under properties is two); deeper: 400"))
+    # --- server
+    max_queued_requests: Annotated[int, Flag(SERVER)] = Field(default=1024, ge=0, description=(
+        "requests beyond --max-num-seqs that may wait; past that, 503 (0: no waiting at all)"))
+    timeout_graceful_shutdown: Annotated[float, Flag(SERVER)] = Field(default=30.0, ge=0, description=(
+        "seconds in-flight requests get to finish after SIGTERM before they are aborted"))
+    header_timeout: Annotated[float, Flag(SERVER)] = Field(default=10.0, gt=0, description=(
+        "seconds a request may take to send its headers (from its first byte, or from the connection's "
+        "opening); past it 408 and the connection is closed. Idle connections are kept 75 s between requests"))
+    body_timeout: Annotated[float, Flag(SERVER)] = Field(default=60.0, ge=0, description=(
+        "seconds a request body may go without a byte once its headers are in; past it 408 and the "
+        "connection is closed (0: no limit)"))
+    max_connections_per_client: Annotated[int, Flag(SERVER)] = Field(default=0, ge=0, description=(
+        "connections one client address may hold at once; more are refused with 503 (0: no cap; the "
+        "gateway keeps up to 1000 per web process)"))
+    max_request_body_bytes: Annotated[int, Flag(SERVER)] = Field(default=MAX_REQUEST_BODY_BYTES, gt=0, description=(
+        "larger request bodies are refused with 413 before they are read"))
+    trust_request_chat_template: Annotated[bool, Flag(SERVER)] = Field(default=False, description=(
+        "accept a caller's own chat template (chat_template, chat_template_kwargs.chat_template); "
+        "it is rendered in Jinja's sandbox in a child process with time and memory limits. Off: 400"))
+    chat_template_timeout: Annotated[float, Flag(SERVER)] = Field(default=5.0, gt=0, description=(
+        "seconds a caller's chat template may take to render (with --trust-request-chat-template)"))
+    tool_call_parser: Annotated[str, Flag(SERVER, choices=PARSER_CHOICES)] = Field(default="auto", description=(
+        "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), llama3_json, mistral "
+        "([TOOL_CALLS][…]); auto: the one whose marker the chat template writes; none: requests with tools "
+        "must send tool_choice none"))
+    slot_verify_interval: Annotated[float, Flag(SERVER)] = Field(default=60.0, ge=0, description=(
+        "seconds between checks of every GPU slot's checksum (a changed slot is reloaded from storage); 0: "
+        "only on request (POST /v1/verify_lora_slots)"))
+    uvicorn_log_level: Annotated[str, Flag(SERVER, choices=("critical", "error", "warning", "info", "debug"))] = "info"
+    # --- registry sync and self-registration
+    registry_url: Annotated[str | None, Flag(REGISTRY)] = Field(
+        default=None, description="the registry's internal snapshot endpoint")
+    registry_token: Annotated[str | None, Flag(REGISTRY, from_settings=lambda s: s.registry_token or None)] = Field(
+        default=None, description="default: $REGISTRY_TOKEN (environment or .env)")
+    registry_reconcile_interval: Annotated[float, Flag(REGISTRY)] = Field(default=30.0, gt=0)
+    redis_url: Annotated[str | None, Flag(REGISTRY, from_settings=lambda s: s.redis_url)] = Field(
+        default=None, description=(
+        "deploy events and worker registration (default: $REDIS_URL, environment or .env; unset: neither)"))
+    worker_id: Annotated[str | None, Flag(REGISTRY)] = Field(default=None, description="default: HOSTNAME:PORT")
+    advertise_url: Annotated[str | None, Flag(REGISTRY)] = Field(
+        default=None, description="URL the gateway reaches this worker at")
+    heartbeat_interval: Annotated[float, Flag(REGISTRY)] = Field(default=5.0, gt=0)
 
     @property
     def public_url(self) -> str:
@@ -102,235 +223,64 @@ def adapter_roots(allowed_adapter_path: Sequence[str]) -> AdapterRoots:
     return AdapterRoots([platform_storage_url(), *allowed_adapter_path])
 
 
-def _lora_module(text: str) -> LoRAModule:
-    """`name=path`, or vLLM's JSON form `{"name": …, "path": …}`."""
-    if text.lstrip().startswith("{"):
-        try:
-            spec = json.loads(text)
-            return LoRAModule(name=str(spec["name"]), path=str(spec["path"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise argparse.ArgumentTypeError(f"--lora-modules JSON needs 'name' and 'path': {text!r}") from exc
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {text!r}")
-    return LoRAModule(name=name, path=path)
-
-
 N = TypeVar("N", int, float)
 
 
-def _positive(kind: Callable[[str], N]) -> Callable[[str], N]:
+def _bounded(kind: Callable[[str], N], *, strict: bool) -> Callable[[str], N]:
+    """`kind`, refused when not > 0 (`strict`) or not >= 0."""
     def parse(text: str) -> N:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if value < 0 or (strict and value == 0):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} 0, got {text}")
         return value
 
     return parse
 
 
+def _flag_options(info: FieldInfo, flag: Flag) -> dict[str, Any]:
+    """argparse's keywords for one field: its type (the annotation without None), bound and list form."""
+    annotation = info.annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+    options: dict[str, Any] = {"help": (info.description or "").replace("%", "%%") or None}
+    if annotation is bool:
+        options["action"] = argparse.BooleanOptionalAction if flag.negatable else "store_true"
+        return options
+    if get_origin(annotation) is list:
+        options["action" if flag.repeat else "nargs"] = "append" if flag.repeat else "+"
+        annotation = get_args(annotation)[0]
+    kind = flag.parse or annotation
+    for bound in info.metadata:
+        if isinstance(bound, annotated_types.Gt | annotated_types.Ge) and kind in (int, float):
+            kind = _bounded(cast(Callable[[str], Any], kind), strict=isinstance(bound, annotated_types.Gt))
+    options["type"] = kind
+    options.update({key: value for key, value in (("choices", flag.choices), ("metavar", flag.metavar)) if value})
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
-    settings = platform_settings()  # the defaults below that are settings: environment, then .env
-    p = argparse.ArgumentParser(
+    settings = platform_settings()  # the defaults that are settings: environment, then .env
+    parser = argparse.ArgumentParser(
         prog="python -m serving.engine.server",
         description="Loraplex serving worker: one base model, many LoRA adapters, an OpenAI-compatible API.",
     )
-    p.add_argument(
-        "--model", required=True,
-        help="a local Hugging Face model directory, or a Hugging Face id org/name[@revision] found in the hub cache "
-        "(HF_HOME) or else downloaded (HF_TOKEN for gated models; HF_HUB_OFFLINE=1: the cache only)",
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument(
-        "--served-model-name", nargs="+", default=[], help="the base model's id(s) in the API (default: --model)"
-    )
-    p.add_argument(
-        "--api-key",
-        default=settings.serving_worker_api_key or None,
-        help="the operator's key, required as `Authorization: Bearer KEY` on /v1/* "
-        "(default: $SERVING_WORKER_API_KEY, from the environment or .env; unset: open, and no caller is the operator)",
-    )
-    lora = p.add_argument_group("LoRA")
-    lora.add_argument(
-        "--max-loras", type=int, default=None,
-        help="at most this many adapters resident on the GPU at once (default: as many as the adapter memory "
-        "holds); alone, it also sizes that memory to this many adapters of --max-lora-rank; 0 turns LoRA off",
-    )
-    lora.add_argument("--max-cpu-loras", type=int, default=None, help="at most this many adapters in the CPU cache")
-    lora.add_argument("--max-lora-rank", type=int, default=16)
-    lora.add_argument(
-        "--lora-memory-bytes", type=_positive(int), default=None,
-        help="GPU bytes for adapters (default: what the KV cache leaves, at least --lora-memory-fraction)",
-    )
-    lora.add_argument(
-        "--lora-memory-fraction", type=float, default=0.2,
-        help="share of the memory budget adapters get at least, by default (docs/adapter-memory.md)",
-    )
-    lora.add_argument(
-        "--cpu-lora-cache-bytes", type=_positive(int), default=None,
-        help="host bytes for the CPU adapter cache (default: twice the GPU adapter memory, at most 1/4 of RAM)",
-    )
-    lora.add_argument(
-        "--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH", help="adapters to load at start"
-    )
-    lora.add_argument(
-        "--allowed-adapter-path",
-        action="append",
-        default=[],
-        metavar="ROOT",
-        help="a directory, file:///path or s3://bucket[/prefix] adapters may be loaded from, besides the "
-        "platform's storage ($STORAGE_URL); repeatable. --lora-modules are not restricted",
-    )
-    engine = p.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=_positive(int), default=256)
-    engine.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048)
-    engine.add_argument("--max-model-len", type=_positive(int), default=None)
-    engine.add_argument("--block-size", type=_positive(int), default=16)
-    engine.add_argument(
-        "--num-gpu-blocks-override", type=_positive(int), default=None, help="KV-cache blocks (CPU too)"
-    )
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--device", default="auto")
-    engine.add_argument(
-        "--load-format",
-        choices=["safetensors", "dummy"],
-        default="safetensors",
-        help="dummy: random base weights of the model's shape (benchmarks without the weights)",
-    )
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument(
-        "--enforce-eager", action="store_true", help="never replay CUDA graphs (vLLM's flag; graphs are CUDA-only)"
-    )
-    engine.add_argument(
-        "--tensor-parallel-size", "-tp", type=_positive(int), default=1,
-        help="shard the model over this many processes, one per GPU (vLLM's flag; on CPU all on the host)",
-    )  # fmt: skip
-    engine.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-        help="reuse the KV of a prompt's leading blocks computed before for the same adapter version (or the "
-        "base) instead of prefilling them again (vLLM's flag; on by default, as vLLM V1)",
-    )  # fmt: skip
-    engine.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-        help="schedule and launch each step while the one before still runs on the GPU (vLLM's flag; by "
-        "default on for one CUDA device, off on CPU and with --tensor-parallel-size > 1, which refuses it)",
-    )  # fmt: skip
-    engine.add_argument(
-        "--quantization", choices=["fp8"], default=None,
-        help="fp8: the base model's projections in FP8 e4m3 with per-channel scales (half the weight bytes; "
-        "bf16 on CUDA, native on Hopper); adapters stay in --dtype. Tokens agree with bf16's to a measured rate, "
-        "not exactly (vLLM's flag)",
-    )  # fmt: skip
-    engine.add_argument(
-        "--engine-process", action=argparse.BooleanOptionalAction, default=None,
-        help="run the engine core (scheduler, model, adapters) in a child process of its own, so its steps never "
-        "wait for the interpreter lock the HTTP loop holds (as vLLM V1 does); by default on for one CUDA device "
-        "(on the H200 +46 %% output tok/s at capacity), off on CPU and with --tensor-parallel-size > 1 "
-        "(docs/serving-worker.md)",
-    )  # fmt: skip
-    grammar = p.add_argument_group("structured output (docs/security.md, \"Grammar compilation\")")
-    grammar.add_argument(
-        "--grammar-compile-timeout", type=_positive(float), default=5.0,
-        help="seconds one constraint (response_format, guided_*, tools) may take to compile; past it its compiling "
-        "process is killed and the request refused with 400 grammar_too_complex",
-    )  # fmt: skip
-    grammar.add_argument(
-        "--grammar-compile-workers", type=_positive(int), default=2,
-        help="processes compiling constraints; their queue is served round-robin between tenants",
-    )  # fmt: skip
-    grammar.add_argument(
-        "--grammar-tenant-share", type=_positive(int), default=None,
-        help="compiles one tenant may run at once (default: one fewer than --grammar-compile-workers, at least 1, "
-        "so another tenant's compile starts at once)",
-    )  # fmt: skip
-    grammar.add_argument(
-        "--max-grammar-schema-depth", type=_positive(int), default=64,
-        help="deepest JSON nesting of a schema compiled (a schema level under properties is two); deeper: 400",
-    )  # fmt: skip
-    server = p.add_argument_group("server")
-    server.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=1024,
-        help="requests beyond --max-num-seqs that may wait; past that, 503 (0: no waiting at all)",
-    )
-    server.add_argument(
-        "--timeout-graceful-shutdown",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
-    )
-    server.add_argument(
-        "--header-timeout",
-        type=_positive(float),
-        default=10.0,
-        help="seconds a request may take to send its headers (from its first byte, or from the connection's "
-        "opening); past it 408 and the connection is closed. Idle connections are kept 75 s between requests",
-    )
-    server.add_argument(
-        "--body-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a request body may go without a byte once its headers are in; past it 408 and the "
-        "connection is closed (0: no limit)",
-    )
-    server.add_argument(
-        "--max-connections-per-client",
-        type=int,
-        default=0,
-        help="connections one client address may hold at once; more are refused with 503 (0: no cap; the "
-        "gateway keeps up to 1000 per web process)",
-    )
-    server.add_argument(
-        "--max-request-body-bytes",
-        type=_positive(int),
-        default=1024 * 1024,
-        help="larger request bodies are refused with 413 before they are read",
-    )
-    server.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept a caller's own chat template (chat_template, chat_template_kwargs.chat_template); "
-        "it is rendered in Jinja's sandbox in a child process with time and memory limits. Off: 400",
-    )
-    server.add_argument(
-        "--chat-template-timeout",
-        type=_positive(float),
-        default=5.0,
-        help="seconds a caller's chat template may take to render (with --trust-request-chat-template)",
-    )
-    server.add_argument(
-        "--tool-call-parser",
-        choices=PARSER_CHOICES,
-        default="auto",
-        help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), llama3_json, mistral "
-        "([TOOL_CALLS][…]); auto: the one whose marker the chat template writes; none: requests with tools "
-        "must send tool_choice none",
-    )
-    server.add_argument(
-        "--slot-verify-interval",
-        type=float,
-        default=60.0,
-        help="seconds between checks of every GPU slot's checksum (a changed slot is reloaded from storage); 0: "
-        "only on request (POST /v1/verify_lora_slots)",
-    )
-    server.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    registry = p.add_argument_group("registry sync and self-registration")
-    registry.add_argument("--registry-url", default=None, help="the registry's internal snapshot endpoint")
-    registry.add_argument("--registry-token", default=settings.registry_token or None,
-                          help="default: $REGISTRY_TOKEN (environment or .env)")
-    registry.add_argument("--registry-reconcile-interval", type=_positive(float), default=30.0)
-    registry.add_argument(
-        "--redis-url",
-        default=settings.redis_url,
-        help="deploy events and worker registration (default: $REDIS_URL, environment or .env; unset: neither)",
-    )
-    registry.add_argument("--worker-id", default=None, help="default: HOSTNAME:PORT")
-    registry.add_argument("--advertise-url", default=None, help="URL the gateway reaches this worker at")
-    registry.add_argument("--heartbeat-interval", type=_positive(float), default=5.0)
-    return p
+    groups: dict[str | None, Any] = {None: parser}
+    fields: dict[str, FieldInfo] = cast(Any, ServerArgs).__pydantic_fields__  # pydantic's, not in its stubs
+    for name, info in fields.items():
+        flag = next((item for item in info.metadata if isinstance(item, Flag)), None)
+        if flag is None:
+            continue
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(flag.group)
+        options = _flag_options(info, flag)
+        if info.is_required():
+            options["required"] = True
+        else:
+            default = info.get_default(call_default_factory=True)
+            options["default"] = flag.from_settings(settings) if flag.from_settings else default
+        names = ["--" + name.replace("_", "-"), *([flag.short] if flag.short else [])]
+        groups[flag.group].add_argument(*names, **options)
+    return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
@@ -338,16 +288,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     ns = parser.parse_args(argv)
     if ns.registry_url and not ns.registry_token:
         parser.error("--registry-url needs --registry-token (or $REGISTRY_TOKEN)")
-    if ns.max_queued_requests < 0:
-        parser.error(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
-    if ns.slot_verify_interval < 0:
-        parser.error(f"--slot-verify-interval must be >= 0, got {ns.slot_verify_interval}")
-    if ns.body_timeout < 0:
-        parser.error(f"--body-timeout must be >= 0, got {ns.body_timeout}")
-    if ns.max_connections_per_client < 0:
-        parser.error(f"--max-connections-per-client must be >= 0, got {ns.max_connections_per_client}")
-    if ns.timeout_graceful_shutdown < 0:
-        parser.error(f"--timeout-graceful-shutdown must be >= 0, got {ns.timeout_graceful_shutdown}")
     try:
         adapter_roots(ns.allowed_adapter_path)
     except ValueError as exc:
