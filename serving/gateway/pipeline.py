@@ -31,7 +31,7 @@ from serving.gateway.accounting import charged_tokens, check_fits, most_tokens, 
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import retryable, with_failover
 from serving.gateway.proxy import UpstreamResult, relay_stream, rename_model
-from serving.gateway.key_budget import budget_exceeded
+from serving.gateway.key_budget import Reservation, budget_exceeded
 from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
 from serving.gateway.redis_batch import run_batch
@@ -49,6 +49,7 @@ from serving.gateway.usage_log import UsageEvent
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.gateway.worker_watch import unless_worker_gone
 from serving.wire.access_log import access_note
+from serving.wire.breakers import Permit
 
 log = logging.getLogger(__name__)
 
@@ -112,35 +113,49 @@ def check_tier_limits(body: dict[str, Any], endpoint: str, caller: Caller) -> tu
     return (asked if asked is not None else limit // sequences), sequences
 
 
-def _over_quota(call: Call, buckets: RequestBuckets, admission: Admission, retry_after_s: float) -> GatewayError:
+def _over_quota(call: Call, buckets: RequestBuckets, admission: Admission, retry_after_s: float, *,
+                headers: dict[str, str]) -> GatewayError:
     retry = max(1, math.ceil(retry_after_s))
     return GatewayError(
         429,
         f"Rate limit reached for {buckets.describe(buckets.shortest(admission))}. This request "
         f"({call.reserved_tokens} tokens reserved) fits in {retry_after_s:.2f} s; retry then.",
         code="rate_limit_exceeded",
-        headers={**call.headers, "retry-after": str(retry), "retry-after-ms": str(math.ceil(retry_after_s * 1000))},
+        headers={**headers, "retry-after": str(retry), "retry-after-ms": str(math.ceil(retry_after_s * 1000))},
     )
 
 
-async def key_budget_check(call: Call, res: Resources) -> None:
+async def key_budget_check(call: Call, res: Resources) -> Reservation | None:
     """Reserve the most tokens the call can be charged (serving.gateway.accounting.most_tokens)
-    against its key's monthly budget (serving.gateway.key_budget): 429
+    against its key's monthly budget (serving.gateway.key_budget): the reservation, or 429
     key_budget_exceeded once the month's spend plus what the key's requests in flight reserved
-    reaches it. Keys without a budget cost nothing here; while Redis is away the budget fails open."""
+    reaches it. Keys without a budget reserve nothing (None); while Redis is away the budget fails
+    open (None)."""
     budget = call.caller.key.monthly_token_budget
     if budget is None:
-        return
+        return None
     now = time.time()
     verdict = await res.key_budgets.reserve(
         call.caller.key_prefix, budget, most_tokens(call), now=now, guard=res.resilience.guard,
         recorded=lambda start, before: res.catalog.key_tokens_recorded(call.caller, start, before))
     if verdict is None:
-        return
+        return None
     if verdict.reservation is None:
         metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
         raise budget_exceeded(call.caller.key_prefix, budget, verdict.spend, now=now, headers=call.headers)
-    call.budget_reservation = verdict.reservation
+    return verdict.reservation
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The buckets' answer: their admission, the chosen version's breaker permit asked in the same
+    round trip (None on the base model, or when the request was degraded), the rate-limit headers,
+    and whether the base model answers instead for want of the tenant's quota."""
+
+    admission: Admission
+    permit: Permit | None
+    headers: dict[str, str]
+    degraded: bool = False
 
 
 async def admit(call: Call, res: Resources) -> None:
@@ -149,45 +164,48 @@ async def admit(call: Call, res: Resources) -> None:
     quota, degrade where allowed, else (and over the key's own limits) 429, giving the budget's
     reservation back. A request larger than a bucket's capacity is a 400. The chosen version's
     breaker permit is asked in the buckets' round trip (`call.permit`;
-    serving.gateway.resilience.version_permit reads it)."""
+    serving.gateway.resilience.version_permit takes it)."""
     buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst)
     call.prompt_estimate = estimate_prompt_tokens(call.body, call.endpoint)
     call.reserved_tokens = call.prompt_estimate + call.max_tokens * call.sequences
     check_fits(call, buckets, may_degrade=degradable(call))
-    await key_budget_check(call, res)
+    call.budget_reservation = await key_budget_check(call, res)
     try:
-        await _admit_buckets(call, buckets, res)
+        admitted = await admit_buckets(call, buckets, res)
     except BaseException:
         await _release_budget(call, res)
         raise
+    call.admission, call.permit = admitted.admission, admitted.permit
+    call.headers.update(admitted.headers)
+    if admitted.degraded:
+        call.degraded, call.reserved_tokens, call.version = True, 0, None
+        call.target = Target(base=True)
+        call.headers["x-loraplex-degraded"] = "quota"
 
 
-async def _admit_buckets(call: Call, buckets: RequestBuckets, res: Resources) -> None:
-    costs = buckets.costs(tokens=call.reserved_tokens)
+async def admit_buckets(call: Call, buckets: RequestBuckets, res: Resources) -> Admitted:
+    """The call's reservation from `buckets`, with its version's breaker permit in one round trip;
+    the degraded bucket's request when the tenant's quota is short and the call may degrade; else
+    429 (with the rate-limit headers), the permit given back."""
     version = call.version
-    call.admission, replies = await res.buckets.admit_batched(
-        res.redis, costs, [res.resilience.acquire_call(version)] if version is not None else [])
-    if version is not None:
-        call.permit = res.resilience.permit_from(version, replies[0] if replies is not None else None)
-    call.headers.update(buckets.headers(call.admission))
-    if call.admission.admitted:
-        return
-    res.resilience.permit_unused(call.permit)
-    call.permit = None
-    retry_after = call.admission.retry_after_s
-    if degradable(call) and not buckets.key_short(call.admission):
+    admission, replies = await res.buckets.admit_batched(
+        res.redis, buckets.costs(tokens=call.reserved_tokens),
+        [res.resilience.acquire_call(version)] if version is not None else [])
+    permit = (res.resilience.permit_from(version, replies[0] if replies is not None else None)
+              if version is not None else None)
+    headers = buckets.headers(admission)
+    if admission.admitted:
+        return Admitted(admission, permit, headers)
+    res.resilience.permit_unused(permit)
+    retry_after = admission.retry_after_s
+    if degradable(call) and not buckets.key_short(admission):
         degraded = await res.buckets.admit(buckets.degraded_costs())
         if degraded.admitted:
-            call.degraded = True
-            call.reserved_tokens = 0
-            call.target = Target(base=True)
-            call.version = None
-            call.headers["x-loraplex-degraded"] = "quota"
             metrics.DEGRADED.labels(call.caller.tier.name).inc()
-            return
+            return Admitted(admission, None, headers, degraded=True)
         retry_after = min(retry_after, degraded.retry_after_s)
     metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
-    raise _over_quota(call, buckets, call.admission, retry_after)
+    raise _over_quota(call, buckets, admission, retry_after, headers={**call.headers, **headers})
 
 
 async def _release_budget(call: Call, res: Resources) -> None:

@@ -66,8 +66,8 @@ def resources() -> Resources:
             resilience=resilience,
             catalog=catalog,
             config=PipelineConfig(gateway=gateway, routing=settings.GATEWAY_ROUTING,
-                                           worker_api_key=settings.SERVING_WORKER_API_KEY,
-                                           base_model_name=settings.BASE_MODEL_NAME),
+                                  worker_api_key=settings.SERVING_WORKER_API_KEY,
+                                  base_model_name=settings.BASE_MODEL_NAME),
         )
         _resources[loop] = found
         found.flusher = usage_flusher_start()

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from serving.gateway import pipeline
 from serving.gateway.accounting import COMPLETION_TOKENS, most_tokens, release_after
 from serving.gateway.errors import GatewayError
-from serving.gateway.key_budget import RESERVATION_HOLD_S, KeyBudgets, Month, counter_key, spend_add
+from serving.gateway.key_budget import RESERVATION_HOLD_S, KeyBudgets, Month, Reservation, counter_key, spend_add
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
 from serving.wire.redis_guard import RedisGuard
 
@@ -79,7 +79,11 @@ def test_200_concurrent_requests_never_pass_the_budget_by_more_than_one_reservat
             calls = [call_of(caller, reserved - SHARE) for _ in range(200)]
             outcomes = await asyncio.gather(*(pipeline.key_budget_check(call, res) for call in calls),
                                             return_exceptions=True)
-            admitted = [call for call, outcome in zip(calls, outcomes) if outcome is None]
+            admitted = []
+            for call, outcome in zip(calls, outcomes):
+                if isinstance(outcome, Reservation):
+                    call.budget_reservation = outcome
+                    admitted.append(call)
             refused = [outcome for outcome in outcomes if isinstance(outcome, GatewayError)]
             assert len(admitted) + len(refused) == 200
             assert {error.code for error in refused} == {"key_budget_exceeded"}
@@ -114,7 +118,7 @@ def test_a_spend_equal_to_the_budget_is_refused_and_one_below_it_admitted(redis_
             assert "has used 100 tokens this month, its monthly budget is 100" in error.message
             assert int(error.headers["retry-after"]) > 1  # the month's end
             admitted = call_of(below, 5)
-            await pipeline.key_budget_check(admitted, res)
+            admitted.budget_reservation = await pipeline.key_budget_check(admitted, res)
             assert admitted.budget_reservation is not None and admitted.budget_reservation.tokens == 5 + SHARE
             # Spent 99, reserved 13: the next one waits for the first to settle, a second away.
             with pytest.raises(GatewayError) as waiting:
@@ -159,7 +163,6 @@ def test_a_key_without_a_budget_reserves_nothing():
     async def scenario() -> None:
         res = SimpleNamespace(key_budgets=None)  # never reached
         call = call_of(Caller(tenant_id=1, tenant="t", key_prefix="p", tier=TIER), 10)
-        await pipeline.key_budget_check(call, res)
-        assert call.budget_reservation is None
+        assert await pipeline.key_budget_check(call, res) is None
 
     asyncio.run(scenario())
