@@ -57,3 +57,22 @@ def test_no_retry_after_success_or_with_one_worker() -> None:
 
     assert [t.worker.worker_id for t in asyncio.run(with_failover([W("a"), W("b")], ok, lambda s: s >= 500))] == ["a"]
     assert [t.worker.worker_id for t in asyncio.run(with_failover([W("a")], down, lambda s: s >= 500))] == ["a"]
+
+
+def test_the_attempt_given_up_is_handed_to_on_retry_before_the_next_starts_and_the_answer_never_is() -> None:
+    # The pipeline leaves the given-up worker's in-flight count and counts its failure there: the
+    # next attempt must see it done, and the attempt that answers (settled instead) must not be.
+    events: list[str] = []
+
+    async def attempt(worker: W) -> int:
+        events.append(f"attempt {worker.worker_id}")
+        return 503
+
+    def given_up(worker: W, status: int) -> None:
+        events.append(f"given up {worker.worker_id} ({status})")
+
+    asyncio.run(with_failover([W("a"), W("b"), W("c")], attempt, lambda s: s >= 500, on_retry=given_up))
+    assert events == ["attempt a", "given up a (503)", "attempt b"]
+    events.clear()
+    asyncio.run(with_failover([W("a")], attempt, lambda s: s >= 500, on_retry=given_up))
+    assert events == ["attempt a"]  # no next worker: the failure is the answer
