@@ -30,30 +30,9 @@ class LLM:
     ``block_size``, ``num_kv_blocks``, ``dtype``, ``device``, ``seed``, ...).
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        max_loras: int | None = None,
-        max_cpu_loras: int | None = None,
-        max_lora_rank: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        dtype: str = "auto",
-        device: str = "auto",
-        **kwargs: Any,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            max_loras=max_loras,
-            max_cpu_loras=max_cpu_loras,
-            max_lora_rank=max_lora_rank,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            dtype=dtype,
-            device=device,
-            **kwargs,
-        )
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        # The defaults are EngineConfig's, written there once.
+        config = EngineConfig(model=str(model), **kwargs)
         self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
