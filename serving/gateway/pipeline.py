@@ -363,7 +363,7 @@ class Attempt:
     """One upstream attempt's answer: what the client gets if it stands, and whether it failed
     before its first byte in a way another worker may mend (serving.gateway.failover.retryable)."""
 
-    result: UpstreamResult
+    upstream: UpstreamResult
     reply: Reply
     retryable: bool = False
     # A stream under way: its relay settles the call as it ends.
@@ -375,10 +375,10 @@ async def forward(call: Call, workers: list[WorkerView], res: Resources) -> Repl
     (serving.gateway.failover.with_failover); the attempt that answers settles the call: a stream
     when it ends, anything else before returning."""
     tried = await with_failover(workers, lambda worker: _attempt(call, worker, res), lambda attempt: attempt.retryable,
-                                on_retry=lambda worker, attempt: _abandon(worker, attempt.result, res))
+                                on_retry=lambda worker, attempt: _abandon(worker, attempt.upstream, res))
     last = tried[-1]
     if not last.result.relayed:
-        settle(call, last.worker, last.result.result, res)
+        settle(call, last.worker, last.result.upstream, res)
     return last.result.reply
 
 
