@@ -31,7 +31,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _metric(client: TestClient, name: str) -> float:
-    match = re.search("^" + re.escape(name) + r" (\S+)$", client.get("/metrics").text, re.MULTILINE)
+    match = re.search("^" + re.escape(name) + r" (\S+)$", client.get("/metrics", headers=AUTH).text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
