@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import grimp
+import pytest
 
 PACKAGES = ("kernels", "serving", "lora_platform", "tenants", "training", "dashboard", "api")
 # The benchmark scripts: a namespace package (no __init__.py), imported as `bench.<script>`.
@@ -165,6 +166,7 @@ print(" ".join(sorted(module for module in {HEAVY!r} if module in sys.modules)))
 """
 
 
+@pytest.mark.e2e
 def test_the_web_process_and_manage_commands_load_neither_torch_nor_transformers(tmp_path: Path) -> None:
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "lora_platform.settings", "LORAPLEX_VAR_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", WEB_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -247,6 +247,7 @@ def test_an_abort_never_emits_the_token_in_flight(
     assert {info.name: info.active_requests for info in engine.list_loras()} == {"ad0": 0, "ad1": 0}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device", DEVICES)
 def test_requests_that_need_their_tokens_on_the_host_are_read_first(
     device: str, engines: Callable[[str], dict[bool, LLM]], adapters: list[LoRARequest],

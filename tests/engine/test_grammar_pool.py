@@ -30,6 +30,8 @@ from serving.engine.guided import (
     grammar_tenant,
 )
 
+pytestmark = pytest.mark.e2e
+
 SMALL = GuidedDecodingParams(json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
 # Generous: only a guard against a hung test, never what a test checks.
 GUARD_S = 300.0

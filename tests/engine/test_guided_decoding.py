@@ -54,6 +54,7 @@ def constrained(guided: GuidedDecodingParams, **kwargs: object) -> SamplingParam
     return SamplingParams(max_tokens=200, guided_decoding=guided, **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 def test_json_schema_output_always_validates(llm: LLM) -> None:
     guided = GuidedDecodingParams(json=SCHEMA)
     params = [constrained(guided, temperature=0)] + [constrained(guided, temperature=1.0, seed=s) for s in range(8)]

@@ -72,6 +72,7 @@ def test_each_schema_is_a_strict_schema(form: str, index: int) -> None:
         assert obj["required"] == list(obj["properties"]) and obj["additionalProperties"] is False
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("form", "index"), FORMS)
 def test_the_grammar_takes_the_shortest_document_and_nothing_shorter(
     compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase, form: str, index: int,

@@ -47,6 +47,7 @@ def test_same_seed_gives_identical_files_and_other_seed_other_weights(arch, tmp_
     assert other["tokenizer.json"] == first["tokenizer.json"]
 
 
+@pytest.mark.e2e
 def test_command_line_builds_the_same_model_in_another_process(tmp_path, tiny_model_factory):
     out = tmp_path / "cli-model"
     result = subprocess.run(

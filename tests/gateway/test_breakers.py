@@ -282,6 +282,7 @@ def _result(child: subprocess.Popen) -> list:
     return json.loads(out)
 
 
+@pytest.mark.e2e
 def test_two_processes_see_one_breaker(shared_redis_url: str) -> None:
     name = f"t/shared-{uuid.uuid4().hex[:8]}@1.0.0"
     start = time.time()

@@ -54,7 +54,24 @@ def test_unknown_model_requests_drain_the_request_bucket_then_429(web, registry,
     for limited in replies[capacity:]:
         assert limited.status_code == 429, limited.text
         assert limited.json()["error"]["code"] == "rate_limit_exceeded" and int(limited.headers["retry-after"]) >= 1
-        assert "unknown models count" in limited.json()["error"]["message"]
+        assert "unknown models" in limited.json()["error"]["message"]
+
+
+def test_malformed_requests_drain_the_request_bucket_then_429(web, registry, settings, tenant_a):
+    # Each refusal cost the gateway its decoding: a flood of them is bounded by the caller's rpm.
+    Tier.objects.create(name="tiny-rpm-malformed", requests_per_minute=2, tokens_per_minute=100_000,
+                        max_tokens_per_request=16, priority=2, max_concurrent_training_jobs=1, max_adapters=5,
+                        degradation_allowed=False)
+    _, key = tenant_create(slug="malformer", tier_name="tiny-rpm-malformed")
+    capacity = round(2 * settings.GATEWAY.bucket_burst)
+    body = f'{{"model": "{settings.BASE_MODEL_NAME}", "prompt": "hi", "max_tokens": 1, "temperature": NaN}}'
+    replies = [httpx.post(f"{web.url}/v1/completions", headers={**auth(key), "content-type": "application/json"},
+                          content=body, timeout=60) for _ in range(capacity + 1)]
+    assert [reply.status_code for reply in replies[:capacity]] == [400] * capacity, [r.text for r in replies]
+    assert replies[0].json()["error"]["param"] == "temperature"
+    assert replies[capacity - 1].headers["x-ratelimit-remaining-requests"] == "0"
+    assert replies[capacity].status_code == 429, replies[capacity].text
+    assert "malformed" in replies[capacity].json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field", ["model", "user", "content", "stop"])

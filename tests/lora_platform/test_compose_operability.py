@@ -108,6 +108,7 @@ def test_one_max_lora_rank_feeds_the_web_app_and_the_serving_worker(settings) ->
         assert interpolate(web_rank, {}) == str(settings.MAX_LORA_RANK)
 
 
+@pytest.mark.e2e
 @pytest.mark.django_db(transaction=True)
 def test_the_web_apps_probe_command_passes_on_a_live_web_app_and_fails_on_none(live_server) -> None:
     address = live_server.url.removeprefix("http://")
@@ -116,6 +117,7 @@ def test_the_web_apps_probe_command_passes_on_a_live_web_app_and_fails_on_none(l
     assert subprocess.run(closed, capture_output=True, timeout=30).returncode != 0
 
 
+@pytest.mark.e2e
 def test_the_beat_probe_passes_on_a_fresh_schedule_file_only(tmp_path: Path) -> None:
     schedule = tmp_path / "celerybeat-schedule"
     argv = probe_argv("beat", {"/tmp/celerybeat-schedule": str(schedule)})

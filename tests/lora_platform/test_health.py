@@ -118,6 +118,7 @@ def test_readyz_is_503_naming_the_workers_when_none_is_live(client, settings, pl
     assert get_storage().list("health") == []  # the storage probe cleaned up after itself
 
 
+@pytest.mark.e2e
 @pytest.mark.django_db
 def test_readyz_is_200_with_everything_up(client, settings, serving_and_celery_workers) -> None:
     deadline = time.monotonic() + 180  # the serving worker loads its model first

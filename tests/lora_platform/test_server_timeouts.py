@@ -123,6 +123,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(web):
         print(f"idle keep-alive connection closed after {time.monotonic() - started:.2f} s")
 
 
+@pytest.mark.e2e
 def test_one_client_gets_at_most_its_cap_of_connections(capped_web):
     web = capped_web
     held = [web.connect(timeout=PATIENCE_S) for _ in range(MAX_PER_CLIENT)]

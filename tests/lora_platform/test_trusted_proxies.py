@@ -17,6 +17,8 @@ from lora_platform import launcher
 from serving.wire.settings import SettingsError, settings_read
 from tests.lora_platform.live_web import LiveWeb, web_env
 
+pytestmark = pytest.mark.e2e
+
 PER_ADDRESS = 8
 ROOT = Path(__file__).resolve().parents[2]
 

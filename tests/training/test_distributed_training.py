@@ -36,6 +36,8 @@ from training.trainer import TrainingInterrupted, load_tokenizer
 from test_dpo import preference_lines, raw
 from training_support import QA, chat_lines, jsonl, wait_for
 
+pytestmark = pytest.mark.e2e
+
 # 8 examples in batches of 3 (3, 3, 2 a step), each step's share in micro-batches of one: rank 1 is
 # an example short in the steps of 3, so it runs a zero-weight pass to match rank 0's all-gathers.
 HP = Hyperparameters(n_epochs=2, batch_size=3, gradient_accumulation_steps=3, learning_rate=1e-2,

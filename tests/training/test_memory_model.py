@@ -107,6 +107,7 @@ def test_fit_line_recovers_a_line() -> None:
         fit_line([(2, 10.0)])
 
 
+@pytest.mark.e2e
 def test_the_cpu_smoke_run_trains_each_cut_and_reports_the_full_shape(tmp_path: Path) -> None:
     out = tmp_path / "t70.json"
     subprocess.run([sys.executable, "bench/trainer_70b.py", "--shape", "tiny", "--layers", "1,2", "--steps", "2",

@@ -212,6 +212,7 @@ def test_a_validation_that_crashes_ends_the_dataset_invalid_with_a_message(tenan
     assert error["code"] == "validation_failed" and "Validation stopped unexpectedly" in error["message"]
 
 
+@pytest.mark.e2e
 def test_scratch_folders_of_dead_runs_on_this_host_are_swept_and_live_ones_kept(settings, tmp_path):
     settings.TRAINING_SCRATCH_DIR = str(tmp_path / "scratch")
     mine = scratch.scratch_create(7)

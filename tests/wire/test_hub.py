@@ -123,6 +123,7 @@ def test_the_worker_refuses_an_unknown_model(hf_home: Path, capsys: pytest.Captu
     assert "--model: the base model tiny-org/absent is not in the Hugging Face cache" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_the_command_line_honours_hf_home(hf_home: Path) -> None:
     """A fresh process reads HF_HOME and HF_HUB_OFFLINE as huggingface_hub does, at import."""
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}

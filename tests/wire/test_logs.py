@@ -104,6 +104,7 @@ logging.getLogger("uvicorn.access").info("GET / 200")
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_a_django_request_warning_is_written_once_under_debug(log_format: str) -> None:
     """Django's default configuration gives `django` a console handler of its own, active under

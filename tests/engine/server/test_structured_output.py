@@ -149,6 +149,7 @@ def _wide_schema(depth: int, width: int) -> dict[str, object]:
     return schema
 
 
+@pytest.mark.e2e
 def test_the_compile_budget_refuses_with_grammar_too_complex_naming_the_field(tiny_model: Path) -> None:
     """A worker with a small budget (nesting 10 JSON levels, 1 ms a compile): a schema nested past
     it is refused before compiling, one within it whose compile outlasts the time (a 44 KB schema
