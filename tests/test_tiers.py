@@ -4,6 +4,7 @@ starts a process unmarked is named at the end of the run."""
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 
@@ -41,3 +42,7 @@ def test_a_process_the_test_starts_is_counted() -> None:
     before = tiers.starts[0]
     subprocess.run([sys.executable, "-c", "pass"], check=True)
     assert tiers.starts[0] == before + 1
+    child = multiprocessing.get_context("spawn").Process(target=int)
+    child.start()
+    child.join()
+    assert tiers.starts[0] == before + 2

@@ -5,8 +5,8 @@ of its own, a browser) is `e2e`; `make test-fast` runs the rest. Every test that
 E2E_FIXTURES, directly or through another fixture, is marked at collection, so a new test cannot
 forget it. A test that starts a process in its own body carries `pytestmark = pytest.mark.e2e`;
 one that forgets is named at the end of the run: every process a test's set-up and body start is
-counted (subprocess's, and the zygote's forks, which go over a socket rather than through
-subprocess).
+counted: subprocess's, multiprocessing's (the process engine, tensor-parallel ranks; it forks and
+execs without subprocess) and the zygote's forks (which go over a socket).
 
 A plugin rather than part of tests/conftest.py so that it is imported once, as `tests.tiers`
 (tests/ is not a package: its conftest is imported under another name than a test's import of it).
@@ -14,6 +14,7 @@ A plugin rather than part of tests/conftest.py so that it is imported once, as `
 
 from __future__ import annotations
 
+import multiprocessing.process
 import subprocess
 from collections.abc import Iterator
 
@@ -44,7 +45,14 @@ def _count_process_starts() -> None:
         starts[0] += 1
         return fork(self, *args, **kwargs)  # type: ignore[arg-type]
 
+    start = multiprocessing.process.BaseProcess.start
+
+    def counted_start(self: multiprocessing.process.BaseProcess) -> None:
+        starts[0] += 1
+        start(self)
+
     subprocess.Popen._execute_child = counted_execute_child  # type: ignore[attr-defined]
+    multiprocessing.process.BaseProcess.start = counted_start  # type: ignore[method-assign]
     zygote._Zygote.start = counted_fork  # type: ignore[method-assign]
 
 

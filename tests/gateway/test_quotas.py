@@ -39,6 +39,7 @@ def _admit_in_process(args: tuple[str, str, int, float]) -> int:
     return asyncio.run(_admit_many(*args))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("attempt", range(3))
 def test_1000_concurrent_admissions_from_4_processes_admit_exactly_the_capacity(redis_client, attempt):
     key = f"loraplex:gateway:bucket:test-{uuid.uuid4().hex}"
