@@ -63,16 +63,18 @@ async def handle(endpoint: str, *, authorization: str | None, raw_body: bytes, r
     """One completion request, from its HTTP parts to the reply, on this loop's `res`
     (serving.gateway.wiring.resources)."""
     caller = await res.catalog.caller_for(authorization)
-    body = decode_body(raw_body)  # checked once: serving.gateway.request_fields
-    model = body["model"]
-    access_note(tenant=caller.tenant, model=model)
     try:
+        body = decode_body(raw_body)  # checked once: serving.gateway.request_fields
+        model = body["model"]
+        access_note(tenant=caller.tenant, model=model)
         target = await res.catalog.target_for(caller, model)
+        max_tokens, sequences = check_tier_limits(body, endpoint, caller)
     except GatewayError as error:
-        if error.status == 404 or error.code == "model_not_allowed":
+        # A refused request cost the gateway its decoding and lookups: it costs the caller a request
+        # from its buckets, so a flood of malformed bodies or unknown names is rate-limited as any flood.
+        if error.status in (400, 404) or error.code == "model_not_allowed":
             raise await charged_refusal(caller, endpoint, error, res) from None
         raise
-    max_tokens, sequences = check_tier_limits(body, endpoint, caller)
     # Chosen before admission, so that its breaker permit is asked in the admission's round trip.
     call = Call(endpoint=endpoint, caller=caller, body=body, model=model, target=target, max_tokens=max_tokens,
                 sequences=sequences, body_bytes=len(raw_body), version=choose_version(target, body))
@@ -327,11 +329,12 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
 
 
 async def charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, res: Resources) -> GatewayError:
-    """A model the caller cannot have (404, or 403 outside its key's allow-list), asked for in a
+    """A request refused before admission (a malformed body or one past the tier's limits, 400; a
+    model the caller cannot have, 404, or 403 outside its key's allow-list), asked for in a
     completion or looked up (`GET /v1/models/{id}`, serving.gateway.views), still costs one request
-    from its buckets, so a flood of unknown names is rate-limited as any other flood: the refusal
-    with the rate-limit headers, or 429 once the bucket is empty. The refusal may be a cached one:
-    it is copied, never changed."""
+    from its buckets, so a flood of them is rate-limited as any other flood: the refusal with the
+    rate-limit headers, or 429 once the bucket is empty. The refusal may be a cached one: it is
+    copied, never changed."""
     buckets = RequestBuckets.of(caller, res.config.gateway.bucket_burst)
     admission = await res.buckets.admit(buckets.costs(tokens=0))
     headers = buckets.headers(admission)
@@ -342,8 +345,9 @@ async def charged_refusal(caller: Caller, endpoint: str, refusal: GatewayError, 
     metrics.RATE_LIMITED.labels(caller.tier.name).inc()
     retry_after_s = admission.retry_after_s
     return GatewayError(
-        429, f"Rate limit reached for {buckets.describe(buckets.shortest(admission))}; requests for unknown "
-             f"models count too, as do those for models outside the key's allow-list. Retry in {retry_after_s:.2f} s.",
+        429, f"Rate limit reached for {buckets.describe(buckets.shortest(admission))}; refused requests count "
+             f"too (malformed ones, unknown models, models outside the key's allow-list). Retry in "
+             f"{retry_after_s:.2f} s.",
         code="rate_limit_exceeded",
         headers={**headers, "retry-after": str(max(1, math.ceil(retry_after_s))),
                  "retry-after-ms": str(math.ceil(retry_after_s * 1000))})
