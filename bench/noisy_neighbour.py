@@ -7,8 +7,11 @@ Redis, local storage) with K serving workers behind one web process; A and B are
 same tier (`bench`, whose rate limits do not bind, so what B sees is the shared workers and
 gateway, not A's quota), each with one adapter. B's load: Poisson arrivals at `--b-rate` of
 streamed `/v1/completions` on B's adapter for `--seconds`; every pattern's window is the same
-length and seed, so only A differs. A's pattern runs `--a-concurrency` requests at a time until B's
-window ends (the budget pattern fires its 200 concurrent requests once).
+length and seed, so only A differs. A's pattern runs until B's window ends, `--a-concurrency`
+requests at a time: its hostile requests paced at `--a-rate` a second (what one such request costs
+the others is the measure; a raw request rate is bounded by the tier's rpm and the web server's
+per-client connection cap), the flood unpaced; the budget pattern fires its 200 concurrent requests
+once.
 
     python bench/noisy_neighbour.py                                  # tiny model on CPU, 2 workers
     python bench/noisy_neighbour.py --patterns alone,deep_schema,flood --seconds 20
@@ -43,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gateway import embedded_platform, percentile  # noqa: E402
-from bench.fleet_platform import Fleet, Served, adapter_files, register  # noqa: E402
+from bench.fleet_platform import Fleet, Served, register  # noqa: E402
 
 BUDGET_TOKENS = 250
 WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
@@ -145,7 +148,7 @@ async def send(client: httpx.AsyncClient, url: str, key: str, endpoint: str, bod
     return response.status_code, response.text, usage
 
 
-async def run_a(pattern: str, tenants: Tenants, stop: asyncio.Event, concurrency: int) -> Outcome:
+async def run_a(pattern: str, tenants: Tenants, stop: asyncio.Event, concurrency: int, rate: float) -> Outcome:
     outcome = Outcome()
     async with httpx.AsyncClient(timeout=300) as client:
         if pattern == "budget":
@@ -159,10 +162,20 @@ async def run_a(pattern: str, tenants: Tenants, stop: asyncio.Event, concurrency
             return outcome
         endpoint, body = BODIES[pattern](tenants.a)
         generated = 0
+        # Hostile requests at a steady pace (the flood: as many as its concurrency keeps in flight), so
+        # each pattern is measured by what one such request costs the others, not by a raw request
+        # rate, which the tier's rpm and the web server's per-client connection cap bound.
+        pace = 0.0 if pattern == "flood" else 1.0 / rate
+        next_at = time.perf_counter()
 
         async def loop() -> None:
-            nonlocal generated
+            nonlocal generated, next_at
             while not stop.is_set():
+                if pace:
+                    wait, next_at = max(0.0, next_at - time.perf_counter()), max(next_at, time.perf_counter()) + pace
+                    await asyncio.sleep(wait)
+                    if stop.is_set():
+                        return
                 status, text, usage = await send(client, tenants.url, tenants.a.key, endpoint, body)
                 outcome.note(status, text)
                 generated += usage.get("completion_tokens", 0)
@@ -228,7 +241,8 @@ async def run_b(args: argparse.Namespace, tenants: Tenants) -> dict[str, Any]:
 
 async def window(args: argparse.Namespace, tenants: Tenants, pattern: str) -> dict[str, Any]:
     stop = asyncio.Event()
-    a_task = None if pattern == "alone" else asyncio.ensure_future(run_a(pattern, tenants, stop, args.a_concurrency))
+    a_task = None if pattern == "alone" else asyncio.ensure_future(
+        run_a(pattern, tenants, stop, args.a_concurrency, args.a_rate))
     b = await run_b(args, tenants)
     stop.set()
     outcome = await a_task if a_task is not None else Outcome()
@@ -256,21 +270,18 @@ def recorded_tokens(prefix: str, settle_s: float = 5.0) -> int:
 
 
 def start_platform(args: argparse.Namespace, work: Path) -> tuple[Fleet, Tenants]:
-    model = embedded_platform(work)
-    rank, flags = 8, []
-    adapters = adapter_files(model, 2, work)
-    if args.shape != "tiny":
-        from bench.serve_launch import prepare
+    embedded_platform(work)
+    from django.conf import settings
 
-        ns = argparse.Namespace(launch=args.shape, adapter_cache=None, num_adapters=2, rank=16,
-                                adapter_modules="all")
-        model, adapters, flags, _, _ = prepare(ns, work)
-        rank = 16
+    from bench.serve_launch import prepare
+
+    # The bench's model and two rank-16 adapters on every projection (bench/serve_launch.py's), the
+    # platform's base model from here on, so the registry checks the adapters against it.
+    shape = argparse.Namespace(launch=args.shape, adapter_cache=None, num_adapters=2, rank=16, adapter_modules="all")
+    model, adapters, flags, _, _ = prepare(shape, work)
+    if args.shape == "llama3-8b":  # the workers share one GPU
         flags = [*flags, "--gpu-memory-utilization", str(round(0.85 / args.workers, 2))]
-        os.environ["BASE_MODEL_PATH"] = str(model)
-        from django.conf import settings
-
-        settings.BASE_MODEL_PATH = str(model)
+    os.environ["BASE_MODEL_PATH"] = settings.BASE_MODEL_PATH = str(model)
     from tenants.api_keys import parse_key
     from tenants.models import ApiKey
     from tenants.services import api_key_create
@@ -282,7 +293,7 @@ def start_platform(args: argparse.Namespace, work: Path) -> tuple[Fleet, Tenants
     budget_key, budget_full = api_key_create(tenant=tenant_a, name="budgeted",
                                              controls={"monthly_token_budget": BUDGET_TOKENS})
     fleet = Fleet(policy="affinity", model=model, workers=args.workers, webs=1, slots=4, cpu_cache=4,
-                  logs=work / "logs", rank=rank, worker_flags=tuple(flags))
+                  logs=work / "logs", rank=16, worker_flags=tuple(flags))
     fleet.start()
     tenants = Tenants(url=fleet.web_urls()[0], a=served[0], b=served[1], a_budget_key=budget_full,
                       a_budget_prefix=budget_key.prefix)
@@ -308,14 +319,15 @@ def report(rows: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="tiny", choices=["tiny", "llama3-8b"])
+    p.add_argument("--shape", default="tiny", choices=["tiny", "small", "llama3-8b"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--patterns", default=",".join(PATTERNS))
     p.add_argument("--seconds", type=float, default=15.0, help="each window's length")
     p.add_argument("--b-rate", type=float, default=4.0, help="B's requests per second")
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--a-concurrency", type=int, default=4)
+    p.add_argument("--a-concurrency", type=int, default=4, help="A's requests in flight at most")
+    p.add_argument("--a-rate", type=float, default=20.0, help="A's hostile requests a second (not the flood's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
     args = p.parse_args()

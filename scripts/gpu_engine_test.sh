@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine decode-table serve
-# gateway-curve adapters structured trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
+# gateway-curve noisy adapters structured trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
 # decode-step table for 32-256 distinct adapters), bench/serve.py, bench/many_adapters.py (issue 21's
 # matrix: adapter count x popularity x GPU adapter budget x rate), bench/structured_output.py (issue 24's
 # structured-output TPOT and step tail; needs the xgrammar and apache-tvm-ffi wheels), bench/trainer.py on
@@ -73,6 +73,17 @@ for stage in "$@"; do
             --max-num-seqs 256 --warmup 32 --through-gateway --worker-args="${WORKER_ARGS:-}" ${py_spy[@]+"${py_spy[@]}"} ${SERVE_ARGS:-} \
             --json "$out/gateway_curve8b.json" 2>&1 \
             | tee "$out/gateway_curve8b.log" || status=1 ;;
+    noisy)
+        # bench/noisy_neighbour.py on the 8B shape: tenant B's steady load against each of tenant A's
+        # hostile patterns, through the gateway (the web process's packages as in gateway-curve).
+        if [ ! -d /tmp/site-gw ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-gw .whl-gw/*.whl \
+                || { echo "noisy: .whl-gw would not install"; status=1; continue; }
+        fi
+        PYTHONPATH="/tmp/site-gw:$PYTHONPATH" timeout "$limit" python3 bench/noisy_neighbour.py --shape llama3-8b \
+            --workers 1 --b-rate "${NOISY_RATE:-16}" --prompt-words 200 --max-tokens 128 --seconds "${NOISY_SECONDS:-20}" \
+            --a-concurrency "${NOISY_A_CONCURRENCY:-16}" ${NOISY_ARGS:-} --json "$out/noisy8b.json" 2>&1 \
+            | tee "$out/noisy8b.log" || status=1 ;;
     structured)
         timeout "$limit" python3 bench/structured_output.py --shape llama3-8b --json "$out/structured_output.json" \
             2>&1 | tee "$out/structured_output.log" || status=1 ;;
@@ -83,7 +94,7 @@ for stage in "$@"; do
     trainer70b)
         timeout "$limit" python3 bench/trainer_70b.py --layers "${TRAINER70B_LAYERS:-2,8,32,64}" --json "$out/trainer70b.json" \
             2>&1 | tee "$out/trainer70b.log" || status=1 ;;
-    *) echo "unknown stage $stage (tests, engine, decode-table, serve, gateway-curve, adapters, structured, trainer, trainer70b)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, engine, decode-table, serve, gateway-curve, noisy, adapters, structured, trainer, trainer70b)"; exit 2 ;;
     esac
 done
 exit $status
