@@ -48,8 +48,8 @@ def make_adapter(slug: str, weight: float):
     """A tenant with support-bot 1.0.0 active and 1.1.0 as a canary at `weight`; (key, canary row)."""
     from django.conf import settings
 
-    from serving import services
-    from serving.models import AdapterVersion
+    from serving.registry import services
+    from serving.registry.models import AdapterVersion
     from tenants.services import tenant_create, tiers_seed
 
     tiers_seed()
@@ -78,7 +78,7 @@ async def run_one(weight: float, requests: int, concurrency: int, seed: int) -> 
     from serving.gateway.redis_batch import run_batch
     from serving.gateway.version_pick import pick_version
     from serving.gateway.wiring import resilience_build
-    from serving.models import DeploymentEvent
+    from serving.registry.models import DeploymentEvent
 
     # A name of this run: breakers in Redis outlive the run (their keys expire after a day idle).
     slug = f"bench-{int(weight * 1000)}-{seed}-{os.getpid()}"

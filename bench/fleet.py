@@ -197,7 +197,7 @@ async def replay(fleet: Fleet, day: list[tuple[float, int]], served: list[Served
 def usage_of(policy: str, answered: int, timeout_s: float = 20.0) -> list[tuple[str, str, int]]:
     """(worker, adapter, completion tokens) of the policy's requests that a worker answered, from
     the gateway's usage records, once the `answered` ones are all written (flushed every 0.2 s)."""
-    from serving.models import UsageRecord
+    from serving.registry.models import UsageRecord
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -5,7 +5,7 @@ The platform is bench/gateway.py's (bench.gateway.embedded_platform: SQLite, the
 local storage, the tiny model, this process's settings). The adapters are tiny rank-8 PEFT
 adapters (serving.engine.tiny.save_random_peft_adapter, seeded, kept in a work directory for the
 next run), uploaded as version 1.0.0 of an adapter of one of a few tenants and deployed through
-the registry's services (serving.services), so the gateway resolves them as any tenant's model.
+the registry's services (serving.registry.services), so the gateway resolves them as any tenant's model.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def register(directories: list[Path], tenants: int, stamp: str) -> list[Served]:
     """Each adapter uploaded and deployed as 1.0.0 of `a<index>` of tenant `index % tenants`."""
     from django.core.files.uploadedfile import SimpleUploadedFile
 
-    from serving import services
+    from serving.registry import services
 
     per_tenant = math.ceil(len(directories) / tenants)
     made = [bench_tenant(f"fleet-{stamp}-t{index}", max_adapters=per_tenant) for index in range(tenants)]

@@ -258,7 +258,7 @@ def recorded_tokens(prefix: str, settle_s: float = 5.0) -> int:
     """The budgeted key's tokens in the usage records once the gateway's flusher has written them."""
     from django.db.models import Sum
 
-    from serving.models import UsageRecord
+    from serving.registry.models import UsageRecord
 
     time.sleep(settle_s)  # the flusher's interval is 0.2 s here; a few rounds of it
     totals = UsageRecord.objects.filter(api_key_prefix=prefix).aggregate(p=Sum("prompt_tokens"),

@@ -94,7 +94,7 @@ def started_gateway(args: argparse.Namespace, worker: Launched, work: Path) -> I
     processes routing to the worker, ready (each one's /readyz sees the worker live)."""
     from django.conf import settings
 
-    from serving.models import AdapterVersion
+    from serving.registry.models import AdapterVersion
 
     # The platform's base model is the worker's: uploads are checked against its shapes, and the
     # gateway routes a version to workers serving the base it was registered on.

@@ -6,7 +6,7 @@ Cases, each run in a fresh subprocess so its peak RSS is its own:
 - ``many-entries``: a .tar.gz of 1,000,000 empty entries (about 6 MB compressed);
 - ``zeros``: a .tar.gz holding one 4 GiB entry of zeros (about 4 MB compressed).
 
-Each archive is built once (into ``--work``), then handed to ``serving.uploads.staged_upload`` as
+Each archive is built once (into ``--work``), then handed to ``serving.registry.uploads.staged_upload`` as
 a Django upload, on the platform's settings (ADAPTER_MAX_BYTES 1 GiB by default). ``--uploads``
 loads another implementation of the module instead (say, an older commit's copy) to compare.
 
@@ -75,7 +75,7 @@ def run_case(path: Path, uploads_path: str | None) -> dict:
         sys.modules[spec.name] = uploads  # its dataclasses look their module up
         spec.loader.exec_module(uploads)
     else:
-        from serving import uploads
+        from serving.registry import uploads
     upload = SimpleUploadedFile(path.name, path.read_bytes())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
@@ -94,7 +94,7 @@ def run_case(path: Path, uploads_path: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/loraplex-bench-archives"))
-    parser.add_argument("--uploads", help="path of an alternative serving/uploads.py to measure")
+    parser.add_argument("--uploads", help="path of an alternative serving/registry/uploads.py to measure")
     parser.add_argument("--cases", default="many-entries,zeros")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()

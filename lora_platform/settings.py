@@ -47,7 +47,7 @@ INSTALLED_APPS = [
     "lora_platform",
     "dashboard",
     "tenants",
-    "serving",
+    "serving.registry",  # label "serving": its tables, migrations and permissions keep the name
     "training",
 ]
 

@@ -23,7 +23,7 @@ urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("api/v1/", include("tenants.urls")),
-    path("api/v1/", include("serving.urls")),
+    path("api/v1/", include("serving.registry.urls")),
     path("api/v1/", include("training.urls")),
     # The completion routes' one entry point is the ASGI fast path (serving.gateway.asgi); Django's own
     # handler (WSGI, its test client) says so.

@@ -16,7 +16,7 @@ from tenants.models import Tier
 
 CONTROL_FIELDS = ("expires_at", "allowed_models", "requests_per_minute", "tokens_per_minute", "monthly_token_budget")
 MAX_ALLOWED_MODELS = 100
-# A request's `model` is stored in at most 200 characters (serving.models.UsageRecord.model).
+# A request's `model` is stored in at most 200 characters (serving.registry.models.UsageRecord.model).
 MODEL_NAME_MAX_CHARS = 200
 # A budget beyond this is no budget (and would overflow what a counter shows sensibly).
 MAX_MONTHLY_TOKEN_BUDGET = 10**15

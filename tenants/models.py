@@ -121,7 +121,7 @@ class ApiKey(models.Model):
 
 class TenantEvent(models.Model):
     """The audit log of a tenant's access: its keys and its tier, one row per change, written in the
-    change's transaction (the registry's is serving.models.DeploymentEvent)."""
+    change's transaction (the registry's is serving.registry.models.DeploymentEvent)."""
 
     class Kind(models.TextChoices):
         KEY_CREATE = "key_create", "API key created"

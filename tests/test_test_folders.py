@@ -1,5 +1,5 @@
 """Each folder of tests/ is named after the package it tests: `tests/<name>` is the top-level
-package `<name>` or `serving.<name>` (the serving app's sub-packages: gateway, wire, engine), and a
+package `<name>` or `serving.<name>` (serving's sub-packages: registry, gateway, engine, contracts), and a
 folder below it is that package's sub-package (`tests/engine/server` is `serving.engine.server`)."""
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from rest_framework.response import Response
 
 from api.parsers import JSONParser
 from api.schema import error_response
-from serving.api import VersionSerializer, request_actor
-from serving.checkpoint_versions import checkpoint_version_create
+from serving.registry.api import VersionSerializer, request_actor
+from serving.registry.checkpoint_versions import checkpoint_version_create
 from serving.wire.errors import InvalidInput, NotFound
 from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet

@@ -8,7 +8,7 @@ class TrainingConfig(AppConfig):
     def ready(self) -> None:
         # The registry counts the names active jobs hold for their new adapters against the tier's
         # limit (docs/training.md, "Adapter names"); it imports nothing of training to do so.
-        from serving import adapter_names
+        from serving.registry import adapter_names
         from training import selectors
 
         adapter_names.adapter_name_holds_register(selectors.adapter_names_held)

@@ -23,7 +23,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from serving.wire.errors import ServiceError
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from training import conf
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from serving.engine.lora.artifact import ADAPTER_CONFIG_NAME
 from serving.engine.lora.reader import WEIGHTS_NAME
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from training.checkpoint_names import checkpoint_label
 from training.models import Checkpoint, TrainingJob
 from training.publishing import artifact_publish

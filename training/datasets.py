@@ -22,7 +22,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from serving.wire.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, ServiceError
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from serving.wire.storage import Source
 from tenants.models import Tenant
 from training import conf, dispatch

@@ -19,10 +19,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
-from serving import selectors as registry_selectors
-from serving.adapter_names import adapter_name_validate, adapter_room_check
-from serving.models import Adapter, AdapterVersion
-from serving.versions import version_parse
+from serving.registry import selectors as registry_selectors
+from serving.registry.adapter_names import adapter_name_validate, adapter_room_check
+from serving.registry.models import Adapter, AdapterVersion
+from serving.registry.versions import version_parse
 from tenants.models import Tenant
 from training import conf
 from training.base import (PENDING_DATASET_STATUSES, Status, after_commit, checkpoints_delete, event, finish,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from serving.models import AdapterVersion
+from serving.registry.models import AdapterVersion
 from tenants.models import Tenant
 from tenants.scoping import TenantScopedQuerySet
 

@@ -15,11 +15,11 @@ from django.conf import settings
 from django.db import transaction
 
 from serving.wire.errors import ServiceError
-from serving.storage import get_storage
-from serving import services as registry
+from serving.registry.storage import get_storage
+from serving.registry import services as registry
 from serving.engine.lora.artifact import MANIFEST_NAME, adapter_digest, base_config_sha256, manifest_write
-from serving.models import AdapterVersion, artifact_prefix
-from serving.versions import version_next_patch
+from serving.registry.models import AdapterVersion, artifact_prefix
+from serving.registry.versions import version_next_patch
 from tenants.models import Tenant
 from training.base import JobFailure, LeaseLost, Status, finish
 from training.models import TrainingJob
@@ -91,7 +91,7 @@ def artifact_publish(adapter_dir: Path, prefix: str, *, job: TrainingJob, versio
     the whole directory at once. Returns the manifest's sha256, the artifact's content digest.
 
     The one writer of trained artifacts: the job's version, each kept checkpoint's artifact
-    (training.checkpoint_artifacts) and a version made from a checkpoint (serving.checkpoint_versions).
+    (training.checkpoint_artifacts) and a version made from a checkpoint (serving.registry.checkpoint_versions).
     """
     (adapter_dir / "README.md").unlink(missing_ok=True)  # PEFT's model card: not part of an artifact
     manifest_write(adapter_dir, tenant=job.tenant.slug, name=job.adapter_name, version=version,

@@ -41,7 +41,7 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from serving.wire.errors import NotFound
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from serving.engine.lora.artifact import base_config_sha256
 from training import conf
 from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, event, finish, held_out,

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 from django.db.models import QuerySet
 
 from serving.wire.errors import NotFound
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from tenants.models import Tenant
 from training.examples import Example, load_json_line, parse_example
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
@@ -21,7 +21,7 @@ def adapter_names_held(tenant: Tenant) -> dict[str, str]:
     """The adapter names the tenant's queued and running jobs will publish to, each with its oldest job.
 
     The registry keeps the ones that are not adapters yet as held: their room under the tier's
-    max_adapters is taken from the job's creation on (serving.adapter_names.adapter_room_check).
+    max_adapters is taken from the job's creation on (serving.registry.adapter_names.adapter_room_check).
     """
     held: dict[str, str] = {}
     active = TrainingJob.objects.for_tenant(tenant).filter(status__in=TrainingJob.ACTIVE_STATUSES).order_by("id")

@@ -30,7 +30,7 @@ from typing import BinaryIO, cast
 from django.db import transaction
 from django.utils import timezone
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from serving.wire.errors import InvalidInput, LimitExceeded, PayloadTooLarge, ServiceError
 from serving.wire.storage import BlobStorage, Source
 from tenants.models import Tenant

@@ -1,6 +1,6 @@
 """The adapter registry's pages: adapters, their versions, deployment and canary.
 
-Every action is one serving.services call with the user as the audit actor (`user:<name>`, as the
+Every action is one serving.registry.services call with the user as the audit actor (`user:<name>`, as the
 session-authenticated API records it); the page then shows the new state and its audit event.
 """
 
@@ -17,8 +17,8 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from dashboard.tenancy import DashboardRequest, Role, dashboard_actor, dashboard_view
-from serving import selectors, services
-from serving.models import Adapter, AdapterVersion
+from serving.registry import selectors, services
+from serving.registry.models import Adapter, AdapterVersion
 from serving.wire.errors import InvalidInput, ServiceError
 
 

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from dashboard.htmx import is_htmx
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
-from serving import selectors as registry_selectors
+from serving.registry import selectors as registry_selectors
 from tenants.models import Tenant
 from training import selectors as training_selectors
 from training.models import Dataset

@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from dashboard.tenancy import DashboardRequest, Role, dashboard_actor, dashboard_view
-from serving import selectors as serving_selectors
+from serving.registry import selectors as serving_selectors
 from serving.gateway import catalog
 from serving.gateway.key_budget import Month
 from serving.wire.errors import InvalidInput, ServiceError

@@ -10,7 +10,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
-from serving.usage import GROUP_BY, usage_summary
+from serving.registry.usage import GROUP_BY, usage_summary
 from tenants import selectors as tenant_selectors
 
 USAGE_PERIODS = (1, 7, 30, 90)

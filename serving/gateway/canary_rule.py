@@ -1,4 +1,4 @@
-"""When a canary must be taken out of traffic: the rule, without Django (serving.canary_guard acts on it).
+"""When a canary must be taken out of traffic: the rule, without Django (serving.registry.canary_guard acts on it).
 
 A canary is aborted when its own breaker opens (it failed or was slow past the breaker's
 thresholds), or when, over at least `minimum_calls` of its own calls and of the active version's,

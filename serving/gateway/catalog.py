@@ -37,9 +37,9 @@ from serving.gateway.errors import GatewayError, model_not_found
 from serving.gateway.records import Caller, KeyControls, Target, TierLimits
 from serving.gateway.ttl_cache import TtlCache
 from serving.gateway.version_pick import ServedSet, ServedVersion
-from serving.models import Adapter, AdapterVersion, UsageRecord
-from serving.selectors import versions_by_precedence
-from serving.versions import SEMVER_RE
+from serving.registry.models import Adapter, AdapterVersion, UsageRecord
+from serving.registry.selectors import versions_by_precedence
+from serving.registry.versions import SEMVER_RE
 from serving.wire.names import parse_qualified_name
 from tenants.authentication import KEY_EXPIRED, TenantAuth, api_key_authenticate
 from tenants.key_controls import model_allowed

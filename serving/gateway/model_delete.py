@@ -2,7 +2,7 @@
 organisation delete its fine-tuned models, answered in OpenAI's shape
 `{"id": ..., "object": "model", "deleted": true}` (serving.gateway.views is the route).
 
-Deleting archives, through the registry's services (serving.services), so the rules, the lock and
+Deleting archives, through the registry's services (serving.registry.services), so the rules, the lock and
 the audit log are the registry's: `<adapter>` archives every version of the adapter not archived
 yet (`adapter_archive`), `<adapter>@<version>` that one version (`adapter_version_archive`); one
 `archive` event per version, with the key as actor (`api-key:<prefix>`) and `?reason=` (default:
@@ -30,11 +30,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from serving import services
+from serving.registry import services
 from serving.gateway.catalog import base_model_ids, key_authenticate, model_not_allowed, targets_forget
 from serving.gateway.errors import GatewayError, invalid_request, model_not_found
-from serving.models import Adapter, AdapterVersion
-from serving.versions import SEMVER_RE
+from serving.registry.models import Adapter, AdapterVersion
+from serving.registry.versions import SEMVER_RE
 from serving.wire.errors import NotFound, ServiceError
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey, Tenant

@@ -3,11 +3,11 @@
 - `Catalog`: the one database port: who is calling, what a `model` names, what a key's usage
   records hold (its monthly budget's seed), which versions are still served.
   serving.gateway.catalog (the ORM, cached per process) is the implementation.
-- `CanaryAbort`: aborts a canary in the registry (serving.canary_guard, through the ORM); True
+- `CanaryAbort`: aborts a canary in the registry (serving.registry.canary_guard, through the ORM); True
   when this call aborted it, False when there was nothing to abort (another process did, or the
   deployment changed meanwhile).
 
-The usage flusher (serving.usage, records from Redis into the database) is started by the wiring
+The usage flusher (serving.registry.usage, records from Redis into the database) is started by the wiring
 module beside the pipeline's resources; the pipeline only pushes records to Redis.
 """
 

@@ -4,8 +4,8 @@ Per event loop (the Redis client and the pool to the workers bind to the loop th
 the Redis client, the buckets, the resilience set, and the pipeline's config, all from the
 settings' instances (lora_platform.settings: settings.GATEWAY, GATEWAY_BREAKERS, ...); the
 catalog (serving.gateway.catalog) as the pipeline's database port; the canary abort in the
-registry (serving.canary_guard) as the resilience set's `CanaryAbort`; and beside them the usage
-flusher (serving.usage) and the prewarm loop. serving.gateway.asgi calls `handle`.
+registry (serving.registry.canary_guard) as the resilience set's `CanaryAbort`; and beside them the usage
+flusher (serving.registry.usage) and the prewarm loop. serving.gateway.asgi calls `handle`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from serving.canary_guard import canary_guard_abort
+from serving.registry.canary_guard import canary_guard_abort
 from serving.gateway import catalog, pipeline
 from serving.gateway.local_buckets import GuardedBuckets
 from serving.gateway.proxy import Upstream
@@ -25,13 +25,13 @@ from serving.gateway.records import Reply
 from serving.gateway.resilience import Resilience
 from serving.gateway.resources import PipelineConfig, Resources, prewarm_start
 from serving.gateway.version_pick import ServedVersion
-from serving.usage import usage_flusher_start
+from serving.registry.usage import usage_flusher_start
 
 _resources: dict[asyncio.AbstractEventLoop, Resources] = {}
 
 
 async def canary_abort(canary: ServedVersion, reason: str) -> bool:
-    """Aborts `canary` in the registry (audited, atomic: serving.canary_guard); False when there
+    """Aborts `canary` in the registry (audited, atomic: serving.registry.canary_guard); False when there
     was nothing to abort any more."""
     event = await sync_to_async(canary_guard_abort)(tenant_slug=canary.tenant, adapter_name=canary.adapter,
                                                     version=canary.version, reason=reason)

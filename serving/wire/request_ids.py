@@ -17,7 +17,7 @@ import uuid
 from contextvars import ContextVar, Token
 
 HEADER = "x-request-id"
-# At most the usage record's column (serving.models.UsageRecord.request_id); no spaces, quotes or
+# At most the usage record's column (serving.registry.models.UsageRecord.request_id); no spaces, quotes or
 # control characters, so an id can neither break a log line nor forge one. UUIDs, nginx's
 # $request_id (32 hex digits) and ids like "req-…", "Root=1-…" fit.
 _WELL_FORMED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/=-]{0,63}")

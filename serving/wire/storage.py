@@ -1,6 +1,6 @@
 """Blob storage for datasets, checkpoints and adapter artifacts: the interface and the local backend.
 
-The one storage both sides read: the platform (serving.storage.get_storage builds it from
+The one storage both sides read: the platform (serving.registry.storage.get_storage builds it from
 settings) and the serving worker (serving.engine.lora.reader downloads an `s3://` artifact through
 serving.wire.s3.S3Storage), so there is one S3 download path and one file layout. Django-free.
 

@@ -59,7 +59,7 @@ def as_user(client) -> Callable[[object], object]:
 @pytest.fixture
 def make_version(settings) -> Callable[..., object]:
     """`make(adapter, "1.0.0")` → a ready version row (for registry actions that read no artifact)."""
-    from serving.models import AdapterVersion
+    from serving.registry.models import AdapterVersion
 
     def make(adapter, version: str, **fields: object) -> AdapterVersion:
         values = dict(

@@ -96,7 +96,7 @@ def page(browser, web, owner) -> Iterator[object]:
 
 
 def version(adapter, text: str, **fields):
-    from serving.models import AdapterVersion
+    from serving.registry.models import AdapterVersion
 
     values = dict(artifact_uri=f"file:///nowhere/{adapter.name}/{text}/",
                   manifest_sha256=hashlib.sha256(f"{adapter.name}@{text}".encode()).hexdigest(), base_model=BASE,
@@ -108,7 +108,7 @@ def version(adapter, text: str, **fields):
 def test_the_playground_lists_every_servable_model_and_hides_the_second_until_asked(browser, web, owner, page):
     from playwright.sync_api import expect
 
-    from serving import services
+    from serving.registry import services
 
     bot = services.adapter_create(tenant=owner, name="support-bot")
     services.adapter_version_deploy(version=version(bot, "1.0.0"), actor="test")
@@ -136,8 +136,8 @@ def test_the_playground_lists_every_servable_model_and_hides_the_second_until_as
 def test_registry_actions_record_a_reason_and_a_canary_asks_its_weight(browser, web, owner, page):
     from playwright.sync_api import expect
 
-    from serving import services
-    from serving.models import DeploymentEvent
+    from serving.registry import services
+    from serving.registry.models import DeploymentEvent
 
     bot = services.adapter_create(tenant=owner, name="support-bot")
     version(bot, "1.0.0")
@@ -226,7 +226,7 @@ def test_a_started_job_drops_its_queued_flash_and_a_finished_one_lists_its_check
 def test_at_phone_width_every_versions_action_is_on_screen(browser, web, owner, page):
     from playwright.sync_api import expect
 
-    from serving import services
+    from serving.registry import services
 
     bot = services.adapter_create(tenant=owner, name="a-rather-long-adapter-name")
     services.adapter_version_deploy(version=version(bot, "1.0.0"), actor="test")

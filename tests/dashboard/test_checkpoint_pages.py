@@ -11,8 +11,8 @@ import pytest
 from django.urls import reverse
 
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter
-from serving.models import AdapterVersion
-from serving.storage import get_storage
+from serving.registry.models import AdapterVersion
+from serving.registry.storage import get_storage
 from training.models import Checkpoint, TrainingJob
 from training.publishing import artifact_publish
 

@@ -10,7 +10,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from serving import services as registry
+from serving.registry import services as registry
 from tenants.models import ApiKey
 from usage_records import record
 
@@ -97,7 +97,7 @@ def test_usage_page_and_csv_show_only_the_tenants_usage(as_user, people, tenant_
 
 
 def test_active_and_canary_side_by_side_from_usage(as_user, people, tenant_a, make_version):
-    from serving import selectors
+    from serving.registry import selectors
 
     adapter = registry.adapter_create(tenant=tenant_a.tenant, name="support-bot")
     registry.adapter_version_deploy(version=make_version(adapter, "1.0.0"), actor="test")

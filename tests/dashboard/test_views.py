@@ -10,8 +10,8 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from serving import services as registry
-from serving.models import Adapter, DeploymentEvent
+from serving.registry import services as registry
+from serving.registry.models import Adapter, DeploymentEvent
 from tenants.models import ApiKey
 from training import datasets, jobs
 from training.models import Dataset, TrainingJob

@@ -11,7 +11,7 @@ from django.utils import timezone
 def record(tenant, *, adapter: str = "", version: str = "", key: str = "abc", latency: float = 100.0,
            status: str = "ok", prompt: int = 10, completion: int = 5, ago: timedelta = timedelta(0)):
     """One gateway usage record, as the gateway's flusher writes it."""
-    from serving.models import UsageRecord
+    from serving.registry.models import UsageRecord
 
     return UsageRecord.objects.create(
         tenant=tenant, api_key_prefix=key, request_id=f"req-{uuid.uuid4().hex}", endpoint="chat",

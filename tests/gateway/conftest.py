@@ -169,7 +169,7 @@ def start_web(gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
 
     Not at the end of the session: under xdist a worker runs other files next, and a web process
     left running goes on flushing the usage queue and reading the breakers of that worker's Redis
-    (tests/serving/test_usage_redis_outage.py saw its queued record taken), and holds memory and
+    (tests/registry/test_usage_redis_outage.py saw its queued record taken), and holds memory and
     CPU that the rest of the run needs."""
     with _web_processes(gateway_env, tmp_path_factory.mktemp("web-logs")) as start:
         yield start
@@ -242,7 +242,7 @@ def registry(settings, tmp_path: Path, tiny_model: Path, redis_client) -> None:
 
 
 def upload_version(adapter, directory: Path, version: str):
-    from serving import services
+    from serving.registry import services
 
     files = [SimpleUploadedFile(name, (directory / name).read_bytes())
              for name in ("adapter_config.json", "adapter_model.safetensors")]

@@ -17,8 +17,8 @@ import pytest
 
 from serving.gateway.accounting import most_tokens
 from serving.gateway.records import Call, Target
-from serving.models import UsageRecord
-from serving.usage import usage_records_flush
+from serving.registry.models import UsageRecord
+from serving.registry.usage import usage_records_flush
 from tenants.models import Tier
 from tenants.services import api_key_create, tenant_create
 from tests.gateway.conftest import wait_for_worker

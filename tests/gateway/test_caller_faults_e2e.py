@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from serving import services
+from serving.registry import services
 from serving.engine.tiny import save_random_peft_adapter
 from tests.gateway.conftest import upload_version, wait_for_worker
 

@@ -13,7 +13,7 @@ from resilience_support import Clock
 
 from serving.gateway import catalog
 from serving.gateway.ttl_cache import TtlCache
-from serving.models import Adapter, AdapterVersion
+from serving.registry.models import Adapter, AdapterVersion
 
 
 def test_an_entry_is_due_for_refresh_once_past_half_its_life():

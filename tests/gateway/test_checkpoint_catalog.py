@@ -11,7 +11,7 @@ import pytest
 
 from serving.gateway import catalog
 from serving.gateway.errors import GatewayError
-from serving.models import Adapter, AdapterVersion
+from serving.registry.models import Adapter, AdapterVersion
 from tenants.services import api_key_create
 from training.checkpoint_names import job_model_parse
 from training.models import Checkpoint, TrainingJob

@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from serving import services
+from serving.registry import services
 from tests.gateway.conftest import upload_version
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from serving import services
+from serving.registry import services
 from serving.gateway.key_budget import Month
-from serving.models import UsageRecord
+from serving.registry.models import UsageRecord
 from tenants.models import ApiKey
 from tenants.services import api_key_create, tenant_create
 from tests.gateway.conftest import upload_version, wait_for_worker

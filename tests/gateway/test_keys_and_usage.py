@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from serving import services
+from serving.registry import services
 from tenants.models import ApiKey
 from tenants.services import api_key_revoke, tenant_suspend
 from tests.gateway.conftest import WORKER_KEY, upload_version, wait_for_worker
@@ -77,7 +77,7 @@ def test_usage_api_totals_equal_the_responses_usage(web, worker, registry, tenan
     bad = client_a.get("/api/v1/usage?group_by=month")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "group_by"
 
-    from serving.models import UsageRecord
+    from serving.registry.models import UsageRecord
 
     record = UsageRecord.objects.filter(tenant=tenant_a.tenant, version="1.0.0").first()
     assert record.status == "ok" and record.worker == "gw-worker-1" and record.ttft_ms is not None
@@ -121,8 +121,8 @@ def test_a_client_that_leaves_mid_stream_aborts_the_worker_request(web, worker, 
     while worker.metric("loraplex_requests_total", model="gw-tiny-llama", status="aborted") <= aborted:
         assert time.monotonic() < deadline, "the worker's request was not aborted"
         time.sleep(0.2)
-    from serving.models import UsageRecord
-    from serving.usage import usage_records_flush
+    from serving.registry.models import UsageRecord
+    from serving.registry.usage import usage_records_flush
 
     while not UsageRecord.objects.filter(request_id=request_id).exists():
         usage_records_flush()

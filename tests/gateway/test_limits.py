@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serving import services
+from serving.registry import services
 from tenants.models import Tier
 from tenants.services import tenant_create
 from tests.gateway.conftest import upload_version, wait_for_worker
@@ -124,7 +124,7 @@ def _tokens_taken(redis_client, slug: str, capacity: float) -> float:
 
 
 def _wait_recorded(request_id: str) -> None:
-    from serving.models import UsageRecord
+    from serving.registry.models import UsageRecord
 
     deadline = time.monotonic() + 30
     while not UsageRecord.objects.filter(request_id=request_id).exists():

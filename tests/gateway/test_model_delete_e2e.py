@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from serving import services
-from serving.models import AdapterVersion, DeploymentEvent
+from serving.registry import services
+from serving.registry.models import AdapterVersion, DeploymentEvent
 from tenants.services import api_key_create
 from tests.gateway.conftest import upload_version
 

@@ -9,7 +9,7 @@ import pytest
 
 from serving.gateway.errors import GatewayError
 from serving.gateway.model_delete import model_delete
-from serving.models import Adapter, AdapterVersion
+from serving.registry.models import Adapter, AdapterVersion
 from training.models import Checkpoint, TrainingJob
 
 pytestmark = pytest.mark.django_db

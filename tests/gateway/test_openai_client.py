@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from serving import services
+from serving.registry import services
 from tests.gateway.conftest import WORKER_KEY, upload_version, wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from serving import services
+from serving.registry import services
 from serving.gateway import catalog
 from serving.gateway.prewarm import DemandModel
 from serving.gateway.prewarm_loop import PREFETCH_PATH, Prewarmer, PrewarmLoopConfig

@@ -33,8 +33,8 @@ def access_line(lines: list[dict[str, Any]], logger: str, request_id: str) -> di
 
 
 def wait_recorded(request_id: str):
-    from serving.models import UsageRecord
-    from serving.usage import usage_records_flush
+    from serving.registry.models import UsageRecord
+    from serving.registry.usage import usage_records_flush
 
     deadline = time.monotonic() + 30
     while not UsageRecord.objects.filter(request_id=request_id).exists():

@@ -17,8 +17,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from serving import services
-from serving.models import AdapterVersion, DeploymentEvent
+from serving.registry import services
+from serving.registry.models import AdapterVersion, DeploymentEvent
 from tests.gateway.conftest import upload_version, wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from resilience_support import RedisRelay, redis_relay
 
-from serving.models import UsageRecord
-from serving.usage import usage_records_flush
+from serving.registry.models import UsageRecord
+from serving.registry.usage import usage_records_flush
 from tests.gateway.conftest import wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

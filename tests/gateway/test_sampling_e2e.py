@@ -10,7 +10,7 @@ from collections import defaultdict
 import openai
 import pytest
 
-from serving import services
+from serving.registry import services
 from tests.gateway.conftest import upload_version, wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

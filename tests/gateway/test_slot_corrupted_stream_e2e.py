@@ -22,13 +22,13 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from serving import services
+from serving.registry import services
 from serving.engine.server.cli import ServerArgs
 from serving.engine.server.worker import Worker
 from serving.wire.breakers import BreakerConfig, CircuitBreakers, Snapshot
 from serving.wire.redis_guard import RedisGuard
-from serving.models import UsageRecord
-from serving.usage import usage_records_flush
+from serving.registry.models import UsageRecord
+from serving.registry.usage import usage_records_flush
 from tests.gateway.conftest import WebProcess, upload_version, wait_for_worker
 from tests.conftest import TenantFixture, _make_tenant
 from tests.engine.server.conftest import serve_in_process

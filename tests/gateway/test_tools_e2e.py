@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from serving import services
+from serving.registry import services
 from tests.gateway.conftest import upload_version, wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

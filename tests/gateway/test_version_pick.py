@@ -52,7 +52,7 @@ def test_no_canary_or_weight_zero_serves_the_active_version():
 @pytest.mark.django_db(transaction=True)
 def test_through_the_gateway_canary_sticky_user_and_pins(web, worker, registry, tenant_a, adapter_dirs,
                                                          redis_client):
-    from serving import services
+    from serving.registry import services
     from tests.gateway.conftest import upload_version, wait_for_worker
 
     adapter = services.adapter_create(tenant=tenant_a.tenant, name="pinned-bot")

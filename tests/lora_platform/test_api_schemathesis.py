@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from serving import services
+from serving.registry import services
 
 pytestmark = pytest.mark.django_db
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from serving.engine.tiny import build_tiny_model
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from tests import zygote
 from tests.conftest import free_port
 

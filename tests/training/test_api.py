@@ -12,8 +12,8 @@ import json
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from serving.storage import get_storage
-from serving.services import adapter_create
+from serving.registry.storage import get_storage
+from serving.registry.services import adapter_create
 from tenants.services import tenant_create
 from training import concurrency, datasets, jobs
 from training.models import Dataset, TrainingEvent, TrainingJob
@@ -220,7 +220,7 @@ def test_job_inputs_are_checked_before_anything_is_created(platform, client_a, t
     dataset_id = ready_dataset(client_a)
     pending = upload(client_a, jsonl(chat_lines())).json()["id"]
     adapter_create(tenant=tenant_a.tenant, name="taken")
-    from serving.models import AdapterVersion
+    from serving.registry.models import AdapterVersion
 
     AdapterVersion.objects.create(adapter=tenant_a.tenant.adapters.get(), version="1.0.0", artifact_uri="file:///x/",
                                   manifest_sha256="0" * 64, base_model="tiny-llama", rank=8, lora_alpha=16,

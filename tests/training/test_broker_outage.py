@@ -16,7 +16,7 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from training.models import Dataset, TrainingJob
 from training_support import ROOT, chat_lines, jsonl, process_env, wait_for
 

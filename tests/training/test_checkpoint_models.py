@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from serving.checkpoint_versions import checkpoint_version_create
+from serving.registry.checkpoint_versions import checkpoint_version_create
 from serving.engine.lora.artifact import adapter_digest, manifest_verify, sha256_file
-from serving.models import AdapterVersion, DeploymentEvent
-from serving.storage import get_storage
+from serving.registry.models import AdapterVersion, DeploymentEvent
+from serving.registry.storage import get_storage
 from serving.wire.errors import Conflict, NotFound
 from training import concurrency, datasets, jobs, run
 from training.models import Checkpoint, Dataset, TrainingJob

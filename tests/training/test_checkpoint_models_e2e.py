@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from serving.engine import LLM, LoRARequest, SamplingParams
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from tests.training.test_openai_sdk_e2e import processes, wait_final  # noqa: F401 (the fixture, reused)
 from training.models import Checkpoint
 from training_support import BASE_MODEL_NAME, QA, chat_lines, jsonl

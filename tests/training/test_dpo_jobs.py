@@ -10,7 +10,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from training import datasets, selectors
 from training.models import Checkpoint, Dataset, TrainingJob
 from training.packing import layout, sequence_sums, target_logprobs

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from serving.wire.errors import LimitExceeded
-from serving import services as registry
-from serving.models import Adapter
+from serving.registry import services as registry
+from serving.registry.models import Adapter
 from tenants.models import Tier
 from tests.races import race, slow_saves
 from training import jobs

@@ -13,7 +13,7 @@ import httpx2
 import openai
 import pytest
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from tenants.services import api_key_create
 from training import concurrency, datasets
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob

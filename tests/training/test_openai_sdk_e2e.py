@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from tests.gateway.conftest import WebProcess
 from tests.engine.server.conftest import WorkerProcess
 from training.models import TrainingJob

@@ -16,7 +16,7 @@ import openai
 import pytest
 from django.utils import timezone
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from training import concurrency, datasets, run, uploads
 from training.models import Dataset, TrainingJob, Upload, UploadPart
 from training_support import BASE_MODEL_NAME, chat_lines, error_of, jsonl

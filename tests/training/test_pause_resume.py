@@ -16,7 +16,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from tenants.models import Tier
 from training.models import Checkpoint, TrainingEvent, TrainingJob
 from training_support import BASE_MODEL_NAME, chat_lines, error_of, jsonl, sdk, wait_for

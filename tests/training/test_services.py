@@ -12,8 +12,8 @@ import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 from django.utils import timezone
 
-from serving.storage import get_storage
-from serving.models import AdapterVersion
+from serving.registry.storage import get_storage
+from serving.registry.models import AdapterVersion
 from tenants.models import Tier
 from training import concurrency, datasets, jobs, run, scratch, sweep
 from training.models import Checkpoint, Dataset, TrainingJob

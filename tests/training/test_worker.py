@@ -17,9 +17,9 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from serving.storage import get_storage
+from serving.registry.storage import get_storage
 from serving.engine.lora.artifact import manifest_verify
-from serving.models import AdapterVersion
+from serving.registry.models import AdapterVersion
 from training import sweep
 from training.examples import Example, encode_example
 from training.models import Checkpoint, TrainingEvent, TrainingJob

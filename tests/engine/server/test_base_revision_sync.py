@@ -10,7 +10,7 @@ import httpx
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from serving import services
+from serving.registry import services
 from tests.hub_cache import cache_model
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from serving import services
+from serving.registry import services
 from serving.engine import LoRARequest, SamplingParams
 from serving.wire.registry import WORKERS_KEY, events_channel, worker_key
 
@@ -142,7 +142,7 @@ def test_deploy_events_and_reconcile_keep_the_worker_in_sync(
 
 
 def _last_event_id(adapter) -> int:
-    from serving.models import DeploymentEvent
+    from serving.registry.models import DeploymentEvent
 
     return DeploymentEvent.objects.order_by("-id").values_list("id", flat=True).first()
 
