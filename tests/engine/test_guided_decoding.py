@@ -74,6 +74,7 @@ def test_unconstrained_output_is_not_json(llm: LLM) -> None:
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.e2e
 def test_json_object_regex_choice_and_grammar(llm: LLM) -> None:
     regex = r"[a-z]{3,6}@[a-z]{2,5}\.(com|org)"
     choices = ["yes", "no", 'maybe "so"']
