@@ -196,8 +196,10 @@ class BSample:
 
 
 async def b_one(client: httpx.AsyncClient, url: str, b: Served, prompt: str, max_tokens: int) -> BSample | None:
+    """One streamed completion of B's; TTFT to the first chunk carrying token ids (a random model's
+    tokens may decode to no text), tokens from the stream's usage."""
     body = {"model": b.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = time.perf_counter()
     ttft, tokens = None, 0
     try:
@@ -206,9 +208,13 @@ async def b_one(client: httpx.AsyncClient, url: str, b: Served, prompt: str, max
             if response.status_code != 200:
                 return None
             async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    tokens += 1
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if ttft is None and chunk.get("choices") and chunk["choices"][0].get("token_ids"):
+                    ttft = time.perf_counter() - start
     except httpx.HTTPError:
         return None
     return BSample(ttft=ttft if ttft is not None else float("nan"), tokens=tokens)
