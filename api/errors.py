@@ -3,7 +3,7 @@
 Clients of the OpenAI API already parse this shape, so the management API uses it too; no API path
 ever answers with an HTML page (errors raised outside DRF views are converted by
 lora_platform.middleware.ApiJsonErrorsMiddleware).
-The body and its status → type table are serving.wire.errors', the one the gateway and the serving
+The body and its status → type table are serving.contracts.errors', the one the gateway and the serving
 worker answer with too.
 """
 
@@ -18,8 +18,8 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from serving.wire.errors import ServiceError, default_code, error_body
-from serving.wire.errors import error_type as type_of_status
+from serving.contracts.errors import ServiceError, default_code, error_body
+from serving.contracts.errors import error_type as type_of_status
 
 
 def error_response(status_code: int, message: str, *, code: str | None = None, param: str | None = None,

@@ -17,7 +17,7 @@ from drf_spectacular.utils import OpenApiParameter, inline_serializer
 from rest_framework import serializers
 from rest_framework.request import Request
 
-from serving.wire.errors import InvalidInput
+from serving.contracts.errors import InvalidInput
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100

@@ -1,4 +1,4 @@
-"""The API's JSON parser: DRF's, with the gateway's bounds on a body (serving.wire.request_caps).
+"""The API's JSON parser: DRF's, with the gateway's bounds on a body (serving.contracts.request_caps).
 
 DRF's JSONParser hands the body to Python's decoder, which recurses: a 100,000-deep body raised
 RecursionError, which DRF does not turn into a parse error, so the management API and the OpenAI
@@ -18,8 +18,8 @@ from django.conf import settings
 from rest_framework import parsers
 from rest_framework.exceptions import ParseError
 
-from serving.wire import request_caps
-from serving.wire.errors import InvalidInput
+from serving.contracts import request_caps
+from serving.contracts.errors import InvalidInput
 
 
 class JSONParser(parsers.JSONParser):

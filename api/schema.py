@@ -26,7 +26,7 @@ from rest_framework import serializers
 
 class ErrorDetailSerializer(serializers.Serializer):
     message = serializers.CharField(help_text="What was wrong, for a person.")
-    type = serializers.CharField(help_text="OpenAI's error type, e.g. `invalid_request_error`, `rate_limit_error` (serving.wire.errors).")
+    type = serializers.CharField(help_text="OpenAI's error type, e.g. `invalid_request_error`, `rate_limit_error` (serving.contracts.errors).")
     code = serializers.CharField(allow_null=True, help_text="A stable code for programs, e.g. `invalid_limit`.")
     param = serializers.CharField(allow_null=True, help_text="The parameter or field at fault, when one is.")
 

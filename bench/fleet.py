@@ -118,7 +118,7 @@ async def watch_kill(fleet: Fleet, victim: str, at_s: float, t0: float, stop: as
     from django.conf import settings
 
     from serving.gateway.routing import live_workers, read_registry
-    from serving.wire.registry import api_key_id
+    from serving.contracts.registry import api_key_id
 
     seen = KillWatch()
     await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))

@@ -148,7 +148,7 @@ class Fleet:
         import redis
         from django.conf import settings
 
-        from serving.wire.registry import worker_key
+        from serving.contracts.registry import worker_key
 
         client = redis.Redis.from_url(settings.REDIS_URL)
         deadline = time.monotonic() + timeout_s

@@ -1,6 +1,6 @@
 """What a log line costs on the gateway's path: the access line each request writes, and the whole
 access-log middleware around a request, in the standard library's logging with the platform's
-formatters (serving.wire.logs), against structlog's JSON renderer when it is importable.
+formatters (runtime.logs), against structlog's JSON renderer when it is importable.
 
 Each variant writes the same access line (method, path, status, duration, tenant, model, request
 id) through one handler to a line-buffered file (one write per line, as a process's stderr does
@@ -28,9 +28,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving.wire.access_log import AccessLog, access_note  # noqa: E402
-from serving.wire.logs import logging_config  # noqa: E402
-from serving.wire.request_ids import request_id_reset, request_id_set  # noqa: E402
+from runtime.access_log import AccessLog, access_note  # noqa: E402
+from runtime.logs import logging_config  # noqa: E402
+from serving.contracts.request_ids import request_id_reset, request_id_set  # noqa: E402
 
 FIELDS = {"method": "POST", "path": "/v1/chat/completions", "status": 200, "duration_ms": 12.345,
           "tenant": "acme", "model": "support-bot"}

@@ -79,14 +79,14 @@ import httpx  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 import uvicorn  # noqa: E402
 
-from serving.engine.lora.artifact import adapter_digest  # noqa: E402
+from serving.contracts.artifact import adapter_digest  # noqa: E402
 from serving.engine.server.app import build_app  # noqa: E402
 from serving.engine.server.cli import parse_args  # noqa: E402
 from serving.engine.server.worker import State, Worker  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 from serving.gateway.prewarm import KEY_PREFIX, DemandModel  # noqa: E402
 from serving.gateway.prewarm_loop import Prewarmer, PrewarmLoopConfig  # noqa: E402
-from serving.wire.redis_guard import RedisGuard  # noqa: E402
+from runtime.redis_guard import RedisGuard  # noqa: E402
 from serving.gateway.routing import WorkerView  # noqa: E402
 from serving.gateway.version_pick import ServedVersion  # noqa: E402
 

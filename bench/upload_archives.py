@@ -67,7 +67,7 @@ def run_case(path: Path, uploads_path: str | None) -> dict:
     django.setup()
     from django.core.files.uploadedfile import SimpleUploadedFile
 
-    from serving.wire.errors import ServiceError
+    from serving.contracts.errors import ServiceError
 
     if uploads_path:
         spec = importlib.util.spec_from_file_location("alternative_uploads", uploads_path)

@@ -20,7 +20,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest
 from django.http.response import HttpResponseBase
 
-from serving.wire.errors import NotFound
+from serving.contracts.errors import NotFound
 from tenants.authentication import SESSION_TENANT_KEY, TenantAuth
 from tenants.models import Membership, Tenant
 from tenants.selectors import memberships_of

@@ -3,9 +3,9 @@
 
 `application` is Django behind the gateway's completion routes, all of it behind the body limit
 (lora_platform.body_limit), so no route buffers an oversized body, and the access log in front
-(serving.wire.access_log: one line per request, its X-Request-ID taken or minted and returned).
+(runtime.access_log: one line per request, its X-Request-ID taken or minted and returned).
 `HTTPProtocol` is uvicorn's h11 protocol with a header-read timeout, the keep-alive timeout and a
-per-client connection cap from the settings (serving.http_guard, docs/web-server.md).
+per-client connection cap from the settings (runtime.http_guard, docs/web-server.md).
 """
 
 import os
@@ -15,7 +15,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.asgi import get_asgi_application
 from django.core.handlers.asgi import ASGIHandler
 
-from serving.http_guard import guarded_h11_protocol
+from runtime.http_guard import guarded_h11_protocol
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lora_platform.settings")
 
@@ -27,7 +27,7 @@ if settings.SERVE_STATIC:
 # Django's middleware thread hops (and never serve a static file); see serving.gateway.asgi.
 from lora_platform.body_limit import BodyLimit  # noqa: E402
 from serving.gateway.asgi import GatewayRoutes  # noqa: E402
-from serving.wire.access_log import AccessLog  # noqa: E402
+from runtime.access_log import AccessLog  # noqa: E402
 
 # Probes and scrapes: their access lines are DEBUG.
 _QUIET_PATHS = ("/metrics", "/healthz", "/readyz")

@@ -36,7 +36,7 @@ from django.conf import settings
 from django.urls import Resolver404, resolve
 
 from serving.gateway.asgi import ROUTES as COMPLETION_ROUTES
-from serving.wire.errors import error_body, error_type
+from serving.contracts.errors import error_body, error_type
 from tenants.models import Tenant
 from tenants.upload_caller import upload_tenant
 from training import conf

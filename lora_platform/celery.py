@@ -1,6 +1,6 @@
 """The Celery app, configured from Django settings (the CELERY_ namespace); tasks autodiscovered.
 
-Its logging is the platform's (settings.LOGGING: serving.wire.logs), not Celery's own: a receiver
+Its logging is the platform's (settings.LOGGING: runtime.logs), not Celery's own: a receiver
 of `setup_logging` makes Celery leave logging alone, so task loggers too write through the one root
 handler, in LOG_FORMAT, at LOG_LEVEL (a worker's --loglevel no longer applies).
 """

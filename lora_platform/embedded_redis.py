@@ -39,7 +39,7 @@ _THROWAWAY_CONFIG = {"appendonly": "no", **_NO_SNAPSHOTS}
 
 def redis_url_or_embedded(configured: str | None, var_dir: Path, *, persist: bool) -> str:
     """`configured` (REDIS_URL) if set; otherwise start the embedded server, persistent or throwaway
-    (LORAPLEX_EMBEDDED_REDIS_PERSIST; both read by the settings, serving.wire.settings), and return
+    (LORAPLEX_EMBEDDED_REDIS_PERSIST; both read by the settings, runtime.settings), and return
     (and export, for the children) its URL."""
     if configured:
         return configured

@@ -55,7 +55,7 @@ from django.views.decorators.cache import never_cache
 from serving.gateway.catalog import base_model_ids
 from serving.gateway.routing import live_workers, read_registry
 from serving.registry.storage import get_storage
-from serving.wire.registry import api_key_id
+from serving.contracts.registry import api_key_id
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from serving.wire.settings import platform_settings
+from runtime.settings import platform_settings
 
 WEB_HOST = platform_settings().loraplex_web_host
 WEB_PORT = platform_settings().loraplex_web_port

@@ -105,5 +105,5 @@ class ApiJsonErrorsMiddleware(_SyncAndAsync):
             phrase = HTTPStatus(status).phrase
         except ValueError:
             phrase = "Request refused"
-        # The code is the status's own (serving.wire.errors.default_code), as on every other surface.
+        # The code is the status's own (serving.contracts.errors.default_code), as on every other surface.
         return error_response(status, f"{phrase}.", headers=headers)

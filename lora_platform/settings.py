@@ -1,4 +1,4 @@
-"""Django settings: Django's names for the platform's typed settings (serving.wire.settings), which
+"""Django settings: Django's names for the platform's typed settings (runtime.settings), which
 come from the environment and `.env`, with defaults that run on one machine.
 
 The defaults are the embedded ones (SQLite under var/, an embedded Redis server, storage in a local
@@ -15,8 +15,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from lora_platform.embedded_redis import celery_redis_url, redis_url_or_embedded
 from serving.gateway.config import GatewaySettings
-from serving.wire.logs import logging_config
-from serving.wire.settings import PROJECT_DIR, platform_settings
+from runtime.logs import logging_config
+from runtime.settings import PROJECT_DIR, platform_settings
 
 # Lower case, so not a Django setting itself (settings pages and diffsettings would show its secrets).
 platform = platform_settings()
@@ -260,7 +260,7 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # Gateway resilience (docs/gateway.md, "Resilience"): circuit breakers per adapter version (the
-# settings' one instance, which the serving worker reads too: serving.wire.settings), canary
+# settings' one instance, which the serving worker reads too: runtime.settings), canary
 # auto-abort, outlier ejection of workers, load shedding, the Redis-outage fallback, and the
 # demand model and loop behind prewarming. Rates are fractions (0.3 = 30 %).
 GATEWAY_BREAKERS = platform.breakers
@@ -271,6 +271,6 @@ GATEWAY_REDIS = GATEWAY_SETTINGS.redis
 GATEWAY_PREWARM = GATEWAY_SETTINGS.prewarm
 GATEWAY_PREWARM_LOOP = GATEWAY_SETTINGS.prewarm_loop
 
-# One handler on the root, text or JSON lines with the request id (serving.wire.logs; LOG_FORMAT,
+# One handler on the root, text or JSON lines with the request id (runtime.logs; LOG_FORMAT,
 # LOG_LEVEL); the Celery worker applies the same (lora_platform.celery).
 LOGGING = logging_config(platform.log_format, platform.log_level)

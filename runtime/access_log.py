@@ -4,7 +4,7 @@ Both servers wrap their application in `AccessLog`: the web process (lora_platfo
 path: the gateway's /v1, the API, the dashboard) and the serving worker (serving.engine.server.serve).
 For each request it
 
-- takes the id from `X-Request-ID` when well-formed, else mints one (serving.wire.request_ids), and
+- takes the id from `X-Request-ID` when well-formed, else mints one (serving.contracts.request_ids), and
   makes it the current id while the request is served, so every line logged meanwhile carries it
   and the gateway forwards it to the worker it calls;
 - sends it back in the response's `X-Request-ID` (unless the application set that header itself);
@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from contextvars import ContextVar
 from typing import Any
 
-from serving.wire.request_ids import HEADER, request_id_for, request_id_reset, request_id_set
+from serving.contracts.request_ids import HEADER, request_id_for, request_id_reset, request_id_set
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -46,8 +46,8 @@ import redis.asyncio as aioredis
 from pydantic import model_validator
 from redis.commands.core import AsyncScript
 
-from serving.wire.env import EnvModel, env
-from serving.wire.redis_guard import RedisGuard
+from runtime.env import EnvModel, env
+from runtime.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Policy settings read from the environment: one pydantic model style for every policy.
 
-Each policy (serving.wire.breakers.BreakerConfig, serving.wire.redis_guard.RedisGuardConfig, the
+Each policy (runtime.breakers.BreakerConfig, runtime.redis_guard.RedisGuardConfig, the
 gateway's canary, outlier, shedding, prewarm and routing configs, serving.gateway.config's
 GatewayConfig, nested together in serving.gateway.config.GatewaySettings) is an `EnvModel`: a frozen
 pydantic model whose fields each name their variable (`env(default, "GATEWAY_X")`), so a default
-and its variable are written once, as the field. serving.wire.settings.PlatformSettings (a
+and its variable are written once, as the field. runtime.settings.PlatformSettings (a
 pydantic-settings BaseSettings) reads the environment over `.env` once and hands it to
 `from_environ`; the serving worker calls the same `from_environ`, so no variable is mapped twice.
 

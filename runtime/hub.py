@@ -12,7 +12,7 @@ settings), either form works:
 The cache comes first: an id whose revision (`main` when none is given) is already in the cache is
 served from it without asking the Hub, so every process on a machine agrees on the commit and a
 restart never moves the model under its adapters. Only an id missing from the cache is downloaded
-(with huggingface_hub's progress bars); `python -m serving.wire.hub download ID` asks the Hub again
+(with huggingface_hub's progress bars); `python -m runtime.hub download ID` asks the Hub again
 and moves a branch to its newest commit.
 
 The resolved revision is always a commit hash (the snapshot's directory name): training jobs and
@@ -145,7 +145,7 @@ def _from_hub(spec: str, hub_id: HubId, *, cache_dir: Path | None, refresh: bool
         if constants.HF_HUB_OFFLINE:
             raise ModelSourceError(
                 f"the base model {hub_id} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
-                f"download it where the Hub can be reached (python -m serving.wire.hub download {hub_id}) or "
+                f"download it where the Hub can be reached (python -m runtime.hub download {hub_id}) or "
                 "point HF_HOME at a cache that holds it")
         log.info("downloading %s into %s", hub_id, cache)
         try:
@@ -163,7 +163,7 @@ def _from_hub(spec: str, hub_id: HubId, *, cache_dir: Path | None, refresh: bool
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m serving.wire.hub",
+        prog="python -m runtime.hub",
         description="Resolve or download a base model (a Hugging Face id org/name[@revision] or a directory).",
     )
     commands = parser.add_subparsers(dest="command", required=True)

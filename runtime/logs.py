@@ -2,7 +2,7 @@
 
 The web process and the Celery worker get it as Django's LOGGING (lora_platform.settings), the
 serving worker applies it itself (serving.engine.server.serve); LOG_FORMAT and LOG_LEVEL are the
-settings' (serving.wire.settings). One handler, on the root logger, writes every line to stderr:
+settings' (runtime.settings). One handler, on the root logger, writes every line to stderr:
 
 - `text`: `2026-12-02 10:00:00,123 INFO name [req-…]: message`, the request id in brackets when the
   line was written while a request was served;
@@ -17,7 +17,7 @@ Loggers that frameworks give handlers of their own are emptied here so each line
 by the root's handler: Django's default configuration gives `django` a console handler (active
 under DEBUG) while it also propagates to the root, which printed every `django.request` warning
 twice; uvicorn gives its loggers theirs. uvicorn's access lines are off: the access lines are
-serving.wire.access_log's, which carry the request id and what the request was for.
+runtime.access_log's, which carry the request id and what the request was for.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import logging
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from serving.wire.request_ids import request_id_current
+from serving.contracts.request_ids import request_id_current
 
 LogFormat = Literal["text", "json"]
 
@@ -38,7 +38,7 @@ _STANDARD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None
 
 
 class RequestIdFilter(logging.Filter):
-    """Puts the current request's id (serving.wire.request_ids) on each record written during one."""
+    """Puts the current request's id (serving.contracts.request_ids) on each record written during one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:

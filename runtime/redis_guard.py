@@ -1,7 +1,7 @@
 """Redis calls on a hot path, bounded in time, with a memory of Redis being away.
 
 The gateway's buckets, breakers, prewarm counts and usage records go through it, and so does the
-serving worker's breaker report (serving.wire.breakers): both sides share it with the breakers.
+serving worker's breaker report (runtime.breakers): both sides share it with the breakers.
 
 No request may hang on a dead Redis. Every shared-state call (buckets, breakers, prewarm counts)
 goes through `RedisGuard.call`, which gives it `timeout_s` at most; a connection failure or a
@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 
-from serving.wire.env import EnvModel, env
+from runtime.env import EnvModel, env
 
 log = logging.getLogger(__name__)
 

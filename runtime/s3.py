@@ -1,4 +1,4 @@
-"""The S3 backend of the blob storage (serving.wire.storage): objects under `s3://bucket/base-prefix/`.
+"""The S3 backend of the blob storage (runtime.storage): objects under `s3://bucket/base-prefix/`.
 
 boto3 throughout: `endpoint_url` (S3_ENDPOINT_URL) for MinIO or moto, credentials from boto3's
 usual sources (`AWS_*`). boto3 is imported when an S3Storage is made, so a process on a local
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 from urllib.parse import urlparse
 
-from serving.wire.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
-from serving.wire.storage import (
+from serving.contracts.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from runtime.storage import (
     STAGING_SEGMENT,
     BlobStorage,
     HashingReader,

@@ -13,7 +13,7 @@ below. An empty variable is the default, as unset. A value that does not parse s
 with a message naming the variable (`SettingsError`).
 
 The policies' nested models (serving.gateway.config.GatewaySettings, each policy a
-serving.wire.env.EnvModel with `from_environ`, and training/conf.py) read them from `environ`, the same environment and `.env`
+runtime.env.EnvModel with `from_environ`, and training/conf.py) read them from `environ`, the same environment and `.env`
 overlaid, so a variable in `.env` counts everywhere. `breakers` is the one instance of the circuit
 breakers' thresholds a process uses: the web process's gateway and the serving worker (which
 records a corrupted slot on the same breakers) read the same instance of this module.
@@ -35,11 +35,11 @@ from dotenv import dotenv_values
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from serving.wire import hub
-from serving.wire.breakers import BreakerConfig
-from serving.wire.logs import LogFormat
+from runtime import hub
+from runtime.breakers import BreakerConfig
+from runtime.logs import LogFormat
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+PROJECT_DIR = Path(__file__).resolve().parents[1]
 ENV_FILE_VARIABLE = "LORAPLEX_ENV_FILE"
 # For a development machine nobody else reaches; a web process outside DEBUG refuses it.
 DEFAULT_SECRET_KEY = "loraplex-insecure-development-key-change-me"
@@ -107,7 +107,7 @@ class PlatformSettings(BaseSettings):
     web_keep_alive_seconds: float = Field(5.0, gt=0)
     web_max_connections_per_client: int = Field(256, ge=0)
     # --- Base model, adapters, serving workers
-    # BASE_MODEL: a Hugging Face id (org/name[@revision]) or a local directory (serving.wire.hub);
+    # BASE_MODEL: a Hugging Face id (org/name[@revision]) or a local directory (runtime.hub);
     # BASE_MODEL_PATH, a local directory, as before. One of the two.
     base_model: str | None = None
     base_model_path: Path = Field(default_factory=lambda data: data["loraplex_var_dir"] / "models" / "tiny-llama")

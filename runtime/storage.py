@@ -2,10 +2,10 @@
 
 The one storage both sides read: the platform (serving.registry.storage.get_storage builds it from
 settings) and the serving worker (serving.engine.lora.reader downloads an `s3://` artifact through
-serving.wire.s3.S3Storage), so there is one S3 download path and one file layout. Django-free.
+runtime.s3.S3Storage), so there is one S3 download path and one file layout. Django-free.
 
 One small interface (`BlobStorage`) with two backends: `LocalStorage` (a directory; here) and
-`S3Storage` (a bucket and base prefix; serving.wire.s3).
+`S3Storage` (a bucket and base prefix; runtime.s3).
 
 Keys are relative, `/`-separated paths (`adapters/acme/support-bot/1.0.0/manifest.json`).
 A prefix names a directory: `list("adapters/acme")` sees `adapters/acme/…`, never `adapters/acme-2/…`.
@@ -17,7 +17,7 @@ S3 only makes visible once complete, hashing and counting as it goes, so a size 
 leaving anything behind. `publish_directory` makes a whole directory appear at once; the protocol
 (an artifact exists when its marker object exists) is described in docs/storage.md.
 
-`uri()` gives paths that a serving worker or plain boto3 reads. Errors are serving.wire.errors'
+`uri()` gives paths that a serving worker or plain boto3 reads. Errors are serving.contracts.errors'
 (InvalidInput, NotFound, Conflict, PayloadTooLarge), which the platform's API answers and the
 worker's reader turns into its AdapterError.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from serving.wire.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from serving.contracts.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
 
 CHUNK_BYTES = 1024 * 1024
 # Writes in progress live under this first key segment; listings never show it and keys may not use it.

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from serving.wire.errors import InvalidInput
+from serving.contracts.errors import InvalidInput
 from tenants.models import Tier
 
 CONTROL_FIELDS = ("expires_at", "allowed_models", "requests_per_minute", "tokens_per_minute", "monthly_token_budget")

@@ -8,7 +8,7 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser, User
 from django.db.models import Count, Q, QuerySet
 
-from serving.wire.errors import NotFound
+from serving.contracts.errors import NotFound
 from tenants.api_keys import KEY_PREFIX, parse_key
 from tenants.models import ApiKey, Membership, Tenant, TenantEvent
 

@@ -17,7 +17,7 @@ from django.db.models import CharField, Model
 from django.utils import timezone
 from django.utils.text import slugify
 
-from serving.wire.errors import Conflict, InvalidInput, NotFound
+from serving.contracts.errors import Conflict, InvalidInput, NotFound
 from tenants.api_keys import generate_key, hash_secret
 from tenants.key_controls import controls_clean
 from tenants.models import ApiKey, Membership, Tenant, TenantEvent, Tier

@@ -247,9 +247,9 @@ def moto_server() -> Iterator[str]:
 def moto_s3_endpoint(moto_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The moto endpoint with AWS_* and S3_ENDPOINT_URL set for boto3 in this process and children.
 
-    The platform's settings (serving.wire.settings) read the environment once per process: read
+    The platform's settings (runtime.settings) read the environment once per process: read
     again with the endpoint, and once more after the test (lazily, once monkeypatch has undone it)."""
-    from serving.wire.settings import platform_settings
+    from runtime.settings import platform_settings
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")

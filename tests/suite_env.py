@@ -1,7 +1,7 @@
 """The environment every test process starts from, and every process a test starts inherits.
 
 A pytest plugin (`-p tests.suite_env` in pyproject's addopts), loaded before pytest-django imports
-the settings, which read the environment once (serving.wire.settings):
+the settings, which read the environment once (runtime.settings):
 
 - development mode, as `make up` runs: DJANGO_DEBUG=true, and a secret key of the suite's own, so
   a web process a test starts with DJANGO_DEBUG=0 (production's mode) is not refused for the

@@ -25,7 +25,7 @@ from pathlib import Path
 import grimp
 import pytest
 
-PACKAGES = ("kernels", "serving", "lora_platform", "tenants", "training", "dashboard", "api")
+PACKAGES = ("kernels", "serving", "runtime", "lora_platform", "tenants", "training", "dashboard", "api")
 # The benchmark scripts: a namespace package (no __init__.py), imported as `bench.<script>`.
 SCRIPTS = ("bench",)
 
@@ -35,14 +35,13 @@ KNOWN_CYCLES = [["bench.fleet_platform", "bench.gateway"]]
 
 # Top to bottom. serving's sub-packages are layers of their own; a module belongs to the longest
 # name that prefixes it.
-LAYERS = ("bench", "lora_platform", "dashboard", "training", "serving.gateway", "serving.registry", "serving", "tenants", "api",
-          "serving.engine", "serving.wire", "kernels")
+LAYERS = ("bench", "lora_platform", "dashboard", "training", "serving.gateway", "serving.registry", "tenants", "api",
+          "serving.engine", "runtime", "serving.contracts", "kernels")
 # (importer's layer, imported layer): the arrows that climb today (issue 40, item 1 removes them).
 CLIMBING = {
     ("serving.registry", "training"): "the checkpoint-as-version walk (serving.registry.checkpoint_versions)",
     ("serving.gateway", "training"): "checkpoints as models (catalog, model_delete)",
     ("serving.registry", "serving.gateway"): "the registry reads the gateway's usage log and canary rule",
-    ("serving.engine", "serving"): "the worker's HTTP guard (serving.http_guard) and the driver's package",
 }
 
 

@@ -8,7 +8,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from serving.wire.errors import ServiceError
+from serving.contracts.errors import ServiceError
 from training import datasets, jobs
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 

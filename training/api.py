@@ -24,7 +24,7 @@ from api.parsers import JSONParser
 from api.schema import error_response
 from serving.registry.api import VersionSerializer, request_actor
 from serving.registry.checkpoint_versions import checkpoint_version_create
-from serving.wire.errors import InvalidInput, NotFound
+from serving.contracts.errors import InvalidInput, NotFound
 from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
 from training import conf, datasets, jobs, selectors

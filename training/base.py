@@ -22,7 +22,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from serving.wire.errors import ServiceError
+from serving.contracts.errors import ServiceError
 from serving.registry.storage import get_storage
 from training import conf
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.engine.lora.artifact import ADAPTER_CONFIG_NAME
+from serving.contracts.artifact import ADAPTER_CONFIG_NAME
 from serving.engine.lora.reader import WEIGHTS_NAME
 from serving.registry.storage import get_storage
 from training.checkpoint_names import checkpoint_label

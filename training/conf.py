@@ -1,7 +1,7 @@
 """The training pipeline's settings: one pydantic model, `TrainingSettings`, each field naming its
-variable and default once (serving.wire.env.EnvModel, the gateway's style).
+variable and default once (runtime.env.EnvModel, the gateway's style).
 
-They are read from the environment as the platform's settings read it (serving.wire.settings: the
+They are read from the environment as the platform's settings read it (runtime.settings: the
 environment over `.env`), with a Django setting of the same name winning, so that tests override
 one with pytest-django's `settings` fixture; .env.example documents every variable with the default
 written below (tests/training/test_conf.py holds the two together), docs/training.md what each does.
@@ -17,8 +17,8 @@ from typing import Any
 from django.conf import settings
 from pydantic import field_validator
 
-from serving.wire.env import EnvModel, env
-from serving.wire.settings import platform_settings
+from runtime.env import EnvModel, env
+from runtime.settings import platform_settings
 from training.hyperparameters import Limits, default_max_seq_length
 
 

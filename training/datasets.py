@@ -21,9 +21,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from serving.wire.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, ServiceError
+from serving.contracts.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge, ServiceError
 from serving.registry.storage import get_storage
-from serving.wire.storage import Source
+from runtime.storage import Source
 from tenants.models import Tenant
 from training import conf, dispatch
 from training.base import after_commit

@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from serving.wire.errors import InvalidInput
+from serving.contracts.errors import InvalidInput
 
 ALL_LINEAR = "all-linear"
 # The projections the serving engine can apply LoRA to (design.md, Engine): an adapter on anything

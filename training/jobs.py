@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
+from serving.contracts.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving.registry import selectors as registry_selectors
 from serving.registry.adapter_names import adapter_name_validate, adapter_room_check
 from serving.registry.models import Adapter, AdapterVersion

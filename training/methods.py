@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from serving.wire.errors import InvalidInput
+from serving.contracts.errors import InvalidInput
 from training.examples import encode_example
 from training.hyperparameters import DPO, METHODS, SUPERVISED, Hyperparameters
 from training.preference import PREFERENCE, TrainItem, encode, iter_valid_pairs

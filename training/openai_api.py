@@ -43,7 +43,7 @@ from rest_framework.views import APIView
 
 from api.parsers import JSONParser
 from api.schema import error_response
-from serving.wire.errors import InvalidInput, NotFound, ServiceError
+from serving.contracts.errors import InvalidInput, NotFound, ServiceError
 from api.pagination import PageRequest, list_body, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedAPIView, TenantScopedQuerySet
 from training import base, datasets, jobs, selectors

@@ -21,7 +21,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.parsers import JSONParser
-from serving.wire.errors import InvalidInput, NotFound, PayloadTooLarge
+from serving.contracts.errors import InvalidInput, NotFound, PayloadTooLarge
 from training import conf, uploads
 from training.models import Upload, UploadPart
 from training.openai_api import OpenAIView, file_object

@@ -14,10 +14,10 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from serving.wire.errors import ServiceError
+from serving.contracts.errors import ServiceError
 from serving.registry.storage import get_storage
 from serving.registry import services as registry
-from serving.engine.lora.artifact import MANIFEST_NAME, adapter_digest, base_config_sha256, manifest_write
+from serving.contracts.artifact import MANIFEST_NAME, adapter_digest, base_config_sha256, manifest_write
 from serving.registry.models import AdapterVersion, artifact_prefix
 from serving.registry.versions import version_next_patch
 from tenants.models import Tenant

@@ -40,9 +40,9 @@ from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from serving.wire.errors import NotFound
+from serving.contracts.errors import NotFound
 from serving.registry.storage import get_storage
-from serving.engine.lora.artifact import base_config_sha256
+from serving.contracts.artifact import base_config_sha256
 from training import conf
 from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, event, finish, held_out,
                            lease_age, lease_seconds, pause)

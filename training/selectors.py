@@ -8,7 +8,7 @@ from typing import Any, BinaryIO
 
 from django.db.models import QuerySet
 
-from serving.wire.errors import NotFound
+from serving.contracts.errors import NotFound
 from serving.registry.storage import get_storage
 from tenants.models import Tenant
 from training.examples import Example, load_json_line, parse_example

@@ -31,8 +31,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from serving.registry.storage import get_storage
-from serving.wire.errors import InvalidInput, LimitExceeded, PayloadTooLarge, ServiceError
-from serving.wire.storage import BlobStorage, Source
+from serving.contracts.errors import InvalidInput, LimitExceeded, PayloadTooLarge, ServiceError
+from runtime.storage import BlobStorage, Source
 from tenants.models import Tenant
 from training import conf, datasets
 from training.base import after_commit

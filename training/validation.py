@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from serving.wire.request_caps import MAX_JSON_DEPTH, too_deep
+from serving.contracts.request_caps import MAX_JSON_DEPTH, too_deep
 from training import preference
 from training.examples import (
     EncodingError,

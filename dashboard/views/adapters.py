@@ -19,7 +19,7 @@ from django.views.decorators.http import require_POST
 from dashboard.tenancy import DashboardRequest, Role, dashboard_actor, dashboard_view
 from serving.registry import selectors, services
 from serving.registry.models import Adapter, AdapterVersion
-from serving.wire.errors import InvalidInput, ServiceError
+from serving.contracts.errors import InvalidInput, ServiceError
 
 
 # Active against canary: their gateway traffic over this window.

@@ -14,7 +14,7 @@ from django.views.decorators.http import require_POST
 
 from dashboard.tenancy import DashboardRequest, Role, dashboard_actor, dashboard_view
 from serving.registry.checkpoint_versions import checkpoint_version_create
-from serving.wire.errors import ServiceError
+from serving.contracts.errors import ServiceError
 from training import selectors
 from training.checkpoint_names import checkpoint_pinned_name
 

@@ -18,7 +18,7 @@ from django.views.decorators.http import require_POST
 
 from dashboard.htmx import htmx_redirect, is_htmx
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
-from serving.wire.errors import InvalidInput, ServiceError
+from serving.contracts.errors import InvalidInput, ServiceError
 from training import datasets, selectors
 from training.api import DatasetUploadHandler
 from training.models import Dataset

@@ -18,7 +18,7 @@ from dashboard.tenancy import DashboardRequest, Role, dashboard_actor, dashboard
 from serving.registry import selectors as serving_selectors
 from serving.gateway import catalog
 from serving.gateway.key_budget import Month
-from serving.wire.errors import InvalidInput, ServiceError
+from serving.contracts.errors import InvalidInput, ServiceError
 from tenants import selectors, services
 from tenants.models import ApiKey, Membership, Tenant
 from tenants.permissions import KEY_MANAGER_ROLE

@@ -18,7 +18,7 @@ from django.views.decorators.http import require_POST
 from dashboard.htmx import is_htmx
 from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from dashboard.views.checkpoints import checkpoint_models
-from serving.wire.errors import InvalidInput, ServiceError
+from serving.contracts.errors import InvalidInput, ServiceError
 from training import conf, jobs, selectors
 from training.hyperparameters import ALL_LINEAR, METHODS, SCHEDULES, SUPPORTED_TARGET_MODULES, Hyperparameters
 from training.models import Dataset, TrainingJob

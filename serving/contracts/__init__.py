@@ -1,21 +1,23 @@
-"""What crosses processes: the one Django-free place the web side and the serving worker both spell it.
+"""What crosses processes: the one Django-free place where each side spells what the other reads.
 
 The gateway, the management API and the Celery worker (Django) and the serving worker (no Django, no
 database) import these modules alike, so each thing is written once and the two sides cannot drift:
 
-- `serving.wire.registry`: the registry ↔ worker wire (deploy events channel, snapshot entries),
+- `serving.contracts.registry`: the registry ↔ worker wire (deploy events channel, snapshot entries),
   the workers' registration keys in Redis, and the connection constants both ends must agree on.
-- `serving.wire.names`: the qualified adapter name `<tenant>/<adapter>@<version>`, its one builder
-  and its one parser.
-- `serving.wire.errors`: the OpenAI error body and its one status → type table.
-- `serving.wire.storage`: the blob storage (a local directory or S3) both the platform and the
-  worker read, with one file layout and one S3 download path.
-- `serving.wire.settings`: the platform's typed settings (the environment and `.env`), read by
-  every process; `serving.wire.logs`: every process's one logging setup (text or JSON lines);
-  `serving.wire.request_ids` and `serving.wire.access_log`: the X-Request-ID both servers take or
-  mint, pass on and log, and their one access line per request.
+- `serving.contracts.names`: the qualified adapter name `<tenant>/<adapter>@<version>`, its one
+  builder and its one parser.
+- `serving.contracts.artifact`: the adapter artifact's format (manifest, digests) that training and
+  the registry write and the worker verifies.
+- `serving.contracts.protocol` and `serving.contracts.request_caps`: the worker's request and
+  response bodies (OpenAI's shape) and the request limits the gateway checks before it forwards one
+  and the worker checks again.
+- `serving.contracts.errors`: the domain errors every side raises (the one place they live) and the
+  OpenAI error body with its one status → type table.
+- `serving.contracts.request_ids`: the X-Request-ID both servers take or mint and pass on.
 
-Nothing here imports Django, DRF, Celery or a Django app (an import-linter contract in
-pyproject.toml holds it); mypy checks the package strictly. Import the submodule you need: this
-file re-exports nothing.
+The machinery every process runs on (settings, logs, blob storage, Redis guard, breakers) is not a
+contract: it is the top-level package `runtime`. Nothing here imports Django, an app, runtime or the
+other serving packages (an import-linter contract in pyproject.toml holds it); mypy checks the
+package strictly. Import the submodule you need: this file re-exports nothing.
 """

@@ -1,7 +1,7 @@
 """OpenAI's error body and the errors every side raises in it: Django-free, so the gateway, the
 management API (api.errors) and the serving worker (serving.engine.server.errors) answer
 with one body and one status → type table, and the platform's services, the blob storage
-(serving.wire.storage) and the worker's reader raise and catch the same classes.
+(runtime.storage) and the worker's reader raise and catch the same classes.
 
 The body is OpenAI's: `{"error": {"message", "type", "param", "code"}}` (`error_body`). The type is
 `error_type(status)`, from the one table `TYPE_BY_STATUS`; anything it does not name is "api_error".

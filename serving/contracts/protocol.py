@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from serving.wire import request_caps
+from serving.contracts import request_caps
 
 
 class _Request(BaseModel):

@@ -20,7 +20,7 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from serving.wire import names
+from serving.contracts import names
 
 EVENTS_CHANNEL = "loraplex:registry:events"
 

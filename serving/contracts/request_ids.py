@@ -2,7 +2,7 @@
 crosses (client → web process → serving worker), on every log line written while the request is
 served, and on its usage record.
 
-The edge of each process (serving.wire.access_log) takes the id from the incoming header when it is
+The edge of each process (runtime.access_log) takes the id from the incoming header when it is
 well-formed (a proxy in front, or the gateway calling a worker, minted it) and mints one otherwise;
 `request_id_current()` is then that id for everything running in the request's context (tasks
 started within it copy the context, so they see it too). A malformed header is replaced, never

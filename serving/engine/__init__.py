@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # the names _LAZY imports, for the type checker
     from serving.engine.sampling_params import SamplingParams
     from serving.engine.stats import EngineStats, LoRAInfo
 
-# Imported on first use (PEP 562): Django processes import serving.engine.lora.artifact and
+# Imported on first use (PEP 562): Django processes import serving.contracts.artifact and
 # serving.engine.lora.reader for upload checks, and must not pay for torch and the engine.
 _LAZY = {
     "AdapterError": "serving.engine.lora.reader",

@@ -43,8 +43,8 @@ from serving.engine.engine_core import EngineCore
 from serving.engine.engine_messages import Shutdown
 from serving.engine.output_deltas import OutputEncoder
 from serving.engine.outputs import RequestOutput
-from serving.wire.logs import logging_config
-from serving.wire.settings import platform_settings
+from runtime.logs import logging_config
+from runtime.settings import platform_settings
 
 logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=BaseException)

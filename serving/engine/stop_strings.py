@@ -5,7 +5,7 @@ A scan of the list costs a `str.find` per stop string per step: with 95,000 of t
 held the engine's step for everyone (issue 37). Here the list is one compiled alternation of the
 escaped strings, searched once per step over the window where an occurrence can end in the new
 text: the new characters and the `max_len - 1` before them. (The request caps bound the list too:
-serving.wire.request_caps.)
+serving.contracts.request_caps.)
 
 The answer is the one a scan of the list gives (vLLM's `check_stop_strings`): among occurrences
 that end within the new text, the one that starts first; of those starting at one place, the

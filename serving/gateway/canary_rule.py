@@ -9,8 +9,8 @@ The reason carries the figures, for the audit log.
 
 from __future__ import annotations
 
-from serving.wire.breakers import Snapshot, State
-from serving.wire.env import EnvModel, env
+from runtime.breakers import Snapshot, State
+from runtime.env import EnvModel, env
 
 ACTOR = "system:canary-guard"
 

@@ -40,7 +40,7 @@ from serving.gateway.version_pick import ServedSet, ServedVersion
 from serving.registry.models import Adapter, AdapterVersion, UsageRecord
 from serving.registry.selectors import versions_by_precedence
 from serving.registry.versions import SEMVER_RE
-from serving.wire.names import parse_qualified_name
+from serving.contracts.names import parse_qualified_name
 from tenants.authentication import KEY_EXPIRED, TenantAuth, api_key_authenticate
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey

@@ -1,10 +1,10 @@
 """The gateway's settings: one nested model, `GatewaySettings`, read from the environment once.
 
-Each policy is an `EnvModel` (serving.wire.env) in its own module, each field naming its variable
-and its default once (serving.wire.breakers.BreakerConfig, canary_rule, outliers, shedding,
-prewarm, prewarm_loop, routing.RoutingConfig, serving.wire.redis_guard.RedisGuardConfig);
+Each policy is an `EnvModel` (runtime.env) in its own module, each field naming its variable
+and its default once (runtime.breakers.BreakerConfig, canary_rule, outliers, shedding,
+prewarm, prewarm_loop, routing.RoutingConfig, runtime.redis_guard.RedisGuardConfig);
 `GatewayConfig` holds what belongs to no single policy, and `GatewaySettings` nests them all.
-serving.wire.settings.PlatformSettings.gateway reads it from the environment over `.env`;
+runtime.settings.PlatformSettings.gateway reads it from the environment over `.env`;
 lora_platform.settings names its parts (settings.GATEWAY, settings.GATEWAY_BREAKERS, ...),
 serving.gateway.wiring hands them to the pipeline, and .env.example documents every variable with
 the default written below (tests/gateway/test_config.py holds the two together).
@@ -18,10 +18,10 @@ from serving.gateway.prewarm import PrewarmConfig
 from serving.gateway.prewarm_loop import PrewarmLoopConfig
 from serving.gateway.routing import RoutingConfig
 from serving.gateway.shedding import ShedConfig
-from serving.wire.breakers import BreakerConfig
-from serving.wire.env import EnvModel, env
-from serving.wire.redis_guard import RedisGuardConfig
-from serving.wire.settings import MAX_REQUEST_BODY_BYTES
+from runtime.breakers import BreakerConfig
+from runtime.env import EnvModel, env
+from runtime.redis_guard import RedisGuardConfig
+from runtime.settings import MAX_REQUEST_BODY_BYTES
 
 
 class GatewayConfig(EnvModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from serving.wire import errors as wire
+from serving.contracts import errors as wire
 
 
 class GatewayError(Exception):

@@ -30,7 +30,7 @@ a release after that changes nothing (its tokens still count through the usage r
 The month's first reservation, or the first after Redis lost its data, finds the counter unseeded
 and adds the records of the month before `since` (the catalog sums them from the database) once,
 so from then on the counter equals the month's records. While Redis is away budgets fail open, as
-the buckets do (serving.wire.redis_guard).
+the buckets do (runtime.redis_guard).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from serving.gateway.errors import GatewayError
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 
 KEY_PREFIX = "loraplex:gateway:key-tokens:"
 # A counter outlives its month by this much: a record held back while Redis was away may still land

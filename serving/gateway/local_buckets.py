@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from serving.gateway.quotas import Admission, Bucket, BucketState, TokenBuckets
 from serving.gateway.redis_batch import ScriptCall, run_batch
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 
 
 @dataclass

@@ -35,7 +35,7 @@ from serving.gateway.catalog import base_model_ids, key_authenticate, model_not_
 from serving.gateway.errors import GatewayError, invalid_request, model_not_found
 from serving.registry.models import Adapter, AdapterVersion
 from serving.registry.versions import SEMVER_RE
-from serving.wire.errors import NotFound, ServiceError
+from serving.contracts.errors import NotFound, ServiceError
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey, Tenant
 from training.checkpoint_names import JobModelName, job_model_parse

@@ -4,7 +4,7 @@
 `/v1/chat/completions` and `/v1/completions` are ASGI routes (serving.gateway.asgi) and the
 `/v1/models` views plain Django ones, so drf-spectacular, which reads DRF views, never sees them.
 This hook adds them to the generated schema with their request and response bodies, taken from the
-worker's pydantic models (serving.engine.server.protocol: what the gateway forwards and relays is
+worker's pydantic models (serving.contracts.protocol: what the gateway forwards and relays is
 what the worker reads and answers), so the schema follows those models as they change. Pydantic
 writes JSON Schema 2020-12; the schema is OpenAPI 3.0, so `_oas30` rewrites what 3.0 spells
 otherwise (`nullable`, `enum` for `const`, boolean `exclusiveMinimum`), and the models' `$defs`
@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from serving.engine.server.protocol import (
+from serving.contracts.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,

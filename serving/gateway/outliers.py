@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from serving.wire.env import EnvModel, env
+from runtime.env import EnvModel, env
 
 log = logging.getLogger(__name__)
 

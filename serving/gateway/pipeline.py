@@ -48,8 +48,8 @@ from serving.gateway.usage_backlog import usage_pushes
 from serving.gateway.usage_log import UsageEvent
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.gateway.worker_watch import unless_worker_gone
-from serving.wire.access_log import access_note
-from serving.wire.breakers import Permit
+from runtime.access_log import access_note
+from runtime.breakers import Permit
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from serving.gateway.redis_batch import ScriptCall
-from serving.wire.env import EnvModel, env
+from runtime.env import EnvModel, env
 
 KEY_PREFIX = "loraplex:prewarm:"
 EWMA_KEY = KEY_PREFIX + "ewma"  # name → "rate at" (rate per second as of unix time `at`)

@@ -41,8 +41,8 @@ from serving.gateway.prewarm import KEY_PREFIX, DemandModel
 from serving.gateway.prewarm_plan import Placement, plan_prefetch
 from serving.gateway.routing import WorkerView
 from serving.gateway.version_pick import ServedVersion
-from serving.wire.env import EnvModel, env
-from serving.wire.redis_guard import RedisGuard
+from runtime.env import EnvModel, env
+from runtime.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ import httpx
 from serving.gateway.errors import error_json, invalid_request
 from serving.gateway.failover import key_refused
 from serving.gateway.stream_http import StreamPool, StreamResponse
-from serving.wire import errors as wire_errors
-from serving.wire.registry import UPSTREAM_IDLE_S
-from serving.wire.request_ids import HEADER
+from serving.contracts import errors as wire_errors
+from serving.contracts.registry import UPSTREAM_IDLE_S
+from serving.contracts.request_ids import HEADER
 
 DONE = b"data: [DONE]\n\n"
 _USAGE = b'"usage":{'
@@ -127,7 +127,7 @@ class Upstream:
     async def _post(self, url: str, body: dict[str, Any], result: UpstreamResult, request_id: str, *,
                     head_timeout_s: float | None = None) -> StreamResponse:
         # httpx's JSON encoding, byte for byte; the worker logs the request under the gateway's id
-        # (serving.wire.request_ids).
+        # (serving.contracts.request_ids).
         try:
             payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         except (ValueError, UnicodeEncodeError) as exc:

@@ -17,8 +17,8 @@ from typing import Any
 from serving.gateway.key_budget import Reservation
 from serving.gateway.quotas import Admission
 from serving.gateway.version_pick import ServedSet, ServedVersion
-from serving.wire.breakers import Permit
-from serving.wire.request_ids import request_id_current, request_id_mint
+from runtime.breakers import Permit
+from serving.contracts.request_ids import request_id_current, request_id_mint
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Call:
     version: ServedVersion | None = None
     # The version's circuit-breaker permit (None on the base model).
     permit: Permit | None = None
-    # The request's X-Request-ID (serving.wire.request_ids: the edge's, or minted here outside one).
+    # The request's X-Request-ID (serving.contracts.request_ids: the edge's, or minted here outside one).
     request_id: str = field(default_factory=lambda: request_id_current() or request_id_mint())
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)

@@ -10,12 +10,12 @@ estimated size.
 - No `NaN`/`Infinity` and no nesting deeper than the bound (the gateway's own `json.dumps` of the
   worker's request refuses a NaN: it was a 500, counted against the worker), and every field whose
   size sets the request's work within its cap (`model` at most MODEL_MAX_CHARS characters, `stop`,
-  `tools`, `logit_bias`, the structured-output texts, …): serving.wire.request_caps, the bounds the
+  `tools`, `logit_bias`, the structured-output texts, …): serving.contracts.request_caps, the bounds the
   worker checks too. All of it before any token bucket, lookup or queue.
 - Fields named `loraplex_*` are the workers' internal protocol (`loraplex_adapter` makes a
   worker load an artifact): a caller sending one gets a 400 naming it.
 - The worker's request is built from FORWARDED only: the OpenAI (and vLLM-extension) fields the
-  worker accepts (serving/engine/server/protocol.py). Anything else a client sends (`user`,
+  worker accepts (serving/contracts/protocol.py). Anything else a client sends (`user`,
   `metadata`, `store`, …) is dropped, as OpenAI and vLLM ignore fields they do not use; the
   gateway writes `model`, `max_tokens`, `priority` and `loraplex_adapter` itself.
 """
@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from serving.gateway.errors import GatewayError, invalid_request
-from serving.wire import request_caps
+from serving.contracts import request_caps
 
 MODEL_MAX_CHARS = request_caps.MAX_MODEL_CHARS
 INTERNAL_PREFIX = "loraplex_"

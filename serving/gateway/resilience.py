@@ -14,7 +14,7 @@ writes the pipeline's `Call`.
     injected `CanaryAbort`, off the request path).
 
 The policies are the Django-free modules next to this one (outliers, shedding, failover,
-canary_rule, prewarm) and serving.wire.breakers; this module builds them from their configs (one
+canary_rule, prewarm) and runtime.breakers; this module builds them from their configs (one
 set per event loop, as the pipeline's other resources: serving.gateway.wiring passes the settings'
 instances) and maps their answers onto the gateway's errors and headers. The canary's abort in the
 registry is handed in (`CanaryAbort`), so nothing here reaches the database. docs/gateway.md
@@ -45,9 +45,9 @@ from serving.gateway.redis_batch import ScriptCall
 from serving.gateway.routing import WorkerView
 from serving.gateway.shedding import Saturation, ShedConfig, shed_decision
 from serving.gateway.version_pick import ServedSet, ServedVersion
-from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome, Permit, Snapshot, State
-from serving.wire.redis_guard import RedisGuard, RedisGuardConfig
-from serving.wire.registry import SLOT_CORRUPTED
+from runtime.breakers import BreakerConfig, CircuitBreakers, Outcome, Permit, Snapshot, State
+from runtime.redis_guard import RedisGuard, RedisGuardConfig
+from serving.contracts.registry import SLOT_CORRUPTED
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from serving.gateway.proxy import Upstream
 from serving.gateway.resilience import Resilience
 from serving.gateway.routing import RoundRobin, RoutingConfig, WorkerView, live_workers, read_registry
 from serving.gateway.usage_backlog import UsageBacklog
-from serving.wire.registry import api_key_id
+from serving.contracts.registry import api_key_id
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ score = w_affinity · affinity − w_queue · queue / max(queue) − w_kv · kv 
 both normalised by their maximum over the candidates. Ties are broken at random.
 
 A worker is a candidate when its heartbeat is younger than its TTL, its state is `ready`, and it
-serves the platform's base model. The key layout is the wire's (serving.wire.registry), which the worker writes.
+serves the platform's base model. The key layout is the wire's (serving.contracts.registry), which the worker writes.
 
 GATEWAY_ROUTING=round_robin (RoutingConfig) replaces the scoring by turns: each request goes to the
 live worker after the last one picked, blind to adapters and load. It is the baseline that
@@ -33,8 +33,8 @@ import redis.asyncio as aioredis
 from pydantic import field_validator
 
 from serving.gateway.failover import ranked
-from serving.wire.env import EnvModel, env
-from serving.wire.registry import WORKERS_KEY, worker_key
+from runtime.env import EnvModel, env
+from serving.contracts.registry import WORKERS_KEY, worker_key
 
 AFFINITY_GPU = 1.0
 AFFINITY_FREE_SLOT = 0.8
@@ -134,7 +134,7 @@ def _optional_int(value: Any) -> int | None:
 def live_workers(documents: Iterable[Mapping[str, Any]], *, base_models: Iterable[str], key_id: str | None,
                  now: float | None = None) -> list[WorkerView]:
     """The workers a request may go to: fresh heartbeat, ready, serving one of `base_models`, and
-    accepting the gateway's key (`key_id`, serving.wire.registry.api_key_id: same key, or a worker without one)."""
+    accepting the gateway's key (`key_id`, serving.contracts.registry.api_key_id: same key, or a worker without one)."""
     now = time.time() if now is None else now
     wanted = set(base_models)
     views = []

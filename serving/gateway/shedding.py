@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serving.wire.env import EnvModel, env
+from runtime.env import EnvModel, env
 
 VIP_PRIORITY = 0
 

@@ -17,7 +17,7 @@ calls in flight for the pool timeout), LocalProtocolError (a header value that w
 request).
 
 Connections are kept alive per worker and reused newest first; one idle past `idle_s` (shorter than
-the worker's keep-alive, serving.wire.registry), closed by the worker, or holding bytes nobody
+the worker's keep-alive, serving.contracts.registry), closed by the worker, or holding bytes nobody
 asked for is dropped at the next checkout. A response left before its end (the client left, or the
 relay failed) closes its connection, which the worker takes for the request aborted.
 """

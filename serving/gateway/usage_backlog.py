@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from serving.gateway.key_budget import spend_add
 from serving.gateway.redis_batch import run_batch
 from serving.gateway.usage_log import UsageEvent, usage_push
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from serving.wire.names import qualified_name
+from serving.contracts.names import qualified_name
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 
 from serving.gateway.routing import WorkerView
 from serving.gateway.stream_http import FirstByteTimeout
-from serving.wire.redis_guard import RedisGuard
-from serving.wire.registry import worker_key
+from runtime.redis_guard import RedisGuard
+from serving.contracts.registry import worker_key
 
 # How often a whole reply's worker is looked up once the first-byte bound has passed: about a
 # heartbeat, so a frozen worker is given up on within a few seconds of its entry expiring.

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from serving.registry import selectors
 from serving.registry.models import ADAPTER_NAME_PATTERN, Adapter
-from serving.wire.errors import InvalidInput, LimitExceeded
+from serving.contracts.errors import InvalidInput, LimitExceeded
 from tenants.models import Tenant
 
 _NAME_RE = re.compile(rf"^{ADAPTER_NAME_PATTERN}$")

@@ -18,7 +18,7 @@ from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from serving.wire.errors import ServiceError
+from serving.contracts.errors import ServiceError
 from serving.registry import selectors, services
 from serving.registry.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
 

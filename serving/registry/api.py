@@ -29,7 +29,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from serving.wire.errors import InvalidInput, NotFound
+from serving.contracts.errors import InvalidInput, NotFound
 from api.parsers import JSONParser
 from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from serving.registry import selectors, services, usage

@@ -20,11 +20,11 @@ from pathlib import Path
 from django.db import transaction
 
 from serving.registry import services as registry
-from serving.engine.lora.artifact import MANIFEST_NAME, AdapterError, adapter_digest, manifest_verify
+from serving.contracts.artifact import MANIFEST_NAME, AdapterError, adapter_digest, manifest_verify
 from serving.registry.models import AdapterVersion, artifact_prefix
 from serving.registry.storage import get_storage
 from serving.registry.versions import version_next_patch, version_parse
-from serving.wire.errors import Conflict, InvalidInput, NotFound
+from serving.contracts.errors import Conflict, InvalidInput, NotFound
 from training.models import Checkpoint, TrainingJob
 from training.publishing import artifact_publish
 

@@ -1,6 +1,6 @@
 """Deploy events on Redis pub/sub: how serving workers hear that a version starts or stops serving.
 
-Channel `serving.wire.registry.events_channel(<the Redis database>)`; one JSON message (`serving.wire.registry.DeployEvent`) per audit
+Channel `serving.contracts.registry.events_channel(<the Redis database>)`; one JSON message (`serving.contracts.registry.DeployEvent`) per audit
 event, published only after the transaction that wrote it commits. Pub/sub delivers at most once, so a worker that was away misses
 messages: it reconciles from the snapshot endpoint as well, and a failed publish is logged and
 never undoes the committed change. The payload is described in docs/registry.md.
@@ -16,7 +16,7 @@ import redis
 from django.conf import settings
 
 from serving.registry.models import DeploymentEvent
-from serving.wire.registry import DeployEvent, ServedEntry, events_channel
+from serving.contracts.registry import DeployEvent, ServedEntry, events_channel
 
 logger = logging.getLogger(__name__)
 

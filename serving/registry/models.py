@@ -12,7 +12,7 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
-from serving.wire import names
+from serving.contracts import names
 from tenants.models import Tenant
 from tenants.scoping import TenantScopedQuerySet
 
@@ -200,7 +200,7 @@ class UsageRecord(models.Model):
     api_key_prefix = models.CharField(max_length=16)
     # The record's own id, minted by the gateway with it: a record pushed twice is written once.
     record_id = models.CharField(max_length=64, unique=True, default=usage_record_id)
-    # The request's X-Request-ID (serving.wire.request_ids), as in both processes' access lines; the
+    # The request's X-Request-ID (serving.contracts.request_ids), as in both processes' access lines; the
     # caller may have chosen it, so it may repeat.
     request_id = models.CharField(max_length=64, db_index=True)
     endpoint = models.CharField(max_length=32)

@@ -23,7 +23,7 @@ from typing import Any
 
 from django.db import transaction
 
-from serving.wire.errors import InvalidInput
+from serving.contracts.errors import InvalidInput
 from serving.registry.storage import get_storage
 from serving.registry import selectors, services
 from serving.registry.models import Adapter, AdapterVersion, artifact_prefix

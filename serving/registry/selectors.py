@@ -11,10 +11,10 @@ from django.conf import settings
 from django.db.models import Count, Max, Prefetch, QuerySet, Sum
 from django.utils import timezone
 
-from serving.wire.errors import NotFound
+from serving.contracts.errors import NotFound
 from serving.registry.models import Adapter, AdapterVersion, DeploymentEvent, UsageRecord
 from serving.registry.versions import SemVer, version_next_patch
-from serving.wire.registry import RegistrySnapshot, ServedEntry
+from serving.contracts.registry import RegistrySnapshot, ServedEntry
 from tenants.models import Tenant
 
 SERVED_STATUSES = (AdapterVersion.Status.ACTIVE, AdapterVersion.Status.CANARY)

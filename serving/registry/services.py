@@ -23,7 +23,7 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, transaction
 
-from serving.wire.errors import Conflict, InvalidInput, NotFound
+from serving.contracts.errors import Conflict, InvalidInput, NotFound
 from serving.registry.storage import get_storage
 from serving.registry import selectors, uploads
 from serving.registry.adapter_names import adapter_name_validate, adapter_room_check

@@ -1,9 +1,9 @@
-"""The platform's blob storage: settings → one storage instance (the storage itself is serving.wire's).
+"""The platform's blob storage: settings → one storage instance (the storage itself is runtime's).
 
 `STORAGE_URL` names the backend: `file:///abs/path` or `file://relative/path` (relative to the
 project directory, settings.BASE_DIR) and `s3://bucket/prefix` (`S3_ENDPOINT_URL` for MinIO,
-credentials from the usual `AWS_*`). The storage classes are Django-free (serving.wire.storage,
-serving.wire.s3) because the serving worker reads the same artifacts; this module is the Django
+credentials from the usual `AWS_*`). The storage classes are Django-free (runtime.storage,
+runtime.s3) because the serving worker reads the same artifacts; this module is the Django
 side of it. It sits in serving, whose artifacts it mostly holds, and training reaches it here as it
 reaches the registry (lora_platform, the project's wiring, is imported by no app).
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from django.conf import settings
 
-from serving.wire.errors import InvalidInput
-from serving.wire.s3 import S3Storage
-from serving.wire.storage import BlobStorage, LocalStorage
+from serving.contracts.errors import InvalidInput
+from runtime.s3 import S3Storage
+from runtime.storage import BlobStorage, LocalStorage
 
 
 def storage_from_url(url: str, *, endpoint_url: str | None = None, base_dir: Path | None = None) -> BlobStorage:

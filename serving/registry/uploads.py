@@ -38,10 +38,10 @@ from typing import IO, Any
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 
-from serving.wire.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
+from serving.contracts.errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError
 from serving.registry.storage import get_storage
 from serving.engine.lora.reader import BaseShapes, validate_adapter_dir
-from serving.engine.lora.artifact import (
+from serving.contracts.artifact import (
     ADAPTER_CONFIG_NAME,
     MANIFEST_NAME,
     SOURCE_KINDS,
@@ -52,7 +52,7 @@ from serving.engine.lora.artifact import (
     manifest_write,
 )
 from serving.registry.selectors import accepted_base_models
-from serving.wire.names import qualified_name
+from serving.contracts.names import qualified_name
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 REQUIRED_FILES = (ADAPTER_CONFIG_NAME, WEIGHTS_NAME)

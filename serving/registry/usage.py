@@ -30,7 +30,7 @@ GROUP_BY = ("day", "adapter", "key")
 # records still queued (`complete: false`); a flush of 500 records takes milliseconds.
 READ_FLUSH_WAIT_S = 5.0
 
-# What an unreachable, restarting or frozen Redis raises (as serving.wire.redis_guard counts it).
+# What an unreachable, restarting or frozen Redis raises (as runtime.redis_guard counts it).
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
 
 

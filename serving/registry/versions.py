@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from functools import total_ordering
 
-from serving.wire.errors import InvalidInput
+from serving.contracts.errors import InvalidInput
 
 _NUMBER = r"0|[1-9]\d*"
 _IDENTIFIER = r"0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*"

@@ -1,4 +1,4 @@
-"""One OpenAI error body and one status → type table (serving.wire.errors) on every surface."""
+"""One OpenAI error body and one status → type table (serving.contracts.errors) on every surface."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from api.errors import error_response
 from serving.engine.server.errors import error_body as worker_error_body
 from serving.gateway.errors import GatewayError
-from serving.wire.errors import TYPE_BY_STATUS, Conflict, LimitExceeded, NotFound, error_type
+from serving.contracts.errors import TYPE_BY_STATUS, Conflict, LimitExceeded, NotFound, error_type
 
 
 @pytest.mark.parametrize("status", [*TYPE_BY_STATUS, 500, 502, 503])

@@ -1,10 +1,10 @@
-"""The qualified adapter name (serving.wire.names): one builder, one parser, and errors that say what is wrong."""
+"""The qualified adapter name (serving.contracts.names): one builder, one parser, and errors that say what is wrong."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.wire.names import (
+from serving.contracts.names import (
     QualifiedName,
     in_registry_form,
     name_prefix,

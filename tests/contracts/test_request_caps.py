@@ -1,4 +1,4 @@
-"""The request caps both the gateway and the worker apply (serving.wire.request_caps): the
+"""The request caps both the gateway and the worker apply (serving.contracts.request_caps): the
 decoder's refusals (non-finite numbers, nesting past the bound, measured without recursion) and
 each field's cap, refused with the field named; bodies within the caps pass untouched."""
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.wire import request_caps as caps
-from serving.wire.request_caps import CapExceeded, check_caps, loads, too_deep
+from serving.contracts import request_caps as caps
+from serving.contracts.request_caps import CapExceeded, check_caps, loads, too_deep
 
 
 def refused(body: dict) -> CapExceeded:

@@ -24,7 +24,7 @@ from serving.engine import (
     RequestOutput,
     SamplingParams,
 )
-from serving.engine.lora.artifact import base_config_sha256, manifest_write
+from serving.contracts.artifact import base_config_sha256, manifest_write
 
 ENGINE_ARGS = dict(
     max_loras=2,

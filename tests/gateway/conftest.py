@@ -254,7 +254,7 @@ def wait_for_worker(redis_client, worker_id: str, timeout: float = 30.0) -> None
     (tests flush Redis; heartbeats every 0.5 s; a worker still starting registers as loading)."""
     import json
 
-    from serving.wire.registry import worker_key
+    from serving.contracts.registry import worker_key
 
     deadline = time.monotonic() + timeout
     while True:

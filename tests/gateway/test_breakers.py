@@ -22,8 +22,8 @@ import pytest
 import redis.asyncio as aioredis
 from resilience_support import Clock, dead_redis_url, redis_relay
 
-from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome, State
-from serving.wire.redis_guard import RedisGuard
+from runtime.breakers import BreakerConfig, CircuitBreakers, Outcome, State
+from runtime.redis_guard import RedisGuard
 
 REPO = Path(__file__).resolve().parents[2]
 S, F, I = Outcome.SUCCESS, Outcome.FAILURE, Outcome.IGNORED
@@ -245,8 +245,8 @@ def test_config_refuses_impossible_thresholds() -> None:
 _CHILD = """
 import asyncio, json, sys
 import redis.asyncio as aioredis
-from serving.wire.breakers import BreakerConfig, CircuitBreakers, Outcome
-from serving.wire.redis_guard import RedisGuard
+from runtime.breakers import BreakerConfig, CircuitBreakers, Outcome
+from runtime.redis_guard import RedisGuard
 
 url, name, action, now = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 

@@ -19,7 +19,7 @@ from serving.gateway.accounting import COMPLETION_TOKENS, most_tokens, release_a
 from serving.gateway.errors import GatewayError
 from serving.gateway.key_budget import RESERVATION_HOLD_S, KeyBudgets, Month, Reservation, counter_key, spend_add
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 
 TIER = TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=51_200, max_tokens_per_request=256,
                   priority=1, degradation_allowed=True)

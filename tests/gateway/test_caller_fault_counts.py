@@ -19,7 +19,7 @@ from serving.gateway.proxy import Upstream, UpstreamResult
 from serving.gateway.records import Call, Caller, Target, TierLimits
 from serving.gateway.resilience import breaker_outcome, worker_failed
 from serving.gateway.routing import WorkerView
-from serving.wire.breakers import Outcome
+from runtime.breakers import Outcome
 
 TIER = TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=51_200, max_tokens_per_request=256,
                   priority=1, degradation_allowed=True)

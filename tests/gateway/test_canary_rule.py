@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serving.wire.breakers import Snapshot, State
+from runtime.breakers import Snapshot, State
 from serving.gateway.canary_rule import CanaryRuleConfig, canary_abort_reason
 
 RULE = CanaryRuleConfig(failure_rate_margin=0.10, minimum_calls=50)

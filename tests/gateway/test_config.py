@@ -1,4 +1,4 @@
-"""One config path (docs/gateway.md, "Configuration"): each policy's model (serving.wire.env.EnvModel)
+"""One config path (docs/gateway.md, "Configuration"): each policy's model (runtime.env.EnvModel)
 reads its own GATEWAY_* variables (`from_environ`), each default written once, as its field's;
 GatewaySettings nests them; the settings hold the instances; .env.example documents every variable
 with that default, and no variable the models do not define."""
@@ -18,8 +18,8 @@ from serving.gateway.prewarm import PrewarmConfig
 from serving.gateway.prewarm_loop import PrewarmLoopConfig
 from serving.gateway.routing import RoutingConfig
 from serving.gateway.shedding import ShedConfig
-from serving.wire.breakers import BreakerConfig
-from serving.wire.redis_guard import RedisGuardConfig
+from runtime.breakers import BreakerConfig
+from runtime.redis_guard import RedisGuardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = [GatewayConfig, RoutingConfig, BreakerConfig, CanaryRuleConfig, OutlierConfig, ShedConfig, RedisGuardConfig,

@@ -1,4 +1,4 @@
-"""One error body on every `/v1` route (serving.wire.errors), as the official `openai` SDK reads it
+"""One error body on every `/v1` route (serving.contracts.errors), as the official `openai` SDK reads it
 through the web process: a 404 has one type whether the gateway (chat) or the files API answers,
 each with its code; the worker's context-length refusal carries OpenAI's code."""
 

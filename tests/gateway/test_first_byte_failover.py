@@ -26,8 +26,8 @@ from serving.gateway.resilience import worker_failed
 from serving.gateway.routing import WorkerView
 from serving.gateway.stream_http import FirstByteTimeout, StreamPool
 from serving.gateway.worker_watch import unless_worker_gone
-from serving.wire.redis_guard import RedisGuard
-from serving.wire.registry import worker_key
+from runtime.redis_guard import RedisGuard
+from serving.contracts.registry import worker_key
 
 TIER = TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=51_200, max_tokens_per_request=256,
                   priority=1, degradation_allowed=True)

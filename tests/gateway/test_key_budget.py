@@ -16,7 +16,7 @@ from serving.gateway.key_budget import KeyBudgets, Month, counter_key, spend_add
 from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Caller, KeyControls, TierLimits
 from serving.gateway.request_buckets import RequestBuckets
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 
 # Counters expire a week after their month, so the Redis tests use this month and the next.
 THIS_MONTH = Month.of(time.time())

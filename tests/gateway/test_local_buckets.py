@@ -12,7 +12,7 @@ from resilience_support import Clock, redis_relay
 
 from serving.gateway.local_buckets import GuardedBuckets, LocalTokenBuckets
 from serving.gateway.quotas import Bucket, TokenBuckets
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 
 
 def requests_bucket(rpm: int = 60) -> Bucket:

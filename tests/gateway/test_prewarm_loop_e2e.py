@@ -18,9 +18,9 @@ from serving.registry import services
 from serving.gateway import catalog
 from serving.gateway.prewarm import DemandModel
 from serving.gateway.prewarm_loop import PREFETCH_PATH, Prewarmer, PrewarmLoopConfig
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 from serving.gateway.routing import WorkerView
-from serving.wire.registry import worker_key
+from serving.contracts.registry import worker_key
 from tests.gateway.conftest import WORKER_KEY, upload_version, wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -9,7 +9,7 @@ import json
 
 import httpx
 
-from serving.wire.breakers import Outcome
+from runtime.breakers import Outcome
 from serving.gateway.proxy import DONE, UpstreamResult, relay_stream, rename_model
 from serving.gateway.resilience import breaker_outcome
 

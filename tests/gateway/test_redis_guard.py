@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, ResponseError
 from resilience_support import Clock
 
-from serving.wire.redis_guard import RedisGuard
+from runtime.redis_guard import RedisGuard
 
 
 def test_a_stalled_redis_costs_one_timeout_then_nothing_until_the_retry_interval() -> None:

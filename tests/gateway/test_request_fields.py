@@ -1,7 +1,7 @@
 """What the gateway takes from a caller's body and what it forwards: the body decoded and checked
 once (lone surrogates, internal `loraplex_*` fields, the model name's length), the worker's
 request built from an allow-list, and which outcomes count toward a worker's ejection; the request
-caps (serving.wire.request_caps): non-finite numbers, nesting, oversized fields, and no body that
+caps (serving.contracts.request_caps): non-finite numbers, nesting, oversized fields, and no body that
 makes decoding fail other than with a 400."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from serving.gateway.resilience import worker_failed
 from serving.gateway.routing import WorkerView
 from serving.gateway.upstream import upstream_body
 from serving.gateway.version_pick import ServedVersion
-from serving.wire.request_caps import MAX_JSON_DEPTH
+from serving.contracts.request_caps import MAX_JSON_DEPTH
 
 CALLER = Caller(tenant_id=1, tenant="alice-co", key_prefix="abc",
                 tier=TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=100_000,

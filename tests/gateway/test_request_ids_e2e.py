@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving.wire.settings import PlatformSettings
+from runtime.settings import PlatformSettings
 from tests.gateway.conftest import wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -17,8 +17,8 @@ from serving.gateway.resilience import Resilience, VersionVerdict
 from serving.gateway.routing import WorkerView
 from serving.gateway.shedding import ShedConfig
 from serving.gateway.version_pick import ServedVersion
-from serving.wire.breakers import BreakerConfig
-from serving.wire.redis_guard import RedisGuardConfig
+from runtime.breakers import BreakerConfig
+from runtime.redis_guard import RedisGuardConfig
 
 STANDARD = TierLimits(name="standard", requests_per_minute=60, tokens_per_minute=1_000, max_tokens_per_request=64,
                       priority=1, degradation_allowed=True)

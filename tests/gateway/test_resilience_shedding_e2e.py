@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import _make_tenant
-from serving.wire.registry import worker_key
+from serving.contracts.registry import worker_key
 from tests.gateway.conftest import wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from serving.wire.registry import WORKERS_KEY, api_key_id, worker_key
+from serving.contracts.registry import WORKERS_KEY, api_key_id, worker_key
 from serving.gateway.routing import (RoundRobin, RoutingConfig, Weights, WorkerView, live_workers, pick_worker,
                                      read_registry, route, score_workers)
 

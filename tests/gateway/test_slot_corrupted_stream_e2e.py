@@ -25,8 +25,8 @@ import torch
 from serving.registry import services
 from serving.engine.server.cli import ServerArgs
 from serving.engine.server.worker import Worker
-from serving.wire.breakers import BreakerConfig, CircuitBreakers, Snapshot
-from serving.wire.redis_guard import RedisGuard
+from runtime.breakers import BreakerConfig, CircuitBreakers, Snapshot
+from runtime.redis_guard import RedisGuard
 from serving.registry.models import UsageRecord
 from serving.registry.usage import usage_records_flush
 from tests.gateway.conftest import WebProcess, upload_version, wait_for_worker

@@ -14,7 +14,7 @@ from resilience_support import redis_relay
 
 from serving.gateway.usage_backlog import UsageBacklog
 from serving.gateway.usage_log import QUEUE_KEY, UsageEvent
-from serving.wire.redis_guard import RedisGuard, RedisGuardConfig
+from runtime.redis_guard import RedisGuard, RedisGuardConfig
 
 
 def _event() -> UsageEvent:

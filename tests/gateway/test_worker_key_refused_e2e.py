@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from serving.wire.registry import WORKERS_KEY, worker_key
+from serving.contracts.registry import WORKERS_KEY, worker_key
 from tests.gateway.conftest import wait_for_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

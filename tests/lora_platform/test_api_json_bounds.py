@@ -1,12 +1,12 @@
 """Issue 37, item 8: a JSON body nested 100,000 deep (or holding NaN) on the DRF routes is a 400 in
 OpenAI's shape, not the 500 of the decoder's RecursionError; the bound is the gateway's
-(serving.wire.request_caps.MAX_JSON_DEPTH), measured without recursion."""
+(serving.contracts.request_caps.MAX_JSON_DEPTH), measured without recursion."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.wire.request_caps import MAX_JSON_DEPTH
+from serving.contracts.request_caps import MAX_JSON_DEPTH
 
 DEEP = "[" * 100_000 + "]" * 100_000
 

@@ -1,5 +1,5 @@
 """`.env.example` lists exactly the settings the models define, each with its default, so the two
-cannot drift: PlatformSettings (serving/wire/settings.py), the gateway's GatewaySettings and
+cannot drift: PlatformSettings (runtime/settings.py), the gateway's GatewaySettings and
 training's TrainingSettings; the only other names are those read from the environment by others
 (docs/operations.md, "Settings": boto3's AWS_*, prometheus_client's, OpenMP's)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from serving.gateway.config import GatewaySettings
-from serving.wire.settings import PlatformSettings
+from runtime.settings import PlatformSettings
 from training.conf import TrainingSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lora_platform import launcher
-from serving.wire.settings import SettingsError, settings_read
+from runtime.settings import SettingsError, settings_read
 from tests.lora_platform.live_web import LiveWeb, web_env
 
 pytestmark = pytest.mark.e2e

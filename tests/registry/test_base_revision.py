@@ -10,7 +10,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from serving.registry import services
 from serving.registry.models import AdapterVersion
-from serving.wire.errors import Conflict
+from serving.contracts.errors import Conflict
 
 pytestmark = pytest.mark.django_db
 

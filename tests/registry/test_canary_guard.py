@@ -10,7 +10,7 @@ from django.db import connections
 
 from serving.registry import services
 from serving.registry.canary_guard import canary_guard_abort
-from serving.wire.registry import events_channel
+from serving.contracts.registry import events_channel
 from serving.registry.models import Adapter, AdapterVersion, DeploymentEvent
 
 ACTOR = "api-key:test"

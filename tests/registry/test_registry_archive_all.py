@@ -10,8 +10,8 @@ import pytest
 from serving.registry import selectors, services
 from serving.gateway.errors import GatewayError
 from serving.registry.models import AdapterVersion, DeploymentEvent
-from serving.wire.errors import Conflict
-from serving.wire.registry import events_channel
+from serving.contracts.errors import Conflict
+from serving.contracts.registry import events_channel
 from tests.registry.conftest import ACTOR, resolve, version
 
 pytestmark = pytest.mark.django_db

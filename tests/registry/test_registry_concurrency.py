@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.wire.errors import Conflict
+from serving.contracts.errors import Conflict
 from serving.registry import services
 from serving.registry.models import Adapter, AdapterVersion, DeploymentEvent
 from tests.races import race, slow_saves

@@ -7,10 +7,10 @@ import json
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from serving.wire.errors import Conflict, InvalidInput, LimitExceeded, NotFound
+from serving.contracts.errors import Conflict, InvalidInput, LimitExceeded, NotFound
 from serving.registry import selectors, services
 from serving.gateway.errors import GatewayError
-from serving.wire.registry import events_channel
+from serving.contracts.registry import events_channel
 from serving.registry.models import Adapter, AdapterVersion, DeploymentEvent
 from serving.registry.versions import version_next_patch, version_parse
 from tests.registry.conftest import ACTOR, resolve, version

@@ -26,9 +26,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from serving.wire.errors import InvalidInput, LimitExceeded
+from serving.contracts.errors import InvalidInput, LimitExceeded
 from serving.registry import services, uploads
-from serving.engine.lora.artifact import adapter_digest, base_config_sha256, manifest_verify, manifest_write
+from serving.contracts.artifact import adapter_digest, base_config_sha256, manifest_verify, manifest_write
 from serving.engine.lora.reader import BaseShapes, load_adapter
 from serving.registry.models import Adapter, AdapterVersion, DeploymentEvent
 from tests.registry.conftest import BASE_ALIAS, adapter_files, config_with

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from serving.registry.storage import get_storage, storage_from_url
-from serving.wire.errors import InvalidInput
-from serving.wire.storage import LocalStorage
+from serving.contracts.errors import InvalidInput
+from runtime.storage import LocalStorage
 
 
 def test_get_storage_follows_settings(settings, tmp_path: Path, s3_bucket: str) -> None:

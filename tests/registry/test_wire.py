@@ -1,4 +1,4 @@
-"""The registry ↔ worker wire (serving.wire.registry): typed entries survive JSON both ways, malformed ones are
+"""The registry ↔ worker wire (serving.contracts.registry): typed entries survive JSON both ways, malformed ones are
 refused by name, and what the registry really sends parses on the worker's side."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from serving.registry import selectors, services
 from serving.registry.events import event_payload
 from serving.registry.models import DeploymentEvent
-from serving.wire.registry import WORKER_KEY_PREFIX, WORKERS_KEY, DeployEvent, RegistrySnapshot, ServedEntry, worker_key
+from serving.contracts.registry import WORKER_KEY_PREFIX, WORKERS_KEY, DeployEvent, RegistrySnapshot, ServedEntry, worker_key
 
 ENTRY = ServedEntry(name="alice-co/support-bot@1.1.0", tenant="alice-co", adapter="support-bot", version="1.1.0",
                     status="canary", weight=0.2, artifact_uri="s3://bucket/adapters/alice-co/support-bot/1.1.0/",

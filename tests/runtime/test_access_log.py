@@ -1,5 +1,5 @@
-"""The access log at a server's edge (serving.wire.access_log) and the request-id rule
-(serving.wire.request_ids): an incoming well-formed X-Request-ID is kept, anything else replaced by
+"""The access log at a server's edge (runtime.access_log) and the request-id rule
+(serving.contracts.request_ids): an incoming well-formed X-Request-ID is kept, anything else replaced by
 a minted one, the id goes back in the response and is current while the application runs, and each
 request is one line with what the application noted."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from serving.wire.access_log import CLIENT_CLOSED, AccessLog, access_note
-from serving.wire.request_ids import request_id_accepted, request_id_current, request_id_for
+from runtime.access_log import CLIENT_CLOSED, AccessLog, access_note
+from serving.contracts.request_ids import request_id_accepted, request_id_current, request_id_for
 
 LOGGER = "loraplex.test.access"
 

@@ -1,4 +1,4 @@
-"""Base models by Hugging Face id (serving.wire.hub), offline, on a hub cache laid out on disk with a
+"""Base models by Hugging Face id (runtime.hub), offline, on a hub cache laid out on disk with a
 tiny model: ids and pinned revisions resolve to the cache's snapshot and its commit, a local directory
 is used as it is, what is not there is refused naming it, and the settings and the worker's --model
 go through the same resolver. No test reaches the network: HF_HUB_OFFLINE is set for each."""
@@ -15,8 +15,8 @@ import pytest
 
 from serving.engine.server.cli import parse_args
 from serving.engine.tiny import build_tiny_model
-from serving.wire import hub
-from serving.wire.settings import SettingsError, settings_read
+from runtime import hub
+from runtime.settings import SettingsError, settings_read
 from tests.hub_cache import cache_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,10 +128,10 @@ def test_the_command_line_honours_hf_home(hf_home: Path) -> None:
     """A fresh process reads HF_HOME and HF_HUB_OFFLINE as huggingface_hub does, at import."""
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    done = subprocess.run([sys.executable, "-m", "serving.wire.hub", "resolve", f"{REPO}@v1"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "runtime.hub", "resolve", f"{REPO}@v1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{hf_home / 'hub' / 'models--tiny-org--tiny-llama' / 'snapshots' / TAGGED}\t{TAGGED}"
-    missing = subprocess.run([sys.executable, "-m", "serving.wire.hub", "download", "tiny-org/absent"], cwd=ROOT,
+    missing = subprocess.run([sys.executable, "-m", "runtime.hub", "download", "tiny-org/absent"], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "HF_HUB_OFFLINE is set" in missing.stderr

@@ -1,4 +1,4 @@
-"""The one logging setup (serving.wire.logs): JSON lines that parse, with the request id and the
+"""The one logging setup (runtime.logs): JSON lines that parse, with the request id and the
 call's extra fields; text lines with the id in brackets; and a Django warning written once when
 Django's own default configuration and ours are applied, as a Django process applies them."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.wire.logs import JsonFormatter, RequestIdFilter, TextFormatter, logging_config
-from serving.wire.request_ids import request_id_reset, request_id_set
+from runtime.logs import JsonFormatter, RequestIdFilter, TextFormatter, logging_config
+from serving.contracts.request_ids import request_id_reset, request_id_set
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,7 @@ _DJANGO_PROCESS = """
 import logging, logging.config
 from django.conf import settings
 from django.utils.log import DEFAULT_LOGGING
-from serving.wire.logs import logging_config
+from runtime.logs import logging_config
 settings.configure(DEBUG=True)
 logging.config.dictConfig(DEFAULT_LOGGING)
 logging.config.dictConfig(logging_config({log_format!r}, "INFO"))

@@ -1,4 +1,4 @@
-"""The platform's typed settings (serving.wire.settings): the environment over `.env` over the
+"""The platform's typed settings (runtime.settings): the environment over `.env` over the
 defaults, one parse per variable (the GATEWAY_BREAKER_* ones included), errors that name the
 variable, and what a deployment must refuse."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.wire.breakers import BreakerConfig
-from serving.wire.settings import (
+from runtime.breakers import BreakerConfig
+from runtime.settings import (
     DEFAULT_SECRET_KEY,
     ENV_FILE_VARIABLE,
     PROJECT_DIR,
@@ -128,3 +128,9 @@ def test_local_hosts() -> None:
     assert not any(map(is_local_host, ["example.com", ".example.com", "10.0.0.1", "192.168.1.2", "0.0.0.0",
                                        "localhost.example.com", "[2001:db8::1]"]))
     assert DEFAULT_SECRET_KEY.startswith("loraplex-insecure")
+
+
+def test_the_project_directory_is_the_checkouts_root() -> None:
+    """var/, .env and the templates are found from it: a module moved one level up or down must move it too."""
+    assert PROJECT_DIR == Path(__file__).resolve().parents[2]
+    assert (PROJECT_DIR / "manage.py").is_file()

@@ -1,4 +1,4 @@
-"""The blob storage (serving.wire.storage, serving.wire.s3): one suite, two backends, a local directory
+"""The blob storage (runtime.storage, runtime.s3): one suite, two backends, a local directory
 and S3 over HTTP on the moto server."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import boto3
 import pytest
 
-from serving.wire.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
-from serving.wire.s3 import S3Storage
-from serving.wire.storage import STAGING_SEGMENT, LocalStorage, PutResult
+from serving.contracts.errors import Conflict, InvalidInput, NotFound, PayloadTooLarge
+from runtime.s3 import S3Storage
+from runtime.storage import STAGING_SEGMENT, LocalStorage, PutResult
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from serving.wire.errors import Conflict, InvalidInput
+from serving.contracts.errors import Conflict, InvalidInput
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey, TenantEvent
 from tenants.services import api_key_create, api_key_revoke, api_key_update

@@ -9,7 +9,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from rest_framework.test import APIClient
 
-from serving.wire.errors import Conflict, InvalidInput, NotFound
+from serving.contracts.errors import Conflict, InvalidInput, NotFound
 from tenants.models import ApiKey, Membership, Tenant, Tier
 from tenants.services import tenant_activate, tenant_create
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from serving.registry.checkpoint_versions import checkpoint_version_create
-from serving.engine.lora.artifact import adapter_digest, manifest_verify, sha256_file
+from serving.contracts.artifact import adapter_digest, manifest_verify, sha256_file
 from serving.registry.models import AdapterVersion, DeploymentEvent
 from serving.registry.storage import get_storage
-from serving.wire.errors import Conflict, NotFound
+from serving.contracts.errors import Conflict, NotFound
 from training import concurrency, datasets, jobs, run
 from training.models import Checkpoint, Dataset, TrainingJob
 from training_support import chat_lines, jsonl

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.wire.errors import LimitExceeded
+from serving.contracts.errors import LimitExceeded
 from serving.registry import services as registry
 from serving.registry.models import Adapter
 from tenants.models import Tier

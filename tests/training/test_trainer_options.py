@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from serving.wire.errors import InvalidInput
+from serving.contracts.errors import InvalidInput
 from training.examples import Example, encode_example
 from training.hyperparameters import Hyperparameters, Limits, fit_to_dataset, resolve_hyperparameters
 from training.packing import layout, target_logprobs

@@ -18,7 +18,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving.registry.storage import get_storage
-from serving.engine.lora.artifact import manifest_verify
+from serving.contracts.artifact import manifest_verify
 from serving.registry.models import AdapterVersion
 from training import sweep
 from training.examples import Example, encode_example

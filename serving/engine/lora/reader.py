@@ -2,7 +2,7 @@
 
 An adapter is a directory in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`,
 optionally the artifact's `manifest.json`), given as a local path, a `file://` URI or an
-`s3://bucket/prefix` (downloaded through the platform's own blob storage, serving.wire.s3, honouring
+`s3://bucket/prefix` (downloaded through the platform's own blob storage, runtime.s3, honouring
 `S3_ENDPOINT_URL` and the usual `AWS_*` variables). Only safetensors is read; a pickled `.bin` is refused without being opened.
 
 `validate_adapter_dir` checks everything that can be checked without reading the weights (the
@@ -36,7 +36,7 @@ from urllib.parse import unquote, urlparse
 from botocore.exceptions import BotoCoreError, ClientError
 from safetensors import safe_open
 
-from serving.engine.lora.artifact import (
+from serving.contracts.artifact import (
     ADAPTER_CONFIG_NAME,
     MANIFEST_NAME,
     AdapterError,
@@ -44,9 +44,9 @@ from serving.engine.lora.artifact import (
     manifest_verify,
     read_adapter_config,
 )
-from serving.wire.errors import ServiceError
-from serving.wire.s3 import S3Storage
-from serving.wire.settings import platform_settings
+from serving.contracts.errors import ServiceError
+from runtime.s3 import S3Storage
+from runtime.settings import platform_settings
 
 # torch is imported where tensors are read (load_adapter), not here: the web process imports this
 # module for validate_adapter_dir (the upload check), which reads only the safetensors header, and
@@ -140,7 +140,7 @@ class LoadedAdapter:
     """An adapter in CPU memory: `weights[(layer, module)] = (A[r, in], B[out, r])`, fp32.
 
     The LoRA output of a module is `scaling * (x @ A.T) @ B.T`. `digest` is the artifact's content
-    digest (serving.engine.lora.artifact.adapter_digest); caches key adapters by it.
+    digest (serving.contracts.artifact.adapter_digest); caches key adapters by it.
     """
 
     digest: str
@@ -428,7 +428,7 @@ def _local_copy(source: str | Path) -> Iterator[Path]:
 def download_s3_prefix(uri: str, dest_dir: Path) -> Path:
     """Download the objects under `s3://bucket/prefix/` into `dest_dir`, whole or not at all.
 
-    The blob storage's own download (serving.wire.s3): a sibling temporary directory renamed to
+    The blob storage's own download (runtime.s3): a sibling temporary directory renamed to
     `dest_dir`, which must not exist. Artifacts are flat: a nested key is refused before anything
     is fetched. Uses `S3_ENDPOINT_URL` when set; credentials come from boto3's usual sources.
     """

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from serving.engine.lora.artifact import AdapterError
-from serving.wire.settings import platform_settings
+from serving.contracts.artifact import AdapterError
+from runtime.settings import platform_settings
 
 # Relative local roots are taken from the project directory (as the platform's storage URL is).
 PROJECT_DIR = Path(__file__).resolve().parents[3]
@@ -42,7 +42,7 @@ class _S3Root:
 
 def platform_storage_url() -> str:
     """The platform's storage as the web app sees it: STORAGE_URL, else its default (the settings',
-    serving.wire.settings)."""
+    runtime.settings)."""
     return platform_settings().storage_url
 
 

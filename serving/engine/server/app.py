@@ -21,7 +21,7 @@ from serving.engine.server.errors import APIError, bad_request, install_error_ha
 from serving.engine.server.generation import ClientDisconnected
 from serving.engine.server.metrics import CONTENT_TYPE
 from serving.engine.server.prefetch import PrefetchItem, Prefetcher
-from serving.engine.server.protocol import (
+from serving.contracts.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
@@ -31,7 +31,7 @@ from serving.engine.server.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from serving.engine.server.worker import State, Worker
-from serving.wire.names import in_registry_form
+from serving.contracts.names import in_registry_form
 
 # nginx's code for "the client closed the request": nobody reads it, the access log does.
 _CLIENT_CLOSED = 499
@@ -71,7 +71,7 @@ def build_app(worker: Worker) -> FastAPI:
         await worker.stop()
 
     app = FastAPI(title="Loraplex serving worker", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.router.route_class = CheckedJSONRoute  # bodies within serving.wire.request_caps' bounds
+    app.router.route_class = CheckedJSONRoute  # bodies within serving.contracts.request_caps' bounds
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)

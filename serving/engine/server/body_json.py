@@ -1,4 +1,4 @@
-"""Request bodies decoded with the bounds of serving.wire.request_caps, before a route sees them.
+"""Request bodies decoded with the bounds of serving.contracts.request_caps, before a route sees them.
 
 FastAPI decodes a JSON body with `request.json()`; this route class hands each route a request
 whose `json()` refuses `NaN`/`Infinity`, nesting deeper than the bound and every field over its cap
@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving.wire import request_caps
+from serving.contracts import request_caps
 
 
 class BodyRefused(HTTPException):

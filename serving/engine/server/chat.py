@@ -29,7 +29,7 @@ from serving.engine.guided import GrammarError
 from serving.engine.server.chat_template_sandbox import TemplateRefused
 from serving.engine.server.errors import bad_request
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
-from serving.engine.server.protocol import (
+from serving.contracts.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

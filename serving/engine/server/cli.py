@@ -10,7 +10,7 @@ The flags are generated from `ServerArgs`, a pydantic dataclass of the worker's 
 marked `Flag` is the flag of its name (`max_lora_rank` is --max-lora-rank), its description the
 help, its default the flag's (the engine's own defaults are EngineConfig's and GrammarBudget's,
 written there once), a `gt=0`/`ge=0` bound the flag's check. Three defaults are settings, read
-through serving.wire.settings (environment, then .env): --api-key, --registry-token, --redis-url.
+through runtime.settings (environment, then .env): --api-key, --registry-token, --redis-url.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from serving.engine.config import EngineConfig
 from serving.engine.grammar_pool import GrammarBudget
 from serving.engine.server.adapter_roots import AdapterRoots, platform_storage_url
 from serving.engine.server.tool_parsers import PARSER_CHOICES
-from serving.wire.hub import ModelSourceError, resolve_model
-from serving.wire.settings import MAX_REQUEST_BODY_BYTES, PlatformSettings, platform_settings
+from runtime.hub import ModelSourceError, resolve_model
+from runtime.settings import MAX_REQUEST_BODY_BYTES, PlatformSettings, platform_settings
 
 _ENGINE: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _GRAMMAR = GrammarBudget()
@@ -82,7 +82,7 @@ class ServerArgs:
     model: Annotated[str, Flag()] = Field(description=(
         "a local Hugging Face model directory, or a Hugging Face id org/name[@revision] found in the hub cache "
         "(HF_HOME) or else downloaded (HF_TOKEN for gated models; HF_HUB_OFFLINE=1: the cache only)"))
-    # The base's commit when --model names a Hugging Face id or a cache snapshot (serving.wire.hub);
+    # The base's commit when --model names a Hugging Face id or a cache snapshot (runtime.hub);
     # None for a plain directory. Registry versions built on another commit are refused.
     model_revision: str | None = None
     host: Annotated[str, Flag()] = "127.0.0.1"

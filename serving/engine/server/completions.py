@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from serving.engine import EngineClient, Logprob
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
-from serving.engine.server.protocol import (
+from serving.contracts.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,

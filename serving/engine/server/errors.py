@@ -2,7 +2,7 @@
 OpenAI's clients map to their exception classes (400 BadRequestError, 401 AuthenticationError,
 404 NotFoundError, 409 ConflictError, 503 InternalServerError with retries). Nothing leaves as
 plain text: an unexpected exception is a JSON 500 naming its type, the traceback goes to the log.
-The body and its status → type table are serving.wire.errors', shared with the gateway and the API."""
+The body and its status → type table are serving.contracts.errors', shared with the gateway and the API."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.wire import errors as wire
-from serving.wire.registry import SLOT_CORRUPTED
+from serving.contracts import errors as wire
+from serving.contracts.registry import SLOT_CORRUPTED
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def overloaded(message: str) -> APIError:
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's body; an error raised without a code gets its status's (serving.wire.errors.default_code)."""
+    """OpenAI's body; an error raised without a code gets its status's (serving.contracts.errors.default_code)."""
     return wire.error_body(message, error_type=wire.error_type(status), code=code or wire.default_code(status),
                            param=param)
 

@@ -47,11 +47,11 @@ from serving.engine.server import metrics as outcomes
 from serving.engine.server.adapters import AdapterSet
 from serving.engine.server.errors import APIError, bad_request, model_not_found, slot_corrupted
 from serving.engine.server.on_demand import ensure_loaded
-from serving.engine.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from serving.contracts.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from serving.engine.server.sampling import check_supported, sampling_params
 from serving.engine.server.worker import Worker
-from serving.wire.access_log import access_note
-from serving.wire.registry import SLOT_CORRUPTED
+from runtime.access_log import access_note
+from serving.contracts.registry import SLOT_CORRUPTED
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from serving.engine import AdapterError
 from serving.engine.server.adapters import AdapterSet, Source
 from serving.engine.server.errors import APIError
-from serving.engine.server.protocol import SamplingFields
+from serving.contracts.protocol import SamplingFields
 from serving.engine.server.worker import Worker
 
 

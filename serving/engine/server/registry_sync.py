@@ -3,7 +3,7 @@ side; docs/serving-worker.md, this one).
 
 Three inputs, one outcome: the snapshot (`GET <registry-url>`, every active and canary version)
 at start and every `--registry-reconcile-interval` seconds, and the deploy events on Redis
-(`serving.wire.registry.events_channel`) in between; the entries are `serving.wire.registry`'s typed ones. Each served version is loaded under its qualified name
+(`serving.contracts.registry.events_channel`) in between; the entries are `serving.contracts.registry`'s typed ones. Each served version is loaded under its qualified name
 `<tenant>/<adapter>@<version>` from its artifact URI; versions that stop being served are unloaded.
 Pub/sub delivers at most once, so a lost event only delays convergence until the next reconcile.
 
@@ -39,8 +39,8 @@ import redis.asyncio as aioredis
 
 from serving.engine import AdapterError, AdapterNotFoundError
 from serving.engine.server.adapters import AdapterSet, ServedAdapter, Source
-from serving.wire.names import in_registry_form
-from serving.wire.registry import DeployEvent, RegistrySnapshot, ServedEntry, events_channel
+from serving.contracts.names import in_registry_form
+from serving.contracts.registry import DeployEvent, RegistrySnapshot, ServedEntry, events_channel
 
 log = logging.getLogger(__name__)
 

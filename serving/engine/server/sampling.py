@@ -10,7 +10,7 @@ import re
 from serving.engine import SamplingParams
 from serving.engine.guided import GuidedDecodingParams
 from serving.engine.server.errors import bad_request
-from serving.engine.server.protocol import SamplingFields
+from serving.contracts.protocol import SamplingFields
 
 
 def check_supported(body: SamplingFields) -> None:

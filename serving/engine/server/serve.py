@@ -22,11 +22,11 @@ import uvicorn
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs, parse_args
 from serving.engine.server.worker import Worker
-from serving.http_guard import guarded_h11_protocol
-from serving.wire.access_log import AccessLog
-from serving.wire.logs import logging_config
-from serving.wire.registry import WORKER_KEEP_ALIVE_S
-from serving.wire.settings import platform_settings
+from runtime.http_guard import guarded_h11_protocol
+from runtime.access_log import AccessLog
+from runtime.logs import logging_config
+from serving.contracts.registry import WORKER_KEEP_ALIVE_S
+from runtime.settings import platform_settings
 
 # The engine thread and the event loop share the GIL: the engine releases it around each CUDA call
 # and must take it back from a loop busy streaming tokens, and at CPython's default 5 ms switch
@@ -37,7 +37,7 @@ _SWITCH_INTERVAL_S = 0.0005
 # Beyond the drain's grace period, how long uvicorn waits for responses to finish before it
 # cancels them: only a response that ignores the abort would ever need it.
 _BACKSTOP_S = 5.0
-# Probes and scrapes: their access lines are DEBUG (serving.wire.access_log).
+# Probes and scrapes: their access lines are DEBUG (runtime.access_log).
 _QUIET_PATHS = ("/health", "/healthz", "/readyz", "/metrics")
 
 
@@ -73,7 +73,7 @@ class _WorkerServer(uvicorn.Server):
 def uvicorn_config(worker: Worker, args: ServerArgs) -> uvicorn.Config:
     """The worker's HTTP server: its app behind the access log (one line per request, with the
     gateway's X-Request-ID), address, logging, shutdown backstop, keep-alive, header timeout and
-    per-client connection cap (serving.http_guard)."""
+    per-client connection cap (runtime.http_guard)."""
     return uvicorn.Config(
         AccessLog(build_app(worker), logger="serving.engine.server.access", quiet=_QUIET_PATHS),
         host=args.host,

@@ -10,10 +10,10 @@ counters) and one failure on the shared circuit breaker of every registry versio
 
 Why the worker records on the breaker itself (docs/resilience.md, "Slot integrity"): it is the
 only process that knows, it already has the Redis the breakers live in (``--redis-url``, its
-registration), and the breaker's one Lua script (``serving.wire.breakers``, the Django-free layer
+registration), and the breaker's one Lua script (``runtime.breakers``, the Django-free layer
 both sides import; the engine never imports the gateway) is what the gateway calls too, so a
 corruption counts exactly as one failed call of that version, in every gateway process at once.
-The thresholds are the platform settings' one instance (``serving.wire.settings``, the
+The thresholds are the platform settings' one instance (``runtime.settings``, the
 ``GATEWAY_BREAKER_*`` variables), which the web process's settings hold too. Names that are not
 registry versions have no breaker.
 """
@@ -28,10 +28,10 @@ from prometheus_client import Counter
 
 from serving.engine.engine_client import EngineClient, EngineDeadError
 from serving.engine.stats import SlotRepair
-from serving.wire.breakers import CircuitBreakers, Outcome
-from serving.wire.names import in_registry_form
-from serving.wire.redis_guard import RedisGuard
-from serving.wire.settings import platform_settings
+from runtime.breakers import CircuitBreakers, Outcome
+from serving.contracts.names import in_registry_form
+from runtime.redis_guard import RedisGuard
+from runtime.settings import platform_settings
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from serving.engine.server.protocol import (
+from serving.contracts.protocol import (
     ChatDelta,
     ChatResponseMessage,
     DeltaFunctionCall,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.engine.server.errors import bad_request
-from serving.engine.server.protocol import (
+from serving.contracts.protocol import (
     CalledFunction,
     ChatCompletionRequest,
     ChatMessage,

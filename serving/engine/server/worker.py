@@ -28,7 +28,7 @@ from serving.engine.server.registry_sync import RegistrySync
 from serving.engine.server.slot_guard import SlotGuard
 from serving.engine.server.waiting_room import WaitingRoom
 from serving.engine.server.worker_registry import WorkerRegistration
-from serving.wire.registry import api_key_id
+from serving.contracts.registry import api_key_id
 
 log = logging.getLogger(__name__)
 

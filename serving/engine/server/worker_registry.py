@@ -1,5 +1,5 @@
 """The worker's entry in Redis, which the gateway routes by (key layout: docs/serving-worker.md; the keys
-are spelled once, in serving.wire.registry).
+are spelled once, in serving.contracts.registry).
 
 - `loraplex:serving:worker:<worker_id>`: a JSON document (URL, base model, state, load, resident
   adapters, heartbeat time), written every heartbeat with a TTL of three heartbeats, so a worker
@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from serving.wire.registry import WORKERS_KEY, worker_key
+from serving.contracts.registry import WORKERS_KEY, worker_key
 
 log = logging.getLogger(__name__)
 

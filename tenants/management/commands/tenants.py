@@ -17,7 +17,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
-from serving.wire.errors import ServiceError
+from serving.contracts.errors import ServiceError
 from tenants import selectors, services
 from tenants.models import ApiKey
 

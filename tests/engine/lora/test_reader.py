@@ -23,7 +23,7 @@ from serving.engine.lora.reader import (
     load_adapter,
     validate_adapter_dir,
 )
-from serving.engine.lora.artifact import adapter_digest, base_config_sha256, manifest_write
+from serving.contracts.artifact import adapter_digest, base_config_sha256, manifest_write
 
 WEIGHTS = "adapter_model.safetensors"
 KEY = "base_model.model.model.layers.{layer}.{parent}.{module}.lora_{which}.weight"

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from serving.engine import LoRARequest, SamplingParams
-from serving.engine.lora.artifact import base_config_sha256, manifest_write
+from serving.contracts.artifact import base_config_sha256, manifest_write
 
 PROMPT = "Good morning, everyone. Today we will learn"
 MAX_TOKENS = 12

@@ -1,5 +1,5 @@
 """The worker's command-line defaults that are settings come from the typed settings: the
-environment, then the .env file (serving/wire/settings.py), like every other process's."""
+environment, then the .env file (runtime/settings.py), like every other process's."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 after `--header-timeout` (408), a request whose body stops coming after `--body-timeout` (408),
 one client address holds at most `--max-connections-per-client`
 connections, and an idle keep-alive connection outlives the header timeout (the gateway's pool
-relies on the worker keeping idle connections 75 s: serving.wire.registry.WORKER_KEEP_ALIVE_S)."""
+relies on the worker keeping idle connections 75 s: serving.contracts.registry.WORKER_KEEP_ALIVE_S)."""
 
 from __future__ import annotations
 

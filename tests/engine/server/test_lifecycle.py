@@ -107,7 +107,7 @@ def test_an_idle_connection_outlives_the_gateways_pool_expiry(worker):
     closes first; at the default, the second request on this socket finds it closed."""
     import http.client
 
-    from serving.wire.registry import UPSTREAM_IDLE_S, WORKER_KEEP_ALIVE_S
+    from serving.contracts.registry import UPSTREAM_IDLE_S, WORKER_KEEP_ALIVE_S
 
     assert UPSTREAM_IDLE_S < WORKER_KEEP_ALIVE_S
     connection = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=10)

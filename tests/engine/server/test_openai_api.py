@@ -214,7 +214,7 @@ def test_models_health_and_metrics(worker, adapters):
 def test_an_sse_event_is_one_line_whatever_the_text_holds():
     """Generated text may hold U+2028, U+2029 or U+0085, which JSON leaves raw and line readers
     such as httpx's iter_lines break at: the event must still be one line and decode back."""
-    from serving.engine.server.protocol import CompletionChoice, CompletionResponse
+    from serving.contracts.protocol import CompletionChoice, CompletionResponse
     from serving.engine.server.streaming import sse
 
     text = "a\u2028b\u2029c\x85d\ne"

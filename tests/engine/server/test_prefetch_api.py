@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from serving.engine.lora.artifact import adapter_digest
+from serving.contracts.artifact import adapter_digest
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs
 from serving.engine.server.worker import Worker

@@ -15,7 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 
 from serving.registry import services
 from serving.engine import LoRARequest, SamplingParams
-from serving.wire.registry import WORKERS_KEY, events_channel, worker_key
+from serving.contracts.registry import WORKERS_KEY, events_channel, worker_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

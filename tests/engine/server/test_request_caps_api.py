@@ -1,4 +1,4 @@
-"""The request caps (serving.wire.request_caps) at the serving worker: a body with NaN or Infinity,
+"""The request caps (serving.contracts.request_caps) at the serving worker: a body with NaN or Infinity,
 nested past the bound (100,000 deep was a RecursionError), 95,000 stop strings or 19,000 tools is a
 400 naming the field, decided while the body is decoded, before pydantic or the engine sees it (the
 in-process app below never starts its engine: a request that got past decoding would be its 503
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import ServerArgs
 from serving.engine.server.worker import Worker
-from serving.wire import request_caps as caps
+from serving.contracts import request_caps as caps
 from tests.engine.server.conftest import WorkerProcess
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import LoRAModule, ServerArgs
 from serving.engine.server.worker import Worker
-from serving.wire.breakers import BreakerConfig, CircuitBreakers
-from serving.wire.redis_guard import RedisGuard
+from runtime.breakers import BreakerConfig, CircuitBreakers
+from runtime.redis_guard import RedisGuard
 
 KEY = "operator-key"
 VERSION = "acme/support-bot@1.0.0"

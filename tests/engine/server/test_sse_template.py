@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.engine.server.protocol import (
+from serving.contracts.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,

@@ -18,7 +18,7 @@ import pytest
 from serving.engine.server.cli import parse_args
 from serving.engine.server.worker import engine_config
 from serving.gateway.routing import live_workers
-from serving.wire.registry import WORKERS_KEY, worker_key
+from serving.contracts.registry import WORKERS_KEY, worker_key
 
 WORKER_ID = "tp-test-worker"
 

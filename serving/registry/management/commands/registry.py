@@ -23,8 +23,8 @@ from django.core.management.base import BaseCommand, CommandError
 from serving.registry import selectors, services
 from serving.registry.models import Adapter, AdapterVersion
 from serving.registry.registry_file import registry_export, registry_import
-from serving.wire.errors import ServiceError
-from serving.wire.names import parse_qualified_name
+from serving.contracts.errors import ServiceError
+from serving.contracts.names import parse_qualified_name
 from tenants.models import Tenant
 from tenants.services import operator_actor
 

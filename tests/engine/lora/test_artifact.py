@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.engine.lora.artifact import (
+from serving.contracts.artifact import (
     MANIFEST_NAME,
     AdapterError,
     adapter_digest,
@@ -181,7 +181,7 @@ def test_base_config_digest_of_a_non_model_directory_is_refused(tmp_path):
 
 
 def test_artifact_json_limits_count_nesting_outside_strings_only(tmp_path):
-    from serving.engine.lora.artifact import MAX_JSON_DEPTH, read_artifact_json
+    from serving.contracts.artifact import MAX_JSON_DEPTH, read_artifact_json
 
     path = tmp_path / "adapter_config.json"
     # Brackets and escaped quotes inside strings are text, not nesting.
