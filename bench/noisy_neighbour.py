@@ -131,11 +131,16 @@ PATTERNS = ["alone", *BODIES, "budget"]
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-async def send(client: httpx.AsyncClient, url: str, key: str, endpoint: str, body: Any) -> tuple[int, str, dict]:
+def encoded(body: Any) -> bytes:
+    """A request's bytes, encoded once: a megabyte's json.dumps per request would stall this
+    process's event loop, which also times B's requests."""
+    return (body if isinstance(body, str) else json.dumps(body)).encode()
+
+
+async def send(client: httpx.AsyncClient, url: str, key: str, endpoint: str, content: bytes) -> tuple[int, str, dict]:
     """One non-streamed request: (status, body text, the usage object or {})."""
-    content = body if isinstance(body, str) else json.dumps(body)
     try:
-        response = await client.post(f"{url}{PATHS[endpoint]}", content=content.encode(),
+        response = await client.post(f"{url}{PATHS[endpoint]}", content=content,
                                      headers={"Authorization": f"Bearer {key}", "content-type": "application/json"})
     except httpx.HTTPError as exc:
         return 0, repr(exc), {}
@@ -153,7 +158,8 @@ async def run_a(pattern: str, tenants: Tenants, stop: asyncio.Event, concurrency
     async with httpx.AsyncClient(timeout=300) as client:
         if pattern == "budget":
             body = {"model": tenants.a.model, "prompt": "hi", "max_tokens": 8, "ignore_eos": True}
-            replies = await asyncio.gather(*(send(client, tenants.url, tenants.a_budget_key, "completions", body)
+            replies = await asyncio.gather(*(send(client, tenants.url, tenants.a_budget_key, "completions",
+                                                  encoded(body))
                                              for _ in range(200)))
             for status, text, _ in replies:
                 outcome.note(status, text)
@@ -161,6 +167,7 @@ async def run_a(pattern: str, tenants: Tenants, stop: asyncio.Event, concurrency
             outcome.extra.update(budget=BUDGET_TOKENS, served=outcome.statuses[200], tokens_used=used)
             return outcome
         endpoint, body = BODIES[pattern](tenants.a)
+        content = encoded(body)
         generated = 0
         # Hostile requests at a steady pace (the flood: as many as its concurrency keeps in flight), so
         # each pattern is measured by what one such request costs the others, not by a raw request
@@ -176,7 +183,7 @@ async def run_a(pattern: str, tenants: Tenants, stop: asyncio.Event, concurrency
                     await asyncio.sleep(wait)
                     if stop.is_set():
                         return
-                status, text, usage = await send(client, tenants.url, tenants.a.key, endpoint, body)
+                status, text, usage = await send(client, tenants.url, tenants.a.key, endpoint, content)
                 outcome.note(status, text)
                 generated += usage.get("completion_tokens", 0)
 

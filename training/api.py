@@ -23,12 +23,12 @@ from rest_framework.response import Response
 from api.parsers import JSONParser
 from api.schema import error_response
 from serving.registry.api import VersionSerializer, request_actor
-from serving.registry.checkpoint_versions import checkpoint_version_create
+from training.checkpoint_versions import checkpoint_version_create
 from serving.contracts.errors import InvalidInput, NotFound
 from api.pagination import list_body, list_schema, page_request, paging_parameters, take
 from tenants.scoping import TenantScopedViewSet
 from training import conf, datasets, jobs, selectors
-from training.checkpoint_names import checkpoint_model_name, checkpoint_pinned_name
+from serving.contracts.checkpoint_names import checkpoint_model_name, checkpoint_pinned_name
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
 
 def _page(request: Request, queryset: QuerySet, serializer: type[serializers.Serializer]) -> Response:

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 Status = TrainingJob.Status
 # A dataset in these is still being validated: no job trains on it yet.
 PENDING_DATASET_STATUSES = (Dataset.Status.UPLOADED, Dataset.Status.VALIDATING)
+# A job in one of these no longer holds the version it was to publish: another job or a checkpoint may take it.
+VERSION_RELEASED_STATUSES = (Status.FAILED, Status.CANCELLED)
 
 
 def after_commit(action: Callable[[], object]) -> None:

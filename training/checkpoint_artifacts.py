@@ -8,7 +8,7 @@ own while the run stores the state, so the training loop waits for the larger of
 their sum. Either both are stored or neither: a failure of one deletes the other.
 
 The artifact's manifest names the job's tenant and adapter with the checkpoint's label
-(training.checkpoint_names.checkpoint_label) as its version. Nothing here touches the database: the
+(serving.contracts.checkpoint_names.checkpoint_label) as its version. Nothing here touches the database: the
 run records the returned URI and digest on the checkpoint's row.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from serving.contracts.artifact import ADAPTER_CONFIG_NAME
 from serving.engine.lora.reader import WEIGHTS_NAME
 from serving.registry.storage import get_storage
-from training.checkpoint_names import checkpoint_label
+from serving.contracts.checkpoint_names import checkpoint_label
 from training.models import Checkpoint, TrainingJob
 from training.publishing import artifact_publish
 

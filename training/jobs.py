@@ -25,8 +25,8 @@ from serving.registry.models import Adapter, AdapterVersion
 from serving.registry.versions import version_parse
 from tenants.models import Tenant
 from training import conf
-from training.base import (PENDING_DATASET_STATUSES, Status, after_commit, checkpoints_delete, event, finish,
-                           held_out, lease_fresh, pause)
+from training.base import (PENDING_DATASET_STATUSES, VERSION_RELEASED_STATUSES, Status, after_commit,
+                           checkpoints_delete, event, finish, held_out, lease_fresh, pause)
 from training.hyperparameters import Hyperparameters, fit_to_dataset, resolve_hyperparameters
 from training.methods import dataset_problem
 from training.models import Dataset, TrainingEvent, TrainingJob
@@ -83,7 +83,7 @@ def _check_requested_version(tenant: Tenant, adapter_name: str, version: Any) ->
     taken = AdapterVersion.objects.for_tenant(tenant).filter(
         adapter__name=adapter_name, version=version).exists()
     reserved = TrainingJob.objects.for_tenant(tenant).filter(
-        adapter_name=adapter_name, version=version).exclude(status__in=(Status.FAILED, Status.CANCELLED)).exists()
+        adapter_name=adapter_name, version=version).exclude(status__in=VERSION_RELEASED_STATUSES).exists()
     if taken or reserved:
         raise Conflict(f"Adapter '{adapter_name}' already has (or a job is producing) version {version}; versions "
                        "are immutable, so choose another or leave it out for the next patch.",

@@ -16,7 +16,7 @@ Decisions where OpenAI's API and this platform differ (docs/training.md says the
   job keeps it among its hyperparameters.
 - Every kept checkpoint is a model: `fine_tuned_model_checkpoint` is OpenAI's
   `ft:<base>:<tenant>:<adapter>:ftjob-<n>:ckpt-step-<N>`, which the gateway serves (and
-  `<adapter>@ftjob-<n>:ckpt-step-<N>`, training.checkpoint_names).
+  `<adapter>@ftjob-<n>:ckpt-step-<N>`, serving.contracts.checkpoint_names).
 - A succeeded job's `result_files` names one file, `file-results-<n>`: its metrics as OpenAI's
   results CSV, made from its events when read (not listed among the files, not deletable alone).
 """
@@ -48,7 +48,7 @@ from api.pagination import PageRequest, list_body, page_request, paging_paramete
 from tenants.scoping import TenantScopedAPIView, TenantScopedQuerySet
 from training import base, datasets, jobs, selectors
 from training.api import DatasetUploadHandler
-from training.checkpoint_names import checkpoint_model_name
+from serving.contracts.checkpoint_names import checkpoint_model_name
 from training.hyperparameters import from_openai, method_object, to_openai
 from training.methods import requested_hyperparameters
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob

@@ -91,7 +91,7 @@ def artifact_publish(adapter_dir: Path, prefix: str, *, job: TrainingJob, versio
     the whole directory at once. Returns the manifest's sha256, the artifact's content digest.
 
     The one writer of trained artifacts: the job's version, each kept checkpoint's artifact
-    (training.checkpoint_artifacts) and a version made from a checkpoint (serving.registry.checkpoint_versions).
+    (training.checkpoint_artifacts) and a version made from a checkpoint (training.checkpoint_versions).
     """
     (adapter_dir / "README.md").unlink(missing_ok=True)  # PEFT's model card: not part of an artifact
     manifest_write(adapter_dir, tenant=job.tenant.slug, name=job.adapter_name, version=version,

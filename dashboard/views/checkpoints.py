@@ -2,7 +2,7 @@
 
 (The job's page lists them, each with a link that opens the Playground on it; the Playground
 lists every kept checkpoint among its models, serving.gateway.catalog.servable_models.) The view is
-one serving.registry.checkpoint_versions call with the user as the audit actor, as the adapter pages are.
+one training.checkpoint_versions call with the user as the audit actor, as the adapter pages are.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from django.shortcuts import redirect
 from django.views.decorators.http import require_POST
 
 from dashboard.tenancy import DashboardRequest, Role, dashboard_actor, dashboard_view
-from serving.registry.checkpoint_versions import checkpoint_version_create
+from training.checkpoint_versions import checkpoint_version_create
 from serving.contracts.errors import ServiceError
 from training import selectors
-from training.checkpoint_names import checkpoint_pinned_name
+from serving.contracts.checkpoint_names import checkpoint_pinned_name
 
 
 def checkpoint_models(checkpoints: list) -> list[dict[str, object]]:

@@ -7,6 +7,8 @@ database) import these modules alike, so each thing is written once and the two 
   the workers' registration keys in Redis, and the connection constants both ends must agree on.
 - `serving.contracts.names`: the qualified adapter name `<tenant>/<adapter>@<version>`, its one
   builder and its one parser.
+- `serving.contracts.checkpoint_names`: the names of a fine-tuning job's models (its version, its
+  kept checkpoints, whose label the workers load them under), built and parsed.
 - `serving.contracts.artifact`: the adapter artifact's format (manifest, digests) that training and
   the registry write and the worker verifies.
 - `serving.contracts.protocol` and `serving.contracts.request_caps`: the worker's request and
@@ -15,6 +17,8 @@ database) import these modules alike, so each thing is written once and the two 
 - `serving.contracts.errors`: the domain errors every side raises (the one place they live) and the
   OpenAI error body with its one status → type table.
 - `serving.contracts.request_ids`: the X-Request-ID both servers take or mint and pass on.
+- `serving.contracts.usage_log`: the usage records' queue in Redis, which the gateway writes and the
+  registry's flusher moves to the database.
 
 The machinery every process runs on (settings, logs, blob storage, Redis guard, breakers) is not a
 contract: it is the top-level package `runtime`. Nothing here imports Django, an app, runtime or the

@@ -12,9 +12,6 @@ from __future__ import annotations
 from runtime.breakers import Snapshot, State
 from runtime.env import EnvModel, env
 
-ACTOR = "system:canary-guard"
-
-
 class CanaryRuleConfig(EnvModel):
     """When a canary is aborted: its breaker opened, or its failure rate is over the active
     version's by more than `failure_rate_margin`, both over at least `minimum_calls` calls."""

@@ -1,6 +1,6 @@
 """The gateway's view of the database: who is calling (API key → tenant → tier) and what a `model`
 names (the base model, an adapter's served versions, a pinned version, or a fine-tuning job's model:
-its version or one of its kept checkpoints, training.checkpoint_names), cached per process.
+its version or one of its kept checkpoints, serving.contracts.checkpoint_names), cached per process.
 
 This module is the gateway's one database port (serving.gateway.ports.Catalog): the pipeline is
 handed it by serving.gateway.wiring and never imports it; the /v1/models views use it directly.
@@ -33,19 +33,19 @@ from django.db import close_old_connections
 from django.db.models import Prefetch, Q, Sum
 from rest_framework import exceptions
 
+from serving.contracts.checkpoint_names import JobModelName, checkpoint_label, checkpoint_pinned_name, job_model_parse
+from serving.contracts.names import parse_qualified_name
 from serving.gateway.errors import GatewayError, model_not_found
 from serving.gateway.records import Caller, KeyControls, Target, TierLimits
 from serving.gateway.ttl_cache import TtlCache
 from serving.gateway.version_pick import ServedSet, ServedVersion
+from serving.registry.job_models import job_models
 from serving.registry.models import Adapter, AdapterVersion, UsageRecord
 from serving.registry.selectors import versions_by_precedence
 from serving.registry.versions import SEMVER_RE
-from serving.contracts.names import parse_qualified_name
 from tenants.authentication import KEY_EXPIRED, TenantAuth, api_key_authenticate
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey
-from training.checkpoint_names import JobModelName, checkpoint_label, checkpoint_pinned_name, job_model_parse
-from training.models import Checkpoint, TrainingJob
 
 log = logging.getLogger(__name__)
 
@@ -226,16 +226,15 @@ def _job_model(caller: Caller, model: str, named: JobModelName) -> ServedVersion
     before checkpoints had artifacts): the same 404 as a name that never was."""
     if named.tenant is not None and named.tenant != caller.tenant:
         raise model_not_found(model)
-    job = (TrainingJob.objects.filter(tenant_id=caller.tenant_id, pk=named.job_id, adapter_name=named.adapter)
-           .select_related("adapter_version").first())
+    job = job_models().job(tenant_id=caller.tenant_id, job_id=named.job_id, adapter=named.adapter)
     if job is None or named.base not in (None, job.base_model):
         raise model_not_found(model)
     if named.step is None:
-        version = job.adapter_version
+        version = job.version
         if version is None or version.status == AdapterVersion.Status.ARCHIVED:
             raise model_not_found(model)
-        return _served(version, caller.tenant, job.adapter_name)
-    checkpoint = Checkpoint.objects.filter(job=job, step=named.step).exclude(artifact_uri="").first()
+        return _served(version, caller.tenant, job.adapter)
+    checkpoint = job_models().checkpoint(job_id=job.job_id, step=named.step)
     if checkpoint is None:
         raise model_not_found(model)
     if job.base_model_revision != settings.BASE_MODEL_REVISION:
@@ -245,7 +244,7 @@ def _job_model(caller: Caller, model: str, named: JobModelName) -> ServedVersion
         raise GatewayError(409, f"'{model:.200}' was trained on revision {trained} of the base model, which now "
                            f"serves revision {serving}; train it again on this revision.",
                            code="base_model_revision_mismatch", param="model")
-    return ServedVersion(tenant=caller.tenant, adapter=job.adapter_name, version=checkpoint_label(job.pk, named.step),
+    return ServedVersion(tenant=caller.tenant, adapter=job.adapter, version=checkpoint_label(job.job_id, named.step),
                          artifact_uri=checkpoint.artifact_uri, manifest_sha256=checkpoint.manifest_sha256,
                          status=CHECKPOINT_STATUS)
 
@@ -399,12 +398,9 @@ def servable_models(tenant_id: int) -> list[Servable]:
                                   canary_weight=canary.canary_weight if canary else 0.0))
         found.extend(Servable(model=f"{adapter.name}@{version.version}", kind="pinned", adapter=adapter.name,
                               version=version.version, status=version.status) for version in versions)
-    checkpoints = (Checkpoint.objects.filter(job__tenant_id=tenant_id).exclude(artifact_uri="")
-                   .select_related("job").order_by("-job_id", "-step"))
-    found.extend(Servable(model=checkpoint_pinned_name(adapter=item.job.adapter_name, job_id=item.job_id,
-                                                       step=item.step),
-                          kind="checkpoint", adapter=item.job.adapter_name, version=str(item.step),
-                          status=str(item.job_id)) for item in checkpoints)
+    found.extend(Servable(model=checkpoint_pinned_name(adapter=item.adapter, job_id=item.job_id, step=item.step),
+                          kind="checkpoint", adapter=item.adapter, version=str(item.step), status=str(item.job_id))
+                 for item in job_models().checkpoints(tenant_id=tenant_id))
     return found
 
 

@@ -14,7 +14,7 @@ history stay, and a new version of the adapter makes it a model again.
 - A served model (an active or canary version) is refused, 409 `adapter_serving` or
   `version_serving`, unless `?force=true`, which stops serving it at once.
 - The base model and its aliases: 403 `model_not_deletable`.
-- A fine-tuning job's models (training.checkpoint_names): its `ft:…:ftjob-<n>` name is the version
+- A fine-tuning job's models (serving.contracts.checkpoint_names): its `ft:…:ftjob-<n>` name is the version
   the job registered, deleted as `<adapter>@<version>` is; a kept checkpoint's name (`ft:…:ckpt-step-<N>`
   or `<adapter>@ftjob-<n>:ckpt-step-<N>`) is served from the job's checkpoints, not the registry,
   and is refused 403 `checkpoint_not_deletable` saying so (it was a 404 "does not exist" for a
@@ -30,16 +30,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from serving.registry import services
+from serving.contracts.checkpoint_names import JobModelName, job_model_parse
+from serving.contracts.errors import NotFound, ServiceError
 from serving.gateway.catalog import base_model_ids, key_authenticate, model_not_allowed, targets_forget
 from serving.gateway.errors import GatewayError, invalid_request, model_not_found
+from serving.registry import services
+from serving.registry.job_models import job_models
 from serving.registry.models import Adapter, AdapterVersion
 from serving.registry.versions import SEMVER_RE
-from serving.contracts.errors import NotFound, ServiceError
 from tenants.key_controls import model_allowed
 from tenants.models import ApiKey, Tenant
-from training.checkpoint_names import JobModelName, job_model_parse
-from training.models import Checkpoint, TrainingJob
 
 QUERY_PARAMS = ("force", "reason")
 _FLAGS = {"true": True, "1": True, "false": False, "0": False}
@@ -120,21 +120,20 @@ def _job_version(tenant: Tenant, model: str, named: JobModelName) -> AdapterVers
     checkpoint's name is refused, saying why."""
     if named.tenant is not None and named.tenant != tenant.slug:
         raise model_not_found(model)
-    job = (TrainingJob.objects.filter(tenant=tenant, pk=named.job_id, adapter_name=named.adapter)
-           .select_related("adapter_version").first())
+    job = job_models().job(tenant_id=tenant.pk, job_id=named.job_id, adapter=named.adapter)
     if job is None or named.base not in (None, job.base_model):
         raise model_not_found(model)
     if named.step is not None:
-        if not Checkpoint.objects.filter(job=job, step=named.step).exclude(artifact_uri="").exists():
+        if job_models().checkpoint(job_id=job.job_id, step=named.step) is None:
             raise model_not_found(model)
-        version = job.adapter_version
+        version = job.version
         instead = (f" Its job's model can be: '{named.adapter}@{version.version}'."
                    if version is not None and version.status != AdapterVersion.Status.ARCHIVED else "")
-        raise GatewayError(403, f"'{model:.200}' is a checkpoint of fine-tuning job ftjob-{job.pk}, served from the "
+        raise GatewayError(403, f"'{model:.200}' is a checkpoint of fine-tuning job ftjob-{job.job_id}, served from the "
                            "job's kept checkpoints rather than the registry: it cannot be deleted through "
                            f"/v1/models. It stays callable while the job keeps it.{instead}",
                            code="checkpoint_not_deletable", param="model")
-    version = job.adapter_version
+    version = job.version
     if version is None or version.status == AdapterVersion.Status.ARCHIVED:
         raise model_not_found(model)
     return version

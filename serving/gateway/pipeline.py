@@ -45,7 +45,7 @@ from serving.gateway.routing import WorkerView, route
 from serving.gateway.stream_http import FirstByteTimeout
 from serving.gateway.upstream import upstream_body
 from serving.gateway.usage_backlog import usage_pushes
-from serving.gateway.usage_log import UsageEvent
+from serving.contracts.usage_log import UsageEvent
 from serving.gateway.version_pick import ServedVersion, pick_version
 from serving.gateway.worker_watch import unless_worker_gone
 from runtime.access_log import access_note

@@ -4,7 +4,7 @@ settling) and pushed once Redis is back, by the next request's record or, when n
 backlog's own pusher, every retry interval. Without the pusher a record made in the last moments of
 an outage waited for a request that might never come, and a usage read after the outage missed it.
 A record pushed twice (its push reached Redis though the reply did not) is written once: the
-flusher skips a record id it has written (serving.gateway.usage_log)."""
+flusher skips a record id it has written (serving.contracts.usage_log)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from serving.gateway.key_budget import spend_add
 from serving.gateway.redis_batch import run_batch
-from serving.gateway.usage_log import UsageEvent, usage_push
+from serving.contracts.usage_log import UsageEvent, usage_push
 from runtime.redis_guard import RedisGuard
 
 log = logging.getLogger(__name__)

@@ -66,7 +66,7 @@ class VersionSerializer(serializers.ModelSerializer):
         return f"{version.adapter.name}@{version.version}"
 
     def get_source(self, version: AdapterVersion) -> dict[str, str | int | None]:
-        # A version made from a job's checkpoint also names the checkpoint's step (serving.registry.checkpoint_versions).
+        # A version made from a job's checkpoint also names the checkpoint's step (training.checkpoint_versions).
         return {"kind": version.source, "id": version.source_id or None,
                 **({"checkpoint_step": version.source_checkpoint_step}
                    if version.source_checkpoint_step is not None else {})}

@@ -16,10 +16,12 @@ import logging
 from django.db import transaction
 
 from serving.registry import selectors, services
-from serving.gateway.canary_rule import ACTOR
 from serving.registry.models import Adapter, DeploymentEvent
 
 logger = logging.getLogger(__name__)
+
+# The audit log's actor of an automatic abort.
+ACTOR = "system:canary-guard"
 
 
 def canary_guard_abort(*, tenant_slug: str, adapter_name: str, version: str, reason: str) -> DeploymentEvent | None:

@@ -85,7 +85,7 @@ class AdapterVersion(models.Model):
     size_bytes = models.PositiveBigIntegerField()
     source = models.CharField(max_length=16, choices=Source.choices)
     source_id = models.CharField(max_length=64, blank=True, default="")
-    # A version made from a training job's checkpoint (serving.registry.checkpoint_versions): that checkpoint's
+    # A version made from a training job's checkpoint (training.checkpoint_versions): that checkpoint's
     # step (the job is source_id); None for a job's final adapter and for uploads.
     source_checkpoint_step = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY)
@@ -185,7 +185,7 @@ def usage_record_id() -> str:
 class UsageRecord(models.Model):
     """One request through the public gateway: who asked, what served it, what it used.
 
-    Written in batches off the request path (serving.gateway.usage_log); the adapter and version are
+    Written in batches off the request path (serving.contracts.usage_log); the adapter and version are
     kept as text so usage survives the deletion of an adapter, like the audit log.
     """
 

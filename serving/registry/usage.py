@@ -19,7 +19,7 @@ from django.db.models.functions import TruncDay
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from serving.gateway.usage_log import UsageEvent, usage_flush_lock, usage_flush_unlock, usage_peek, usage_trim
+from serving.contracts.usage_log import UsageEvent, usage_flush_lock, usage_flush_unlock, usage_peek, usage_trim
 from serving.registry.models import UsageRecord
 from tenants.models import Tenant
 
@@ -81,7 +81,7 @@ def _record(event: UsageEvent) -> UsageRecord:
 def usage_records_flush(*, batch: int | None = None, wait_s: float = 10.0) -> int | None:
     """Move every queued usage record into the database, `batch` rows per insert; how many.
 
-    Waits up to `wait_s` for a flush of another process to end (serving.gateway.usage_log: one
+    Waits up to `wait_s` for a flush of another process to end (serving.contracts.usage_log: one
     flusher at a time, records trimmed off the queue only once written), then flushes; returns None
     without flushing when that flush is still going on. A batch the database refuses stays queued
     for the next flush. Records of a tenant deleted meanwhile are dropped, and a record already

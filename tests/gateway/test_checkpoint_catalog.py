@@ -1,4 +1,4 @@
-"""What the gateway's catalog makes of a fine-tuning job's model names (training.checkpoint_names):
+"""What the gateway's catalog makes of a fine-tuning job's model names (serving.contracts.checkpoint_names):
 a kept checkpoint by OpenAI's `ft:` name and our pinned form, a job's version by its `ft:` name, for
 the key's tenant only, within the key's allow-list, and the names it refuses.
 
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from serving.contracts.checkpoint_names import job_model_parse
 from serving.gateway import catalog
 from serving.gateway.errors import GatewayError
+from serving.registry import job_models
 from serving.registry.models import Adapter, AdapterVersion
 from tenants.services import api_key_create
-from training.checkpoint_names import job_model_parse
+from training.job_models import TrainingJobModels
 from training.models import Checkpoint, TrainingJob
 
 pytestmark = pytest.mark.django_db
@@ -101,6 +103,16 @@ def test_the_playground_lists_the_kept_checkpoints_with_artifacts_newest_first(j
     listed = [item.model for item in catalog.servable_models(tenant_a.tenant.pk) if item.kind == "checkpoint"]
     assert listed == [f"ckpt-bot@ftjob-{job.pk}:ckpt-step-16", f"ckpt-bot@ftjob-{job.pk}:ckpt-step-8"]
     assert not [item for item in catalog.servable_models(tenant_b.tenant.pk) if item.kind == "checkpoint"]
+
+
+def test_the_catalog_asks_training_only_through_the_registrys_hook(job, tenant_a, monkeypatch):
+    """Serving never imports training: training registers its answer (training.apps); without it a
+    job's names are models that do not exist, and no checkpoint is listed."""
+    assert isinstance(job_models.job_models(), TrainingJobModels)
+    monkeypatch.setattr(job_models, "_provider", [job_models._NoJobs()])
+    for model in (f"ckpt-bot@ftjob-{job.pk}:ckpt-step-16", f"ft:{BASE}:alice-co:ckpt-bot:ftjob-{job.pk}:ckpt-step-16"):
+        assert refusal(tenant_a.key, model).code == "model_not_found", model
+    assert not [item for item in catalog.servable_models(tenant_a.tenant.pk) if item.kind == "checkpoint"]
 
 
 @pytest.mark.parametrize("model", [

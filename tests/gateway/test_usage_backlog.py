@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from resilience_support import redis_relay
 
 from serving.gateway.usage_backlog import UsageBacklog
-from serving.gateway.usage_log import QUEUE_KEY, UsageEvent
+from serving.contracts.usage_log import QUEUE_KEY, UsageEvent
 from runtime.redis_guard import RedisGuard, RedisGuardConfig
 
 

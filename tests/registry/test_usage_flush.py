@@ -1,6 +1,6 @@
 """The usage flusher moves the gateway's queued records (a Redis list) into the database without
 losing any: records leave the queue only once written, one flusher at a time across processes
-(serving.gateway.usage_log). Before, a flusher popped its batch (LPOP) and then wrote it: a
+(serving.contracts.usage_log). Before, a flusher popped its batch (LPOP) and then wrote it: a
 connection cut between Redis executing the pop and its reply arriving lost the batch (seen as
 "84 usage records for 86 requests" after a Redis cut-off in the gateway's fault suite)."""
 
@@ -13,7 +13,7 @@ import pytest
 from django.db import connection
 
 import serving.registry.usage
-from serving.gateway.usage_log import FLUSH_LOCK_KEY, QUEUE_KEY, UsageEvent, usage_flush_lock, usage_peek, usage_trim
+from serving.contracts.usage_log import FLUSH_LOCK_KEY, QUEUE_KEY, UsageEvent, usage_flush_lock, usage_peek, usage_trim
 from serving.registry.models import UsageRecord
 from serving.registry.usage import usage_records_flush
 

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from serving.gateway.usage_log import QUEUE_KEY, UsageEvent
+from serving.contracts.usage_log import QUEUE_KEY, UsageEvent
 from serving.registry.models import UsageRecord
 from tests.conftest import free_port
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.registry.checkpoint_versions import checkpoint_version_create
+from training.checkpoint_versions import checkpoint_version_create
 from serving.contracts.artifact import adapter_digest, manifest_verify, sha256_file
 from serving.registry.models import AdapterVersion, DeploymentEvent
 from serving.registry.storage import get_storage

@@ -1,5 +1,6 @@
 """Deploying a training job's kept checkpoint as a version of its adapter (docs/registry.md,
-"Versions from checkpoints").
+"Versions from checkpoints"). Training's, not the registry's: it reads jobs and checkpoints, which
+serving never imports, and asks the registry to register the version as any job's.
 
 The checkpoint's artifact (training.checkpoint_artifacts) is fetched and verified against the digest
 its row recorded, then published again under `adapters/<tenant>/<adapter>/<version>/` by training's
@@ -19,17 +20,15 @@ from pathlib import Path
 
 from django.db import transaction
 
-from serving.registry import services as registry
 from serving.contracts.artifact import MANIFEST_NAME, AdapterError, adapter_digest, manifest_verify
+from serving.contracts.errors import Conflict, InvalidInput, NotFound
+from serving.registry import services as registry
 from serving.registry.models import AdapterVersion, artifact_prefix
 from serving.registry.storage import get_storage
 from serving.registry.versions import version_next_patch, version_parse
-from serving.contracts.errors import Conflict, InvalidInput, NotFound
+from training.base import VERSION_RELEASED_STATUSES
 from training.models import Checkpoint, TrainingJob
 from training.publishing import artifact_publish
-
-# A job whose version is one of these statuses no longer holds it (training.jobs holds the same rule).
-_RELEASED = (TrainingJob.Status.FAILED, TrainingJob.Status.CANCELLED)
 
 
 def checkpoint_version_create(*, checkpoint: Checkpoint, actor: str, version: str | None = None,
@@ -91,7 +90,7 @@ def _version_choose(job: TrainingJob, requested: str | None) -> str:
     versions = set(AdapterVersion.objects.filter(adapter__tenant_id=job.tenant_id, adapter__name=job.adapter_name)
                    .values_list("version", flat=True))
     versions |= set(TrainingJob.objects.filter(tenant_id=job.tenant_id, adapter_name=job.adapter_name)
-                    .exclude(version="").exclude(status__in=_RELEASED).values_list("version", flat=True))
+                    .exclude(version="").exclude(status__in=VERSION_RELEASED_STATUSES).values_list("version", flat=True))
     stored = get_storage()
     if not requested:
         chosen = version_next_patch(versions)

@@ -1,6 +1,7 @@
 """Usage records off the request path: each finished request appends one JSON record to a Redis
 list (one RPUSH, pipelined with the token refund), and a flusher moves them to the database in
-batches (serving.registry.usage). Redis holds what is not written yet, so a web process that dies loses
+batches (serving.registry.usage). A contract: the gateway writes the queue, the registry's flusher
+reads it, in any web process. Redis holds what is not written yet, so a web process that dies loses
 nothing it had recorded, and any process may flush what another recorded.
 
 A record carries the request's id (X-Request-ID, which a caller may choose, so it may repeat) and
