@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -129,6 +130,9 @@ BODIES: dict[str, Callable[[Served], tuple[str, Any]]] = {
     "nan": nan_temperature, "bad_grammar": bad_grammar, "deep_body": deep_body, "flood": flood, "best_of": best_of,
 }
 PATTERNS = ["alone", *BODIES, "budget"]
+# B alone first and last: the baseline is their mean, so a drift over the run (a worker's first
+# minute, the machine's other load) weighs on both sides.
+DEFAULT_PATTERNS = [*PATTERNS, "alone"]
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -344,7 +348,9 @@ def start_platform(args: argparse.Namespace, work: Path) -> tuple[Fleet, Tenants
 
 
 def report(rows: list[dict[str, Any]]) -> None:
-    alone = next((row["b"] for row in rows if row["pattern"] == "alone"), None)
+    alones = [row["b"] for row in rows if row["pattern"] == "alone"]
+    alone = ({name: statistics.fmean(b[name] for b in alones) for name in ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s")}
+             if alones else None)
     print(f"{'pattern':<13}{'B p50 ms':>10}{'B p99 ms':>10}{'B tok/s':>9}{'p50 x':>7}{'p99 x':>7}{'tok %':>7}"
           f"{'B fail':>7}  A's outcome")
     for row in rows:
@@ -364,7 +370,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="tiny", choices=["tiny", "small", "llama3-8b"])
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--patterns", default=",".join(PATTERNS))
+    p.add_argument("--patterns", default=",".join(DEFAULT_PATTERNS))
+    p.add_argument("--warmup-seconds", type=float, default=10.0, help="B's load before the first window, unmeasured")
     p.add_argument("--seconds", type=float, default=15.0, help="each window's length")
     p.add_argument("--b-rate", type=float, default=4.0, help="B's requests per second")
     p.add_argument("--prompt-words", type=int, default=24)
@@ -381,7 +388,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-noisy-") as tmp:
         fleet, tenants = start_platform(args, Path(tmp))
         try:
-            asyncio.run(run_b(argparse.Namespace(**{**vars(args), "seconds": 3.0}), tenants))  # warm-up
+            warm_up = argparse.Namespace(**{**vars(args), "seconds": args.warmup_seconds})
+            asyncio.run(run_b(warm_up, tenants))
             rows = []
             for pattern in patterns:
                 rows.append(window(args, tenants, pattern))
