@@ -42,10 +42,18 @@ def training_scratch_sweep() -> list[Path]:
 
 
 def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie does not: a SIGKILLed worker's pool process stays one until
+    whatever adopted it reaps it, which on a loaded host (or under an init that is slow to reap) can
+    outlast the next worker's start, and its run's folder would then never be swept."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # someone else's process
-    return True
+    try:
+        # /proc/<pid>/stat: "pid (comm) state …"; comm may hold spaces and parentheses.
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): signal 0 is all there is
+    return state not in ("Z", "X")

@@ -6,7 +6,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
@@ -226,6 +228,21 @@ def test_scratch_folders_of_dead_runs_on_this_host_are_swept_and_live_ones_kept(
     elsewhere.mkdir()
     assert scratch.training_scratch_sweep() == [orphan]
     assert mine.is_dir() and elsewhere.is_dir() and not orphan.exists()
+
+
+@pytest.mark.e2e
+def test_a_killed_runs_zombie_does_not_keep_its_scratch_folder(settings, tmp_path):
+    # A SIGKILLed worker's pool process is a zombie until it is reaped: its run is over all the same.
+    settings.TRAINING_SCRATCH_DIR = str(tmp_path / "scratch")
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)  # exited, not reaped: Popen waits only when asked
+    try:
+        orphan = tmp_path / "scratch" / f"job-8-{socket.gethostname()}-{zombie.pid}-x1"
+        orphan.mkdir(parents=True)
+        assert scratch.training_scratch_sweep() == [orphan]
+    finally:
+        zombie.wait()
 
 
 def test_a_validation_file_gives_the_valid_loss(tenant_a, dataset, one_thread):
