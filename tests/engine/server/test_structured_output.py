@@ -136,7 +136,13 @@ def test_a_grammar_that_dead_ends_after_some_text_is_a_400_or_its_streams_error_
     assert "allows no token and cannot end" in error["message"] and error["param"] == "guided_grammar"
     response = httpx.post(f"{worker.url}/v1/completions", timeout=120, json={
         "model": BASE, "prompt": "Answer:", "max_tokens": 8, "stream": True, **grammar})
-    assert response.status_code == 200  # its first token was sent before the dead end
+    # The stream's head goes out with its first output: when the dead end comes in the same
+    # delivery as the "a" before it (a loaded machine's steps outrun the HTTP side), nothing was sent
+    # yet and the answer is the same 400; otherwise the stream ends with the error event.
+    if response.status_code == 400:
+        assert response.json()["error"]["param"] == "guided_grammar"
+        return
+    assert response.status_code == 200, response.text
     events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["param"] == "guided_grammar"
