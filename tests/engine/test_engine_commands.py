@@ -31,6 +31,9 @@ from serving.engine.engine_messages import (
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+# As long as the engine's 128 positions allow: a request that finished before its stream is left
+# sends no DropRequest (4 tokens could all be generated first on a loaded machine: a CI run).
+LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 TIMEOUT_S = 60.0
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,7 +94,7 @@ def test_the_thread_driver_dispatches_through_the_core(engine: AsyncEngine, monk
         await engine.get_stats()
         await engine.list_loras(["none"])
         stream = cast(AsyncGenerator[RequestOutput, None],  # generate() is one; its type says AsyncIterator
-                      engine.generate({"prompt_token_ids": [5, 6, 7], "cache_salt": "tenant-7"}, GREEDY, "spied"))
+                      engine.generate({"prompt_token_ids": [5, 6, 7], "cache_salt": "tenant-7"}, LONG, "spied"))
         async with aclosing(stream):
             await anext(stream)  # then leaving early drops it
         await engine.abort("spied")
