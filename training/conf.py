@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from pydantic import field_validator
+from safetensors import SafetensorError, safe_open
 
 from runtime.env import EnvModel, env
 from runtime.settings import platform_settings
-from training.hyperparameters import Limits, default_max_seq_length
+from training.hyperparameters import SUPPORTED_TARGET_MODULES, Limits, default_max_seq_length
 
 
 class TrainingSettings(EnvModel):
@@ -101,11 +103,40 @@ def _base_max_positions() -> int | None:
     return positions if isinstance(positions, int) else None
 
 
+def _weight_files(model_dir: Path) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted((str(path), path.stat().st_mtime) for path in model_dir.glob("*.safetensors")))
+
+
+@lru_cache(maxsize=4)
+def _modules_of(files: tuple[tuple[str, float], ...]) -> tuple[str, ...]:
+    """The SUPPORTED_TARGET_MODULES among the weights' names (`model.layers.0.self_attn.q_proj.weight`):
+    read from the files' headers only, so the web process needs neither torch nor the model."""
+    present: set[str] = set()
+    for name, _ in files:
+        with safe_open(name, framework="numpy") as reader:
+            present.update(key.rsplit(".", 2)[-2] for key in reader.keys() if key.count(".") >= 2)
+    return tuple(module for module in SUPPORTED_TARGET_MODULES if module in present)
+
+
+def base_target_modules() -> tuple[str, ...]:
+    """The projections of the base model that LoRA may target (the trainer's "all-linear" takes these).
+    A base without safetensors weights (or unreadable ones) is not checked here: every supported name,
+    and the trainer says at setup which the model lacks."""
+    files = _weight_files(Path(settings.BASE_MODEL_PATH))
+    try:
+        found = _modules_of(files) if files else ()
+    except (OSError, ValueError, SafetensorError):
+        found = ()
+    return found or SUPPORTED_TARGET_MODULES
+
+
 def limits() -> Limits:
-    """The platform's limits on hyperparameters: the settings', capped by the base model's context."""
+    """The platform's limits on hyperparameters: the settings', capped by the base model's context and
+    its projections."""
     cap = training_settings().max_seq_length
     positions = _base_max_positions()
-    return Limits(max_rank=settings.MAX_LORA_RANK, max_seq_length=min(cap, positions) if positions else cap)
+    return Limits(max_rank=settings.MAX_LORA_RANK, max_seq_length=min(cap, positions) if positions else cap,
+                  target_modules=base_target_modules())
 
 
 def max_seq_length_default() -> int:

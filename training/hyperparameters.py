@@ -41,6 +41,8 @@ class Limits:
     max_batch_size: int = 64
     # A job's ranks run on one host (training.distributed); the tenant's tier may allow fewer.
     max_gpus: int = 8
+    # The SUPPORTED_TARGET_MODULES the base model has (training.conf.base_target_modules).
+    target_modules: tuple[str, ...] = SUPPORTED_TARGET_MODULES
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,11 @@ def _number(name: str, value: Any, *, integer: bool, low: float, high: float, lo
     return value
 
 
-def _target_modules(value: Any) -> str | list[str]:
+def _target_modules(value: Any, present: tuple[str, ...]) -> str | list[str]:
+    """"all-linear", or the named modules, each one the serving engine supports and the base has (`present`)."""
     if value == ALL_LINEAR:
         return ALL_LINEAR
-    supported = ", ".join(SUPPORTED_TARGET_MODULES)
+    supported = ", ".join(present)
     if not isinstance(value, list) or not value or not all(isinstance(item, str) for item in value):
         raise InvalidInput(f"Hyperparameter 'target_modules' must be \"{ALL_LINEAR}\" or a non-empty list of "
                            f"module names ({supported}).", code="invalid_hyperparameter",
@@ -111,7 +114,12 @@ def _target_modules(value: Any) -> str | list[str]:
     unknown = sorted(set(value) - set(SUPPORTED_TARGET_MODULES))
     if unknown:
         raise InvalidInput(f"Unsupported target module(s) {', '.join(unknown)}; the serving engine applies LoRA to "
-                           f"{supported}.", code="unsupported_target_module", param="hyperparameters.target_modules")
+                           f"{', '.join(SUPPORTED_TARGET_MODULES)}.", code="unsupported_target_module",
+                           param="hyperparameters.target_modules")
+    absent = sorted(set(value) - set(present))
+    if absent:
+        raise InvalidInput(f"The base model has no {', '.join(absent)}; its projections are {supported}.",
+                           code="unsupported_target_module", param="hyperparameters.target_modules")
     return sorted(set(value), key=SUPPORTED_TARGET_MODULES.index)
 
 
@@ -229,7 +237,7 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         r=_number("r", values["r"], integer=True, low=1, high=limits.max_rank),
         lora_alpha=_number("lora_alpha", values["lora_alpha"], integer=False, low=0, high=4096, low_open=True),
         lora_dropout=_number("lora_dropout", values["lora_dropout"], integer=False, low=0, high=0.5),
-        target_modules=_target_modules(values["target_modules"]),
+        target_modules=_target_modules(values["target_modules"], limits.target_modules),
         warmup_ratio=_number("warmup_ratio", values["warmup_ratio"], integer=False, low=0, high=0.5),
         lr_scheduler_type=_choice("lr_scheduler_type", values["lr_scheduler_type"], SCHEDULES),
         weight_decay=_number("weight_decay", values["weight_decay"], integer=False, low=0, high=1),

@@ -31,7 +31,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from training.examples import EncodingError
 from training.hyperparameters import Hyperparameters
 from training.methods import encode_lines
 from training.models import Checkpoint, Dataset, TrainingEvent, TrainingJob
+from training.pace import Pace
 from training.preference import TrainItem
 from training.publishing import CancelledLate, artifact_prefix_of, own_artifact, publish_and_register, register
 from training.scratch import scratch_create
@@ -299,8 +299,7 @@ class _JobHooks:
         self.lease_lost = False
         # Read with the cancel request before every step (should_stop), which the trainer checks first.
         self.pause_requested = False
-        self.started = timezone.now()
-        self.first_step: int | None = None
+        self.pace = Pace()
         self.last_saved = 0.0
         self.pending: dict[str, Any] = {}
 
@@ -319,13 +318,9 @@ class _JobHooks:
             raise LeaseLost()
 
     def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
-        if self.first_step is None:
-            self.first_step, self.started = step - 1, timezone.now()
-        elapsed = (timezone.now() - self.started).total_seconds()
-        done = step - self.first_step
-        eta = timezone.now() + timedelta(seconds=elapsed / done * (total_steps - step)) if done else None
+        self.pace.step_ended(step=step, trained_tokens=trained_tokens, now=timezone.now())
         self.pending = {"step": step, "total_steps": total_steps, "epoch": epoch, "trained_tokens": trained_tokens,
-                        "estimated_finish": eta}
+                        "estimated_finish": self.pace.estimated_finish(total_steps)}
         if time.monotonic() - self.last_saved >= PROGRESS_INTERVAL_SECONDS or step == total_steps:
             self.last_saved = time.monotonic()
             self._save_progress()
@@ -336,7 +331,8 @@ class _JobHooks:
             raise LeaseLost()
 
     def on_log(self, metrics: Any) -> None:
-        data = metrics.to_dict()
+        rate = self.pace.tokens_per_second()
+        data = metrics.to_dict() | ({"tokens_per_second": round(rate, 1)} if rate is not None else {})
         self._mine().update(train_loss=metrics.train_loss,
                             **({"valid_loss": metrics.valid_loss} if metrics.valid_loss is not None else {}))
         valid = f", valid loss {metrics.valid_loss:.4f}" if metrics.valid_loss is not None else ""

@@ -98,6 +98,16 @@ def job_metrics(*, job: TrainingJob) -> list[dict[str, Any]]:
     return [row for row in rows.values_list("data", flat=True) if "step" in row]
 
 
+def recent_tokens_per_second(*, tenant: Tenant) -> float | None:
+    """The training pace (trained tokens a second) last measured on one of the tenant's jobs: what the
+    new-job form sizes a job's duration by; None before any was measured."""
+    for data in (TrainingEvent.objects.filter(job__tenant=tenant, type=TrainingEvent.Type.METRICS)
+                 .order_by("-id").values_list("data", flat=True)[:20]):
+        if data.get("tokens_per_second"):
+            return float(data["tokens_per_second"])
+    return None
+
+
 def dataset_preview(*, dataset: Dataset, limit: int = 3) -> list[Example]:
     """The first `limit` valid examples of a ready dataset, read from storage (for its page)."""
     if dataset.status != Dataset.Status.READY or not dataset.format:

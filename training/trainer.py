@@ -51,6 +51,7 @@ from training.compiled_layers import compile_wanted, compiled_layers
 from training.distributed import World, shard
 from training.examples import EncodedExample
 from training.hyperparameters import ALL_LINEAR, DPO, SUPPORTED_TARGET_MODULES, Hyperparameters
+from training.pace import log_interval
 from training.packed_attention import use_packed_attention
 from training.schedules import lr_lambda
 from training.preference import TrainItem
@@ -158,7 +159,8 @@ class TrainingHooks(Protocol):
         """After every step (the hook decides how often to record it)."""
 
     def on_log(self, metrics: StepMetrics) -> None:
-        """Every `log_every` steps and after the last, with the mean train loss since the previous log."""
+        """Every `log_every` steps (every step of a short job: training.pace) and after the last, with the
+        mean train loss since the previous log."""
 
     def on_checkpoint(self, step: int, directory: Path, metrics: dict[str, Any]) -> None:
         """A complete checkpoint is in `directory`; store it (the directory is removed afterwards)."""
@@ -261,7 +263,6 @@ class LoraTrainer:
         self.fingerprint = fingerprint
         self.base_model_name = base_model_name
         self.checkpoint_every = max(1, checkpoint_every)
-        self.log_every = max(1, log_every)
         self.should_interrupt = should_interrupt
         self.world = world
         self.compile_layers = (compile_wanted(base.device, world is not None, hp.gradient_checkpointing)
@@ -271,6 +272,8 @@ class LoraTrainer:
         # Only rank 0 writes checkpoints and the adapter.
         self.writes = world is None or world.rank == 0
         self.plan = RunPlan(len(self.train_examples), hp.batch_size, hp.n_epochs)
+        # A short job logs every step, so its chart fills as it runs (training.pace).
+        self.log_every = log_interval(max(1, log_every), self.plan.total_steps)
         tokenizer = base.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

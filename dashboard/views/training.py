@@ -20,7 +20,7 @@ from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from dashboard.views.checkpoints import checkpoint_models
 from serving.contracts.errors import InvalidInput, ServiceError
 from training import conf, jobs, selectors
-from training.hyperparameters import ALL_LINEAR, METHODS, SCHEDULES, SUPPORTED_TARGET_MODULES, Hyperparameters
+from training.hyperparameters import ALL_LINEAR, DPO, METHODS, SCHEDULES, Hyperparameters
 from training.models import Dataset, TrainingJob
 
 # One line of help per hyperparameter, shown under its field.
@@ -37,6 +37,8 @@ HYPERPARAMETER_HELP = {
     "gradient_accumulation_steps": "Micro-batches a step's examples go through the model in (less memory).",
     "beta": "DPO only: how far the adapter may move from the base to fit the preferences.",
 }
+# Fields of one method only: the form shows them while that method is chosen (app.js).
+_METHOD_ONLY = {"beta": DPO}
 _INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r", "gradient_accumulation_steps"}
 # The form's choices and switches beside the numbers (training.hyperparameters).
 _CHOICE_FIELDS = ("method", "lr_scheduler_type")
@@ -55,15 +57,17 @@ def _job_form_context(request: DashboardRequest, values: dict[str, Any], error: 
     hyperparameters = [
         {"name": item.name, "help": HYPERPARAMETER_HELP[item.name],
          "default": min(defaults.r, max_rank) if item.name == "r" else getattr(defaults, item.name),
-         "value": values.get(item.name, ""), "integer": item.name in _INTEGER_FIELDS}
+         "value": values.get(item.name, ""), "integer": item.name in _INTEGER_FIELDS,
+         "method": _METHOD_ONLY.get(item.name)}
         for item in fields(Hyperparameters) if item.name in HYPERPARAMETER_HELP
     ]
     ready = selectors.dataset_list(tenant=request.dashboard.tenant).filter(status=Dataset.Status.READY)
     return {
         "datasets": ready, "hyperparameters": hyperparameters, "values": values, "error": error,
-        "target_modules": SUPPORTED_TARGET_MODULES, "chosen_targets": values.get("targets", []),
+        "target_modules": conf.base_target_modules(), "chosen_targets": values.get("targets", []),
         "base_model": settings.BASE_MODEL_NAME, "default_epochs": defaults.n_epochs, "nav": "training",
         "methods": METHODS, "schedules": SCHEDULES,
+        "tokens_per_second": selectors.recent_tokens_per_second(tenant=request.dashboard.tenant),
         "switches": [{"name": name, "checked": bool(values.get(name))} for name in _SWITCHES],
     }
 
@@ -106,6 +110,9 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
         hyperparameters["target_modules"] = ALL_LINEAR if not targets or ALL_LINEAR in targets else targets
         hyperparameters.update({name: values[name] or None for name in _CHOICE_FIELDS})
         hyperparameters.update({name: values[name] for name in _SWITCHES})
+        # A field of another method, typed before the method was changed, was hidden: not sent on.
+        chosen = hyperparameters.get("method") or Hyperparameters.method
+        hyperparameters.update({name: None for name, method in _METHOD_ONLY.items() if method != chosen})
         job = jobs.training_job_create(
             tenant=request.dashboard.tenant, training_file=_form_id("training_file", values["training_file"]),
             validation_file=_form_id("validation_file", values["validation_file"]),
@@ -124,7 +131,12 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
 
 def _job_context(job: TrainingJob) -> dict[str, Any]:
     checkpoints = list(selectors.job_checkpoints(job=job).select_related("job"))
-    return {"job": job, "metrics": selectors.job_metrics(job=job), "events": selectors.job_events(job=job)[:50],
+    metrics = selectors.job_metrics(job=job)
+    return {"job": job, "metrics": metrics, "events": selectors.job_events(job=job)[:50],
+            # The chart has a validation series only where the job has validation examples.
+            "validated": bool(job.validation_dataset_id or job.validation_fraction),
+            "tokens_per_second": next((point["tokens_per_second"] for point in reversed(metrics)
+                                       if point.get("tokens_per_second") is not None), None),
             "checkpoints": checkpoints, "checkpoint_models": checkpoint_models(checkpoints), "active": not job.is_final,
             # A paused job changes only when someone resumes it (the page then reloads): no polling.
             "polling": not job.is_final and job.status != TrainingJob.Status.PAUSED,

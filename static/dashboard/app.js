@@ -67,6 +67,7 @@
     if (target.matches("select[data-autosubmit]")) target.form.requestSubmit();
     if (target.matches("[data-upload] input[type=file]")) showChosen(target.form);
     if (target.matches("[data-estimate], [data-epochs]")) updateEstimate();
+    if (target.matches("select[data-method]")) showMethodFields();
   });
   document.addEventListener("input", function (event) {
     var target = event.target;
@@ -127,6 +128,27 @@
     var epochsField = document.querySelector("[data-epochs]");
     var epochs = Number(epochsField.value || out.dataset.defaultEpochs);
     out.textContent = tokens ? (tokens * epochs).toLocaleString() + " (" + tokens.toLocaleString() + " × " + epochs + " epochs)" : "unknown (tokens were not counted)";
+    // The time it takes at the pace of the tenant's last finished job, where one was measured.
+    var duration = document.getElementById("estimate-duration");
+    var pace = duration ? Number(duration.dataset.tokensPerSecond || 0) : 0;
+    if (duration) duration.textContent = tokens && pace ? " · about " + formatDuration(tokens * epochs / pace) + " at your last job's " + Math.round(pace).toLocaleString() + " tokens/s" : "";
+  }
+
+  function formatDuration(seconds) {
+    if (seconds < 90) return Math.max(1, Math.round(seconds)) + " s";
+    if (seconds < 5400) return Math.round(seconds / 60) + " min";
+    return (seconds / 3600).toFixed(1) + " h";
+  }
+
+  // A field of one method (DPO's beta) shows only while that method is chosen; hidden, it is not sent.
+  function showMethodFields() {
+    var select = document.querySelector("select[data-method]");
+    if (!select) return;
+    document.querySelectorAll("[data-method-only]").forEach(function (field) {
+      var shown = field.dataset.methodOnly === select.value;
+      field.hidden = !shown;
+      field.querySelectorAll("input").forEach(function (input) { input.disabled = !shown; });
+    });
   }
 
   // The loss chart: the element is kept across htmx polls (hx-preserve); only its data changes.
@@ -136,14 +158,16 @@
     var source = document.getElementById("loss-data");
     if (!element || !source || typeof uPlot === "undefined") return;
     var points = JSON.parse(source.textContent);
+    // A job without validation examples has no validation series (nor its legend).
+    var validated = element.dataset.validated === "1";
     var data = [
       points.map(function (p) { return p.step; }),
       points.map(function (p) { return p.train_loss == null ? null : p.train_loss; }),
-      points.map(function (p) { return p.valid_loss == null ? null : p.valid_loss; }),
     ];
+    if (validated) data.push(points.map(function (p) { return p.valid_loss == null ? null : p.valid_loss; }));
     element.dataset.points = String(points.length);
     if (!points.length) {
-      if (!element.querySelector(".empty-chart")) element.innerHTML = '<div class="empty-chart">The loss appears here once the first steps are logged.</div>';
+      if (!element.querySelector(".empty-chart")) element.innerHTML = '<div class="empty-chart">The loss appears here after the first step.</div>';
       return;
     }
     if (lossChart && lossChart.root.isConnected) {
@@ -159,8 +183,9 @@
       series: [
         { label: "step" },
         { label: "train loss", stroke: "#4f46e5", width: 2, spanGaps: true, points: { show: points.length < 60 } },
+      ].concat(validated ? [
         { label: "valid loss", stroke: "#d97706", width: 2, spanGaps: true, dash: [6, 4], points: { show: true } },
-      ],
+      ] : []),
     }, data, element);
   }
   window.addEventListener("resize", function () {
@@ -369,6 +394,7 @@
     renderUsageChart();
     setupPlayground();
     updateEstimate();
+    showMethodFields();
   }
   document.addEventListener("DOMContentLoaded", setup);
   document.addEventListener("htmx:afterSettle", setup);

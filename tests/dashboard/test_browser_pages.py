@@ -223,6 +223,54 @@ def test_a_started_job_drops_its_queued_flash_and_a_finished_one_lists_its_check
     Shots(browser).take(page, "training-job-checkpoints")
 
 
+def test_a_newcomer_watches_a_short_job_step_by_step(browser, web, owner, page):
+    """Issue 39, item 6: beta only with DPO; the job says what it does before its first step; each
+    logged step is a chart point at once, with tokens/s and the time left; no validation legend
+    without validation examples."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+    from playwright.sync_api import expect
+
+    from training.models import Dataset, TrainingEvent, TrainingJob
+
+    dataset = Dataset.objects.create(
+        tenant=owner, filename="demo.jsonl", storage_key="datasets/pages/3.jsonl", sha256="0" * 64,
+        size_bytes=100, status=Dataset.Status.READY, format=Dataset.Format.CHAT, num_examples=36,
+        report={"stats": {"num_examples": 36, "trained_tokens": 900}})
+    page.goto(f"{web.url}/training/new/?dataset={dataset.pk}")
+    expect(page.locator("#hp-beta")).to_be_hidden()
+    page.select_option("#method", "dpo")
+    expect(page.locator("#hp-beta")).to_be_visible()
+    page.select_option("#method", "supervised")
+    expect(page.locator("#hp-beta")).to_be_hidden()
+    page.fill("#adapter", "demo-bot")
+    shots = Shots(browser)
+    shots.take(page, "training-new-watch", phone_too=False)
+    page.click("button:has-text('Start training')")
+    expect(page.locator("#job-waiting")).to_be_visible()
+    job = TrainingJob.objects.get(adapter_name="demo-bot")
+    assert "beta" not in job.hyperparameters or job.hyperparameters["method"] == "supervised"
+
+    TrainingJob.objects.filter(pk=job.pk).update(status=TrainingJob.Status.RUNNING, total_steps=36)
+    expect(page.locator("#job-preparing")).to_be_visible()
+    expect(page.locator("#loss-chart")).to_contain_text("after the first step")
+    chart = page.locator("#loss-chart")
+    for step in range(1, 6):
+        TrainingEvent.objects.create(job=job, type=TrainingEvent.Type.METRICS, message=f"Step {step}/36", data={
+            "step": step, "train_loss": 2.5 - 0.3 * step, **({"tokens_per_second": 96.0} if step > 1 else {})})
+        TrainingJob.objects.filter(pk=job.pk).update(
+            step=step, estimated_finish=timezone.now() + timedelta(seconds=8 * (36 - step)) if step > 1 else None)
+        expect(chart).to_have_attribute("data-points", str(step))
+    expect(page.locator("#job-preparing")).to_have_count(0)
+    expect(page.locator("#job-tokens-per-second")).to_have_text("96 tokens/s")
+    expect(page.locator("#job-eta")).to_contain_text("minutes left")
+    legend = page.locator("#loss-chart .u-legend")
+    expect(legend).to_contain_text("train loss")
+    expect(legend).not_to_contain_text("valid loss")
+    shots.take(page, "training-job-watch")
+
+
 def test_at_phone_width_every_versions_action_is_on_screen(browser, web, owner, page):
     from playwright.sync_api import expect
 

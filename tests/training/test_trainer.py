@@ -84,6 +84,8 @@ def test_training_lowers_the_loss_of_the_training_completions(base, examples, tm
     base_nll = token_nll(base.model, examples, base.tokenizer.pad_token_id, base.device)
     hooks = Hooks(tmp_path)
     result = trainer(base, examples, hooks, tmp_path / "run").run()
+    # log_every=2, but a job this short logs every step (training.pace.log_interval).
+    assert [log.step for log in hooks.logs] == list(range(1, result.steps + 1))
     assert hooks.logs[-1].train_loss < hooks.logs[0].train_loss
     accuracies = [log.train_mean_token_accuracy for log in hooks.logs]
     assert all(0 <= value <= 1 for value in accuracies) and accuracies[-1] > accuracies[0], accuracies
