@@ -32,6 +32,7 @@ from serving.engine.engine_messages import (
     PrefetchLora,
     RemoveLora,
     VerifySlots,
+    WarmUp,
 )
 from serving.engine.lora.cache import Placement
 from serving.engine.lora.request import LoRARequest
@@ -39,6 +40,7 @@ from serving.engine.outputs import RequestOutput
 from serving.engine.prompts import PromptType
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
+from serving.engine.warmup import WarmupReport
 
 T = TypeVar("T")
 Stream = asyncio.Queue[RequestOutput | Exception]
@@ -215,6 +217,12 @@ class EngineClient(ABC):
     async def get_stats(self) -> EngineStats:
         """Queue depth, running sequences, KV use, slot and cache residency, load counters."""
         return cast(EngineStats, await self._call(GetStats()))
+
+    async def warm_up(self, adapters: Collection[str] = ()) -> WarmupReport:
+        """Run every kind of step the scheduler can produce once, with ``adapters`` (loaded names)
+        in them, before any traffic (serving.engine.warmup); RuntimeError if a warm-up request
+        fails or requests are already queued."""
+        return cast(WarmupReport, await self._call(WarmUp(tuple(adapters))))
 
     @abstractmethod
     def shutdown(self, timeout: float = 10.0) -> None:

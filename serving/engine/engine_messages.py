@@ -92,9 +92,17 @@ class GetStats:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmUp:
+    """Run every kind of step once before traffic (serving.engine.warmup), with the adapters named
+    at launch; answered with the WarmupReport."""
+
+    adapters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Abort every request (each stream ends with ``"abort"``) and end the loop."""
 
 
 EngineCommand: TypeAlias = (AddRequest | DropRequest | AbortRequest | AddLora | PrefetchLora | RemoveLora | ListLoras
-                            | VerifySlots | GetStats | Shutdown)
+                            | VerifySlots | GetStats | WarmUp | Shutdown)

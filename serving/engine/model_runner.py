@@ -44,6 +44,17 @@ from serving.engine.sampler import DeviceSamples, SampleResult, Sampler
 from serving.engine.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What decides the kernels a step runs: its layout (``"graph"``: a captured flat step replayed,
+    ``tokens`` its captured size; ``"flat"``: a flat step run eagerly; ``"eager"``: prompt chunks in
+    SDPA), its token count, and whether the LoRA kernels run in it."""
+
+    layout: str
+    tokens: int
+    lora: bool
+
+
 @dataclass
 class StepResult:
     """The sequences that produced a token this step (their prompt is complete), in row order."""
@@ -122,6 +133,8 @@ class ModelRunner:
         self.attention = config.attention
         self.enforce_eager = config.enforce_eager
         self.max_flat_tokens = config.max_flat_tokens
+        # Set by the warm-up (serving.engine.warmup) while it runs: every step's shape is added.
+        self.shape_log: set[StepShape] | None = None
         self.graphs: DecodeGraphs | None = None
         sizes = config.graph_sizes()
         if sizes:
@@ -317,6 +330,8 @@ class ModelRunner:
             context.prefills.append(PrefillSpan(row, num, seq.num_computed_tokens, table))
         if self.lora_meta is not None and any(s >= 0 for s in token_slots):
             context.lora = self.lora_meta.prepare(device_tensor(token_slots, device, torch.int32))
+        if self.shape_log is not None:
+            self.shape_log.add(StepShape("eager", len(input_ids), context.lora is not None))
 
         ids = device_tensor(input_ids, device)
         fed.apply(ids)
@@ -361,9 +376,13 @@ class ModelRunner:
         if self.graphs is not None and not self.enforce_eager:
             size = self.graphs.size_for(step)
             if size is not None:
+                if self.shape_log is not None:
+                    self.shape_log.add(StepShape("graph", size, step.lora and self.lora_meta is not None))
                 # The replay's logits stay in the graphs' buffer until the next replay, which is
                 # queued only once these are sampled.
                 return self._logits_of(step.sampled, self.graphs.replay(step, size))
+        if self.shape_log is not None:
+            self.shape_log.add(StepShape("flat", step.num_tokens, step.lora and self.lora_meta is not None))
         device = self.device
         inputs = to_device(host_tensor(step.rows), device)
         step.fed.apply(inputs[IDS])
