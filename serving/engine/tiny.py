@@ -334,13 +334,16 @@ def save_random_peft_adapter(
     seed: int,
     init_scale: float = 0.05,
     base_model_name_or_path: str | None = None,
+    use_dora: bool = False,
 ) -> Path:
     """Save a PEFT LoRA adapter on the model in `base_dir` with seeded, non-zero A and B.
 
     A ~ N(0, 1/in_features) and B ~ N(0, init_scale²/r), so the adapter's added output B·A·x has an
     RMS of about `scaling · init_scale · rms(x)` whatever the layer sizes: visible in every test
     without swamping the base model. `base_model_name_or_path` overrides what adapter_config.json
-    names as the base (PEFT writes the path the base was loaded from). Returns `out_dir`.
+    names as the base (PEFT writes the path the base was loaded from). `use_dora` saves a DoRA
+    adapter, its magnitudes PEFT's initial ones (the base's row norms) times 1 ± ~0.3, so that
+    the magnitude's scale differs from the norm's everywhere. Returns `out_dir`.
     """
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     lora_config = LoraConfig(
@@ -350,6 +353,7 @@ def save_random_peft_adapter(
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
+        use_dora=use_dora,
     )
     model = get_peft_model(base, lora_config)
     generator = torch.Generator().manual_seed(seed)
@@ -359,6 +363,9 @@ def save_random_peft_adapter(
                 std = 1 / math.sqrt(param.shape[1])
             elif ".lora_B." in name:
                 std = init_scale / math.sqrt(r)
+            elif ".lora_magnitude_vector." in name:
+                param.mul_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+                continue
             else:
                 continue
             param.copy_(torch.randn(param.shape, generator=generator) * std)

@@ -17,6 +17,14 @@ layer all-reduces its output (the LoRA part with it) before adding its bias.
 ``quantize_fp8`` (``EngineConfig.quantization="fp8"``, once the weights are in) turns the base
 weight into float8_e4m3fn with per-output-channel scales (serving.engine.layers.fp8_linear); the
 bias, the row pools and the LoRA path stay in the compute dtype.
+
+DoRA (docs/adapter-kinds.md): a DoRA adapter's module computes ``m / ||W0 + s B A||_row`` times
+``(W0 + s B A) x``, plus the bias. The fraction is one scale per output feature per adapter,
+computed once when the adapter enters its slot (``write_dora_scale``) into ``dora_scale
+[slots + 1, out]`` (row 0: ones, for tokens without an adapter; a plain LoRA adapter's row: ones).
+The forward multiplies each token's output row by its slot's scale row after the LoRA kernels, then
+adds the bias: one gather and one multiply per layer, only once some DoRA adapter has been loaded
+(the table is allocated then), so an engine that never sees one pays nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from serving.engine.context import get_context
 from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.fp8_linear import fp8_linear, native_fp8, quantize_weight
 from serving.engine.layers.parallel_linear import Split
+from serving.engine.lora.records import CachedAdapter
 
 
 class MultiLoRALinear(nn.Module):
@@ -72,6 +81,10 @@ class MultiLoRALinear(nn.Module):
         self.lora_A: list[torch.Tensor] = []
         self.lora_B: list[torch.Tensor] = []  # transposed: [rows, out_slice]
         self.lora_weights: LoRAWeights | None = None
+        # DoRA's per-slot output scales (row 0 for no adapter), allocated by the first DoRA adapter's
+        # write_dora_scale; and the base weight's squared row norms (fp32), computed then, once.
+        self.dora_scale: torch.Tensor | None = None
+        self._base_row_sq: torch.Tensor | None = None
 
     @property
     def row_elements(self) -> int:
@@ -85,18 +98,25 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduces = self.split is not None and self.split.reduces
-        bias = None if reduces else self.bias
+        lora = get_context().lora
+        dora = lora is not None and self.dora_scale is not None
+        # The bias comes after the all-reduce (once, not per rank) and after DoRA's scale (PEFT
+        # scales W0 x + s B A x, not the bias).
+        late_bias = reduces or dora
+        bias = None if late_bias else self.bias
         if self.weight_scale is not None:
             y = fp8_linear(x, self.weight, self.weight_scale, bias, native=self.fp8_native)
         else:
             y = F.linear(x, self.weight, bias)
-        lora = get_context().lora
         if lora is not None and self.lora_weights is not None:
             lora_apply_weights(y, x, self.lora_weights, lora)
         if reduces:
             self.tp.all_reduce(y)
-            if self.bias is not None:
-                y += self.bias
+        if dora:
+            assert lora is not None and self.dora_scale is not None
+            y.mul_(self.dora_scale.index_select(0, lora.token_slots[: y.shape[0]] + 1))
+        if late_bias and self.bias is not None:
+            y += self.bias
         return y
 
     def quantize_fp8(self) -> None:
@@ -140,6 +160,57 @@ class MultiLoRALinear(nn.Module):
                 a, bt = self.adapter_part(name, *pair)
                 A[row:end].copy_(a, non_blocking=True)
                 B[row:end].copy_(bt, non_blocking=True)
+
+
+    def write_dora_scale(self, slot: int, num_slots: int, scaling: float,
+                         parts: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Set slot ``slot``'s DoRA scale row: per slice in ``parts`` (``A [r, in]``, ``Bt [r, out]``,
+        magnitude ``m [out]``) ``m / ||W0 + scaling * Bt^T A||`` per output row, ones elsewhere. A
+        plain LoRA adapter passes no parts: its row becomes ones (the slot may have held a DoRA
+        adapter); before any DoRA adapter came there is no table to reset."""
+        if self.dora_scale is None:
+            if not parts:
+                return
+            out_features = sum(self.slice_widths)
+            self.dora_scale = torch.ones(num_slots + 1, out_features, device=self.weight.device, dtype=self.dtype)
+        scale = self.dora_scale[slot + 1]
+        scale.fill_(1)
+        for name, (A, Bt, magnitude) in parts.items():
+            offset, width = self.slice_of(name)
+            norm = self._delta_row_norms(offset, width, A, Bt, scaling)
+            scale[offset:offset + width] = (magnitude.to(norm.device, torch.float32) / norm).to(self.dtype)
+
+    def _delta_row_norms(self, offset: int, width: int, A: torch.Tensor, Bt: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """``||W0 + s Bt^T A||`` of each output row of one slice, fp32, without forming the matrix:
+        ``||W0_j||^2 + 2 s (W0 A^T)_j . B_j + s^2 B_j (A A^T) B_j`` (a rank-r GEMM, not an out x in one)."""
+        device = self.weight.device
+        A32 = A.to(device, torch.float32)
+        Bt32 = Bt.to(device, torch.float32)
+        W = self.weight[offset:offset + width]
+        if self._base_row_sq is None:
+            self._base_row_sq = self.weight.float().square().sum(dim=1)
+        base_sq = self._base_row_sq[offset:offset + width]
+        WA = F.linear(A.to(device, self.weight.dtype), W).float()  # [r, width]
+        cross = (WA * Bt32).sum(dim=0)
+        quad = ((A32 @ A32.t() @ Bt32) * Bt32).sum(dim=0)
+        return (base_sq + 2 * scaling * cross + scaling * scaling * quad).clamp_min(0).sqrt()
+
+
+def write_dora_scales(layers: dict[tuple[int, str], MultiLoRALinear], slot: int, num_slots: int,
+                      adapter: CachedAdapter) -> None:
+    """Set every layer's DoRA scale row of ``slot`` for ``adapter`` (``layers``: by ``(layer index,
+    module)``), from its CPU copy: a DoRA adapter's scales, or ones for a plain LoRA adapter where
+    a table exists. Queued on the current stream, after any step that still reads the slot's old row."""
+    assert adapter.weights is not None
+    parts: dict[MultiLoRALinear, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    if adapter.magnitudes is not None:
+        for key, magnitude in adapter.magnitudes.items():
+            A, Bt = adapter.weights[key]
+            parts.setdefault(layers[key], {})[key[1]] = (A, Bt, magnitude)
+    with torch.no_grad():
+        for layer in dict.fromkeys(layers.values()):
+            layer.write_dora_scale(slot, num_slots, adapter.scaling, parts.get(layer, {}))
 
 
 def quantize_fp8(layers: Iterable[MultiLoRALinear]) -> None:

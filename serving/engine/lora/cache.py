@@ -81,7 +81,9 @@ class LoRACache:
         pin_memory: bool,
         write_rows: WriteRows,
         on_load_done: Callable[[], None],
+        dora_refusal: str | None = None,
     ) -> None:
+        """``dora_refusal``: why this engine refuses DoRA adapters (their loads fail saying so); None serves them."""
         self.num_slots = num_slots
         self.num_rows = num_rows
         self.max_lora_rank = max_lora_rank
@@ -97,6 +99,7 @@ class LoRACache:
             dtype=dtype,
             pin_memory=pin_memory,
             on_done=on_load_done,
+            dora_refusal=dora_refusal,
         )
         self._loads = 0
         self._load_failures = 0
@@ -417,9 +420,10 @@ class LoRACache:
                 load_seconds=result.seconds,
                 nbytes=result.nbytes,
                 checksum=result.checksum,
+                dora=loaded.use_dora,
             )
             self._by_digest[loaded.digest] = adapter
-        self._cpu.put(adapter, result.weights)
+        self._cpu.put(adapter, result.weights, result.magnitudes)
         return adapter
 
     def _bind(self, name: str, adapter: CachedAdapter, *, load_inplace: bool) -> None:

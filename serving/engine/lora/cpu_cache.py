@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from serving.engine.lora.reader import Weights
+from serving.engine.lora.reader import Magnitudes, Weights
 from serving.engine.lora.records import CachedAdapter
 
 
@@ -33,10 +33,12 @@ class CPUCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, adapter: CachedAdapter, weights: Weights) -> None:
-        """Keep ``weights`` as ``adapter``'s CPU copy unless it has one; either way it is now the newest."""
+    def put(self, adapter: CachedAdapter, weights: Weights, magnitudes: Magnitudes | None = None) -> None:
+        """Keep ``weights`` (and a DoRA adapter's ``magnitudes``) as ``adapter``'s CPU copy unless it has
+        one; either way it is now the newest."""
         if adapter.weights is None:
             adapter.weights = weights
+            adapter.magnitudes = magnitudes
             self._entries[adapter.digest] = adapter
             self.nbytes += adapter.nbytes
         self._entries.move_to_end(adapter.digest)
@@ -81,3 +83,4 @@ class CPUCache:
         del self._entries[adapter.digest]
         self.nbytes -= adapter.nbytes
         adapter.weights = None
+        adapter.magnitudes = None

@@ -41,8 +41,10 @@ class AdapterLoader:
         dtype: torch.dtype,
         pin_memory: bool,
         on_done: Callable[[], None],
+        dora_refusal: str | None = None,
     ) -> None:
         self._base_config = base_config
+        self._dora_refusal = dora_refusal
         self._base_model_name = base_model_name
         self._max_lora_rank = max_lora_rank
         self._dtype = dtype
@@ -122,6 +124,7 @@ class AdapterLoader:
             base_config=self._base_config,
             max_lora_rank=self._max_lora_rank,
             base_model_name=self._base_model_name,
+            dora_refusal=self._dora_refusal,
         )
         # One buffer for the whole adapter, each tensor a view of it: on CUDA it is pinned, and one
         # pinned allocation (cudaHostAlloc, serialised in the driver) replaces two per tensor (a
@@ -140,5 +143,9 @@ class AdapterLoader:
                 views.append(view)
                 offset += source.numel()
             weights[key] = (views[0], views[1])
+        # DoRA's magnitudes stay fp32 (the per-row scale is computed from them once, at slot load) and
+        # outside the buffer: they never enter the pool's rows, whose checksum is the buffer's.
+        magnitudes = loaded.magnitudes
+        nbytes = buffer.nbytes + sum(m.nbytes for m in (magnitudes or {}).values())
         # The raw-bit sum is a sum of integers, so the buffer's is the sum of its tensors'.
-        return LoadResult(loaded, weights, time.perf_counter() - start, buffer.nbytes, raw_sum(buffer))
+        return LoadResult(loaded, weights, time.perf_counter() - start, nbytes, raw_sum(buffer), magnitudes)

@@ -12,8 +12,11 @@ registry uses it on uploads. `load_adapter` does the same, then reads the tensor
 Every problem raises `AdapterError` with a message naming it. Supported: LoRA (`peft_type`
 "LORA") on q/k/v/o/gate/up/down projections (Phi-3: the fused qkv_proj and gate_up_proj, which
 its checkpoints and PEFT name whole) with one rank and alpha for all modules, optionally
-rsLoRA, and `layers_to_transform` (layers without tensors get no LoRA). Refused: DoRA, trained
-biases, `modules_to_save`, `rank_pattern`/`alpha_pattern`, `fan_in_fan_out`, trainable tokens.
+rsLoRA, DoRA (`use_dora`: every adapted module also has its `lora_magnitude_vector`, one value
+per output feature; docs/adapter-kinds.md) and `layers_to_transform` (layers without tensors get
+no LoRA). Refused, each naming what it is: trained biases, `modules_to_save` and LoRA on
+`embed_tokens` / `lm_head` (the vocabulary matrices; docs/adapter-kinds.md says why),
+`rank_pattern`/`alpha_pattern`, `fan_in_fan_out`, trainable tokens.
 
 Base model check: when `base_model_name` is given, the config's `base_model_name_or_path` must
 name the same model, compared by last path component, case-insensitively
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -84,11 +87,22 @@ _LORA_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
     r"\.lora_(?P<which>[AB])\.weight$"
 )
+# DoRA's magnitude: base_model.model.model.layers.3.self_attn.q_proj.lora_magnitude_vector
+_MAGNITUDE_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
+    r"\.lora_magnitude_vector$"
+)
 _ANY_LORA_KEY = re.compile(r"(?:^|\.)(?P<module>\w+)\.lora_\w+")
+# The vocabulary modules: PEFT can adapt them (LoRA on them, or modules_to_save copies), the engine
+# serves neither (docs/adapter-kinds.md); their tensors are refused by name.
+VOCABULARY_MODULES = ("embed_tokens", "lm_head")
 
 # (layer index, module name) -> (A[r, in], B[out, r]): fp32 as read, the model's dtype once the
 # loader has converted them for a slot copy.
 Weights: TypeAlias = "dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]"
+# (layer index, module name) -> DoRA's magnitude [out], fp32: one entry per adapted module of a DoRA adapter.
+Magnitudes: TypeAlias = "dict[tuple[int, str], torch.Tensor]"
+ADAPTER_KINDS = ("lora", "dora")
 
 
 @dataclass(frozen=True)
@@ -133,14 +147,23 @@ class AdapterSpec:
     layers: frozenset[int]
     base_model_name_or_path: str | None
     weights_bytes: int
+    use_dora: bool = False
+
+    @property
+    def kind(self) -> str:
+        """"dora" or "lora" (ADAPTER_KINDS)."""
+        return "dora" if self.use_dora else "lora"
 
 
 @dataclass(frozen=True)
 class LoadedAdapter:
     """An adapter in CPU memory: `weights[(layer, module)] = (A[r, in], B[out, r])`, fp32.
 
-    The LoRA output of a module is `scaling * (x @ A.T) @ B.T`. `digest` is the artifact's content
-    digest (serving.contracts.artifact.adapter_digest); caches key adapters by it.
+    The LoRA output of a module is `scaling * (x @ A.T) @ B.T`. A DoRA adapter also has
+    `magnitudes[(layer, module)]` (`m [out]`): its module computes `m / ||W0 + scaling * B @ A||`
+    (the norm of each output row, over the input features, as PEFT's DoRA layer defines it) times
+    `(W0 + scaling * B @ A) @ x`, plus the base's bias. `digest` is the artifact's content digest
+    (serving.contracts.artifact.adapter_digest); caches key adapters by it.
     """
 
     digest: str
@@ -151,6 +174,11 @@ class LoadedAdapter:
     weights: Weights
     nbytes: int
     use_rslora: bool = False
+    magnitudes: Magnitudes | None = None
+
+    @property
+    def use_dora(self) -> bool:
+        return self.magnitudes is not None
 
 
 def validate_adapter_dir(
@@ -159,11 +187,13 @@ def validate_adapter_dir(
     base_config: Any,
     max_lora_rank: int,
     base_model_name: str | Iterable[str] | None = None,
+    dora_refusal: str | None = None,
 ) -> AdapterSpec:
     """Check a local adapter directory against the base without reading its tensors.
 
     `base_config` is a transformers config or a `BaseShapes`; `base_model_name` the accepted base
-    name(s) (module docstring). Verifies manifest.json when present. Raises AdapterError.
+    name(s) (module docstring); `dora_refusal`, when given, is why this server refuses DoRA adapters
+    (the error says it). Verifies manifest.json when present. Raises AdapterError.
     """
     adapter_dir = Path(adapter_dir)
     shapes = _shapes(base_config)
@@ -173,6 +203,9 @@ def validate_adapter_dir(
         manifest_verify(adapter_dir)
     config = read_adapter_config(adapter_dir)
     rank, alpha, use_rslora, config_modules = _check_config(config, max_lora_rank)
+    use_dora = bool(config.get("use_dora"))
+    if use_dora and dora_refusal is not None:
+        raise AdapterError(f"{ADAPTER_CONFIG_NAME}: DoRA adapters (use_dora) are not served here: {dora_refusal}")
     base_name = config.get("base_model_name_or_path") or None
     _check_base_model(base_name, base_model_name)
     weights_path = _weights_path(adapter_dir)
@@ -183,7 +216,7 @@ def validate_adapter_dir(
             layout = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in header.items()}
     except Exception as exc:  # safetensors raises its own error types for every malformed file
         raise AdapterError(f"{WEIGHTS_NAME} is not a valid safetensors file: {exc}") from None
-    pairs = _check_layout(layout, rank=rank, shapes=shapes)
+    pairs, _ = _check_layout(layout, rank=rank, shapes=shapes, use_dora=use_dora)
     modules = frozenset(module for _, module in pairs)
     if config_modules is not None and not modules <= config_modules:
         raise AdapterError(
@@ -199,6 +232,7 @@ def validate_adapter_dir(
         layers=frozenset(layer for layer, _ in pairs),
         base_model_name_or_path=base_name,
         weights_bytes=weights_path.stat().st_size,
+        use_dora=use_dora,
     )
 
 
@@ -208,6 +242,7 @@ def load_adapter(
     base_config: Any,
     max_lora_rank: int,
     base_model_name: str | Iterable[str] | None = None,
+    dora_refusal: str | None = None,
 ) -> LoadedAdapter:
     """Validate (as `validate_adapter_dir`) and read an adapter into fp32 CPU tensors.
 
@@ -222,6 +257,7 @@ def load_adapter(
             base_config=base_config,
             max_lora_rank=max_lora_rank,
             base_model_name=base_model_name,
+            dora_refusal=dora_refusal,
         )
         digest = adapter_digest(adapter_dir)
         try:
@@ -231,7 +267,7 @@ def load_adapter(
     shapes = _shapes(base_config)
     # Checked again on what was read: the file may have changed since its header was validated.
     layout = {name: (tuple(t.shape), _dtype_code(t.dtype)) for name, t in tensors.items()}
-    pairs = _check_layout(layout, rank=spec.rank, shapes=shapes)
+    pairs, magnitude_names = _check_layout(layout, rank=spec.rank, shapes=shapes, use_dora=spec.use_dora)
     weights: Weights = {}
     for (layer, module), (a_name, b_name) in sorted(pairs.items()):
         a = tensors[a_name].to(torch.float32).contiguous()
@@ -242,6 +278,14 @@ def load_adapter(
             if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
                 raise AdapterError(f"tensor {name} contains NaN or infinite values")
         weights[layer, module] = (a, b)
+    magnitudes: Magnitudes | None = None
+    if spec.use_dora:
+        magnitudes = {}
+        for key, name in sorted(magnitude_names.items()):
+            m = tensors[name].to(torch.float32).contiguous()
+            if not torch.isfinite(m).all():
+                raise AdapterError(f"tensor {name} contains NaN or infinite values")
+            magnitudes[key] = m
     return LoadedAdapter(
         digest=digest,
         rank=spec.rank,
@@ -251,6 +295,7 @@ def load_adapter(
         weights=weights,
         nbytes=sum(a.nbytes + b.nbytes for a, b in weights.values()),
         use_rslora=spec.use_rslora,
+        magnitudes=magnitudes,
     )
 
 
@@ -271,9 +316,10 @@ def _check_config(
             "are supported"
         )
     refusals = {
-        "use_dora": "DoRA adapters (use_dora) are not supported",
-        "modules_to_save": "modules_to_save is not supported: the adapter would replace whole "
-        f"modules ({config.get('modules_to_save')}) of the shared base model",
+        "modules_to_save": f"modules_to_save ({', '.join(map(str, config.get('modules_to_save') or []))}) is "
+        "not supported: the adapter would carry whole copies of those modules of the shared base model (for "
+        "embed_tokens and lm_head a vocabulary matrix per adapter); train LoRA on the projections instead "
+        "(docs/adapter-kinds.md)",
         "rank_pattern": "rank_pattern is not supported: save the adapter with one rank for all "
         "modules",
         "alpha_pattern": "alpha_pattern is not supported: save the adapter with one lora_alpha "
@@ -310,6 +356,9 @@ def _check_config(
     elif isinstance(target_modules, list) and all(isinstance(m, str) for m in target_modules):
         modules = frozenset(target_modules)
         unsupported = sorted(modules - set(SUPPORTED_MODULES))
+        vocabulary = [module for module in unsupported if module in VOCABULARY_MODULES]
+        if vocabulary:
+            raise AdapterError(f"unsupported target module(s) {', '.join(unsupported)}: {_vocabulary_refusal(vocabulary[0])}")
         if unsupported:
             raise AdapterError(
                 f"unsupported target module(s) {', '.join(unsupported)}; supported: "
@@ -321,6 +370,13 @@ def _check_config(
             "module names or a regex"
         )
     return rank, float(alpha), bool(config.get("use_rslora")), modules
+
+
+def _vocabulary_refusal(module: str) -> str:
+    return (
+        f"LoRA on {module} is not served: the engine applies adapters to the attention and MLP projections "
+        f"(supported: {', '.join(SUPPORTED_MODULES)}), not to the vocabulary matrices (docs/adapter-kinds.md)"
+    )
 
 
 def _name_key(name: str) -> str:
@@ -356,15 +412,33 @@ def _dtype_code(dtype: torch.dtype) -> str:
 
 
 def _check_layout(
-    layout: Mapping[str, tuple[tuple[int, ...], str]], *, rank: int, shapes: BaseShapes
-) -> dict[tuple[int, str], tuple[str, str]]:
-    """(layer, module) → (A name, B name), after checking every tensor's name, dtype and shape."""
+    layout: Mapping[str, tuple[tuple[int, ...], str]], *, rank: int, shapes: BaseShapes, use_dora: bool = False
+) -> tuple[dict[tuple[int, str], tuple[str, str]], dict[tuple[int, str], str]]:
+    """((layer, module) → (A name, B name), (layer, module) → magnitude name), after checking every
+    tensor's name, dtype and shape; a DoRA adapter (``use_dora``) has one magnitude per (A, B) pair,
+    any other none."""
     found: dict[tuple[int, str], dict[str, str]] = {}
+    magnitudes: dict[tuple[int, str], str] = {}
     for name, (shape, dtype) in sorted(layout.items()):
+        magnitude = _MAGNITUDE_KEY.match(name)
+        if magnitude is not None and _PARENT.get(magnitude["module"]) == magnitude["parent"]:
+            key = (int(magnitude["layer"]), magnitude["module"])
+            if not use_dora:
+                raise AdapterError(
+                    f"tensor {name} is a DoRA magnitude, but {ADAPTER_CONFIG_NAME} does not set use_dora"
+                )
+            _check_tensor(name, key, shape, dtype, shapes, expected=lambda _in, out: (out,))
+            magnitudes[key] = name
+            continue
         match = _LORA_KEY.match(name)
         if match is None or _PARENT.get(match["module"]) != match["parent"]:
             loose = _ANY_LORA_KEY.search(name)
             if loose is not None and loose["module"] not in SUPPORTED_MODULES:
+                if loose["module"] in VOCABULARY_MODULES:
+                    raise AdapterError(
+                        f"unsupported target module {loose['module']} (tensor {name}): "
+                        f"{_vocabulary_refusal(loose['module'])}"
+                    )
                 raise AdapterError(
                     f"unsupported target module {loose['module']} (tensor {name}); supported: "
                     f"{', '.join(SUPPORTED_MODULES)}"
@@ -374,27 +448,8 @@ def _check_layout(
                 "base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight"
             )
         layer, module, which = int(match["layer"]), match["module"], match["which"]
-        if module not in shapes.modules:
-            raise AdapterError(
-                f"tensor {name} adapts {module}, which the base model does not have; its projections are "
-                f"{', '.join(shapes.modules)}"
-            )
-        if layer >= shapes.num_layers:
-            raise AdapterError(
-                f"tensor {name} is for layer {layer}, but the base model has "
-                f"{shapes.num_layers} layers"
-            )
-        if dtype not in _FLOAT_DTYPES:
-            raise AdapterError(
-                f"tensor {name} has dtype {dtype}; LoRA weights must be floating point"
-            )
-        in_features, out_features = shapes.modules[module]
-        expected = (rank, in_features) if which == "A" else (out_features, rank)
-        if tuple(shape) != expected:
-            raise AdapterError(
-                f"tensor {name} has shape {tuple(shape)}, but the base model with r={rank} expects "
-                f"{expected}"
-            )
+        _check_tensor(name, (layer, module), shape, dtype, shapes,
+                      expected=lambda in_, out: (rank, in_) if which == "A" else (out, rank), rank=rank)
         found.setdefault((layer, module), {})[which] = name
     if not found:
         raise AdapterError(f"{WEIGHTS_NAME} holds no LoRA weights")
@@ -403,7 +458,42 @@ def _check_layout(
             missing = "B" if "A" in pair else "A"
             present = "A" if missing == "B" else "B"
             raise AdapterError(f"layer {layer} {module} has lora_{present} but no lora_{missing}")
-    return {key: (pair["A"], pair["B"]) for key, pair in found.items()}
+    if use_dora:
+        for layer, module in sorted(set(found) - set(magnitudes)):
+            raise AdapterError(
+                f"layer {layer} {module} has LoRA weights but no lora_magnitude_vector, which a DoRA adapter "
+                "(use_dora) has for every adapted module"
+            )
+        for layer, module in sorted(set(magnitudes) - set(found)):
+            raise AdapterError(f"layer {layer} {module} has a lora_magnitude_vector but no LoRA weights")
+    return {key: (pair["A"], pair["B"]) for key, pair in found.items()}, magnitudes
+
+
+def _check_tensor(
+    name: str,
+    key: tuple[int, str],
+    shape: tuple[int, ...],
+    dtype: str,
+    shapes: BaseShapes,
+    *,
+    expected: Callable[[int, int], tuple[int, ...]],
+    rank: int | None = None,
+) -> None:
+    """One tensor of module ``key``: a module and layer the base has, a float dtype, ``expected(in, out)``'s shape."""
+    layer, module = key
+    if module not in shapes.modules:
+        raise AdapterError(
+            f"tensor {name} adapts {module}, which the base model does not have; its projections are "
+            f"{', '.join(shapes.modules)}"
+        )
+    if layer >= shapes.num_layers:
+        raise AdapterError(f"tensor {name} is for layer {layer}, but the base model has {shapes.num_layers} layers")
+    if dtype not in _FLOAT_DTYPES:
+        raise AdapterError(f"tensor {name} has dtype {dtype}; adapter weights must be floating point")
+    want = expected(*shapes.modules[module])
+    if tuple(shape) != want:
+        with_rank = f" with r={rank}" if rank is not None else ""
+        raise AdapterError(f"tensor {name} has shape {tuple(shape)}, but the base model{with_rank} expects {want}")
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from serving.engine.lora.reader import LoadedAdapter, Weights
+from serving.engine.lora.reader import LoadedAdapter, Magnitudes, Weights
 
 
 class CopyDone(Protocol):
@@ -35,7 +35,10 @@ class CachedAdapter:
 
     ``weights`` is the CPU copy as the GPU pool's rows take it (``A [rank, in]``, ``B`` transposed
     ``[rank, out]``, the model's dtype, pinned on CUDA); ``nbytes`` its size and ``checksum`` the
-    sum of its raw bits (slot integrity compares the rows against it)."""
+    sum of its raw bits (slot integrity compares the rows against it). A DoRA adapter's CPU copy
+    also holds its ``magnitudes`` (fp32, counted in ``nbytes``, not in ``checksum``: they are not
+    pool rows), kept and dropped with ``weights``; ``dora`` says which kind it is even when the copy
+    is gone."""
 
     digest: str
     path: str
@@ -46,6 +49,8 @@ class CachedAdapter:
     weights: Weights | None
     load_seconds: float
     nbytes: int = 0
+    dora: bool = False
+    magnitudes: Magnitudes | None = None
     checksum: int = 0
     names: set[str] = field(default_factory=set)
     slot: int | None = None  # its entry in the kernels' slot table, while resident
@@ -84,13 +89,14 @@ class AdapterHandle:
 @dataclass(frozen=True)
 class LoadResult:
     """A finished read: the validated adapter, its weights ready for the pool's rows (their bytes and
-    raw-bit checksum), and how long it took."""
+    raw-bit checksum; a DoRA adapter's magnitudes, fp32, in ``nbytes`` too), and how long it took."""
 
     loaded: LoadedAdapter
     weights: Weights
     seconds: float
     nbytes: int
     checksum: int
+    magnitudes: Magnitudes | None = None
 
 
 @dataclass(eq=False)
