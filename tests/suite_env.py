@@ -7,7 +7,9 @@ the settings, which read the environment once (runtime.settings):
   a web process a test starts with DJANGO_DEBUG=0 (production's mode) is not refused for the
   development key;
 - no `.env`: a developer's file must not change what a run tests (the tests of `.env` itself
-  name their own file in LORAPLEX_ENV_FILE).
+  name their own file in LORAPLEX_ENV_FILE);
+- the tiny random demo model (LORAPLEX_DEMO_MODEL=tiny): a launcher a test starts builds it
+  offline in a second, where the default demo model is a 93 MB download (lora_platform.demo_model).
 
 Set only where unset, so a run can still choose otherwise.
 """
@@ -21,3 +23,4 @@ SUITE_SECRET_KEY = "loraplex-test-suite-secret-key-not-for-deployments"
 os.environ.setdefault("DJANGO_DEBUG", "true")
 os.environ.setdefault("DJANGO_SECRET_KEY", SUITE_SECRET_KEY)
 os.environ.setdefault("LORAPLEX_ENV_FILE", "")
+os.environ.setdefault("LORAPLEX_DEMO_MODEL", "tiny")

@@ -10,6 +10,11 @@ The policy (docs/adapter-memory.md), in the order it is applied:
    budget once the KV cache has taken at most ``1 - lora_memory_fraction`` of it: all that the KV
    cache cannot use when sequences are short, and at least ``lora_memory_fraction`` when they are
    long. On CPU they get ``cpu_lora_memory_bytes``.
+   Either default holds at least ``DEFAULT_MIN_ADAPTERS`` adapters of ``max_lora_rank`` (on CUDA the
+   KV cache gives up what that takes): the default is sized from the model's shape (its rank row's
+   bytes) and the max rank, so any model that fits starts without a flag (issue 39, item 1: the flat
+   64 MiB held 54 rows of a 135M model, less than one rank-64 adapter). An explicit
+   ``lora_memory_bytes`` or ``max_loras`` is taken as asked, and one below an adapter is refused.
 4. The slot table holds ``max_loras`` entries when given (an upper bound on resident adapters),
    else one per ``min(8, max_lora_rank)`` rows: rank-8 adapters and larger fill the pool.
 
@@ -23,6 +28,10 @@ import os
 from dataclasses import dataclass
 
 from serving.engine.config import EngineConfig
+
+# Adapters of max_lora_rank a default pool holds at least: a few tenants' adapters of the largest rank
+# stay resident together (a pool of one would reload on every switch between two of them).
+DEFAULT_MIN_ADAPTERS = 4
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ def plan_memory(
     naming the setting when adapters or the KV cache would get less than their minimum."""
     enough = config.max_num_seqs * -(-max_model_len // config.block_size)
     asked = _asked_lora_bytes(config, lora_row_bytes, on_cpu=budget is None)
+    least = DEFAULT_MIN_ADAPTERS * config.max_lora_rank * lora_row_bytes if config.lora_enabled else 0
     if config.num_kv_blocks is not None:
         kv_blocks = config.num_kv_blocks
     elif budget is None:
@@ -48,12 +58,15 @@ def plan_memory(
     elif asked is not None:
         kv_blocks = min(enough, (budget - asked) // kv_block_bytes - 1)
     else:
-        kv_blocks = min(enough, int(budget * (1 - config.lora_memory_fraction)) // kv_block_bytes - 1)
+        kv_share = min(int(budget * (1 - config.lora_memory_fraction)), budget - least)
+        kv_blocks = min(enough, kv_share // kv_block_bytes - 1)
     if not config.lora_enabled:
         return MemoryPlan(kv_blocks, 0, 0, 0)
     if asked is None:
         assert budget is not None
         asked = budget - (kv_blocks + 1) * kv_block_bytes
+    elif budget is None and _operator_sized(config) is None:
+        asked = max(asked, least)
     rows = max(0, asked) // lora_row_bytes
     if rows < config.max_lora_rank:
         raise ValueError(
@@ -72,11 +85,20 @@ def plan_memory(
 
 
 def _asked_lora_bytes(config: EngineConfig, row_bytes: int, *, on_cpu: bool) -> int | None:
-    if config.lora_memory_bytes is not None:
+    sized = _operator_sized(config)
+    if sized == "bytes":
         return config.lora_memory_bytes
-    if config.max_loras is not None:
+    if sized == "count":
+        assert config.max_loras is not None
         return config.max_loras * config.max_lora_rank * row_bytes
     return config.cpu_lora_memory_bytes if on_cpu else None
+
+
+def _operator_sized(config: EngineConfig) -> str | None:
+    """How the operator sized the pool: "bytes" (lora_memory_bytes), "count" (max_loras), None (the default)."""
+    if config.lora_memory_bytes is not None:
+        return "bytes"
+    return "count" if config.max_loras is not None else None
 
 
 def _host_memory() -> int:

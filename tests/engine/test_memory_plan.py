@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from serving.engine.config import EngineConfig
-from serving.engine.memory_plan import plan_memory
+from serving.engine.memory_plan import DEFAULT_MIN_ADAPTERS, plan_memory
 
 GIB = 1 << 30
 ROW = 5 << 20  # the Llama-3-8B shape's rank row: 5.24 MB in bf16
@@ -74,3 +74,29 @@ def test_the_cpu_cache_counts_entries_when_the_operator_does(tmp_path: Path) -> 
     assert counted.cpu_cache_bytes >= default.cpu_cache_bytes
     fixed = plan(config(tmp_path, cpu_lora_cache_bytes=GIB), budget=100 * GIB)
     assert fixed.cpu_cache_bytes == GIB
+
+
+SMOLLM_ROW = 30 * 10176 * 4  # SmolLM2-135M's rank row in fp32 (30 layers of 10,176 elements): 1.22 MB
+
+
+def test_the_cpu_default_holds_a_few_adapters_of_the_max_rank_whatever_the_model(tmp_path: Path) -> None:
+    # Issue 39, item 1: the flat 64 MiB held 54 rows of SmolLM2-135M, less than one rank-64 adapter.
+    cfg = config(tmp_path, max_lora_rank=64)
+    p = plan_memory(cfg, kv_block_bytes=BLOCK, lora_row_bytes=SMOLLM_ROW, max_model_len=2048, budget=None)
+    assert p.lora_rows == DEFAULT_MIN_ADAPTERS * 64
+    small = plan_memory(config(tmp_path, max_lora_rank=8), kv_block_bytes=BLOCK, lora_row_bytes=1024,
+                        max_model_len=2048, budget=None)
+    assert small.lora_rows == (64 << 20) // 1024, "a small model keeps the 64 MiB floor"
+
+
+def test_the_cuda_default_gives_up_kv_cache_for_a_few_adapters_of_the_max_rank(tmp_path: Path) -> None:
+    p = plan(config(tmp_path, max_lora_rank=64), budget=3 * GIB)  # a fifth (0.6 GiB) holds 122 rows of 5 MB
+    assert p.lora_rows >= DEFAULT_MIN_ADAPTERS * 64
+    assert (p.num_kv_blocks + 1) * BLOCK + p.lora_rows * ROW <= 3 * GIB
+
+
+def test_an_explicit_pool_is_taken_as_asked_even_below_the_default_minimum(tmp_path: Path) -> None:
+    p = plan(config(tmp_path, max_lora_rank=64, lora_memory_bytes=100 * ROW), budget=None)
+    assert p.lora_rows == 100
+    p = plan(config(tmp_path, max_lora_rank=64, max_loras=1), budget=100 * GIB)
+    assert p.lora_rows == 64

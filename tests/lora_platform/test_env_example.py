@@ -1,7 +1,9 @@
 """`.env.example` lists exactly the settings the models define, each with its default, so the two
 cannot drift: PlatformSettings (runtime/settings.py), the gateway's GatewaySettings and
 training's TrainingSettings; the only other names are those read from the environment by others
-(docs/operations.md, "Settings": boto3's AWS_*, prometheus_client's, OpenMP's)."""
+(docs/operations.md, "Settings": boto3's AWS_*, prometheus_client's, OpenMP's) and the serving
+worker's flags (SERVING_WORKER_*, serving.engine.server.cli), of which it lists those an operator
+most often needs (issue 39, item 5), each with a value the worker takes."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
+
+from serving.engine.server.cli import build_parser, env_variables
 from serving.gateway.config import GatewaySettings
-from runtime.settings import PlatformSettings
+from runtime.settings import PlatformSettings, platform_settings
 from training.conf import TrainingSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +39,26 @@ def test_env_example_names_every_setting_once_and_nothing_else() -> None:
     names = [name for _, name, _ in _lines()]
     assert len(names) == len(set(names)), "a variable listed twice"
     assert not sorted(_defined() - set(names)), "settings .env.example does not list"
-    assert not sorted(set(names) - _defined() - NOT_SETTINGS), "variables no settings model defines"
+    assert not sorted(set(names) - _defined() - NOT_SETTINGS - set(env_variables())), "variables nobody reads"
+
+
+def test_the_worker_settings_an_operator_needs_are_listed_with_values_its_flags_take(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    listed = {name: value for _, name, value in _lines() if name.startswith("SERVING_WORKER_")}
+    for name in ("LORA_MEMORY_BYTES", "MAX_LORAS", "CPU_LORA_CACHE_BYTES", "TOOL_CALL_PARSER", "MAX_NUM_SEQS",
+                 "MAX_MODEL_LEN", "GPU_MEMORY_UTILIZATION"):
+        assert "SERVING_WORKER_" + name in listed, name
+    for name, value in listed.items():
+        if value:
+            monkeypatch.setenv(name, value)
+    platform_settings.cache_clear()
+    try:
+        parser = build_parser()  # a value it cannot take stops it, naming the variable
+    finally:
+        monkeypatch.undo()
+        platform_settings.cache_clear()
+    assert parser.get_default("lora_memory_bytes") == int(listed["SERVING_WORKER_LORA_MEMORY_BYTES"])
+    assert parser.get_default("tool_call_parser") == listed["SERVING_WORKER_TOOL_CALL_PARSER"]
 
 
 def test_an_uncommented_platform_line_holds_the_fields_default() -> None:

@@ -9,8 +9,17 @@ admission bound, shutdown grace period, adapter roots, request body bound).
 The flags are generated from `ServerArgs`, a pydantic dataclass of the worker's settings: each field
 marked `Flag` is the flag of its name (`max_lora_rank` is --max-lora-rank), its description the
 help, its default the flag's (the engine's own defaults are EngineConfig's and GrammarBudget's,
-written there once), a `gt=0`/`ge=0` bound the flag's check. Three defaults are settings, read
-through runtime.settings (environment, then .env): --api-key, --registry-token, --redis-url.
+written there once), a `gt=0`/`ge=0` bound the flag's check. Four defaults are platform settings, read
+through runtime.settings (environment, then .env): --api-key, --registry-token, --redis-url and
+--max-lora-rank (MAX_LORA_RANK: the rank the registry accepts is the rank the worker loads).
+
+Every flag but those naming where the worker is and what it serves (`NOT_FROM_ENV`, which `make up`
+and docker-compose.yml set from BASE_MODEL, LORAPLEX_SERVING_PORT, …) also takes its default from
+the variable SERVING_WORKER_ + its name in capitals (--lora-memory-bytes: SERVING_WORKER_LORA_MEMORY_BYTES),
+in the environment or `.env`, so an operator sets any worker setting in the one settings file that
+`make up`, compose and a worker started by hand all read (issue 39, items 1 and 5). The order, first
+wins: the command line, that variable, the platform setting, the field's default. A value that does
+not parse stops the worker with a message naming the variable.
 """
 
 from __future__ import annotations
@@ -98,7 +107,9 @@ class ServerArgs:
         "holds); alone, it also sizes that memory to this many adapters of --max-lora-rank; 0 turns LoRA off"))
     max_cpu_loras: Annotated[int | None, Flag(LORA)] = Field(
         default=_ENGINE["max_cpu_loras"], description="at most this many adapters in the CPU cache")
-    max_lora_rank: Annotated[int, Flag(LORA)] = _ENGINE["max_lora_rank"]
+    max_lora_rank: Annotated[int, Flag(LORA, from_settings=lambda s: s.max_lora_rank)] = Field(
+        default=_ENGINE["max_lora_rank"], gt=0, description=(
+        "the largest adapter rank served (default: $MAX_LORA_RANK, the largest the registry accepts)"))
     lora_memory_bytes: Annotated[int | None, Flag(LORA)] = Field(
         default=_ENGINE["lora_memory_bytes"], gt=0, description=(
         "GPU bytes for adapters (default: what the KV cache leaves, at least --lora-memory-fraction)"))
@@ -223,6 +234,40 @@ def adapter_roots(allowed_adapter_path: Sequence[str]) -> AdapterRoots:
     return AdapterRoots([platform_storage_url(), *allowed_adapter_path])
 
 
+ENV_PREFIX = "SERVING_WORKER_"
+# Where the worker is and what it serves: `make up` and compose pass them from the platform's settings.
+NOT_FROM_ENV = frozenset({"model", "served_model_name", "host", "port", "registry_url", "advertise_url"})
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+
+
+def env_variables() -> dict[str, str]:
+    """{variable: flag} of every flag settable from the environment (SERVING_WORKER_ + its name)."""
+    fields: dict[str, FieldInfo] = cast(Any, ServerArgs).__pydantic_fields__
+    return {ENV_PREFIX + name.upper(): "--" + name.replace("_", "-") for name, info in fields.items()
+            if name not in NOT_FROM_ENV and any(isinstance(item, Flag) for item in info.metadata)}
+
+
+def _env_default(action: argparse.Action, text: str) -> Any:
+    """`text`, a SERVING_WORKER_* variable's value, parsed as the flag `action` parses its argument."""
+    if action.nargs == 0:  # store_true and --x/--no-x
+        if text.lower() not in _TRUE | _FALSE:
+            raise ValueError("must be true or false")
+        return text.lower() in _TRUE
+    convert = action.type if callable(action.type) else str
+    many = action.nargs == "+" or isinstance(action, argparse._AppendAction)
+    items = [item.strip() for item in text.split(",") if item.strip()] if many else [text]
+    values = []
+    for item in items:
+        try:
+            value = convert(item)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as error:
+            raise ValueError(str(error) or f"not a valid {getattr(convert, '__name__', 'value')}") from None
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"must be one of {', '.join(map(str, action.choices))}")
+        values.append(value)
+    return values if many else values[0]
+
+
 N = TypeVar("N", int, float)
 
 
@@ -279,7 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
             default = info.get_default(call_default_factory=True)
             options["default"] = flag.from_settings(settings) if flag.from_settings else default
         names = ["--" + name.replace("_", "-"), *([flag.short] if flag.short else [])]
-        groups[flag.group].add_argument(*names, **options)
+        action = groups[flag.group].add_argument(*names, **options)
+        variable = ENV_PREFIX + name.upper()
+        text = (settings.environ.get(variable) or "").strip() if name not in NOT_FROM_ENV else ""
+        if text:
+            try:
+                action.default = _env_default(action, text)
+            except ValueError as error:
+                parser.error(f"{variable}={text!r} (environment or .env, for {names[0]}): {error}")
     return parser
 
 

@@ -10,8 +10,9 @@ import pytest
 
 from serving.engine.config import EngineConfig
 from serving.engine.grammar_pool import GrammarBudget
-from serving.engine.server.cli import ServerArgs, build_parser
+from serving.engine.server.cli import ServerArgs, build_parser, env_variables
 from serving.gateway.config import GatewayConfig
+from runtime.settings import platform_settings
 
 # The flags operators' command lines and `make up` use: the generated parser must keep every one.
 FLAGS = """--model --host --port --served-model-name --api-key --max-loras --max-cpu-loras --max-lora-rank
@@ -43,7 +44,8 @@ def test_every_flag_is_kept_and_each_is_a_field_with_its_default_and_help() -> N
 def test_the_engine_defaults_are_the_engine_configs_written_once() -> None:
     args = build_parser().parse_args(["--model", "unused"])
     engine = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
-    for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "lora_memory_fraction", "max_num_seqs",
+    assert args.max_lora_rank == platform_settings().max_lora_rank, "MAX_LORA_RANK's default, the registry's bound"
+    for name in ("max_loras", "max_cpu_loras", "lora_memory_fraction", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "dtype", "device", "load_format",
                  "seed", "enforce_eager", "tensor_parallel_size", "enable_prefix_caching", "quantization"):
         assert getattr(args, name) == engine[name], name
@@ -63,4 +65,45 @@ def test_the_engine_defaults_are_the_engine_configs_written_once() -> None:
 def test_a_bad_value_is_refused_naming_its_flag(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "unused", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_every_flag_but_where_the_worker_is_takes_its_default_from_a_serving_worker_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 39, items 1 and 5: `make up`, compose and a worker by hand read the same settings.
+    variables = env_variables()
+    assert variables["SERVING_WORKER_LORA_MEMORY_BYTES"] == "--lora-memory-bytes"
+    assert "SERVING_WORKER_MODEL" not in variables and "SERVING_WORKER_PORT" not in variables
+    for name, value in {"SERVING_WORKER_LORA_MEMORY_BYTES": "268435456", "SERVING_WORKER_TOOL_CALL_PARSER": "hermes",
+                        "SERVING_WORKER_ENFORCE_EAGER": "true", "SERVING_WORKER_ENABLE_PREFIX_CACHING": "false",
+                        "SERVING_WORKER_ALLOWED_ADAPTER_PATH": "/srv/a, /srv/b", "MAX_LORA_RANK": "32"}.items():
+        monkeypatch.setenv(name, value)
+    platform_settings.cache_clear()
+    try:
+        args = build_parser().parse_args(["--model", "unused", "--tool-call-parser", "mistral"])
+    finally:
+        platform_settings.cache_clear()
+    assert (args.lora_memory_bytes, args.enforce_eager, args.enable_prefix_caching) == (268435456, True, False)
+    assert args.allowed_adapter_path == ["/srv/a", "/srv/b"]
+    assert args.max_lora_rank == 32, "MAX_LORA_RANK, the rank the registry accepts, is the worker's default"
+    assert args.tool_call_parser == "mistral", "the command line wins over the variable"
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("SERVING_WORKER_LORA_MEMORY_BYTES", "0", "SERVING_WORKER_LORA_MEMORY_BYTES='0' (environment or .env, for "
+     "--lora-memory-bytes): must be > 0, got 0"),
+    ("SERVING_WORKER_TOOL_CALL_PARSER", "xml", "SERVING_WORKER_TOOL_CALL_PARSER='xml' (environment or .env, for "
+     "--tool-call-parser): must be one of"),
+    ("SERVING_WORKER_ENFORCE_EAGER", "maybe", "must be true or false"),
+    ("SERVING_WORKER_MAX_NUM_SEQS", "many", "SERVING_WORKER_MAX_NUM_SEQS='many'"),
+])
+def test_a_bad_variable_is_refused_naming_it(name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(name, value)
+    platform_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit):
+            build_parser()
+    finally:
+        platform_settings.cache_clear()
     assert message in capsys.readouterr().err
