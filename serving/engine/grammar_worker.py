@@ -31,14 +31,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+# A JSON schema's grammar, bounded (issue 39, item 4); it imports only the grammar library.
+from serving.engine.json_grammar import json_schema_grammar
+
 if TYPE_CHECKING:
     import xgrammar
-
-# xgrammar 0.2.8 spells a length-bounded JSON string's character as [^"\\\r\n], which lets raw
-# control characters (U+0000-U+001F) into the string: not JSON (RFC 8259), json.loads refuses it.
-# Its unbounded strings exclude them; bounded ones are given the same class (no escapes, a subset).
-_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the caller needs the rest.
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -61,15 +58,6 @@ class CompileLimits:
 def library_detail(exc: Exception) -> str:
     """The grammar library's message for the caller (without its log line's prefix)."""
     return _LOG_PREFIX.sub("", str(exc).strip())
-
-
-def json_schema_grammar(schema: str) -> str:
-    """The EBNF grammar of compact JSON (no free whitespace) matching `schema`: a model that loops
-    on spaces or newlines inside an object would otherwise run to max_tokens without closing it."""
-    import xgrammar as xgr
-
-    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_STRING_CHAR,
-                                                                                   _JSON_STRING_CHAR)
 
 
 class TooComplex(Exception):

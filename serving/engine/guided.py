@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from serving.engine.grammar_pool import GrammarBudget, GrammarError, GrammarPool, GrammarTooComplex
-from serving.engine.grammar_worker import json_schema_grammar, library_detail
+from serving.engine.grammar_worker import library_detail
+from serving.engine.json_grammar import json_schema_grammar
 
 if TYPE_CHECKING:
     import xgrammar

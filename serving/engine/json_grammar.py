@@ -1,0 +1,99 @@
+"""The EBNF grammar of a JSON schema's documents, as constrained decoding uses it: compact (no free
+whitespace) and bounded, so a model held to it cannot write one value forever.
+
+xgrammar's conversion (``Grammar.from_json_schema``) lets a number's digits and a string's
+characters repeat without end: a small model held to ``{"type": "number"}`` wrote
+``1111111111111111222222…`` until ``max_tokens`` cut it into invalid JSON (issue 39, item 4). Its
+shared ``basic_*`` rules (every number, integer and string the schema leaves unbounded, and every
+value of an untyped or free-form part, ``json_object`` included) are rewritten here to the bounds
+below; a schema's own bounds (``maxLength``, ``minimum``/``maximum``, ``pattern``, ``enum``) are the
+library's own rules and stay as written. docs/serving-worker.md, "Structured output", documents them.
+
+| value | bound | why |
+| --- | --- | --- |
+| a number's integer part, an integer | at most ``MAX_INTEGER_DIGITS`` (15) digits | every integer below 10**15 is exact in a double (JavaScript's and most parsers') |
+| a number's fraction | at most ``MAX_FRACTION_DIGITS`` (15) digits | a double keeps about 16 significant digits; more are noise |
+| a number's exponent | at most ``MAX_EXPONENT_DIGITS`` (3) digits | a double's range ends at 1e308 |
+| a string without ``maxLength`` | at most ``MAX_STRING_CHARS`` (8,192) characters, an escape counting as one | closes a string a model loops in, long before a usual ``max_tokens``; a schema that needs longer strings says so with ``maxLength`` |
+
+It imports only the grammar library (and that when called): the compiling processes
+(serving.engine.grammar_worker) call it on their side.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_INTEGER_DIGITS = 15
+MAX_FRACTION_DIGITS = 15
+MAX_EXPONENT_DIGITS = 3
+MAX_STRING_CHARS = 8192
+
+# xgrammar 0.2.8 spells a length-bounded JSON string's character as [^"\\\r\n], which lets raw
+# control characters (U+0000-U+001F) into the string: not JSON (RFC 8259), json.loads refuses it.
+# Its unbounded strings exclude them; bounded ones are given the same class (no escapes, a subset).
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+# The library's shared rules for values the schema leaves unbounded, as it writes them (one rule a
+# line), and what each becomes. `basic_string_sub` (a string's rest, recursive: unbounded) gives
+# way to a repetition of `basic_string_char`, with the same look-ahead after the closing quote.
+_UNBOUNDED = {
+    "basic_integer": '(("0") | (basic_integer_1 [1-9] [0-9]*))',
+    "basic_number_2": '(("0") | ([1-9] [0-9]*))',
+    "basic_number_3": '("" | ("." basic_number_digits{1, -1}))',
+    "basic_number_5": '("" | ([eE] basic_number_4 basic_number_digits{1, -1}))',
+    "basic_string": '(("\\"" basic_string_sub))',
+    "basic_string_sub": ('(("\\"") | ([^\\0-\\x1f\\"\\\\\\r\\n] basic_string_sub) | ("\\\\" basic_escape '
+                         'basic_string_sub)) (=([ \\n\\r\\t]* [,}\\]:]))'),
+}
+_BOUNDED = {
+    "basic_integer": f'(("0") | (basic_integer_1 [1-9] [0-9]{{0, {MAX_INTEGER_DIGITS - 1}}}))',
+    "basic_number_2": f'(("0") | ([1-9] [0-9]{{0, {MAX_INTEGER_DIGITS - 1}}}))',
+    "basic_number_3": f'("" | ("." basic_number_digits{{1, {MAX_FRACTION_DIGITS}}}))',
+    "basic_number_5": f'("" | ([eE] basic_number_4 basic_number_digits{{1, {MAX_EXPONENT_DIGITS}}}))',
+    "basic_string": (f'(("\\"" basic_string_char{{0, {MAX_STRING_CHARS}}} "\\"")) '
+                     '(=([ \\n\\r\\t]* [,}\\]:]))'),
+    "basic_string_sub": None,  # dropped
+}
+_EXTRA_RULES = f"basic_string_char ::= (({_JSON_STRING_CHAR}) | (\"\\\\\" basic_escape))"
+_RULE = re.compile(r"^(\w+) ::= (.*)$")
+
+
+class UnexpectedGrammar(RuntimeError):
+    """The library wrote its shared JSON rules differently from the version this was written for:
+    bounding them blindly could change what they accept, so the constraint is refused instead."""
+
+
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF grammar (GBNF's syntax) of compact JSON matching `schema` (its JSON text), with the
+    module's bounds on what the schema leaves unbounded. The library's RuntimeError for a schema
+    it refuses passes through."""
+    import xgrammar as xgr
+
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return bound_json_rules(grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def bound_json_rules(grammar: str) -> str:
+    """`grammar` (the library's conversion of a schema) with its shared unbounded rules bounded."""
+    lines = []
+    found: set[str] = set()
+    for line in grammar.splitlines():
+        rule = _RULE.match(line)
+        if rule is None or rule.group(1) not in _UNBOUNDED:
+            lines.append(line)
+            continue
+        name, body = rule.groups()
+        if body != _UNBOUNDED[name]:
+            raise UnexpectedGrammar(f"the grammar library writes {name} as {body!r}, not as this worker expects "
+                                    f"({_UNBOUNDED[name]!r})")
+        found.add(name)
+        bounded = _BOUNDED[name]
+        if bounded is not None:
+            lines.append(f"{name} ::= {bounded}")
+    if found != set(_UNBOUNDED):
+        missing = ", ".join(sorted(set(_UNBOUNDED) - found))
+        raise UnexpectedGrammar(f"the grammar library's conversion has no rule {missing}")
+    lines.append(_EXTRA_RULES)
+    return "\n".join(lines) + "\n"
