@@ -80,7 +80,8 @@ RESTART_STABLE_S = 60.0
 
 # Celery warns, at every start, that it runs as root; `make up` in a container often does, and the
 # warning is about pickle, which the platform does not accept (CELERY_ACCEPT_CONTENT is JSON).
-CELERY_QUIET_ROOT = {"PYTHONWARNINGS": "ignore::celery.exceptions.SecurityWarning"}
+# (By its message: PYTHONWARNINGS cannot name a category inside a package.)
+CELERY_QUIET_ROOT = {"PYTHONWARNINGS": "ignore:You're running the worker with superuser privileges"}
 
 
 @dataclass(frozen=True)

