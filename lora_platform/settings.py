@@ -274,4 +274,4 @@ GATEWAY_PREWARM_LOOP = GATEWAY_SETTINGS.prewarm_loop
 # One handler on the root, text or JSON lines with the request id (runtime.logs; LOG_FORMAT,
 # LOG_LEVEL); the Celery worker applies the same (lora_platform.celery).
 LOGGING = logging_config(platform.log_format, platform.log_level,
-                         quiet_tasks=[entry["task"] for entry in CELERY_BEAT_SCHEDULE.values()])
+                         quiet_tasks=[str(entry["task"]) for entry in CELERY_BEAT_SCHEDULE.values()])
