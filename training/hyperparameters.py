@@ -67,6 +67,9 @@ class Hyperparameters:
     gradient_checkpointing: bool = False
     # Several examples per row of up to max_seq_length tokens, each attending only to itself.
     packing: bool = False
+    # DoRA (PEFT's use_dora, a Loraplex extension to OpenAI's API): each adapted projection also learns a
+    # magnitude per output feature; the engine serves it beside plain LoRA (docs/adapter-kinds.md).
+    use_dora: bool = False
     method: str = SUPERVISED
     # DPO's temperature: how far the adapter may move from the base (the reference) to fit the preferences.
     beta: float = 0.1
@@ -244,6 +247,7 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         gradient_accumulation_steps=accumulation,
         gradient_checkpointing=_flag("gradient_checkpointing", values["gradient_checkpointing"]),
         packing=_flag("packing", values["packing"]),
+        use_dora=_flag("use_dora", values["use_dora"]),
         method=method,
         beta=_number("beta", values["beta"], integer=False, low=0, high=100, low_open=True),
         gpus=_number("gpus", values["gpus"], integer=True, low=1, high=limits.max_gpus),

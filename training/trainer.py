@@ -286,7 +286,7 @@ class LoraTrainer:
         # PEFT scales by lora_alpha / r and takes any number; its annotation says int.
         config = LoraConfig(r=self.hp.r, lora_alpha=self.hp.lora_alpha,  # type: ignore[arg-type]
                             lora_dropout=self.hp.lora_dropout, target_modules=target_modules, bias="none",
-                            task_type="CAUSAL_LM")
+                            task_type="CAUSAL_LM", use_dora=self.hp.use_dora)
         model = get_peft_model(self.base.model, config)
         if self.world is not None:
             shard(model, self.base.model, self.world)

@@ -42,7 +42,7 @@ _METHOD_ONLY = {"beta": DPO}
 _INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r", "gradient_accumulation_steps"}
 # The form's choices and switches beside the numbers (training.hyperparameters).
 _CHOICE_FIELDS = ("method", "lr_scheduler_type")
-_SWITCHES = ("packing", "gradient_checkpointing")
+_SWITCHES = ("packing", "gradient_checkpointing", "use_dora")
 
 
 @dashboard_view(Role.VIEWER)

@@ -1,6 +1,6 @@
 """The dashboard's new-job form takes the trainer's options and DPO (issue 25, items 3 and 4): the
-method, the schedule, packing and gradient checkpointing, accumulation, weight decay and beta reach
-the job; a DPO job on a chat file is refused with the form kept."""
+method, the schedule, packing and gradient checkpointing, accumulation, weight decay, beta and the
+adapter kind (use_dora, issue 41) reach the job; a DPO job on a chat file is refused with the form kept."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_the_form_sends_dpo_and_the_trainers_options(as_user, people, tenant_a):
     assert b'<option value="dpo"' in page and b'name="packing"' in page and b'id="hp-beta"' in page
     form = {"training_file": str(chat.pk), "adapter": "prefs", "method": "dpo", "beta": "0.3",
             "lr_scheduler_type": "cosine", "packing": "on", "gradient_checkpointing": "on",
-            "gradient_accumulation_steps": "2", "weight_decay": "0.01"}
+            "gradient_accumulation_steps": "2", "weight_decay": "0.01", "use_dora": "on"}
     refused = client.post(reverse("dashboard:job-create"), form)
     assert refused.status_code == 400 and b"A DPO job trains on a preference file" in refused.content
     assert b'<option value="dpo" selected' in refused.content and b'name="packing" checked' in refused.content
@@ -55,4 +55,5 @@ def test_the_form_sends_dpo_and_the_trainers_options(as_user, people, tenant_a):
     assert (hp["method"], hp["beta"], hp["lr_scheduler_type"]) == ("dpo", 0.3, "cosine")
     assert (hp["packing"], hp["gradient_checkpointing"], hp["gradient_accumulation_steps"], hp["weight_decay"]) == (
         True, True, 2, 0.01)
+    assert hp["use_dora"] is True  # the adapter kind (docs/adapter-kinds.md)
     assert b"<dt>Method</dt><dd>DPO, \xce\xb2 0.3</dd>" in client.get(created["Location"]).content

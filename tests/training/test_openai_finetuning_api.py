@@ -115,9 +115,12 @@ def test_method_supervised_hyperparameters_and_a_generated_adapter_name(openai_a
     training = upload(openai_a, chat_lines())
     job = openai_a.fine_tuning.jobs.create(
         model=BASE_MODEL_NAME, training_file=training.id,
-        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1}}})
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "use_dora": True}}})
     assert job.hyperparameters.n_epochs == 1 and job.hyperparameters.learning_rate_multiplier == 1
     assert job.user_provided_suffix.startswith("ft-")
+    # The adapter kind, a Loraplex extension among the method's hyperparameters (docs/adapter-kinds.md).
+    assert job.hyperparameters.use_dora is True
+    assert TrainingJob.objects.get(pk=int(job.id.removeprefix("ftjob-"))).hyperparameters["use_dora"] is True
 
 
 @pytest.mark.parametrize("fields, status, param, code", [

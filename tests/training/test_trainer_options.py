@@ -4,6 +4,7 @@ gradient checkpointing, "auto" hyperparameters, and exact resume with them on.""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from serving.contracts.errors import InvalidInput
+from serving.engine.lora.reader import validate_adapter_dir
 from training.examples import Example, encode_example
 from training.hyperparameters import Hyperparameters, Limits, fit_to_dataset, resolve_hyperparameters
 from training.packing import layout, target_logprobs
@@ -146,6 +148,29 @@ def test_gradient_checkpointing_trains_the_same_adapter_and_is_switched_off_afte
     for name, tensor in plain.items():
         torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-4, atol=1e-6)
     assert not base.model.is_activation_checkpointing
+
+
+def test_use_dora_trains_a_dora_adapter_the_engine_reads_as_one(base, examples, tmp_path, one_thread):
+    hp = resolve_hyperparameters({"n_epochs": 1, "batch_size": 4, "learning_rate": 1e-2, "max_seq_length": 128,
+                                  "r": 2, "lora_alpha": 4, "use_dora": True}, LIMITS)
+    assert hp.use_dora
+    result = LoraTrainer(base, hp, seed=5, train=examples, valid=[], hooks=Hooks(tmp_path), work_dir=tmp_path / "dora",
+                         fingerprint="x", base_model_name="tiny-llama", checkpoint_every=100, log_every=1).run()
+    assert json.loads((result.adapter_dir / "adapter_config.json").read_text())["use_dora"] is True
+    magnitudes = {name: t for name, t in weights(result).items() if name.endswith(".lora_magnitude_vector")}
+    assert magnitudes, "a DoRA adapter saves a magnitude per adapted module"
+    spec = validate_adapter_dir(result.adapter_dir, base_config=base.model.config, max_lora_rank=8)
+    assert spec.kind == "dora" and spec.target_modules
+    # The magnitudes were trained: PEFT starts them at the base weight's row norms.
+    name, trained = next(iter(sorted(magnitudes.items())))
+    module = name.removeprefix("base_model.model.").removesuffix(".lora_magnitude_vector")
+    initial = base.model.get_submodule(module).weight.detach().float().norm(dim=1)
+    assert not torch.allclose(trained.float(), initial)
+
+
+def test_use_dora_must_be_a_switch():
+    with pytest.raises(InvalidInput, match="use_dora"):
+        resolve_hyperparameters({"use_dora": "yes"}, LIMITS)
 
 
 def test_resume_with_accumulation_packing_and_cosine_gives_the_uninterrupted_weights(base, examples, tmp_path,
