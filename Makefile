@@ -19,12 +19,17 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# Development mode (docs/operations.md, "Settings"): DJANGO_DEBUG unset means production, which
-# refuses the development secret key; text log lines for a terminal. The environment's values win.
-up migrate: export DJANGO_DEBUG ?= true
-up: export LOG_FORMAT ?= text
+# The settings file (docs/operations.md, "Settings"): the first `make up` or `make migrate` writes
+# .env from .env.example in development mode (DJANGO_DEBUG unset means production, which refuses the
+# development secret key; text log lines for a terminal; the embedded Redis kept in var/), so
+# manage.py, Celery and a serving worker started by hand read the settings `make up` runs on. An
+# existing .env is left as it is; the environment's values win over it.
+.env:
+	sed -e 's/^DJANGO_DEBUG=false$$/DJANGO_DEBUG=true/' -e 's/^LOG_FORMAT=json$$/LOG_FORMAT=text/' \
+		-e 's/^# LORAPLEX_EMBEDDED_REDIS_PERSIST=true$$/LORAPLEX_EMBEDDED_REDIS_PERSIST=true/' .env.example > $@
+	@echo "Wrote .env (development mode; every setting is in it): edit it to change them."
 
-migrate: install
+migrate: install | .env
 	$(PY) manage.py migrate --noinput
 
 lint-imports: install
@@ -56,8 +61,11 @@ test: lint-imports typecheck
 test-fast: lint-imports
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not e2e" --durations=30 $(PYTEST_ARGS)
 
+# exec: the launcher replaces the recipe's shell, so a signal to make's child reaches it; a signal to
+# make itself ends make, and the launcher stops with its parent (lora_platform.launcher). Ctrl-C
+# stops everything.
 up: migrate
-	$(PY) -m lora_platform.launcher
+	exec $(PY) -m lora_platform.launcher
 
 # Refreshes the dashboard's vendored htmx and uPlot (pinned in the script) from the npm registry.
 vendor-static:

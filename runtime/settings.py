@@ -216,7 +216,7 @@ class PlatformSettings(BaseSettings):
             refusals.append("DJANGO_SECRET_KEY is the development default, which anyone can read in the code (it signs "
                             "sessions and CSRF tokens): set your own, e.g. python -c 'import secrets; "
                             "print(secrets.token_urlsafe(50))'. On a development machine set DJANGO_DEBUG=true "
-                            "instead (make up does; DJANGO_DEBUG unset means false).")
+                            "instead (the .env the first make up writes does; DJANGO_DEBUG unset means false).")
         return refusals
 
 

@@ -8,6 +8,7 @@ most often needs (issue 39, item 5), each with a value the worker takes."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,7 +16,7 @@ import pytest
 
 from serving.engine.server.cli import build_parser, env_variables
 from serving.gateway.config import GatewaySettings
-from runtime.settings import PlatformSettings, platform_settings
+from runtime.settings import PlatformSettings, platform_settings, settings_read
 from training.conf import TrainingSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,3 +71,18 @@ def test_an_uncommented_platform_line_holds_the_fields_default() -> None:
         read = getattr(cast(Any, PlatformSettings)(_env_file=None, **{field: value}), field)
         default = fields[field].default
         assert read == default or (value == "" and default in ("", [], None)), f"{name}={value}, default {default!r}"
+
+
+def test_the_env_file_make_up_writes_is_development_mode_that_manage_py_accepts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 39, item 5: manage.py run by hand reads the .env `make up` wrote, so it needs nothing more.
+    for name in ("DJANGO_DEBUG", "DJANGO_SECRET_KEY", "LOG_FORMAT", "LORAPLEX_EMBEDDED_REDIS_PERSIST",
+                 "LORAPLEX_DEMO_MODEL", "BASE_MODEL", "BASE_MODEL_PATH"):
+        monkeypatch.delenv(name, raising=False)  # the environment wins over the file: only the file here
+    for name in ("Makefile", ".env.example"):
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    subprocess.run(["make", "--no-print-directory", ".env"], cwd=tmp_path, check=True, capture_output=True)
+    written = settings_read(tmp_path / ".env")
+    assert written.django_debug and written.log_format == "text" and written.loraplex_embedded_redis_persist
+    assert written.unsafe_for_deployment() == []
+    assert written.loraplex_demo_model == "smollm2" and written.base_model_is_demo
