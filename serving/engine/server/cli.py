@@ -161,6 +161,11 @@ class ServerArgs:
         "wait for the interpreter lock the HTTP loop holds (as vLLM V1 does); by default on for one CUDA device "
         "(on the H200 +46 % output tok/s at capacity), off on CPU and with --tensor-parallel-size > 1 "
         "(docs/serving-worker.md)"))
+    # None: on for CUDA (worker.warms_up decides).
+    warmup: Annotated[bool | None, Flag(ENGINE, negatable=True)] = Field(default=None, description=(
+        "before saying it is ready, run every step shape the scheduler can produce and every sampler path "
+        "once, with the --lora-modules adapters in them (serving.engine.warmup); by default on for CUDA, off "
+        "on CPU (docs/serving-worker.md, \"Warm-up: the first minute\")"))
     # --- structured output
     grammar_compile_timeout: Annotated[float, Flag(GRAMMAR)] = Field(default=_GRAMMAR.timeout, gt=0, description=(
         "seconds one constraint (response_format, guided_*, tools) may take to compile; past it its compiling "

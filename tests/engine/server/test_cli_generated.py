@@ -20,7 +20,8 @@ FLAGS = """--model --host --port --served-model-name --api-key --max-loras --max
 --max-num-seqs --max-num-batched-tokens --max-model-len --block-size --num-gpu-blocks-override
 --gpu-memory-utilization --dtype --device --load-format --seed --enforce-eager --tensor-parallel-size -tp
 --enable-prefix-caching --no-enable-prefix-caching --async-scheduling --no-async-scheduling --quantization
---engine-process --no-engine-process --grammar-compile-timeout --grammar-compile-workers --grammar-tenant-share
+--engine-process --no-engine-process --warmup --no-warmup --grammar-compile-timeout --grammar-compile-workers
+--grammar-tenant-share
 --max-grammar-schema-depth --max-queued-requests --timeout-graceful-shutdown --header-timeout --body-timeout
 --max-connections-per-client --max-request-body-bytes --trust-request-chat-template --chat-template-timeout
 --tool-call-parser --slot-verify-interval --uvicorn-log-level --registry-url --registry-token

@@ -1,0 +1,67 @@
+"""The worker is ready only once its warm-up has run (serving.engine.warmup; docs/serving-worker.md,
+"Warm-up: the first minute"): `/health` answers 503 "loading" as long as the warm-up's report does
+not exist, and the report covers every decode batch size and sampler path with the adapters named
+at launch left resident. On CPU the warm-up is off unless asked (`--warmup`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from serving.engine.server.app import build_app
+from serving.engine.server.cli import LoRAModule, ServerArgs
+from serving.engine.server.worker import Worker, warms_up
+from serving.engine.warmup import SAMPLER_PATHS
+
+MAX_SEQS = 4
+
+
+def test_the_warm_up_is_on_for_cuda_and_off_on_cpu_unless_asked() -> None:
+    assert warms_up(None, "cuda") and not warms_up(None, "cpu")
+    assert warms_up(True, "cpu") and not warms_up(False, "cuda")
+
+
+@pytest.mark.e2e  # the warm-up's guided request starts the grammar compiler's processes
+def test_health_is_loading_until_the_warm_up_has_run(tiny_model: Path, make_adapter: Callable[..., Path]) -> None:
+    adapters = [LoRAModule("first", str(make_adapter(seed=11))), LoRAModule("second", str(make_adapter(seed=12)))]
+    worker = Worker(ServerArgs(model=str(tiny_model), device="cpu", max_model_len=128, num_gpu_blocks_override=256,
+                               max_num_seqs=MAX_SEQS, max_num_batched_tokens=64, max_loras=2, lora_modules=adapters,
+                               slot_verify_interval=0, warmup=True))  # fmt: skip
+    polls = 0
+    with TestClient(build_app(worker)) as client:
+        deadline = time.monotonic() + 120
+        while True:
+            # /health is asked before the report is read: a 200 means the report must exist by then.
+            health = client.get("/health")
+            report = worker.warmup_report
+            polls += 1
+            if health.status_code == 200:
+                assert report is not None, "ready before the warm-up ended"
+                break
+            assert health.status_code == 503 and health.json() == {"status": "loading"}, health.text
+            assert time.monotonic() < deadline, "the worker never became ready"
+            time.sleep(0.02)
+        report = worker.warmup_report
+        assert report is not None
+        decode_sizes = {shape.tokens for shape in report.shapes if shape.layout == "flat"}
+        assert decode_sizes >= set(range(1, MAX_SEQS + 1))
+        assert report.sampler_paths == set(SAMPLER_PATHS)
+        assert report.resident == ("first", "second")
+        answer = client.post("/v1/completions", json={"model": "first", "prompt": "Hello", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+    print(f"{polls} polls; {report.summary()}")
+
+
+def test_without_the_warm_up_the_worker_runs_none(tiny_model: Path) -> None:
+    worker = Worker(ServerArgs(model=str(tiny_model), device="cpu", max_model_len=128, num_gpu_blocks_override=32,
+                               slot_verify_interval=0))  # fmt: skip
+    with TestClient(build_app(worker)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the worker never became ready"
+            time.sleep(0.05)
+    assert not worker.warms_up and worker.warmup_report is None
