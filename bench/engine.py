@@ -73,6 +73,7 @@ from serving.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingPa
 from serving.engine.model_runner import ModelRunner  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 
+from bench.card import bandwidth_figures, card  # noqa: E402
 from bench.engine_peers import hf_decode_step_ms, peft_forward_ms, transformers_forward_ms  # noqa: E402
 from bench.engine_steps import engine_step_ms, mixed_step_ms, random_prompts  # noqa: E402
 from bench.random_adapters import (  # noqa: E402
@@ -260,23 +261,34 @@ def _bench_llama3_8b_engine(args: argparse.Namespace, model_dir: Path, adapters:
     stats = engine.stats()
     results["adapter_load_mean_s"] = stats.adapter_load_seconds_total / max(stats.adapter_loads, 1)
     results["slot_write_ms"] = _slot_write_ms(engine)
-    # Weights + lm_head (targets.md) plus one read of every layer's K and V for batch x context.
-    kv_bytes = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * 2 * args.batch * args.context
-    results["floor_ms"] = _weight_floor_ms(runner) + kv_bytes / 4.8e12 * 1e3
+    # Weights + lm_head (targets.md) plus one read of every layer's K and V for batch x context,
+    # at this card's bandwidth (bench/card.py): measured, and the datasheet's where the card is known.
+    weights = _weight_bytes(runner)
+    results["floor_ms"] = decode_floor_ms(weights, args.batch, args.context, args.bandwidth["copy_bandwidth_tb_s"] * 1e12)
+    if "spec_bandwidth_tb_s" in args.bandwidth:
+        results["spec_floor_ms"] = decode_floor_ms(weights, args.batch, args.context,
+                                                   args.bandwidth["spec_bandwidth_tb_s"] * 1e12)
+    print(f"floor {results['floor_ms']:.2f} ms at the measured {args.bandwidth['copy_bandwidth_tb_s']:.2f} TB/s"
+          + (f", {results['spec_floor_ms']:.2f} ms at the datasheet's {args.bandwidth['spec_bandwidth_tb_s']:.2f} TB/s"
+             if "spec_floor_ms" in results else ""), flush=True)
     engine.shutdown()
     del engine, runner
     torch.cuda.empty_cache()
     return results
 
 
-def _weight_floor_ms(runner: ModelRunner) -> float:
-    """targets.md's weight floor of the 8B shape, 3.13 ms in bf16 (every projection and the LM head
-    read once at 4.8 TB/s), scaled by the bytes this engine's projections hold (FP8: one a weight)."""
-    projections = list(runner.model.lora_layers())
-    held = sum(layer.weight.numel() * layer.weight.element_size() for layer in projections)
-    bf16 = sum(layer.weight.numel() * 2 for layer in projections)
-    lm_head = LLAMA3_8B["vocab_size"] * LLAMA3_8B["hidden_size"] * 2
-    return 3.13 * (held + lm_head) / (bf16 + lm_head)
+def decode_floor_ms(weight_bytes: int, batch: int, context: int, bandwidth: float) -> float:
+    """The 8B shape's decode step floor: ``weight_bytes`` and one read of every layer's bf16 K and V
+    for ``batch`` sequences of ``context`` tokens, at ``bandwidth`` bytes/s."""
+    kv_bytes = 2 * LLAMA3_8B["num_hidden_layers"] * LLAMA3_8B["num_key_value_heads"] * 128 * 2 * batch * context
+    return (weight_bytes + kv_bytes) / bandwidth * 1e3
+
+
+def _weight_bytes(runner: ModelRunner) -> int:
+    """Bytes a decode step reads of the 8B shape's weights: every projection as this engine holds
+    it (FP8: one byte a weight) and the bf16 LM head (15.0 GB in bf16: targets.md's 3.13 ms at 4.8 TB/s)."""
+    held = sum(layer.weight.numel() * layer.weight.element_size() for layer in runner.model.lora_layers())
+    return held + LLAMA3_8B["vocab_size"] * LLAMA3_8B["hidden_size"] * 2
 
 
 def _print_quantized(args: argparse.Namespace, results: dict[str, float]) -> None:
@@ -458,6 +470,8 @@ def main() -> int:
     args.context = args.context or (512 if big else 64)
     args.device = args.device or ("cuda" if big else "cpu")
     torch.set_num_threads(args.threads)
+    # Before any engine takes the memory: the copy buffers (2 GiB) are handed back after.
+    args.bandwidth = bandwidth_figures(torch.device(args.device)) if big else {}
     count = max(args.adapter_sweep) if args.adapter_sweep else args.adapters
     # The 8B shape's adapters on /dev/shm where they fit (84 MB each at rank 16; 256 of them 21 GB).
     need = count * adapter_bytes(LLAMA3_8B, args.rank, MODULES) if big else 0
@@ -477,6 +491,7 @@ def main() -> int:
         "shape": args.shape, "batch": args.batch, "adapters": args.adapter_sweep or args.adapters, "rank": args.rank,
         "context": args.context,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
+        "card": card(), **args.bandwidth,
         "threads": args.threads, "torch": torch.__version__, "tensor_parallel_size": args.tensor_parallel_size,
         "quantization": args.quantization or "none",
     }

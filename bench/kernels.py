@@ -51,6 +51,8 @@ from triton.testing import do_bench  # noqa: E402
 from kernels import LoRAMeta, lora_apply  # noqa: E402
 from kernels import cpu_lora, triton_lora  # noqa: E402
 
+from bench.card import card  # noqa: E402
+
 SHAPES = [(4096, 4096), (4096, 14336)]
 TOKENS = [1, 16, 64, 256, 4096]
 ADAPTERS = [1, 8, 32, 128]
@@ -237,7 +239,7 @@ def save(out: Path | None, env: dict, rows: list[dict], sweeps: list[dict]) -> N
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels_bench.json").write_text(json.dumps(dict(env=env, rows=rows, sweeps=sweeps), indent=1))
+    (out / "kernels_bench.json").write_text(json.dumps(dict(env=env, card=card(), rows=rows, sweeps=sweeps), indent=1))
     table = HEADER + "\n" + "\n".join(fmt_row(r) for r in rows)
     (out / "kernels_bench.md").write_text(f"{env}\n\n{table}\n")
 

@@ -50,6 +50,7 @@ from bench.random_adapters import (  # noqa: E402
     MODULE_SETS, adapter_bytes, adapter_paths, adapter_set, shape_config, temporary_root,
 )
 from bench.serve import POPULARITIES  # noqa: E402
+from bench.card import card  # noqa: E402
 
 BUDGETS = ("unlimited", "eighth")
 STATE_BETWEEN_RUNS = (
@@ -320,7 +321,7 @@ def write_outputs(json_path: Path | None, markdown_path: Path | None, config: di
     rates = sorted({r["request_rate"] for c in cells for r in c["runs"]})
     targets = evaluate_targets(cells, counts, rates) if counts and rates else []
     if json_path:
-        json_path.write_text(json.dumps({"config": config, "state_between_runs": STATE_BETWEEN_RUNS, **extra,
+        json_path.write_text(json.dumps({"config": config, "card": card(), "state_between_runs": STATE_BETWEEN_RUNS, **extra,
                                          "cells": cells, "targets": targets}, indent=2, default=str))  # fmt: skip
     if markdown_path:
         skipped = [f"{c['count']} adapters, {c['label']}: {c['status']}" for c in cells if c["status"] != "done"]

@@ -33,6 +33,8 @@ import torch  # noqa: E402
 from serving.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from serving.engine.tiny import build_tiny_model  # noqa: E402
 
+from bench.card import card  # noqa: E402
+
 
 def run_once(engine: LLMEngine, prompt: list[int], args: argparse.Namespace, *, forked: bool, tag: str
              ) -> dict[str, float]:
@@ -95,8 +97,8 @@ def main() -> None:
         print(f"{way:<16} {row['prefill_tokens']:>15.0f} {row['generation_tokens']:>10.0f} {row['steps']:>6.0f} "
               f"{row['peak_kv_blocks']:>15.0f} {row['seconds']:>8.3f}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
-                                         "median": summary}, indent=2))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "card": card(),
+                                         "runs": runs, "median": summary}, indent=2))
 
 
 if __name__ == "__main__":

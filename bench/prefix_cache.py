@@ -35,6 +35,8 @@ import torch  # noqa: E402
 from serving.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 
+from bench.card import card  # noqa: E402
+
 
 def workload(args: argparse.Namespace, vocab: int, adapters: list[Path]) -> list[tuple[list[int], LoRARequest]]:
     """``(prompt token ids, adapter)`` per request, the same for both modes."""
@@ -123,7 +125,7 @@ def main() -> None:
               f"({seconds[0]:.3f}-{seconds[-1]:.3f})")
     print(f"same tokens with caching on and off: {same}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "card": card(), "runs": runs,
                                          "median": summary, "same_tokens": same}, indent=2))
     if not same:
         raise SystemExit("caching on generated other tokens than caching off")

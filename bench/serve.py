@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(ROOT)
 
 from bench.random_adapters import MODULE_SETS  # noqa: E402
+from bench.card import card  # noqa: E402
 from bench.serve_gateway import (Gateway, compare, gateway_platform, print_comparisons,  # noqa: E402
                                  production_web_processes, started_gateway, worker_flags)
 from bench.serve_launch import launched_worker  # noqa: E402
@@ -274,7 +275,7 @@ def _popularity(text: str) -> str:
 def _write_record(args: argparse.Namespace, summaries: list[dict[str, Any]], launch: dict[str, Any],
                   comparisons: list[dict[str, Any]]) -> None:
     record = {"args": {k: v for k, v in vars(args).items() if k not in ("api_key", "json")},
-              "host": platform.node(), "python": platform.python_version(), "launch": launch,
+              "host": platform.node(), "python": platform.python_version(), "card": card(), "launch": launch,
               **({"gateway": comparisons} if args.through_gateway else {}),
               **(summaries[0] if len(summaries) == 1 else {"runs": summaries})}
     args.json.write_text(json.dumps(record, indent=2, default=str))

@@ -54,6 +54,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+from bench.card import card  # noqa: E402
 from bench.engine_steps import random_prompts, sync  # noqa: E402
 from bench.grammar_libraries import large_tokenizer  # noqa: E402
 from bench.random_adapters import LLAMA3_8B, shape_config  # noqa: E402
@@ -284,7 +285,7 @@ def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=2))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "card": card(), **results}, indent=2))
 
 
 def report(args: argparse.Namespace, results: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+from bench.card import card  # noqa: E402
 from bench.random_adapters import LLAMA3_8B, LLAMA3_70B  # noqa: E402
 from bench.trainer_hf import run_hf_trainer  # noqa: E402
 from serving.engine.tiny import build_tiny_model  # noqa: E402
@@ -181,7 +182,7 @@ def main() -> int:
     for key, value in results.items():
         print(f"{key:18s} {value:.3f}" if isinstance(value, float) else f"{key:18s} {value}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({**results, "card": card(device.index or 0)}, indent=2))
     return 0
 
 

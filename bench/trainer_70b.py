@@ -38,6 +38,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from bench.card import card  # noqa: E402
 from bench.random_adapters import LLAMA3_70B  # noqa: E402
 from bench.trainer import StepTimer, build_on_device  # noqa: E402
 from training.memory_model import GIB, PROJECTIONS, Setup, Shape, estimate, fit_line, fsdp_peak  # noqa: E402
@@ -175,7 +176,7 @@ def main() -> int:
           f"({CONTEXT_RESERVE / GIB:.0f} GiB left for the CUDA context)")
     print("FSDP per GPU: " + ", ".join(f"{n} GPUs {gib:.1f} GiB" for n, gib in full["fsdp_per_gpu_gib"].items()))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({**results, "card": card(device.index or 0)}, indent=2))
     return 0
 
 
