@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from serving.engine import EngineConfig, LoRARequest, SamplingParams
 from serving.engine.llm_engine import LLMEngine
@@ -111,3 +112,30 @@ def test_an_adapter_not_loaded_fails_the_warm_up_by_name(engine: LLMEngine) -> N
     assert engine.runner.shape_log is None
     for request_id in engine.request_ids():
         engine.abort_request(request_id)
+
+
+@pytest.mark.gpu
+@pytest.mark.e2e
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_every_decode_bucket_and_prefill_length_replays_a_captured_graph(
+        tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> None:
+    seqs, budget = 32, 64
+    cuda = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", max_num_seqs=seqs,
+                                  max_num_batched_tokens=budget, max_model_len=128, max_loras=2))
+    try:
+        load(cuda, LoRARequest("a", str(make_adapter(tiny_llama_dir, seed=1, target_modules=("q_proj", "down_proj")))))
+        report = warm_up(cuda, ["a"])
+        print(report.summary())
+    finally:
+        cuda.shutdown()
+    graphs = {(s.tokens, s.lora) for s in report.shapes if s.layout == "graph"}
+    buckets = [size for size in cuda.config.graph_sizes() if size <= seqs]
+    assert buckets == [1, 2, 4, 8, 16, 32]
+    # Every decode bucket, with the adapter in the batch (size 1: the base's last request).
+    assert {(size, True) for size in buckets[1:]} | {(1, False)} <= graphs
+    # Each prefill length up to the budget replays its bucket, base and adapter alike.
+    assert {(n, lora) for n in prefill_lengths(budget, 126) if n <= budget for lora in (False, True)} <= graphs
+    # No flat step ran uncaptured; the eager path ran for prompt logprobs.
+    assert not any(s.layout == "flat" for s in report.shapes)
+    assert any(s.layout == "eager" for s in report.shapes)
+    assert report.sampler_paths == set(SAMPLER_PATHS) and report.resident == ("a",)
