@@ -22,11 +22,13 @@ install: $(STAMP)
 # The settings file (docs/operations.md, "Settings"): the first `make up` or `make migrate` writes
 # .env from .env.example in development mode (DJANGO_DEBUG unset means production, which refuses the
 # development secret key; text log lines for a terminal; the embedded Redis kept in var/), so
-# manage.py, Celery and a serving worker started by hand read the settings `make up` runs on. An
-# existing .env is left as it is; the environment's values win over it.
+# manage.py, Celery and a serving worker started by hand read the settings `make up` runs on. The
+# secret key is left out (the development default applies under debug; docker compose, which reads
+# .env too, uses its own). An existing .env is left as it is; the environment's values win over it.
 .env:
 	sed -e 's/^DJANGO_DEBUG=false$$/DJANGO_DEBUG=true/' -e 's/^LOG_FORMAT=json$$/LOG_FORMAT=text/' \
-		-e 's/^# LORAPLEX_EMBEDDED_REDIS_PERSIST=true$$/LORAPLEX_EMBEDDED_REDIS_PERSIST=true/' .env.example > $@
+		-e 's/^# LORAPLEX_EMBEDDED_REDIS_PERSIST=true$$/LORAPLEX_EMBEDDED_REDIS_PERSIST=true/' \
+		-e 's/^DJANGO_SECRET_KEY=/# DJANGO_SECRET_KEY=/' .env.example > $@
 	@echo "Wrote .env (development mode; every setting is in it): edit it to change them."
 
 migrate: install | .env

@@ -1,5 +1,5 @@
 """URL map: admin, the management API (/api/v1/), the OpenAPI schema and its docs pages, the gateway (/v1/,
-/metrics), the probes (/healthz, /readyz: lora_platform.health) and the tenant dashboard (/).
+/metrics), the probes (/healthz, /readyz: lora_platform.health), /favicon.ico and the tenant dashboard (/).
 
 Errors under /api/ and /v1/ are JSON whatever raised them: see lora_platform.middleware.ApiJsonErrorsMiddleware.
 """
@@ -9,6 +9,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from lora_platform import health
+from lora_platform.favicon import favicon
 from serving.gateway import views as gateway
 
 urlpatterns = [
@@ -20,6 +21,7 @@ urlpatterns = [
                                                       authentication_classes=[]), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema", permission_classes=[], authentication_classes=[],
                                                      template_name="api_docs/redoc.html"), name="api-redoc"),
+    path("favicon.ico", favicon, name="favicon"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("api/v1/", include("tenants.urls")),

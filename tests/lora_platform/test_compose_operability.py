@@ -127,3 +127,18 @@ def test_the_beat_probe_passes_on_a_fresh_schedule_file_only(tmp_path: Path) -> 
     old = time.time() - 3600
     os.utime(schedule.with_suffix(".db"), (old, old))
     assert subprocess.run(argv, timeout=30).returncode == 1
+
+
+def test_the_worker_settings_env_example_lists_reach_compose_s_serving_worker() -> None:
+    # Issue 39, item 5: one settings file (.env, which compose reads for its ${VARIABLES}) for both.
+    from serving.engine.server.cli import env_variables
+
+    environment = SERVICES["serving-worker"]["environment"]
+    passed = {name for name in environment if name.startswith("SERVING_WORKER_")}
+    assert passed <= set(env_variables())
+    listed = set(re.findall(r"^# (SERVING_WORKER_[A-Z_]+)=", (ROOT / ".env.example").read_text(), re.MULTILINE))
+    # Its key comes from the secrets volume; its access log's level is make up's concern.
+    assert listed - {"SERVING_WORKER_UVICORN_LOG_LEVEL"} <= passed
+    for name in passed:
+        assert environment[name] == f"${{{name}:-}}", "empty: the worker's own default"
+    assert SERVICES["web"]["environment"]["GATEWAY_BUCKET_BURST"] == "${GATEWAY_BUCKET_BURST:-}"

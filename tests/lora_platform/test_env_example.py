@@ -73,6 +73,7 @@ def test_an_uncommented_platform_line_holds_the_fields_default() -> None:
         assert read == default or (value == "" and default in ("", [], None)), f"{name}={value}, default {default!r}"
 
 
+@pytest.mark.e2e  # runs make
 def test_the_env_file_make_up_writes_is_development_mode_that_manage_py_accepts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 39, item 5: manage.py run by hand reads the .env `make up` wrote, so it needs nothing more.

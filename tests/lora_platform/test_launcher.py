@@ -474,3 +474,42 @@ def test_a_stop_asked_for_while_a_restart_waits_starts_nothing(capsys) -> None:
         assert supervisor.children["crasher"] is dead and "restarted" not in capsys.readouterr().out
     finally:
         supervisor.stop()
+
+
+def test_ready_means_every_child_ready_and_the_wait_names_those_not_yet(capsys, monkeypatch, tmp_path: Path) -> None:
+    # Issue 39, item 5: the banner said "up" while the serving worker was still crashing on its model.
+    monkeypatch.setattr(launcher_module, "READY_REPORT_S", 0.2)
+    marks = {name: tmp_path / name for name in ("web", "serving-worker")}
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    supervisor = launcher_module.Supervisor([
+        launcher_module.ChildSpec(name, sleeper, ready=mark.exists) for name, mark in marks.items()])
+    supervisor.start()
+    try:
+        marks["web"].touch()
+        threading.Timer(1.0, marks["serving-worker"].touch).start()
+        assert launcher_module.wait_until_ready(supervisor)
+        assert marks["serving-worker"].exists(), "ready before its last child was"
+        assert "Waiting for serving-worker to be ready" in capsys.readouterr().out
+    finally:
+        supervisor.stop()
+
+
+def test_the_launcher_stops_when_the_process_that_started_it_dies(tmp_path: Path) -> None:
+    # Issue 39, item 8: `kill <make's pid>` ends make, which does not pass a SIGINT on.
+    stopped = tmp_path / "stopped"
+    child = ("import signal, sys, time\n"
+             "from lora_platform.launcher import stop_with_parent\n"
+             f"signal.signal(signal.SIGTERM, lambda *_: (open({str(stopped)!r}, 'w').close(), sys.exit(0)))\n"
+             "stop_with_parent()\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(120)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        parent.kill()
+        parent.wait()
+        wait_for(stopped.exists, timeout=30, what="the orphaned launcher to get SIGTERM")
+    finally:
+        parent.kill()
