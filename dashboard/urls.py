@@ -45,7 +45,6 @@ urlpatterns = [
     path("keys/<int:key_id>/limits/", tenants.api_key_update_view, name="key-update"),
     path("keys/<int:key_id>/revoke/", tenants.api_key_revoke_view, name="key-revoke"),
     path("guides/", guides.guide_index_view, name="guides"),
-    path("guides/screenshots/<str:name>", guides.guide_screenshot_view, name="guide-screenshot"),
     path("guides/<slug:name>/", guides.guide_view, name="guide"),
     path("members/", tenants.member_list_view, name="members"),
     path("members/add/", tenants.member_add_view, name="member-add"),

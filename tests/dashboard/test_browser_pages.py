@@ -357,16 +357,18 @@ def test_the_dashboard_links_to_the_api_docs_and_the_guides(browser, web, owner,
     assert api_docs.get_attribute("href") == "/api/docs/"
     assert httpx.get(f"{web.url}/api/docs/", timeout=30).status_code == 200
     page.click("nav.sidebar >> text=Guides")
-    expect(page.locator("#guide h1")).to_have_text("The tenant dashboard")
+    expect(page.locator("#guide h1")).to_have_text("Getting started")
     page.goto(f"{web.url}/keys/")
-    page.click("text=the keys guide")
-    expect(page).to_have_url(re.compile(r"/guides/keys/$"))
+    page.click("text=the keys and limits guide")
+    expect(page).to_have_url(re.compile(r"/guides/keys-and-limits/$"))
     expect(page.locator("#guide h1")).to_contain_text("API keys")
     Shots(browser).take(page, "guide-keys")
     # A link between guides lands on the other guide's page, at its heading.
-    link = page.locator("#guide a[href^='/guides/gateway/']").first
-    link.click()
-    expect(page).to_have_url(re.compile(r"/guides/gateway/"))
-    for name in ("registry", "training", "gateway"):
+    page.goto(f"{web.url}/guides/datasets/")
+    page.locator("#guide a[href='/guides/training/#methods']").first.click()
+    expect(page).to_have_url(re.compile(r"/guides/training/#methods$"))
+    expect(page.locator("#methods")).to_be_in_viewport()
+    for name in ("datasets", "training", "deploy", "api"):
         expect(page.locator(f".guide-index a[href='/guides/{name}/']")).to_have_count(1)
+    assert page.goto(f"{web.url}/guides/gateway/").status == 404  # the developers' notes are not served
     assert page.goto(f"{web.url}/guides/nothing-here/").status == 404
