@@ -133,8 +133,12 @@ class ModelRunner:
         self.attention = config.attention
         self.enforce_eager = config.enforce_eager
         self.max_flat_tokens = config.max_flat_tokens
-        # Set by the warm-up (serving.engine.warmup) while it runs: every step's shape is added.
+        # The warm-up's record (serving.engine.warmup): while it runs, every step's shape is added to
+        # ``shape_log``; once it is over, ``warm_shapes`` holds what it ran and each other shape a
+        # step runs lands in ``cold_shapes`` (what the warm-up missed: loraplex_engine_cold_step_shapes).
         self.shape_log: set[StepShape] | None = None
+        self.warm_shapes: frozenset[StepShape] | None = None
+        self.cold_shapes: set[StepShape] = set()
         self.graphs: DecodeGraphs | None = None
         sizes = config.graph_sizes()
         if sizes:
@@ -330,8 +334,7 @@ class ModelRunner:
             context.prefills.append(PrefillSpan(row, num, seq.num_computed_tokens, table))
         if self.lora_meta is not None and any(s >= 0 for s in token_slots):
             context.lora = self.lora_meta.prepare(device_tensor(token_slots, device, torch.int32))
-        if self.shape_log is not None:
-            self.shape_log.add(StepShape("eager", len(input_ids), context.lora is not None))
+        self._saw("eager", len(input_ids), context.lora is not None)
 
         ids = device_tensor(input_ids, device)
         fed.apply(ids)
@@ -376,13 +379,11 @@ class ModelRunner:
         if self.graphs is not None and not self.enforce_eager:
             size = self.graphs.size_for(step)
             if size is not None:
-                if self.shape_log is not None:
-                    self.shape_log.add(StepShape("graph", size, step.lora and self.lora_meta is not None))
+                self._saw("graph", size, step.lora and self.lora_meta is not None)
                 # The replay's logits stay in the graphs' buffer until the next replay, which is
                 # queued only once these are sampled.
                 return self._logits_of(step.sampled, self.graphs.replay(step, size))
-        if self.shape_log is not None:
-            self.shape_log.add(StepShape("flat", step.num_tokens, step.lora and self.lora_meta is not None))
+        self._saw("flat", step.num_tokens, step.lora and self.lora_meta is not None)
         device = self.device
         inputs = to_device(host_tensor(step.rows), device)
         step.fed.apply(inputs[IDS])
@@ -400,6 +401,16 @@ class ModelRunner:
         finally:
             reset_context()
         return self._logits_of(step.sampled, logits)
+
+    def _saw(self, layout: str, tokens: int, lora: bool) -> None:
+        """Record a step's shape for the warm-up, or after it, as cold when the warm-up never ran it."""
+        if self.shape_log is None and self.warm_shapes is None:
+            return
+        shape = StepShape(layout, tokens, lora)
+        if self.shape_log is not None:
+            self.shape_log.add(shape)
+        elif self.warm_shapes is not None and shape not in self.warm_shapes:
+            self.cold_shapes.add(shape)
 
     def _logits_of(self, sampled: list[Sequence], logits: torch.Tensor) -> StepLogits:
         if not sampled or not self.tp.is_driver:

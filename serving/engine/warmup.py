@@ -166,6 +166,9 @@ def warm_up(engine: LLMEngine, adapters: Iterable[str] = ()) -> WarmupReport:
                     engine.wait_for_loads(_IDLE_WAIT_S)  # an adapter load or a grammar compile
     finally:
         runner.shape_log = None
+    # From now on a step of a shape not run here counts as cold (EngineStats.cold_step_shapes).
+    runner.warm_shapes = frozenset(shapes)
+    runner.cold_shapes.clear()
     on_gpu = {info.name for info in engine.list_loras(names) if info.gpu_slot is not None}
     return WarmupReport(
         shapes=frozenset(shapes),

@@ -12,6 +12,7 @@ import torch
 
 from serving.engine import EngineConfig, LoRARequest, SamplingParams
 from serving.engine.llm_engine import LLMEngine
+from serving.engine.model_runner import StepShape
 from serving.engine.warmup import SAMPLER_PATHS, WarmupReport, prefill_lengths, warm_up, warmup_phases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,9 +93,32 @@ def test_a_warm_engine_answers_as_a_cold_one(engine: LLMEngine, report: WarmupRe
             while each.has_unfinished_requests():
                 finished += [o for o in each.step() if o.finished]
             tokens.append(finished[0].outputs[0].token_ids)
+        assert cold.stats().cold_step_shapes is None  # no warm-up: nothing to count against
     finally:
         cold.shutdown()
     assert len(tokens[0]) == 6 and tokens[0] == tokens[1]
+
+
+def run_alone(engine: LLMEngine, request_id: str, length: int) -> None:
+    engine.add_request(request_id, {"prompt_token_ids": [7] * length, "cache_salt": request_id},
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.e2e
+def test_after_the_warm_up_each_shape_it_never_ran_counts_once_as_cold(engine: LLMEngine,
+                                                                       report: WarmupReport) -> None:
+    before = engine.stats().cold_step_shapes
+    assert before is not None
+    run_alone(engine, "warm-shape", 32)  # a prefill length and decode batch the warm-up ran
+    assert engine.stats().cold_step_shapes == before
+    # A length it never prefilled: that one step is new; its decodes (batch 1, base) are not.
+    length = next(n for n in range(17, BUDGET) if StepShape("eager", n, False) not in report.shapes)
+    run_alone(engine, "cold-shape", length)
+    assert engine.stats().cold_step_shapes == before + 1
+    run_alone(engine, "cold-shape-again", length)
+    assert engine.stats().cold_step_shapes == before + 1
 
 
 def test_the_warm_up_refuses_an_engine_with_requests(engine: LLMEngine) -> None:

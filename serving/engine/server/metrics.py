@@ -118,6 +118,12 @@ class _EngineCollector(_StatsCollector[EngineStats]):
         yield GaugeMetricFamily(
             "loraplex_kv_cache_blocks_total", "KV-cache blocks in the cache.", value=stats.kv_blocks_total
         )
+        if stats.cold_step_shapes is not None:
+            yield GaugeMetricFamily(
+                "loraplex_engine_cold_step_shapes",
+                "Step shapes (layout, token count, LoRA or not) run since the warm-up that it did not run.",
+                value=stats.cold_step_shapes,
+            )
         yield CounterMetricFamily(
             "loraplex_prefill_tokens",
             "Prompt tokens the engine computed (again after a preemption; once for all n completions of a prompt).",

@@ -53,6 +53,10 @@ def test_health_is_loading_until_the_warm_up_has_run(tiny_model: Path, make_adap
         assert report.resident == ("first", "second")
         answer = client.post("/v1/completions", json={"model": "first", "prompt": "Hello", "max_tokens": 2})
         assert answer.status_code == 200, answer.text
+        # What the warm-up missed is counted from then on (its prompt's prefill is a new length).
+        cold = [line for line in client.get("/metrics").text.splitlines()
+                if line.startswith("loraplex_engine_cold_step_shapes ")]
+        assert cold and float(cold[0].split()[1]) >= 0
     print(f"{polls} polls; {report.summary()}")
 
 
