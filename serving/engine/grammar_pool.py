@@ -11,7 +11,14 @@ tenants, each compile held to a time budget.
   C++ compile cannot be interrupted on a thread); its future fails with GrammarTooComplex and the
   pool starts another process. Time counts from the task's dispatch, not from its wait in queue.
 - **Cancellation** (``cancel``): a task whose requests all left is taken out of its queue, or, when
-  running, its process is killed, so the worker is free for the next tenant at once.
+  running, its process is killed.
+- **A killed process's replacement is its tenant's**: a process killed while it compiled a tenant's
+  task (past its time, cancelled, crashed) is replaced at once, and the replacement counts in that
+  tenant's share until it is ready (its start imports the library: seconds). Freed at the kill,
+  the share would let the same tenant's next compile take the one ready process while the
+  replacement still starts, and another tenant's new small schema would wait for that start; so a
+  tenant whose compiles keep running past their time waits for its own restarts, and the pool's
+  other ready process stays free for the others (docs/security.md, "Grammar compilation").
 
 The tokenizer's table and the processes are built on the pool's thread at the first ``submit``
 (seconds at a 128k vocabulary; an engine that serves no constraint never pays). ``submit`` and
@@ -179,6 +186,8 @@ class _Process:
     ready: bool = False
     task: _Task | None = None
     retired: bool = False  # killed on purpose (deadline, cancel, close): its end is not a crash
+    # The tenant whose killed compile this process replaces: its share holds this process until ready.
+    charged: str | None = None
 
 
 class GrammarPool:
@@ -210,6 +219,8 @@ class GrammarPool:
         self._info_file: Path | None = None
         self._start_error: Exception | None = None
         self._failed_starts = 0  # processes in a row that ended before they were ready
+        # Tenants whose compile's process was killed, each charged for the next process started.
+        self._owed: deque[str] = deque()
 
     # ---- the engine's side -----------------------------------------------------------------
 
@@ -337,7 +348,7 @@ class GrammarPool:
         theirs.close()
         conn = Connection(ours.detach())
         conn.send(("init", str(self._info_file), self._limits))
-        process = _Process(popen, conn)
+        process = _Process(popen, conn, charged=self._owed.popleft() if self._owed else None)
         self._processes.append(process)
         return process
 
@@ -367,8 +378,12 @@ class GrammarPool:
             self._ended(process)
             return
         if message[0] == "ready":
-            process.ready = True
-            self._failed_starts = 0
+            with self._lock:
+                process.ready = True
+                self._failed_starts = 0
+                if process.charged is not None:
+                    self._queue.finished(process.charged)
+                    process.charged = None
             return
         with self._lock:
             task = process.task
@@ -399,18 +414,20 @@ class GrammarPool:
     def _ended(self, process: _Process) -> None:
         """A process's pipe closed: a retired one was killed; any other crashed on its task."""
         with self._lock:
-            task, process.task = process.task, None
+            task = process.task
             if not process.retired:
-                self._retire(process)
+                self._retire(process)  # a crash on its task: the replacement is the task's tenant's
                 logger.error("a grammar compiling process ended unexpectedly (exit code %s)", process.popen.poll())
                 self._failed_starts = 0 if process.ready else self._failed_starts + 1
+            if process.charged is not None:  # a replacement that never got ready: the next one is
+                self._owed.append(process.charged)
+                process.charged = None
+            if task is not None:
+                self._tasks.pop(task.future, None)
         if self._failed_starts >= _MAX_FAILED_STARTS:
             self._fail_all(RuntimeError("grammar compilation is unavailable: its processes end before they start"))
             with self._lock:
                 self._closed = True
-            if task is not None:
-                self._queue.finished(task.tenant)
-                self._tasks.pop(task.future, None)
         if task is not None:
             _settle(task.future, error=GrammarTooComplex(
                 f"the {task.label} is too complex for this worker: its compiler ran out of resources"))
@@ -423,8 +440,6 @@ class GrammarPool:
             for process in self._processes:
                 task = process.task
                 if task is not None and task.deadline is not None and task.deadline <= now:
-                    process.task = None
-                    self._queue.finished(task.tenant)
                     self._tasks.pop(task.future, None)
                     self._retire(process)
                     expired.append(task)
@@ -434,9 +449,10 @@ class GrammarPool:
                 "send a simpler one (fewer nesting levels, smaller bounds)"))
 
     def _retire(self, process: _Process) -> None:
-        """Kill `process` (under the lock); its slot in the queue's share is given back."""
+        """Kill `process` (under the lock). Killed while it compiled a tenant's task, the process
+        that replaces it takes that task's place in the tenant's share until it is ready."""
         if process.task is not None:
-            self._queue.finished(process.task.tenant)
+            self._owed.append(process.task.tenant)
             process.task = None
         process.retired = True
         process.popen.kill()

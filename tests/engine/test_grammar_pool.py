@@ -10,6 +10,7 @@ behind A" is an ordering: B's request ends while A's compile is still running.""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -21,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from serving.engine import LLM, SamplingParams
-from serving.engine.grammar_pool import FairQueue, GrammarBudget, GrammarTooComplex
+from serving.engine.grammar_pool import FairQueue, GrammarBudget, GrammarPool, GrammarTooComplex
 from serving.engine.guided import (
     GrammarCompiler,
     GrammarError,
@@ -201,7 +202,7 @@ def test_a_compile_nobody_waits_for_is_cancelled_and_its_process_killed(
     assert future.cancelled()
     wait_for(lambda: gone(pid), "the compiling process to be killed")
     assert compiler.cached_keys("salt:tenant-1") == []  # not cached as if it had compiled
-    # The tenant's slot is free (its share is 1): its next compile runs at once.
+    # Its place in the share (1) is back once the killed process's replacement is ready: its next compile runs.
     assert compiler.compile(SMALL, "salt:tenant-1").result(timeout=GUARD_S) is not None
 
 
@@ -324,3 +325,56 @@ def test_each_size_bound_refuses_with_grammar_too_complex(make_compiler: Callabl
     # The compiled grammar's bytes (xgrammar's memory_size_bytes, which grows with the vocabulary).
     with pytest.raises(GrammarTooComplex, match="its compiled grammar takes .* bytes, over this worker's limit of 5,000"):
         compiler.compile(GuidedDecodingParams(json=nested(2)), "local").result(timeout=GUARD_S)
+
+
+# ---- a killed process's replacement (the pool with a stub process) ----------------------------
+
+STUB = Path(__file__).with_name("grammar_worker_stub.py")
+
+
+class _StubTable:
+    """The tokenizer table the pool writes for its processes; the stub never reads it."""
+
+    def serialize_json(self) -> str:
+        return "{}"
+
+
+def _stub_pool(gate: Path, budget: GrammarBudget) -> GrammarPool:
+    return GrammarPool(lambda: _StubTable(), budget, command=(sys.executable, str(STUB), str(gate)))  # type: ignore[arg-type, return-value]
+
+
+def _ready(gate: Path) -> int:
+    return len(list(gate.glob("ready-*")))
+
+
+def test_a_killed_compiles_replacement_is_its_own_tenants_wait(tmp_path: Path) -> None:
+    """A's compile runs past its time and is killed; while its replacement starts, A's next compile
+    waits for it, and B's takes the one ready process (were A's share freed at the kill, A's next
+    would take it and B's would wait for the start)."""
+    pool = _stub_pool(tmp_path, GrammarBudget(timeout=0.3, workers=2))  # a tenant's share: 1
+    try:
+        assert "stub compiled warm" in str(pool.submit("B", "json", "warm", "JSON schema").exception(timeout=GUARD_S))
+        wait_for(lambda: _ready(tmp_path) == 2, "both processes to be ready")
+        (tmp_path / "hold").touch()  # from now on a process's start lasts until the test ends it
+        first = pool.submit("A", "json", "hang", "JSON schema")
+        second = pool.submit("A", "json", "hang", "JSON schema")
+        assert isinstance(first.exception(timeout=GUARD_S), GrammarTooComplex)  # killed past 0.3 s
+        b = pool.submit("B", "json", "small", "JSON schema")
+        assert "stub compiled small" in str(b.exception(timeout=GUARD_S))
+        assert not second.done() and pool.running_pids() == [], "A's next waits for its replacement"
+        (tmp_path / "hold").unlink()
+        assert isinstance(second.exception(timeout=GUARD_S), GrammarTooComplex)  # then it runs (and is killed)
+    finally:
+        pool.close()
+
+
+def test_a_tenant_whose_compile_crashed_its_process_compiles_again(tmp_path: Path) -> None:
+    pool = _stub_pool(tmp_path, GrammarBudget(timeout=60.0, workers=2))
+    try:
+        crashed = pool.submit("A", "json", "crash", "JSON schema").exception(timeout=GUARD_S)
+        assert isinstance(crashed, GrammarTooComplex) and "ran out of resources" in str(crashed)
+        # The crash gave A's place in its share to the replacement, which gives it back once ready.
+        after = pool.submit("A", "json", "small", "JSON schema").exception(timeout=GUARD_S)
+        assert type(after) is GrammarError and "stub compiled small" in str(after)
+    finally:
+        pool.close()

@@ -1,0 +1,38 @@
+"""A stand-in for serving.engine.grammar_worker that speaks its protocol and nothing else, so a test
+of the pool (tests/engine/test_grammar_pool.py) decides when a process is ready and how a compile
+ends: ``python grammar_worker_stub.py DIR FD``.
+
+- Ready at once, unless ``DIR/hold`` exists: then only once it is gone (a process's start that
+  takes as long as the test wants); ready, it leaves ``DIR/ready-<pid>``.
+- A compile's text ``hang``: never answers (the pool kills it past its time or on cancel);
+  ``crash``: the process exits (a crash on its task); anything else: an error answer naming it,
+  at once (the pool settles the future without reading a compiled grammar back).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+
+def main() -> None:
+    gate, conn = Path(sys.argv[1]), Connection(int(sys.argv[2]))
+    conn.recv()  # ("init", tokenizer table path, limits)
+    while (gate / "hold").exists():
+        time.sleep(0.01)
+    (gate / f"ready-{os.getpid()}").touch()
+    conn.send(("ready",))
+    while True:
+        _, task_id, _, text = conn.recv()
+        if text == "hang":
+            time.sleep(3600)
+        if text == "crash":
+            os._exit(3)
+        conn.send(("error", task_id, False, f"stub compiled {text}"))
+
+
+if __name__ == "__main__":
+    main()
