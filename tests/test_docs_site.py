@@ -53,6 +53,27 @@ def test_every_python_sample_compiles(guide):
         compile(sample, f"{guide.name} sample {number}", "exec")
 
 
+# A sample's address: `$LP/…` (LP=…/api/v1) or a full http://127.0.0.1:8000/… one.
+# The samples' base URLs (`LP=…/api/v1`, the SDK's `base_url`): prefixes of routes, not routes.
+BASE_URLS = {"/api/v1", "/v1", "/"}
+_SAMPLE_PATH = re.compile(r"(?:\$LP|http://127\.0\.0\.1:8000)(/[\w./@-]*)")
+
+
+def test_every_path_in_the_guides_samples_is_a_route_of_the_platform():
+    from django.urls import Resolver404, resolve
+
+    found = {("/api/v1" if match.group(0).startswith("$LP") else "") + match.group(1)
+             for guide in GUIDES for match in _SAMPLE_PATH.finditer(guide.read_text())}
+    assert "/api/v1/adapters/support-bot/canary/promote" in found and "/api/v1/datasets" in found
+    missing = []
+    for path in sorted(found - BASE_URLS):
+        try:
+            resolve(path)
+        except Resolver404:
+            missing.append(path)
+    assert missing == []
+
+
 def _table_rows(text: str, first_header: str) -> list[list[str]]:
     lines = text.splitlines()
     start = next(index for index, line in enumerate(lines) if line.startswith(f"| {first_header} |"))

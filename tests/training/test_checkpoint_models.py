@@ -16,7 +16,7 @@ from serving.contracts.artifact import adapter_digest, manifest_verify, sha256_f
 from serving.registry.models import AdapterVersion, DeploymentEvent
 from serving.registry.storage import get_storage
 from serving.contracts.errors import Conflict, NotFound
-from training import concurrency, datasets, jobs, run
+from training import concurrency, datasets, jobs, run, selectors
 from training.models import Checkpoint, Dataset, TrainingJob
 from training_support import chat_lines, jsonl
 
@@ -53,6 +53,10 @@ def fetched(prefix: str, target: Path) -> Path:
 def test_each_kept_checkpoint_is_the_artifact_of_its_step_and_retention_deletes_the_older(
         tenant_a, dataset, one_thread, tmp_path):
     job = trained(tenant_a, dataset)
+    # A job this short logs every step (training.pace), each point after the first with the pace.
+    points = selectors.job_metrics(job=job)
+    assert [point["step"] for point in points] == list(range(1, 9))
+    assert "tokens_per_second" not in points[0] and all(point["tokens_per_second"] > 0 for point in points[1:])
     kept = list(Checkpoint.objects.filter(job=job).order_by("step"))
     assert [checkpoint.step for checkpoint in kept] == [4, 6]
     storage = get_storage()
