@@ -6,7 +6,7 @@ An artifact is a flat directory in PEFT's format (`adapter_config.json`,
     {"format": 1,
      "adapter": {"tenant", "name", "version"},
      "base_model": {"name", "config_sha256"},
-     "peft": {"r", "lora_alpha", "target_modules"},
+     "peft": {"r", "lora_alpha", "target_modules", "kind"},   # kind: "lora" | "dora" (ADAPTER_KINDS)
      "files": {"<name>": {"sha256", "bytes"}},      # every other file of the directory
      "source": {"kind": "training_job" | "upload", "id"},
      "created_at": "2026-11-30T12:00:00+00:00"}
@@ -36,6 +36,9 @@ MANIFEST_NAME = "manifest.json"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 MANIFEST_FORMAT = 1
 SOURCE_KINDS = ("training_job", "upload")
+# What an adapter is (docs/adapter-kinds.md): plain LoRA, or DoRA (PEFT's use_dora: a learned magnitude
+# per output feature of every adapted module beside LoRA's update).
+ADAPTER_KINDS = ("lora", "dora")
 
 # Keys of config.json that change when the same base is re-saved (another transformers version or
 # dtype, a local path) without changing what an adapter must fit.
@@ -178,6 +181,7 @@ def manifest_build(
             "r": int(config["r"]),
             "lora_alpha": config["lora_alpha"],
             "target_modules": _target_modules_field(config["target_modules"]),
+            "kind": adapter_kind(config),
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise AdapterError(
@@ -198,6 +202,11 @@ def manifest_build(
         "source": {"kind": source_kind, "id": str(source_id)},
         "created_at": moment.isoformat(timespec="seconds"),
     }
+
+
+def adapter_kind(config: dict[str, Any]) -> str:
+    """The kind (ADAPTER_KINDS) of the adapter whose adapter_config.json is `config`."""
+    return "dora" if config.get("use_dora") else "lora"
 
 
 def _target_modules_field(value: Any) -> list[str] | str:

@@ -59,7 +59,7 @@ class VersionSerializer(serializers.ModelSerializer):
     class Meta:
         model = AdapterVersion
         fields = ["version", "model", "status", "traffic_weight", "base_model", "rank", "lora_alpha",
-                  "target_modules", "size_bytes", "artifact_uri", "manifest_sha256", "source", "created_at"]
+                  "target_modules", "kind", "size_bytes", "artifact_uri", "manifest_sha256", "source", "created_at"]
         read_only_fields = fields
 
     def get_model(self, version: AdapterVersion) -> str:

@@ -69,6 +69,12 @@ class AdapterVersion(models.Model):
         TRAINING_JOB = "training_job", "Training job"
         UPLOAD = "upload", "Upload"
 
+    class AdapterKind(models.TextChoices):
+        """What the artifact is (docs/adapter-kinds.md); the engine reads it from adapter_config.json."""
+
+        LORA = "lora", "LoRA"
+        DORA = "dora", "DoRA"
+
     adapter = models.ForeignKey(Adapter, on_delete=models.CASCADE, related_name="versions")
     version = models.CharField(max_length=64)
     # Where serving workers fetch the PEFT directory from (file://… or s3://…), ending in '/'.
@@ -82,6 +88,7 @@ class AdapterVersion(models.Model):
     rank = models.PositiveSmallIntegerField()
     lora_alpha = models.FloatField()
     target_modules = models.JSONField(default=list)
+    kind = models.CharField(max_length=8, choices=AdapterKind.choices, default=AdapterKind.LORA)
     size_bytes = models.PositiveBigIntegerField()
     source = models.CharField(max_length=16, choices=Source.choices)
     source_id = models.CharField(max_length=64, blank=True, default="")

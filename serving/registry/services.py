@@ -230,7 +230,7 @@ def adapter_version_upload(*, adapter: Adapter, files: Sequence[UploadedFile], a
                     adapter=adapter, version=chosen, artifact_uri=storage.uri(prefix) + "/",
                     manifest_sha256=manifest_sha256, base_model=settings.BASE_MODEL_NAME,
                     base_model_revision=settings.BASE_MODEL_REVISION, rank=staged.rank,
-                    lora_alpha=staged.lora_alpha, target_modules=staged.target_modules,
+                    lora_alpha=staged.lora_alpha, target_modules=staged.target_modules, kind=staged.kind,
                     size_bytes=staged.size_bytes, source=AdapterVersion.Source.UPLOAD,
                 )
                 _record(adapter=adapter, kind=Kind.REGISTER, actor=actor, reason=reason, to_version=created)
@@ -300,7 +300,7 @@ def adapter_version_register_published(*, tenant: Tenant, adapter_name: str, ver
             base_model_revision=settings.BASE_MODEL_REVISION if base_model_revision is None else base_model_revision,
             rank=artifact.rank,
             lora_alpha=artifact.lora_alpha, target_modules=artifact.target_modules, size_bytes=artifact.size_bytes,
-            source=artifact.source_kind, source_id=source_id,
+            source=artifact.source_kind, source_id=source_id, kind=artifact.kind,
         )
         _record(adapter=adapter, kind=Kind.REGISTER, actor=actor, reason=reason, to_version=created)
     return created

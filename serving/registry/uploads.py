@@ -81,6 +81,7 @@ class StagedAdapter:
     lora_alpha: float
     target_modules: list[str] | str
     size_bytes: int
+    kind: str = "lora"
 
 
 @contextmanager
@@ -110,6 +111,7 @@ class PublishedArtifact:
     manifest_sha256: str
     source_kind: str
     source_id: str
+    kind: str = "lora"
 
 
 def manifest_write_for(staged: StagedAdapter, *, tenant: str, adapter: str, version: str) -> str:
@@ -166,7 +168,7 @@ def published_artifact_verify(*, prefix: str, tenant: str, adapter: str, version
             rank=staged.rank, lora_alpha=staged.lora_alpha, target_modules=staged.target_modules,
             size_bytes=sum(entry["bytes"] for entry in manifest["files"].values()),
             manifest_sha256=adapter_digest(directory), source_kind=str(manifest["source"]["kind"]),
-            source_id=str(manifest["source"].get("id") or ""),
+            source_id=str(manifest["source"].get("id") or ""), kind=staged.kind,
         )
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
@@ -432,6 +434,7 @@ def _validate(directory: Path, *, check_config_base: bool = True) -> StagedAdapt
     return StagedAdapter(
         directory=directory, rank=spec.rank, lora_alpha=spec.lora_alpha, target_modules=sorted(spec.target_modules),
         size_bytes=sum(path.stat().st_size for path in directory.iterdir() if path.name != MANIFEST_NAME),
+        kind=spec.kind,
     )
 
 

@@ -52,13 +52,13 @@ def make_peft_adapter(tiny_base_dir: Path, tmp_path_factory: pytest.TempPathFact
     counter = itertools.count()
 
     def make(*, r: int = 8, lora_alpha: float = 16, target_modules: Sequence[str] = ("q_proj", "v_proj"),
-             base_name: str = BASE_NAME, seed: int = 0) -> Path:
-        key = (r, lora_alpha, tuple(target_modules), base_name, seed)
+             base_name: str = BASE_NAME, seed: int = 0, use_dora: bool = False) -> Path:
+        key = (r, lora_alpha, tuple(target_modules), base_name, seed, use_dora)
         if key not in built:
             out = tmp_path_factory.mktemp("peft") / f"adapter-{next(counter)}"
             built[key] = save_random_peft_adapter(
                 tiny_base_dir, out, r=r, lora_alpha=lora_alpha, target_modules=target_modules, seed=seed,
-                base_model_name_or_path=base_name,
+                base_model_name_or_path=base_name, use_dora=use_dora,
             )
         return built[key]
 

@@ -88,6 +88,15 @@ def _download(storage, prefix: str, where: Path) -> Path:
 # --- accepted ---------------------------------------------------------------------------------
 
 
+def test_a_dora_adapter_is_registered_as_its_kind(client_a, adapter, make_peft_adapter, storage, tmp_path):
+    response = upload(client_a, adapter_files(make_peft_adapter(use_dora=True)), version="1.0.0")
+    assert response.status_code == 201, response.json()
+    assert response.json()["kind"] == "dora"
+    assert AdapterVersion.objects.get().kind == "dora"
+    manifest = manifest_verify(_download(storage, "adapters/alice-co/support-bot/1.0.0", tmp_path / "artifact"))
+    assert manifest["peft"]["kind"] == "dora"
+
+
 def test_peft_adapter_upload_is_published_with_a_verifiable_manifest(client_a, tenant_a, adapter, peft_adapter,
                                                                       storage, tmp_path, tiny_base_dir):
     response = upload(client_a, adapter_files(peft_adapter), version="1.0.0", reason="trained on our tickets")
@@ -96,6 +105,7 @@ def test_peft_adapter_upload_is_published_with_a_verifiable_manifest(client_a, t
     assert (body["version"], body["status"], body["rank"], body["lora_alpha"], body["target_modules"]) == (
         "1.0.0", "ready", 8, 16.0, ["q_proj", "v_proj"])
     assert body["model"] == "support-bot@1.0.0" and body["source"] == {"kind": "upload", "id": None}
+    assert body["kind"] == "lora"
 
     prefix = "adapters/alice-co/support-bot/1.0.0"
     assert storage.list(prefix) == [f"{prefix}/adapter_config.json", f"{prefix}/adapter_model.safetensors",
@@ -104,7 +114,7 @@ def test_peft_adapter_upload_is_published_with_a_verifiable_manifest(client_a, t
     manifest = manifest_verify(local)
     assert manifest["adapter"] == {"tenant": "alice-co", "name": "support-bot", "version": "1.0.0"}
     assert manifest["base_model"] == {"name": "tiny-llama", "config_sha256": base_config_sha256(tiny_base_dir)}
-    assert manifest["peft"] == {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    assert manifest["peft"] == {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "kind": "lora"}
     assert manifest["source"]["kind"] == "upload"
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (local / name).read_bytes() == (peft_adapter / name).read_bytes()

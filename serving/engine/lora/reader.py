@@ -41,6 +41,7 @@ from safetensors import safe_open
 
 from serving.contracts.artifact import (
     ADAPTER_CONFIG_NAME,
+    ADAPTER_KINDS,
     MANIFEST_NAME,
     AdapterError,
     adapter_digest,
@@ -102,7 +103,6 @@ VOCABULARY_MODULES = ("embed_tokens", "lm_head")
 Weights: TypeAlias = "dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]"
 # (layer index, module name) -> DoRA's magnitude [out], fp32: one entry per adapted module of a DoRA adapter.
 Magnitudes: TypeAlias = "dict[tuple[int, str], torch.Tensor]"
-ADAPTER_KINDS = ("lora", "dora")
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,8 @@ class AdapterSpec:
 
     @property
     def kind(self) -> str:
-        """"dora" or "lora" (ADAPTER_KINDS)."""
-        return "dora" if self.use_dora else "lora"
+        """One of ADAPTER_KINDS: "dora" or "lora"."""
+        return ADAPTER_KINDS[1] if self.use_dora else ADAPTER_KINDS[0]
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_manifest_records_identity_peft_settings_and_every_file(artifact, tiny_l
         "format": 1,
         "adapter": {"tenant": "alice-co", "name": "support-bot", "version": "1.0.0"},
         "base_model": {"name": "tiny-llama", "config_sha256": base_config_sha256(tiny_llama_dir)},
-        "peft": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "peft": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "kind": "lora"},
         "files": {
             path.name: {"sha256": sha256_file(path), "bytes": path.stat().st_size}
             for path in sorted(artifact.iterdir())
