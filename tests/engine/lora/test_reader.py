@@ -401,3 +401,73 @@ def test_s3_download_is_all_or_nothing(adapter, s3_bucket, tmp_path):
     assert download_s3_prefix(f"s3://{s3_bucket}/flat", target) == target
     assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in adapter.iterdir())
     assert [p.name for p in target.parent.iterdir()] == ["adapter"]
+
+
+# --- adapter kinds (docs/adapter-kinds.md) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dora_adapter(tiny_llama_dir, make_adapter) -> Path:
+    return make_adapter(tiny_llama_dir, r=4, lora_alpha=8, target_modules=("q_proj", "down_proj"), seed=2,
+                        use_dora=True)
+
+
+def test_a_dora_adapter_reads_with_its_magnitudes(dora_adapter, base_config):
+    spec = validate_adapter_dir(dora_adapter, base_config=base_config, max_lora_rank=8)
+    assert (spec.kind, spec.use_dora) == ("dora", True)
+    loaded = _load(dora_adapter, base_config)
+    assert loaded.use_dora and loaded.magnitudes is not None
+    assert set(loaded.magnitudes) == set(loaded.weights)
+    saved = load_file(dora_adapter / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.1.mlp.down_proj.lora_magnitude_vector"
+    torch.testing.assert_close(loaded.magnitudes[1, "down_proj"], saved[name].float(), rtol=0, atol=0)
+
+
+def test_a_dora_adapter_without_a_magnitude_is_refused_naming_the_module(dora_adapter, tmp_path, base_config):
+    broken = Path(shutil.copytree(dora_adapter, tmp_path / "broken"))
+    _edit_tensors(broken, lambda t: t.pop("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"))
+    with pytest.raises(AdapterError, match=r"layer 0 q_proj has LoRA weights but no lora_magnitude_vector"):
+        _load(broken, base_config)
+
+
+def test_a_magnitude_in_a_plain_lora_adapter_is_refused(dora_adapter, tmp_path, base_config):
+    lying = Path(shutil.copytree(dora_adapter, tmp_path / "lying"))
+    _edit_config(lying, use_dora=False)
+    with pytest.raises(AdapterError, match=r"is a DoRA magnitude, but adapter_config.json does not set use_dora"):
+        _load(lying, base_config)
+
+
+def test_a_magnitude_of_the_wrong_width_names_both_shapes(dora_adapter, tmp_path, base_config):
+    wrong = Path(shutil.copytree(dora_adapter, tmp_path / "wrong"))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    _edit_tensors(wrong, lambda t: t.update({name: torch.ones(3)}))
+    with pytest.raises(AdapterError, match=r"lora_magnitude_vector has shape \(3,\), but the base model expects \(64,\)"):
+        _load(wrong, base_config)
+
+
+def test_a_server_that_cannot_serve_dora_refuses_it_saying_why(dora_adapter, base_config):
+    with pytest.raises(AdapterError, match=r"DoRA adapters \(use_dora\) are not served here: not under tensor"):
+        _load(dora_adapter, base_config, dora_refusal="not under tensor parallelism (tensor_parallel_size=2)")
+
+
+def test_peft_modules_to_save_on_lm_head_is_refused_naming_it(tiny_llama_dir, tmp_path, base_config):
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                            task_type="CAUSAL_LM"))
+    model.save_pretrained(tmp_path / "saved", save_embedding_layers=False)
+    with pytest.raises(AdapterError, match=r"modules_to_save \(lm_head\) is not supported: .*vocabulary matrix"):
+        _load(tmp_path / "saved", base_config)
+
+
+def test_peft_lora_on_embed_tokens_is_refused_naming_it(tiny_llama_dir, make_adapter, base_config):
+    adapter_dir = make_adapter(tiny_llama_dir, target_modules=["q_proj", "embed_tokens"])
+    with pytest.raises(AdapterError, match=r"unsupported target module\(s\) embed_tokens: LoRA on embed_tokens is not "
+                                           r"served: .*vocabulary matrices"):
+        _load(adapter_dir, base_config)
+    # The same tensors under a regex target: refused by the tensor's name.
+    _edit_config(adapter_dir, target_modules=".*(q_proj|embed_tokens)")
+    with pytest.raises(AdapterError, match=r"unsupported target module embed_tokens \(tensor .*embed_tokens\.lora_"
+                                           r"embedding_A.*\): LoRA on embed_tokens is not served"):
+        _load(adapter_dir, base_config)
