@@ -129,7 +129,8 @@ class Command(BaseCommand):
         parser.add_argument("--model", action="append", dest="models",
                             help="a model the key may call (adapter, adapter@version, the base model); repeat or "
                                  "separate with commas; none given: every model of the tenant")
-        parser.add_argument("--rpm", help=f"the key's own requests per minute, at most the tier's ('{CLEAR}')")
+        parser.add_argument("--rpm", help=f"the key's own requests per minute, at most the tier's ('{CLEAR}'); its "
+                            "bucket holds GATEWAY_BUCKET_BURST minutes of it (2: --rpm 3 admits 6 at once)")
         parser.add_argument("--tpm", help=f"the key's own tokens per minute, at most the tier's ('{CLEAR}')")
         parser.add_argument("--budget", help=f"tokens per calendar month (UTC) ('{CLEAR}': unlimited)")
         parser.add_argument("--reason", default="", help="why; kept in the tenant's audit log")
