@@ -5,7 +5,8 @@ projections, Gemma 2's and Gemma 3's) where ``training.trainer.pick_device`` put
 CUDA machine its bf16 path, the LoRA weights in fp32), saves the adapter as a job does, and the
 engine serves it in fp32 (on CPU, or on CUDA with graphs: gpu mark) in a batch with the base model.
 Every prompt's greedy tokens must equal PEFT's on the CPU for that adapter, and the adapter must
-change what the base model says (so the comparison is not of two base models).
+change what the base model says (so the comparison is not of two base models). "llama+dora" trains
+a DoRA adapter (``use_dora``, docs/adapter-kinds.md) and serves it the same way.
 """
 
 from __future__ import annotations
@@ -52,18 +53,19 @@ class _Hooks:
         pass
 
 
-@pytest.fixture(scope="module", params=["llama", "phi3", "gemma2", "gemma3_text"])
+@pytest.fixture(scope="module", params=["llama", "phi3", "gemma2", "gemma3_text", "llama+dora"])
 def trained(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
             tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[float]]:
     """``(base, adapter, losses)``: "all-linear" adapts every projection the base has."""
-    base_dir = tiny_model_factory(request.param)
+    arch, _, kind = request.param.partition("+")
+    base_dir = tiny_model_factory(arch)
     base = load_base(str(base_dir))
     examples = [
         encode_example(Example(format="completion", prompt=prompt, completion=completion), base.tokenizer)
         for prompt, completion in PAIRS
     ]
     hp = Hyperparameters(n_epochs=6, batch_size=2, learning_rate=2e-2, max_seq_length=64, r=8, lora_alpha=16,
-                         lora_dropout=0.0, warmup_ratio=0.0)  # fmt: skip
+                         lora_dropout=0.0, warmup_ratio=0.0, use_dora=kind == "dora")  # fmt: skip
     hooks = _Hooks()
     result = LoraTrainer(
         base, hp, seed=3, train=examples, valid=[], hooks=hooks, work_dir=tmp_path_factory.mktemp("job"),
