@@ -131,7 +131,7 @@
     // The time it takes at the pace of the tenant's last finished job, where one was measured.
     var duration = document.getElementById("estimate-duration");
     var pace = duration ? Number(duration.dataset.tokensPerSecond || 0) : 0;
-    if (duration) duration.textContent = tokens && pace ? " · about " + formatDuration(tokens * epochs / pace) + " at your last job's " + Math.round(pace).toLocaleString() + " tokens/s" : "";
+    if (duration) duration.textContent = tokens && pace ? " · about " + formatDuration(tokens * epochs / pace) + " at your last job's " + Math.round(pace).toLocaleString() + " trained tokens/s" : "";
   }
 
   function formatDuration(seconds) {

@@ -105,7 +105,7 @@ def test_the_job_page_shows_the_pace_and_charts_validation_only_where_there_is_s
     TrainingJob.objects.filter(pk=job.pk).update(step=2, estimated_finish=timezone.now() + timedelta(minutes=3,
                                                                                                     seconds=30))
     page = job_page(client, job)
-    assert "Preparing" not in page and '<span id="job-tokens-per-second">123 tokens/s</span>' in page
+    assert "Preparing" not in page and '>123 trained tokens/s</span>' in page
     assert "about 3\xa0minutes left" in page
     TrainingJob.objects.filter(pk=job.pk).update(validation_fraction=0.2)
     assert 'data-validated="1"' in job_page(client, job)
