@@ -60,7 +60,10 @@ def window_metrics(before: Samples | None, after: Samples | None, duration: floa
     admissions = (hits or 0) + (misses or 0)
     loads, loads_from = (deltas["slot_loads"], "slot_loads") if deltas["slot_loads"] is not None else (misses, "slot_misses")
     moved = deltas["bytes_loaded"]
+    # Step shapes the worker's warm-up never ran that this window ran (None: no warm-up, or an older worker).
+    cold_before, cold_after = (total(samples, "loraplex_engine_cold_step_shapes") for samples in (before, after))
     return {
+        "cold_step_shapes": None if cold_before is None or cold_after is None else cold_after - cold_before,
         "metrics": True, **deltas, "worker_not_ok": not_ok[1] - not_ok[0],
         "gpu_hit_rate": hits / admissions if hits is not None and admissions else None,
         "adapter_loads_per_s": loads / duration if loads is not None else None, "adapter_loads_from": loads_from,

@@ -54,6 +54,14 @@ class StepShape:
     tokens: int
     lora: bool
 
+    def kernels(self) -> tuple[str, int, bool]:
+        """What picks the compiled kernels of a step of this shape: a graph is its own (one per
+        size); an uncaptured step launches the same kernels at any token count, save that Triton
+        specialises an integer argument on being 1 or a multiple of 16 (0: neither)."""
+        if self.layout == "graph":
+            return (self.layout, self.tokens, self.lora)
+        return (self.layout, 1 if self.tokens == 1 else 16 if self.tokens % 16 == 0 else 0, self.lora)
+
 
 @dataclass
 class StepResult:
@@ -134,11 +142,12 @@ class ModelRunner:
         self.enforce_eager = config.enforce_eager
         self.max_flat_tokens = config.max_flat_tokens
         # The warm-up's record (serving.engine.warmup): while it runs, every step's shape is added to
-        # ``shape_log``; once it is over, ``warm_shapes`` holds what it ran and each other shape a
-        # step runs lands in ``cold_shapes`` (what the warm-up missed: loraplex_engine_cold_step_shapes).
+        # ``shape_log``; once it is over, ``warm_kernels`` holds the kernels (``StepShape.kernels``)
+        # it ran and each other one a step runs lands in ``cold_kernels`` (what the warm-up missed:
+        # loraplex_engine_cold_step_shapes).
         self.shape_log: set[StepShape] | None = None
-        self.warm_shapes: frozenset[StepShape] | None = None
-        self.cold_shapes: set[StepShape] = set()
+        self.warm_kernels: frozenset[tuple[str, int, bool]] | None = None
+        self.cold_kernels: set[tuple[str, int, bool]] = set()
         self.graphs: DecodeGraphs | None = None
         sizes = config.graph_sizes()
         if sizes:
@@ -404,13 +413,12 @@ class ModelRunner:
 
     def _saw(self, layout: str, tokens: int, lora: bool) -> None:
         """Record a step's shape for the warm-up, or after it, as cold when the warm-up never ran it."""
-        if self.shape_log is None and self.warm_shapes is None:
-            return
-        shape = StepShape(layout, tokens, lora)
         if self.shape_log is not None:
-            self.shape_log.add(shape)
-        elif self.warm_shapes is not None and shape not in self.warm_shapes:
-            self.cold_shapes.add(shape)
+            self.shape_log.add(StepShape(layout, tokens, lora))
+        elif self.warm_kernels is not None:
+            kernels = StepShape(layout, tokens, lora).kernels()
+            if kernels not in self.warm_kernels:
+                self.cold_kernels.add(kernels)
 
     def _logits_of(self, sampled: list[Sequence], logits: torch.Tensor) -> StepLogits:
         if not sampled or not self.tp.is_driver:

@@ -113,7 +113,8 @@ class EngineStats:
     # CPU. Read where the engine runs, so a server whose engine is a child process opens no CUDA
     # context of its own to report it.
     gpu_memory_free_bytes: int | None = None
-    # Step shapes run since the warm-up that it did not run (serving.engine.warmup); None: no warm-up.
+    # Step kernels (StepShape.kernels) run since the warm-up that it did not run (serving.engine.warmup);
+    # None: no warm-up.
     cold_step_shapes: int | None = None
 
 
@@ -192,7 +193,7 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
         cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
         adapters=adapters,
         gpu_memory_free_bytes=int(torch.cuda.mem_get_info(runner.device)[0]) if runner.device.type == "cuda" else None,
-        cold_step_shapes=len(runner.cold_shapes) if runner.warm_shapes is not None else None,
+        cold_step_shapes=len(runner.cold_kernels) if runner.warm_kernels is not None else None,
     )
 
 

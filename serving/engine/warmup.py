@@ -29,6 +29,7 @@ set, with the sampler paths of the requests that finished and the adapters left 
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -122,8 +123,11 @@ def warmup_phases(engine: LLMEngine, adapters: Sequence[str]) -> list[list[WarmR
         for length in prefill_lengths(config.max_num_batched_tokens, max_prompt)
         for adapter in (None, *adapters[:1])
     ]
+    # Without xgrammar installed (a GPU machine given only the engine's wheels) no guided request can
+    # be served at all, and the rest must still warm: the report then lacks the "guided" path.
+    grammars = importlib.util.find_spec("xgrammar") is not None
     paths = [WarmRequest(_SHORT_PROMPT, params, adapters[i % len(adapters)] if adapters and i % 2 else None, name)
-             for i, (name, params) in enumerate(SAMPLER_PATHS.items())]
+             for i, (name, params) in enumerate(SAMPLER_PATHS.items()) if grammars or name != "guided"]
     return [ladder, *prefills, paths]
 
 
@@ -166,9 +170,9 @@ def warm_up(engine: LLMEngine, adapters: Iterable[str] = ()) -> WarmupReport:
                     engine.wait_for_loads(_IDLE_WAIT_S)  # an adapter load or a grammar compile
     finally:
         runner.shape_log = None
-    # From now on a step of a shape not run here counts as cold (EngineStats.cold_step_shapes).
-    runner.warm_shapes = frozenset(shapes)
-    runner.cold_shapes.clear()
+    # From now on a step whose kernels were not run here counts as cold (EngineStats.cold_step_shapes).
+    runner.warm_kernels = frozenset(shape.kernels() for shape in shapes)
+    runner.cold_kernels.clear()
     on_gpu = {info.name for info in engine.list_loras(names) if info.gpu_slot is not None}
     return WarmupReport(
         shapes=frozenset(shapes),

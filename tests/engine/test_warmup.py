@@ -107,18 +107,24 @@ def run_alone(engine: LLMEngine, request_id: str, length: int) -> None:
 
 
 @pytest.mark.e2e
-def test_after_the_warm_up_each_shape_it_never_ran_counts_once_as_cold(engine: LLMEngine,
-                                                                       report: WarmupReport) -> None:
+def test_after_the_warm_up_each_kernel_it_never_ran_counts_once_as_cold(engine: LLMEngine,
+                                                                        report: WarmupReport) -> None:
     before = engine.stats().cold_step_shapes
     assert before is not None
-    run_alone(engine, "warm-shape", 32)  # a prefill length and decode batch the warm-up ran
+    run_alone(engine, "warm-kernels", 32)  # a prefill of 32 tokens, then decodes of one: both warmed
     assert engine.stats().cold_step_shapes == before
-    # A length it never prefilled: that one step is new; its decodes (batch 1, base) are not.
-    length = next(n for n in range(17, BUDGET) if StepShape("eager", n, False) not in report.shapes)
-    run_alone(engine, "cold-shape", length)
+    # A one-token prompt is an eager step of one token, which no warm-up prefill is (Triton
+    # specialises on 1): new once, however often it comes back.
+    assert StepShape("eager", 1, False).kernels() not in {shape.kernels() for shape in report.shapes}
+    run_alone(engine, "cold-kernels", 1)
     assert engine.stats().cold_step_shapes == before + 1
-    run_alone(engine, "cold-shape-again", length)
+    run_alone(engine, "cold-kernels-again", 1)
     assert engine.stats().cold_step_shapes == before + 1
+
+
+def test_a_step_shapes_kernels_are_its_graph_size_or_its_triton_specialisation() -> None:
+    assert StepShape("graph", 48, True).kernels() == ("graph", 48, True)
+    assert [StepShape("eager", n, False).kernels()[1] for n in (1, 16, 48, 17, 50)] == [1, 16, 16, 0, 0]
 
 
 def test_the_warm_up_refuses_an_engine_with_requests(engine: LLMEngine) -> None:

@@ -121,7 +121,8 @@ class _EngineCollector(_StatsCollector[EngineStats]):
         if stats.cold_step_shapes is not None:
             yield GaugeMetricFamily(
                 "loraplex_engine_cold_step_shapes",
-                "Step shapes (layout, token count, LoRA or not) run since the warm-up that it did not run.",
+                "Step shapes run since the warm-up whose kernels it did not run (a CUDA graph size, or an uncaptured "
+                "step's Triton specialisation: 1, a multiple of 16 or other tokens; LoRA or not).",
                 value=stats.cold_step_shapes,
             )
         yield CounterMetricFamily(
