@@ -32,7 +32,7 @@ import torch
 from serving.engine.lora.cpu_cache import CPUCache
 from serving.engine.lora.gpu_slots import Grant, SlotTable, WriteRows
 from serving.engine.lora.loader import AdapterLoader
-from serving.engine.lora.reader import AdapterError, LoadedAdapter
+from serving.engine.lora.reader import AdapterError, BaseShapes, LoadedAdapter
 from serving.engine.lora.records import AdapterHandle, CachedAdapter, LoadResult, PendingLoad
 from serving.engine.lora.request import LoRARequest
 
@@ -90,7 +90,12 @@ class LoRACache:
         self._names: dict[str, CachedAdapter] = {}
         self._by_digest: dict[str, CachedAdapter] = {}
         self._slots = SlotTable(num_slots, num_rows, write_rows)
-        self._cpu = CPUCache(capacity_bytes=cpu_cache_bytes, entry_bytes=max_lora_rank * row_bytes,
+        # The most one adapter can take: its rows at the largest rank and, served unless refused, a DoRA
+        # adapter's fp32 magnitudes (one value per output feature of every module).
+        shapes = BaseShapes.from_config(base_config)
+        magnitude_bytes = 0 if dora_refusal is not None else (
+            4 * shapes.num_layers * sum(out for _, out in shapes.modules.values()))
+        self._cpu = CPUCache(capacity_bytes=cpu_cache_bytes, entry_bytes=max_lora_rank * row_bytes + magnitude_bytes,
                              max_entries=max_cpu_loras)
         self._loader = AdapterLoader(
             base_config=base_config,
