@@ -13,7 +13,8 @@ vLLM extensions kept with vLLM's names: `top_k`, `ignore_eos`, `stop_token_ids`,
 `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, and structured output's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (on both endpoints; chat also takes
 OpenAI's `response_format`). `constraints()` lists those set, as the engine's GuidedDecodingParams
-fields; generation.py refuses more than one.
+fields; generation.py refuses more than one. A choice held to one of them that `max_tokens` cut
+says so in `incomplete_details` (Loraplex's extension, named after the Responses API's field).
 """
 
 from __future__ import annotations
@@ -335,6 +336,15 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class IncompleteDetails(_Response):
+    """Why a structured reply (one held to a constraint) is not a complete match: `max_tokens`
+    ended it before the model did (finish_reason "length"). `param`: the constraint's field."""
+
+    reason: Literal["max_tokens"] = "max_tokens"
+    param: str
+    message: str
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
@@ -343,6 +353,7 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = _extension()
     prompt_token_ids: list[int] | None = _extension()
+    incomplete_details: IncompleteDetails | None = _extension()
 
 
 class CompletionResponse(_Response):
@@ -396,6 +407,7 @@ class ChatChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = _extension()
+    incomplete_details: IncompleteDetails | None = _extension()
 
 
 class ChatCompletionResponse(_Response):
@@ -437,6 +449,7 @@ class ChatChunkChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = _extension()
+    incomplete_details: IncompleteDetails | None = _extension()
 
 
 class ChatCompletionChunk(_Response):

@@ -6,15 +6,9 @@ characters repeat without end: a small model held to ``{"type": "number"}`` wrot
 ``1111111111111111222222…`` until ``max_tokens`` cut it into invalid JSON (issue 39, item 4). Its
 shared ``basic_*`` rules (every number, integer and string the schema leaves unbounded, and every
 value of an untyped or free-form part, ``json_object`` included) are rewritten here to the bounds
-below; a schema's own bounds (``maxLength``, ``minimum``/``maximum``, ``pattern``, ``enum``) are the
-library's own rules and stay as written. docs/serving-worker.md, "Structured output", documents them.
-
-| value | bound | why |
-| --- | --- | --- |
-| a number's integer part, an integer | at most ``MAX_INTEGER_DIGITS`` (15) digits | every integer below 10**15 is exact in a double (JavaScript's and most parsers') |
-| a number's fraction | at most ``MAX_FRACTION_DIGITS`` (15) digits | a double keeps about 16 significant digits; more are noise |
-| a number's exponent | at most ``MAX_EXPONENT_DIGITS`` (3) digits | a double's range ends at 1e308 |
-| a string without ``maxLength`` | at most ``MAX_STRING_CHARS`` (8,192) characters, an escape counting as one | closes a string a model loops in, long before a usual ``max_tokens``; a schema that needs longer strings says so with ``maxLength`` |
+``MAX_*`` below; a schema's own bounds (``maxLength``, ``minimum``/``maximum``, ``pattern``, ``enum``) are the
+library's own rules and stay as written. docs/tools-and-structured-output.md, "Bounded JSON",
+gives each bound and why.
 
 It imports only the grammar library (and that when called): the compiling processes
 (serving.engine.grammar_worker) call it on their side.
@@ -24,6 +18,8 @@ from __future__ import annotations
 
 import re
 
+# Integers below 10**15 are exact in a double; a double keeps about 16 significant digits and
+# ends at 1e308; a string a model loops in is closed long before a usual max_tokens.
 MAX_INTEGER_DIGITS = 15
 MAX_FRACTION_DIGITS = 15
 MAX_EXPONENT_DIGITS = 3

@@ -9,9 +9,11 @@ operator passed `--trust-request-chat-template`, and then rendered in a sandboxe
 with limits (chat_template_sandbox.py). `chat_template_kwargs` are template variables only: the
 names of `apply_chat_template`'s own parameters are refused there.
 
-Tools (`tools=` to the template, the reply read for calls, the grammar of `required` or a named
-function) are the tool_* modules'; here they are resolved once the prompt is built and applied to
-the reply.
+Tools (`tools=` to the template, or the worker's own tool prompt for a template without a tool
+format this worker reads; the reply read for calls, the grammar of `required` or a named function)
+are the tool_* modules'; here they are resolved once the prompt is built and applied to the reply.
+A structured reply (a constraint: `response_format`, a `guided_*` field, forced tool calls) that
+`max_tokens` cuts carries `incomplete_details` (incomplete.py).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from serving.contracts.protocol import (
 )
 from serving.engine.server.streaming import GenerationStream, SseTemplate, sse
 from serving.engine.server.tool_grammar import tool_call_grammar
+from serving.engine.server.incomplete import incomplete_details
 from serving.engine.server.tool_parsers import Family, family_for
+from serving.engine.server.tool_prompt import is_prompted, prompted_messages
 from serving.engine.server.tool_replies import ToolReplies
 from serving.engine.server.tool_requests import ToolPlan, template_messages, tool_plan
 from serving.engine.server.worker import Worker
@@ -80,6 +84,8 @@ class ChatTools:
 
     plan: ToolPlan | None = None
     family: Family | None = None
+    # The worker writes the tools and their calls into the prompt (tool_prompt.py), not the template.
+    prompted: bool = False
 
     def replies(self) -> ToolReplies | None:
         """The reader of this reply's calls; None when the reply is not read for them."""
@@ -92,6 +98,7 @@ async def _resolve_tools(worker: Worker, engine: EngineClient, body: ChatComplet
                          template_text: str | None, tools: ChatTools) -> None:
     """`tools` for this request; a reply that must be calls is held to their grammar."""
     tools.family = family_for(worker.args.tool_call_parser, template_text)
+    tools.prompted = is_prompted(tools.family, template_text)
     tools.plan = plan = tool_plan(body, tools.family)
     if plan is None or not plan.forced:
         return
@@ -124,23 +131,39 @@ async def chat_prompt_token_ids(worker: Worker, engine: EngineClient, body: Chat
         messages = template_messages(body.messages)
     except ValueError as exc:  # a content part that is not text
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
-    offered = tools.plan.template_tools() if tools.plan is not None else None
-    try:
+    offered = tools.plan.template_tools() if tools.plan is not None and not tools.prompted else None
+
+    async def render(messages: list[dict[str, Any]]) -> str:
         if template is None:
-            text = await asyncio.to_thread(
+            rendered = await asyncio.to_thread(
                 tokenizer.apply_chat_template, messages, tokenize=False,
                 # (a list of apply_chat_template's own element type: list is invariant)
                 tools=None if offered is None else list[dict[Any, Any] | Callable[..., Any]](offered),
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, **variables,
             )
+            assert isinstance(rendered, str)  # tokenize=False
+            return rendered
+        return await worker.chat_template_sandbox.render(  # type: ignore[union-attr]
+            template, messages, tools=offered, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            # As apply_chat_template: the special tokens are variables, the caller's win.
+            variables={**tokenizer.special_tokens_map, **variables},
+        )
+
+    try:
+        if not tools.prompted:
+            text = await render(messages)
         else:
-            text = await worker.chat_template_sandbox.render(  # type: ignore[union-attr]
-                template, messages, tools=offered, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                # As apply_chat_template: the special tokens are variables, the caller's win.
-                variables={**tokenizer.special_tokens_map, **variables},
-            )
+            assert tools.family is not None  # prompted only with a family (is_prompted)
+            try:
+                text = await render(prompted_messages(messages, tools.family, tools.plan))
+            except Exception:
+                if any(message["role"] == "system" for message in messages):
+                    raise
+                # A template that refuses a system message (Gemma's) gets the tool prompt in the first user
+                # turn: tried once more (a caller's template in the sandbox too, so at most twice its limits).
+                text = await render(prompted_messages(messages, tools.family, tools.plan, system=False))
     except TemplateRefused as exc:
         raise bad_request(f"The request's chat template was refused: {exc}", param="chat_template") from exc
     except Exception as exc:  # a template raises whatever its Jinja code raises
@@ -183,6 +206,7 @@ def _choice(generation: Generation, body: ChatCompletionRequest, index: int, del
         finish_reason=finish_reason,
         stop_reason=last.stop_reason,
         token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
+        incomplete_details=incomplete_details(body, finish_reason),
     )
 
 
@@ -230,6 +254,7 @@ async def _chunks(generation: Generation, first: Delta, body: ChatCompletionRequ
                 finish_reason=finish_reason,
                 stop_reason=delta.stop_reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
+                incomplete_details=incomplete_details(body, finish_reason),
             ), usage=usage_each)
         delta = await generation.next()
     if body.stream_options and body.stream_options.include_usage:

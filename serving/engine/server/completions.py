@@ -8,7 +8,8 @@ each carry one choice, by its index, as OpenAI's SDK reads them. `echo` puts the
 (a prompt of token ids decoded) before its choices' text, in a stream with the choice's first chunk;
 with `logprobs`, the prompt's tokens come first in the logprobs too, the first with none (nothing
 predicts it), as OpenAI returns them. A token's `text_offset` counts the texts of the tokens before
-it in the choice (prompt's included), as vLLM does, whole and streamed alike.
+it in the choice (prompt's included), as vLLM does, whole and streamed alike. A constrained
+(`guided_*`) choice cut by `max_tokens` carries `incomplete_details` (incomplete.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.responses import Response
 
 from serving.engine import EngineClient, Logprob
 from serving.engine.server.generation import Delta, Generation, GenerationRequest
+from serving.engine.server.incomplete import incomplete_details
 from serving.contracts.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -68,6 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request, worker: W
             stop_reason=last.stop_reason,
             token_ids=[t for d in deltas for t in d.token_ids] if body.return_token_ids else None,
             prompt_token_ids=generation.prompts_token_ids[prompt] if body.return_token_ids else None,
+            incomplete_details=incomplete_details(body, last.finish_reason),
         ))
     response = CompletionResponse(
         id=generation.request_id, created=generation.created, model=body.model, choices=choices,
@@ -113,6 +116,7 @@ async def _chunks(generation: Generation, first: Delta, body: CompletionRequest)
                 stop_reason=delta.stop_reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
                 prompt_token_ids=generation.prompts_token_ids[prompt] if body.return_token_ids and head else None,
+                incomplete_details=incomplete_details(body, delta.finish_reason),
             )
             started.add(index)
             yield sse(CompletionResponse(

@@ -12,14 +12,17 @@ not a JSON object, text between calls that the family does not write) the reply 
 A stream cannot take back a call it announced: there the malformed rest ends the call as it stands.
 
 `family_for` picks the family: the worker's `--tool-call-parser`, or by default the marker the
-chat template writes (docs/serving-worker.md, "Tools").
+chat template writes, and for a template that writes none of them the generic family (Hermes'
+tagged blocks, which the worker's own tool prompt asks for: tool_prompt.py). `reads_tools` says
+whether a template renders a request's tools at all (docs/serving-worker.md, "Tools";
+docs/tools-and-structured-output.md).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -64,13 +67,19 @@ MISTRAL = Family(
     # [TOOL_CALLS] is a special token a grammar cannot write (and the text drops): the array alone.
     grammar_open="", grammar_separator=", ", grammar_close="", grammar_prefix="[", grammar_suffix="]",
 )
-FAMILIES = {family.name: family for family in (HERMES, LLAMA3_JSON, MISTRAL)}
+# For a template that writes no tool format this module reads: the worker's own tool prompt
+# (tool_prompt.py) asks for Hermes' tagged blocks, the form most open models have seen, and the
+# tags keep a call apart from a reply that merely holds JSON.
+GENERIC = replace(HERMES, name="generic")
+FAMILIES = {family.name: family for family in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
 PARSER_CHOICES = ("auto", *FAMILIES, "none")
+# A template that renders a request's tools reads the variable `tools` (Hugging Face's convention).
+_READS_TOOLS = re.compile(r"\btools\b")
 
 
 def family_for(choice: str, chat_template: str | None) -> Family | None:
-    """The family `--tool-call-parser` names; for "auto", the one whose marker the template writes
-    (None: the template writes no tool calls this module reads)."""
+    """The family `--tool-call-parser` names; for "auto", the one whose marker the template writes,
+    else GENERIC. None: the operator turned tool calls off ("none")."""
     if choice == "none":
         return None
     if choice != "auto":
@@ -82,7 +91,12 @@ def family_for(choice: str, chat_template: str | None) -> Family | None:
         return MISTRAL
     if "<|python_tag|>" in template or ('"parameters": ' in template and "<|start_header_id|>" in template):
         return LLAMA3_JSON
-    return None
+    return GENERIC
+
+
+def reads_tools(chat_template: str | None) -> bool:
+    """The template renders a request's tools (it reads the `tools` variable)."""
+    return bool(_READS_TOOLS.search(chat_template or ""))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 `function_call` (the reply then carries its one call as `function_call`), and refuses with a 400
 naming the field what cannot be honoured: both spellings at once, two functions of one name,
 `required` or a named function without tools, a named function not among them, or tools on a
-model whose tool-call format is unknown (no `--tool-call-parser`, none detected).
+worker whose operator turned tool calls off (`--tool-call-parser none`). A model whose template
+writes no tool format the worker reads gets the generic one (tool_prompt.py), not a 400.
 
 `template_messages` turns the history into `apply_chat_template`'s messages (Hugging Face's
 convention): an assistant's `tool_calls` (or legacy `function_call`) with their arguments as
@@ -66,7 +67,7 @@ class ToolPlan:
 
 
 def tool_plan(body: ChatCompletionRequest, family: Family | None) -> ToolPlan | None:
-    """The request's tools for a model whose calls are written as `family` (None: unknown)."""
+    """The request's tools for a model whose calls are written as `family` (None: tool calls off)."""
     if body.tools is not None and body.functions is not None:
         raise bad_request("Send tools or the legacy functions, not both.", param="functions")
     legacy = body.functions is not None
@@ -97,9 +98,8 @@ def tool_plan(body: ChatCompletionRequest, family: Family | None) -> ToolPlan | 
                     parallel=not legacy and body.parallel_tool_calls is not False and named is None)
     if plan.parses and family is None:
         raise bad_request(
-            f"This model's chat template writes no tool-call format this worker reads, so its replies cannot be "
-            f"read as calls (the operator can name one with --tool-call-parser); send {field} 'none' for a "
-            "plain reply.", param=field)
+            f"This worker's operator turned tool calls off (--tool-call-parser none), so replies are not read "
+            f"for calls; send {field} 'none' for a plain reply.", param=field)
     return plan
 
 

@@ -1,7 +1,8 @@
 """Structured output through the official `openai` client on a real worker: `response_format`
 (json_schema, json_object) on chat and vLLM's guided_* fields on both endpoints, streamed and not;
 a schema the grammar library refuses, two constraints at once or a malformed one are 400s naming
-the field and the construct."""
+the field and the construct; a number the model would repeat forever is closed at the grammar's
+bound, and a structured reply cut by max_tokens carries incomplete_details."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from serving.engine.json_grammar import MAX_EXPONENT_DIGITS, MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS
 from serving.engine.server.cli import ServerArgs
 from tests.engine.server.conftest import WorkerProcess, serve_in_process
 
@@ -70,6 +73,52 @@ def test_json_object_and_guided_fields(worker: WorkerProcess) -> None:
     grammar = api.completions.create(model=BASE, prompt="Answer:", max_tokens=10, temperature=0,
                                      extra_body={"guided_grammar": 'root ::= ("yes" | "no") "."'})
     assert grammar.choices[0].text in ("yes.", "no.")
+
+
+def test_a_number_the_model_would_write_forever_is_closed_at_its_bound(worker: WorkerProcess,
+                                                                      tiny_model: Path) -> None:
+    # Issue 39, item 4: a model that favours one digit wrote 1111111111111111222222… until max_tokens,
+    # cut into invalid JSON. The bias here makes "1" this model's every choice the grammar allows.
+    one = AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("1")
+    schema = {"type": "object", "properties": {"population_millions": {"type": "number"}},
+              "required": ["population_millions"], "additionalProperties": False}
+    args = dict(model=BASE, messages=MESSAGES, max_tokens=200, temperature=0, logit_bias={str(one): 100},
+                response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}})
+    choice = client(worker).chat.completions.create(**args).choices[0]  # type: ignore[call-overload]
+    assert choice.finish_reason == "stop" and "incomplete_details" not in choice.model_extra
+    number = re.fullmatch(r'\{"population_millions": (-?[0-9]+)(\.[0-9]+)?([eE][+-]?[0-9]+)?\}', choice.message.content)
+    assert number is not None, choice.message.content
+    integer, fraction, exponent = (group or "" for group in number.groups())
+    assert len(integer.lstrip("-")) <= MAX_INTEGER_DIGITS and len(fraction) <= MAX_FRACTION_DIGITS + 1
+    assert len(exponent.lstrip("eE+-")) <= MAX_EXPONENT_DIGITS
+    # The model did go on writing "1" until a bound stopped it (the part then moved on or closed).
+    assert "1" * MAX_INTEGER_DIGITS in choice.message.content, choice.message.content
+    assert isinstance(json.loads(choice.message.content)["population_millions"], float | int)
+
+
+def test_a_structured_reply_cut_by_max_tokens_says_so(worker: WorkerProcess) -> None:
+    api = client(worker)
+    args = dict(model=BASE, messages=MESSAGES, max_tokens=3, temperature=0, response_format=JSON_SCHEMA_FORMAT)
+    cut = api.chat.completions.create(**args).choices[0]  # type: ignore[call-overload]
+    assert cut.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(cut.message.content)
+    details = cut.model_extra["incomplete_details"]
+    assert details["reason"] == "max_tokens" and details["param"] == "response_format"
+    assert "not a match" in details["message"]
+    chunks = [c for c in api.chat.completions.create(**args, stream=True) if c.choices]  # type: ignore[call-overload]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].model_extra["incomplete_details"] == details
+    completion = api.completions.create(model=BASE, prompt="Answer:", max_tokens=2, temperature=0,
+                                        extra_body={"guided_json": SCHEMA}).choices[0]
+    assert completion.finish_reason == "length"
+    assert completion.model_extra["incomplete_details"]["param"] == "guided_json"
+    streamed = [c.choices[0] for c in api.completions.create(model=BASE, prompt="Answer:", max_tokens=2, temperature=0,
+                                                             stream=True, extra_body={"guided_json": SCHEMA})]
+    assert streamed[-1].model_extra["incomplete_details"]["param"] == "guided_json"
+    # Free text cut by max_tokens is not structured output: nothing to say.
+    free = api.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=3, temperature=0).choices[0]
+    assert free.finish_reason == "length" and "incomplete_details" not in free.model_extra
 
 
 def test_free_output_beside_constrained_is_unchanged(worker: WorkerProcess) -> None:

@@ -12,6 +12,7 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from serving.engine.server.tool_grammar import tool_call_grammar
 from serving.engine.server.tool_parsers import (
+    GENERIC,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -24,6 +25,7 @@ from serving.engine.server.tool_parsers import (
     family_for,
     parse,
 )
+from serving.engine.server.tool_prompt import call_text
 from serving.engine.tiny import CHAT_TEMPLATE
 
 WEATHER = Call("get_weather", '{"city": "Rome", "days": [1, {"a": "}"}]}')
@@ -45,6 +47,12 @@ WELL_FORMED = [
      [ORDER]),
     # Arguments written as a JSON string of the object, as some models do.
     (HERMES, '<tool_call>\n{"name": "order_status", "arguments": "{\\"order_id\\": 42}"}\n</tool_call>', None, [ORDER]),
+    # The generic family (a template without a tool format: the worker's own prompt asks for these
+    # blocks), as a model that follows the prompt loosely writes them: no newlines, text around.
+    (GENERIC, f'I will look that up.\n<tool_call>{{"name": "get_weather", "arguments": {WEATHER.arguments}}}'
+              f'</tool_call>\n\n<tool_call> {{"name": "order_status", "arguments": {ORDER.arguments}}} </tool_call>',
+     "I will look that up.", [WEATHER, ORDER]),
+    (GENERIC, f'<tool_call>\n{{"arguments": {ORDER.arguments}, "name": "order_status"}}\n</tool_call>', None, [ORDER]),
 ]
 
 # A call without arguments: no object to hand over, so plain content (not a crash).
@@ -66,6 +74,9 @@ MALFORMED = [
     (MISTRAL, '[1, 2, 3]'),
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {}}'),  # the array never closes
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {"a": tru}}]'),  # not JSON
+    # The generic family reads tagged blocks only: a reply that is JSON is an answer, not a call.
+    (GENERIC, '{"name": "get_weather", "arguments": {"city": "Rome"}}'),
+    (GENERIC, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"'),  # cut off
     *NO_ARGUMENTS,
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\n'
              '<tool_call>\n{"name": "order_status"}\n</tool_call>'),  # one of two calls without: all content
@@ -141,9 +152,11 @@ MISTRAL_TEMPLATE = '{%- if message.tool_calls %}{{- "[TOOL_CALLS][" }}{%- endif 
     ("auto", LLAMA31_TEMPLATE, LLAMA3_JSON),
     ("auto", "{{ '<|python_tag|>' }}", LLAMA3_JSON),
     ("auto", MISTRAL_TEMPLATE, MISTRAL),
-    ("auto", "{% for m in messages %}{{ m.content }}{% endfor %}", None),
-    ("auto", None, None),
+    # No format this worker reads: the generic one its own tool prompt asks for (tool_prompt.py).
+    ("auto", "{% for m in messages %}{{ m.content }}{% endfor %}", GENERIC),
+    ("auto", None, GENERIC),
     ("mistral", CHAT_TEMPLATE, MISTRAL),
+    ("generic", CHAT_TEMPLATE, GENERIC),
     ("none", CHAT_TEMPLATE, None),
 ])
 def test_the_family_is_the_flags_or_the_templates(choice: str, template: str | None, expected: Family | None) -> None:
@@ -157,14 +170,7 @@ FUNCTIONS = [
 ]
 
 
-def call_text(family: Family, calls: list[tuple[str, dict]]) -> str:
-    """`calls` as the family writes them (the form its grammar writes: compact JSON, name first)."""
-    objects = [json.dumps({"name": name, family.args_key: arguments}) for name, arguments in calls]
-    body = family.grammar_separator.join(f"{family.grammar_open}{obj}{family.grammar_close}" for obj in objects)
-    return f"{family.grammar_prefix}{body}{family.grammar_suffix}"
-
-
-@pytest.mark.parametrize("family", [HERMES, LLAMA3_JSON, MISTRAL])
+@pytest.mark.parametrize("family", [HERMES, LLAMA3_JSON, MISTRAL, GENERIC])
 def test_the_grammar_of_forced_calls_holds_the_familys_text(family: Family) -> None:
     one, two = [("get_weather", {"city": "Rome"})], [("get_weather", {"city": "Rome"}), ("ping", {})]
     parallel = tool_call_grammar(family, FUNCTIONS, parallel=True)
