@@ -13,6 +13,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from dashboard.htmx import is_htmx
@@ -129,12 +130,24 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
     return redirect("dashboard:job", job.pk)
 
 
+def _time_left(job: TrainingJob) -> str | None:
+    """"about 3 min left" from the job's estimated finish (training.pace), while it runs."""
+    if job.is_final or job.estimated_finish is None:
+        return None
+    seconds = max(0.0, (job.estimated_finish - timezone.now()).total_seconds())
+    if seconds < 60:
+        return "under a minute left"
+    if seconds < 90 * 60:
+        return f"about {round(seconds / 60)} min left"
+    return f"about {seconds / 3600:.1f} h left"
+
+
 def _job_context(job: TrainingJob) -> dict[str, Any]:
     checkpoints = list(selectors.job_checkpoints(job=job).select_related("job"))
     metrics = selectors.job_metrics(job=job)
     return {"job": job, "metrics": metrics, "events": selectors.job_events(job=job)[:50],
             # The chart has a validation series only where the job has validation examples.
-            "validated": bool(job.validation_dataset_id or job.validation_fraction),
+            "validated": bool(job.validation_dataset_id or job.validation_fraction), "time_left": _time_left(job),
             "tokens_per_second": next((point["tokens_per_second"] for point in reversed(metrics)
                                        if point.get("tokens_per_second") is not None), None),
             "checkpoints": checkpoints, "checkpoint_models": checkpoint_models(checkpoints), "active": not job.is_final,

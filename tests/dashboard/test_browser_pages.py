@@ -264,7 +264,7 @@ def test_a_newcomer_watches_a_short_job_step_by_step(browser, web, owner, page):
         expect(chart).to_have_attribute("data-points", str(step))
     expect(page.locator("#job-preparing")).to_have_count(0)
     expect(page.locator("#job-tokens-per-second")).to_have_text("96 trained tokens/s")
-    expect(page.locator("#job-eta")).to_contain_text("minutes left")
+    expect(page.locator("#job-eta")).to_have_text(re.compile(r"^about \d+ min left$"))
     legend = page.locator("#loss-chart .u-legend")
     expect(legend).to_contain_text("train loss")
     expect(legend).not_to_contain_text("valid loss")

@@ -103,10 +103,14 @@ def test_the_job_page_shows_the_pace_and_charts_validation_only_where_there_is_s
         TrainingEvent.objects.create(job=job, type=TrainingEvent.Type.METRICS, message=f"Step {step}", data={
             "step": step, "train_loss": 2.0, **({"tokens_per_second": 123.4} if step == 2 else {})})
     TrainingJob.objects.filter(pk=job.pk).update(step=2, estimated_finish=timezone.now() + timedelta(minutes=3,
-                                                                                                    seconds=30))
+                                                                                                    seconds=10))
     page = job_page(client, job)
     assert "Preparing" not in page and '>123 trained tokens/s</span>' in page
-    assert "about 3\xa0minutes left" in page
+    assert ">about 3 min left</span>" in page
+    TrainingJob.objects.filter(pk=job.pk).update(estimated_finish=timezone.now() + timedelta(seconds=20))
+    assert ">under a minute left</span>" in job_page(client, job)
+    TrainingJob.objects.filter(pk=job.pk).update(estimated_finish=timezone.now() + timedelta(hours=2, minutes=40))
+    assert ">about 2.7 h left</span>" in job_page(client, job)
     TrainingJob.objects.filter(pk=job.pk).update(validation_fraction=0.2)
     assert 'data-validated="1"' in job_page(client, job)
 
