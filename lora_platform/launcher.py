@@ -71,6 +71,8 @@ STOP_TIMEOUT_S = 15.0
 # model than the demo's takes longer than the others' stop).
 WORKER_STOP_TIMEOUT_S = 60.0
 SERVING_KEY_FILE = "serving-worker-api-key"
+# The demo's dataset, in the project directory: facts a fine-tune of the demo model visibly learns.
+DEMO_DATASET = "examples/demo-facts.jsonl"
 # A dead child's pause before it is started again: doubled from the first with each death in a row,
 # capped; a child that ran this long before dying was healthy, so its next death pauses the least.
 RESTART_BACKOFF_FIRST_S = 1.0
@@ -443,7 +445,8 @@ def wait_until_ready(supervisor: Supervisor, first: str = "web") -> bool:
     return not supervisor.stop_requested
 
 
-def banner(base: str, demo_key: str | None, admin_password: str | None, serving_key_file: Path | None = None) -> str:
+def banner(base: str, demo_key: str | None, admin_password: str | None, serving_key_file: Path | None = None,
+           demo_dataset: Path | None = None) -> str:
     key_from = f"key in {serving_key_file}" if serving_key_file else "key: $SERVING_WORKER_API_KEY"
     lines = [
         "",
@@ -467,6 +470,9 @@ def banner(base: str, demo_key: str | None, admin_password: str | None, serving_
     else:
         lines.append(f"  Demo tenant  '{DEMO_TENANT}' (its key was printed on the first run; new one: "
                      f"python manage.py tenants create-key {DEMO_TENANT} --name laptop)")
+    if demo_dataset:
+        lines.append(f"  Demo data    {demo_dataset}   (upload, train, deploy; then ask the Playground, base and "
+                     "adapter side by side: README, \"See a fine-tune change the answers\")")
     return "\n".join(lines) + "\n"
 
 
@@ -507,7 +513,10 @@ def main() -> int:
                 return 0
             say(f"The web app did not answer at {base}/healthz; stopping.")
             return 1
-        say(banner(base, demo_key, admin_password, serving_key_file))
+        platform = platform_settings()
+        dataset = Path(settings.BASE_DIR) / DEMO_DATASET
+        show = platform.base_model_is_demo and platform.loraplex_demo_model == "smollm2" and dataset.is_file()
+        say(banner(base, demo_key, admin_password, serving_key_file, demo_dataset=dataset if show else None))
         while not supervisor.stop_requested:
             supervisor.tend()
             time.sleep(0.5)

@@ -4,6 +4,7 @@ address it prints on the web app is one the web app serves."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,9 @@ def test_every_web_address_in_the_banner_is_served(client) -> None:
         status = client.get(path).status_code
         # The dashboard and the admin send a visitor to sign in; /readyz may say not ready (no worker here).
         assert status in (200, 302, 503) and (status != 503 or path == "/readyz"), (path, status)
+
+
+def test_the_banner_points_at_the_demo_dataset_when_given() -> None:
+    assert "Demo data" not in banner(BASE, None, None)
+    lines = banner(BASE, None, None, demo_dataset=Path("/srv/loraplex/examples/demo-facts.jsonl")).splitlines()
+    assert any(line.startswith("  Demo data    /srv/loraplex/examples/demo-facts.jsonl") for line in lines)
