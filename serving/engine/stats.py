@@ -32,6 +32,7 @@ class LoRAInfo:
     in_cpu_cache: bool
     active_requests: int
     load_seconds: float
+    kind: str = "lora"  # serving.contracts.artifact.ADAPTER_KINDS: "lora" or "dora"
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ def lora_infos(cache: LoRACache, names: Collection[str] | None = None) -> list[L
             in_cpu_cache=a.weights is not None,
             active_requests=a.refs,
             load_seconds=a.load_seconds,
+            kind="dora" if a.dora else "lora",
         )
         for name, a in pairs
     ]

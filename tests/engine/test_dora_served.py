@@ -67,6 +67,7 @@ def test_dora_and_lora_in_one_batch_match_peft(arch: str, max_loras: int, device
     loras = [LoRARequest(n, str(adapters[n])) if n else None for _ in PROMPTS for n in names]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(inputs, greedy, lora_request=loras)
+    assert {info.name: info.kind for info in llm.llm_engine.list_loras()} == {"dora": "dora", "plain": "lora"}
     reference = PeftReference(base, adapters)
     tokens: dict[str | None, list[list[int]]] = {}
     for prompt, lora, output in zip(inputs, loras, outputs):

@@ -168,6 +168,7 @@ def build_app(worker: Worker) -> FastAPI:
             "rank": info.rank,
             "lora_alpha": info.lora_alpha,
             "target_modules": list(info.target_modules),
+            "kind": info.kind,
             "load_seconds": info.load_seconds,
         }
 

@@ -62,7 +62,7 @@ def test_load_use_unload_and_reload_in_place_while_others_stream(worker, offline
     async def main_flow() -> None:
         response = await load("dyn", first)
         assert response.status_code == 200, response.text
-        assert response.json()["rank"] == 8
+        assert response.json()["rank"] == 8 and response.json()["kind"] == "lora"
         assert "dyn" in await served()
         assert await generate("dyn") == first_ids
 
