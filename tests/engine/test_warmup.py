@@ -4,6 +4,7 @@ path, and leaves the adapters named at launch in GPU slots; the shapes are those
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from serving.engine import EngineConfig, LoRARequest, SamplingParams
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.model_runner import StepShape
+from serving.engine.process_engine import ProcessEngine
 from serving.engine.warmup import SAMPLER_PATHS, WarmupReport, prefill_lengths, warm_up, warmup_phases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,6 +127,30 @@ def test_after_the_warm_up_each_kernel_it_never_ran_counts_once_as_cold(engine: 
 def test_a_step_shapes_kernels_are_its_graph_size_or_its_triton_specialisation() -> None:
     assert StepShape("graph", 48, True).kernels() == ("graph", 48, True)
     assert [StepShape("eager", n, False).kernels()[1] for n in (1, 16, 48, 17, 50)] == [1, 16, 16, 0, 0]
+
+
+@pytest.mark.e2e
+def test_the_engine_core_process_warms_up_and_answers_with_the_report(tiny_llama_dir: Path,
+                                                                     make_adapter: Callable[..., Path]) -> None:
+    """The WarmUp command crosses the pipe to the engine-core process (the worker's default on a
+    GPU) and the report crosses back whole; the child counts cold kernels from then on."""
+    adapter = make_adapter(tiny_llama_dir, seed=3)
+    engine = ProcessEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", max_num_seqs=3,
+                                        max_num_batched_tokens=32, max_model_len=64, block_size=4,
+                                        num_kv_blocks=128, max_loras=1))
+
+    async def run() -> tuple[WarmupReport, int | None]:
+        await engine.add_lora(LoRARequest("only", str(adapter)))
+        report = await engine.warm_up(["only"])
+        return report, (await engine.get_stats()).cold_step_shapes
+
+    try:
+        report, cold = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert isinstance(report, WarmupReport) and report.resident == ("only",)
+    assert {s.tokens for s in report.shapes if s.layout == "flat"} >= {1, 2, 3}
+    assert cold == 0
 
 
 def test_the_warm_up_refuses_an_engine_with_requests(engine: LLMEngine) -> None:
