@@ -202,8 +202,9 @@ class ServerArgs:
         "seconds a caller's chat template may take to render (with --trust-request-chat-template)"))
     tool_call_parser: Annotated[str, Flag(SERVER, choices=PARSER_CHOICES)] = Field(default="auto", description=(
         "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), llama3_json, mistral "
-        "([TOOL_CALLS][…]); auto: the one whose marker the chat template writes; none: requests with tools "
-        "must send tool_choice none"))
+        "([TOOL_CALLS][…]), generic (hermes' form, asked for by the worker's own tool prompt); auto: the one "
+        "whose marker the chat template writes, else generic; none: requests with tools must send tool_choice "
+        "none"))
     slot_verify_interval: Annotated[float, Flag(SERVER)] = Field(default=60.0, ge=0, description=(
         "seconds between checks of every GPU slot's checksum (a changed slot is reloaded from storage); 0: "
         "only on request (POST /v1/verify_lora_slots)"))

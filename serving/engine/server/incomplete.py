@@ -24,5 +24,5 @@ def incomplete_details(body: SamplingFields, finish_reason: str | None) -> Incom
     param = constraints[0][0]
     return IncompleteDetails(param=param, message=(
         f"max_tokens (or the end of the model's context) ended this reply before the model completed the output "
-        f"{param} asks for: the text is the cut-off beginning of a match, not a match (JSON cut this way does not "
-        "parse). Send a larger max_tokens, or ask for shorter output."))
+        f"{param} asks for: the text is the cut-off beginning of a match, not necessarily a match (JSON cut this "
+        "way does not parse). Send a larger max_tokens, or ask for shorter output."))

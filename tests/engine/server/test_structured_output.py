@@ -105,7 +105,7 @@ def test_a_structured_reply_cut_by_max_tokens_says_so(worker: WorkerProcess) -> 
         json.loads(cut.message.content)
     details = cut.model_extra["incomplete_details"]
     assert details["reason"] == "max_tokens" and details["param"] == "response_format"
-    assert "not a match" in details["message"]
+    assert "cut-off beginning of a match" in details["message"]
     chunks = [c for c in api.chat.completions.create(**args, stream=True) if c.choices]  # type: ignore[call-overload]
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].choices[0].model_extra["incomplete_details"] == details
