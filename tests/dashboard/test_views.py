@@ -95,6 +95,16 @@ def test_another_tenants_objects_are_404(as_user, people, tenant_b, make_version
     assert client.get(reverse("dashboard:datasets")).content.count(b"data.jsonl") == 0
 
 
+def test_a_dora_version_shows_its_kind(as_user, people, tenant_a, make_version):
+    adapter = registry.adapter_create(tenant=tenant_a.tenant, name="support-bot")
+    make_version(adapter, "1.0.0")
+    page = as_user(people.viewer).get(reverse("dashboard:adapter", args=["support-bot"])).content
+    assert b'class="kind"' not in page  # plain LoRA: the rank alone
+    make_version(adapter, "1.1.0", kind="dora")
+    page = as_user(people.viewer).get(reverse("dashboard:adapter", args=["support-bot"])).content
+    assert b'<span class="kind" title="adapter kind (docs/adapter-kinds.md)">DoRA</span>' in page
+
+
 def test_viewers_read_but_do_not_act(as_user, people, tenant_a, make_version):
     dataset = upload(tenant_a.tenant, GOOD)
     adapter = registry.adapter_create(tenant=tenant_a.tenant, name="support-bot")
