@@ -94,3 +94,30 @@ def test_dora_under_fp8_is_refused_naming_why(tiny_llama_dir: Path, make_adapter
               block_size=4, num_kv_blocks=32, quantization="fp8")  # fmt: skip
     with pytest.raises(Exception, match=r"DoRA adapters \(use_dora\) are not served here: not over an FP8 base"):
         llm.generate(["Hello"], SamplingParams(max_tokens=2), lora_request=LoRARequest("d", str(adapter)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slots_scale_row_is_the_magnitude_over_the_merged_weights_row_norms(dtype: torch.dtype) -> None:
+    """The expansion the layer computes the norms by equals PEFT's norm of the merged matrix, and a
+    slot's row goes back to ones when a plain LoRA adapter takes the slot."""
+    from serving.engine.layers.lora_linear import MultiLoRALinear
+
+    generator = torch.Generator().manual_seed(0)
+    layer = MultiLoRALinear(48, [("q_proj", 32), ("k_proj", 16)], bias=False, layer_idx=0,
+                            device=torch.device("cpu"), dtype=dtype)  # fmt: skip
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 48, generator=generator) * 0.1)
+    A, Bt = torch.randn(4, 48, generator=generator), torch.randn(4, 16, generator=generator) * 0.2
+    magnitude = torch.rand(16, generator=generator) + 0.5
+    layer.write_dora_scale(1, num_slots=3, scaling=2.0, parts={"k_proj": (A, Bt, magnitude)})
+    assert layer.dora_scale is not None and layer.dora_scale.dtype == dtype
+    merged = layer.weight[32:].float() + 2.0 * Bt.t().to(dtype).float() @ A.to(dtype).float()
+    expected = magnitude / torch.linalg.norm(merged, dim=1)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(layer.dora_scale[2, 32:].float(), expected, **tolerance)
+    ones = torch.ones(48, dtype=dtype)
+    for row in (0, 1, 3):  # no adapter, other slots
+        assert torch.equal(layer.dora_scale[row], ones)
+    assert torch.equal(layer.dora_scale[2, :32], torch.ones(32, dtype=dtype))  # the slice it does not adapt
+    layer.write_dora_scale(1, num_slots=3, scaling=1.0, parts={})
+    assert torch.equal(layer.dora_scale[2], ones)
