@@ -17,6 +17,8 @@ once.
     python bench/noisy_neighbour.py --patterns alone,deep_schema,flood --seconds 20
     python bench/noisy_neighbour.py --shape llama3-8b --workers 1 --b-rate 16 --prompt-words 200 \
         --max-tokens 128 --json noisy8b.json                         # the GPU host (random weights)
+    python bench/noisy_neighbour.py --patterns alone,flood,alone --worker-flags=--engine-process
+                                                                     # the workers with other flags
 
 The targets (issue 37): under every pattern B's TTFT p50 within 1.5 x and p99 within 2 x of B
 alone, B's throughput at least 90 %; A's budgeted key never over its budget by more than one
@@ -32,6 +34,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -293,7 +296,9 @@ def window(args: argparse.Namespace, tenants: Tenants, pattern: str) -> dict[str
         stop.set()
         outcome = out.get()
         a.join(60)
-    row: dict[str, Any] = {"pattern": pattern, "b": b,
+    # The host's 1-minute load at the window's end: on a shared machine, a window's figures are
+    # comparable with another's only at a like load.
+    row: dict[str, Any] = {"pattern": pattern, "b": b, "load": round(os.getloadavg()[0], 1),
                            "a": {"statuses": dict(outcome.statuses), "first_error": outcome.first_error,
                                  **outcome.extra}}
     if pattern == "budget":
@@ -328,6 +333,7 @@ def start_platform(args: argparse.Namespace, work: Path) -> tuple[Fleet, Tenants
     model, adapters, flags, _, _ = prepare(shape, work)
     if args.shape == "llama3-8b":  # the workers share one GPU
         flags = [*flags, "--gpu-memory-utilization", str(round(0.85 / args.workers, 2))]
+    flags = [*flags, *shlex.split(args.worker_flags)]
     os.environ["BASE_MODEL_PATH"] = settings.BASE_MODEL_PATH = str(model)
     from tenants.api_keys import parse_key
     from tenants.models import ApiKey
@@ -352,7 +358,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     alone = ({name: statistics.fmean(b[name] for b in alones) for name in ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s")}
              if alones else None)
     print(f"{'pattern':<13}{'B p50 ms':>10}{'B p99 ms':>10}{'B tok/s':>9}{'p50 x':>7}{'p99 x':>7}{'tok %':>7}"
-          f"{'B fail':>7}  A's outcome")
+          f"{'B fail':>7}{'load':>6}  A's outcome")
     for row in rows:
         b = row["b"]
         ratios = ""
@@ -363,7 +369,7 @@ def report(rows: list[dict[str, Any]]) -> None:
             ratios = f"{p50:>7.2f}{p99:>7.2f}{share:>7.1f}" + ("" if ok else " !")
         a = {key: value for key, value in row["a"].items() if value not in ({}, "")}
         print(f"{row['pattern']:<13}{b['ttft_p50_ms']:>10.1f}{b['ttft_p99_ms']:>10.1f}{b['output_tok_s']:>9.1f}"
-              f"{ratios:<23}{b['failed']:>5}  {json.dumps(a)[:200]}")
+              f"{ratios:<23}{b['failed']:>5}{row.get('load', float('nan')):>6.1f}  {json.dumps(a)[:200]}")
 
 
 def main() -> int:
@@ -378,6 +384,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--a-concurrency", type=int, default=4, help="A's requests in flight at most")
     p.add_argument("--a-rate", type=float, default=20.0, help="A's hostile requests a second (not the flood's)")
+    p.add_argument("--worker-flags", default="", help="more serving-worker flags, as one shell-quoted string")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
     args = p.parse_args()

@@ -58,7 +58,9 @@ def test_the_worker_refuses_a_flooders_request_but_admits_another_tenants(tiny_m
         held: list[httpx.Response] = []
 
         def stream(salt: str) -> None:
-            body = {"model": str(tiny_model), "prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True,
+            # Near the context (2,048): the running stream must not finish, and leave the room, before the
+            # checks below (200 tokens did, on a loaded machine).
+            body = {"model": str(tiny_model), "prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True,
                     "cache_salt": salt}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
                 held.append(response)
