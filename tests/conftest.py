@@ -167,6 +167,25 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: N
         database.setdefault("TEST", {})["NAME"] = str(tmp_path_factory.mktemp("db") / "test.sqlite3")
 
 
+@pytest.fixture(autouse=True)
+def fast_passwords(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In-process tests hash passwords with MD5: the default hasher's work factor (PBKDF2, a million
+    iterations) cost a second or more per user on the shared 2-core machine, and the admin and
+    dashboard suites make users by the hundred. Not in e2e tests: the web processes they start keep
+    the default hashers, which cannot read an MD5 hash made in the test. Nothing here tests the
+    hasher's strength (production's settings are untouched)."""
+    if request.node.get_closest_marker("e2e"):
+        yield
+        return
+    try:
+        from django.test import override_settings
+    except ImportError:  # the accelerator machine has no Django
+        yield
+        return
+    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
+        yield
+
+
 @pytest.fixture
 def tenant_a(db) -> TenantFixture:
     return _make_tenant("alice-co")

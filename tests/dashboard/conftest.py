@@ -11,13 +11,6 @@ import pytest
 PASSWORD = "correct-horse-battery"
 
 
-@pytest.fixture
-def fast_passwords(settings) -> None:
-    """The default hasher's work factor costs seconds per user on a shared CI machine (for suites whose
-    users log in only in this process: a web process of its own would not know this hasher)."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @dataclass
 class People:
     """alice-co's owner, member and viewer, and bob-co's owner."""

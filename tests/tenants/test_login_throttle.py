@@ -24,11 +24,6 @@ PASSWORD = "correct-horse-battery"
 REFUSED = "Too many failed sign-in attempts; try again in"
 
 
-@pytest.fixture(autouse=True)
-def fast_passwords(settings) -> None:
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The throttle's clock, as a cell the test moves forward."""
