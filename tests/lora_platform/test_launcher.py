@@ -513,3 +513,13 @@ def test_the_launcher_stops_when_the_process_that_started_it_dies(tmp_path: Path
         wait_for(stopped.exists, timeout=30, what="the orphaned launcher to get SIGTERM")
     finally:
         parent.kill()
+
+
+def test_celerys_root_warning_is_what_the_celery_children_leave_out() -> None:
+    # Issue 39, item 8. PYTHONWARNINGS is action:message:category:module:lineno, message a prefix.
+    from celery.platforms import ROOT_DISCOURAGED
+
+    action, message = launcher_module.CELERY_QUIET_ROOT["PYTHONWARNINGS"].split(":")[:2]
+    assert action == "ignore" and re.compile(re.escape(message), re.IGNORECASE).match(ROOT_DISCOURAGED)
+    celery_children = [spec for spec in launcher_module.child_processes() if "celery" in spec.argv]
+    assert len(celery_children) == 2 and all(spec.env == launcher_module.CELERY_QUIET_ROOT for spec in celery_children)
