@@ -1,8 +1,8 @@
-"""The bounded grammar of a JSON schema (serving.engine.json_grammar): what the schema leaves
-unbounded (a number's digits, a string's length, any value of a free-form object) stops at the
-documented bounds; a schema's own bounds and JSON's escapes still hold; a library that writes its
-shared rules otherwise is refused rather than bounded blindly. Walked character by character
-through xgrammar's matcher on the tiny model's vocabulary."""
+"""The bounded grammar of a JSON schema (serving.engine.json_grammar): the numbers the schema leaves
+unbounded (its own, and those of a free-form object) stop at the documented bounds; a schema's own
+bounds still hold; strings are the library's, escapes and all; a library that writes its shared
+rules otherwise is refused rather than bounded blindly. Walked character by character through
+xgrammar's matcher on the tiny model's vocabulary."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from serving.engine.json_grammar import (
     MAX_EXPONENT_DIGITS,
     MAX_FRACTION_DIGITS,
     MAX_INTEGER_DIGITS,
-    MAX_STRING_CHARS,
     UnexpectedGrammar,
     bound_json_rules,
     json_schema_grammar,
@@ -67,28 +66,26 @@ def test_an_integer_is_bounded_unless_the_schema_bounds_it(compiler: xgr.Grammar
     assert matches(compiler, ranged, "15") and not matches(compiler, ranged, "25")
 
 
-def test_a_string_without_max_length_is_bounded_and_keeps_its_escapes(compiler: xgr.GrammarCompiler) -> None:
+def test_strings_are_the_librarys_escapes_and_all(compiler: xgr.GrammarCompiler) -> None:
+    # No default length bound (the module says why): every JSON escape, no raw control character.
     string = {"type": "string"}
-    assert matches(compiler, string, json.dumps("x" * MAX_STRING_CHARS))
-    assert not matches(compiler, string, json.dumps("x" * (MAX_STRING_CHARS + 1)))
-    # An escape is one character of the bound, and every JSON escape is allowed.
     escaped = 'a "quoted" line\nand a tab\t, a \\ and \u00e9'
     assert matches(compiler, string, json.dumps(escaped))
     assert matches(compiler, string, json.dumps(escaped, ensure_ascii=False))
-    assert matches(compiler, string, json.dumps("\n" * MAX_STRING_CHARS))
-    # A raw control character is not JSON.
+    assert matches(compiler, string, json.dumps("x" * 10_000))
     assert not matches(compiler, string, '"a\nb"')
-    # A schema's own maxLength is its own bound, past the default one.
-    long = {"type": "string", "maxLength": MAX_STRING_CHARS + 10}
-    assert matches(compiler, long, json.dumps("y" * (MAX_STRING_CHARS + 10)))
+    # A schema's maxLength is the library's bounded form, without raw control characters.
+    short = {"type": "string", "maxLength": 3}
+    assert matches(compiler, short, '"abc"') and not matches(compiler, short, '"abcd"')
+    assert not matches(compiler, short, '"a\x01"')
 
 
-def test_a_free_form_objects_values_are_bounded_too(compiler: xgr.GrammarCompiler) -> None:
+def test_a_free_form_objects_numbers_are_bounded_too(compiler: xgr.GrammarCompiler) -> None:
     # json_object's grammar: any object, its values of any type.
     anything = {"type": "object"}
     assert matches(compiler, anything, '{"a": [1, {"b": "c", "d": null}], "e": -2.5}')
+    assert matches(compiler, anything, '{"a": [1, {"b": ' + digits(MAX_INTEGER_DIGITS) + "}]}")
     assert not matches(compiler, anything, '{"a": [1, {"b": ' + digits(MAX_INTEGER_DIGITS + 1) + "}]}")
-    assert not matches(compiler, anything, '{"a": ' + json.dumps("z" * (MAX_STRING_CHARS + 1)) + "}")
 
 
 def test_a_library_that_writes_its_rules_otherwise_is_refused() -> None:
@@ -97,5 +94,5 @@ def test_a_library_that_writes_its_rules_otherwise_is_refused() -> None:
     changed = grammar.replace("basic_number_digits{1, -1}))\n", "basic_number_digits{1, -1}) | \"x\")\n", 1)
     with pytest.raises(UnexpectedGrammar, match="writes basic_number_3 as"):
         bound_json_rules(changed)
-    with pytest.raises(UnexpectedGrammar, match="has no rule basic_string_sub"):
-        bound_json_rules("\n".join(line for line in grammar.splitlines() if not line.startswith("basic_string_sub ")))
+    with pytest.raises(UnexpectedGrammar, match="has no rule basic_integer"):
+        bound_json_rules("\n".join(line for line in grammar.splitlines() if not line.startswith("basic_integer ")))

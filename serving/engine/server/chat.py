@@ -1,6 +1,8 @@
 """`POST /v1/chat/completions`: messages through the tokenizer's chat template, a reply out, whole
 or streamed. The prompt is built exactly as the offline `LLM.chat` builds it, so the same
-conversation gives the same tokens through either.
+conversation gives the same tokens through either; the one exception is tools on a template that
+does not render them (tool_prompt.py), where the worker writes its own tool prompt and the offline
+API, which reads no replies for calls, passes the tools to the template as they are.
 
 The template and the tokenizer run on threads, never on the event loop, so a long conversation
 does not hold up other requests or `/health`. A caller's own template (`chat_template`, or
