@@ -127,6 +127,14 @@ class LoRAWeights:
     ``scaling``, ``ranks`` and ``rows`` live on the pools' device and may be rewritten in place
     between calls, also between replays of a captured CUDA graph.
 
+    ``dora_scale`` (optional, ``[S + 1, N]`` in the weights' dtype, ``N`` at least every slice's
+    last column): DoRA's per-output-column scale of each slot, row ``s + 1`` for slot ``s``. A
+    token with slot ``s`` then gets ``y = (y + scaling[s] * B A x) * dora_scale[s + 1]`` over every
+    slice's columns, in the expand kernel's epilogue (Triton) or after the adds (torch). The torch
+    backend scales every token and column of ``y``, the kernels only a slot's tokens on its slices'
+    columns, so the table must hold ones in row 0 (no adapter), in the rows of rank-0 slots and in
+    columns outside the slices (serving.engine.layers.lora_linear keeps it so).
+
     Attributes the backends read: ``num_slots`` (S), ``rank`` (R, or ``max_rank`` for a pool),
     ``hidden`` (K), ``pool_rows`` (P; None for slot tensors), ``offsets`` (each slice's first column).
     """
@@ -141,6 +149,7 @@ class LoRAWeights:
         ranks: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         max_rank: int | None = None,
+        dora_scale: torch.Tensor | None = None,
     ) -> None:
         self.As, self.Bs = tuple(As), tuple(Bs)
         self.scaling = scaling
@@ -160,6 +169,16 @@ class LoRAWeights:
         A0 = self.As[0]
         self.dtype, self.device = A0.dtype, A0.device
         self.min_width = max(offset + B.shape[1] for offset, B in zip(self.offsets, self.Bs))
+        if dora_scale is not None:
+            want = f"[S + 1 = {self.num_slots + 1}, N >= {self.min_width}]"
+            if dora_scale.dim() != 2 or dora_scale.shape[0] != self.num_slots + 1 or dora_scale.shape[1] < self.min_width:
+                raise ValueError(f"dora_scale must be {want}, got {tuple(dora_scale.shape)}")
+            if dora_scale.dtype != self.dtype or dora_scale.device != self.device:
+                raise ValueError(f"dora_scale must be {self.dtype} on {self.device} like A, got {dora_scale.dtype} on "
+                                 f"{dora_scale.device}")
+            if dora_scale.stride(1) != 1:
+                raise ValueError(f"dora_scale's rows must be contiguous, got strides {dora_scale.stride()}")
+        self.dora_scale = dora_scale
 
     @property
     def pooled(self) -> bool:
@@ -175,12 +194,15 @@ def lora_apply_weights(
     w = weights
     if resolve_backend(x.device, backend) == "torch":
         lora_apply_torch(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks, w.rows, w.rank)
+        if w.dora_scale is not None and meta.num_tokens:
+            # One gather and one multiply after the adds; the table's ones leave the rest as it was.
+            y[:, : w.dora_scale.shape[1]].mul_(w.dora_scale.index_select(0, meta.token_slots[: meta.num_tokens] + 1))
         return
     # Imported here: the Triton kernels are compiled (or, under TRITON_INTERPRET=1, interpreted)
     # according to the environment at import time, and CPU-only users never need them.
     from kernels.triton_lora import lora_apply_triton
 
-    lora_apply_triton(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks, w.rows, w.rank)
+    lora_apply_triton(y, x, w.As, w.Bs, w.scaling, meta, w.offsets, w.ranks, w.rows, w.rank, w.dora_scale)
 
 
 def _check_call(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, meta: LoRAMeta) -> None:
@@ -206,6 +228,8 @@ def _check_call(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, meta: Lo
             raise TypeError(f"{name} is {t.dtype} but x is {x.dtype}: all must share one dtype")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if weights.dora_scale is not None and weights.dora_scale.shape[1] > y.shape[1]:
+        raise ValueError(f"dora_scale has {weights.dora_scale.shape[1]} columns, y only {y.shape[1]}")
     if weights.min_width > y.shape[1]:
         for i, (offset, B) in enumerate(zip(weights.offsets, weights.Bs)):
             if offset + B.shape[1] > y.shape[1]:

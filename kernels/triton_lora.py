@@ -137,9 +137,12 @@ def _shrink_tile(x_ptr: tl.tensor, a_rows: tl.tensor, tokens: tl.tensor, row_mas
 @jit
 def _expand_columns(h: tl.tensor, scale: tl.tensor, b_cols: tl.tensor, y_rows: tl.tensor, row_mask: tl.tensor,
                     r_mask: tl.tensor, n_lo: tl.tensor, n_hi: tl.tensor, col_offset: tl.tensor, stride_bn: tl.tensor,
-                    stride_yn: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr) -> None:  # fmt: skip
-    """``y[rows, col_offset + n] += scale * h @ B[n, :]^T`` for ``n`` in ``[n_lo, n_hi)``.
+                    stride_yn: tl.tensor, dora_row: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PREFETCH: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    HAS_DORA: tl.constexpr) -> None:  # fmt: skip
+    """``y[rows, col_offset + n] += scale * h @ B[n, :]^T`` for ``n`` in ``[n_lo, n_hi)``; with
+    ``HAS_DORA`` the sum is then multiplied by ``dora_row[col_offset + n]`` (DoRA's epilogue: one
+    more load per column block, no launch of its own).
 
     ``h`` is ``[BLOCK_M, BLOCK_R]`` in the input dtype, ``b_cols`` the slot's B at ``n = 0`` for each
     rank index, ``y_rows`` the tile's rows of y at column 0. With ``PREFETCH``, block ``i + 1`` of B
@@ -170,7 +173,10 @@ def _expand_columns(h: tl.tensor, scale: tl.tensor, b_cols: tl.tensor, y_rows: t
             y_tile = tl.load(y_rows + (col_offset + cols)[None, :] * stride_yn,
                              mask=row_mask[:, None] & mask[None, :], other=0.0)  # fmt: skip
         acc = _dot(h, b_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, UPCAST)
-        out = (y_tile.to(tl.float32) + acc * scale).to(y_tile.dtype)
+        total = y_tile.to(tl.float32) + acc * scale
+        if HAS_DORA:
+            total *= tl.load(dora_row + col_offset + cols, mask=mask, other=1.0).to(tl.float32)[None, :]
+        out = total.to(y_tile.dtype)
         tl.store(y_rows + (col_offset + cols)[None, :] * stride_yn, out, mask=row_mask[:, None] & mask[None, :])
         if PREFETCH:
             b_tile = b_next
@@ -215,18 +221,19 @@ def _shrink_kernel(
 def _expand_kernel(
     h_ptr: tl.tensor, b0_ptr: tl.tensor, b1_ptr: tl.tensor, b2_ptr: tl.tensor, y_ptr: tl.tensor,
     tile_slot_ptr: tl.tensor, tile_start_ptr: tl.tensor, tile_end_ptr: tl.tensor, token_idx_ptr: tl.tensor,
-    ranks_ptr: tl.tensor, slot_rows_ptr: tl.tensor, scaling_ptr: tl.tensor,
-    full_rank: tl.tensor, pool_rows: tl.tensor, n0: tl.tensor, n1: tl.tensor, n2: tl.tensor, off0: tl.tensor,
+    ranks_ptr: tl.tensor, slot_rows_ptr: tl.tensor, scaling_ptr: tl.tensor, dora_ptr: tl.tensor,
+    stride_dora: tl.tensor, full_rank: tl.tensor, pool_rows: tl.tensor, n0: tl.tensor, n1: tl.tensor, n2: tl.tensor, off0: tl.tensor,
     off1: tl.tensor, off2: tl.tensor, n_chunk: tl.tensor,
     stride_bs0: tl.tensor, stride_bs1: tl.tensor, stride_bs2: tl.tensor,
     stride_bn0: tl.tensor, stride_bn1: tl.tensor, stride_bn2: tl.tensor,
     stride_br0: tl.tensor, stride_br1: tl.tensor, stride_br2: tl.tensor,
     stride_hk: tl.tensor, stride_hs: tl.tensor, stride_hp: tl.tensor, stride_yt: tl.tensor, stride_yn: tl.tensor,
-    HAS_RANKS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_RANKS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_DORA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ) -> None:  # fmt: skip
-    """``y[token(p), off_slice + cols] += scaling[slot] * (sum of h partials)[p] @ B_slice[slot, cols]^T``."""
+    """``y[token(p), off_slice + cols] += scaling[slot] * (sum of h partials)[p] @ B_slice[slot, cols]^T``
+    (with ``HAS_DORA``, then times ``dora[slot + 1, off_slice + cols]``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -258,7 +265,8 @@ def _expand_kernel(
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
     _expand_columns(h, scale, b_cols, y_ptr + tokens[:, None] * stride_yt, row_mask, r_mask, n_lo,
                     tl.minimum(n_lo + n_chunk, width), _pick_int(pid_s, off0, off1, off2), stride_bn, stride_yn,
-                    BLOCK_M, BLOCK_N, PREFETCH, PRECISION, UPCAST)  # fmt: skip
+                    dora_ptr + (slot + 1) * stride_dora, BLOCK_M, BLOCK_N, PREFETCH, PRECISION, UPCAST,
+                    HAS_DORA)  # fmt: skip
 
 
 # True when TRITON_INTERPRET=1 was set before this module was imported: the kernels then run on CPU
@@ -367,13 +375,15 @@ def lora_apply_triton(
     ranks: torch.Tensor | None,
     rows: torch.Tensor | None = None,
     max_rank: int | None = None,
+    dora_scale: torch.Tensor | None = None,
 ) -> None:
     """Shrink then expand for every slice (arguments validated by :class:`kernels.LoRAWeights`):
-    slot tensors, or with ``rows`` row pools whose slots have at most ``max_rank`` rows."""
+    slot tensors, or with ``rows`` row pools whose slots have at most ``max_rank`` rows;
+    ``dora_scale`` multiplies each slot's output columns in the expand's epilogue."""
     if meta.num_tokens == 0:
         return
     h = shrink(x, As, meta, ranks, rows=rows, max_rank=max_rank)
-    expand(y, h, Bs, scaling, meta, slice_offsets, ranks, rows=rows, max_rank=max_rank)
+    expand(y, h, Bs, scaling, meta, slice_offsets, ranks, rows=rows, max_rank=max_rank, dora_scale=dora_scale)
 
 
 def _full_rank(slots: torch.Tensor, rank_dim: int, rows: torch.Tensor | None, max_rank: int | None) -> int:
@@ -464,8 +474,10 @@ def expand(
     *,
     rows: torch.Tensor | None = None,
     max_rank: int | None = None,
+    dora_scale: torch.Tensor | None = None,
 ) -> None:
-    """``y[token(p), slice columns] += scaling[slot] * h[:, slice, p].sum(0) @ B_slice[slot]^T``.
+    """``y[token(p), slice columns] += scaling[slot] * h[:, slice, p].sum(0) @ B_slice[slot]^T``,
+    then times ``dora_scale[slot + 1, columns]`` when given (DoRA, :class:`kernels.LoRAWeights`).
     ``Bs``: slot tensors ``[S, N, R]``, or with ``rows`` transposed row pools ``[P, N]`` with unit
     stride along ``N``."""
     num_slices, rank = len(Bs), _full_rank(Bs[0], 2, rows, max_rank)
@@ -483,11 +495,13 @@ def expand(
     _expand_kernel[grid](
         h, b[0], b[1], b[2], y,
         tile_slot, tile_start, tile_end, meta.token_indices, ranks if ranks is not None else tile_slot,
-        rows if rows is not None else tile_slot, scaling,
+        rows if rows is not None else tile_slot, scaling, dora_scale if dora_scale is not None else scaling,
+        dora_scale.stride(0) if dora_scale is not None else 0,
         rank, Bs[0].shape[0], *widths, *_three(slice_offsets, 0), n_chunk,
         *(st[0] for st in b_strides), *(st[1] for st in b_strides), *(st[2] for st in b_strides),
         h.stride(0), h.stride(1), h.stride(2), y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, HAS_ROWS=rows is not None, BLOCK_M=ec.block_m, BLOCK_N=ec.block_n,
+        HAS_RANKS=ranks is not None, HAS_ROWS=rows is not None, HAS_DORA=dora_scale is not None,
+        BLOCK_M=ec.block_m, BLOCK_N=ec.block_n,
         BLOCK_R=block_r(rank), SPLIT_K=h.shape[0], PREFETCH=ec.prefetch, PRECISION=precision, UPCAST=upcast,
         num_warps=ec.num_warps, num_stages=ec.num_stages,
     )  # fmt: skip

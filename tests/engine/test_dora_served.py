@@ -18,6 +18,8 @@ from peft_reference import PeftReference, assert_greedy_match
 
 from safetensors.torch import load_file, save_file
 
+from kernels import use_backend
+
 from serving.engine import LLM, LoRARequest, SamplingParams
 
 PROMPTS = ["Once upon a time there was a little house at the edge of the forest", "Hello!", "The sky is"]
@@ -52,6 +54,23 @@ def _with_random_biases(base: Path, out: Path) -> Path:
 def test_dora_and_lora_in_one_batch_match_peft(arch: str, max_loras: int, device: str,
                                                tiny_model_factory: Callable[..., Path],
                                                make_adapter: Callable[..., Path], tmp_path: Path) -> None:
+    _assert_dora_serves_like_peft(arch, max_loras, device, tiny_model_factory, make_adapter, tmp_path)
+
+
+def test_the_triton_kernels_epilogue_serves_dora_like_peft(tiny_model_factory: Callable[..., Path],
+                                                           make_adapter: Callable[..., Path], tmp_path: Path) -> None:
+    """The same through the Triton kernels on the CPU (the interpreter): the scale is applied in the
+    expand kernel's epilogue there, after the torch backend's gather-and-multiply above."""
+    import kernels.triton_lora
+
+    if not kernels.triton_lora.INTERPRETED:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
+    with use_backend("triton"):
+        _assert_dora_serves_like_peft("qwen2", 2, "cpu", tiny_model_factory, make_adapter, tmp_path)
+
+
+def _assert_dora_serves_like_peft(arch: str, max_loras: int, device: str, tiny_model_factory: Callable[..., Path],
+                                  make_adapter: Callable[..., Path], tmp_path: Path) -> None:
     base = tiny_model_factory(arch)
     if arch == "qwen2":
         base = _with_random_biases(base, tmp_path / "qwen2-biased")
@@ -107,6 +126,8 @@ def test_a_slots_scale_row_is_the_magnitude_over_the_merged_weights_row_norms(dt
                             device=torch.device("cpu"), dtype=dtype)  # fmt: skip
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 48, generator=generator) * 0.1)
+    slots = torch.zeros(3, dtype=torch.int32)
+    layer.allocate_rows(8, scaling=torch.zeros(3), ranks=slots, rows=slots.clone(), max_rank=4)
     A, Bt = torch.randn(4, 48, generator=generator), torch.randn(4, 16, generator=generator) * 0.2
     magnitude = torch.rand(16, generator=generator) + 0.5
     layer.write_dora_scale(1, num_slots=3, scaling=2.0, parts={"k_proj": (A, Bt, magnitude)})

@@ -119,6 +119,45 @@ def _plan(case: PoolCase, meta: LoRAMeta) -> cpu_lora._PoolPlan:
     return cpu_lora._pool_plan(meta, case.As, case.Bs, case.ranks, case.rows, case.max_rank)
 
 
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+@pytest.mark.parametrize("name", ["decode-3-slices-fp32", "decode-2-slices-bf16", "prefill-2-slices-bf16"])
+def test_a_dora_scale_multiplies_each_slots_columns(name: str, backend: str, device: str) -> None:
+    """``dora_scale`` (DoRA): a token of slot ``s`` gets ``(y + scaling B A x) * dora_scale[s + 1]`` on
+    the slices' columns; row 0, rank-0 slots' rows and columns outside the slices are ones."""
+    _skip_unless_runs(backend, device)
+    case = named_case(name, device)
+    width = case.y.shape[1]
+    generator = torch.Generator().manual_seed(5)
+    table = 0.5 + torch.rand(case.scaling.shape[0] + 1, width, generator=generator)
+    table[0] = 1
+    for slot, rank in enumerate(case.ranks.tolist()):
+        if rank == 0:
+            table[slot + 1] = 1
+    covered = torch.zeros(width, dtype=torch.bool)
+    for B, offset in zip(case.Bs, case.offsets):
+        covered[offset : offset + B.shape[1]] = True
+    table[:, ~covered] = 1
+    table = table.to(device=case.y.device, dtype=case.y.dtype)
+    weights = LoRAWeights(case.As, case.Bs, case.scaling, case.offsets, ranks=case.ranks, rows=case.rows,
+                          max_rank=case.max_rank, dora_scale=table)  # fmt: skip
+    y = run(case, backend, weights=weights)
+    scale = table.double()[case.slots.long() + 1]
+    exact = case.exact() * scale
+    # Two roundings on the torch backend (the add, then the multiply): twice the add's bound, plus
+    # one rounding of the product.
+    bound = 2 * case.bound() * scale + exact.abs() * torch.finfo(case.y.dtype).eps
+    diff = (y.double() - exact).abs()
+    assert (diff <= bound).all(), f"{(diff / bound).max().item():.2f}x the error bound"
+    assert torch.equal(y[case.slots < 0], case.y[case.slots < 0])
+
+
+def test_a_dora_scale_of_the_wrong_shape_is_refused() -> None:
+    case = named_case("decode-1-slice-fp16")
+    with pytest.raises(ValueError, match=r"dora_scale must be \[S \+ 1 = 4, N >= 40\]"):
+        LoRAWeights(case.As, case.Bs, case.scaling, case.offsets, ranks=case.ranks, rows=case.rows,
+                    max_rank=case.max_rank, dora_scale=torch.ones(3, 40, dtype=case.y.dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_grid_reads_evenly_spaced_rows_as_a_view(grid_only, dtype: torch.dtype) -> None:
     """One rank, slots at evenly spaced rows (in another order than the slots): a strided view over

@@ -22,9 +22,10 @@ DoRA (docs/adapter-kinds.md): a DoRA adapter's module computes ``m / ||W0 + s B 
 ``(W0 + s B A) x``, plus the bias. The fraction is one scale per output feature per adapter,
 computed once when the adapter enters its slot (``write_dora_scale``) into ``dora_scale
 [slots + 1, out]`` (row 0: ones, for tokens without an adapter; a plain LoRA adapter's row: ones).
-The forward multiplies each token's output row by its slot's scale row after the LoRA kernels, then
-adds the bias: one gather and one multiply per layer, only once some DoRA adapter has been loaded
-(the table is allocated then), so an engine that never sees one pays nothing.
+The LoRA kernels multiply each token's output columns by its slot's scale row in the expand's
+epilogue (``kernels.LoRAWeights(dora_scale=)``; the torch backend: one gather and one multiply
+after the adds), and the layer adds the bias after them. Only once some DoRA adapter has been
+loaded (the table is allocated then): an engine that never sees one runs as before.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ class MultiLoRALinear(nn.Module):
         reduces = self.split is not None and self.split.reduces
         lora = get_context().lora
         dora = lora is not None and self.dora_scale is not None
-        # The bias comes after the all-reduce (once, not per rank) and after DoRA's scale (PEFT
-        # scales W0 x + s B A x, not the bias).
+        # The bias comes after the all-reduce (once, not per rank) and after DoRA's scale, which the
+        # LoRA kernels apply (PEFT scales W0 x + s B A x, not the bias). DoRA is refused under tensor
+        # parallelism, where a row-parallel layer's scale would have to wait for the all-reduce.
         late_bias = reduces or dora
         bias = None if late_bias else self.bias
         if self.weight_scale is not None:
@@ -112,9 +114,6 @@ class MultiLoRALinear(nn.Module):
             lora_apply_weights(y, x, self.lora_weights, lora)
         if reduces:
             self.tp.all_reduce(y)
-        if dora:
-            assert lora is not None and self.dora_scale is not None
-            y.mul_(self.dora_scale.index_select(0, lora.token_slots[: y.shape[0]] + 1))
         if late_bias and self.bias is not None:
             y += self.bias
         return y
@@ -173,6 +172,10 @@ class MultiLoRALinear(nn.Module):
                 return
             out_features = sum(self.slice_widths)
             self.dora_scale = torch.ones(num_slots + 1, out_features, device=self.weight.device, dtype=self.dtype)
+            w = self.lora_weights
+            assert w is not None, "a DoRA scale is written into a layer whose rows are allocated"
+            self.lora_weights = LoRAWeights(w.As, w.Bs, w.scaling, w.offsets, ranks=w.ranks, rows=w.rows,
+                                            max_rank=w.rank, dora_scale=self.dora_scale)
         scale = self.dora_scale[slot + 1]
         scale.fill_(1)
         for name, (A, Bt, magnitude) in parts.items():
