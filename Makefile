@@ -1,5 +1,5 @@
 # The two commands: `make up` runs the platform on its embedded defaults, `make test` runs every test
-# (both tiers; `make test-fast` the in-process one, docs/testing.md).
+# (every tier; `make test-fast` the in-process tests that are not slow, docs/testing.md).
 # Both set themselves up on a fresh machine: virtualenv, packages, database, models.
 
 PYTHON ?= python3
@@ -58,14 +58,15 @@ test: lint-imports typecheck
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 # The fast tier: every test but those marked e2e (they start real processes: web processes, serving
-# and Celery workers, Redis servers), on the same workers; what a developer runs between edits. No
-# mypy (make typecheck): it is the slow part of a small change's check.
+# and Celery workers, Redis servers) or slow (in-process, but seconds of compute each: training an
+# adapter, Triton's interpreter, thousands of property examples), on the same workers; what a developer
+# runs between edits. No mypy (make typecheck): it is the slow part of a small change's check.
 test-fast: lint-imports
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not e2e" --durations=30 $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not e2e and not slow" --durations=30 $(PYTEST_ARGS)
 
-# exec: the launcher replaces the recipe's shell, so a signal to make's child reaches it; a signal to
-# make itself ends make, and the launcher stops with its parent (lora_platform.launcher). Ctrl-C
-# stops everything.
+# exec: the launcher replaces the recipe's shell, so the SIGTERM make passes on to its recipe reaches
+# it, and it stops if make is killed outright (lora_platform.launcher). make passes no SIGINT on:
+# Ctrl-C (the whole foreground group) or SIGTERM stops the platform, `kill -INT <make's pid>` does not.
 up: migrate
 	exec $(PY) -m lora_platform.launcher
 

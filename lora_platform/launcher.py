@@ -5,8 +5,9 @@ Redis, a base model, a demo tenant and an admin user the first time), starts the
 platform as children (the list in `child_processes`), prints where to go once every child is ready
 (`wait_until_ready`: the web app answers, both Celery workers answer a ping, the serving worker has
 loaded its model), and stops the children cleanly on Ctrl-C, SIGTERM or SIGHUP, or when the process
-that started it (`make`) dies: a signal sent to make's own PID ends make, which does not pass a
-SIGINT on, and the platform stops with it (issue 39, item 8).
+that started it (`make`) dies: `kill -9` of make used to leave the platform running, orphaned (issue
+39, item 8). GNU make passes a SIGTERM on to the launcher, never a SIGINT (it waits for its recipe),
+so `kill -INT <make's pid>` alone stops nothing: README says to use Ctrl-C or SIGTERM.
 
 The base model, unless BASE_MODEL or BASE_MODEL_PATH names one, is the demo's
 (LORAPLEX_DEMO_MODEL), prepared once under var/models/ (lora_platform.demo_model). Every child

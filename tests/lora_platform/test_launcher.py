@@ -495,7 +495,7 @@ def test_ready_means_every_child_ready_and_the_wait_names_those_not_yet(capsys, 
 
 
 def test_the_launcher_stops_when_the_process_that_started_it_dies(tmp_path: Path) -> None:
-    # Issue 39, item 8: `kill <make's pid>` ends make, which does not pass a SIGINT on.
+    # Issue 39, item 8: make killed outright (kill -9) used to leave the platform running, orphaned.
     stopped = tmp_path / "stopped"
     child = ("import signal, sys, time\n"
              "from lora_platform.launcher import stop_with_parent\n"
