@@ -42,6 +42,7 @@ def mistral_with_adapters(
     return model, [make_adapter(model, r=8, lora_alpha=16, seed=i, init_scale=0.5) for i in range(2)]
 
 
+@pytest.mark.slow
 def test_triton_attention_matches_torch(mistral_with_adapters: tuple[Path, list[Path]]) -> None:
     import kernels.paged_attention as paged
 

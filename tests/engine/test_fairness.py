@@ -213,6 +213,7 @@ def test_negative_weights_are_refused(tmp_path: Path, field: str) -> None:
         EngineConfig(model=str(tmp_path), **{field: -1})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_the_engine_admits_a_later_tenant_before_a_flood_drains(tiny_llama_dir: Path) -> None:
     """The tiny CPU engine behind the offline API: 30 requests of tenant a, then 5 of tenant b,
     two sequences at a time; b's all start before a's 15th."""

@@ -22,6 +22,7 @@ def scan(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] |
     return found
 
 
+@pytest.mark.slow
 @given(stops=st.lists(st.text(alphabet="ab.\\(*", min_size=1, max_size=4), min_size=1, max_size=6).map(tuple),
        text=st.text(alphabet="ab.\\(*", max_size=24), new=st.integers(min_value=0, max_value=24))
 @settings(max_examples=2000, deadline=None)

@@ -189,6 +189,7 @@ _SHAPED = st.fixed_dictionaries({"model": st.text(min_size=1, max_size=8)}, opti
     "max_completion_tokens": st.integers() | _JSON, "stream": st.booleans() | _JSON, "stream_options": _JSON})
 
 
+@pytest.mark.slow
 @given(st.one_of(
     st.binary(max_size=64),
     st.dictionaries(_FIELDS, _JSON, max_size=6).map(lambda body: json.dumps(body).encode()),

@@ -63,6 +63,7 @@ def test_triton_matches_reference(name: str, device: str) -> None:
     _check(make_case(**CASES[name], device=device, seed=list(CASES).index(name)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(

@@ -99,6 +99,7 @@ def dpo_trainer(base, pairs, hooks, work_dir, hp: Hyperparameters = HP) -> LoraT
                        fingerprint="prefs-v1", base_model_name="tiny-llama", checkpoint_every=5, log_every=1)
 
 
+@pytest.mark.slow
 def test_dpo_learns_the_preferences_without_touching_the_base(base, pairs, tmp_path, one_thread):
     before = {name: tensor.clone() for name, tensor in base.model.state_dict().items()}
     hooks = Hooks(tmp_path)
@@ -132,6 +133,7 @@ class _Unadapted(torch.nn.Module):
         return contextlib.nullcontext()
 
 
+@pytest.mark.slow
 def test_a_resumed_dpo_run_gives_the_weights_of_an_uninterrupted_one(base, pairs, tmp_path, one_thread):
     straight = dpo_trainer(base, pairs, Hooks(tmp_path), tmp_path / "a", RESUME_HP).run()
     assert straight.steps == 12

@@ -190,6 +190,7 @@ def test_a_template_that_ignores_tools_refuses_tool_examples(base_model_dir):
     assert without_tools is None  # calls need the line's tools
 
 
+@pytest.mark.slow
 def test_an_adapter_trained_on_tool_calls_writes_calls_the_worker_reads(base_model_dir, tmp_path, one_thread):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

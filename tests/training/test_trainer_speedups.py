@@ -96,6 +96,7 @@ def test_unpacked_rows_and_eager_models_keep_their_attention(base, examples, one
         base.model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_the_eager_layers_adapter_and_are_undone(base, examples, tmp_path, one_thread):
     # One step of every example: each new packed width is another compilation, seconds each on a CPU.
     hp = Hyperparameters(n_epochs=1, batch_size=len(examples), learning_rate=1e-2, max_seq_length=128, r=4,
