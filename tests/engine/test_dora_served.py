@@ -66,11 +66,14 @@ def test_the_triton_kernels_epilogue_serves_dora_like_peft(tiny_model_factory: C
     if not kernels.triton_lora.INTERPRETED:
         pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
     with use_backend("triton"):
-        _assert_dora_serves_like_peft("qwen2", 2, "cpu", tiny_model_factory, make_adapter, tmp_path)
+        # One prompt and four tokens: the interpreter runs each kernel program in Python.
+        _assert_dora_serves_like_peft("qwen2", 2, "cpu", tiny_model_factory, make_adapter, tmp_path,
+                                      prompts=PROMPTS[2:], max_tokens=4)
 
 
 def _assert_dora_serves_like_peft(arch: str, max_loras: int, device: str, tiny_model_factory: Callable[..., Path],
-                                  make_adapter: Callable[..., Path], tmp_path: Path) -> None:
+                                  make_adapter: Callable[..., Path], tmp_path: Path, *,
+                                  prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> None:
     base = tiny_model_factory(arch)
     if arch == "qwen2":
         base = _with_random_biases(base, tmp_path / "qwen2-biased")
@@ -82,9 +85,9 @@ def _assert_dora_serves_like_peft(arch: str, max_loras: int, device: str, tiny_m
               block_size=4, num_kv_blocks=96)  # fmt: skip
     tokenizer = llm.get_tokenizer()
     names: list[str | None] = ["dora", "plain", None]
-    inputs = [{"prompt_token_ids": tokenizer(p).input_ids} for p in PROMPTS for _ in names]
-    loras = [LoRARequest(n, str(adapters[n])) if n else None for _ in PROMPTS for n in names]
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    inputs = [{"prompt_token_ids": tokenizer(p).input_ids} for p in prompts for _ in names]
+    loras = [LoRARequest(n, str(adapters[n])) if n else None for _ in prompts for n in names]
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     outputs = llm.generate(inputs, greedy, lora_request=loras)
     assert {info.name: info.kind for info in llm.llm_engine.list_loras()} == {"dora": "dora", "plain": "lora"}
     reference = PeftReference(base, adapters)
@@ -92,7 +95,7 @@ def _assert_dora_serves_like_peft(arch: str, max_loras: int, device: str, tiny_m
     for prompt, lora, output in zip(inputs, loras, outputs):
         name = lora.lora_name if lora else None
         ours = output.outputs[0]
-        ref = reference.generate(prompt["prompt_token_ids"], name, MAX_TOKENS)
+        ref = reference.generate(prompt["prompt_token_ids"], name, max_tokens)
         label = f"{arch} {name or 'base'} ({len(prompt['prompt_token_ids'])} prompt tokens)"
         assert_greedy_match(ours.token_ids, ref, label)
         assert ours.logprobs is not None
