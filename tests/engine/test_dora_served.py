@@ -57,6 +57,7 @@ def test_dora_and_lora_in_one_batch_match_peft(arch: str, max_loras: int, device
     _assert_dora_serves_like_peft(arch, max_loras, device, tiny_model_factory, make_adapter, tmp_path)
 
 
+@pytest.mark.slow  # Triton's interpreter
 def test_the_triton_kernels_epilogue_serves_dora_like_peft(tiny_model_factory: Callable[..., Path],
                                                            make_adapter: Callable[..., Path], tmp_path: Path) -> None:
     """The same through the Triton kernels on the CPU (the interpreter): the scale is applied in the
