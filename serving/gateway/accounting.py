@@ -17,7 +17,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from serving.gateway.errors import invalid_request
-from serving.gateway.key_budget import KeyBudgets
+from serving.gateway.key_budget import Reservation, queue_release
 from serving.gateway.proxy import UpstreamResult
 from serving.gateway.records import Call
 from serving.gateway.request_buckets import RequestBuckets
@@ -93,16 +93,16 @@ def charged_tokens(call: Call, result: UpstreamResult) -> tuple[int, int]:
     return 0, 0
 
 
-def release_after(queue: Callable[[aioredis.client.Pipeline], None], call: Call,
-                  budgets: KeyBudgets) -> Callable[[aioredis.client.Pipeline], None]:
-    """`queue` (the usage records and their spend), then the release of the call's budget
-    reservation: after the spend, so no admission sees the call's tokens neither spent nor reserved."""
-    reservation, call.budget_reservation = call.budget_reservation, None
-    if reservation is None:
+def release_after(queue: Callable[[aioredis.client.Pipeline], None],
+                  reservations: list[Reservation]) -> Callable[[aioredis.client.Pipeline], None]:
+    """`queue` (the usage records and their spend), then the release of the budget reservations
+    they settle: after the spend, so no admission sees the calls' tokens neither spent nor reserved."""
+    if not reservations:
         return queue
 
     def both(pipe: aioredis.client.Pipeline) -> None:
         queue(pipe)
-        budgets.release_queue(pipe, reservation)
+        for reservation in reservations:
+            queue_release(pipe, reservation)
 
     return both

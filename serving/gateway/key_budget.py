@@ -25,12 +25,16 @@ passes the budget by at most one request's reservation (the last one admitted be
 many arrive at once (issue 37: 200 concurrent requests on a 250-token budget had used 4,390).
 
 A reservation whose release never comes (its gateway process died) lapses after RESERVATION_HOLD_S;
-a release after that changes nothing (its tokens still count through the usage record).
+a release after that changes nothing (its tokens still count through the usage record). A usage
+record Redis did not take (serving.gateway.usage_backlog) keeps its reservation with it: the two
+land in the same later round trip, so the tokens stay held until they are spent.
 
 The month's first reservation, or the first after Redis lost its data, finds the counter unseeded
 and adds the records of the month before `since` (the catalog sums them from the database) once,
-so from then on the counter equals the month's records. While Redis is away budgets fail open, as
-the buckets do (runtime.redis_guard).
+so from then on the counter equals the month's records. While Redis is away (or answers too slowly
+for runtime.redis_guard's bound, as on an overloaded host) a budgeted key is refused with a 503
+(`budget_unavailable`): the buckets fail open, but a budget is a ceiling, and failing open let a
+key spend 3.6 × its budget on a loaded machine.
 """
 
 from __future__ import annotations
@@ -257,18 +261,29 @@ class KeyBudgets:
             return BudgetVerdict(spend=spend, reservation=None)
         return BudgetVerdict(spend=spend, reservation=Reservation(counter=counter, member=member, tokens=tokens))
 
-    def release_queue(self, pipe: aioredis.client.Pipeline, reservation: Reservation) -> None:
-        """Queue the release of `reservation` on a pipeline the caller executes: after the usage
-        record's `spend_add`, so that the request's tokens are never counted neither way. EVAL with
-        the script's text, not EVALSHA: a pipeline's commands have no NOSCRIPT retry
-        (serving.gateway.redis_batch)."""
-        pipe.eval(_RELEASE, 2, reservation.counter, reservations_key(reservation.counter), reservation.member,
-                  reservation.tokens)
-
     async def release(self, reservation: Reservation) -> None:
         """Release `reservation` now (a request that ended before it reached a worker)."""
         await self._release(keys=[reservation.counter, reservations_key(reservation.counter)],
                             args=[reservation.member, reservation.tokens])
+
+
+def queue_release(pipe: aioredis.client.Pipeline, reservation: Reservation) -> None:
+    """Queue the release of `reservation` on a pipeline the caller executes: after the usage
+    record's `spend_add`, so that the request's tokens are never counted neither way. EVAL with
+    the script's text, not EVALSHA: a pipeline's commands have no NOSCRIPT retry
+    (serving.gateway.redis_batch)."""
+    pipe.eval(_RELEASE, 2, reservation.counter, reservations_key(reservation.counter), reservation.member,
+              reservation.tokens)
+
+
+def budget_unavailable(key_prefix: str, *, retry_after_s: float, headers: dict[str, str]) -> GatewayError:
+    """The 503 of a budgeted key while its spend cannot be read (Redis away, or too slow to answer
+    within the guard's bound): a budget is a ceiling its owner set, so it fails closed."""
+    return GatewayError(
+        503, f"This API key (lp-{key_prefix}…) has a monthly token budget, and its spend cannot be checked right now "
+             "(the platform's shared state is unavailable); nothing was charged. Retry shortly, or use a key without "
+             "a budget.",
+        code="key_budget_unavailable", headers={**headers, "retry-after": str(max(1, math.ceil(retry_after_s)))})
 
 
 def budget_exceeded(key_prefix: str, budget: int, spend: Spend, *, now: float,

@@ -31,7 +31,7 @@ from serving.gateway.accounting import charged_tokens, check_fits, most_tokens, 
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import retryable, with_failover
 from serving.gateway.proxy import UpstreamResult, relay_stream, rename_model
-from serving.gateway.key_budget import Reservation, budget_exceeded
+from serving.gateway.key_budget import Reservation, budget_exceeded, budget_unavailable
 from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
 from serving.gateway.redis_batch import run_batch
@@ -131,8 +131,8 @@ async def key_budget_check(call: Call, res: Resources) -> Reservation | None:
     """Reserve the most tokens the call can be charged (serving.gateway.accounting.most_tokens)
     against its key's monthly budget (serving.gateway.key_budget): the reservation, or 429
     key_budget_exceeded once the month's spend plus what the key's requests in flight reserved
-    reaches it. Keys without a budget reserve nothing (None); while Redis is away the budget fails
-    open (None)."""
+    reaches it. Keys without a budget reserve nothing (None); while Redis is away (or too slow for the
+    guard's bound) a budgeted key gets 503 key_budget_unavailable: the budget fails closed."""
     budget = call.caller.key.monthly_token_budget
     if budget is None:
         return None
@@ -141,7 +141,8 @@ async def key_budget_check(call: Call, res: Resources) -> Reservation | None:
         call.caller.key_prefix, budget, most_tokens(call), now=now, guard=res.resilience.guard,
         recorded=lambda start, before: res.catalog.key_tokens_recorded(call.caller, start, before))
     if verdict is None:
-        return None
+        raise budget_unavailable(call.caller.key_prefix, retry_after_s=res.resilience.guard.retry_interval_s,
+                                 headers=call.headers)
     if verdict.reservation is None:
         metrics.RATE_LIMITED.labels(call.caller.tier.name).inc()
         raise budget_exceeded(call.caller.key_prefix, budget, verdict.spend, now=now, headers=call.headers)
@@ -311,20 +312,25 @@ async def _record(call: Call, result: UpstreamResult, event: UsageEvent, used: i
     own breaker, and the record waits in memory, pushed with the first record once Redis is back."""
     refund = call.reserved_tokens - used if call.reserved_tokens and call.reserved_tokens != used else 0
     tokens_buckets = RequestBuckets.of(call.caller, res.config.gateway.bucket_burst).tokens if refund else ()
-    events = [*res.usage_backlog.take(), event]
+    kept, reservations = res.usage_backlog.take()
+    events = [*kept, event]
+    if call.budget_reservation is not None:
+        reservations.append(call.budget_reservation)
+        call.budget_reservation = None
     refunds = [res.buckets.shared.refund_call(bucket, refund) for bucket in tokens_buckets]
     counts = res.resilience.outcome_calls(call, result)
     try:
         replies = await res.resilience.guard.call("usage record", lambda: run_batch(
-            res.redis, [*refunds, *counts], release_after(usage_pushes(events), call, res.key_budgets)))
+            res.redis, [*refunds, *counts], release_after(usage_pushes(events), reservations)))
         if replies is None:
             for bucket in tokens_buckets:
                 res.buckets.local.refund(bucket, refund)
-            res.usage_backlog.keep(events)
+            res.usage_backlog.keep(events, reservations)
         await res.resilience.outcome_recorded(call, result, replies[len(refunds):] if replies is not None else None)
     except (aioredis.RedisError, OSError):
-        # Kept all the same: a record pushed twice is written once (its record id).
-        res.usage_backlog.keep(events)
+        # Kept all the same: a record pushed twice is written once (its record id), and a reservation
+        # released twice is taken off once (serving.gateway.key_budget's release script).
+        res.usage_backlog.keep(events, reservations)
         log.exception("could not record usage / refund tokens of %s", call.request_id)
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from serving.gateway.key_budget import spend_add
+from serving.gateway.accounting import release_after
+from serving.gateway.key_budget import Reservation, spend_add
 from serving.gateway.redis_batch import run_batch
 from serving.contracts.usage_log import UsageEvent, usage_push
 from runtime.redis_guard import RedisGuard
@@ -44,16 +45,21 @@ class UsageBacklog:
     redis: aioredis.Redis
     guard: RedisGuard
     events: list[UsageEvent] = field(default_factory=list)
+    # The key-budget reservations of the calls those records settle: released in the round trip that
+    # adds the records' spend, never before (serving.gateway.key_budget).
+    reservations: list[Reservation] = field(default_factory=list)
     pusher: asyncio.Task[None] | None = None
 
-    def take(self) -> list[UsageEvent]:
-        """The records kept (emptied: the caller pushes them now)."""
+    def take(self) -> tuple[list[UsageEvent], list[Reservation]]:
+        """The records kept and their reservations (emptied: the caller pushes them now)."""
         backlog, self.events = self.events, []
-        return backlog
+        held, self.reservations = self.reservations, []
+        return backlog, held
 
-    def keep(self, events: list[UsageEvent]) -> None:
-        """Keep records Redis did not take, and start the pusher unless it runs."""
+    def keep(self, events: list[UsageEvent], reservations: list[Reservation] | None = None) -> None:
+        """Keep records Redis did not take, with their reservations, and start the pusher unless it runs."""
         self._hold(events)
+        self.reservations.extend(reservations or ())
         if self.pusher is None or self.pusher.done():
             self.pusher = asyncio.get_running_loop().create_task(self._push())
 
@@ -70,14 +76,15 @@ class UsageBacklog:
         refunds and breaker counts of an outage stay with this process's buckets and breakers)."""
         while self.events:
             await asyncio.sleep(self.guard.retry_interval_s)
-            events = self.take()
+            events, reservations = self.take()
             if not events:
                 return
             try:
-                replies = await self.guard.call("usage backlog",
-                                                lambda: run_batch(self.redis, [], usage_pushes(events)))
+                replies = await self.guard.call("usage backlog", lambda: run_batch(
+                    self.redis, [], release_after(usage_pushes(events), reservations)))
             except (aioredis.RedisError, OSError):
                 replies = None
                 log.exception("could not push %d kept usage records; retrying", len(events))
             if replies is None:
                 self._hold(events)  # this task goes on pushing them
+                self.reservations.extend(reservations)

@@ -52,12 +52,13 @@ def adapter_call(who: Caller, *, max_tokens: int = 8) -> Call:
                 max_tokens=max_tokens)
 
 
-def admitting(recorded: int, scenario: Callable[[Resources], Awaitable[None]]) -> None:
-    """Runs `scenario` with the pipeline's resources on the run's Redis, as serving.gateway.wiring builds them."""
+def admitting(recorded: int, scenario: Callable[[Resources], Awaitable[None]], *, redis_url: str | None = None) -> None:
+    """Runs `scenario` with the pipeline's resources on the run's Redis (or `redis_url`), as
+    serving.gateway.wiring builds them."""
     from django.conf import settings
 
     async def run() -> None:
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        client = aioredis.Redis.from_url(redis_url or settings.REDIS_URL, socket_connect_timeout=0.2)
         resilience = wiring.resilience_build(client)
         res = Resources(
             redis=client, buckets=GuardedBuckets(TokenBuckets(client), guard=resilience.guard, processes=1),
@@ -92,6 +93,25 @@ def test_a_key_is_refused_once_its_recorded_spend_reaches_its_budget(redis_clien
         assert f"has used {recorded:,} tokens this month, its monthly budget is 1,000" in str(refused.value)
 
     admitting(recorded, scenario)
+
+
+def test_while_redis_is_away_a_budgeted_key_is_refused_and_a_key_without_one_is_served() -> None:
+    """The buckets fail open to this process's own; a budget fails closed (a 503 that says nothing
+    was charged): on a loaded host, failing open let a 250-token key be served 910 tokens."""
+    from tests.conftest import free_port
+
+    budgeted, free = caller(monthly_token_budget=1_000), caller()
+
+    async def scenario(res: Resources) -> None:
+        with pytest.raises(GatewayError) as refused:
+            await pipeline.admit(adapter_call(budgeted), res)
+        assert (refused.value.status, refused.value.code) == (503, "key_budget_unavailable")
+        assert "nothing was charged" in str(refused.value) and refused.value.headers["retry-after"] == "1"
+        call = adapter_call(free)
+        await pipeline.admit(call, res)
+        assert call.admission is not None and call.admission.admitted
+
+    admitting(0, scenario, redis_url=f"redis://127.0.0.1:{free_port()}/0")
 
 
 def test_a_key_over_its_own_tokens_per_minute_is_refused_not_degraded(redis_client) -> None:

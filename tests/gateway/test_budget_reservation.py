@@ -65,7 +65,9 @@ SHARE = COMPLETION_TOKENS  # what the budget holds beyond max_tokens for such a 
 async def settle(client: aioredis.Redis, res: SimpleNamespace, call: Call, used: int) -> None:
     """What pipeline._record does for the budget: the usage record's spend, then the release."""
     async with client.pipeline(transaction=False) as pipe:
-        release_after(lambda p: spend_add(p, call.caller.key_prefix, used, time.time()), call, res.key_budgets)(pipe)
+        reservation, call.budget_reservation = call.budget_reservation, None
+        release_after(lambda p: spend_add(p, call.caller.key_prefix, used, time.time()),
+                      [reservation] if reservation is not None else [])(pipe)
         await pipe.execute()
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 
 import redis
 import redis.asyncio as aioredis
 from resilience_support import redis_relay
 
+from serving.gateway.key_budget import KeyBudgets, Month, counter_key
 from serving.gateway.usage_backlog import UsageBacklog
 from serving.contracts.usage_log import QUEUE_KEY, UsageEvent
 from runtime.redis_guard import RedisGuard, RedisGuardConfig
@@ -55,6 +57,45 @@ def test_records_kept_during_an_outage_are_pushed_once_redis_is_back_without_a_r
                 await asyncio.wait_for(pusher, timeout=10)
                 assert backlog.events == []
                 assert {e.record_id for e in kept} <= _queued_ids(settings.REDIS_URL)
+            finally:
+                await client.aclose()
+
+        asyncio.run(main())
+
+
+def test_a_kept_record_keeps_its_budget_reservation_until_its_spend_lands() -> None:
+    """A record Redis did not take keeps its call's reservation: while it waits, the key's tokens are
+    held (reserved); once pushed, its spend lands and the reservation goes in the same round trip.
+    Released at the outage instead, the tokens were neither spent nor reserved until the push."""
+    from django.conf import settings
+
+    with redis_relay(settings.REDIS_URL) as relay:
+
+        async def main() -> None:
+            client = aioredis.Redis.from_url(relay.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+            guard = RedisGuard.from_config(RedisGuardConfig(timeout_s=0.25, retry_interval_s=0.2))
+            budgets = KeyBudgets(client)
+            prefix = f"backlog-{uuid.uuid4().hex[:8]}"
+            record = replace(_event(), api_key_prefix=prefix)
+            backlog = UsageBacklog(client, guard)
+            try:
+                async def no_records(start: float, before: float) -> int:
+                    return 0
+
+                verdict = await budgets.reserve(prefix, 100, 40, now=record.created_at, guard=guard,
+                                                recorded=no_records)
+                assert verdict is not None and verdict.reservation is not None
+                relay.cut()
+                backlog.keep([record], [verdict.reservation])
+                await asyncio.sleep(0.5)  # the pusher retries while Redis is away
+                relay.restore()
+                pusher = backlog.pusher
+                assert pusher is not None
+                await asyncio.wait_for(pusher, timeout=10)
+                assert backlog.reservations == []
+                counter = counter_key(prefix, Month.of(record.created_at))
+                tokens, reserved = await client.hmget(counter, "tokens", "reserved")
+                assert (int(tokens), int(reserved)) == (5, 0)
             finally:
                 await client.aclose()
 
