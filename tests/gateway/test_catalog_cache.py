@@ -55,10 +55,15 @@ def test_concurrent_misses_share_one_load_and_a_late_hit_reloads_in_the_backgrou
         return f"caller-{len(loads)}"
 
     monkeypatch.setattr(catalog, "_load_caller", load)
+    # The cache's clock moves by hand: on the real one a loaded machine's pause between the loads
+    # and the late call outlived the 0.2 s TTL, and the late call waited for a load (a fresh-clone run).
+    clock = Clock()
+    monkeypatch.setattr(catalog, "_callers", TtlCache(catalog._cache_seconds, max_entries=catalog.CACHE_MAX_ENTRIES,
+                                                      max_bytes=catalog.CACHE_MAX_BYTES, clock=clock))
 
     async def scenario() -> tuple[list[str], str, str]:
         first = await asyncio.gather(*(catalog.caller_for("Bearer lp-x.y") for _ in range(20)))
-        await asyncio.sleep(0.12)  # past half the TTL (0.2 s), within it
+        clock.advance(0.12)  # past half the TTL (0.2 s), within it
         late = await catalog.caller_for("Bearer lp-x.y")  # answered from the cache, not waited for
         await _settled()
         return first, late, await catalog.caller_for("Bearer lp-x.y")
