@@ -67,6 +67,11 @@ class EngineConfig:
     device (``cuda:0 .. cuda:N-1``; on CPU all of them on the host), which the engine spawns
     (serving.engine.distributed). Every rank sizes its KV cache and adapter pool alike (the
     smallest budget of them on CUDA). CUDA graphs are not captured at sizes above 1.
+    ``distributed_executor_backend`` (vLLM's flag): ``"mp"`` runs the model through the
+    tensor-parallel driver (serving.engine.distributed), ``"uni"`` through the plain runner in this
+    process; unset, ``"mp"`` exactly when ``tensor_parallel_size`` > 1. ``"mp"`` at size 1 runs the
+    driver's paths (its group, its step messages) on one device: how its CUDA path is checked on a
+    machine with one GPU.
 
     ``enable_prefix_caching`` (vLLM's flag, on by default as in vLLM V1): a prompt's leading full
     KV blocks computed before for the same adapter (name and content) or for the base model are
@@ -84,6 +89,12 @@ class EngineConfig:
     which says where it runs natively and where it is emulated). On CUDA it needs bf16. Its tokens
     agree with the unquantized model's to a measured rate, not exactly (docs/serving-worker.md,
     "FP8 base weights").
+
+    ``enable_dora`` (on by default): DoRA adapters are served (docs/adapter-kinds.md). Each LoRA
+    layer then holds a per-slot scale table ``[slots + 1, out]`` from the start, charged to the
+    adapter pool (serving.engine.memory_plan), so the CUDA graphs capture DoRA's epilogue once and
+    serve DoRA and plain adapters alike; off, the table and its multiply are gone and DoRA adapters
+    are refused at load, saying so. ``dora_refusal`` says why an engine refuses them.
 
     ``grammar``: structured output's compile budget, pool and cache (serving.engine.grammar_pool's
     ``GrammarBudget``: time, nesting and size per constraint, compiling processes, a tenant's share
@@ -118,9 +129,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     max_flat_tokens: int = 2048
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     quantization: str | None = None
+    enable_dora: bool = True
     grammar: GrammarBudget = field(default_factory=GrammarBudget)
 
     def __post_init__(self) -> None:
@@ -182,6 +195,10 @@ class EngineConfig:
         )
         _require(self.max_flat_tokens >= 1, f"max_flat_tokens must be >= 1, got {self.max_flat_tokens}")
         _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.distributed_executor_backend in (None, "uni", "mp"),
+                 f"distributed_executor_backend must be None, 'uni' or 'mp', got {self.distributed_executor_backend!r}")
+        _require(not (self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1),
+                 "distributed_executor_backend='uni' runs one process: it cannot serve tensor_parallel_size > 1")
         _require(not (self.async_scheduling and self.tensor_parallel_size > 1),
                  "async_scheduling is not supported with tensor_parallel_size > 1 (the ranks take the step's "
                  "token ids from rank 0's host, which async scheduling does not wait for)")
@@ -198,6 +215,23 @@ class EngineConfig:
     @property
     def lora_enabled(self) -> bool:
         return self.max_loras != 0
+
+    @property
+    def dora_refusal(self) -> str | None:
+        """Why this engine refuses DoRA adapters (their loads fail saying so), None when it serves them."""
+        if not self.enable_dora:
+            return "DoRA is off on this engine (enable_dora=False)"
+        if self.tensor_parallel_size > 1:
+            # A row-parallel layer's norms would need their own all-reduce at every slot load.
+            return f"not under tensor parallelism (tensor_parallel_size={self.tensor_parallel_size})"
+        if self.quantization == "fp8":
+            return "not over an FP8 base (quantization=\"fp8\"): the scale would need the dequantized weight's norms"
+        return None
+
+    @property
+    def serves_dora(self) -> bool:
+        """Whether adapters are on and DoRA ones are served: the LoRA layers then hold DoRA's scale tables."""
+        return self.lora_enabled and self.dora_refusal is None
 
     @property
     def torch_device(self) -> torch.device:
@@ -219,6 +253,13 @@ class EngineConfig:
         if self.attention_backend == "auto":
             return "triton" if self.torch_device.type == "cuda" else "torch"
         return self.attention_backend
+
+    @property
+    def uses_driver(self) -> bool:
+        """Whether the engine runs its model through the tensor-parallel driver."""
+        if self.distributed_executor_backend is None:
+            return self.tensor_parallel_size > 1
+        return self.distributed_executor_backend == "mp"
 
     def graph_sizes(self) -> list[int]:
         """Token counts whose flat step is captured (ascending; empty where graphs are off)."""

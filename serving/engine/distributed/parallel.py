@@ -51,7 +51,7 @@ class TensorParallel:
     def __init__(self, rank: int = 0, size: int = 1, control: Any = None) -> None:
         self.rank = rank
         self.size = size
-        self.control = control  # the control group (None at size 1)
+        self.control = control  # the control group (None where no group was joined: SINGLE)
 
     @property
     def is_driver(self) -> bool:
@@ -67,7 +67,8 @@ class TensorParallel:
         return cls(rank, size, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
 
     def leave(self) -> None:
-        if self.size > 1 and dist.is_initialized():
+        # A joined group of one (the driver at size 1) is left too: the process may start another.
+        if self.control is not None and dist.is_initialized():
             dist.destroy_process_group()
 
     # ---- the forward's collectives ------------------------------------------------------------
