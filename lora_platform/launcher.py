@@ -4,8 +4,8 @@
 Redis, a base model, a demo tenant and an admin user the first time), starts the processes of the
 platform as children (the list in `child_processes`), prints where to go once every child is ready
 (`wait_until_ready`: the web app answers, both Celery workers answer a ping, the serving worker has
-loaded its model), and stops the children cleanly on Ctrl-C, SIGTERM or SIGHUP, or when the process
-that started it (`make`) dies: `kill -9` of make used to leave the platform running, orphaned (issue
+loaded its model), and stops the children cleanly on Ctrl-C, SIGTERM or SIGHUP, or, under `make up`,
+when make dies: `kill -9` of make used to leave the platform running, orphaned (issue
 39, item 8). GNU make passes a SIGTERM on to the launcher, never a SIGINT (it waits for its recipe),
 so `kill -INT <make's pid>` alone stops nothing: README says to use Ctrl-C or SIGTERM.
 
@@ -503,9 +503,12 @@ def main() -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         supervisor.stop_requested = True
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, on_signal)
-    stop_with_parent()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup's ignore stands
+        signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: stop cleanly
+    if parent_is_make():
+        stop_with_parent()
     base = f"http://{WEB_HOST}:{WEB_PORT}"
     try:
         supervisor.start()
@@ -529,6 +532,15 @@ def main() -> int:
 
 
 PR_SET_PDEATHSIG = 1
+
+
+def parent_is_make() -> bool:
+    """Whether `make up` started this process. Only then does it stop with its parent: a launcher
+    started detached (nohup … &, setsid) outlives the shell that started it on purpose."""
+    try:
+        return (Path("/proc") / str(os.getppid()) / "comm").read_text().strip() in ("make", "gmake")
+    except OSError:
+        return False
 
 
 def stop_with_parent() -> None:
