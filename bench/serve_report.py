@@ -44,6 +44,12 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{'Storage reads':<40}{_figure(window['storage_reads'], '>12.0f')}")
         print(f"{'Worker non-ok requests':<40}{window['worker_not_ok']:>12.0f}")
         print(f"{'Step shapes the warm-up missed':<40}{_figure(window.get('cold_step_shapes'), '>12.0f')}")
+        for when in ("cold_steps_before", "cold_steps"):
+            for step in window.get(when, []):
+                lora = " LoRA" if step["lora"] == "true" else ""
+                before = " before" if when == "cold_steps_before" else ""
+                what = f"  {step['layout']} {step['kernel_tokens']}{lora}, {step['step_tokens']} tok{before} (ms)"
+                print(f"{what:<40}{step['ms']:>12.1f}")
     print("=" * 62)
 
 

@@ -64,8 +64,20 @@ def window_metrics(before: Samples | None, after: Samples | None, duration: floa
     cold_before, cold_after = (total(samples, "loraplex_engine_cold_step_shapes") for samples in (before, after))
     return {
         "cold_step_shapes": None if cold_before is None or cold_after is None else cold_after - cold_before,
+        # Each cold step first met in the window, and those met before it (the bench's own warm-up).
+        "cold_steps": cold_steps(before, after), "cold_steps_before": cold_steps([], before),
         "metrics": True, **deltas, "worker_not_ok": not_ok[1] - not_ok[0],
         "gpu_hit_rate": hits / admissions if hits is not None and admissions else None,
         "adapter_loads_per_s": loads / duration if loads is not None else None, "adapter_loads_from": loads_from,
         "bytes_moved_per_s": moved / duration if moved is not None else None,
     }  # fmt: skip
+
+
+def cold_steps(before: Samples, after: Samples) -> list[dict[str, Any]]:
+    """The cold steps (loraplex_engine_cold_step_seconds) first met in this window: each one's
+    layout, kernel key, LoRA, own token count and milliseconds, slowest first."""
+    name = "loraplex_engine_cold_step_seconds"
+    seen = {tuple(sorted(labels.items())) for sample, labels, _ in before if sample == name}
+    steps = [{**labels, "ms": 1000 * value} for sample, labels, value in after
+             if sample == name and tuple(sorted(labels.items())) not in seen]
+    return sorted(steps, key=lambda step: -step["ms"])

@@ -20,6 +20,8 @@ sampling reads host state (a grammar, penalties) only once the step before is re
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,8 @@ from serving.engine.outputs import Logprob
 from serving.engine.sampler import DeviceSamples, SampleResult, Sampler
 from serving.engine.sequence import Sequence
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -61,6 +65,18 @@ class StepShape:
         if self.layout == "graph":
             return (self.layout, self.tokens, self.lora)
         return (self.layout, 1 if self.tokens == 1 else 16 if self.tokens % 16 == 0 else 0, self.lora)
+
+
+@dataclass(frozen=True)
+class ColdStep:
+    """The first step after the warm-up to run kernels (``StepShape.kernels``) that it never ran:
+    those kernels, the step's own token count, and its seconds from its inputs' preparation to the
+    end of its forward on the device (the one step of each such key waits for the device, so that a
+    GPU run shows which shapes cost what: loraplex_engine_cold_step_seconds)."""
+
+    kernels: tuple[str, int, bool]
+    tokens: int
+    seconds: float
 
 
 @dataclass
@@ -143,11 +159,11 @@ class ModelRunner:
         self.max_flat_tokens = config.max_flat_tokens
         # The warm-up's record (serving.engine.warmup): while it runs, every step's shape is added to
         # ``shape_log``; once it is over, ``warm_kernels`` holds the kernels (``StepShape.kernels``)
-        # it ran and each other one a step runs lands in ``cold_kernels`` (what the warm-up missed:
-        # loraplex_engine_cold_step_shapes).
+        # it ran and the first step to run each other one lands in ``cold_kernels`` (what the
+        # warm-up missed: loraplex_engine_cold_step_shapes and _seconds, one WARNING line each).
         self.shape_log: set[StepShape] | None = None
         self.warm_kernels: frozenset[tuple[str, int, bool]] | None = None
-        self.cold_kernels: set[tuple[str, int, bool]] = set()
+        self.cold_kernels: dict[tuple[str, int, bool], ColdStep] = {}
         self.graphs: DecodeGraphs | None = None
         sizes = config.graph_sizes()
         if sizes:
@@ -341,9 +357,10 @@ class ModelRunner:
         for row, num, seq in spans[len(decodes) :]:
             table = device_tensor(seq.block_table, device) if seq.num_computed_tokens else None
             context.prefills.append(PrefillSpan(row, num, seq.num_computed_tokens, table))
-        if self.lora_meta is not None and any(s >= 0 for s in token_slots):
+        lora = self.lora_meta is not None and any(s >= 0 for s in token_slots)
+        cold = self._saw("eager", len(input_ids), lora, len(input_ids))
+        if lora and self.lora_meta is not None:
             context.lora = self.lora_meta.prepare(device_tensor(token_slots, device, torch.int32))
-        self._saw("eager", len(input_ids), context.lora is not None)
 
         ids = device_tensor(input_ids, device)
         fed.apply(ids)
@@ -357,8 +374,11 @@ class ModelRunner:
                 if _wants_prompt_logprobs(seq):
                     self._record_prompt_logprobs(seq, hidden[row : row + num])
         if not sampled:
+            self._cold_done(cold)
             return StepLogits([], None)
-        return self._logits_of(sampled, self.model.compute_logits(hidden[device_tensor(sample_rows, device)]))
+        logits = self.model.compute_logits(hidden[device_tensor(sample_rows, device)])
+        self._cold_done(cold)
+        return self._logits_of(sampled, logits)
 
     def _record_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Append to ``seq.prompt_logprobs`` the logprob (rank, and the most likely tokens) of each
@@ -388,11 +408,13 @@ class ModelRunner:
         if self.graphs is not None and not self.enforce_eager:
             size = self.graphs.size_for(step)
             if size is not None:
-                self._saw("graph", size, step.lora and self.lora_meta is not None)
+                cold = self._saw("graph", size, step.lora and self.lora_meta is not None, step.num_tokens)
                 # The replay's logits stay in the graphs' buffer until the next replay, which is
                 # queued only once these are sampled.
-                return self._logits_of(step.sampled, self.graphs.replay(step, size))
-        self._saw("flat", step.num_tokens, step.lora and self.lora_meta is not None)
+                replayed = self.graphs.replay(step, size)
+                self._cold_done(cold)
+                return self._logits_of(step.sampled, replayed)
+        cold = self._saw("flat", step.num_tokens, step.lora and self.lora_meta is not None, step.num_tokens)
         device = self.device
         inputs = to_device(host_tensor(step.rows), device)
         step.fed.apply(inputs[IDS])
@@ -409,16 +431,38 @@ class ModelRunner:
             logits = self._forward_sampled(inputs[IDS], inputs[POS], sample_rows)
         finally:
             reset_context()
+        self._cold_done(cold)
         return self._logits_of(step.sampled, logits)
 
-    def _saw(self, layout: str, tokens: int, lora: bool) -> None:
-        """Record a step's shape for the warm-up, or after it, as cold when the warm-up never ran it."""
+    def _saw(self, layout: str, tokens: int, lora: bool,
+             step_tokens: int) -> tuple[tuple[str, int, bool], int, float] | None:
+        """Record a step's shape for the warm-up. After it: a step whose kernels it never ran and no
+        step before has run is cold; returns its kernels, ``step_tokens`` (its own token count;
+        ``tokens`` is a graph's size) and its start, for ``_cold_done`` once it is queued."""
         if self.shape_log is not None:
             self.shape_log.add(StepShape(layout, tokens, lora))
-        elif self.warm_kernels is not None:
-            kernels = StepShape(layout, tokens, lora).kernels()
-            if kernels not in self.warm_kernels:
-                self.cold_kernels.add(kernels)
+            return None
+        if self.warm_kernels is None:
+            return None
+        kernels = StepShape(layout, tokens, lora).kernels()
+        if kernels in self.warm_kernels or kernels in self.cold_kernels:
+            return None
+        return kernels, step_tokens, time.perf_counter()
+
+    def _cold_done(self, cold: tuple[tuple[str, int, bool], int, float] | None) -> None:
+        """A cold step's forward is queued: wait for it (once per key, so its time is the step's own,
+        compiles and first launches included), record it and say so."""
+        if cold is None:
+            return
+        kernels, tokens, start = cold
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step = ColdStep(kernels, tokens, time.perf_counter() - start)
+        self.cold_kernels[kernels] = step
+        layout, size, lora = kernels
+        what = f"graph of {size} tokens" if layout == "graph" else f"{layout} step (Triton key {size})"
+        log.warning("cold step: a %s%s that the warm-up never ran; this one, of %d tokens, took %.1f ms", what,
+                    " with LoRA" if lora else "", tokens, 1000 * step.seconds)
 
     def _logits_of(self, sampled: list[Sequence], logits: torch.Tensor) -> StepLogits:
         if not sampled or not self.tp.is_driver:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from serving.engine.lora.cache import LoRACache
     from serving.engine.lora.integrity import SlotChecksums
     from serving.engine.lora.records import CachedAdapter
-    from serving.engine.model_runner import ModelRunner
+    from serving.engine.model_runner import ColdStep, ModelRunner
     from serving.engine.scheduler import Scheduler
 
 
@@ -117,6 +117,8 @@ class EngineStats:
     # Step kernels (StepShape.kernels) run since the warm-up that it did not run (serving.engine.warmup);
     # None: no warm-up.
     cold_step_shapes: int | None = None
+    # The first step to run each of those kernels: its token count and seconds (ModelRunner.cold_kernels).
+    cold_steps: tuple[ColdStep, ...] = ()
 
 
 def lora_infos(cache: LoRACache, names: Collection[str] | None = None) -> list[LoRAInfo]:
@@ -196,6 +198,7 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
         adapters=adapters,
         gpu_memory_free_bytes=int(torch.cuda.mem_get_info(runner.device)[0]) if runner.device.type == "cuda" else None,
         cold_step_shapes=len(runner.cold_kernels) if runner.warm_kernels is not None else None,
+        cold_steps=tuple(runner.cold_kernels.values()),
     )
 
 

@@ -10,7 +10,7 @@ first copies into GPU slots, the host allocator's pinned buffers of each batch s
 ``enforce_eager`` or on a CPU, every shape's kernels. On the H100 the first rate after a start had a
 TTFT p50 of 1,929 ms against ~48 ms warm (issue 38).
 
-``warm_up`` drives the engine itself, on its own thread, with real requests in three phases (each
+``warm_up`` drives the engine itself, on its own thread, with real requests in four phases (each
 run to completion before the next), so each step goes the way traffic's would:
 
 1. the decode ladder: ``max_num_seqs`` short prompts whose ``i``-th asks for ``i + 1`` tokens, every
@@ -18,13 +18,23 @@ run to completion before the next), so each step goes the way traffic's would:
    step, so every decode batch size (every captured bucket up to ``max_num_seqs``) runs, with
    mixed adapters in it, and the adapters end resident in GPU slots where the pool holds them;
 2. prefill chunks: one prompt at a time of each length in ``prefill_lengths`` (base, then with the
-   first adapter), the last longer than the step budget so it is prefilled in chunks;
-3. the sampler's paths (``SAMPLER_PATHS``), all in one batch, half with an adapter.
+   first adapter): every captured graph size (a lone prompt of ``n`` tokens is a flat step of ``n``
+   tokens, so each graph, with LoRA and without, is replayed once: the ladder's are all LoRA steps
+   where adapters are named, and a serving step of decodes and prompt chunks lands on any size up
+   to the budget), powers of two, the budget, and a prompt longer than the budget (two chunks);
+3. mixed steps, as a backlog makes them: ``2 × max_num_seqs`` requests at once, every adapter
+   named at launch and the base in turn, prompts around an eighth of the budget and up to 16 tokens
+   out, so the scheduler packs full-budget steps of decodes and several prompts' chunks with many
+   adapters in each (the LoRA kernels' many-segment launches, the block allocator and the
+   sampler at a full batch);
+4. the sampler's paths (``SAMPLER_PATHS``), all in one batch, half with an adapter.
 
 Each warm-up prompt carries a cache salt of its own, so the prefix cache never shortens a prefill
 the phase means to run whole. What ran is observed, not assumed: the runner records the shape of
 every step (``ModelRunner.shape_log``: layout, token count, LoRA or not) and the report carries that
-set, with the sampler paths of the requests that finished and the adapters left resident.
+set, with the sampler paths of the requests that finished, the mixed steps seen (phase 3) and the
+adapters left resident. After it, the runner names each step that runs kernels the warm-up did not
+(``ModelRunner.cold_kernels``: a WARNING line and loraplex_engine_cold_step_seconds).
 """
 
 from __future__ import annotations
@@ -65,6 +75,8 @@ _SHORT_PROMPT = 8
 _FIRST_ID = 300
 # How long the warm-up waits for an adapter load or a grammar compile between steps with nothing to run.
 _IDLE_WAIT_S = 0.05
+# Phase 3's most output tokens: its requests finish over a spread of steps, as traffic's do.
+_MIXED_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -80,11 +92,14 @@ class WarmRequest:
 @dataclass(frozen=True)
 class WarmupReport:
     """What the warm-up ran: every step's shape (``StepShape``), the sampler paths of the requests
-    that finished, the adapters named at launch left in a GPU slot and those not (more than the
-    pool holds), and its size and time."""
+    that finished, the mixed steps (a step's outputs: decodes and first tokens both) and
+    the most adapters (the base counting as one) in one of them, the adapters named at launch left
+    in a GPU slot and those not (more than the pool holds), and its size and time."""
 
     shapes: frozenset[StepShape]
     sampler_paths: frozenset[str]
+    mixed_steps: int
+    mixed_adapters: int
     resident: tuple[str, ...]
     not_resident: tuple[str, ...]
     requests: int
@@ -96,19 +111,36 @@ class WarmupReport:
         layouts = sorted({s.layout for s in self.shapes})
         counts = ", ".join(f"{sum(s.layout == layout for s in self.shapes)} {layout}" for layout in layouts)
         return (f"warm-up: {self.requests} requests, {self.steps} steps in {self.seconds:.1f}s; step shapes: "
-                f"{counts or 'none'}; sampler paths: {len(self.sampler_paths)}/{len(SAMPLER_PATHS)}; adapters "
-                f"resident {len(self.resident)}, not {len(self.not_resident)}")
+                f"{counts or 'none'}; sampler paths: {len(self.sampler_paths)}/{len(SAMPLER_PATHS)}; mixed steps "
+                f"{self.mixed_steps} (up to {self.mixed_adapters} adapters in one); adapters resident "
+                f"{len(self.resident)}, not {len(self.not_resident)}")
 
 
-def prefill_lengths(budget: int, max_prompt: int) -> list[int]:
-    """The prompt lengths phase 2 prefills: powers of two from 16 up to the step budget, the budget
-    itself, and 1.5 × the budget (two chunks), each at most ``max_prompt``."""
+def prefill_lengths(budget: int, max_prompt: int, graph_sizes: Iterable[int] = ()) -> list[int]:
+    """The prompt lengths phase 2 prefills: every captured graph size within the budget, powers of
+    two from 16 up to the step budget, the budget itself, and 1.5 × the budget (two chunks), each at
+    most ``max_prompt``."""
     lengths = {n for n in (2**k for k in range(4, 32)) if n <= budget} | {budget, budget + budget // 2}
+    lengths |= {n for n in graph_sizes if n <= budget}
     return sorted(n for n in lengths if 1 <= n <= max_prompt)
 
 
+def mixed_requests(count: int, budget: int, max_prompt: int, turns: Sequence[str | None]) -> list[WarmRequest]:
+    """Phase 3: ``count`` requests, adapters from ``turns`` in turn, prompts of budget/16 to
+    3 × budget/16 tokens (uneven: their chunks end anywhere in a step) and 1 to
+    ``_MIXED_MAX_TOKENS`` tokens out, each fitting the context (``max_prompt`` + 2 tokens)."""
+    low, spread = max(1, budget // 16), max(1, budget // 8)
+    requests = []
+    for i in range(count):
+        prompt = max(1, min(low + (i * 37) % spread, max_prompt - _MIXED_MAX_TOKENS))
+        out = max(1, min(1 + i % _MIXED_MAX_TOKENS, max_prompt - prompt))
+        requests.append(WarmRequest(prompt, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True),
+                                    turns[i % len(turns)]))
+    return requests
+
+
 def warmup_phases(engine: LLMEngine, adapters: Sequence[str]) -> list[list[WarmRequest]]:
-    """The three phases' requests for this engine's settings (module docstring)."""
+    """The four phases' requests for this engine's settings (module docstring)."""
     config = engine.config
     # A request's prompt plus its output must fit the context.
     max_prompt = engine.max_model_len - 2
@@ -120,15 +152,18 @@ def warmup_phases(engine: LLMEngine, adapters: Sequence[str]) -> list[list[WarmR
     ]
     prefills = [
         [WarmRequest(length, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), adapter)]
-        for length in prefill_lengths(config.max_num_batched_tokens, max_prompt)
+        for length in prefill_lengths(config.max_num_batched_tokens, max_prompt, config.graph_sizes())
         for adapter in (None, *adapters[:1])
     ]
+    # Twice the running batch's room: the scheduler admits the rest as the first finish, decoding
+    # a full batch while it prefills, as under a backlog.
+    mixed = mixed_requests(max(2 * config.max_num_seqs, len(turns)), config.max_num_batched_tokens, max_prompt, turns)
     # Without xgrammar installed (a GPU machine given only the engine's wheels) no guided request can
     # be served at all, and the rest must still warm: the report then lacks the "guided" path.
     grammars = importlib.util.find_spec("xgrammar") is not None
     paths = [WarmRequest(_SHORT_PROMPT, params, adapters[i % len(adapters)] if adapters and i % 2 else None, name)
              for i, (name, params) in enumerate(SAMPLER_PATHS.items()) if grammars or name != "guided"]
-    return [ladder, *prefills, paths]
+    return [ladder, *prefills, mixed, paths]
 
 
 def warm_up(engine: LLMEngine, adapters: Iterable[str] = ()) -> WarmupReport:
@@ -143,7 +178,8 @@ def warm_up(engine: LLMEngine, adapters: Iterable[str] = ()) -> WarmupReport:
     shapes: set[StepShape] = set()
     runner.shape_log = shapes
     paths: set[str] = set()
-    steps = requests = 0
+    steps = requests = mixed_steps = mixed_adapters = 0
+    answered: set[str] = set()  # requests that have had a token (their next ones are decodes)
     vocab = engine.hf_config.vocab_size
     try:
         for phase in warmup_phases(engine, names):
@@ -159,6 +195,15 @@ def warm_up(engine: LLMEngine, adapters: Iterable[str] = ()) -> WarmupReport:
             while outstanding:
                 outputs = engine.step()
                 steps += engine.last_step_tokens > 0
+                # A step that decoded some requests and gave others their first token is a mixed one.
+                sampled = [o.request_id for o in outputs if any(c.token_ids for c in o.outputs)]
+                firsts = [r for r in sampled if r not in answered]
+                decodes = [r for r in sampled if r in answered]
+                if decodes and firsts:
+                    mixed_steps += 1
+                    mixed_adapters = max(mixed_adapters, len({outstanding[r].adapter for r in firsts + decodes
+                                                              if r in outstanding}))
+                answered.update(firsts)
                 for output in outputs:
                     if output.error is not None:
                         raise RuntimeError(f"warm-up request {output.request_id} failed: {output.error!r}") from output.error
@@ -177,6 +222,8 @@ def warm_up(engine: LLMEngine, adapters: Iterable[str] = ()) -> WarmupReport:
     return WarmupReport(
         shapes=frozenset(shapes),
         sampler_paths=frozenset(paths),
+        mixed_steps=mixed_steps,
+        mixed_adapters=mixed_adapters,
         resident=tuple(n for n in names if n in on_gpu),
         not_resident=tuple(n for n in names if n not in on_gpu),
         requests=requests,

@@ -1,10 +1,13 @@
 """The warm-up (serving.engine.warmup) on the tiny model: it runs every decode batch size up to
-max_num_seqs, each prefill chunk length of its ladder with and without an adapter, every sampler
-path, and leaves the adapters named at launch in GPU slots; the shapes are those the runner saw."""
+max_num_seqs, each prefill chunk length of its ladder (every captured graph size among them) with
+and without an adapter, mixed steps of decodes and several prompts with many adapters, every
+sampler path, and leaves the adapters named at launch in GPU slots; the shapes are those the runner
+saw. After it, the first step of each kernel key it missed is recorded, logged and exported."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,10 +15,11 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, LoRARequest, SamplingParams
+from serving.engine.config import graph_ladder
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.model_runner import StepShape
 from serving.engine.process_engine import ProcessEngine
-from serving.engine.warmup import SAMPLER_PATHS, WarmupReport, prefill_lengths, warm_up, warmup_phases
+from serving.engine.warmup import SAMPLER_PATHS, WarmupReport, mixed_requests, prefill_lengths, warm_up, warmup_phases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,6 +54,28 @@ def test_prefill_lengths_climb_to_the_budget_and_past_it_into_two_chunks() -> No
     assert prefill_lengths(64, 80) == [16, 32, 64]  # what the context cannot hold is left out
 
 
+def test_prefill_lengths_replay_every_captured_graph_size() -> None:
+    """A lone prompt of n tokens is a flat step of n tokens: with the ladder's sizes among the
+    lengths, every graph (the 320-1792 ones a serving step of decodes and chunks lands on) is run."""
+    ladder = graph_ladder(2048)
+    lengths = prefill_lengths(2048, 8190, ladder)
+    assert set(ladder) <= set(lengths) and {320, 704, 1792} <= set(lengths)
+    assert lengths[-1] == 3072  # still one past the budget, in two chunks
+    assert set(prefill_lengths(2048, 500, ladder)) == {n for n in ladder if n <= 500} | {16, 32, 64, 128, 256}
+
+
+def test_the_mixed_phase_uses_every_adapter_and_overfills_the_budget() -> None:
+    turns = [f"a{k}" for k in range(32)] + [None]
+    requests = mixed_requests(512, 2048, 8190, turns)
+    assert {r.adapter for r in requests} == set(turns)
+    lengths = [r.prompt_len for r in requests]
+    assert min(lengths) >= 128 and max(lengths) < 384 and len(set(lengths)) > 100
+    assert sum(lengths) > 16 * 2048  # many full-budget steps
+    assert {r.params.max_tokens for r in requests} == set(range(1, 17))
+    # A small context: prompt and output still fit it.
+    assert all(r.prompt_len + r.params.max_tokens <= 20 for r in mixed_requests(40, 2048, 18, turns))
+
+
 @pytest.fixture(scope="module")
 def report(engine: LLMEngine) -> WarmupReport:
     """The engine warmed up (its guided request starts the grammar compiler's processes: e2e)."""
@@ -72,9 +98,13 @@ def test_the_warm_up_runs_every_shape_and_path_and_leaves_the_adapters_resident(
     assert {(n, lora) for n in (16, 32, BUDGET) for lora in (False, True)} <= eager
     assert (96 - BUDGET, False) in eager
     assert report.sampler_paths == set(SAMPLER_PATHS)
+    # Steps that decoded some requests while others got their first token, with all three of the
+    # base and the two adapters in one of them.
+    assert report.mixed_steps > 0 and report.mixed_adapters == 3
     assert report.resident == ("a", "b") and report.not_resident == ()
-    ladder, *_, paths = warmup_phases(engine, ["a", "b"])
-    assert report.requests == len(ladder) + 2 * len(prefill_lengths(BUDGET, 126)) + len(paths)
+    ladder, *_, mixed, paths = warmup_phases(engine, ["a", "b"])
+    assert len(mixed) == 2 * MAX_SEQS and {r.adapter for r in mixed} == {"a", "b", None}
+    assert report.requests == len(ladder) + 2 * len(prefill_lengths(BUDGET, 126)) + len(mixed) + len(paths)
     assert not engine.has_unfinished_requests()
     assert engine.runner.shape_log is None  # recording ends with the warm-up
 
@@ -102,6 +132,7 @@ def test_a_warm_engine_answers_as_a_cold_one(engine: LLMEngine, report: WarmupRe
 
 
 def run_alone(engine: LLMEngine, request_id: str, length: int) -> None:
+    """A prompt of ``length`` tokens on the base, alone, to its end (3 tokens)."""
     engine.add_request(request_id, {"prompt_token_ids": [7] * length, "cache_salt": request_id},
                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -109,8 +140,8 @@ def run_alone(engine: LLMEngine, request_id: str, length: int) -> None:
 
 
 @pytest.mark.e2e
-def test_after_the_warm_up_each_kernel_it_never_ran_counts_once_as_cold(engine: LLMEngine,
-                                                                        report: WarmupReport) -> None:
+def test_after_the_warm_up_each_kernel_it_never_ran_counts_once_as_cold(engine: LLMEngine, report: WarmupReport,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     before = engine.stats().cold_step_shapes
     assert before is not None
     run_alone(engine, "warm-kernels", 32)  # a prefill of 32 tokens, then decodes of one: both warmed
@@ -118,10 +149,17 @@ def test_after_the_warm_up_each_kernel_it_never_ran_counts_once_as_cold(engine: 
     # A one-token prompt is an eager step of one token, which no warm-up prefill is (Triton
     # specialises on 1): new once, however often it comes back.
     assert StepShape("eager", 1, False).kernels() not in {shape.kernels() for shape in report.shapes}
+    caplog.set_level(logging.WARNING, logger="serving.engine.model_runner")
     run_alone(engine, "cold-kernels", 1)
     assert engine.stats().cold_step_shapes == before + 1
     run_alone(engine, "cold-kernels-again", 1)
-    assert engine.stats().cold_step_shapes == before + 1
+    stats = engine.stats()
+    assert stats.cold_step_shapes == before + 1
+    # The first step of the key is kept (its kernels, its own token count) and said once.
+    first = [step for step in stats.cold_steps if step.kernels == ("eager", 1, False)]
+    assert len(first) == 1 and first[0].tokens == 1
+    said = [r.getMessage() for r in caplog.records if "cold step" in r.getMessage() and "eager step (Triton key 1)" in r.getMessage()]
+    assert len(said) == 1 and "of 1 tokens" in said[0], said
 
 
 def test_a_step_shapes_kernels_are_its_graph_size_or_its_triton_specialisation() -> None:
@@ -182,16 +220,27 @@ def test_on_cuda_every_decode_bucket_and_prefill_length_replays_a_captured_graph
         load(cuda, LoRARequest("a", str(make_adapter(tiny_llama_dir, seed=1, target_modules=("q_proj", "down_proj")))))
         report = warm_up(cuda, ["a"])
         print(report.summary())
+        # Traffic unlike the warm-up's: a backlog of uneven prompts, base and adapter mixed.
+        for i in range(3 * seqs):
+            cuda.add_request(f"after-{i}", {"prompt_token_ids": [300 + i] * (1 + (i * 29) % 100)},
+                             SamplingParams(temperature=0.7, max_tokens=1 + i % 9, ignore_eos=True),
+                             LoRARequest("a") if i % 3 else None)
+        while cuda.has_unfinished_requests():
+            cuda.step()
+        cold = cuda.stats().cold_steps
     finally:
         cuda.shutdown()
     graphs = {(s.tokens, s.lora) for s in report.shapes if s.layout == "graph"}
     buckets = [size for size in cuda.config.graph_sizes() if size <= seqs]
     assert buckets == [1, 2, 4, 8, 16, 32]
-    # Every decode bucket, with the adapter in the batch (size 1: the base's last request).
-    assert {(size, True) for size in buckets[1:]} | {(1, False)} <= graphs
-    # Each prefill length up to the budget replays its bucket, base and adapter alike.
+    # Every captured graph, with LoRA and without: the decode ladder's sizes and those a serving
+    # step of decodes and prompt chunks lands on.
+    assert {(size, lora) for size in cuda.config.graph_sizes() for lora in (False, True)} <= graphs
     assert {(n, lora) for n in prefill_lengths(budget, 126) if n <= budget for lora in (False, True)} <= graphs
     # No flat step ran uncaptured; the eager path ran for prompt logprobs.
     assert not any(s.layout == "flat" for s in report.shapes)
     assert any(s.layout == "eager" for s in report.shapes)
     assert report.sampler_paths == set(SAMPLER_PATHS) and report.resident == ("a",)
+    assert report.mixed_steps > 0
+    # The backlog afterwards met no graph the warm-up had not run.
+    assert not [step for step in cold if step.kernels[0] == "graph"], cold

@@ -19,6 +19,7 @@ from serving.engine.server.chat import create_chat_completion
 from serving.engine.server.completions import create_completion
 from serving.engine.server.errors import APIError, bad_request, install_error_handlers
 from serving.engine.server.generation import ClientDisconnected
+from serving.engine.server.http_warmup import HttpWarmCall, http_warmup_requests, warm_http
 from serving.engine.server.metrics import CONTENT_TYPE
 from serving.engine.server.prefetch import PrefetchItem, Prefetcher
 from serving.contracts.protocol import (
@@ -71,6 +72,16 @@ def build_app(worker: Worker) -> FastAPI:
         await worker.stop()
 
     app = FastAPI(title="Loraplex serving worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if worker.warms_up:
+
+        async def http_warmup() -> list[HttpWarmCall]:
+            """Text through this app's own routes once the engine is warm (the worker still loading)."""
+            assert worker.engine is not None  # the worker calls it once its engine has warmed up
+            requests = http_warmup_requests(worker.base_model_id, [module.name for module in worker.args.lora_modules],
+                                            worker.engine.max_model_len)
+            return await warm_http(app, requests, worker.args.api_key)
+
+        worker.http_warmup = http_warmup
     app.router.route_class = CheckedJSONRoute  # bodies within serving.contracts.request_caps' bounds
     install_error_handlers(app)
 

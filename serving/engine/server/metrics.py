@@ -125,6 +125,20 @@ class _EngineCollector(_StatsCollector[EngineStats]):
                 "step's Triton specialisation: 1, a multiple of 16 or other tokens; LoRA or not).",
                 value=stats.cold_step_shapes,
             )
+        if stats.cold_steps:
+            # One series per cold key, so that one GPU run names the shapes the warm-up missed and
+            # what each cost the step that met it first (the worker logs each once, at WARNING).
+            cold = GaugeMetricFamily(
+                "loraplex_engine_cold_step_seconds",
+                "Seconds of the first step after the warm-up to run kernels it never ran (its inputs to the end "
+                "of its forward on the device), by layout, kernel key (graph size or Triton specialisation), "
+                "LoRA, and that step's own token count.",
+                labels=["layout", "kernel_tokens", "lora", "step_tokens"],
+            )
+            for step in stats.cold_steps:
+                layout, kernel_tokens, lora = step.kernels
+                cold.add_metric([layout, str(kernel_tokens), str(lora).lower(), str(step.tokens)], step.seconds)
+            yield cold
         yield CounterMetricFamily(
             "loraplex_prefill_tokens",
             "Prompt tokens the engine computed (again after a preemption; once for all n completions of a prompt).",

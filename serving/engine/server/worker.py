@@ -11,7 +11,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from enum import Enum
 from typing import Any
 
@@ -23,6 +23,7 @@ from serving.engine.server.adapters import AdapterSet, Source
 from serving.engine.server.chat_template_sandbox import ChatTemplateSandbox
 from serving.engine.server.cli import ServerArgs, adapter_roots
 from serving.engine.server.errors import APIError, overloaded
+from serving.engine.server.http_warmup import WARMING, HttpWarmCall
 from serving.engine.server.metrics import ServerMetrics
 from serving.engine.server.registry_sync import RegistrySync
 from serving.engine.server.slot_guard import SlotGuard
@@ -109,6 +110,10 @@ class Worker:
         self.warms_up = warms_up(args.warmup, self.config.torch_device.type)
         # What the warm-up ran (None until it has, or without one): the worker is ready only after.
         self.warmup_report: WarmupReport | None = None
+        # Set by the app (serving.engine.server.http_warmup): after the engine's warm-up, a few text
+        # requests through the worker's own routes; what they got, once they have run.
+        self.http_warmup: Callable[[], Awaitable[list[HttpWarmCall]]] | None = None
+        self.http_warmup_calls: list[HttpWarmCall] | None = None
         self.state = State.LOADING
         self.engine: EngineClient | None = None
         self.adapters: AdapterSet | None = None
@@ -172,6 +177,11 @@ class Worker:
                          len(self.args.lora_modules))
                 self.warmup_report = await self.engine.warm_up([module.name for module in self.args.lora_modules])
                 log.info("%s", self.warmup_report.summary())
+                if self.http_warmup is not None:
+                    self.http_warmup_calls = await self.http_warmup()
+                    refused = [f"{c.path} {c.model}: {c.status}" for c in self.http_warmup_calls if c.status != 200]
+                    log.log(logging.WARNING if refused else logging.INFO, "HTTP warm-up: %d requests through the "
+                            "routes%s", len(self.http_warmup_calls), f", refused: {'; '.join(refused)}" if refused else "")
         except Exception:
             log.exception("the worker could not start")
             self.state = State.FAILED
@@ -263,9 +273,13 @@ class Worker:
 
     def require_ready(self) -> tuple[EngineClient, AdapterSet]:
         """The engine and the adapters, or the 503 that says why there are none."""
-        if self.state is State.READY and self.engine is not None and self.adapters is not None:
+        if self._serves() and self.engine is not None and self.adapters is not None:
             return self.engine, self.adapters
         raise self._not_ready()
+
+    def _serves(self) -> bool:
+        """Ready, or still loading and this request is the HTTP warm-up's own (http_warmup.WARMING)."""
+        return self.state is State.READY or (self.state is State.LOADING and WARMING.get())
 
     def _not_ready(self) -> APIError:
         if self.state is State.DRAINING:
@@ -281,7 +295,7 @@ class Worker:
         """Count a request of `tenant` (its cache salt; None: the operator's) in, or refuse it: 503
         when the worker stopped being ready since the request began (a drain) or the room is full,
         429 when the tenant holds its share of the room's last places (serving.engine.server.waiting_room)."""
-        if self.state is not State.READY:
+        if not self._serves():
             raise self._not_ready()
         refusal = self._inflight.refusal(tenant)
         if refusal == "full":

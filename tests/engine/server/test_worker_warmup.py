@@ -1,7 +1,9 @@
 """The worker is ready only once its warm-up has run (serving.engine.warmup; docs/serving-worker.md,
 "Warm-up: the first minute"): `/health` answers 503 "loading" as long as the warm-up's report does
 not exist, and the report covers every decode batch size and sampler path with the adapters named
-at launch left resident. On CPU the warm-up is off unless asked (`--warmup`)."""
+at launch left resident; then text requests through the worker's own routes (the HTTP warm-up),
+which nobody else's request gets through while it loads. After it, the first step of each kernel key
+the warm-up missed is a labelled /metrics series. On CPU the warm-up is off unless asked (`--warmup`)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ def test_health_is_loading_until_the_warm_up_has_run(tiny_model: Path, make_adap
                 assert report is not None, "ready before the warm-up ended"
                 break
             assert health.status_code == 503 and health.json() == {"status": "loading"}, health.text
+            # While the HTTP warm-up's own requests pass, an outside one is still refused.
+            outside = client.post("/v1/completions", json={"model": "first", "prompt": "Hi", "max_tokens": 1})
+            assert outside.status_code == 503 or worker.warmup_report is not None, outside.text
             assert time.monotonic() < deadline, "the worker never became ready"
             time.sleep(0.02)
         report = worker.warmup_report
@@ -51,12 +56,22 @@ def test_health_is_loading_until_the_warm_up_has_run(tiny_model: Path, make_adap
         assert decode_sizes >= set(range(1, MAX_SEQS + 1))
         assert report.sampler_paths == set(SAMPLER_PATHS)
         assert report.resident == ("first", "second")
-        answer = client.post("/v1/completions", json={"model": "first", "prompt": "Hello", "max_tokens": 2})
+        # The HTTP warm-up ran text through completions (streamed and not) and chat, on the base and the first adapter.
+        calls = worker.http_warmup_calls
+        assert calls is not None
+        assert {(c.path, c.model, c.stream) for c in calls} == {
+            (path, model, stream) for model in (worker.base_model_id, "first")
+            for path, stream in (("/v1/completions", False), ("/v1/completions", True), ("/v1/chat/completions", True))}
+        assert all(c.status == 200 for c in calls), calls
+        # A one-token prompt alone is an eager step of one token, which the warm-up never ran:
+        # counted, and exported with its own token count.
+        answer = client.post("/v1/completions", json={"model": worker.base_model_id, "prompt": [7], "max_tokens": 2})
         assert answer.status_code == 200, answer.text
-        # What the warm-up missed is counted from then on (its prompt's prefill is a new length).
-        cold = [line for line in client.get("/metrics").text.splitlines()
-                if line.startswith("loraplex_engine_cold_step_shapes ")]
-        assert cold and float(cold[0].split()[1]) >= 0
+        lines = client.get("/metrics").text.splitlines()
+        cold = [line for line in lines if line.startswith("loraplex_engine_cold_step_shapes ")]
+        assert cold and float(cold[0].split()[1]) >= 1
+        assert any(line.startswith('loraplex_engine_cold_step_seconds{kernel_tokens="1",layout="eager",lora="false",'
+                                   'step_tokens="1"}') for line in lines), [ln for ln in lines if "cold" in ln]
     print(f"{polls} polls; {report.summary()}")
 
 
