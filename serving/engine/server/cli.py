@@ -208,6 +208,11 @@ class ServerArgs:
     slot_verify_interval: Annotated[float, Flag(SERVER)] = Field(default=60.0, ge=0, description=(
         "seconds between checks of every GPU slot's checksum (a changed slot is reloaded from storage); 0: "
         "only on request (POST /v1/verify_lora_slots)"))
+    # The engine thread and the HTTP loop share the interpreter lock (serve.py says what was measured).
+    switch_interval: Annotated[float, Flag(SERVER)] = Field(default=0.0005, gt=0, description=(
+        "seconds a thread holding the interpreter lock runs before one waiting for it gets it "
+        "(sys.setswitchinterval; CPython's default is 0.005): how long the engine thread and the HTTP "
+        "loop wait for each other when the engine runs on a thread of the worker (docs/serving-worker.md)"))
     uvicorn_log_level: Annotated[str, Flag(SERVER, choices=("critical", "error", "warning", "info", "debug"))] = "info"
     # --- registry sync and self-registration
     registry_url: Annotated[str | None, Flag(REGISTRY)] = Field(

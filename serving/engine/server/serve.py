@@ -28,12 +28,6 @@ from runtime.logs import logging_config
 from serving.contracts.registry import WORKER_KEEP_ALIVE_S
 from runtime.settings import platform_settings
 
-# The engine thread and the event loop share the GIL: the engine releases it around each CUDA call
-# and must take it back from a loop busy streaming tokens, and at CPython's default 5 ms switch
-# interval each such wait can last 5 ms. On the H200 at 96 req/s (bench/serve.py, py-spy) the
-# step's input copies were 28 % of the engine thread's samples at 5 ms and 8 % at 0.5 ms, and
-# 64 req/s gave 3,944 output tok/s against 3,666 (docs/benchmarks.md).
-_SWITCH_INTERVAL_S = 0.0005
 # Beyond the drain's grace period, how long uvicorn waits for responses to finish before it
 # cancels them: only a response that ignores the abort would ever need it.
 _BACKSTOP_S = 5.0
@@ -98,7 +92,12 @@ def serve(args: ServerArgs) -> int:
     config = uvicorn_config(worker, args)
     server = _WorkerServer(config, worker)
     worker.request_stop = server.request_stop
-    sys.setswitchinterval(_SWITCH_INTERVAL_S)
+    # --switch-interval (0.5 ms by default): the engine thread and the event loop share the GIL; the
+    # engine releases it around each CUDA call and must take it back from a loop busy streaming
+    # tokens, and at CPython's default 5 ms each such wait can last 5 ms. On the H200 at 96 req/s
+    # (bench/serve.py, py-spy) the step's input copies were 28 % of the engine thread's samples at
+    # 5 ms and 8 % at 0.5 ms, and 64 req/s gave 3,944 output tok/s against 3,666 (docs/benchmarks.md).
+    sys.setswitchinterval(args.switch_interval)
     server.run()
     return worker.exit_code
 

@@ -24,7 +24,7 @@ FLAGS = """--model --host --port --served-model-name --api-key --max-loras --max
 --grammar-tenant-share
 --max-grammar-schema-depth --max-queued-requests --timeout-graceful-shutdown --header-timeout --body-timeout
 --max-connections-per-client --max-request-body-bytes --trust-request-chat-template --chat-template-timeout
---tool-call-parser --slot-verify-interval --uvicorn-log-level --registry-url --registry-token
+--tool-call-parser --slot-verify-interval --switch-interval --uvicorn-log-level --registry-url --registry-token
 --registry-reconcile-interval --redis-url --worker-id --advertise-url --heartbeat-interval -h --help""".split()
 
 
@@ -59,6 +59,7 @@ def test_the_engine_defaults_are_the_engine_configs_written_once() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--max-queued-requests", "-1"], "argument --max-queued-requests: must be >= 0, got -1"),
     (["--block-size", "0"], "argument --block-size: must be > 0, got 0"),
+    (["--switch-interval", "0"], "argument --switch-interval: must be > 0, got 0"),
     (["-tp", "0"], "argument --tensor-parallel-size/-tp: must be > 0, got 0"),
     (["--lora-modules", "nopath"], "--lora-modules takes name=path, got 'nopath'"),
     (["--load-format", "pickle"], "argument --load-format: invalid choice: 'pickle'"),
