@@ -43,6 +43,7 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{'CPU-cache evictions':<40}{_figure(window['cpu_evictions'], '>12.0f')}")
         print(f"{'Storage reads':<40}{_figure(window['storage_reads'], '>12.0f')}")
         print(f"{'Worker non-ok requests':<40}{window['worker_not_ok']:>12.0f}")
+        print(f"{'Engine steps over 250 ms':<40}{_figure(window.get('slow_steps'), '>12.0f')}")
         print(f"{'Step shapes the warm-up missed':<40}{_figure(window.get('cold_step_shapes'), '>12.0f')}")
         for when in ("cold_steps_before", "cold_steps"):
             for step in window.get(when, []):

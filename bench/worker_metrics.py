@@ -22,6 +22,7 @@ _COUNTERS = {
     "cpu_evictions": "loraplex_lora_cpu_evictions_total",
     "storage_reads": "loraplex_lora_load_seconds_count",
     "load_stalls": "loraplex_lora_load_stalls_total",
+    "slow_steps": "loraplex_engine_slow_steps_total",
 }
 Samples = list[tuple[str, dict[str, str], float]]
 

@@ -21,6 +21,8 @@ and what still waits for the tokens): its outputs are those of the step before.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -50,6 +52,14 @@ from serving.engine.sampling_params import SamplingParams, seed_of
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.sequence import RequestState, Sequence, SequenceStatus
 from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair, TokenCounts, engine_stats, lora_infos
+
+log = logging.getLogger(__name__)
+
+# After the warm-up, a step slower than this counts as slow (ModelRunner.slow_steps) and the first
+# _SLOW_STEPS_LOGGED are logged: a full 2048-token step with 32 adapters takes ~85 ms on the H100,
+# a compile, an allocator's growth or a host stall far longer (issue 38, "the first minute").
+SLOW_STEP_S = 0.25
+_SLOW_STEPS_LOGGED = 20
 
 
 class LLMEngine:
@@ -243,7 +253,21 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that progressed or ended (under
-        async scheduling: in the step read here, launched by the call before)."""
+        async scheduling: in the step read here, launched by the call before). After the warm-up,
+        a call slower than ``SLOW_STEP_S`` is counted (the first ones logged at WARNING)."""
+        started = time.perf_counter()
+        outputs = self._step()
+        elapsed = time.perf_counter() - started
+        if elapsed > SLOW_STEP_S and self.runner.warm_kernels is not None:
+            self.runner.slow_steps += 1
+            if self.runner.slow_steps <= _SLOW_STEPS_LOGGED:
+                log.warning("slow step %d since the warm-up: %.0f ms, %d tokens, %d running, %d waiting%s",
+                            self.runner.slow_steps, 1000 * elapsed, self.last_step_tokens, self.scheduler.num_running,
+                            self.scheduler.num_waiting,
+                            "; further slow steps are only counted" if self.runner.slow_steps == _SLOW_STEPS_LOGGED else "")
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._ended = self._ended, []
         if self._compiling:
             outputs += self._take_compiled()

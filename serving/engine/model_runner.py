@@ -164,6 +164,8 @@ class ModelRunner:
         self.shape_log: set[StepShape] | None = None
         self.warm_kernels: frozenset[tuple[str, int, bool]] | None = None
         self.cold_kernels: dict[tuple[str, int, bool], ColdStep] = {}
+        # Engine steps slower than LLMEngine's SLOW_STEP_S since the warm-up (counted by the engine).
+        self.slow_steps = 0
         self.graphs: DecodeGraphs | None = None
         sizes = config.graph_sizes()
         if sizes:

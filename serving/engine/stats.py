@@ -119,6 +119,8 @@ class EngineStats:
     cold_step_shapes: int | None = None
     # The first step to run each of those kernels: its token count and seconds (ModelRunner.cold_kernels).
     cold_steps: tuple[ColdStep, ...] = ()
+    # Engine steps since the warm-up slower than llm_engine.SLOW_STEP_S.
+    slow_steps: int = 0
 
 
 def lora_infos(cache: LoRACache, names: Collection[str] | None = None) -> list[LoRAInfo]:
@@ -199,6 +201,7 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
         gpu_memory_free_bytes=int(torch.cuda.mem_get_info(runner.device)[0]) if runner.device.type == "cuda" else None,
         cold_step_shapes=len(runner.cold_kernels) if runner.warm_kernels is not None else None,
         cold_steps=tuple(runner.cold_kernels.values()),
+        slow_steps=runner.slow_steps,
     )
 
 

@@ -16,6 +16,7 @@ import torch
 
 from serving.engine import EngineConfig, LoRARequest, SamplingParams
 from serving.engine.config import graph_ladder
+from serving.engine import llm_engine
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.model_runner import StepShape
 from serving.engine.process_engine import ProcessEngine
@@ -160,6 +161,20 @@ def test_after_the_warm_up_each_kernel_it_never_ran_counts_once_as_cold(engine: 
     assert len(first) == 1 and first[0].tokens == 1
     said = [r.getMessage() for r in caplog.records if "cold step" in r.getMessage() and "eager step (Triton key 1)" in r.getMessage()]
     assert len(said) == 1 and "of 1 tokens" in said[0], said
+
+
+@pytest.mark.e2e
+def test_after_the_warm_up_each_step_over_the_bound_counts_as_slow(engine: LLMEngine, report: WarmupReport,
+                                                                  caplog: pytest.LogCaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the bound at 0 every step is over it: a prefill and two decodes, each counted and said."""
+    monkeypatch.setattr(llm_engine, "SLOW_STEP_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="serving.engine.llm_engine")
+    before = engine.stats().slow_steps
+    run_alone(engine, "slow", 8)
+    assert engine.stats().slow_steps == before + 3
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow step")]
+    assert len(said) == min(3, max(0, 20 - before)) and all("running" in line for line in said)
 
 
 def test_a_step_shapes_kernels_are_its_graph_size_or_its_triton_specialisation() -> None:

@@ -125,6 +125,12 @@ class _EngineCollector(_StatsCollector[EngineStats]):
                 "step's Triton specialisation: 1, a multiple of 16 or other tokens; LoRA or not).",
                 value=stats.cold_step_shapes,
             )
+        if stats.cold_step_shapes is not None:
+            yield CounterMetricFamily(
+                "loraplex_engine_slow_steps",
+                "Engine steps since the warm-up that took over 250 ms (the first 20 are logged at WARNING).",
+                value=stats.slow_steps,
+            )
         if stats.cold_steps:
             # One series per cold key, so that one GPU run names the shapes the warm-up missed and
             # what each cost the step that met it first (the worker logs each once, at WARNING).
