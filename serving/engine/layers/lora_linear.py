@@ -18,6 +18,11 @@ layer all-reduces its output (the LoRA part with it) before adding its bias.
 weight into float8_e4m3fn with per-output-channel scales (serving.engine.layers.fp8_linear); the
 bias, the row pools and the LoRA path stay in the compute dtype.
 
+``awq`` (an AWQ checkpoint, ``EngineConfig.quantization="awq"``): the layer holds no ``weight``
+but the checkpoint's ``qweight``, ``qzeros`` and ``scales`` (fused slices side by side along the
+output columns, as the bf16 weight's rows are), and the base product is
+serving.engine.layers.int4_linear's; the LoRA path is unchanged.
+
 DoRA (docs/adapter-kinds.md): a DoRA adapter's module computes ``m / ||W0 + s B A||_row`` times
 ``(W0 + s B A) x``, plus the bias. The fraction is one scale per output feature per adapter,
 computed once when the adapter enters its slot (``write_dora_scale``) into ``dora_scale
@@ -40,6 +45,7 @@ from kernels import LoRAWeights, lora_apply_weights
 from serving.engine.context import get_context
 from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.fp8_linear import fp8_linear, native_fp8, quantize_weight
+from serving.engine.layers.int4_linear import AWQSpec, int4_linear
 from serving.engine.layers.parallel_linear import Split
 from serving.engine.lora.records import CachedAdapter
 
@@ -56,9 +62,10 @@ class MultiLoRALinear(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
         split: Split | None = None,
+        awq: AWQSpec | None = None,
     ) -> None:
         """``slices`` and ``in_features`` are this rank's widths; ``split`` says how they were cut
-        (None: the whole projection)."""
+        (None: the whole projection); ``awq``: the base weight is an AWQ checkpoint's INT4."""
         super().__init__()
         self.layer_idx = layer_idx
         self.dtype = dtype  # the compute dtype: activations, bias, adapters (the weight's until quantized)
@@ -70,7 +77,30 @@ class MultiLoRALinear(nn.Module):
         self.slice_offsets = [sum(widths[:i]) for i in range(len(widths))]
         self.slice_widths = widths
         out_features = sum(widths)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False)
+        self.device = device
+        self.awq = awq
+        self.weight: nn.Parameter | None = None
+        if awq is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype),
+                                       requires_grad=False)  # fmt: skip
+        else:
+            if tp.size > 1:
+                # Each rank would need its share of the packed words and of the groups' rows.
+                raise ValueError(f"AWQ (INT4) bases are not served under tensor parallelism (size {tp.size})")
+            if in_features % awq.group_size or any(width % 8 for width in widths):
+                raise ValueError(
+                    f"layer {layer_idx} {'/'.join(self.slice_names)}: AWQ needs in_features ({in_features}) a multiple "
+                    f"of the group size {awq.group_size} and output widths {widths} multiples of 8"
+                )
+            groups = in_features // awq.group_size
+
+            def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+                return nn.Parameter(torch.zeros(*shape, device=device, dtype=dtype), requires_grad=False)
+
+            # The checkpoint's names and layout (kernels.int4): [in, out / 8], [groups, out / 8], [groups, out].
+            self.qweight = frozen(in_features, out_features // 8, dtype=torch.int32)
+            self.qzeros = frozen(groups, out_features // 8, dtype=torch.int32)
+            self.scales = frozen(groups, out_features, dtype=torch.float16)
         self.bias = (
             nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
@@ -106,9 +136,13 @@ class MultiLoRALinear(nn.Module):
         # parallelism, where a row-parallel layer's scale would have to wait for the all-reduce.
         late_bias = reduces or dora
         bias = None if late_bias else self.bias
-        if self.weight_scale is not None:
+        if self.awq is not None:
+            y = int4_linear(x, self.qweight, self.qzeros, self.scales, self.awq.group_size, bias, triton=x.is_cuda)
+        elif self.weight_scale is not None:
+            assert self.weight is not None
             y = fp8_linear(x, self.weight, self.weight_scale, bias, native=self.fp8_native)
         else:
+            assert self.weight is not None
             y = F.linear(x, self.weight, bias)
         if lora is not None and self.lora_weights is not None:
             lora_apply_weights(y, x, self.lora_weights, lora)
@@ -120,6 +154,8 @@ class MultiLoRALinear(nn.Module):
 
     def quantize_fp8(self) -> None:
         """Replace the loaded weight by its FP8 form and per-channel scales, freeing the original."""
+        if self.weight is None:
+            raise ValueError("an AWQ (INT4) layer cannot be quantized to FP8 as well")
         weight, scale = quantize_weight(self.weight.data, f"layer {self.layer_idx} {'/'.join(self.slice_names)}")
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = scale
@@ -137,7 +173,7 @@ class MultiLoRALinear(nn.Module):
                       max_rank: int) -> None:
         """Allocate ``num_rows`` zeroed rows per slice and bind the slot table the model's layers
         share (``scaling``, ``ranks``, ``rows``: one entry per slot); the kernels check them once."""
-        device, dtype = self.weight.device, self.dtype
+        device, dtype = self.device, self.dtype
         self.lora_A = [torch.zeros(num_rows, self.in_features, device=device, dtype=dtype) for _ in self.slice_widths]
         self.lora_B = [torch.zeros(num_rows, width, device=device, dtype=dtype) for width in self.slice_widths]
         self.lora_weights = LoRAWeights(
@@ -171,7 +207,7 @@ class MultiLoRALinear(nn.Module):
             if not parts:
                 return
             out_features = sum(self.slice_widths)
-            self.dora_scale = torch.ones(num_slots + 1, out_features, device=self.weight.device, dtype=self.dtype)
+            self.dora_scale = torch.ones(num_slots + 1, out_features, device=self.device, dtype=self.dtype)
             w = self.lora_weights
             assert w is not None, "a DoRA scale is written into a layer whose rows are allocated"
             self.lora_weights = LoRAWeights(w.As, w.Bs, w.scaling, w.offsets, ranks=w.ranks, rows=w.rows,
@@ -187,6 +223,8 @@ class MultiLoRALinear(nn.Module):
                          scaling: float) -> torch.Tensor:
         """``||W0 + s Bt^T A||`` of each output row of one slice, fp32, without forming the matrix:
         ``||W0_j||^2 + 2 s (W0 A^T)_j . B_j + s^2 B_j (A A^T) B_j`` (a rank-r GEMM, not an out x in one)."""
+        if self.weight is None:
+            raise ValueError("DoRA is not served over an AWQ (INT4) base: its norms need the dequantized weight")
         device = self.weight.device
         A32 = A.to(device, torch.float32)
         Bt32 = Bt.to(device, torch.float32)
@@ -222,6 +260,6 @@ def quantize_fp8(layers: Iterable[MultiLoRALinear]) -> None:
     cuda = False
     for layer in layers:
         layer.quantize_fp8()
-        cuda = cuda or layer.weight.is_cuda
+        cuda = cuda or layer.device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()

@@ -8,6 +8,10 @@ the fused weight at load, and adapters target each slice by its name. Phi-3 stor
 (``qkv_proj``, ``gate_up_proj``) and PEFT adapts those whole (one A for the three slices), so
 there the fused projection is one slice under the checkpoint's own name.
 
+An AWQ checkpoint (serving.engine.layers.int4_linear) stores each projection as ``qweight``,
+``qzeros`` and ``scales`` with the output features along columns: a slice of a fused projection
+lands in its columns (eight to a packed word), where a bf16 weight's slice lands in its rows.
+
 Under tensor parallelism each rank builds its share (serving.engine.layers.parallel_linear): its
 heads, its MLP columns, its vocabulary rows; checkpoint tensors are cut to it as they are loaded.
 """
@@ -27,6 +31,7 @@ from transformers import PretrainedConfig
 
 from serving.engine.distributed.parallel import TensorParallel
 from serving.engine.layers.attention import PagedAttention
+from serving.engine.layers.int4_linear import awq_spec
 from serving.engine.layers.layernorm import RMSNorm
 from serving.engine.layers.lora_linear import MultiLoRALinear
 from serving.engine.layers.parallel_linear import (
@@ -39,7 +44,9 @@ from serving.engine.layers.parallel_linear import (
 )
 from serving.engine.layers.rotary import apply_rotary
 
-_FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|qweight|qzeros|scales)$")
+# AWQ tensors, whose output features run along dim 1, packed eight to an int32 in qweight and qzeros.
+_AWQ_PACKED = {"qweight": 8, "qzeros": 8, "scales": 1}
 # Checkpoints that store q/k/v and gate/up fused, under these names.
 FUSED_CHECKPOINT_MODEL_TYPES = ("phi3",)
 
@@ -103,10 +110,11 @@ class Attention(nn.Module):
             keep = {"qkv_proj": torch.cat([q_rows, kv_rows + k_base, kv_rows + v_base])}
         column = Split(keep=keep) if tp.size > 1 else None
         row = Split(inputs=slice(heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)) if tp.size > 1 else None
+        awq = awq_spec(getattr(config, "quantization_config", None))
         self.qkv_proj = MultiLoRALinear(config.hidden_size, slices, bias=qkv_bias, layer_idx=layer_idx, split=column,
-                                        **lora)  # fmt: skip
+                                        awq=awq, **lora)  # fmt: skip
         self.o_proj = MultiLoRALinear(q_size, [("o_proj", config.hidden_size)], bias=o_bias, layer_idx=layer_idx,
-                                      split=row, **lora)  # fmt: skip
+                                      split=row, awq=awq, **lora)  # fmt: skip
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window(config, layer_idx),
                                    scale=options.scale, softcap=options.softcap)  # fmt: skip
         self.split = (q_size, kv_size, kv_size)
@@ -159,10 +167,11 @@ class MLP(nn.Module):
             keep = {"gate_up_proj": torch.cat([columns, columns + config.intermediate_size])}
         column = Split(keep=keep) if tp.size > 1 else None
         row = Split(inputs=slice(first, first + size)) if tp.size > 1 else None
+        awq = awq_spec(getattr(config, "quantization_config", None))
         self.gate_up_proj = MultiLoRALinear(config.hidden_size, slices, bias=bias, layer_idx=layer_idx, split=column,
-                                            **lora)  # fmt: skip
+                                            awq=awq, **lora)  # fmt: skip
         self.down_proj = MultiLoRALinear(size, [("down_proj", config.hidden_size)], bias=bias, layer_idx=layer_idx,
-                                         split=row, **lora)  # fmt: skip
+                                         split=row, awq=awq, **lora)  # fmt: skip
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported MLP activation {activation!r}: the engine runs {', '.join(sorted(ACTIVATIONS))}")
@@ -254,6 +263,9 @@ class CausalLM(nn.Module):
             tensor = self._part(name, tensor)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            if name.rpartition(".")[2] in _AWQ_PACKED and tensor.dtype != dest.dtype:
+                # Packed words and fp16 scales are taken as they are, never converted.
+                raise ValueError(f"AWQ tensor {name!r} is {tensor.dtype}, the layout's is {dest.dtype}")
             dest.copy_(tensor)
             expected.discard(name)
         if expected:
@@ -276,6 +288,9 @@ class CausalLM(nn.Module):
             return params[name]
         target, module, kind = fused
         offset, width = self._fused_layer(target).slice_of(module)
+        if kind in _AWQ_PACKED:
+            per = _AWQ_PACKED[kind]
+            return params[f"{target}.{kind}"][:, offset // per : (offset + width) // per]
         return params[f"{target}.{kind}"][offset : offset + width]
 
     def _part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,171 @@
+"""Weight-only INT4 in AutoAWQ's "GEMM" layout (the layout AWQ checkpoints on the hub use, and
+vLLM's ``awq`` loader reads): a linear layer ``y = x @ W`` with ``W [in, out]`` (the transpose of
+torch's ``weight [out, in]``) is stored as
+
+- ``qweight [in, out / 8]`` int32: eight 4-bit values per word, in AWQ's interleaved nibble order:
+  nibble ``i`` (bits ``4i .. 4i + 3``) of word ``c`` holds column ``8c + AWQ_ORDER[i]``
+  (``AWQ_ORDER = 0, 2, 4, 6, 1, 3, 5, 7``), so column ``8c + j`` is nibble ``AWQ_REVERSE_ORDER[j]``;
+- ``qzeros [in / group, out / 8]`` int32: the zero points, packed the same way;
+- ``scales [in / group, out]`` float16: one scale per group of ``group`` input rows per column.
+
+The dequantized weight is ``W[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]``. The
+difference is an integer in [-15, 15] and the scale an fp16, so their product is exact in fp32;
+:func:`dequantize` computes it there and rounds once to the compute dtype. This is the reference:
+the Triton kernel dequantizes each tile the same way (fp32 product, one rounding to ``x``'s dtype)
+before its ``tl.dot``, so the weight it multiplies equals :func:`dequantize`'s bit for bit and the
+two paths differ only in the GEMM's accumulation order.
+
+:func:`pack` / :func:`quantize` are the writer's side (tests, benchmarks, a converter): AutoAWQ's
+packing loop, vectorised.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.jit import jit
+
+PACK = 8  # 4-bit values per int32 word
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its eight
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_REVERSE_ORDER[j]
+# The kernel's K tile must lie within one group (one scale row per tile) and tl.dot needs >= 16.
+MIN_GROUP = 16
+
+
+def pack(values: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols]`` integers in 0..15 -> ``[rows, cols / 8]`` int32 words in AWQ's nibble order."""
+    rows, cols = values.shape
+    if cols % PACK:
+        raise ValueError(f"AWQ packs columns eight to a word: {cols} columns is not a multiple of 8")
+    if values.min() < 0 or values.max() > 15:
+        raise ValueError("AWQ packs 4-bit values: every value must be in 0..15")
+    v = values.to(torch.int64).view(rows, cols // PACK, PACK)[:, :, list(AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
+    words = (v << shifts).sum(dim=-1)  # disjoint bits: the sum is the OR
+    # As int32 two's complement (nibble 7 at 8..15 sets the sign bit).
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack(words: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols / 8]`` int32 words -> ``[rows, cols]`` int32 values in 0..15 (inverse of :func:`pack`)."""
+    rows, packed = words.shape
+    shifts = torch.tensor([4 * AWQ_REVERSE_ORDER[j] for j in range(PACK)], dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(rows, packed * PACK)
+
+
+def check_layout(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    """Raise ValueError unless the three tensors are one AWQ layer's (dtypes and shapes agree)."""
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"AWQ qweight and qzeros are int32, got {qweight.dtype} and {qzeros.dtype}")
+    if scales.dtype != torch.float16:
+        raise ValueError(f"AWQ scales are float16, got {scales.dtype}")
+    in_features, out_features = qweight.shape[0], qweight.shape[1] * PACK
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+    groups = in_features // group_size
+    if tuple(scales.shape) != (groups, out_features) or tuple(qzeros.shape) != (groups, out_features // PACK):
+        raise ValueError(
+            f"AWQ layer of qweight {tuple(qweight.shape)}, group {group_size}: scales must be {(groups, out_features)} "
+            f"and qzeros {(groups, out_features // PACK)}, got {tuple(scales.shape)} and {tuple(qzeros.shape)}"
+        )
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The reference dequantization: ``W [in, out]`` in ``dtype`` (fp32 product, one rounding)."""
+    q = unpack(qweight)
+    z = unpack(qzeros).repeat_interleave(group_size, dim=0)
+    s = scales.float().repeat_interleave(group_size, dim=0)
+    return ((q - z).float() * s).to(dtype)
+
+
+def quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qweight, qzeros, scales)`` of a torch ``weight [out, in]``: asymmetric min/max per group
+    of ``group_size`` input rows (AWQ's zero-point quantization, without its activation-aware
+    search, which only picks different scales)."""
+    w = weight.detach().float().t()  # [in, out]
+    in_features, out_features = w.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+    g = w.view(in_features // group_size, group_size, out_features)
+    lo = g.amin(dim=1).clamp(max=0)
+    hi = g.amax(dim=1).clamp(min=0)
+    scales = ((hi - lo).clamp(min=1e-5) / 15).to(torch.float16)
+    s = scales.float()
+    zeros = torch.round(-lo / s).clamp(0, 15)
+    q = torch.round(g / s.unsqueeze(1) + zeros.unsqueeze(1)).clamp(0, 15).view(in_features, out_features)
+    return pack(q.to(torch.int32)), pack(zeros.to(torch.int32)), scales
+
+
+def matmul_torch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 group_size: int) -> torch.Tensor:  # fmt: skip
+    """``x [M, in] @ dequantize(...)`` in ``x``'s dtype (the reference path; any device)."""
+    return x @ dequantize(qweight, qzeros, scales, group_size, x.dtype)
+
+
+@jit
+def _awq_gemm_kernel(x_ptr: tl.tensor, qw_ptr: tl.tensor, qz_ptr: tl.tensor, s_ptr: tl.tensor, y_ptr: tl.tensor,
+                     M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_qw: tl.tensor,
+                     stride_qz: tl.tensor, stride_s: tl.tensor, stride_ym: tl.tensor, GROUP: tl.constexpr,
+                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr) -> None:  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    word = offs_n // 8
+    j = offs_n % 8
+    # Column j of its eight sits in nibble AWQ_REVERSE_ORDER[j] = j // 2 + 4 (j % 2).
+    shift = ((j // 2) + (j % 2) * 4) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None], other=0.0)
+        # Each word is read by its eight columns: the repeats hit the cache, and the tile needs no shuffle.
+        q = tl.load(qw_ptr + kk[:, None] * stride_qw + word[None, :], mask=mask_n[None, :], other=0)
+        q = (q >> shift[None, :]) & 0xF
+        group = k0 // GROUP  # BLOCK_K divides GROUP: the tile lies in one group
+        z = (tl.load(qz_ptr + group * stride_qz + word, mask=mask_n, other=0) >> shift) & 0xF
+        s = tl.load(s_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        # The reference's rounding: an exact fp32 product, rounded once to x's dtype.
+        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x.dtype)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+
+
+def matmul_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                  group_size: int) -> torch.Tensor:  # fmt: skip
+    """:func:`matmul_torch` in one Triton launch: each program dequantizes its ``[BLOCK_K, BLOCK_N]``
+    weight tiles in registers and multiplies them with fp32 accumulation (the INT4 weight is read,
+    never a dequantized copy)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("matmul_triton needs a 2-D x, contiguous in its last dim")
+    if group_size % MIN_GROUP:
+        raise ValueError(f"the INT4 kernel needs a group size that is a multiple of {MIN_GROUP}, got {group_size}")
+    M, K = x.shape
+    N = qweight.shape[1] * PACK
+    if qweight.shape[0] != K:
+        raise ValueError(f"x has {K} columns, the INT4 weight {qweight.shape[0]} rows")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    # Decode (a few rows) takes the smallest tile tl.dot allows; prefill a larger one.
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n = 64
+    block_k = min(64, group_size & -group_size)  # a power of two dividing the group (>= 16, as checked)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _awq_gemm_kernel[grid](
+        x, qweight, qzeros, scales, y, M, N, K, x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
+        y.stride(0), GROUP=group_size, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,174 @@
+"""An AWQ INT4 base under LoRA adapters (serving.engine.layers.int4_linear): a tiny model's
+projections are quantized here into AutoAWQ's GEMM layout (kernels.int4's packer) and written as a
+checkpoint directory whose config.json says ``quant_method: awq``; the engine loads it as it is.
+
+- the engine holds the checkpoint's packed tensors unchanged, and their dequantization equals the
+  reference dequantization of the checkpoint, exactly;
+- greedy tokens of a batch mixing two adapters and the base equal PEFT's over a plain transformers
+  model holding the same dequantized weights (fp32 on the CPU: the INT4 layer multiplies exactly
+  those weights, so only summation order differs, and the oracle's tie rule covers that);
+- what is not supported is refused, naming it: another quant_method, FP8 on top, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from peft_reference import PeftReference, assert_greedy_match
+from safetensors.torch import load_file, save_file
+
+import kernels.fp8 as fp8
+from kernels import int4
+from serving.engine import LLM, LoRARequest, SamplingParams
+from serving.engine.distributed.parallel import SINGLE
+from serving.engine.layers.int4_linear import AWQSpec, awq_spec, int4_linear
+from serving.engine.layers.lora_linear import MultiLoRALinear
+
+GROUP = 32
+PROJECTION = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.weight$")
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": None}  # fmt: skip
+NEW_TOKENS = 12
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=_CUDA, id="cuda")]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _write(base_dir: Path, out: Path, tensors: dict[str, torch.Tensor], quantization: dict[str, object] | None) -> Path:
+    """A copy of ``base_dir`` (config, tokenizer) with ``tensors`` as its weights."""
+    shutil.copytree(base_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(tensors, str(out / "model.safetensors"))
+    if quantization is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = quantization
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """``(awq_dir, dequantized_dir)``: the tiny Llama's projections in AWQ's layout, and a plain
+    checkpoint holding their reference dequantization (everything else as in the base)."""
+    (source,) = tiny_llama_dir.glob("*.safetensors")
+    awq: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(source)).items():
+        projection = PROJECTION.match(name)
+        if projection is None:
+            awq[name] = dequantized[name] = tensor
+            continue
+        qweight, qzeros, scales = int4.quantize(tensor, GROUP)
+        prefix = projection.group(1)
+        awq |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
+        dequantized[name] = int4.dequantize(qweight, qzeros, scales, GROUP, tensor.dtype).t().contiguous()
+    root = tmp_path_factory.mktemp("awq")
+    return _write(tiny_llama_dir, root / "awq", awq, AWQ_CONFIG), _write(tiny_llama_dir, root / "plain", dequantized, None)
+
+
+def test_the_engine_holds_the_checkpoint_and_dequantizes_it_exactly(checkpoints: tuple[Path, Path]) -> None:
+    awq_dir, plain_dir = checkpoints
+    llm = LLM(str(awq_dir), device="cpu", dtype="float32", max_loras=1, max_lora_rank=8)
+    stored = load_file(str(awq_dir / "model.safetensors"))
+    reference = load_file(str(plain_dir / "model.safetensors"))
+    model = llm.llm_engine.runner.model
+    layers = [(i, layer) for i, decoder in enumerate(model.decoder_layers())
+              for layer in (decoder.self_attn.qkv_proj, decoder.self_attn.o_proj, decoder.mlp.gate_up_proj,
+                            decoder.mlp.down_proj)]  # fmt: skip
+    assert len(layers) == 8
+    for i, layer in layers:
+        assert layer.weight is None and layer.awq == AWQSpec(GROUP)
+        block = "self_attn" if layer.slice_names[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        names = [f"model.layers.{i}.{block}.{module}" for module in layer.slice_names]
+        # The checkpoint's packed words and fp16 scales, unchanged, fused slices side by side.
+        for kind in ("qweight", "qzeros", "scales"):
+            assert torch.equal(getattr(layer, kind), torch.cat([stored[f"{n}.{kind}"] for n in names], dim=1)), kind
+        engine_weight = int4.dequantize(layer.qweight, layer.qzeros, layer.scales, GROUP, torch.float32).t()
+        assert torch.equal(engine_weight, torch.cat([reference[f"{n}.weight"] for n in names])), names
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_adapters_over_the_int4_base_match_peft_on_the_dequantized_weights(
+    device: str, checkpoints: tuple[Path, Path], tiny_llama_dir: Path, make_adapter: Callable[..., Path]
+) -> None:
+    awq_dir, plain_dir = checkpoints
+    adapters = {
+        "all": make_adapter(tiny_llama_dir, r=16, lora_alpha=32, seed=1, init_scale=0.5,
+                            target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        "qv": make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=2, init_scale=0.5),
+    }  # fmt: skip
+    # On CUDA the projections run the Triton kernel (fp32, IEEE dot), decode steps from CUDA graphs.
+    llm = LLM(str(awq_dir), device=device, dtype="float32", max_loras=2, max_lora_rank=16, max_num_seqs=4,
+              max_model_len=64)  # fmt: skip
+    prompts = ["the cat sat on", "a quick brown fox", "once upon a time there", "hello world", "we went to the"]
+    loras = [LoRARequest("all", str(adapters["all"])), LoRARequest("qv", str(adapters["qv"])), None,
+             LoRARequest("qv", str(adapters["qv"])), LoRARequest("all", str(adapters["all"]))]  # fmt: skip
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                           lora_request=loras)  # fmt: skip
+    reference = PeftReference(plain_dir, adapters)
+    tokenizer = llm.get_tokenizer()
+    changed = 0
+    for prompt, lora, output in zip(prompts, loras, outputs):
+        ids = tokenizer(prompt).input_ids
+        name = lora.lora_name if lora else None
+        assert_greedy_match(output.outputs[0].token_ids, reference.generate(ids, name, NEW_TOKENS), f"{name} {prompt!r}")
+        if name is not None:
+            changed += output.outputs[0].token_ids != reference.generate(ids, None, NEW_TOKENS).token_ids
+    assert changed >= 2, "the adapters must change what the INT4 base generates"
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'.*'awq' only"),
+    ({**AWQ_CONFIG, "bits": 8}, "8 bits are not supported"),
+    ({**AWQ_CONFIG, "version": "gemv"}, "version 'gemv' is not supported"),
+    ({**AWQ_CONFIG, "zero_point": False}, "without zero points"),
+    ({**AWQ_CONFIG, "group_size": 24}, "multiple of 16"),
+    ({**AWQ_CONFIG, "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}, "leave projections unquantized"),
+])  # fmt: skip
+def test_unsupported_quantization_configs_are_refused(config: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        awq_spec(config)
+
+
+def test_a_gptq_checkpoint_is_refused_at_load(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    (source,) = tiny_llama_dir.glob("*.safetensors")
+    gptq_dir = _write(tiny_llama_dir, tmp_path / "gptq", load_file(str(source)), {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+        LLM(str(gptq_dir), device="cpu", dtype="float32", max_loras=1)
+
+
+def test_fp8_over_an_awq_base_is_refused(checkpoints: tuple[Path, Path]) -> None:
+    with pytest.raises(ValueError, match="cannot be quantized to FP8"):
+        LLM(str(checkpoints[0]), device="cpu", dtype="float32", max_loras=1, quantization="fp8")
+
+
+def test_the_layers_triton_path_matches_its_torch_path(checkpoints: tuple[Path, Path]) -> None:
+    """The kernel (interpreted here) behind the layer's own forward, bias included, against the reference."""
+    if not fp8.INTERPRETED:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
+    stored = load_file(str(checkpoints[0] / "model.safetensors"))
+    prefix = "model.layers.0.mlp.down_proj"
+    qweight, qzeros, scales = (stored[f"{prefix}.{kind}"] for kind in ("qweight", "qzeros", "scales"))
+    x = torch.randn(3, qweight.shape[0], generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(qweight.shape[1] * 8, generator=torch.Generator().manual_seed(1))
+    kernel = int4_linear(x, qweight, qzeros, scales, GROUP, bias, triton=True)
+    torch.testing.assert_close(kernel, int4_linear(x, qweight, qzeros, scales, GROUP, bias, triton=False))
+    torch.testing.assert_close(kernel, x @ int4.dequantize(qweight, qzeros, scales, GROUP, torch.float32) + bias)
+
+
+def test_tensor_parallel_awq_layers_are_refused() -> None:
+    class TwoRanks:
+        size = 2
+
+    with pytest.raises(ValueError, match="not served under tensor parallelism"):
+        MultiLoRALinear(64, [("o_proj", 64)], bias=False, layer_idx=0, device=torch.device("cpu"),
+                        dtype=torch.float32, tp=TwoRanks(), awq=AWQSpec(GROUP))  # type: ignore[arg-type]  # fmt: skip
+    layer = MultiLoRALinear(64, [("o_proj", 64)], bias=False, layer_idx=0, device=torch.device("cpu"),
+                            dtype=torch.float32, tp=SINGLE, awq=AWQSpec(GROUP))  # fmt: skip
+    assert layer.qweight.shape == (64, 8) and layer.scales.shape == (2, 64)
