@@ -1,7 +1,8 @@
-"""INT4 base weights from an AWQ checkpoint (``EngineConfig.quantization="awq"``, set from the
-checkpoint's ``config.json``): each base projection keeps the checkpoint's ``qweight``, ``qzeros``
-and ``scales`` as they are (kernels.int4 states the layout), a quarter of bf16's bytes plus one fp16
-scale and one 4-bit zero per group, and computes ``x @ dequant(W)`` per call:
+"""INT4 base weights from an AWQ checkpoint (its ``config.json``'s ``quantization_config`` says
+``quant_method: awq``; the model is built for it, docs/quantized-bases.md): each base projection
+keeps the checkpoint's ``qweight``, ``qzeros`` and ``scales`` as they are (kernels.int4 states the
+layout), a quarter of bf16's bytes plus one fp16 scale and one 4-bit zero per group, and computes
+``x @ dequant(W)`` per call:
 
 - **Triton** (CUDA): ``kernels.int4.matmul_triton``, the dequantization fused into the GEMM's tiles;
 - **torch** (CPU, or a kernel-less run): the reference, which dequantizes the whole weight and

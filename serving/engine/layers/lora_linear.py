@@ -18,7 +18,7 @@ layer all-reduces its output (the LoRA part with it) before adding its bias.
 weight into float8_e4m3fn with per-output-channel scales (serving.engine.layers.fp8_linear); the
 bias, the row pools and the LoRA path stay in the compute dtype.
 
-``awq`` (an AWQ checkpoint, ``EngineConfig.quantization="awq"``): the layer holds no ``weight``
+``awq`` (an AWQ checkpoint, read from its ``config.json``): the layer holds no ``weight``
 but the checkpoint's ``qweight``, ``qzeros`` and ``scales`` (fused slices side by side along the
 output columns, as the bf16 weight's rows are), and the base product is
 serving.engine.layers.int4_linear's; the LoRA path is unchanged.
