@@ -7,7 +7,8 @@ checkpoint directory whose config.json says ``quant_method: awq``; the engine lo
 - greedy tokens of a batch mixing two adapters and the base equal PEFT's over a plain transformers
   model holding the same dequantized weights (fp32 on the CPU: the INT4 layer multiplies exactly
   those weights, so only summation order differs, and the oracle's tie rule covers that);
-- what is not supported is refused, naming it: another quant_method, FP8 on top, tensor parallelism.
+- what is not supported is refused, naming it: another quant_method, FP8 on top, tensor
+  parallelism, a DoRA adapter.
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ def test_a_gptq_checkpoint_is_refused_at_load(tiny_llama_dir: Path, tmp_path: Pa
 def test_fp8_over_an_awq_base_is_refused(checkpoints: tuple[Path, Path]) -> None:
     with pytest.raises(ValueError, match="cannot be quantized to FP8"):
         LLM(str(checkpoints[0]), device="cpu", dtype="float32", max_loras=1, quantization="fp8")
+
+
+def test_a_dora_adapter_over_the_int4_base_is_refused(checkpoints: tuple[Path, Path], tiny_llama_dir: Path,
+                                                      make_adapter: Callable[..., Path]) -> None:  # fmt: skip
+    """DoRA's magnitude needs the dequantized base's row norms: refused, and the engine serves on."""
+    dora = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=3, use_dora=True)
+    llm = LLM(str(checkpoints[0]), device="cpu", dtype="float32", max_loras=1, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="not served over an AWQ"):
+        llm.generate(["hello world"], params, lora_request=[LoRARequest("dora", str(dora))])
+    assert len(llm.generate(["hello world"], params)[0].outputs[0].token_ids) == 3
 
 
 def test_the_layers_triton_path_matches_its_torch_path(checkpoints: tuple[Path, Path]) -> None:
