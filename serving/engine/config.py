@@ -90,6 +90,12 @@ class EngineConfig:
     agree with the unquantized model's to a measured rate, not exactly (docs/serving-worker.md,
     "FP8 base weights").
 
+    ``enable_dora`` (on by default): DoRA adapters are served (docs/adapter-kinds.md). Each LoRA
+    layer then holds a per-slot scale table ``[slots + 1, out]`` from the start, charged to the
+    adapter pool (serving.engine.memory_plan), so the CUDA graphs capture DoRA's epilogue once and
+    serve DoRA and plain adapters alike; off, the table and its multiply are gone and DoRA adapters
+    are refused at load, saying so. ``dora_refusal`` says why an engine refuses them.
+
     ``grammar``: structured output's compile budget, pool and cache (serving.engine.grammar_pool's
     ``GrammarBudget``: time, nesting and size per constraint, compiling processes, a tenant's share
     of them, the per-tenant cache's bounds).
@@ -127,6 +133,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     quantization: str | None = None
+    enable_dora: bool = True
     grammar: GrammarBudget = field(default_factory=GrammarBudget)
 
     def __post_init__(self) -> None:
@@ -208,6 +215,25 @@ class EngineConfig:
     @property
     def lora_enabled(self) -> bool:
         return self.max_loras != 0
+
+    @property
+    def dora_refusal(self) -> str | None:
+        """Why this engine refuses DoRA adapters (their loads fail saying so), None when it serves them."""
+        if not self.enable_dora:
+            return "DoRA is off on this engine (enable_dora=False)"
+        if self.tensor_parallel_size > 1:
+            # A row-parallel layer's norms would need their own all-reduce at every slot load.
+            return f"not under tensor parallelism (tensor_parallel_size={self.tensor_parallel_size})"
+        if self.quantization == "fp8":
+            return "not over an FP8 base (quantization=\"fp8\"): the scale would need the dequantized weight's norms"
+        if self.quantization is not None:
+            return f"not over a quantized base (quantization={self.quantization!r}): the scale would need its weight's norms"
+        return None
+
+    @property
+    def serves_dora(self) -> bool:
+        """Whether adapters are on and DoRA ones are served: the LoRA layers then hold DoRA's scale tables."""
+        return self.lora_enabled and self.dora_refusal is None
 
     @property
     def torch_device(self) -> torch.device:

@@ -99,11 +99,8 @@ class LLMEngine:
                 pin_memory=self.runner.device.type == "cuda",
                 write_rows=self._write_rows,
                 on_load_done=on_load_done,
-                dora_refusal=_dora_refusal(config),
+                dora_refusal=config.dora_refusal,
             )
-        # Slots holding a DoRA adapter: while there is one, steps run eagerly (the decode graphs were
-        # captured before any DoRA scale table existed; serving.engine.layers.lora_linear).
-        self._dora_slots: set[int] = set()
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache, max_model_len=self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.hf_config.vocab_size,
                                         stop_token_ids=self.eos_token_ids, budget=config.grammar,
@@ -503,12 +500,7 @@ class LLMEngine:
 
     def _write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
         landed = self.runner.write_rows(slot, row, adapter)
-        write_dora_scales(self.runner.lora_modules, slot, self.runner.memory.lora_slots, adapter)
-        if adapter.dora:
-            self._dora_slots.add(slot)
-        else:
-            self._dora_slots.discard(slot)
-        self.runner.enforce_eager = self.config.enforce_eager or bool(self._dora_slots)
+        write_dora_scales(self.runner.lora_modules, slot, adapter)
         assert self.slot_checksums is not None
         self.slot_checksums.record(slot, content=self.runner.rows_checksum(adapter), scaling=adapter.scaling,
                                    rank=adapter.rank, row=row)  # fmt: skip
@@ -535,13 +527,3 @@ class LLMEngine:
         if self.lora_cache is not None:
             self.lora_cache.shutdown()
         self.runner.shutdown()
-
-
-def _dora_refusal(config: EngineConfig) -> str | None:
-    """Why this engine cannot serve DoRA adapters, None when it can (docs/adapter-kinds.md)."""
-    if config.tensor_parallel_size > 1:
-        # A row-parallel layer's norms would need their own all-reduce at every slot load.
-        return f"not under tensor parallelism (tensor_parallel_size={config.tensor_parallel_size})"
-    if config.quantization == "fp8":
-        return "not over an FP8 base (quantization=\"fp8\"): the scale would need the dequantized weight's norms"
-    return None

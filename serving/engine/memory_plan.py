@@ -17,6 +17,11 @@ The policy (docs/adapter-memory.md), in the order it is applied:
    ``lora_memory_bytes`` or ``max_loras`` is taken as asked, and one below an adapter is refused.
 4. The slot table holds ``max_loras`` entries when given (an upper bound on resident adapters),
    else one per ``min(8, max_lora_rank)`` rows: rank-8 adapters and larger fill the pool.
+5. Where DoRA is served (``EngineConfig.serves_dora``), DoRA's scale tables (``slots + 1`` rows of
+   every LoRA layer's output width: docs/adapter-kinds.md) come with the pool. A pool the operator
+   sized (``lora_memory_bytes``, ``max_loras``) or the CPU's ``cpu_lora_memory_bytes`` keeps its
+   rows and the tables come on top (on CUDA the KV cache gives them up); what the KV cache leaves
+   on CUDA by default is shared, each slot's rows paying for its table row.
 
 The CPU cache defaults to twice the GPU pool's bytes (``max_cpu_loras`` entries instead, when the
 operator counts them), at most a quarter of the host's memory; ``cpu_lora_cache_bytes`` fixes it.
@@ -43,10 +48,12 @@ class MemoryPlan:
 
 
 def plan_memory(
-    config: EngineConfig, *, kv_block_bytes: int, lora_row_bytes: int, max_model_len: int, budget: int | None
+    config: EngineConfig, *, kv_block_bytes: int, lora_row_bytes: int, max_model_len: int, budget: int | None,
+    dora_row_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan for ``config``; ``budget``: the CUDA bytes left for the KV cache and adapters
-    (``gpu_memory_utilization`` of the device less what is in use), None on CPU. Raises ValueError
+    (``gpu_memory_utilization`` of the device less what is in use), None on CPU; ``dora_row_bytes``:
+    one slot's row of DoRA's scale tables over all layers (0: no tables). Raises ValueError
     naming the setting when adapters or the KV cache would get less than their minimum."""
     enough = config.max_num_seqs * -(-max_model_len // config.block_size)
     asked = _asked_lora_bytes(config, lora_row_bytes, on_cpu=budget is None)
@@ -56,8 +63,10 @@ def plan_memory(
     elif budget is None:
         kv_blocks = min(enough, config.cpu_kv_cache_bytes // kv_block_bytes - 1)
     elif asked is not None:
-        kv_blocks = min(enough, (budget - asked) // kv_block_bytes - 1)
+        tables = _tables_bytes(config, asked // lora_row_bytes, dora_row_bytes)
+        kv_blocks = min(enough, (budget - asked - tables) // kv_block_bytes - 1)
     else:
+        least += _tables_bytes(config, least // lora_row_bytes, dora_row_bytes)
         kv_share = min(int(budget * (1 - config.lora_memory_fraction)), budget - least)
         kv_blocks = min(enough, kv_share // kv_block_bytes - 1)
     if not config.lora_enabled:
@@ -65,16 +74,18 @@ def plan_memory(
     if asked is None:
         assert budget is not None
         asked = budget - (kv_blocks + 1) * kv_block_bytes
-    elif budget is None and _operator_sized(config) is None:
-        asked = max(asked, least)
-    rows = max(0, asked) // lora_row_bytes
+        rows = _rows_with_tables(config, max(0, asked), lora_row_bytes, dora_row_bytes)
+    else:
+        if budget is None and _operator_sized(config) is None:
+            asked = max(asked, least)
+        rows = max(0, asked) // lora_row_bytes
     if rows < config.max_lora_rank:
         raise ValueError(
             f"adapter memory of {max(0, asked)} bytes holds {rows} rank rows of {lora_row_bytes} bytes, fewer than one "
             f"adapter of max_lora_rank={config.max_lora_rank} needs; raise lora_memory_bytes (or "
             "gpu_memory_utilization / lora_memory_fraction), or lower max_lora_rank"
         )
-    slots = config.max_loras if config.max_loras is not None else max(1, rows // min(8, config.max_lora_rank))
+    slots = config.max_loras if config.max_loras is not None else max(1, rows // _rows_per_slot(config))
     cpu_bytes = config.cpu_lora_cache_bytes
     if cpu_bytes is None:
         # An operator who counts entries (max_cpu_loras) gets that count, within the host's quarter.
@@ -92,6 +103,26 @@ def _asked_lora_bytes(config: EngineConfig, row_bytes: int, *, on_cpu: bool) -> 
         assert config.max_loras is not None
         return config.max_loras * config.max_lora_rank * row_bytes
     return config.cpu_lora_memory_bytes if on_cpu else None
+
+
+def _rows_per_slot(config: EngineConfig) -> int:
+    """Rank rows per slot table entry where ``max_loras`` does not fix the entries (policy point 4)."""
+    return min(8, config.max_lora_rank)
+
+
+def _tables_bytes(config: EngineConfig, rows: int, dora_row_bytes: int) -> int:
+    """DoRA's scale tables of the slots a pool of ``rows`` rank rows has: one row per slot and one
+    for tokens without an adapter (policy point 5)."""
+    slots = config.max_loras if config.max_loras is not None else max(1, rows // _rows_per_slot(config))
+    return (slots + 1) * dora_row_bytes
+
+
+def _rows_with_tables(config: EngineConfig, nbytes: int, row_bytes: int, dora_row_bytes: int) -> int:
+    """The most rank rows ``nbytes`` holds with their slots' DoRA scale tables (``_tables_bytes``)."""
+    # Only where max_loras does not fix the slots (it sizes the pool). Each run of rows_per_slot rows
+    # pays for one table row; the row for "no adapter" comes first.
+    per = _rows_per_slot(config)
+    return max(0, nbytes - dora_row_bytes) * per // (per * row_bytes + dora_row_bytes)
 
 
 def _operator_sized(config: EngineConfig) -> str | None:

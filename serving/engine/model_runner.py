@@ -136,13 +136,16 @@ class ModelRunner:
         attn = self.model.attention_layers()
         kv_block_bytes = 2 * len(attn) * self.block_size * attn[0].num_kv_heads * attn[0].head_dim * self.dtype.itemsize
         self.lora_row_bytes = sum(layer.row_elements for layer in self.model.lora_layers()) * self.dtype.itemsize
+        # DoRA's scale tables, allocated with the row pools (before the graphs are captured) and charged with them.
+        dora_row_bytes = (sum(layer.dora_row_elements for layer in self.model.lora_layers()) * self.dtype.itemsize
+                          if config.serves_dora else 0)
         budget = None
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Every rank plans alike (rank 0's block and row numbers hold on all), to the tightest device.
             budget = tp.all_reduce_min(int(total * config.gpu_memory_utilization - (total - free)))
         self.memory = plan_memory(config, kv_block_bytes=kv_block_bytes, lora_row_bytes=self.lora_row_bytes,
-                                  max_model_len=max_model_len, budget=budget)
+                                  max_model_len=max_model_len, budget=budget, dora_row_bytes=dora_row_bytes)
         self.lora_modules: dict[tuple[int, str], MultiLoRALinear] = {}
         self.lora_meta: LoRAMeta | None = None
         # Adapter copies run here, so the batch keeps decoding while they land (CUDA only).
@@ -202,7 +205,7 @@ class ModelRunner:
         self.lora_rows = torch.zeros(slots, device=self.device, dtype=torch.int32)
         for layer in self.model.lora_layers():
             layer.allocate_rows(rows, scaling=self.lora_scaling, ranks=self.lora_ranks, rows=self.lora_rows,
-                                max_rank=config.max_lora_rank)
+                                max_rank=config.max_lora_rank, dora=config.serves_dora)
             for name in layer.slice_names:
                 self.lora_modules[(layer.layer_idx, name)] = layer
         self.lora_meta = LoRAMeta(config.max_num_batched_tokens, slots, self.device)

@@ -26,8 +26,8 @@ PROMPTS = ["Once upon a time there was a little house at the edge of the forest"
 SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4
-# On CUDA (gpu mark) the same runs in fp32 through the Triton kernels, against PEFT on the CPU; the
-# engine captured its decode graphs before the DoRA adapter came, so it steps eagerly while it is resident.
+# On CUDA (gpu mark) the same runs in fp32 through the Triton kernels, against PEFT on the CPU, and
+# replays the decode graphs (captured with the DoRA scale tables in place) while the DoRA adapter is resident.
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,11 +131,14 @@ def test_a_slots_scale_row_is_the_magnitude_over_the_merged_weights_row_norms(dt
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 48, generator=generator) * 0.1)
     slots = torch.zeros(3, dtype=torch.int32)
-    layer.allocate_rows(8, scaling=torch.zeros(3), ranks=slots, rows=slots.clone(), max_rank=4)
+    layer.allocate_rows(8, scaling=torch.zeros(3), ranks=slots, rows=slots.clone(), max_rank=4, dora=True)
+    assert layer.dora_scale is not None and layer.dora_scale.shape == (4, 48)
+    table = layer.dora_scale
     A, Bt = torch.randn(4, 48, generator=generator), torch.randn(4, 16, generator=generator) * 0.2
     magnitude = torch.rand(16, generator=generator) + 0.5
-    layer.write_dora_scale(1, num_slots=3, scaling=2.0, parts={"k_proj": (A, Bt, magnitude)})
-    assert layer.dora_scale is not None and layer.dora_scale.dtype == dtype
+    layer.write_dora_scale(1, scaling=2.0, parts={"k_proj": (A, Bt, magnitude)})
+    # Written in place: the kernels (and a captured graph) keep reading the table allocated with the rows.
+    assert layer.dora_scale is table and layer.dora_scale.dtype == dtype
     merged = layer.weight[32:].float() + 2.0 * Bt.t().to(dtype).float() @ A.to(dtype).float()
     expected = magnitude / torch.linalg.norm(merged, dim=1)
     tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
@@ -144,5 +147,63 @@ def test_a_slots_scale_row_is_the_magnitude_over_the_merged_weights_row_norms(dt
     for row in (0, 1, 3):  # no adapter, other slots
         assert torch.equal(layer.dora_scale[row], ones)
     assert torch.equal(layer.dora_scale[2, :32], torch.ones(32, dtype=dtype))  # the slice it does not adapt
-    layer.write_dora_scale(1, num_slots=3, scaling=1.0, parts={})
+    layer.write_dora_scale(1, scaling=1.0, parts={})
     assert torch.equal(layer.dora_scale[2], ones)
+
+
+def test_a_layer_without_a_scale_table_refuses_a_dora_adapter_and_ignores_a_plain_one() -> None:
+    from serving.engine.layers.lora_linear import MultiLoRALinear
+
+    layer = MultiLoRALinear(8, [("q_proj", 8)], bias=False, layer_idx=3, device=torch.device("cpu"), dtype=torch.float32)
+    slots = torch.zeros(2, dtype=torch.int32)
+    layer.allocate_rows(4, scaling=torch.zeros(2), ranks=slots, rows=slots.clone(), max_rank=4)
+    assert layer.dora_scale is None
+    layer.write_dora_scale(0, scaling=1.0, parts={})
+    assert layer.dora_scale is None
+    with pytest.raises(ValueError, match="layer 3 has no DoRA scale table"):
+        layer.write_dora_scale(0, scaling=1.0, parts={"q_proj": (torch.ones(2, 8), torch.ones(2, 8), torch.ones(8))})
+
+
+def test_scale_tables_are_there_from_the_start_and_a_slot_load_computes_its_scales_once(
+        tiny_llama_dir: Path, make_adapter: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tables exist before any adapter (so CUDA graphs captured at start read them), stay the same
+    tensors while DoRA adapters come, and the engine never falls back to eager steps for them. A
+    DoRA adapter's norms are computed once per module when it enters its slot, not at each step:
+    two generations of several steps each cost one computation per adapted module in all."""
+    from serving.engine.layers.lora_linear import MultiLoRALinear
+
+    adapter = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, target_modules=SPLIT, seed=3, init_scale=0.5,
+                           use_dora=True)  # fmt: skip
+    modules = sum(name.endswith("lora_magnitude_vector") for name in load_file(adapter / "adapter_model.safetensors"))
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=8, device="cpu", dtype="float32", max_model_len=64,
+              block_size=4, num_kv_blocks=48)  # fmt: skip
+    runner = llm.llm_engine.runner
+    layers = list(runner.model.lora_layers())
+    tables = [layer.dora_scale for layer in layers]
+    assert all(t is not None and t.shape == (2, layer.dora_row_elements) and bool((t == 1).all())
+               for t, layer in zip(tables, layers))
+    computed: list[int] = []
+    real = MultiLoRALinear._delta_row_norms
+
+    def counted(self: MultiLoRALinear, *args: object) -> torch.Tensor:
+        computed.append(self.layer_idx)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MultiLoRALinear, "_delta_row_norms", counted)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2):
+        llm.generate(PROMPTS, greedy, lora_request=LoRARequest("dora", str(adapter)))
+        assert not runner.enforce_eager
+    assert len(computed) == modules
+    assert [layer.dora_scale for layer in layers] == tables
+    assert any(not bool((t[1] == 1).all()) for t in tables if t is not None), "the adapter's slot row holds its scales"
+
+
+def test_an_engine_with_dora_off_has_no_tables_and_refuses_dora_adapters(
+        tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> None:
+    adapter = make_adapter(tiny_llama_dir, r=4, lora_alpha=8, seed=5, use_dora=True)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=8, device="cpu", dtype="float32", max_model_len=64,
+              block_size=4, num_kv_blocks=32, enable_dora=False)  # fmt: skip
+    assert all(layer.dora_scale is None for layer in llm.llm_engine.runner.model.lora_layers())
+    with pytest.raises(Exception, match=r"DoRA adapters \(use_dora\) are not served here: DoRA is off on this engine"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2), lora_request=LoRARequest("d", str(adapter)))

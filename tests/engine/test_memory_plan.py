@@ -100,3 +100,40 @@ def test_an_explicit_pool_is_taken_as_asked_even_below_the_default_minimum(tmp_p
     assert p.lora_rows == 100
     p = plan(config(tmp_path, max_lora_rank=64, max_loras=1), budget=100 * GIB)
     assert p.lora_rows == 64
+
+
+
+DORA_ROW = 43008 * 32 * 2  # one slot's DoRA scale row over the 8B shape's 32 layers in bf16: 2.75 MB
+
+
+def dora_plan(cfg: EngineConfig, budget: int | None):
+    return plan_memory(cfg, kv_block_bytes=BLOCK, lora_row_bytes=ROW, max_model_len=8192, budget=budget,
+                       dora_row_bytes=DORA_ROW)  # fmt: skip
+
+
+def test_by_default_dora_scale_tables_share_what_the_kv_cache_leaves_with_the_rows(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    plain, dora = plan(cfg, budget=100 * GIB), dora_plan(cfg, budget=100 * GIB)
+    assert dora.num_kv_blocks == plain.num_kv_blocks
+    pool = plain.lora_rows * ROW
+    assert dora.lora_slots == dora.lora_rows // 8
+    with_tables = dora.lora_rows * ROW + (dora.lora_slots + 1) * DORA_ROW
+    assert pool - 9 * ROW < with_tables <= pool + ROW, "the rows and their tables fill what the rows alone had"
+    assert dora.lora_rows < plain.lora_rows
+
+
+@pytest.mark.parametrize("sizing", [{"max_loras": 32}, {"lora_memory_bytes": 32 * 16 * ROW, "max_loras": 32}],
+                         ids=["count", "bytes"])
+def test_an_operator_sized_pool_keeps_its_rows_and_the_kv_cache_gives_up_the_tables(
+        tmp_path: Path, sizing: dict[str, int]) -> None:
+    """The 8B shape with 32 rank-16 slots: the adapters keep their 512 rows; the tables take 91 MB more."""
+    cfg = config(tmp_path, **sizing)
+    plain, dora = plan(cfg, budget=100 * GIB), dora_plan(cfg, budget=100 * GIB)
+    assert (dora.lora_rows, dora.lora_slots) == (plain.lora_rows, plain.lora_slots) == (32 * 16, 32)
+    assert 33 * DORA_ROW == 90_832_896
+    assert (plain.num_kv_blocks - dora.num_kv_blocks) * BLOCK >= 33 * DORA_ROW
+
+
+def test_on_cpu_the_pool_asked_for_keeps_its_rows_with_dora(tmp_path: Path) -> None:
+    cfg = config(tmp_path, cpu_lora_memory_bytes=64 * ROW)
+    assert dora_plan(cfg, budget=None).lora_rows == plan(cfg, budget=None).lora_rows == 64

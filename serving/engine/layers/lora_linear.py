@@ -29,8 +29,10 @@ computed once when the adapter enters its slot (``write_dora_scale``) into ``dor
 [slots + 1, out]`` (row 0: ones, for tokens without an adapter; a plain LoRA adapter's row: ones).
 The LoRA kernels multiply each token's output columns by its slot's scale row in the expand's
 epilogue (``kernels.LoRAWeights(dora_scale=)``; the torch backend: one gather and one multiply
-after the adds), and the layer adds the bias after them. Only once some DoRA adapter has been
-loaded (the table is allocated then): an engine that never sees one runs as before.
+after the adds), and the layer adds the bias after them. The table is allocated with the row pools
+(``allocate_rows(dora=True)``, where ``EngineConfig.serves_dora``), before the CUDA graphs are
+captured, so they replay the scaled path for any mix of DoRA, plain and base rows (a plain row's
+scale is one); an engine with DoRA off has no table and runs as before.
 """
 
 from __future__ import annotations
@@ -112,10 +114,16 @@ class MultiLoRALinear(nn.Module):
         self.lora_A: list[torch.Tensor] = []
         self.lora_B: list[torch.Tensor] = []  # transposed: [rows, out_slice]
         self.lora_weights: LoRAWeights | None = None
-        # DoRA's per-slot output scales (row 0 for no adapter), allocated by the first DoRA adapter's
-        # write_dora_scale; and the base weight's squared row norms (fp32), computed then, once.
+        # DoRA's per-slot output scales (row 0 for no adapter), allocated with the row pools where
+        # DoRA is served; and the base weight's squared row norms (fp32), computed at the first
+        # DoRA adapter's write_dora_scale, once.
         self.dora_scale: torch.Tensor | None = None
         self._base_row_sq: torch.Tensor | None = None
+
+    @property
+    def dora_row_elements(self) -> int:
+        """Elements one slot's row of the DoRA scale table costs in this layer (one per output feature)."""
+        return sum(self.slice_widths)
 
     @property
     def row_elements(self) -> int:
@@ -170,14 +178,20 @@ class MultiLoRALinear(nn.Module):
         return (A, Bt) if self.split is None else self.split.adapter(slice_name, A, Bt)
 
     def allocate_rows(self, num_rows: int, *, scaling: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor,
-                      max_rank: int) -> None:
+                      max_rank: int, dora: bool = False) -> None:
         """Allocate ``num_rows`` zeroed rows per slice and bind the slot table the model's layers
-        share (``scaling``, ``ranks``, ``rows``: one entry per slot); the kernels check them once."""
+        share (``scaling``, ``ranks``, ``rows``: one entry per slot); the kernels check them once.
+        ``dora``: also DoRA's scale table, ``[slots + 1, out]`` of ones, which the kernels then
+        apply at every step with an adapter (module docstring)."""
         device, dtype = self.device, self.dtype
         self.lora_A = [torch.zeros(num_rows, self.in_features, device=device, dtype=dtype) for _ in self.slice_widths]
         self.lora_B = [torch.zeros(num_rows, width, device=device, dtype=dtype) for width in self.slice_widths]
+        self.dora_scale = (
+            torch.ones(scaling.shape[0] + 1, self.dora_row_elements, device=device, dtype=dtype) if dora else None
+        )
         self.lora_weights = LoRAWeights(
-            self.lora_A, self.lora_B, scaling, self.slice_offsets, ranks=ranks, rows=rows, max_rank=max_rank
+            self.lora_A, self.lora_B, scaling, self.slice_offsets, ranks=ranks, rows=rows, max_rank=max_rank,
+            dora_scale=self.dora_scale,
         )
 
     def write_rows(self, row: int, rank: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -197,21 +211,17 @@ class MultiLoRALinear(nn.Module):
                 B[row:end].copy_(bt, non_blocking=True)
 
 
-    def write_dora_scale(self, slot: int, num_slots: int, scaling: float,
+    def write_dora_scale(self, slot: int, scaling: float,
                          parts: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Set slot ``slot``'s DoRA scale row: per slice in ``parts`` (``A [r, in]``, ``Bt [r, out]``,
         magnitude ``m [out]``) ``m / ||W0 + scaling * Bt^T A||`` per output row, ones elsewhere. A
         plain LoRA adapter passes no parts: its row becomes ones (the slot may have held a DoRA
-        adapter); before any DoRA adapter came there is no table to reset."""
+        adapter). Where DoRA is off there is no table, and a DoRA adapter is refused at load before
+        it gets here (``EngineConfig.dora_refusal``)."""
         if self.dora_scale is None:
-            if not parts:
-                return
-            out_features = sum(self.slice_widths)
-            self.dora_scale = torch.ones(num_slots + 1, out_features, device=self.device, dtype=self.dtype)
-            w = self.lora_weights
-            assert w is not None, "a DoRA scale is written into a layer whose rows are allocated"
-            self.lora_weights = LoRAWeights(w.As, w.Bs, w.scaling, w.offsets, ranks=w.ranks, rows=w.rows,
-                                            max_rank=w.rank, dora_scale=self.dora_scale)
+            if parts:
+                raise ValueError(f"layer {self.layer_idx} has no DoRA scale table: this engine does not serve DoRA")
+            return
         scale = self.dora_scale[slot + 1]
         scale.fill_(1)
         for name, (A, Bt, magnitude) in parts.items():
@@ -238,8 +248,7 @@ class MultiLoRALinear(nn.Module):
         return (base_sq + 2 * scaling * cross + scaling * scaling * quad).clamp_min(0).sqrt()
 
 
-def write_dora_scales(layers: dict[tuple[int, str], MultiLoRALinear], slot: int, num_slots: int,
-                      adapter: CachedAdapter) -> None:
+def write_dora_scales(layers: dict[tuple[int, str], MultiLoRALinear], slot: int, adapter: CachedAdapter) -> None:
     """Set every layer's DoRA scale row of ``slot`` for ``adapter`` (``layers``: by ``(layer index,
     module)``), from its CPU copy: a DoRA adapter's scales, or ones for a plain LoRA adapter where
     a table exists. Queued on the current stream, after any step that still reads the slot's old row."""
@@ -251,7 +260,7 @@ def write_dora_scales(layers: dict[tuple[int, str], MultiLoRALinear], slot: int,
             parts.setdefault(layers[key], {})[key[1]] = (A, Bt, magnitude)
     with torch.no_grad():
         for layer in dict.fromkeys(layers.values()):
-            layer.write_dora_scale(slot, num_slots, adapter.scaling, parts.get(layer, {}))
+            layer.write_dora_scale(slot, adapter.scaling, parts.get(layer, {}))
 
 
 def quantize_fp8(layers: Iterable[MultiLoRALinear]) -> None:
