@@ -25,6 +25,7 @@ from peft_reference import PeftReference, assert_greedy_match
 from safetensors.torch import load_file, save_file
 
 import kernels.fp8 as fp8
+from bench.awq_checkpoint import write_random_awq
 from kernels import int4
 from serving.engine import LLM, LoRARequest, SamplingParams
 from serving.engine.distributed.parallel import SINGLE
@@ -184,3 +185,16 @@ def test_tensor_parallel_awq_layers_are_refused() -> None:
     layer = MultiLoRALinear(64, [("o_proj", 64)], bias=False, layer_idx=0, device=torch.device("cpu"),
                             dtype=torch.float32, tp=SINGLE, awq=AWQSpec(GROUP))  # fmt: skip
     assert layer.qweight.shape == (64, 8) and layer.scales.shape == (2, 64)
+
+
+def test_the_benchs_random_awq_checkpoint_loads(tmp_path: Path) -> None:
+    """bench/awq_checkpoint.py (the GPU benchmarks' INT4 base) writes what the engine loads as it is."""
+    out = write_random_awq(tmp_path / "awq", "tiny", group_size=32, seed=0)
+    llm = LLM(str(out), device="cpu", dtype="float32", max_loras=1, max_lora_rank=8)
+    layer = next(iter(llm.llm_engine.runner.model.lora_layers()))
+    assert layer.awq == AWQSpec(32)
+    stored = load_file(str(out / "model.safetensors"))
+    assert torch.equal(layer.qweight[:, :8], stored["model.layers.0.self_attn.q_proj.qweight"])
+    assert bool((int4.unpack(layer.qzeros) == 8).all())
+    tokens = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+    assert len(tokens) == 4
