@@ -144,8 +144,14 @@ async def run_load(args: argparse.Namespace, popularity: str = "uniform", gatewa
             return await one_request(client, model, prompt, output_len, run_start, url=urls[index % len(urls)],
                                      fields=fields.get(model))
 
-        # Warm-up (kernel compilation, first slot loads) is not measured.
-        await asyncio.gather(*(send(i, m, p, n) for i, (m, p, n) in enumerate(warmup)))
+        # Warm-up (kernel compilation, first slot loads) is not measured. With load processes it is
+        # sent from them: each spawned process's first requests (httpx's async transport imported and
+        # set up there) would otherwise fall in the first window.
+        if loaders is not None:
+            await loaders.run(warmup, [0.0] * len(warmup), base_url=None if via else args.base_url,
+                              headers=tenant if via else _auth(args), urls=urls, fields=fields, time_limit=None)
+        else:
+            await asyncio.gather(*(send(i, m, p, n) for i, (m, p, n) in enumerate(warmup)))
         settled = await _settle(worker)
         before = await scrape_metrics(worker)
         if loaders is not None:
