@@ -265,7 +265,7 @@ class LoraTrainer:
         self.checkpoint_every = max(1, checkpoint_every)
         self.should_interrupt = should_interrupt
         self.world = world
-        self.compile_layers = (compile_wanted(base.device, world is not None, hp.gradient_checkpointing)
+        self.compile_layers = (compile_wanted(base.device, world is not None, hp.gradient_checkpointing, hp.use_dora)
                                if compile_layers is None else compile_layers)
         self.compile_backend = compile_backend
         self.packed_attention = packed_attention

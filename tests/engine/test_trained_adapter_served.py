@@ -2,8 +2,10 @@
 
 The trainer runs on a tiny model of each layer structure (the Llama family's, Phi-3's fused
 projections, Gemma 2's and Gemma 3's) where ``training.trainer.pick_device`` puts it (fp32 on CPU; on a
-CUDA machine its bf16 path, the LoRA weights in fp32), saves the adapter as a job does, and the
-engine serves it in fp32 (on CPU, or on CUDA with graphs: gpu mark) in a batch with the base model.
+CUDA machine its bf16 path, the LoRA weights in fp32, its layers compiled except for DoRA:
+training.compiled_layers), saves the adapter as a job does, and the engine serves it in fp32 (on
+CPU, or on CUDA with graphs, DoRA's too: gpu mark) in a batch with the base model. The training
+is the module fixture's: run alone (``-m gpu``), the CUDA test pays for it.
 Every prompt's greedy tokens must equal PEFT's on the CPU for that adapter, and the adapter must
 change what the base model says (so the comparison is not of two base models). "llama+dora" trains
 a DoRA adapter (``use_dora``, docs/adapter-kinds.md) and serves it the same way.

@@ -125,6 +125,32 @@ def test_layers_are_compiled_by_default_only_on_one_cuda_device_without_checkpoi
     assert not compile_wanted(cpu, distributed=False, checkpointing=False)
     assert not compile_wanted(cuda, distributed=True, checkpointing=False)
     assert not compile_wanted(cuda, distributed=False, checkpointing=True)
+    assert not compile_wanted(cuda, distributed=False, checkpointing=False, dora=True)
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_dynamo_captures_a_lora_layer_whole_and_breaks_up_a_dora_one(base, use_dora):
+    """Why a DoRA job's layers stay eager (training.compiled_layers): Dynamo breaks PEFT's DoRA
+    module's graph, so each decoder layer would compile as several graphs; a LoRA layer is one.
+    Captured with the eager backend (no code generation): the breaks are Dynamo's, whatever the backend.
+    Should PEFT's DoRA ever trace whole, this fails, and compile_wanted can compile DoRA jobs too."""
+    from torch._dynamo.utils import counters
+
+    model = get_peft_model(base.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                                  task_type="CAUSAL_LM", use_dora=use_dora))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        # The first layer shows it; the others would only recompile the same code (their cost, not the point).
+        with compiled_layers(base.model, backend="eager"), torch._dynamo.config.patch(recompile_limit=1):
+            model(input_ids=torch.tensor([[1, 2, 3, 4, 5]], device=base.device))
+        breaks = sum(counters["graph_break"].values())
+    finally:
+        model.unload()
+        if hasattr(base.model, "peft_config"):
+            del base.model.peft_config
+        torch._dynamo.reset()
+    assert (breaks > 0) == use_dora, f"{breaks} graph breaks: {dict(counters['graph_break'])}"
 
 
 def test_compiled_layers_compile_each_decoder_layer(base):
