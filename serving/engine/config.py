@@ -7,6 +7,7 @@ Names and defaults follow vLLM's engine arguments where vLLM has them (``max_lor
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,7 +89,10 @@ class EngineConfig:
     call; embeddings, LM head, norms and adapters keep ``dtype`` (serving.engine.layers.fp8_linear,
     which says where it runs natively and where it is emulated). On CUDA it needs bf16. Its tokens
     agree with the unquantized model's to a measured rate, not exactly (docs/serving-worker.md,
-    "FP8 base weights").
+    "FP8 base weights"). ``"awq"``: the checkpoint is AWQ INT4 (its ``config.json``'s
+    ``quantization_config``), loaded as it is; set from the checkpoint when left None, as vLLM
+    does, and refused on any other checkpoint (docs/quantized-bases.md; not under tensor
+    parallelism, nor with ``load_format="dummy"``). A checkpoint quantized by another method is refused.
 
     ``enable_dora`` (on by default): DoRA adapters are served (docs/adapter-kinds.md). Each LoRA
     layer then holds a per-slot scale table ``[slots + 1, out]`` from the start, charged to the
@@ -203,14 +207,36 @@ class EngineConfig:
                  "async_scheduling is not supported with tensor_parallel_size > 1 (the ranks take the step's "
                  "token ids from rank 0's host, which async scheduling does not wait for)")
         self.torch_device  # validates the device string early
-        _require(self.quantization in (None, "fp8"), f"quantization must be None or 'fp8', got {self.quantization!r}")
-        _require(self.quantization is None or self.torch_device.type != "cuda" or self.torch_dtype == torch.bfloat16,
+        _require(self.quantization in (None, "fp8", "awq"),
+                 f"quantization must be None, 'fp8' or 'awq', got {self.quantization!r}")
+        self._check_checkpoint_quantization()
+        _require(self.quantization != "fp8" or self.torch_device.type != "cuda" or self.torch_dtype == torch.bfloat16,
                  f"quantization='fp8' on CUDA needs dtype bfloat16 (torch._scaled_mm's rowwise scaling writes bf16), "
                  f"got {self.dtype!r}")
         if self.tensor_parallel_size > 1 and self.torch_device.type == "cuda":
             count = torch.cuda.device_count()
             _require(self.tensor_parallel_size <= count,
                      f"tensor_parallel_size={self.tensor_parallel_size} needs as many CUDA devices; torch sees {count}")
+
+    def _check_checkpoint_quantization(self) -> None:
+        """Match ``quantization`` with the checkpoint's own (its config.json's ``quantization_config``;
+        the model's build validates the AWQ settings themselves, serving.engine.layers.int4_linear)."""
+        config_file = Path(self.model) / "config.json"
+        checkpoint = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        method = (checkpoint.get("quantization_config") or {}).get("quant_method")
+        if method is None:
+            _require(self.quantization != "awq",
+                     f"quantization='awq' needs an AWQ checkpoint; {self.model}'s config.json has no quantization_config")
+            return
+        _require(method == "awq", f"{self.model} is quantized with quant_method {method!r}: the engine loads "
+                                  "quantized checkpoints of quant_method 'awq' only (docs/quantized-bases.md)")
+        _require(self.quantization in (None, "awq"), f"{self.model} is an AWQ INT4 checkpoint: "
+                                                     f"quantization={self.quantization!r} cannot apply to it")
+        self.quantization = "awq"
+        _require(self.tensor_parallel_size == 1,
+                 f"AWQ (INT4) bases are not served under tensor parallelism (tensor_parallel_size={self.tensor_parallel_size})")
+        _require(self.load_format != "dummy", "load_format='dummy' makes bf16 weights, not AWQ's packed ones: "
+                                              "bench/awq_checkpoint.py writes a random AWQ checkpoint")
 
     @property
     def lora_enabled(self) -> bool:

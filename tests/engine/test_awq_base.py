@@ -7,8 +7,9 @@ checkpoint directory whose config.json says ``quant_method: awq``; the engine lo
 - greedy tokens of a batch mixing two adapters and the base equal PEFT's over a plain transformers
   model holding the same dequantized weights (fp32 on the CPU: the INT4 layer multiplies exactly
   those weights, so only summation order differs, and the oracle's tie rule covers that);
+- the engine's ``quantization`` follows the checkpoint (``"awq"`` from its config.json);
 - what is not supported is refused, naming it: another quant_method, FP8 on top, tensor
-  parallelism, a DoRA adapter.
+  parallelism, dummy weights, a DoRA adapter.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from safetensors.torch import load_file, save_file
 import kernels.fp8 as fp8
 from bench.awq_checkpoint import write_random_awq
 from kernels import int4
-from serving.engine import LLM, LoRARequest, SamplingParams
+from serving.engine import LLM, EngineConfig, LoRARequest, SamplingParams
 from serving.engine.distributed.parallel import SINGLE
 from serving.engine.layers.int4_linear import AWQSpec, awq_spec, int4_linear
 from serving.engine.layers.lora_linear import MultiLoRALinear
@@ -145,18 +146,41 @@ def test_a_gptq_checkpoint_is_refused_at_load(tiny_llama_dir: Path, tmp_path: Pa
         LLM(str(gptq_dir), device="cpu", dtype="float32", max_loras=1)
 
 
-def test_fp8_over_an_awq_base_is_refused(checkpoints: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(quantization="fp8"), "AWQ INT4 checkpoint: quantization='fp8' cannot apply"),
+    (dict(tensor_parallel_size=2), "not served under tensor parallelism"),
+    (dict(load_format="dummy"), "bench/awq_checkpoint.py writes a random AWQ checkpoint"),
+])  # fmt: skip
+def test_settings_an_awq_base_cannot_take_are_refused(checkpoints: tuple[Path, Path], kwargs: dict[str, object],
+                                                      message: str) -> None:  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(checkpoints[0]), device="cpu", **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_quantization_follows_the_checkpoint(checkpoints: tuple[Path, Path]) -> None:
+    awq_dir, plain_dir = checkpoints
+    assert EngineConfig(model=str(awq_dir), device="cpu").quantization == "awq", "set from config.json, as vLLM does"
+    assert EngineConfig(model=str(awq_dir), device="cpu", quantization="awq").quantization == "awq"
+    with pytest.raises(ValueError, match="quantization='awq' needs an AWQ checkpoint"):
+        EngineConfig(model=str(plain_dir), device="cpu", quantization="awq")
+
+
+def test_fp8_on_an_awq_layer_is_refused() -> None:
+    """Below the engine's settings too: the layer holds no bf16 weight to quantize."""
+    layer = MultiLoRALinear(64, [("o_proj", 64)], bias=False, layer_idx=0, device=torch.device("cpu"),
+                            dtype=torch.float32, awq=AWQSpec(GROUP))  # fmt: skip
     with pytest.raises(ValueError, match="cannot be quantized to FP8"):
-        LLM(str(checkpoints[0]), device="cpu", dtype="float32", max_loras=1, quantization="fp8")
+        layer.quantize_fp8()
 
 
 def test_a_dora_adapter_over_the_int4_base_is_refused(checkpoints: tuple[Path, Path], tiny_llama_dir: Path,
                                                       make_adapter: Callable[..., Path]) -> None:  # fmt: skip
-    """DoRA's magnitude needs the dequantized base's row norms: refused, and the engine serves on."""
+    """DoRA's magnitude needs the base's row norms: refused at load (EngineConfig.dora_refusal), and the
+    engine serves on. (Should a DoRA adapter reach a slot anyway, the layer refuses it too.)"""
     dora = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=3, use_dora=True)
     llm = LLM(str(checkpoints[0]), device="cpu", dtype="float32", max_loras=1, max_lora_rank=8)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    with pytest.raises(ValueError, match="not served over an AWQ"):
+    with pytest.raises(ValueError, match=r"DoRA adapters \(use_dora\) are not served here: not over a quantized base"):
         llm.generate(["hello world"], params, lora_request=[LoRARequest("dora", str(dora))])
     assert len(llm.generate(["hello world"], params)[0].outputs[0].token_ids) == 3
 

@@ -166,7 +166,7 @@ def test_only_the_base_projections_are_quantized(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(quantization="int8"), "quantization must be None or 'fp8'"),
+    (dict(quantization="int8"), "quantization must be None, 'fp8' or 'awq'"),
 ])  # fmt: skip
 def test_unknown_quantization_is_refused(tiny_llama_dir: Path, kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
