@@ -85,7 +85,8 @@ class LLMEngine:
         if memory.lora_rows > 0:
             runner = self.runner
             self.slot_checksums = SlotChecksums(runner.lora_pools(), runner.lora_scaling, runner.lora_ranks,
-                                                runner.lora_rows)
+                                                runner.lora_rows, [layer.dora_scale for layer in runner.model.lora_layers()
+                                                                   if layer.dora_scale is not None])
             self.lora_cache = LoRACache(
                 num_slots=memory.lora_slots,
                 num_rows=memory.lora_rows,

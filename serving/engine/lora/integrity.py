@@ -9,7 +9,10 @@ raw bits, each tensor viewed as integers of its width and added in int64 (``raw_
 order-independent (a float sum could round a one-bit change away, and its result would depend on
 the reduction order), and any single changed element changes it. Rows of a slice the adapter does
 not target hold zeros, which add nothing, so the CPU copy's sum is the rows' sum. The slot table's
-entry (scaling, rank, first row) is checked beside the rows.
+entry (scaling, rank, first row) is checked beside the rows, and so is the slot's row of DoRA's
+scale tables where the engine has them (docs/adapter-kinds.md): those values are computed on the
+device at load, so their sum is taken there too, when the slot is recorded, into a device tensor
+(queued after the write, nothing read back), and compared on the device when verifying.
 
 Recording costs nothing on the device (the expected sums are host integers), so the hot-load path
 waits for nothing. Verifying sums every pool row once, adds each slot's run of rows and reads the
@@ -42,20 +45,27 @@ def _entry_sum(scaling: float, rank: int, row: int) -> int:
 
 class SlotChecksums:
     def __init__(self, pools: list[torch.Tensor], scaling: torch.Tensor, ranks: torch.Tensor,
-                 rows: torch.Tensor) -> None:
+                 rows: torch.Tensor, scales: list[torch.Tensor] | None = None) -> None:
         """``pools``: every row pool of the model (first dimension: the row), contiguous;
-        ``scaling`` (fp32), ``ranks`` and ``rows`` (int32): the slot table, one entry per slot."""
+        ``scaling`` (fp32), ``ranks`` and ``rows`` (int32): the slot table, one entry per slot;
+        ``scales``: DoRA's scale tables (``[slots + 1, out]``, row ``slot + 1`` the slot's), if any."""
         self._pools = [t.view(_INT_OF_WIDTH[t.element_size()]) for t in pools]
         self._scaling_bits = scaling.view(torch.int32)
         self._ranks, self._rows = ranks, rows
+        self._scales = [t.view(_INT_OF_WIDTH[t.element_size()]) for t in scales or []]
+        # Each slot's scale rows' raw-bit sum as recorded, on the device (where they were computed).
+        self._scale_expected = torch.zeros(scaling.shape[0], dtype=torch.int64, device=scaling.device)
         self._expected: dict[int, int] = {}
         self.checks = 0
         self.mismatches = 0
 
     def record(self, slot: int, *, content: int, scaling: float, rank: int, row: int) -> None:
         """Remember what ``slot`` holds once its copy lands: rows whose raw-bit sum is ``content``
-        (``raw_sum`` of the CPU copy) and its table entry."""
+        (``raw_sum`` of the CPU copy) and its table entry; and its DoRA scale rows as they are now
+        written (call it after they are: the sum is queued behind the write on the same stream)."""
         self._expected[slot] = content + _entry_sum(scaling, rank, row)
+        if self._scales:
+            self._scale_expected[slot] = sum(t[slot + 1].sum(dtype=torch.int64) for t in self._scales)
 
     def forget(self, slot: int) -> None:
         self._expected.pop(slot, None)
@@ -77,9 +87,18 @@ class SlotChecksums:
         ends = starts + torch.tensor([n for _, _, n in placed], dtype=torch.long, device=device)
         actual = prefix[ends] - prefix[starts]
         actual += self._scaling_bits[slots].long() + self._ranks[slots].long() + self._rows[slots].long()
-        bad = [slot for (slot, _, _), value in zip(placed, actual.tolist()) if value != self._expected[slot]]
+        scales_changed = torch.zeros_like(actual)
+        if self._scales:
+            scales_changed = (self._scale_sums()[slots] != self._scale_expected[slots]).long()
+        read = torch.stack([actual, scales_changed]).tolist()  # the one read back
+        bad = [slot for (slot, _, _), value, changed in zip(placed, *read) if changed or value != self._expected[slot]]
         self.mismatches += len(bad)
         return bad
+
+
+    def _scale_sums(self) -> torch.Tensor:
+        """Every slot's raw-bit sum of its DoRA scale rows over all tables, ``[slots]`` int64 on the device."""
+        return torch.stack([t[1:].sum(dim=1, dtype=torch.int64) for t in self._scales]).sum(dim=0)
 
 
 class SlotCorruptedError(RuntimeError):

@@ -211,3 +211,33 @@ def test_a_one_bit_change_is_seen_in_its_adapters_rows_and_recording_never_synch
     assert sums.mismatched(placed) == []
     ranks[1] = 3  # the table entry is checked too
     assert sums.mismatched(placed) == [1]
+
+
+def test_a_dora_slots_scale_row_written_in_place_is_detected_and_repaired(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, make_adapter: Callable[..., Path]
+) -> None:
+    """DoRA's scale rows are computed on the device at load; a stray write into one is caught like one
+    into the adapter's rows, and the repair computes the row again."""
+    path = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), seed=43,
+                        init_scale=0.5, use_dora=True)
+    llm = LLM(str(tiny_llama_dir), max_loras=2, max_cpu_loras=2, max_lora_rank=16, device="cpu", max_model_len=64,
+              num_kv_blocks=64)
+    request.addfinalizer(llm.llm_engine.shutdown)
+    engine = llm.llm_engine
+    llm.generate(PROMPT, GREEDY, lora_request=LoRARequest("tuned", str(path)))
+    assert engine.verify_slots() == []
+    (info,) = engine.list_loras()
+    assert info.gpu_slot is not None
+    table = next(iter(engine.runner.model.lora_layers())).dora_scale
+    assert table is not None
+    written = table[info.gpu_slot + 1].clone()
+    with torch.no_grad():
+        table[info.gpu_slot + 1, 3] += 0.25
+
+    (repair,) = engine.verify_slots()
+    assert (repair.slot, repair.digest) == (info.gpu_slot, info.digest)
+    while engine.stats().adapters_loading:
+        engine.wait_for_loads(0.05)
+        engine.step()
+    assert engine.verify_slots() == [], "the repaired slot's scale row sums as written"
+    assert torch.equal(table[info.gpu_slot + 1], written)
