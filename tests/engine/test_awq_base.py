@@ -32,6 +32,8 @@ from serving.engine import LLM, EngineConfig, LoRARequest, SamplingParams
 from serving.engine.distributed.parallel import SINGLE
 from serving.engine.layers.int4_linear import AWQSpec, awq_spec, int4_linear
 from serving.engine.layers.lora_linear import MultiLoRALinear
+from serving.engine.server.cli import parse_args
+from serving.engine.server.worker import engine_config
 
 GROUP = 32
 PROJECTION = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.weight$")
@@ -163,6 +165,12 @@ def test_the_quantization_follows_the_checkpoint(checkpoints: tuple[Path, Path])
     assert EngineConfig(model=str(awq_dir), device="cpu", quantization="awq").quantization == "awq"
     with pytest.raises(ValueError, match="quantization='awq' needs an AWQ checkpoint"):
         EngineConfig(model=str(plain_dir), device="cpu", quantization="awq")
+
+
+def test_the_worker_takes_an_awq_checkpoint_with_or_without_the_flag(checkpoints: tuple[Path, Path]) -> None:
+    awq_dir = str(checkpoints[0])
+    assert engine_config(parse_args(["--model", awq_dir])).quantization == "awq"
+    assert engine_config(parse_args(["--model", awq_dir, "--quantization", "awq"])).quantization == "awq"
 
 
 def test_fp8_on_an_awq_layer_is_refused() -> None:

@@ -146,15 +146,20 @@ class ServerArgs:
         default=_ENGINE["enable_prefix_caching"], description=(
             "reuse the KV of a prompt's leading blocks computed before for the same adapter version (or the "
             "base) instead of prefilling them again (vLLM's flag; on by default, as vLLM V1)"))
+    enable_dora: Annotated[bool, Flag(ENGINE, negatable=True)] = Field(
+        default=_ENGINE["enable_dora"], description=(
+            "serve DoRA adapters: every LoRA layer holds a per-slot scale table, charged to the adapter memory "
+            "(2.75 MB a slot on Llama-3-8B); off, DoRA adapters are refused at load (docs/adapter-kinds.md)"))
     # None: on for one CUDA device (engine_config decides).
     async_scheduling: Annotated[bool | None, Flag(ENGINE, negatable=True)] = Field(default=None, description=(
         "schedule and launch each step while the one before still runs on the GPU (vLLM's flag; by "
         "default on for one CUDA device, off on CPU and with --tensor-parallel-size > 1, which refuses it)"))
-    quantization: Annotated[str | None, Flag(ENGINE, choices=("fp8",))] = Field(
+    quantization: Annotated[str | None, Flag(ENGINE, choices=("fp8", "awq"))] = Field(
         default=_ENGINE["quantization"], description=(
         "fp8: the base model's projections in FP8 e4m3 with per-channel scales (half the weight bytes; "
         "bf16 on CUDA, native on Hopper); adapters stay in --dtype. Tokens agree with bf16's to a measured rate, "
-        "not exactly (vLLM's flag)"))
+        "not exactly (vLLM's flag). awq: an AWQ INT4 checkpoint, loaded as it is; unset, the checkpoint's "
+        "config.json decides (docs/quantized-bases.md)"))
     # None: on for one CUDA device (worker.uses_engine_process decides).
     engine_process: Annotated[bool | None, Flag(ENGINE, negatable=True)] = Field(default=None, description=(
         "run the engine core (scheduler, model, adapters) in a child process of its own, so its steps never "
