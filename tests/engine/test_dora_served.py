@@ -109,6 +109,13 @@ def _assert_dora_serves_like_peft(arch: str, max_loras: int, device: str, tiny_m
         tokens.setdefault(name, []).append(list(ours.token_ids))
     # The magnitudes matter: the DoRA adapter's tokens are not those of its LoRA part alone or the base's.
     assert tokens["dora"] != tokens[None] and tokens["dora"] != tokens["plain"]
+    graphs = llm.llm_engine.runner.graphs
+    if graphs is not None:
+        # On CUDA a DoRA adapter's decode steps replay the graphs captured with the scale tables.
+        before = graphs.replays
+        again = llm.generate(inputs[:1], greedy, lora_request=loras[:1])[0]
+        assert graphs.replays > before and not llm.llm_engine.runner.enforce_eager
+        assert list(again.outputs[0].token_ids) == tokens["dora"][0]
 
 
 def test_dora_under_fp8_is_refused_naming_why(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> None:

@@ -65,6 +65,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_dora=args.enable_dora,
         async_scheduling=bool(args.async_scheduling),
         quantization=args.quantization,
         grammar=GrammarBudget(timeout=args.grammar_compile_timeout, workers=args.grammar_compile_workers,

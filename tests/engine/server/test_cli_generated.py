@@ -19,7 +19,7 @@ FLAGS = """--model --host --port --served-model-name --api-key --max-loras --max
 --lora-memory-bytes --lora-memory-fraction --cpu-lora-cache-bytes --lora-modules --allowed-adapter-path
 --max-num-seqs --max-num-batched-tokens --max-model-len --block-size --num-gpu-blocks-override
 --gpu-memory-utilization --dtype --device --load-format --seed --enforce-eager --tensor-parallel-size -tp
---enable-prefix-caching --no-enable-prefix-caching --async-scheduling --no-async-scheduling --quantization
+--enable-prefix-caching --no-enable-prefix-caching --enable-dora --no-enable-dora --async-scheduling --no-async-scheduling --quantization
 --engine-process --no-engine-process --warmup --no-warmup --grammar-compile-timeout --grammar-compile-workers
 --grammar-tenant-share
 --max-grammar-schema-depth --max-queued-requests --timeout-graceful-shutdown --header-timeout --body-timeout
