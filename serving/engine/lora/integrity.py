@@ -14,8 +14,8 @@ scale tables where the engine has them (docs/adapter-kinds.md): those values are
 device at load, so their sum is taken there too, when the slot is recorded, into a device tensor
 (queued after the write, nothing read back), and compared on the device when verifying.
 
-Recording costs nothing on the device (the expected sums are host integers), so the hot-load path
-waits for nothing. Verifying sums every pool row once, adds each slot's run of rows and reads the
+Recording costs nothing on the device for the rows (their expected sums are host integers) and one
+small reduction queued there for a DoRA slot's scale rows, so the hot-load path waits for nothing. Verifying sums every pool row once, adds each slot's run of rows and reads the
 sums back (one synchronisation), so it runs between steps, on demand or periodically, never inside
 a decode step.
 """
@@ -94,7 +94,6 @@ class SlotChecksums:
         bad = [slot for (slot, _, _), value, changed in zip(placed, *read) if changed or value != self._expected[slot]]
         self.mismatches += len(bad)
         return bad
-
 
     def _scale_sums(self) -> torch.Tensor:
         """Every slot's raw-bit sum of its DoRA scale rows over all tables, ``[slots]`` int64 on the device."""
