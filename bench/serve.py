@@ -30,7 +30,8 @@ requests count as failed). bench/many_adapters.py runs the whole matrix.
     python bench/serve.py --launch tiny --num-adapters 32 --max-loras 4 --popularity uniform,zipf --request-rate 4,8
 
 Through the gateway (issue 22, item 4): `--through-gateway` runs each rate twice, straight to the
-launched worker and then the same requests (same seed) through `/v1/completions` on
+launched worker and then requests drawn alike (new prompts, as every window's: none is in the
+worker's prefix cache) through `/v1/completions` on
 `--web-processes` web processes (default: production's, $WEB_CONCURRENCY else docker-compose.yml's
 default, 4) as a tenant whose quotas never bind, and prints both side by side with the gateway's
 added TTFT p50 and its share of direct's output tok/s (bench/serve_gateway.py says how the platform is set up).
@@ -96,6 +97,10 @@ def adapter_picker(adapters: list[str], popularity: str, alpha: float) -> Callab
     return lambda rng: rng.choices(adapters, cum_weights=cumulative)[0]
 
 
+# Numbers this process's measured windows, for their prompts' seeds (run_load).
+_WINDOWS = itertools.count()
+
+
 def _requests(args: argparse.Namespace, rng: random.Random, count: int, input_len: int, output_len: int,
               pick: Callable[[random.Random], str] | None) -> list[tuple[str, list[int], int]]:
     """``count`` (model, prompt ids, output length) triples, lengths drawn around the given means."""
@@ -119,7 +124,11 @@ async def run_load(args: argparse.Namespace, popularity: str = "uniform", gatewa
     (``window_metrics``: ``metrics`` false where it could not be read), with how many requests the
     time limit cut or left unsent."""
     pick = adapter_picker(args.adapters, popularity, args.zipf_alpha) if args.adapters else None
-    rng = random.Random(args.seed)  # the requests, then the gaps between their arrivals
+    # The requests, then the gaps between their arrivals. Each window of this process draws prompts of
+    # its own (the window's number in the seed): with the same prompts again, the worker's prefix
+    # cache held every later window's prompts (prefix caching is on by default), so every rate after
+    # the first (and the gateway's half of --through-gateway) skipped its prefills.
+    rng = random.Random(f"{args.seed}-window{next(_WINDOWS)}")
     requests = _requests(args, rng, args.num_prompts, args.random_input_len, args.random_output_len, pick)
     # The warm-up's adapters are drawn apart from the window's (their own stream): drawn from the
     # window's first requests, they would make those requests GPU hits by construction.

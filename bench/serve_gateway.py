@@ -1,5 +1,5 @@
 """bench/serve.py's --through-gateway: the launched worker behind `/v1` on W web processes, so
-each rate's load runs straight to the worker and then, the same requests, as a tenant sends them.
+each rate's load runs straight to the worker and then, requests drawn alike (new prompts: none in the prefix cache), as a tenant sends them.
 
 The platform is bench/gateway.py's embedded one (bench.gateway.embedded_platform: SQLite, the
 embedded Redis (REDIS_URL where set), local storage, migrated at start) in a temporary directory,
