@@ -236,13 +236,17 @@ class MultiLoRALinear(nn.Module):
         if self.weight is None:
             raise ValueError("DoRA is not served over an AWQ (INT4) base: its norms need the dequantized weight")
         device = self.weight.device
-        A32 = A.to(device, torch.float32)
-        Bt32 = Bt.to(device, torch.float32)
+        # One copy of each from the CPU (pinned on CUDA, queued like write_rows'), converted on the device.
+        A_dev = A.to(device, non_blocking=True)
+        A32 = A_dev.float()
+        Bt32 = Bt.to(device, non_blocking=True).float()
         W = self.weight[offset:offset + width]
         if self._base_row_sq is None:
-            self._base_row_sq = self.weight.float().square().sum(dim=1)
+            # By blocks of rows: an fp32 copy of the whole weight is 470 MB for an 8B gate/up projection,
+            # outside the memory plan.
+            self._base_row_sq = torch.cat([rows.float().square().sum(dim=1) for rows in self.weight.split(1024)])
         base_sq = self._base_row_sq[offset:offset + width]
-        WA = F.linear(A.to(device, self.weight.dtype), W).float()  # [r, width]
+        WA = F.linear(A_dev.to(self.weight.dtype), W).float()  # [r, width]
         cross = (WA * Bt32).sum(dim=0)
         quad = ((A32 @ A32.t() @ Bt32) * Bt32).sum(dim=0)
         return (base_sq + 2 * scaling * cross + scaling * scaling * quad).clamp_min(0).sqrt()
