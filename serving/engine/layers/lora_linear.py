@@ -244,7 +244,7 @@ class MultiLoRALinear(nn.Module):
         if self._base_row_sq is None:
             # By blocks of rows: an fp32 copy of the whole weight is 470 MB for an 8B gate/up projection,
             # outside the memory plan.
-            self._base_row_sq = torch.cat([rows.float().square().sum(dim=1) for rows in self.weight.split(1024)])
+            self._base_row_sq = torch.cat([rows.float().square().sum(dim=1) for rows in torch.split(self.weight, 1024)])
         base_sq = self._base_row_sq[offset:offset + width]
         WA = F.linear(A_dev.to(self.weight.dtype), W).float()  # [r, width]
         cross = (WA * Bt32).sum(dim=0)
