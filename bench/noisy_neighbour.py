@@ -353,6 +353,14 @@ def start_platform(args: argparse.Namespace, work: Path) -> tuple[Fleet, Tenants
     return fleet, tenants
 
 
+def neighbours(rows: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """B's figures of the `alone` windows next to window `index` (the last before it, the first after):
+    on a shared host the load drifts over a run, and the windows on either side saw the closest to it."""
+    before = [row["b"] for row in rows[:index] if row["pattern"] == "alone"][-1:]
+    after = [row["b"] for row in rows[index + 1:] if row["pattern"] == "alone"][:1]
+    return before + after
+
+
 def report(rows: list[dict[str, Any]]) -> None:
     alones = [row["b"] for row in rows if row["pattern"] == "alone"]
     alone = ({name: statistics.fmean(b[name] for b in alones) for name in ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s")}
@@ -370,6 +378,14 @@ def report(rows: list[dict[str, Any]]) -> None:
         a = {key: value for key, value in row["a"].items() if value not in ({}, "")}
         print(f"{row['pattern']:<13}{b['ttft_p50_ms']:>10.1f}{b['ttft_p99_ms']:>10.1f}{b['output_tok_s']:>9.1f}"
               f"{ratios:<23}{b['failed']:>5}{row.get('load', float('nan')):>6.1f}  {json.dumps(a)[:200]}")
+    # The same ratios against each window's neighbouring alone windows only (x alone is against all).
+    for index, row in enumerate(rows):
+        near = neighbours(rows, index)
+        if row["pattern"] != "alone" and near:
+            p50, p99 = (row["b"][name] / statistics.fmean(b[name] for b in near)
+                        for name in ("ttft_p50_ms", "ttft_p99_ms"))
+            print(f"{row['pattern']} (window {index + 1}) against the alone windows beside it: p50 {p50:.2f} x, "
+                  f"p99 {p99:.2f} x")
 
 
 def main() -> int:

@@ -20,7 +20,8 @@ def interval_seen_by_the_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[lis
     """The switch interval in force when the worker's HTTP server would start (it does not: its run
     returns at once); the test process's own interval is put back afterwards."""
     seen: list[float] = []
-    monkeypatch.setattr(serve_module._WorkerServer, "run", lambda self, sockets=None: seen.append(sys.getswitchinterval()))
+    monkeypatch.setattr(serve_module._WorkerServer, "run",
+                        lambda self, sockets=None: seen.append(sys.getswitchinterval()))
     before = sys.getswitchinterval()
     try:
         yield seen
