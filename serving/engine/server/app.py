@@ -78,7 +78,8 @@ def build_app(worker: Worker) -> FastAPI:
             """Text through this app's own routes once the engine is warm (the worker still loading)."""
             assert worker.engine is not None  # the worker calls it once its engine has warmed up
             requests = http_warmup_requests(worker.base_model_id, [module.name for module in worker.args.lora_modules],
-                                            worker.engine.max_model_len)
+                                            worker.engine.max_model_len,
+                                            chat=bool(worker.engine.tokenizer.chat_template))
             return await warm_http(app, requests, worker.args.api_key)
 
         worker.http_warmup = http_warmup

@@ -39,9 +39,11 @@ class HttpWarmCall:
     status: int
 
 
-def http_warmup_requests(base_model: str, adapters: Sequence[str], max_model_len: int) -> list[tuple[str, dict[str, Any]]]:
-    """The (path, body) of each request: completions unstreamed and streamed, and a streamed chat,
-    on the base and on the first adapter, with a text prompt well inside ``max_model_len``."""
+def http_warmup_requests(base_model: str, adapters: Sequence[str], max_model_len: int, *,
+                         chat: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """The (path, body) of each request: completions unstreamed and streamed, and a streamed chat
+    where the model has a chat template (``chat``; without one the route answers 400), on the base
+    and on the first adapter, with a text prompt well inside ``max_model_len``."""
     text = " ".join([_SENTENCE] * max(1, min(16, max_model_len // 64)))
     requests: list[tuple[str, dict[str, Any]]] = []
     for model in (base_model, *adapters[:1]):
@@ -49,8 +51,10 @@ def http_warmup_requests(base_model: str, adapters: Sequence[str], max_model_len
         requests += [
             ("/v1/completions", {**common, "prompt": text}),
             ("/v1/completions", {**common, "prompt": text, "stream": True}),
-            ("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}], "stream": True}),
         ]
+        if chat:
+            requests.append(("/v1/chat/completions",
+                             {**common, "messages": [{"role": "user", "content": text}], "stream": True}))
     return requests
 
 

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import LoRAModule, ServerArgs
+from serving.engine.server.http_warmup import http_warmup_requests
 from serving.engine.server.worker import Worker, warms_up
 from serving.engine.warmup import SAMPLER_PATHS
 
@@ -84,3 +85,13 @@ def test_without_the_warm_up_the_worker_runs_none(tiny_model: Path) -> None:
             assert time.monotonic() < deadline, "the worker never became ready"
             time.sleep(0.05)
     assert not worker.warms_up and worker.warmup_report is None
+
+
+def test_the_http_warm_up_leaves_the_chat_route_to_models_with_a_chat_template() -> None:
+    """A model without a chat template answers the chat route 400: its warm-up sends none (the
+    8B bench model's warm-up logged two refusals)."""
+    with_chat = http_warmup_requests("base", ["a0"], 512)
+    without = http_warmup_requests("base", ["a0"], 512, chat=False)
+    assert [(path, body["model"]) for path, body in with_chat if path.endswith("chat/completions")] == [
+        ("/v1/chat/completions", "base"), ("/v1/chat/completions", "a0")]
+    assert [path for path, _ in without] == ["/v1/completions"] * 4
