@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from tests.engine.server.conftest import WorkerProcess, _worker_processes
+from tests.engine.server.tool_support import (
+    MESSAGES, ORDER, TOOLS, WEATHER, assert_valid_calls, calls_of, regex_of, streamed)
 
 pytestmark = pytest.mark.e2e
 
@@ -36,23 +37,10 @@ NO_SYSTEM_TEMPLATE = (
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-MESSAGES = [{"role": "user", "content": "What is the weather in Rome?"}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    }, "required": ["city", "unit"], "additionalProperties": False}}}
-ORDER = {"type": "function", "function": {
-    "name": "order_status",
-    "parameters": {"type": "object", "properties": {"order_id": {"type": "integer", "minimum": 1, "maximum": 99999}},
-                   "required": ["order_id"], "additionalProperties": False}}}
-TOOLS = [WEATHER, ORDER]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 # What a model that follows the generic prompt writes: text, then two calls in tagged blocks.
 TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n'
              '</tool_call>\n<tool_call>\n{"name": "order_status", "arguments": {"order_id": 42}}\n</tool_call>')
-TWO_CALLS_REGEX = TWO_CALLS.replace(".", r"\.").replace("{", r"\{").replace("}", r"\}")
+TWO_CALLS_REGEX = regex_of(TWO_CALLS)
 
 
 @pytest.fixture(scope="module")
@@ -77,26 +65,6 @@ def api(plain_worker: WorkerProcess) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(plain_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(plain_model)
-
-
-def calls_of(message: Any) -> list[tuple[str, str]]:
-    return [(call.function.name, call.function.arguments) for call in message.tool_calls or []]
-
-
-def assert_valid_calls(message: Any, names: set[str]) -> None:
-    assert message.tool_calls
-    for call in message.tool_calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in names
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-
-
-def streamed(api: openai.OpenAI, args: dict[str, Any]) -> Any:
-    """The reply as the SDK's own stream helper reassembles it from the chunks."""
-    with api.chat.completions.stream(**args) as stream:
-        for _ in stream:
-            pass
-        return stream.get_final_completion().choices[0]
 
 
 def prompt_of(reply: Any, tokenizer: Any) -> str:

@@ -17,49 +17,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.engine.server.conftest import WorkerProcess
+from tests.engine.server.tool_support import (
+    MESSAGES, ORDER, SCHEMAS, TOOLS, WEATHER, assert_valid_calls, calls_of, regex_of, streamed)
 
 BASE = "tiny-base"
-MESSAGES = [{"role": "user", "content": "What is the weather in Rome?"}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    }, "required": ["city", "unit"], "additionalProperties": False}}}
-ORDER = {"type": "function", "function": {
-    "name": "order_status",
-    "parameters": {"type": "object", "properties": {"order_id": {"type": "integer", "minimum": 1, "maximum": 99999}},
-                   "required": ["order_id"], "additionalProperties": False}}}
-TOOLS = [WEATHER, ORDER]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 # A reply the model is held to by a regex: text, then two calls in the template's own form.
 TWO_CALLS = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n'
              '</tool_call>\n<tool_call>\n{"name": "order_status", "arguments": {"order_id": 42}}\n</tool_call>')
-TWO_CALLS_REGEX = TWO_CALLS.replace(".", r"\.").replace("{", r"\{").replace("}", r"\}")
+TWO_CALLS_REGEX = regex_of(TWO_CALLS)
 
 
 def client(worker: WorkerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0)
-
-
-def calls_of(message: Any) -> list[tuple[str, str]]:
-    return [(call.function.name, call.function.arguments) for call in message.tool_calls or []]
-
-
-def assert_valid_calls(message: Any, names: set[str]) -> None:
-    assert message.tool_calls
-    for call in message.tool_calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in names
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-
-
-def streamed(api: openai.OpenAI, args: dict[str, Any]) -> Any:
-    """The reply as the SDK's own stream helper reassembles it from the chunks."""
-    with api.chat.completions.stream(**args) as stream:
-        for _ in stream:
-            pass
-        return stream.get_final_completion().choices[0]
 
 
 @pytest.mark.parametrize(("tool_choice", "parallel", "names"), [
