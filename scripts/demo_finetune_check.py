@@ -1,59 +1,99 @@
-"""Does a short CPU fine-tune of the demo model on the demo's dataset change its answers? (issue 39, item 2)
+"""Does the platform's trainer, on the demo's dataset, change the demo model's answers? (issue 39, item 2)
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/demo_finetune_check.py var/models/SmolLM2-135M-Instruct 2e-3 3 16
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/demo_finetune_check.py /tmp/smollm2-demo '{}'
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/demo_finetune_check.py /tmp/smollm2-demo \
+        '{"n_epochs": "auto", "batch_size": "auto", "learning_rate": "auto"}'
 
-(model directory, learning rate, epochs, LoRA rank). PEFT LoRA on every linear layer (alpha 2r,
-dropout 0.05), AdamW, batch 4, the loss on the assistant's tokens only; after each epoch, greedy
-answers to examples/demo-facts-held-out.jsonl (questions phrased unlike any training line) beside
-the base model's, and how many held-out facts the adapter gives. Minutes on a CPU: not in the
-suite. Figures: docs/operations.md, "The demo model".
+(model directory, the job's hyperparameters as the API takes them, "{}" being a dashboard job with
+every field left empty). The job's own path: resolve_hyperparameters, fit_to_dataset for "auto"
+(the rule in docs/training.md), the dataset's lines encoded as a job encodes them
+(training.methods.encode_lines) and training.trainer.LoraTrainer with the platform's checkpointing
+hook. At the end of each epoch, greedy answers to examples/demo-facts-held-out.jsonl (questions
+phrased unlike any training line) beside the base model's, and how many held-out facts the adapter
+gives. Minutes on a CPU, so not in the suite. Figures: docs/training.md, "The demo dataset".
 """
-import json, os, sys, time, torch, random
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from peft import LoraConfig, get_peft_model
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
-torch.set_num_threads(1)
-lr, epochs, r = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-d = sys.argv[1]
-tok = AutoTokenizer.from_pretrained(d)
-train = [json.loads(l)["messages"] for l in open(EXAMPLES + "/demo-facts.jsonl")]
-held = [json.loads(l)["messages"] for l in open(EXAMPLES + "/demo-facts-held-out.jsonl")]
-def ids(msgs, gen):
-    out = tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
-    return out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-def answer(model, q):
-    p = torch.tensor([ids([{"role": "user", "content": q}], True)])
-    with torch.no_grad():
-        o = model.generate(p, max_new_tokens=24, do_sample=False)
-    return tok.decode(o[0][p.shape[1]:], skip_special_tokens=True).strip()
-model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-t = time.time()
-base = [answer(model, m[0]["content"]) for m in held]
-print("base", json.dumps(base), time.time() - t, flush=True)
-model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"))
-opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-rows = []
-for m in train:
-    full = ids(m, False); prompt = ids(m[:1], True)
-    labels = [-100] * len(prompt) + full[len(prompt):]
-    rows.append((full, labels))
-random.seed(0); steps = 0; t0 = time.time()
-for e in range(epochs):
-    random.shuffle(rows)
-    for i in range(0, len(rows), 4):
-        b = rows[i:i + 4]; n = max(len(x) for x, _ in b)
-        x = torch.tensor([a + [tok.pad_token_id] * (n - len(a)) for a, _ in b])
-        y = torch.tensor([l + [-100] * (n - len(l)) for _, l in b])
-        att = torch.tensor([[1] * len(a) + [0] * (n - len(a)) for a, _ in b])
-        loss = model(input_ids=x, attention_mask=att, labels=y).loss
-        loss.backward(); opt.step(); opt.zero_grad(); steps += 1
-    print(f"epoch {e + 1} loss {loss.item():.3f} {time.time() - t0:.0f}s", flush=True)
-    tuned = [answer(model, m[0]["content"]) for m in held]
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from training.hyperparameters import Limits, fit_to_dataset, from_openai, resolve_hyperparameters
+from training.methods import encode_lines
+from training.trainer import LoraTrainer, StepMetrics, load_base
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The word of each held-out answer that says the fact was learned (the base model knows none).
+FACT_WORDS = ("2019", "Marlowe", "Wren-7", "Pip", "340", "Lift what matters")
+
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+model_dir, raw = sys.argv[1], json.loads(sys.argv[2])
+# The platform's default limits (settings' MAX_LORA_RANK 64); no Django here.
+limits = Limits(max_rank=64, max_seq_length=4096)
+lines = (EXAMPLES / "demo-facts.jsonl").read_bytes().splitlines()
+hp = fit_to_dataset(resolve_hyperparameters(from_openai(raw), limits), len(lines), limits)
+print("hyperparameters", json.dumps({k: v for k, v in hp.to_dict().items()
+                                     if k in ("n_epochs", "batch_size", "learning_rate", "r", "lora_alpha")}))
+base = load_base(model_dir)
+tok = base.tokenizer
+held = [json.loads(line)["messages"] for line in (EXAMPLES / "demo-facts-held-out.jsonl").read_text().splitlines()]
+
+
+def plain() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def answers(model: torch.nn.Module) -> list[str]:
+    out = []
+    for messages in held:
+        prompt = torch.tensor([tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"]])
+        with torch.no_grad():
+            ids = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        out.append(tok.decode(ids[0][prompt.shape[1]:], skip_special_tokens=True).strip())
+    return out
+
+
+base_answers = answers(plain())
+started = time.time()
+
+
+class Hooks:
+    """Every epoch's checkpoint: the held-out answers of the adapter it holds."""
+
+    def should_stop(self) -> bool:
+        return False
+
+    def on_step(self, *_: object) -> None: ...
+
+    def on_log(self, metrics: StepMetrics) -> None:
+        print("log", json.dumps(metrics.to_dict()), flush=True)
+
+    def on_checkpoint(self, step: int, directory: Path, metrics: dict) -> None:
+        report(step, directory)
+
+
+def report(step: int, directory: Path) -> None:
+    train_s = time.time() - started
+    tuned = answers(PeftModel.from_pretrained(plain(), directory).eval())
     right = 0
-    for m, b, a in zip(held, base, tuned):
-        key = m[1]["content"]
-        ok = any(w in a for w in ["2019", "Marlowe", "Wren-7", "Pip", "340", "Lift what matters"] if w in key)
-        right += ok
-        print(json.dumps({"q": m[0]["content"], "base": b, "tuned": a, "fact_learned": ok}), flush=True)
-    print(f"lr={lr} epoch={e + 1} r={r} steps={steps} train_s={time.time() - t0:.0f} held-out facts {right}/6", flush=True)
+    for messages, before, after in zip(held, base_answers, tuned):
+        learned = any(word in after for word in FACT_WORDS if word in messages[1]["content"])
+        right += learned
+        print(json.dumps({"q": messages[0]["content"], "base": before, "tuned": after, "fact_learned": learned}))
+    print(f"step {step} ({step / trainer.plan.steps_per_epoch:g} epochs) train_s={train_s:.0f} "
+          f"held-out facts {right}/{len(held)}", flush=True)
+
+
+items = encode_lines(lines, "chat", hp, tok)
+with tempfile.TemporaryDirectory() as work:
+    trainer = LoraTrainer(base, hp, seed=0, train=items, valid=[], hooks=Hooks(), work_dir=Path(work),
+                          fingerprint="demo", base_model_name="demo", checkpoint_every=0, log_every=1)
+    trainer.checkpoint_every = trainer.plan.steps_per_epoch
+    result = trainer.run()
+    report(result.steps, result.adapter_dir)

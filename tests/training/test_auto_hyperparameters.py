@@ -25,9 +25,9 @@ def upload(client, *, validate: bool) -> str:
 def test_auto_is_picked_from_the_examples_of_a_validated_file(openai_a):
     job = openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=upload(openai_a, validate=True),
                                            hyperparameters=AUTO)
-    # 16 examples: 100 // 16 = 6 epochs (at least 100 examples seen), batch 4, the default rate.
+    # 16 examples: 100 // 16 = 6 epochs (at least 100 examples seen), batch 4, a small set's 10 × the rate.
     assert (job.hyperparameters.n_epochs, job.hyperparameters.batch_size) == (6, 4)
-    assert job.hyperparameters.learning_rate_multiplier == 1
+    assert job.hyperparameters.learning_rate_multiplier == 10
     row = TrainingJob.objects.get(pk=int(job.id.removeprefix("ftjob-")))
     assert row.total_steps == 6 * 4 and row.hyperparameters["auto"] == []
 
@@ -44,5 +44,5 @@ def test_auto_waits_for_the_file_then_is_picked(openai_a):
     jobs.training_jobs_release(dataset_id=dataset_id)
     settled = openai_a.fine_tuning.jobs.retrieve(job.id)
     assert (settled.hyperparameters.n_epochs, settled.hyperparameters.batch_size) == (6, 2)
-    assert settled.hyperparameters.learning_rate_multiplier == pytest.approx((2 / 4) ** 0.5)
+    assert settled.hyperparameters.learning_rate_multiplier == pytest.approx(10 * (2 / 4) ** 0.5)
     assert TrainingJob.objects.get(pk=int(job.id.removeprefix("ftjob-"))).total_steps == 6 * 8

@@ -202,7 +202,13 @@ def test_auto_picks_epochs_batch_and_rate_from_the_number_of_examples():
     assert [picks[count].n_epochs for count in (10, 16, 40, 1_000, 5_000, 20_000, 100_000)] == [10, 6, 3, 3, 3, 1, 1]
     assert [picks[count].batch_size for count in (10, 1_000, 5_000, 20_000, 100_000)] == [4, 4, 10, 40, 64]
     assert picks[5_000].learning_rate == pytest.approx(2e-4 * math.sqrt(10 / 4))
-    assert picks[10].learning_rate == pytest.approx(2e-4) and all(not item.auto for item in picks.values())
+    assert all(not item.auto for item in picks.values())
+    # A small set's rate is raised by 1000 / n, at most 10 ×: few steps move the adapter only at a higher rate.
+    assert [picks[count].learning_rate for count in (10, 16, 40, 1_000)] == pytest.approx([2e-3, 2e-3, 2e-3, 2e-4])
+    assert fit_to_dataset(hp, 500, LIMITS).learning_rate == pytest.approx(4e-4)
+    # The demo's dataset (examples/demo-facts.jsonl, 36 examples): 3 epochs of batch 4 at 2e-3.
+    demo = fit_to_dataset(hp, 36, LIMITS)
+    assert (demo.n_epochs, demo.batch_size, demo.learning_rate) == (3, 4, pytest.approx(2e-3))
     # Only the names given as "auto" are picked; others keep what was given or their default.
     fixed = fit_to_dataset(resolve_hyperparameters({"n_epochs": "auto", "batch_size": 2}, LIMITS), 16, LIMITS)
     assert (fixed.n_epochs, fixed.batch_size, fixed.learning_rate) == (6, 2, 2e-4)
