@@ -21,7 +21,15 @@ from dashboard.tenancy import DashboardRequest, Role, dashboard_view
 from dashboard.views.checkpoints import checkpoint_models
 from serving.contracts.errors import InvalidInput, ServiceError
 from training import conf, jobs, selectors
-from training.hyperparameters import ALL_LINEAR, DPO, METHODS, SCHEDULES, Hyperparameters
+from training.hyperparameters import (
+    ALL_LINEAR,
+    AUTO_NAMES,
+    DPO,
+    METHODS,
+    SCHEDULES,
+    Hyperparameters,
+    fit_to_dataset,
+)
 from training.models import Dataset, TrainingJob
 
 # One line of help per hyperparameter, shown under its field.
@@ -38,6 +46,9 @@ HYPERPARAMETER_HELP = {
     "gradient_accumulation_steps": "Micro-batches a step's examples go through the model in (less memory).",
     "beta": "DPO only: how far the adapter may move from the base to fit the preferences.",
 }
+# An empty field of these is sent as "auto" (the OpenAI API's default for them): picked from the
+# dataset's size, so a small dataset gets the epochs and learning rate it needs (training.hyperparameters).
+AUTO_HELP = "Empty: auto, picked from the number of training examples."
 # Fields of one method only: the form shows them while that method is chosen (app.js).
 _METHOD_ONLY = {"beta": DPO}
 _INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r", "gradient_accumulation_steps"}
@@ -56,17 +67,24 @@ def _job_form_context(request: DashboardRequest, values: dict[str, Any], error: 
     defaults = Hyperparameters()
     max_rank = settings.MAX_LORA_RANK
     hyperparameters = [
-        {"name": item.name, "help": HYPERPARAMETER_HELP[item.name],
+        {"name": item.name, "help": HYPERPARAMETER_HELP[item.name], "auto": item.name in AUTO_NAMES,
          "default": min(defaults.r, max_rank) if item.name == "r" else getattr(defaults, item.name),
          "value": values.get(item.name, ""), "integer": item.name in _INTEGER_FIELDS,
          "method": _METHOD_ONLY.get(item.name)}
         for item in fields(Hyperparameters) if item.name in HYPERPARAMETER_HELP
     ]
     ready = selectors.dataset_list(tenant=request.dashboard.tenant).filter(status=Dataset.Status.READY)
+    limits = conf.limits()
+    # The epochs "auto" picks for each dataset, for the form's token estimate (app.js).
+    auto_epochs = Hyperparameters(auto=["n_epochs"])
+    training_choices = [{"dataset": dataset,
+                         "auto_epochs": fit_to_dataset(auto_epochs, dataset.num_examples or 0, limits).n_epochs}
+                        for dataset in ready]
     return {
-        "datasets": ready, "hyperparameters": hyperparameters, "values": values, "error": error,
+        "datasets": ready, "training_choices": training_choices, "hyperparameters": hyperparameters,
+        "values": values, "error": error, "auto_help": AUTO_HELP,
         "target_modules": conf.base_target_modules(), "chosen_targets": values.get("targets", []),
-        "base_model": settings.BASE_MODEL_NAME, "default_epochs": defaults.n_epochs, "nav": "training",
+        "base_model": settings.BASE_MODEL_NAME, "nav": "training",
         "methods": METHODS, "schedules": SCHEDULES,
         "tokens_per_second": selectors.recent_tokens_per_second(tenant=request.dashboard.tenant),
         "switches": [{"name": name, "checked": bool(values.get(name))} for name in _SWITCHES],
@@ -107,6 +125,7 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
     try:
         hyperparameters: dict[str, Any] = {name: _form_number(name, values[name], name in _INTEGER_FIELDS)
                                            for name in HYPERPARAMETER_HELP}
+        hyperparameters.update({name: "auto" for name in AUTO_NAMES if hyperparameters[name] is None})
         targets = values["targets"]
         hyperparameters["target_modules"] = ALL_LINEAR if not targets or ALL_LINEAR in targets else targets
         hyperparameters.update({name: values[name] or None for name in _CHOICE_FIELDS})
@@ -159,10 +178,11 @@ def _job_context(job: TrainingJob) -> dict[str, Any]:
 
 @dashboard_view(Role.VIEWER)
 def job_detail_view(request: DashboardRequest, job_id: int) -> HttpResponse:
-    """The job's page; to htmx's poll (every 2 s while it runs) its progress."""
+    """The job's page; to htmx's poll (every 2 s while it runs) its progress and settings."""
     job = selectors.job_get(tenant=request.dashboard.tenant, job_id=job_id)
-    template = "dashboard/training/_progress.html" if is_htmx(request) else "dashboard/training/detail.html"
-    return render(request, template, _job_context(job) | {"nav": "training"})
+    polled = is_htmx(request)
+    template = "dashboard/training/_progress.html" if polled else "dashboard/training/detail.html"
+    return render(request, template, _job_context(job) | {"nav": "training", "polled": polled})
 
 
 @require_POST

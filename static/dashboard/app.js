@@ -124,10 +124,13 @@
     var out = document.getElementById("estimate");
     var select = document.querySelector("[data-estimate]");
     if (!out || !select || !select.selectedOptions.length) return;
-    var tokens = Number(select.selectedOptions[0].dataset.tokens || 0);
+    var option = select.selectedOptions[0];
+    var tokens = Number(option.dataset.tokens || 0);
     var epochsField = document.querySelector("[data-epochs]");
-    var epochs = Number(epochsField.value || out.dataset.defaultEpochs);
-    out.textContent = tokens ? (tokens * epochs).toLocaleString() + " (" + tokens.toLocaleString() + " × " + epochs + " epochs)" : "unknown (tokens were not counted)";
+    // An empty n_epochs is "auto": the epochs the platform picks for this dataset's size.
+    var auto = !epochsField.value;
+    var epochs = Number(auto ? option.dataset.autoEpochs : epochsField.value);
+    out.textContent = tokens ? (tokens * epochs).toLocaleString() + " (" + tokens.toLocaleString() + " × " + epochs + " epochs" + (auto ? ", auto" : "") + ")" : "unknown (tokens were not counted)";
     // The time it takes at the pace of the tenant's last finished job, where one was measured.
     var duration = document.getElementById("estimate-duration");
     var pace = duration ? Number(duration.dataset.tokensPerSecond || 0) : 0;
