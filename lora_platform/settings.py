@@ -237,9 +237,12 @@ CELERY_TASK_ROUTES = {
     "training.tasks.training_job_run": {"queue": "training"},
 }
 # A redelivered task must wait for the broker's visibility timeout; training jobs can run for
-# hours, so the timeout is generous, and tests shorten it.
+# hours, so the timeout is generous, and tests shorten it. Kombu 5.7 looks for overdue unacked
+# tasks every `unacked_restore_interval` (10 s) times `unacked_restore_throttle` (10): a dead worker's
+# task waited 100 s past its timeout. Throttle 1 looks every 10 s; a look is one sorted-set range.
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": platform.celery_visibility_timeout,
+    "unacked_restore_throttle": 1,
     "socket_timeout": REDIS_SOCKET_TIMEOUT,
     "socket_connect_timeout": REDIS_SOCKET_TIMEOUT,
 }
