@@ -169,3 +169,76 @@ def matmul_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, 
         BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return y
+
+
+# The input gradient of ``y = x @ W`` through a frozen INT4 weight (QLoRA training, training.int4_base):
+# ``dx = dy @ W^T``. No weight gradient is ever taken (the base is frozen), so this is all a backward needs.
+
+
+def matmul_t_torch(dy: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int) -> torch.Tensor:  # fmt: skip
+    """``dy [M, out] @ dequantize(...)^T`` in ``dy``'s dtype (the reference path; any device)."""
+    return dy @ dequantize(qweight, qzeros, scales, group_size, dy.dtype).t()
+
+
+@jit
+def _awq_gemm_t_kernel(dy_ptr: tl.tensor, qw_ptr: tl.tensor, qz_ptr: tl.tensor, s_ptr: tl.tensor, dx_ptr: tl.tensor,
+                       M: tl.tensor, N: tl.tensor, stride_dym: tl.tensor, stride_qw: tl.tensor, stride_qz: tl.tensor,
+                       stride_s: tl.tensor, stride_dxm: tl.tensor, GROUP: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:  # fmt: skip
+    # Each program owns a [BLOCK_M, BLOCK_K] tile of dx and walks the output columns N: the weight
+    # tile it dequantizes is the forward kernel's [BLOCK_K, BLOCK_N] tile, multiplied transposed.
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    group = (pid_k * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: the program's rows lie in one group
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        word = offs_n // 8
+        j = offs_n % 8
+        shift = ((j // 2) + (j % 2) * 4) * 4  # column j's nibble, AWQ_REVERSE_ORDER[j]
+        dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :],
+                     other=0.0)  # fmt: skip
+        q = tl.load(qw_ptr + kk[:, None] * stride_qw + word[None, :], mask=mask_n[None, :], other=0)
+        q = (q >> shift[None, :]) & 0xF
+        z = (tl.load(qz_ptr + group * stride_qz + word, mask=mask_n, other=0) >> shift) & 0xF
+        s = tl.load(s_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        # The same rounding as the forward's and the reference's: exact fp32 product, rounded once.
+        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(dy.dtype)
+        if IEEE:
+            acc = tl.dot(dy, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dy, tl.trans(w), acc)
+    dx = acc.to(dx_ptr.dtype.element_ty)
+    tl.store(dx_ptr + offs_m[:, None] * stride_dxm + kk[None, :], dx, mask=mask_m[:, None])
+
+
+def matmul_t_triton(dy: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    group_size: int) -> torch.Tensor:  # fmt: skip
+    """:func:`matmul_t_torch` in one Triton launch, the weight dequantized tile by tile in registers
+    as :func:`matmul_triton` does (no dequantized copy of the weight is made)."""
+    if dy.dim() != 2 or dy.stride(1) != 1:
+        raise ValueError("matmul_t_triton needs a 2-D dy, contiguous in its last dim")
+    if group_size % MIN_GROUP:
+        raise ValueError(f"the INT4 kernel needs a group size that is a multiple of {MIN_GROUP}, got {group_size}")
+    M, N = dy.shape
+    K = qweight.shape[0]
+    if qweight.shape[1] * PACK != N:
+        raise ValueError(f"dy has {N} columns, the INT4 weight {qweight.shape[1] * PACK} output columns")
+    dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
+    if M == 0:
+        return dx
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n = 64
+    block_k = min(64, group_size & -group_size)  # a power of two dividing the group, so K's tiles are whole
+    grid = (triton.cdiv(M, block_m), K // block_k)
+    _awq_gemm_t_kernel[grid](
+        dy, qweight, qzeros, scales, dx, M, N, dy.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
+        dx.stride(0), GROUP=group_size, IEEE=dy.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return dx

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from runtime.env import EnvModel, env
 from runtime.settings import platform_settings
 from training.hyperparameters import SUPPORTED_TARGET_MODULES, Limits, default_max_seq_length
+from training.int4_layout import layout_problem
 
 
 class TrainingSettings(EnvModel):
@@ -130,13 +131,39 @@ def base_target_modules() -> tuple[str, ...]:
     return found or SUPPORTED_TARGET_MODULES
 
 
+@lru_cache(maxsize=4)
+def _projection_shapes(files: tuple[tuple[str, float], ...]) -> dict[str, tuple[int, int]]:
+    """{projection name: (out, in)} of the decoder layers' 2-D weights (`model.layers.0.mlp.up_proj.weight`),
+    from the files' headers only."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, _ in files:
+        with safe_open(name, framework="numpy") as reader:
+            for key in reader.keys():
+                if ".layers." in key and key.endswith(".weight"):
+                    shape = reader.get_slice(key).get_shape()
+                    if len(shape) == 2:
+                        shapes[key.rsplit(".", 2)[-2]] = (int(shape[0]), int(shape[1]))
+    return shapes
+
+
+def base_int4_problem() -> str | None:
+    """Why the base's projections cannot be quantized for a QLoRA job (training.int4_layout); None when
+    they can, or when the base has no readable safetensors (the trainer then checks as it quantizes)."""
+    files = _weight_files(Path(settings.BASE_MODEL_PATH))
+    try:
+        shapes = _projection_shapes(files) if files else {}
+    except (OSError, ValueError, SafetensorError):
+        shapes = {}
+    return layout_problem(shapes)
+
+
 def limits() -> Limits:
     """The platform's limits on hyperparameters: the settings', capped by the base model's context and
-    its projections."""
+    its projections (which also say whether a QLoRA job can quantize them)."""
     cap = training_settings().max_seq_length
     positions = _base_max_positions()
     return Limits(max_rank=settings.MAX_LORA_RANK, max_seq_length=min(cap, positions) if positions else cap,
-                  target_modules=base_target_modules())
+                  target_modules=base_target_modules(), int4_problem=base_int4_problem())
 
 
 def max_seq_length_default() -> int:

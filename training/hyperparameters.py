@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from serving.contracts.errors import InvalidInput
+from training.int4_layout import INT4
 
 ALL_LINEAR = "all-linear"
 # The projections the serving engine can apply LoRA to (design.md, Engine): an adapter on anything
@@ -27,6 +28,8 @@ SUPERVISED = "supervised"
 DPO = "dpo"
 METHODS = (SUPERVISED, DPO)
 SCHEDULES = ("linear", "cosine", "constant")
+# The frozen base's precision: as loaded ("none": bf16 on CUDA, fp32 on CPU), or QLoRA's INT4 projections.
+BASE_QUANTIZATIONS = ("none", INT4)
 # The names "auto" picks from the dataset's size (OpenAI's three); any other "auto" is its default.
 AUTO_NAMES = ("n_epochs", "batch_size", "learning_rate")
 # Names set by the method (OpenAI's `method` object), not among a supervised job's hyperparameters.
@@ -43,6 +46,8 @@ class Limits:
     max_gpus: int = 8
     # The SUPPORTED_TARGET_MODULES the base model has (training.conf.base_target_modules).
     target_modules: tuple[str, ...] = SUPPORTED_TARGET_MODULES
+    # Why the base's projections cannot be held in INT4 (training.int4_layout); None: they can.
+    int4_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,9 @@ class Hyperparameters:
     # DoRA (PEFT's use_dora, a Loraplex extension to OpenAI's API): each adapted projection also learns a
     # magnitude per output feature; the engine serves it beside plain LoRA (docs/adapter-kinds.md).
     use_dora: bool = False
+    # QLoRA (a Loraplex extension): "int4" trains the adapter over the base's projections quantized to
+    # INT4 (training.int4_base), a quarter of their memory; the adapter is the same PEFT artifact.
+    base_quantization: str = "none"
     method: str = SUPERVISED
     # DPO's temperature: how far the adapter may move from the base (the reference) to fit the preferences.
     beta: float = 0.1
@@ -197,6 +205,26 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _base_quantization(value: Any, *, use_dora: bool, gpus: int, limits: Limits) -> str:
+    """The job's base_quantization, refused (naming why) with what an INT4 base cannot train."""
+    quantization = _choice("base_quantization", value, BASE_QUANTIZATIONS)
+    if quantization != INT4:
+        return quantization
+    refusals = []
+    if use_dora:
+        # PEFT's DoRA takes the norm of W0 + BA, which needs the base weight in floats, and the engine
+        # refuses DoRA adapters on quantized bases.
+        refusals.append("use_dora (DoRA needs the base weights in floats; train DoRA on the bf16 base)")
+    if gpus != 1:
+        refusals.append(f"gpus {gpus} (a QLoRA job trains on one GPU: the sharded several-GPU base is bf16)")
+    if limits.int4_problem is not None:
+        refusals.append(f"this base model ({limits.int4_problem})")
+    if refusals:
+        raise InvalidInput(f"base_quantization \"int4\" (QLoRA) cannot be combined with {'; '.join(refusals)}.",
+                           code="unsupported_base_quantization", param="hyperparameters.base_quantization")
+    return quantization
+
+
 def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyperparameters:
     """The hyperparameters with defaults filled in; InvalidInput naming the first bad value.
 
@@ -231,6 +259,9 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         raise InvalidInput(f"gradient_accumulation_steps ({accumulation}) splits a step's batch_size ({batch_size}) "
                            "examples into micro-batches; it must be at most batch_size.",
                            code="hyperparameter_out_of_range", param="hyperparameters.gradient_accumulation_steps")
+    use_dora = _flag("use_dora", values["use_dora"])
+    gpus = _number("gpus", values["gpus"], integer=True, low=1, high=limits.max_gpus)
+    base_quantization = _base_quantization(values["base_quantization"], use_dora=use_dora, gpus=gpus, limits=limits)
     return Hyperparameters(
         n_epochs=_number("n_epochs", values["n_epochs"], integer=True, low=1, high=limits.max_epochs),
         batch_size=batch_size,
@@ -247,10 +278,11 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         gradient_accumulation_steps=accumulation,
         gradient_checkpointing=_flag("gradient_checkpointing", values["gradient_checkpointing"]),
         packing=_flag("packing", values["packing"]),
-        use_dora=_flag("use_dora", values["use_dora"]),
+        use_dora=use_dora,
+        base_quantization=base_quantization,
         method=method,
         beta=_number("beta", values["beta"], integer=False, low=0, high=100, low_open=True),
-        gpus=_number("gpus", values["gpus"], integer=True, low=1, high=limits.max_gpus),
+        gpus=gpus,
         auto=[name for name in AUTO_NAMES if raw.get(name) == "auto"],
     )
 

@@ -7,6 +7,10 @@ activation bytes: 2 on the CUDA bf16 path, 4 on the CPU fp32 one):
 
 - **base**: every weight of the frozen base in its dtype (bf16 on CUDA): the embedding, the head
   (unless tied), the final norm and L decoder layers of q, k, v, o, gate, up, down and two norms.
+  A QLoRA job's base (`int4_base`, training.int4_base) holds the seven projections in AWQ's INT4
+  instead: half a byte a weight, plus an fp16 scale and a 4-bit zero per group of input rows
+  (training.int4_layout.int4_bytes); its forward and backward kernels dequantize tiles in registers,
+  so it adds no transient to the peak.
 - **lora**: 12 bytes a LoRA parameter: the weight and AdamW's two moments, all fp32 (PEFT keeps
   adapter weights in fp32 on a bf16 base; AdamW keeps its states in the parameters' dtype). The
   fp32 gradients (4 bytes more) exist only from the layers' backward on: the trainer sets them to
@@ -50,6 +54,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from training.int4_layout import int4_bytes
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RESIDENT_BYTES = 12  # fp32 weight, AdamW exp_avg and exp_avg_sq
@@ -102,6 +108,14 @@ class Shape:
     def params(self) -> int:
         return self.outer_params + self.layers * self.layer_params
 
+    def base_bytes(self, dtype_bytes: int, int4: bool) -> int:
+        """The frozen base's bytes: every weight in `dtype_bytes`, or with the projections in INT4."""
+        if not int4:
+            return self.params * dtype_bytes
+        projections = sum(int4_bytes(fan_out, fan_in) for fan_in, fan_out in self.projection_shapes().values())
+        norms = 2 * self.hidden * dtype_bytes
+        return self.outer_params * dtype_bytes + self.layers * (projections + norms)
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -114,6 +128,7 @@ class Setup:
     activation_bytes: int = 2  # autocast's dtype on CUDA; fp32 on CPU
     gradient_checkpointing: bool = True
     workspace: int = CUDA_WORKSPACE_BYTES
+    int4_base: bool = False  # the projections in INT4 (a QLoRA job: base_quantization "int4")
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,7 @@ def layer_activation_per_token(shape: Shape, setup: Setup) -> int:
 def estimate(shape: Shape, setup: Setup) -> Estimate:
     """The predicted peak of one training step on one device."""
     tokens, a = setup.tokens, setup.activation_bytes
-    base = shape.params * setup.base_bytes
+    base = shape.base_bytes(setup.base_bytes, setup.int4_base)
     adapter = lora_params(shape, setup)
     lora, lora_grads = adapter * LORA_RESIDENT_BYTES, adapter * LORA_GRAD_BYTES
     layer_activation = tokens * layer_activation_per_token(shape, setup)

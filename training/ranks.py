@@ -1,10 +1,11 @@
 """A job's trainer on every rank: what rank 0 sends the others, and the entry point of a rank ≥ 1.
 
-`trainer_base` gives a run its base and world: the process's shared base for one GPU (unchanged),
-or, for several, this run's own copy of the base, with ranks 1…N-1 started (training.distributed)
-and sent the run's inputs (`RunInputs`: the base's path, hyperparameters, seed, encoded examples,
-fingerprint). A rank ≥ 1 (`python -m training.ranks`) builds the same LoraTrainer with hooks that
-record nothing and runs it until rank 0 ends the run; it needs no database and no storage.
+`trainer_base` gives a run its base and world: the process's shared base for one GPU (unchanged;
+a QLoRA job's is the process's INT4 base instead, training.int4_base), or, for several, this run's
+own copy of the base, with ranks 1…N-1 started (training.distributed) and sent the run's inputs
+(`RunInputs`: the base's path, hyperparameters, seed, encoded examples, fingerprint). A rank ≥ 1
+(`python -m training.ranks`) builds the same LoraTrainer with hooks that record nothing and runs it
+until rank 0 ends the run; it needs no database and no storage.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 
 from training.distributed import World, join, launch
 from training.hyperparameters import Hyperparameters
+from training.int4_base import load_int4_base
+from training.int4_layout import INT4
 from training.preference import TrainItem
 from training.trainer import (LoadedBase, LoraTrainer, StepMetrics, TrainingInterrupted, TrainingStopped, load_base,
                               load_tokenizer)
@@ -68,14 +71,27 @@ def own_base(path: str, world: World) -> LoadedBase:
     return LoadedBase(model=model, tokenizer=load_tokenizer(path), path=path, device=world.device)
 
 
+def shared_base(path: str, quantization: str) -> LoadedBase:
+    """The process's one-GPU base, bf16 or INT4 (a job's `base_quantization`). A process holds one of the
+    two at a time: the other is dropped first, so a worker's memory is one base's, whichever its jobs ask
+    for (a job of the other kind loads its base again)."""
+    if quantization == INT4:
+        load_base.cache_clear()
+        return load_int4_base(path)
+    load_int4_base.cache_clear()
+    return load_base(path)
+
+
 @contextmanager
 def trainer_base(inputs: RunInputs, size: int) -> Iterator[tuple[LoadedBase, World | None]]:
     """The base and world a run trains on (module docstring); the other ranks are ended on exit."""
     if size == 1:
-        yield load_base(inputs.base_path), None
+        quantization = Hyperparameters.from_dict(inputs.hyperparameters).base_quantization
+        yield shared_base(inputs.base_path, quantization), None
         return
     # The process's cached base would hold memory (cuda:0's on a GPU) beside rank 0's shard.
     load_base.cache_clear()
+    load_int4_base.cache_clear()
     with launch(size) as world:
         world.broadcast(inputs)
         yield own_base(inputs.base_path, world), world
