@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import weakref
 from pathlib import Path
 
@@ -122,10 +123,11 @@ def test_the_int4_base_is_frozen_and_its_bytes_are_the_memory_models(base_model_
     held += sum(tensor.numel() * tensor.element_size() for module in base.model.modules()
                 if isinstance(module, Int4Linear) for tensor in (module.qweight, module.qzeros, module.scales))
     shape = Shape.from_config(json.loads((base_model_dir / "config.json").read_text()))
-    assert held == shape.base_bytes(4, int4=True) < shape.base_bytes(4, int4=False)
-    setup = Setup(base_bytes=4, activation_bytes=4, workspace=0)
+    size = base.model.dtype.itemsize  # fp32 on the CPU, bf16 on CUDA
+    assert held == shape.base_bytes(size, int4=True) < shape.base_bytes(size, int4=False)
+    setup = Setup(base_bytes=size, activation_bytes=size, workspace=0)
     assert estimate(shape, setup).peak - estimate(shape, Setup(**{**setup.__dict__, "int4_base": True})).peak == (
-        shape.base_bytes(4, int4=False) - held)
+        shape.base_bytes(size, int4=False) - held)
 
 
 def test_int4_bytes_by_hand():
@@ -168,7 +170,7 @@ def test_a_qlora_job_lowers_the_loss_and_its_adapter_loads_on_the_unquantized_ba
     # The artifact is PEFT's for the unquantized base: it loads there with PEFT and lowers that base's loss too.
     config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "tiny-llama" and config["r"] == 4
-    plain = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=base.model.dtype).to(base.device).eval()
     plain_nll = token_nll(plain, examples, pad, base.device)
     adapted = PeftModel.from_pretrained(plain, result.adapter_dir).eval()
     assert token_nll(adapted, examples, pad, base.device) < plain_nll - 0.5
@@ -254,3 +256,23 @@ def test_the_openai_api_refuses_it_with_a_400_and_queues_nothing(openai_a):
                                            hyperparameters={"n_epochs": 1, "base_quantization": "int4"})
     assert job.hyperparameters.base_quantization == "int4"
     assert TrainingJob.objects.get().hyperparameters["base_quantization"] == "int4"
+
+
+@pytest.mark.slow
+def test_dpo_with_checkpointing_trains_over_the_int4_base(base_model_dir, tmp_path, one_thread):
+    """The reference of a QLoRA DPO job is the INT4 base itself (the adapter disabled): at the first step
+    the loss is log 2, and it falls; reentrant checkpointing recomputes the INT4 products."""
+    from test_dpo import preference_lines, raw
+    from training.preference import encode, iter_valid_pairs
+
+    base = load_int4_base(str(base_model_dir))
+    pairs = [encode(example, base.tokenizer, 128) for example in iter_valid_pairs(raw(preference_lines(1)))]
+    hp = resolve_hyperparameters({"method": "dpo", "beta": 0.5, "n_epochs": 10, "batch_size": 4, "learning_rate": 1e-2,
+                                  "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "gradient_checkpointing": True,
+                                  "packing": True, "base_quantization": "int4"}, LIMITS)
+    hooks = Hooks(tmp_path)
+    LoraTrainer(base, hp, seed=2, train=pairs, valid=[], hooks=hooks, work_dir=tmp_path / "run",
+                fingerprint="prefs", base_model_name="tiny-llama", checkpoint_every=100, log_every=1).run()
+    losses = [log.train_loss for log in hooks.logs]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-4)
+    assert sum(losses[-2:]) / 2 < math.log(2) - 0.1, losses
