@@ -232,7 +232,8 @@ class TrainingJobCreateSerializer(serializers.Serializer):
     hyperparameters = serializers.DictField(
         required=False, allow_null=True,
         help_text="n_epochs, batch_size, learning_rate, max_seq_length, r, lora_alpha, lora_dropout, "
-                  "target_modules (\"all-linear\" or a list), warmup_ratio, use_dora (a DoRA adapter); omitted or "
+                  "target_modules (\"all-linear\" or a list), warmup_ratio, use_dora (a DoRA adapter), "
+                  "base_quantization (\"int4\": QLoRA over the base's projections in INT4); omitted or "
                   "\"auto\" = default.")
     seed = serializers.IntegerField(required=False, allow_null=True)
 
