@@ -276,3 +276,29 @@ def test_dpo_with_checkpointing_trains_over_the_int4_base(base_model_dir, tmp_pa
     losses = [log.train_loss for log in hooks.logs]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-4)
     assert sum(losses[-2:]) / 2 < math.log(2) - 0.1, losses
+
+
+@pytest.mark.django_db
+def test_a_qlora_job_runs_through_the_workers_path_and_registers_a_version(platform, tenant_a, one_thread):
+    """The Celery task's body in-process: the run takes the process's INT4 base (training.ranks.shared_base)
+    and publishes a version like any job's."""
+    from serving.contracts.artifact import manifest_verify
+    from serving.registry.storage import get_storage
+    from training import concurrency, datasets, jobs, run
+    from training.models import TrainingJob
+    from training_support import chat_lines, jsonl
+
+    created = datasets.dataset_create(tenant=tenant_a.tenant, source=jsonl(chat_lines(1)), filename="t.jsonl")
+    dataset = datasets.dataset_validate(dataset_id=created.pk)
+    job = jobs.training_job_create(tenant=tenant_a.tenant, training_file=dataset.pk, adapter="qlora-bot", seed=1,
+                                   hyperparameters={"n_epochs": 1, "batch_size": 4, "r": 4, "lora_alpha": 8,
+                                                    "base_quantization": "int4"})
+    concurrency.training_jobs_dispatch()
+    run.training_job_run(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == TrainingJob.Status.SUCCEEDED, job.error
+    assert load_int4_base.cache_info().currsize == 1 and load_base.cache_info().currsize == 0
+    get_storage().download_prefix(
+        f"adapters/{tenant_a.tenant.slug}/qlora-bot/{job.adapter_version.version}", platform.parent / "artifact")
+    manifest = manifest_verify(platform.parent / "artifact")
+    assert manifest["peft"]["kind"] == "lora" and manifest["peft"]["r"] == 4
