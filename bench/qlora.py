@@ -143,7 +143,6 @@ def main() -> int:
         if skipped is None:
             # The same random weights for bitsandbytes to quantize as it loads (before ours are quantized).
             model.save_pretrained(checkpoint, safe_serialization=True)
-            tokenizer.save_pretrained(checkpoint)
 
         start = time.perf_counter()
         quantized = quantize_projections(model, device)
