@@ -100,11 +100,14 @@ def test_the_page_shows_auto_until_the_values_are_picked_and_its_poll_brings_the
     job = TrainingJob.objects.create(tenant=tenant_a.tenant, dataset=dataset, adapter_name="bot", base_model="tiny",
                                      hyperparameters=waiting, seed=1)
     page = reverse("dashboard:job", args=[job.pk])
-    assert settings_shown(client.get(page).content.decode()) == {
-        "epochs": "auto", "batch-size": "auto", "learning-rate": "auto"}
+    shown = client.get(page).content.decode()
+    assert settings_shown(shown) == {"epochs": "auto", "batch-size": "auto", "learning-rate": "auto"}
+    assert "The job's settings." not in shown  # the template's comment stays a comment
     TrainingJob.objects.filter(pk=job.pk).update(hyperparameters={**waiting, "auto": [], "n_epochs": 8,
                                                                   "learning_rate": 0.002})
     polled = client.get(page, HTTP_HX_REQUEST="true").content.decode()
     assert '<dl class="facts" id="job-settings" hx-swap-oob="true">' in polled
     assert settings_shown(polled) == {"epochs": "8", "batch-size": "4", "learning-rate": "0.002"}
+    # Nothing but the two elements: stray text would pile up beside the progress at every poll.
+    assert "The job's settings." not in polled
     assert "hx-swap-oob" not in client.get(page).content.decode()  # the full page has the one, plain
