@@ -174,10 +174,11 @@ def main() -> int:
     for name, figures in rows.items():
         for key, value in figures.items():
             print(f"{name:22s} {key:20s} {value:.3f}" if isinstance(value, float) else f"{name:22s} {key:20s} {value}")
+    bf16 = rows["bf16"]
     for name in rows.keys() - {"bf16"}:
-        print(f"{name:22s} tokens/s vs bf16      {rows[name]['tokens_per_s'] / rows['bf16']['tokens_per_s']:.3f}")
+        print(f"{name:22s} tokens/s vs bf16      {rows[name]['tokens_per_s'] / bf16['tokens_per_s']:.3f}")
         if device.type == "cuda":
-            print(f"{name:22s} peak vs bf16          {rows[name]['peak_memory_gib'] / rows['bf16']['peak_memory_gib']:.3f}")
+            print(f"{name:22s} peak vs bf16          {rows[name]['peak_memory_gib'] / bf16['peak_memory_gib']:.3f}")
     if args.json:
         args.json.write_text(json.dumps({**results, "card": card(device.index or 0)}, indent=2))
     return 0

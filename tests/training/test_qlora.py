@@ -242,10 +242,10 @@ def test_the_openai_api_refuses_it_with_a_400_and_queues_nothing(openai_a):
     from training_support import BASE_MODEL_NAME, chat_lines, error_of
 
     training = upload(openai_a, chat_lines())
-    hyperparameters = {"n_epochs": 1, "base_quantization": "int4", "use_dora": True}
+    method = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "base_quantization": "int4",
+                                                                       "use_dora": True}}}
     with pytest.raises(APIStatusError) as refused:
-        openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=training.id,
-                                         method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}})
+        openai_a.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=training.id, method=method)
     assert refused.value.status_code == 400
     error = error_of(refused)
     assert (error["code"], error["param"]) == ("unsupported_base_quantization", "hyperparameters.base_quantization")
