@@ -3,9 +3,10 @@
 `load_int4_base` loads the base model as `training.trainer.load_base` does, then quantizes every
 linear projection of its decoder layers (q/k/v/o, gate/up/down: those LoRA wraps and the others)
 into AWQ's INT4 layout with kernels.int4's quantizer (training.int4_layout picks each group: 128, or
-the largest multiple of 16 dividing the input features) and drops the bf16 weight as it goes, so at
-most one projection is ever held in both forms. The embeddings, the LM head and the norms stay in
-the compute dtype, as in an AWQ checkpoint.
+the largest multiple of 16 dividing the input features) and drops the bf16 weight as it goes. The
+model is read into host memory whole, as `load_base` reads it; each projection is quantized on the
+device, so the device never holds more than one projection in both forms. The embeddings, the LM
+head and the norms stay in the compute dtype, as in an AWQ checkpoint.
 
 An `Int4Linear` is an `nn.Linear` without a `weight`, so PEFT wraps it as it wraps any linear layer
 (its LoRA path reads the same input and adds its product, in the compute dtype) and the trainer
