@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from runtime.breakers import KEY_PREFIX, State
 from serving.registry import services
 from serving.registry.models import AdapterVersion, DeploymentEvent
 from tests.gateway.conftest import upload_version, wait_for_worker
@@ -96,7 +97,7 @@ def test_a_failing_canary_is_taken_out_of_traffic_and_aborted_once(web, tenant_a
 
 
 def test_an_open_breaker_on_the_active_version_refuses_or_degrades(web, tenant_a, tenant_b, two_tenants,
-                                                                  adapter_dirs):
+                                                                  adapter_dirs, redis_client):
     faq = services.adapter_create(tenant=tenant_a.tenant, name="faq-bot")
     broken = upload_version(faq, adapter_dirs[2], "2.0.0")
     corrupt(broken)
@@ -106,6 +107,13 @@ def test_an_open_breaker_on_the_active_version_refuses_or_degrades(web, tenant_a
         statuses = list(pool.map(lambda _: complete(web, tenant_a.key, "faq-bot", allow_degradation=False).status_code,
                                  range(50)))
     assert set(statuses) == {500}  # the worker's own answer until the breaker has its 50 calls
+    # The gateway counts a call on its breaker after the reply (off the reply's path), so the last
+    # calls' counts may land a moment after their 500s: wait for the shared breaker to open.
+    breaker = KEY_PREFIX + broken.qualified_name
+    deadline = time.monotonic() + 10
+    while redis_client.hget(breaker, "state") != State.OPEN.value.encode():
+        assert time.monotonic() < deadline, f"the breaker is {redis_client.hget(breaker, 'state')!r} after 50 failures"
+        time.sleep(0.05)
 
     refused = complete(web, tenant_a.key, "faq-bot", allow_degradation=False)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "adapter_unavailable"
