@@ -18,6 +18,13 @@ freed. bitsandbytes' row skips ``prepare_model_for_kbit_training`` (it would upc
 head and norms to fp32: more memory, not the recipe's essence) and takes the same gradient
 checkpointing setting as ours. The memory model's prediction (training.memory_model) is printed
 beside each of our rows' measured peak.
+
+``--kernels`` (CUDA) times the INT4 projection's two products instead, at the 8B shape's projections
+and ``--batch`` × ``--seq-len`` rows, each against cuBLAS on the bf16 weight: the forward by the
+fused Triton dequant-GEMM (what the layer runs) and by the Triton dequantizer + cuBLAS; the input
+gradient by the dequantizer + cuBLAS (what the layer runs) and by the fused transposed kernel
+(``kernels.int4.matmul_t_triton``). ``triton.testing.do_bench`` medians; which path the layer takes
+for each product follows from these.
 """
 
 from __future__ import annotations
@@ -69,6 +76,47 @@ def ours(base: LoadedBase, hp: Hyperparameters, examples: list[EncodedExample], 
             "total_s": time.perf_counter() - start, "first_loss": timer.losses[0], "last_loss": timer.losses[-1]}
 
 
+# (name, in, out) of the 8B shape's projections as the trainer holds them (q, k, v apart; gate, up apart).
+KERNEL_SHAPES = [("q_proj/o_proj", 4096, 4096), ("k_proj/v_proj", 4096, 1024), ("gate_proj/up_proj", 4096, 14336),
+                 ("down_proj", 14336, 4096)]
+
+
+def time_kernels(rows: int) -> list[dict[str, Any]]:
+    """ms of each product of an INT4 projection at `rows` rows against cuBLAS on the bf16 weight (module docstring)."""
+    from triton.testing import do_bench
+
+    from kernels import int4
+
+    timings = []
+    generator = torch.Generator().manual_seed(0)
+    for name, fan_in, fan_out in KERNEL_SHAPES:
+        weight = torch.randn(fan_out, fan_in, generator=generator) * 0.02
+        packed = tuple(tensor.cuda() for tensor in int4.quantize(weight, 128))
+        dense = weight.to("cuda", torch.bfloat16).t()  # [in, out], as dequantize gives it
+        x = torch.randn(rows, fan_in, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(rows, fan_out, device="cuda", dtype=torch.bfloat16)
+        figures = {
+            "forward_bf16": do_bench(lambda: x @ dense),
+            "forward_fused": do_bench(lambda: int4.matmul_triton(x, *packed, 128)),
+            "forward_dequantize_cublas": do_bench(lambda: x @ int4.dequantize_triton(*packed, 128, torch.bfloat16)),
+            "backward_bf16": do_bench(lambda: dy @ dense.t()),
+            "backward_dequantize_cublas": do_bench(
+                lambda: dy @ int4.dequantize_triton(*packed, 128, torch.bfloat16).t()),
+            "backward_fused": do_bench(lambda: int4.matmul_t_triton(dy, *packed, 128)),
+            "dequantize": do_bench(lambda: int4.dequantize_triton(*packed, 128, torch.bfloat16)),
+        }  # fmt: skip
+        timings.append({"projection": f"{name} {fan_in}x{fan_out}", "rows": rows, **figures})
+    return timings
+
+
+def print_kernels(timings: list[dict[str, Any]]) -> None:
+    columns = [key for key in timings[0] if key not in ("projection", "rows")]
+    print("| projection | rows | " + " | ".join(f"{column} ms" for column in columns) + " |")
+    print("|---|---:|" + "---:|" * len(columns))
+    for row in timings:
+        print(f"| {row['projection']} | {row['rows']} | " + " | ".join(f"{row[c]:.4f}" for c in columns) + " |")
+
+
 def bitsandbytes_missing(device: torch.device) -> str | None:
     """Why the bitsandbytes row cannot run here; None when it can."""
     if device.type != "cuda":
@@ -107,11 +155,21 @@ def main() -> int:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--no-compile", action="store_true", help="our loop with eager decoder layers")
     parser.add_argument("--skip-bitsandbytes", action="store_true", help="leave the bitsandbytes row out")
+    parser.add_argument("--kernels", action="store_true", help="time the INT4 products only (CUDA)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.steps <= args.warmup_steps:
         parser.error("--steps must be more than --warmup-steps")
     device = pick_device()
+    if args.kernels:
+        if device.type != "cuda":
+            parser.error("--kernels times CUDA kernels: no CUDA device")
+        timings = time_kernels(args.batch * args.seq_len)
+        print(f"{torch.cuda.get_device_name(device)}; AWQ group 128; bf16")
+        print_kernels(timings)
+        if args.json:
+            args.json.write_text(json.dumps({"kernels": timings, "card": card(device.index or 0)}, indent=2))
+        return 0
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_model(Path(tmp) / "tiny", arch="llama", size="tiny")

@@ -242,3 +242,44 @@ def matmul_t_triton(dy: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tenso
         BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return dx
+
+
+@jit
+def _awq_dequantize_kernel(qw_ptr: tl.tensor, qz_ptr: tl.tensor, s_ptr: tl.tensor, w_ptr: tl.tensor, N: tl.tensor,
+                           stride_qw: tl.tensor, stride_qz: tl.tensor, stride_s: tl.tensor, stride_w: tl.tensor,
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:  # fmt: skip
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    word = offs_n // 8
+    j = offs_n % 8
+    shift = ((j // 2) + (j % 2) * 4) * 4  # column j's nibble, AWQ_REVERSE_ORDER[j]
+    group = (pid_k * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: the tile's rows lie in one group
+    q = tl.load(qw_ptr + kk[:, None] * stride_qw + word[None, :], mask=mask_n[None, :], other=0)
+    q = (q >> shift[None, :]) & 0xF
+    z = (tl.load(qz_ptr + group * stride_qz + word, mask=mask_n, other=0) >> shift) & 0xF
+    s = tl.load(s_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    # The reference's rounding: an exact fp32 product, rounded once to the output's dtype.
+    w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + kk[:, None] * stride_w + offs_n[None, :], w, mask=mask_n[None, :])
+
+
+def dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """:func:`dequantize` in one Triton launch: ``W [in, out]`` in ``dtype``, equal to the reference bit
+    for bit (the same fp32 product, one rounding). For a product cuBLAS then takes whole, e.g. QLoRA's
+    input gradient at training's row counts; the caller lets it go after that product."""
+    if group_size % MIN_GROUP:
+        raise ValueError(f"the INT4 kernel needs a group size that is a multiple of {MIN_GROUP}, got {group_size}")
+    K, N = qweight.shape[0], qweight.shape[1] * PACK
+    w = torch.empty((K, N), dtype=dtype, device=qweight.device)
+    block_n = 64
+    block_k = min(64, group_size & -group_size)  # a power of two dividing the group, so K's tiles are whole
+    grid = (K // block_k, triton.cdiv(N, block_n))
+    _awq_dequantize_kernel[grid](
+        qweight, qzeros, scales, w, N, qweight.stride(0), qzeros.stride(0), scales.stride(0), w.stride(0),
+        GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return w

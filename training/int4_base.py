@@ -12,11 +12,14 @@ An `Int4Linear` is an `nn.Linear` without a `weight`, so PEFT wraps it as it wra
 (its LoRA path reads the same input and adds its product, in the compute dtype) and the trainer
 needs no other change. It computes `x @ dequant(W)` through `Int4Matmul`, an autograd function
 whose backward gives the input's gradient only, `dy @ dequant(W)^T`: the base is frozen, so no
-weight gradient exists to compute. Both products are kernels.int4's: on CUDA the Triton kernels,
-which dequantize each weight tile in registers (no bf16 copy of a weight is made, not even one
-layer's for a moment); on the CPU the torch reference, which dequantizes the layer's weight for the
-one product and lets it go. They run as two torch custom ops, so torch.compile captures a decoder
-layer whole around them (training.compiled_layers) rather than breaking its graph at each kernel.
+weight gradient exists to compute. On CUDA the forward is kernels.int4's Triton dequant-GEMM (the
+weight dequantized tile by tile in registers, never whole); the backward dequantizes the layer's
+weight with kernels.int4's Triton dequantizer and lets cuBLAS multiply, the bf16 weight living for
+that one product (training's row counts are where cuBLAS beats a fused tile loop; bench/qlora.py's
+`--kernels` times both, and `kernels.int4.matmul_t_triton`, the fused backward, against it). On the
+CPU both are the torch reference, which dequantizes the layer's weight for the one product. They
+run as two torch custom ops, so torch.compile captures a decoder layer whole around them
+(training.compiled_layers) rather than breaking its graph at each kernel.
 
 The adapter a QLoRA job saves is PEFT's, for the bf16 base: the LoRA weights alone, the same files
 and manifest as any job's (docs/quantized-bases.md says what training on the 4-bit base costs them).
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels.int4 import PACK, matmul_t_torch, matmul_t_triton, matmul_torch, matmul_triton, quantize
+from kernels.int4 import PACK, dequantize_triton, matmul_t_torch, matmul_torch, matmul_triton, quantize
 from training.compiled_layers import decoder_layers
 from training.int4_layout import group_size_for, projection_problem
 from training.trainer import LoadedBase, TrainingSetupError, load_tokenizer, pick_device
@@ -54,9 +57,10 @@ def _int4_matmul_shape(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Ten
 @torch.library.custom_op("loraplex_training::int4_matmul_t", mutates_args=())
 def int4_matmul_t(dy: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int) -> torch.Tensor:  # fmt: skip
-    """``dy [M, out] @ dequant(W)^T``: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """``dy [M, out] @ dequant(W)^T``: on CUDA the layer's weight dequantized by Triton, multiplied by
+    cuBLAS and dropped; the torch reference elsewhere."""
     if dy.is_cuda:
-        return matmul_t_triton(dy.contiguous(), qweight, qzeros, scales, group_size)
+        return dy @ dequantize_triton(qweight, qzeros, scales, group_size, dy.dtype).t()
     return matmul_t_torch(dy, qweight, qzeros, scales, group_size)
 
 

@@ -9,8 +9,9 @@ activation bytes: 2 on the CUDA bf16 path, 4 on the CPU fp32 one):
   (unless tied), the final norm and L decoder layers of q, k, v, o, gate, up, down and two norms.
   A QLoRA job's base (`int4_base`, training.int4_base) holds the seven projections in AWQ's INT4
   instead: half a byte a weight, plus an fp16 scale and a 4-bit zero per group of input rows
-  (training.int4_layout.int4_bytes); its forward and backward kernels dequantize tiles in registers,
-  so it adds no transient to the peak.
+  (training.int4_layout.int4_bytes). Its forward dequantizes tiles in registers; its backward
+  dequantizes one projection at a time for cuBLAS, a transient of the largest projection in the
+  activation dtype, counted in the layer's backward (recompute below).
 - **lora**: 12 bytes a LoRA parameter: the weight and AdamW's two moments, all fp32 (PEFT keeps
   adapter weights in fp32 on a bf16 base; AdamW keeps its states in the parameters' dtype). The
   fp32 gradients (4 bytes more) exist only from the layers' backward on: the trainer sets them to
@@ -31,7 +32,8 @@ activation bytes: 2 on the CUDA bf16 path, 4 on the CPU fp32 one):
 - **workspace**: a constant for cuBLAS's and the attention kernels' scratch (CUDA only).
 
 peak = base + lora + workspace + inputs + max(loss + head, recompute + LoRA gradients), where
-recompute = layer_activation + the layer's backward gradients; without checkpointing,
+recompute = layer_activation + the layer's backward gradients (and the INT4 backward's dequantized
+projection); without checkpointing,
 peak = base + lora + workspace + L × layer_activation + LoRA casts + loss + head.
 (H200 runs of 2026-12-02, bench/trainer_70b.py on the 70B shape cut to 2-64 layers, with and
 without checkpointing, at 1,024-4,096 tokens and ranks 16 and 64, read 0.993-1.000 of this at every
@@ -190,6 +192,9 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
     layer_activation = tokens * layer_activation_per_token(shape, setup)
     # The backward of a layer: the gradients of two intermediate-sized tensors and of the layer's input.
     recompute = layer_activation + tokens * a * (2 * shape.intermediate + 2 * shape.hidden)
+    if setup.int4_base:
+        # The one projection the INT4 backward dequantizes for cuBLAS at a time.
+        recompute += a * max(fan_in * fan_out for fan_in, fan_out in shape.projection_shapes().values())
     loss = tokens * shape.vocab * (a + LOSS_FP32_BYTES)
     head = tokens * shape.hidden * (4 + a)
     if setup.gradient_checkpointing:

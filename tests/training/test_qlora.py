@@ -87,10 +87,33 @@ def test_the_triton_input_gradient_matches_the_reference(rows, in_features, out_
                                int4.matmul_t_torch(dy, qweight, qzeros, scales, group), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("in_features, out_features, group", [(64, 40, 32), (96, 72, 32), (128, 200, 64),
+                                                              (48, 24, 48)])
+def test_the_triton_dequantizer_is_the_reference_bit_for_bit(in_features, out_features, group):
+    """kernels.int4.dequantize_triton (the backward's on CUDA), interpreted, in fp32: the interpreter rounds
+    to bf16 its own way, so bf16 is checked on CUDA (below)."""
+    from kernels.fp8 import INTERPRETED
+
+    if not INTERPRETED:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
+    packed = int4.quantize(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(5)), group)
+    assert torch.equal(int4.dequantize_triton(*packed, group, torch.float32),
+                       int4.dequantize(*packed, group, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dequantizer_on_cuda_is_the_reference_bit_for_bit(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    packed = int4.quantize(torch.randn(14336, 4096, device="cuda"), 128)
+    assert torch.equal(int4.dequantize_triton(*packed, 128, dtype), int4.dequantize(*packed, 128, dtype))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_layer_on_cuda_matches_the_reference(dtype):
-    """The Triton forward and input gradient, the 8B gate projection's shape at 200 rows."""
+    """The Triton forward and the dequantized backward, the 8B gate projection's shape at 200 rows."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     layer = Int4Linear.quantized(_linear(4096, 14336, False), torch.device("cuda"))
