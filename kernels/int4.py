@@ -17,6 +17,11 @@ two paths differ only in the GEMM's accumulation order.
 
 :func:`pack` / :func:`quantize` are the writer's side (tests, benchmarks, a converter): AutoAWQ's
 packing loop, vectorised.
+
+QLoRA training's backward (training.int4_base) needs the input gradient ``dy @ W^T`` and nothing
+else: :func:`dequantize_triton` (the reference's weight, in one launch, for cuBLAS to multiply) and
+:func:`matmul_t_triton` (the forward's tiles multiplied transposed; its torch reference
+:func:`matmul_t_torch`). They add to the serving side's functions and change none of them.
 """
 
 from __future__ import annotations
