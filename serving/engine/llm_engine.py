@@ -101,6 +101,8 @@ class LLMEngine:
                 write_rows=self._write_rows,
                 on_load_done=on_load_done,
                 dora_refusal=config.dora_refusal,
+                vocab_refusal=runner.vocab_refusal,
+                base_vocab=runner.base_vocab,
             )
         self.scheduler = Scheduler(config, self.block_manager, self.lora_cache, max_model_len=self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.hf_config.vocab_size,
@@ -502,6 +504,7 @@ class LLMEngine:
     def _write_rows(self, slot: int, row: int, adapter: CachedAdapter) -> CopyDone | None:
         landed = self.runner.write_rows(slot, row, adapter)
         write_dora_scales(self.runner.lora_modules, slot, adapter)
+        self.runner.write_vocab(slot, adapter)
         assert self.slot_checksums is not None
         self.slot_checksums.record(slot, content=self.runner.rows_checksum(adapter), scaling=adapter.scaling,
                                    rank=adapter.rank, row=row)  # fmt: skip

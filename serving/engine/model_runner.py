@@ -34,9 +34,10 @@ from kernels import LoRAMeta
 from serving.engine.async_scheduling import Feed, FedRows, device_tensor, to_device
 from serving.engine.config import EngineConfig
 from serving.engine.context import PrefillSpan, StepContext, reset_context, set_context
-from serving.engine.decode_graphs import IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
+from serving.engine.decode_graphs import ADAPTER, IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
 from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.lora_linear import MultiLoRALinear, quantize_fp8
+from serving.engine.layers.vocab_lora import VocabAdapters
 from serving.engine.lora.integrity import raw_sum
 from serving.engine.lora.records import CachedAdapter, CopyDone
 from serving.engine.memory_plan import plan_memory
@@ -209,6 +210,30 @@ class ModelRunner:
             for name in layer.slice_names:
                 self.lora_modules[(layer.layer_idx, name)] = layer
         self.lora_meta = LoRAMeta(config.max_num_batched_tokens, slots, self.device)
+        if self.vocab_refusal is None:
+            self.model.vocab_adapters = VocabAdapters(self.device)
+
+    @property
+    def vocab_refusal(self) -> str | None:
+        """Why adapters on embed_tokens / lm_head are refused here; None where they are served."""
+        if self.tp.size > 1:
+            return f"not under tensor parallelism (tensor_parallel_size={self.tp.size}): each rank holds a share of the vocabulary"
+        return None
+
+    def base_vocab(self, module: str) -> torch.Tensor:
+        """The base's ``[vocab, hidden]`` matrix of ``module`` ("embed_tokens" or "lm_head"), which the
+        reader compares an adapter's full copy with (read from a loader thread, never written)."""
+        if module == "lm_head" and not self.model.tie_word_embeddings:
+            weight: torch.Tensor = self.model.lm_head.weight
+        else:
+            weight = self.model.model.get_submodule("embed_tokens").weight
+        return weight.detach()
+
+    def write_vocab(self, slot: int, adapter: CachedAdapter) -> None:
+        """Put ``adapter``'s vocabulary part (or none) in slot ``slot`` (serving.engine.layers.vocab_lora)."""
+        if self.model.vocab_adapters is not None:
+            with torch.no_grad():
+                self.model.vocab_adapters.write(slot, adapter)
 
     def lora_pools(self) -> list[torch.Tensor]:
         """Every adapter row pool of the model (slot integrity sums them)."""
@@ -281,11 +306,13 @@ class ModelRunner:
         dst = device_tensor([d for _, d in copies], self.device)
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
-    def _forward_sampled(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
-        """The logits of ``sample_rows`` (what a graph captures; the step context is set)."""
+    def _forward_sampled(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
+                         row_slots: list[int] | None = None) -> torch.Tensor:
+        """The logits of ``sample_rows`` (what a graph captures; the step context is set). ``row_slots``:
+        their adapter slots, where a vocabulary adapter is on some (never in a graph)."""
         hidden = self.model(input_ids, positions).index_select(0, sample_rows)
         # Every rank of a tensor-parallel engine runs a flat step alike, so each gives its share.
-        return self.model.compute_logits(hidden, every_rank=True)
+        return self.model.compute_logits(hidden, every_rank=True, row_slots=row_slots)
 
     def _decode_splits(self, num_decode: int, max_context: int) -> int:
         if self.attention != "triton" or num_decode == 0:
@@ -363,6 +390,7 @@ class ModelRunner:
             table = device_tensor(seq.block_table, device) if seq.num_computed_tokens else None
             context.prefills.append(PrefillSpan(row, num, seq.num_computed_tokens, table))
         lora = self.lora_meta is not None and any(s >= 0 for s in token_slots)
+        vocab = self.model.vocab_adapters is not None and self.model.vocab_adapters.begin_step(token_slots)
         cold = self._saw("eager", len(input_ids), lora, len(input_ids))
         if lora and self.lora_meta is not None:
             context.lora = self.lora_meta.prepare(device_tensor(token_slots, device, torch.int32))
@@ -381,7 +409,8 @@ class ModelRunner:
         if not sampled:
             self._cold_done(cold)
             return StepLogits([], None)
-        logits = self.model.compute_logits(hidden[device_tensor(sample_rows, device)])
+        row_slots = [token_slots[row] for row in sample_rows] if vocab else None
+        logits = self.model.compute_logits(hidden[device_tensor(sample_rows, device)], row_slots=row_slots)
         self._cold_done(cold)
         return self._logits_of(sampled, logits)
 
@@ -395,7 +424,8 @@ class ModelRunner:
         last = min(start + hidden.shape[0], seq.num_prompt_tokens - 1)
         if first >= last:
             return
-        logp = torch.log_softmax(self.model.compute_logits(hidden[first - start : last - start]).float(), dim=-1)
+        logits = self.model.compute_logits(hidden[first - start : last - start], row_slots=[seq.lora_slot] * (last - first))
+        logp = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(seq.prompt_token_ids[first + 1 : last + 1], device=logp.device)
         chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
         ranks = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
@@ -410,7 +440,10 @@ class ModelRunner:
             seq.prompt_logprobs.append(entry)
 
     def _execute_flat(self, step: FlatStep) -> StepLogits:
-        if self.graphs is not None and not self.enforce_eager:
+        vocab = self.model.vocab_adapters
+        # A step with rows of an adapter on the vocabulary modules runs eagerly: the graphs hold no
+        # vocabulary step (its gathers are data-dependent: serving.engine.layers.vocab_lora).
+        if self.graphs is not None and not self.enforce_eager and not (vocab is not None and vocab.serves(step.rows[ADAPTER])):
             size = self.graphs.size_for(step)
             if size is not None:
                 cold = self._saw("graph", size, step.lora and self.lora_meta is not None, step.num_tokens)
@@ -420,6 +453,9 @@ class ModelRunner:
                 self._cold_done(cold)
                 return self._logits_of(step.sampled, replayed)
         cold = self._saw("flat", step.num_tokens, step.lora and self.lora_meta is not None, step.num_tokens)
+        row_slots = None
+        if vocab is not None and vocab.begin_step(step.rows[ADAPTER]):
+            row_slots = [step.rows[ADAPTER][row] for row in step.sample_rows]
         device = self.device
         inputs = to_device(host_tensor(step.rows), device)
         step.fed.apply(inputs[IDS])
@@ -433,7 +469,7 @@ class ModelRunner:
         set_context(context)
         try:
             sample_rows = device_tensor(step.sample_rows, device)
-            logits = self._forward_sampled(inputs[IDS], inputs[POS], sample_rows)
+            logits = self._forward_sampled(inputs[IDS], inputs[POS], sample_rows, row_slots)
         finally:
             reset_context()
         self._cold_done(cold)

@@ -7,6 +7,7 @@ loop. The offline LLM on the same model is the reference for what a request must
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -217,7 +218,6 @@ def bad_adapters(
     good = adapters["a"]
     cases: dict[str, tuple[Path, str]] = {
         "rank": (make_adapter(tiny_llama_dir, r=128, lora_alpha=16, seed=3), "rank 128 exceeds max_lora_rank 64"),
-        "module": (make_adapter(tiny_llama_dir, r=4, lora_alpha=8, target_modules=("lm_head",), seed=4), "unsupported target module(s) lm_head"),
         "base": (
             make_adapter(tiny_llama_dir, r=4, lora_alpha=8, seed=5, base_model_name_or_path="org/other-model"),
             "other-model",
@@ -229,6 +229,10 @@ def bad_adapters(
     tensors[key] = torch.zeros(tensors[key].shape[0] + 3, tensors[key].shape[1])
     save_file(tensors, shape / "adapter_model.safetensors")
     cases["shape"] = (shape, "has shape")
+    module = _copy(good, root / "module")
+    config = json.loads((module / "adapter_config.json").read_text())
+    (module / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["norm"]}))
+    cases["module"] = (module, "modules_to_save (norm) is not supported")
     missing = _copy(good, root / "missing")
     (missing / "adapter_model.safetensors").unlink()
     cases["missing"] = (missing, "missing")

@@ -32,7 +32,7 @@ import torch
 from serving.engine.lora.cpu_cache import CPUCache
 from serving.engine.lora.gpu_slots import Grant, SlotTable, WriteRows
 from serving.engine.lora.loader import AdapterLoader
-from serving.engine.lora.reader import AdapterError, BaseShapes, LoadedAdapter
+from serving.engine.lora.reader import MAX_CHANGED_ROWS_DIVISOR, AdapterError, BaseShapes, LoadedAdapter
 from serving.engine.lora.records import AdapterHandle, CachedAdapter, LoadResult, PendingLoad
 from serving.engine.lora.request import LoRARequest
 
@@ -43,6 +43,19 @@ class AdapterNotFoundError(AdapterError):
 
 # Where a prefetched adapter ended: in a GPU slot, or in the CPU cache only.
 Placement = Literal["gpu", "cpu"]
+
+# Why a cache built without word of the vocabulary modules refuses adapters on them.
+NO_VOCAB = "this engine was not set up to serve them"
+
+
+def max_vocab_bytes(shapes: BaseShapes, max_lora_rank: int, dtype: torch.dtype) -> int:
+    """The most an adapter's vocabulary part can take (``reader.VocabDelta``, in ``dtype``): LoRA of
+    ``max_lora_rank`` on embed_tokens and on lm_head (``r x (vocab + hidden)`` each) and, of each of
+    their copies, the changed rows the reader lets through (``vocab // MAX_CHANGED_ROWS_DIVISOR``
+    rows of ``hidden``, each with its int64 token id)."""
+    vocab, hidden = shapes.vocab_size, shapes.hidden_size
+    rows = vocab // MAX_CHANGED_ROWS_DIVISOR
+    return 2 * (max_lora_rank * (vocab + hidden) + rows * hidden) * dtype.itemsize + 2 * rows * 8
 
 
 @dataclass(frozen=True)
@@ -82,8 +95,12 @@ class LoRACache:
         write_rows: WriteRows,
         on_load_done: Callable[[], None],
         dora_refusal: str | None = None,
+        vocab_refusal: str | None = NO_VOCAB,
+        base_vocab: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
-        """``dora_refusal``: why this engine refuses DoRA adapters (their loads fail saying so); None serves them."""
+        """``dora_refusal``: why this engine refuses DoRA adapters (their loads fail saying so); None serves
+        them. ``vocab_refusal`` likewise for adapters on embed_tokens / lm_head, which ``base_vocab``
+        (the base's matrix of either, by name) lets the reader compare full copies with."""
         self.num_slots = num_slots
         self.num_rows = num_rows
         self.max_lora_rank = max_lora_rank
@@ -95,7 +112,9 @@ class LoRACache:
         shapes = BaseShapes.from_config(base_config)
         magnitude_bytes = 0 if dora_refusal is not None else (
             4 * shapes.num_layers * sum(out for _, out in shapes.modules.values()))
-        self._cpu = CPUCache(capacity_bytes=cpu_cache_bytes, entry_bytes=max_lora_rank * row_bytes + magnitude_bytes,
+        vocab_bytes = 0 if vocab_refusal is not None else max_vocab_bytes(shapes, max_lora_rank, dtype)
+        self._cpu = CPUCache(capacity_bytes=cpu_cache_bytes,
+                             entry_bytes=max_lora_rank * row_bytes + magnitude_bytes + vocab_bytes,
                              max_entries=max_cpu_loras)
         self._loader = AdapterLoader(
             base_config=base_config,
@@ -105,6 +124,8 @@ class LoRACache:
             pin_memory=pin_memory,
             on_done=on_load_done,
             dora_refusal=dora_refusal,
+            vocab_refusal=vocab_refusal,
+            base_vocab=base_vocab,
         )
         self._loads = 0
         self._load_failures = 0
@@ -428,7 +449,7 @@ class LoRACache:
                 dora=loaded.use_dora,
             )
             self._by_digest[loaded.digest] = adapter
-        self._cpu.put(adapter, result.weights, result.magnitudes)
+        self._cpu.put(adapter, result.weights, result.magnitudes, result.vocab)
         return adapter
 
     def _bind(self, name: str, adapter: CachedAdapter, *, load_inplace: bool) -> None:

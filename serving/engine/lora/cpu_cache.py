@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from serving.engine.lora.reader import Magnitudes, Weights
+from serving.engine.lora.reader import Magnitudes, VocabDelta, Weights
 from serving.engine.lora.records import CachedAdapter
 
 
@@ -33,12 +33,14 @@ class CPUCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, adapter: CachedAdapter, weights: Weights, magnitudes: Magnitudes | None = None) -> None:
-        """Keep ``weights`` (and a DoRA adapter's ``magnitudes``) as ``adapter``'s CPU copy unless it has
-        one; either way it is now the newest."""
+    def put(self, adapter: CachedAdapter, weights: Weights, magnitudes: Magnitudes | None = None,
+            vocab: VocabDelta | None = None) -> None:
+        """Keep ``weights`` (and a DoRA adapter's ``magnitudes``, a vocabulary adapter's ``vocab``) as
+        ``adapter``'s CPU copy unless it has one; either way it is now the newest."""
         if adapter.weights is None:
             adapter.weights = weights
             adapter.magnitudes = magnitudes
+            adapter.vocab = vocab
             self._entries[adapter.digest] = adapter
             self.nbytes += adapter.nbytes
         self._entries.move_to_end(adapter.digest)
@@ -84,3 +86,4 @@ class CPUCache:
         self.nbytes -= adapter.nbytes
         adapter.weights = None
         adapter.magnitudes = None
+        adapter.vocab = None

@@ -42,9 +42,15 @@ class AdapterLoader:
         pin_memory: bool,
         on_done: Callable[[], None],
         dora_refusal: str | None = None,
+        vocab_refusal: str | None = None,
+        base_vocab: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
+        """``vocab_refusal`` / ``base_vocab``: as ``load_adapter``'s (why adapters on embed_tokens /
+        lm_head are refused here; the base's matrices their full copies are compared with)."""
         self._base_config = base_config
         self._dora_refusal = dora_refusal
+        self._vocab_refusal = vocab_refusal
+        self._base_vocab = base_vocab
         self._base_model_name = base_model_name
         self._max_lora_rank = max_lora_rank
         self._dtype = dtype
@@ -125,6 +131,8 @@ class AdapterLoader:
             max_lora_rank=self._max_lora_rank,
             base_model_name=self._base_model_name,
             dora_refusal=self._dora_refusal,
+            vocab_refusal=self._vocab_refusal,
+            base_vocab=self._base_vocab,
         )
         # One buffer for the whole adapter, each tensor a view of it: on CUDA it is pinned, and one
         # pinned allocation (cudaHostAlloc, serialised in the driver) replaces two per tensor (a
@@ -146,6 +154,10 @@ class AdapterLoader:
         # DoRA's magnitudes stay fp32 (the per-row scale is computed from them once, at slot load) and
         # outside the buffer: they never enter the pool's rows, whose checksum is the buffer's.
         magnitudes = loaded.magnitudes
-        nbytes = buffer.nbytes + sum(m.nbytes for m in (magnitudes or {}).values())
+        # The vocabulary part (LoRA on embed_tokens / lm_head, changed rows) is copied per slot as tensors
+        # of its own (serving.engine.layers.vocab_lora), also outside the buffer, in the model's dtype.
+        vocab = loaded.vocab.converted(self._dtype, pin_memory=self._pin) if loaded.vocab is not None else None
+        nbytes = (buffer.nbytes + sum(m.nbytes for m in (magnitudes or {}).values())
+                  + (vocab.nbytes if vocab is not None else 0))
         # The raw-bit sum is a sum of integers, so the buffer's is the sum of its tensors'.
-        return LoadResult(loaded, weights, time.perf_counter() - start, nbytes, raw_sum(buffer), magnitudes)
+        return LoadResult(loaded, weights, time.perf_counter() - start, nbytes, raw_sum(buffer), magnitudes, vocab)

@@ -14,9 +14,24 @@ Every problem raises `AdapterError` with a message naming it. Supported: LoRA (`
 its checkpoints and PEFT name whole) with one rank and alpha for all modules, optionally
 rsLoRA, DoRA (`use_dora`: every adapted module also has its `lora_magnitude_vector`, one value
 per output feature; docs/adapter-kinds.md) and `layers_to_transform` (layers without tensors get
-no LoRA). Refused, each naming what it is: trained biases, `modules_to_save` and LoRA on
-`embed_tokens` / `lm_head` (the vocabulary matrices; docs/adapter-kinds.md says why),
-`rank_pattern`/`alpha_pattern`, `fan_in_fan_out`, trainable tokens.
+no LoRA).
+
+The vocabulary modules (`embed_tokens`, `lm_head`; docs/adapter-kinds.md, "Vocabulary modules"):
+LoRA on them (PEFT's `lora_embedding_A [r, vocab]` / `lora_embedding_B [hidden, r]` on the
+embedding, a plain `lora_A` / `lora_B` pair on the head) is read as it is. A full copy of one
+(`modules_to_save`, or the `base_layer.weight` PEFT saves beside LoRA on them with
+`save_embedding_layers`) is never kept whole: `load_adapter` compares it with the base's matrix
+(`base_vocab`) and keeps only the rows that differ, with their token ids (`VocabDelta`), and refuses
+the adapter when more than 1/`MAX_CHANGED_ROWS_DIVISOR` of the vocabulary's rows differ (then it
+is a full copy, which the engine does not hold per adapter). Refused too, naming why: a copy or
+LoRA of another vocabulary size (resized embeddings, new tokens), any of them on a base that ties
+`lm_head` to `embed_tokens`, and `vocab_refusal` (why an engine serves none, e.g. under tensor
+parallelism). `validate_adapter_dir` (no weights, no base matrices) checks their names and shapes
+only; the changed-row bound is `load_adapter`'s.
+
+Refused, each naming what it is: trained biases, `modules_to_save` of any other module (a
+classifier, a norm: whole copies of base modules), `rank_pattern`/`alpha_pattern`,
+`fan_in_fan_out`, trainable tokens.
 
 Base model check: when `base_model_name` is given, the config's `base_model_name_or_path` must
 name the same model, compared by last path component, case-insensitively
@@ -64,6 +79,9 @@ __all__ = [
     "AdapterSpec",
     "BaseShapes",
     "LoadedAdapter",
+    "MAX_CHANGED_ROWS_DIVISOR",
+    "VOCABULARY_MODULES",
+    "VocabDelta",
     "download_s3_prefix",
     "load_adapter",
     "validate_adapter_dir",
@@ -94,9 +112,19 @@ _MAGNITUDE_KEY = re.compile(
     r"\.lora_magnitude_vector$"
 )
 _ANY_LORA_KEY = re.compile(r"(?:^|\.)(?P<module>\w+)\.lora_\w+")
-# The vocabulary modules: PEFT can adapt them (LoRA on them, or modules_to_save copies), the engine
-# serves neither (docs/adapter-kinds.md); their tensors are refused by name.
+# The vocabulary modules: LoRA on them and their full copies (modules_to_save) are served as deltas
+# on the base's matrices (docs/adapter-kinds.md).
 VOCABULARY_MODULES = ("embed_tokens", "lm_head")
+# PEFT's names for them: LoRA on the embedding (no ".weight"), LoRA on the head, and a full copy
+# (modules_to_save's, or save_embedding_layers' base_layer beside LoRA on the module).
+_VOCAB_LORA_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.(?P<embed>embed_tokens)\.lora_embedding_(?P<embed_which>[AB])"
+    r"|(?P<head>lm_head)\.lora_(?P<head_which>[AB])\.weight)$"
+)
+_VOCAB_COPY_KEY = re.compile(r"^base_model\.model\.(?:model\.)?(?P<module>embed_tokens|lm_head)(?:\.base_layer)?\.weight$")
+# A full copy may differ from the base in at most vocab // this many rows: beyond, it is a copy of
+# the matrix (1/8 of Llama-3-8B's is 131 MB in bf16, 1.6 rank-16 adapters on all projections).
+MAX_CHANGED_ROWS_DIVISOR = 8
 
 # (layer index, module name) -> (A[r, in], B[out, r]): fp32 as read, the model's dtype once the
 # loader has converted them for a slot copy.
@@ -111,6 +139,11 @@ class BaseShapes:
 
     num_layers: int
     modules: Mapping[str, tuple[int, int]]
+    # The vocabulary matrices' shape [vocab_size, hidden_size] (0: not known, every vocabulary tensor
+    # is refused) and whether lm_head is embed_tokens' matrix.
+    vocab_size: int = 0
+    hidden_size: int = 0
+    tied_embeddings: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> BaseShapes:
@@ -132,6 +165,9 @@ class BaseShapes:
         return cls(
             num_layers=config.num_hidden_layers,
             modules={**attention, "o_proj": (q, hidden), **mlp, "down_proj": (inter, hidden)},
+            vocab_size=config.vocab_size,
+            hidden_size=hidden,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
 
@@ -148,11 +184,52 @@ class AdapterSpec:
     base_model_name_or_path: str | None
     weights_bytes: int
     use_dora: bool = False
+    # Vocabulary modules the adapter keeps a full copy of (modules_to_save, or save_embedding_layers'):
+    # served as the rows that differ from the base's.
+    vocab_copies: frozenset[str] = frozenset()
 
     @property
     def kind(self) -> str:
         """One of ADAPTER_KINDS: "dora" or "lora"."""
         return ADAPTER_KINDS[1] if self.use_dora else ADAPTER_KINDS[0]
+
+
+@dataclass(frozen=True)
+class VocabDelta:
+    """An adapter's part on the vocabulary modules, none of it a copy of a base matrix.
+
+    ``embed_lora`` ``(A [r, vocab], B [hidden, r])``: the embedding of token ``t`` gains
+    ``scaling * B @ A[:, t]`` (PEFT's ``lora_embedding_A`` / ``_B``). ``head_lora`` ``(A [r, hidden],
+    B [vocab, r])``: the logits gain ``scaling * B @ A @ h``. ``embed_rows`` / ``head_rows``
+    ``(token ids [k] int64 ascending, rows [k, hidden])``: the rows of a full copy that differ from
+    the base's, which replace the base's rows for this adapter's tokens (the embedding of those
+    tokens; those logits, ``rows @ h``)."""
+
+    embed_lora: tuple[torch.Tensor, torch.Tensor] | None = None
+    head_lora: tuple[torch.Tensor, torch.Tensor] | None = None
+    embed_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    head_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for part in (self.embed_lora, self.head_lora, self.embed_rows, self.head_rows)
+                if part is not None for t in part]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def converted(self, dtype: torch.dtype, *, pin_memory: bool) -> VocabDelta:
+        """The same with its float tensors in ``dtype`` (pinned on CUDA for the copy into a slot);
+        token ids stay int64."""
+
+        def convert(part: tuple[torch.Tensor, torch.Tensor] | None, *, ids: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if part is None:
+                return None
+            out = tuple(t if ids and i == 0 else t.to(dtype) for i, t in enumerate(part))
+            return tuple(t.pin_memory() if pin_memory else t for t in out)  # type: ignore[return-value]
+
+        return VocabDelta(convert(self.embed_lora, ids=False), convert(self.head_lora, ids=False),
+                          convert(self.embed_rows, ids=True), convert(self.head_rows, ids=True))
 
 
 @dataclass(frozen=True)
@@ -175,6 +252,7 @@ class LoadedAdapter:
     nbytes: int
     use_rslora: bool = False
     magnitudes: Magnitudes | None = None
+    vocab: VocabDelta | None = None  # its part on embed_tokens / lm_head, if any
 
     @property
     def use_dora(self) -> bool:
@@ -188,12 +266,14 @@ def validate_adapter_dir(
     max_lora_rank: int,
     base_model_name: str | Iterable[str] | None = None,
     dora_refusal: str | None = None,
+    vocab_refusal: str | None = None,
 ) -> AdapterSpec:
     """Check a local adapter directory against the base without reading its tensors.
 
     `base_config` is a transformers config or a `BaseShapes`; `base_model_name` the accepted base
     name(s) (module docstring); `dora_refusal`, when given, is why this server refuses DoRA adapters
-    (the error says it). Verifies manifest.json when present. Raises AdapterError.
+    (the error says it); `vocab_refusal` likewise for adapters on embed_tokens / lm_head. Verifies
+    manifest.json when present. Raises AdapterError.
     """
     adapter_dir = Path(adapter_dir)
     shapes = _shapes(base_config)
@@ -216,8 +296,9 @@ def validate_adapter_dir(
             layout = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in header.items()}
     except Exception as exc:  # safetensors raises its own error types for every malformed file
         raise AdapterError(f"{WEIGHTS_NAME} is not a valid safetensors file: {exc}") from None
-    pairs, _ = _check_layout(layout, rank=rank, shapes=shapes, use_dora=use_dora)
-    modules = frozenset(module for _, module in pairs)
+    found = _check_layout(layout, rank=rank, shapes=shapes, use_dora=use_dora)
+    _check_vocabulary(found, config, shapes, vocab_refusal)
+    modules = frozenset(module for _, module in found.pairs) | frozenset(found.vocab_lora)
     if config_modules is not None and not modules <= config_modules:
         raise AdapterError(
             f"{WEIGHTS_NAME} has tensors for {', '.join(sorted(modules - config_modules))}, "
@@ -229,10 +310,11 @@ def validate_adapter_dir(
         scaling=alpha / math.sqrt(rank) if use_rslora else alpha / rank,
         use_rslora=use_rslora,
         target_modules=modules,
-        layers=frozenset(layer for layer, _ in pairs),
+        layers=frozenset(layer for layer, _ in found.pairs),
         base_model_name_or_path=base_name,
         weights_bytes=weights_path.stat().st_size,
         use_dora=use_dora,
+        vocab_copies=frozenset(found.vocab_copies),
     )
 
 
@@ -243,10 +325,15 @@ def load_adapter(
     max_lora_rank: int,
     base_model_name: str | Iterable[str] | None = None,
     dora_refusal: str | None = None,
+    vocab_refusal: str | None = None,
+    base_vocab: Callable[[str], torch.Tensor] | None = None,
 ) -> LoadedAdapter:
     """Validate (as `validate_adapter_dir`) and read an adapter into fp32 CPU tensors.
 
-    `source`: a local directory, `file://` URI or `s3://bucket/prefix`. Raises AdapterError.
+    `source`: a local directory, `file://` URI or `s3://bucket/prefix`. `base_vocab(module)`: the
+    base's `[vocab, hidden]` matrix of "embed_tokens" or "lm_head" (on any device, in the dtype the
+    engine serves), which a full copy of that module is compared with; without it such an adapter
+    is refused. Raises AdapterError.
     """
     import torch
     from safetensors.torch import load_file
@@ -258,6 +345,7 @@ def load_adapter(
             max_lora_rank=max_lora_rank,
             base_model_name=base_model_name,
             dora_refusal=dora_refusal,
+            vocab_refusal=vocab_refusal,
         )
         digest = adapter_digest(adapter_dir)
         try:
@@ -267,21 +355,15 @@ def load_adapter(
     shapes = _shapes(base_config)
     # Checked again on what was read: the file may have changed since its header was validated.
     layout = {name: (tuple(t.shape), _dtype_code(t.dtype)) for name, t in tensors.items()}
-    pairs, magnitude_names = _check_layout(layout, rank=spec.rank, shapes=shapes, use_dora=spec.use_dora)
+    found = _check_layout(layout, rank=spec.rank, shapes=shapes, use_dora=spec.use_dora)
     weights: Weights = {}
-    for (layer, module), (a_name, b_name) in sorted(pairs.items()):
-        a = tensors[a_name].to(torch.float32).contiguous()
-        b = tensors[b_name].to(torch.float32).contiguous()
-        for name, tensor in ((a_name, a), (b_name, b)):
-            # A NaN or an infinity makes the sum non-finite; only then is every element looked at
-            # (an fp32 sum of finite values can overflow): the full check costs a load 10x the sum.
-            if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
-                raise AdapterError(f"tensor {name} contains NaN or infinite values")
-        weights[layer, module] = (a, b)
+    for (layer, module), (a_name, b_name) in sorted(found.pairs.items()):
+        weights[layer, module] = (_finite(tensors, a_name), _finite(tensors, b_name))
+    vocab = _read_vocabulary(found, tensors, shapes, base_vocab)
     magnitudes: Magnitudes | None = None
     if spec.use_dora:
         magnitudes = {}
-        for key, name in sorted(magnitude_names.items()):
+        for key, name in sorted(found.magnitudes.items()):
             m = tensors[name].to(torch.float32).contiguous()
             if not torch.isfinite(m).all():
                 raise AdapterError(f"tensor {name} contains NaN or infinite values")
@@ -293,10 +375,67 @@ def load_adapter(
         scaling=spec.scaling,
         target_modules=spec.target_modules,
         weights=weights,
-        nbytes=sum(a.nbytes + b.nbytes for a, b in weights.values()),
+        nbytes=sum(a.nbytes + b.nbytes for a, b in weights.values()) + (vocab.nbytes if vocab is not None else 0),
         use_rslora=spec.use_rslora,
         magnitudes=magnitudes,
+        vocab=vocab,
     )
+
+
+def _finite(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Tensor ``name`` as contiguous fp32, refused if it holds a NaN or an infinity."""
+    import torch
+
+    tensor = tensors[name].to(torch.float32).contiguous()
+    # A NaN or an infinity makes the sum non-finite; only then is every element looked at (an fp32
+    # sum of finite values can overflow): the full check costs a load 10x the sum.
+    if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
+        raise AdapterError(f"tensor {name} contains NaN or infinite values")
+    return tensor
+
+
+def _read_vocabulary(found: _Layout, tensors: Mapping[str, torch.Tensor], shapes: BaseShapes,
+                     base_vocab: Callable[[str], torch.Tensor] | None) -> VocabDelta | None:
+    """The adapter's ``VocabDelta``: its LoRA on the vocabulary modules as read, and of each full copy
+    the rows that differ from the base's (refused past the bound)."""
+    if not found.vocab_lora and not found.vocab_copies:
+        return None
+    lora = {module: (_finite(tensors, names["A"]), _finite(tensors, names["B"]))
+            for module, names in found.vocab_lora.items()}
+    rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, name in found.vocab_copies.items():
+        if base_vocab is None:
+            raise AdapterError(
+                f"tensor {name} is a full copy of {module}; this engine cannot compare it with the base's matrix, "
+                "so it does not serve it"
+            )
+        rows[module] = _changed_rows(name, module, _finite(tensors, name), base_vocab(module), shapes.vocab_size)
+    return VocabDelta(embed_lora=lora.get("embed_tokens"), head_lora=lora.get("lm_head"),
+                      embed_rows=rows.get("embed_tokens"), head_rows=rows.get("lm_head"))
+
+
+def _changed_rows(name: str, module: str, copy: torch.Tensor, base: torch.Tensor,
+                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token ids, rows)`` of ``copy`` that differ from ``base`` once in the base's dtype (the
+    precision the engine serves it at), compared by blocks of rows so that no second full matrix
+    is made on the base's device; refused when more than 1/MAX_CHANGED_ROWS_DIVISOR of them do."""
+    import torch
+
+    changed = []
+    for start in range(0, vocab_size, 4096):
+        block = base[start:start + 4096].to("cpu")
+        differs = (copy[start:start + 4096].to(block.dtype) != block).any(dim=1)
+        changed.append(differs.nonzero().squeeze(1) + start)
+    ids = torch.cat(changed)
+    bound = vocab_size // MAX_CHANGED_ROWS_DIVISOR
+    if ids.numel() > bound:
+        raise AdapterError(
+            f"tensor {name}: {ids.numel()} of {module}'s {vocab_size} rows differ from the base model's, more than "
+            f"1/{MAX_CHANGED_ROWS_DIVISOR} of the vocabulary ({bound} rows): that is a full copy of the matrix, "
+            f"which the engine does not hold per adapter; train LoRA on {module} instead, or change fewer rows "
+            "(docs/adapter-kinds.md)"
+        )
+    return ids, copy.index_select(0, ids).contiguous()
 
 
 def _shapes(base_config: Any) -> BaseShapes:
@@ -315,11 +454,15 @@ def _check_config(
             f"{ADAPTER_CONFIG_NAME} has peft_type {peft_type!r}; only LoRA adapters (\"LORA\") "
             "are supported"
         )
+    saved = [str(module) for module in config.get("modules_to_save") or []]
+    others = [module for module in saved if module not in VOCABULARY_MODULES]
+    if others:
+        raise AdapterError(
+            f"{ADAPTER_CONFIG_NAME}: modules_to_save ({', '.join(others)}) is not supported: the adapter would carry "
+            "whole copies of those modules of the shared base model; only embed_tokens and lm_head are served, as "
+            "the rows that differ from the base's (docs/adapter-kinds.md)"
+        )
     refusals = {
-        "modules_to_save": f"modules_to_save ({', '.join(map(str, config.get('modules_to_save') or []))}) is "
-        "not supported: the adapter would carry whole copies of those modules of the shared base model (for "
-        "embed_tokens and lm_head a vocabulary matrix per adapter); train LoRA on the projections instead "
-        "(docs/adapter-kinds.md)",
         "rank_pattern": "rank_pattern is not supported: save the adapter with one rank for all "
         "modules",
         "alpha_pattern": "alpha_pattern is not supported: save the adapter with one lora_alpha "
@@ -355,14 +498,11 @@ def _check_config(
         modules = None
     elif isinstance(target_modules, list) and all(isinstance(m, str) for m in target_modules):
         modules = frozenset(target_modules)
-        unsupported = sorted(modules - set(SUPPORTED_MODULES))
-        vocabulary = [module for module in unsupported if module in VOCABULARY_MODULES]
-        if vocabulary:
-            raise AdapterError(f"unsupported target module(s) {', '.join(unsupported)}: {_vocabulary_refusal(vocabulary[0])}")
+        unsupported = sorted(modules - set(SUPPORTED_MODULES) - set(VOCABULARY_MODULES))
         if unsupported:
             raise AdapterError(
                 f"unsupported target module(s) {', '.join(unsupported)}; supported: "
-                f"{', '.join(SUPPORTED_MODULES)}"
+                f"{', '.join(SUPPORTED_MODULES + VOCABULARY_MODULES)}"
             )
     else:
         raise AdapterError(
@@ -372,11 +512,27 @@ def _check_config(
     return rank, float(alpha), bool(config.get("use_rslora")), modules
 
 
-def _vocabulary_refusal(module: str) -> str:
-    return (
-        f"LoRA on {module} is not served: the engine applies adapters to the attention and MLP projections "
-        f"(supported: {', '.join(SUPPORTED_MODULES)}), not to the vocabulary matrices (docs/adapter-kinds.md)"
-    )
+def _check_vocabulary(found: _Layout, config: Mapping[str, Any], shapes: BaseShapes, refusal: str | None) -> None:
+    """An adapter with tensors on embed_tokens / lm_head is served only where the engine serves such
+    adapters and the base keeps the two matrices apart; modules_to_save must name what it copies."""
+    modules = sorted(set(found.vocab_lora) | set(found.vocab_copies))
+    for module in config.get("modules_to_save") or []:
+        if module not in found.vocab_copies:
+            raise AdapterError(f"{ADAPTER_CONFIG_NAME}'s modules_to_save names {module}, but {WEIGHTS_NAME} holds "
+                               "no copy of it")
+    if not modules:
+        return
+    what = ", ".join(modules)
+    if config.get("use_dora") and found.vocab_lora:
+        raise AdapterError(f"DoRA on {', '.join(sorted(found.vocab_lora))} is not served: DoRA adapters are served on "
+                           f"the projections ({', '.join(SUPPORTED_MODULES)}) only")
+    if refusal is not None:
+        raise AdapterError(f"adapters on the vocabulary modules ({what}) are not served here: {refusal}")
+    if shapes.tied_embeddings:
+        raise AdapterError(
+            f"the adapter adapts {what}, but the base model ties lm_head to embed_tokens (tie_word_embeddings): "
+            "adapters on the vocabulary modules are served on bases that keep them apart (docs/adapter-kinds.md)"
+        )
 
 
 def _name_key(name: str) -> str:
@@ -411,15 +567,64 @@ def _dtype_code(dtype: torch.dtype) -> str:
     return _DTYPE_CODES.get(str(dtype), str(dtype))
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """An adapter file's tensors by role: ``pairs`` (layer, module) → (A name, B name); ``magnitudes``
+    (layer, module) → DoRA magnitude name; ``vocab_lora`` module → {"A": name, "B": name};
+    ``vocab_copies`` module → the name of its full copy."""
+
+    pairs: dict[tuple[int, str], tuple[str, str]]
+    magnitudes: dict[tuple[int, str], str]
+    vocab_lora: dict[str, dict[str, str]]
+    vocab_copies: dict[str, str]
+
+
+def _check_vocab_tensor(name: str, module: str, shape: tuple[int, ...], dtype: str, shapes: BaseShapes,
+                        want: tuple[int, ...], vocab_axis: int | None) -> None:
+    """One tensor on a vocabulary module: a float dtype, ``want``'s shape; a vocabulary axis
+    (``vocab_axis``, if it has one) of another length is a resized vocabulary, refused as such."""
+    if dtype not in _FLOAT_DTYPES:
+        raise AdapterError(f"tensor {name} has dtype {dtype}; adapter weights must be floating point")
+    if vocab_axis is not None and len(shape) == len(want) and shape[vocab_axis] != shapes.vocab_size and all(
+            s == w for i, (s, w) in enumerate(zip(shape, want)) if i != vocab_axis):
+        raise AdapterError(
+            f"tensor {name} has a vocabulary of {shape[vocab_axis]} tokens, but the base model's {module} has "
+            f"{shapes.vocab_size}: adapters that resize the vocabulary (new tokens) are not served; add the tokens "
+            "to the base model's vocabulary, or train on its own tokens"
+        )
+    if tuple(shape) != want:
+        raise AdapterError(f"tensor {name} has shape {tuple(shape)}, but the base model expects {want}")
+
+
 def _check_layout(
     layout: Mapping[str, tuple[tuple[int, ...], str]], *, rank: int, shapes: BaseShapes, use_dora: bool = False
-) -> tuple[dict[tuple[int, str], tuple[str, str]], dict[tuple[int, str], str]]:
-    """((layer, module) → (A name, B name), (layer, module) → magnitude name), after checking every
-    tensor's name, dtype and shape; a DoRA adapter (``use_dora``) has one magnitude per (A, B) pair,
-    any other none."""
+) -> _Layout:
+    """The tensors by role (``_Layout``), after checking every tensor's name, dtype and shape; a DoRA
+    adapter (``use_dora``) has one magnitude per (A, B) pair, any other none."""
     found: dict[tuple[int, str], dict[str, str]] = {}
     magnitudes: dict[tuple[int, str], str] = {}
+    vocab_lora: dict[str, dict[str, str]] = {}
+    vocab_copies: dict[str, str] = {}
+    vocab, hidden = shapes.vocab_size, shapes.hidden_size
     for name, (shape, dtype) in sorted(layout.items()):
+        lora = _VOCAB_LORA_KEY.match(name)
+        if lora is not None:
+            module = lora["embed"] or lora["head"]
+            which = lora["embed_which"] or lora["head_which"]
+            # Embedding: A [r, vocab], B [hidden, r]; head: A [r, hidden], B [vocab, r].
+            want, axis = {("embed_tokens", "A"): ((rank, vocab), 1), ("embed_tokens", "B"): ((hidden, rank), None),
+                          ("lm_head", "A"): ((rank, hidden), None), ("lm_head", "B"): ((vocab, rank), 0)}[module, which]
+            _check_vocab_tensor(name, module, shape, dtype, shapes, want, axis)
+            vocab_lora.setdefault(module, {})[which] = name
+            continue
+        copy = _VOCAB_COPY_KEY.match(name)
+        if copy is not None:
+            module = copy["module"]
+            if module in vocab_copies:
+                raise AdapterError(f"{WEIGHTS_NAME} holds two copies of {module}: {vocab_copies[module]} and {name}")
+            _check_vocab_tensor(name, module, shape, dtype, shapes, (vocab, hidden), 0)
+            vocab_copies[module] = name
+            continue
         magnitude = _MAGNITUDE_KEY.match(name)
         if magnitude is not None and _PARENT.get(magnitude["module"]) == magnitude["parent"]:
             key = (int(magnitude["layer"]), magnitude["module"])
@@ -434,11 +639,6 @@ def _check_layout(
         if match is None or _PARENT.get(match["module"]) != match["parent"]:
             loose = _ANY_LORA_KEY.search(name)
             if loose is not None and loose["module"] not in SUPPORTED_MODULES:
-                if loose["module"] in VOCABULARY_MODULES:
-                    raise AdapterError(
-                        f"unsupported target module {loose['module']} (tensor {name}): "
-                        f"{_vocabulary_refusal(loose['module'])}"
-                    )
                 raise AdapterError(
                     f"unsupported target module {loose['module']} (tensor {name}); supported: "
                     f"{', '.join(SUPPORTED_MODULES)}"
@@ -451,13 +651,17 @@ def _check_layout(
         _check_tensor(name, (layer, module), shape, dtype, shapes,
                       expected=lambda in_, out: (rank, in_) if which == "A" else (out, rank), rank=rank)
         found.setdefault((layer, module), {})[which] = name
-    if not found:
+    if not found and not vocab_lora and not vocab_copies:
         raise AdapterError(f"{WEIGHTS_NAME} holds no LoRA weights")
     for (layer, module), pair in found.items():
         if set(pair) != {"A", "B"}:
             missing = "B" if "A" in pair else "A"
             present = "A" if missing == "B" else "B"
             raise AdapterError(f"layer {layer} {module} has lora_{present} but no lora_{missing}")
+    for module, pair in vocab_lora.items():
+        if set(pair) != {"A", "B"}:
+            missing = "B" if "A" in pair else "A"
+            raise AdapterError(f"{module} has LoRA {'A' if missing == 'B' else 'B'} but no LoRA {missing}")
     if use_dora:
         for layer, module in sorted(set(found) - set(magnitudes)):
             raise AdapterError(
@@ -466,7 +670,7 @@ def _check_layout(
             )
         for layer, module in sorted(set(magnitudes) - set(found)):
             raise AdapterError(f"layer {layer} {module} has a lora_magnitude_vector but no LoRA weights")
-    return {key: (pair["A"], pair["B"]) for key, pair in found.items()}, magnitudes
+    return _Layout({key: (pair["A"], pair["B"]) for key, pair in found.items()}, magnitudes, vocab_lora, vocab_copies)
 
 
 def _check_tensor(

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from serving.engine.lora.reader import LoadedAdapter, Magnitudes, Weights
+from serving.engine.lora.reader import LoadedAdapter, Magnitudes, VocabDelta, Weights
 
 
 class CopyDone(Protocol):
@@ -38,7 +38,9 @@ class CachedAdapter:
     sum of its raw bits (slot integrity compares the rows against it). A DoRA adapter's CPU copy
     also holds its ``magnitudes`` (fp32, counted in ``nbytes``, not in ``checksum``: they are not
     pool rows), kept and dropped with ``weights``; ``dora`` says which kind it is even when the copy
-    is gone."""
+    is gone. An adapter on the vocabulary modules likewise holds its ``vocab`` part (LoRA on
+    embed_tokens / lm_head, the rows of their copies that differ from the base's; in ``nbytes``, not
+    in ``checksum``), which the model runner copies per slot (``layers.vocab_lora``)."""
 
     digest: str
     path: str
@@ -51,6 +53,7 @@ class CachedAdapter:
     nbytes: int = 0
     dora: bool = False
     magnitudes: Magnitudes | None = None
+    vocab: VocabDelta | None = None
     checksum: int = 0
     names: set[str] = field(default_factory=set)
     slot: int | None = None  # its entry in the kernels' slot table, while resident
@@ -89,7 +92,8 @@ class AdapterHandle:
 @dataclass(frozen=True)
 class LoadResult:
     """A finished read: the validated adapter, its weights ready for the pool's rows (their bytes and
-    raw-bit checksum; a DoRA adapter's magnitudes, fp32, in ``nbytes`` too), and how long it took."""
+    raw-bit checksum; a DoRA adapter's magnitudes, fp32, and its vocabulary part, in the model's dtype,
+    in ``nbytes`` too), and how long it took."""
 
     loaded: LoadedAdapter
     weights: Weights
@@ -97,6 +101,7 @@ class LoadResult:
     nbytes: int
     checksum: int
     magnitudes: Magnitudes | None = None
+    vocab: VocabDelta | None = None
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypedDict, Unpack, cast
 
@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional
 from transformers import PretrainedConfig
 
+from serving.engine.context import get_context
 from serving.engine.distributed.parallel import TensorParallel
 from serving.engine.layers.attention import PagedAttention
 from serving.engine.layers.int4_linear import awq_spec
@@ -43,6 +44,7 @@ from serving.engine.layers.parallel_linear import (
     split_heads,
 )
 from serving.engine.layers.rotary import apply_rotary
+from serving.engine.layers.vocab_lora import VocabAdapters
 
 _FUSED_NAME = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|qweight|qzeros|scales)$")
 # AWQ tensors, whose output features run along dim 1, packed eight to an int32 in qweight and qzeros.
@@ -213,22 +215,37 @@ class CausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, device=device, dtype=dtype)
         # Gemma 2 caps the logits: cap * tanh(logit / cap).
         self.final_softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        # Adapters' parts on embed_tokens / lm_head, per slot; set by the model runner where served.
+        self.vocab_adapters: VocabAdapters | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final hidden state (after the last norm) of each token."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor, *, every_rank: bool = False) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids``, with the step's vocabulary adapters' parts (serving.engine.
+        layers.vocab_lora) on their rows: before any family's scaling, as PEFT applies them."""
+        embed = cast(VocabParallelEmbedding, self.model.get_submodule("embed_tokens"))
+        hidden: torch.Tensor = embed(input_ids)
+        if self.vocab_adapters is not None and get_context().lora is not None:
+            self.vocab_adapters.embed(hidden, input_ids)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, *, every_rank: bool = False,
+                       row_slots: Sequence[int] | None = None) -> torch.Tensor:
         """The logits of ``hidden``'s rows, on rank 0. ``every_rank``: every rank calls this for the
         same rows (a flat step's sampled rows, known to all), and its shard is gathered to rank 0;
         otherwise rank 0 alone calls it and the others give their share when it asks
-        (``TensorParallel.serve_logits``). Ranks 1..N-1 get a tensor nobody reads."""
+        (``TensorParallel.serve_logits``). Ranks 1..N-1 get a tensor nobody reads. ``row_slots``:
+        each row's adapter slot (host-side), where a vocabulary adapter's head part may apply."""
         if every_rank:
             logits = self.tp.gather_logits(self.logits_shard(hidden), self.config.vocab_size)
         elif not self.tp.is_driver:
             return hidden.new_empty(hidden.shape[0], 0)
         else:
             logits = self.tp.logits(hidden, self.logits_shard, self.config.vocab_size)
+        if row_slots is not None and self.vocab_adapters is not None:
+            self.vocab_adapters.logits(logits, hidden, row_slots)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -104,7 +104,7 @@ class GemmaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         backbone = self.model
-        hidden = backbone.embed_tokens(input_ids) * backbone.embed_scale
+        hidden = self.embed(input_ids) * backbone.embed_scale
         ropes = {key: cast(RotaryEmbedding, table).lookup(positions) for key, table in backbone.rotary.items()}
         residual = None
         for layer, key in zip(backbone.layers, backbone.rope_keys):

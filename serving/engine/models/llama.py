@@ -65,7 +65,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = Backbone(config, max_positions, device=device, dtype=dtype, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         rope = self.model.rotary.lookup(positions)
         residual = None
         for layer in self.model.layers:
