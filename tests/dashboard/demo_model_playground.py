@@ -73,7 +73,7 @@ def web(transactional_db, platform, settings, tmp_path: Path) -> Iterator[object
         worker.stop()
 
 
-def test_the_demo_fine_tune_changes_the_playgrounds_answer(browser, web, celery_worker, owner, tmp_path):  # noqa: F811
+def test_the_demo_fine_tune_changes_the_playgrounds_answer(browser, web, celery_worker, owner):  # noqa: F811
     from playwright.sync_api import expect
 
     expect.set_options(timeout=WAIT_MS)
