@@ -313,6 +313,10 @@ def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_re
     finally:
         second.kill()
     assert "Loraplex stopped." in second.output
+    # Issue 39, item 8: a stop ends on its own line, with no child's interpreter finalization dumping
+    # triton's nanobind objects as "leaked" (the serving worker leaves by os._exit once closed).
+    assert re.search(r"^Loraplex stopped\.$", second.output, re.MULTILINE), second.output[-2000:]
+    assert "nanobind: leaked" not in first.output + second.output
     assert processes_with(f"worker-{second.process.pid}@") == []
     assert port_is_free(second.port) and port_is_free(second.serving_port)
 
