@@ -50,9 +50,9 @@ def save_vocab_adapter(
             elif ".lora_B." in name or ".lora_embedding_A." in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * init_scale / math.sqrt(r))
             elif ".modules_to_save." in name:
-                module = next(m for m in modules_to_save if f".{m}.modules_to_save." in name)
+                module = name.split(".modules_to_save.")[0].rpartition(".")[2]
                 rows = torch.tensor(list((changed or {}).get(module, ())), dtype=torch.int64)
-                noise = torch.randn(len(rows), param.shape[1], generator=generator)
+                noise = torch.randn(len(rows), *param.shape[1:], generator=generator)
                 param[rows] += noise * row_scale * param.std()
     model.save_pretrained(str(out_dir), safe_serialization=True, save_embedding_layers=False)
     return Path(out_dir)
