@@ -187,7 +187,7 @@ REFUSALS = {
                                         "adapter_model.bin": b"\x80\x04\x95 pickle"}, 400, "pickled PyTorch file"),
     "wrong shapes": (_reshaped, 400, "has shape (8, 48), but the base model with r=8 expects (8, 64)"),
     "unknown module": (lambda peft, tmp: {**adapter_files(peft), "adapter_config.json": config_with(
-        peft, target_modules=["q_proj", "lm_head"])}, 400, "unsupported target module(s) lm_head"),
+        peft, target_modules=["q_proj", "classifier"])}, 400, "unsupported target module(s) classifier"),
     "wrong base model": (lambda peft, tmp: {**adapter_files(peft), "adapter_config.json": config_with(
         peft, base_model_name_or_path="meta-llama/Meta-Llama-3-8B")}, 400,
         "trained for base model 'meta-llama/Meta-Llama-3-8B'"),
