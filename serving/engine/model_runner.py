@@ -25,6 +25,7 @@ import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -37,6 +38,7 @@ from serving.engine.context import PrefillSpan, StepContext, reset_context, set_
 from serving.engine.decode_graphs import ADAPTER, IDS, POS, DecodeGraphs, FlatStep, flat_context, flat_step, host_tensor
 from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.lora_linear import MultiLoRALinear, quantize_fp8
+from serving.engine.layers.parallel_linear import VocabParallelEmbedding
 from serving.engine.layers.vocab_lora import VocabAdapters
 from serving.engine.lora.integrity import raw_sum
 from serving.engine.lora.records import CachedAdapter, CopyDone
@@ -217,17 +219,16 @@ class ModelRunner:
     def vocab_refusal(self) -> str | None:
         """Why adapters on embed_tokens / lm_head are refused here; None where they are served."""
         if self.tp.size > 1:
-            return f"not under tensor parallelism (tensor_parallel_size={self.tp.size}): each rank holds a share of the vocabulary"
+            return (f"not under tensor parallelism (tensor_parallel_size={self.tp.size}): each rank holds a share of "
+                    "the vocabulary")
         return None
 
     def base_vocab(self, module: str) -> torch.Tensor:
         """The base's ``[vocab, hidden]`` matrix of ``module`` ("embed_tokens" or "lm_head"), which the
         reader compares an adapter's full copy with (read from a loader thread, never written)."""
-        if module == "lm_head" and not self.model.tie_word_embeddings:
-            weight: torch.Tensor = self.model.lm_head.weight
-        else:
-            weight = self.model.model.get_submodule("embed_tokens").weight
-        return weight.detach()
+        embed = cast(VocabParallelEmbedding, self.model.model.get_submodule("embed_tokens"))
+        head = module == "lm_head" and not self.model.tie_word_embeddings
+        return (self.model.lm_head.weight if head else embed.weight).detach()
 
     def write_vocab(self, slot: int, adapter: CachedAdapter) -> None:
         """Put ``adapter``'s vocabulary part (or none) in slot ``slot`` (serving.engine.layers.vocab_lora)."""
@@ -424,7 +425,8 @@ class ModelRunner:
         last = min(start + hidden.shape[0], seq.num_prompt_tokens - 1)
         if first >= last:
             return
-        logits = self.model.compute_logits(hidden[first - start : last - start], row_slots=[seq.lora_slot] * (last - first))
+        logits = self.model.compute_logits(hidden[first - start : last - start],
+                                           row_slots=[seq.lora_slot] * (last - first))
         logp = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(seq.prompt_token_ids[first + 1 : last + 1], device=logp.device)
         chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -443,7 +445,8 @@ class ModelRunner:
         vocab = self.model.vocab_adapters
         # A step with rows of an adapter on the vocabulary modules runs eagerly: the graphs hold no
         # vocabulary step (its gathers are data-dependent: serving.engine.layers.vocab_lora).
-        if self.graphs is not None and not self.enforce_eager and not (vocab is not None and vocab.serves(step.rows[ADAPTER])):
+        graphs_fit = not (vocab is not None and vocab.serves(step.rows[ADAPTER]))
+        if self.graphs is not None and not self.enforce_eager and graphs_fit:
             size = self.graphs.size_for(step)
             if size is not None:
                 cold = self._saw("graph", size, step.lora and self.lora_meta is not None, step.num_tokens)

@@ -68,13 +68,17 @@ def _adapters(base: Path, vocab_adapter: Callable[..., Path], make_adapter: Call
     }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize(("arch", "async_scheduling"),
+                         [("llama", False), ("qwen2", False), ("mistral", False), ("llama", True)],
+                         ids=["llama", "qwen2", "mistral", "llama-async"])
 def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
-        arch: str, tiny_model_factory: Callable[..., Path], make_adapter: Callable[..., Path],
+        arch: str, async_scheduling: bool, tiny_model_factory: Callable[..., Path], make_adapter: Callable[..., Path],
         vocab_adapter: Callable[..., Path]) -> None:
+    """("-async": each step is queued while the one before is in flight, its decode rows' token ids
+    taken on the device from that step's samples, which the embedding part then reads.)"""
     base = tiny_model_factory(arch)
     adapters = _adapters(base, vocab_adapter, make_adapter)
-    llm = LLM(str(base), max_loras=2, **ENGINE)
+    llm = LLM(str(base), max_loras=2, async_scheduling=async_scheduling, **ENGINE)
     tokenizer = llm.get_tokenizer()
     names: list[str | None] = ["vocab-lora", "saved-rows", "plain", None]
     inputs = [{"prompt_token_ids": tokenizer(p).input_ids} for p in PROMPTS for _ in names]
@@ -96,13 +100,33 @@ def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
             if token != theirs:
                 break
             expected = float(ref.logits[step].log_softmax(-1)[token])
-            assert math.isclose(ours.logprobs[step][token].logprob, expected, abs_tol=LOGPROB_TOLERANCE), (
-                f"{label}: token {step}'s log-probability {ours.logprobs[step][token].logprob} is not PEFT's {expected}")
+            ours_lp = ours.logprobs[step][token].logprob
+            assert math.isclose(ours_lp, expected, abs_tol=LOGPROB_TOLERANCE), (
+                f"{label}: token {step}'s log-probability {ours_lp} is not PEFT's {expected}")
         tokens.setdefault(name, []).append(list(ours.token_ids))
     # The vocabulary parts matter: without them these adapters would be LoRA on one projection.
     for name in ("vocab-lora", "saved-rows"):
         assert tokens[name] != tokens[None] and tokens[name] != tokens["plain"], f"{name} seems not applied"
     assert any(t in HEAD_ROWS for row in tokens["saved-rows"] for t in row), "the changed lm_head rows never counted"
+
+
+def test_peft_s_default_save_of_lora_on_the_vocabulary_keeps_no_rows(tiny_llama_dir: Path,
+                                                                     vocab_adapter: Callable[..., Path]) -> None:
+    """PEFT saves the base's two matrices whole beside LoRA on them (``save_embedding_layers``, its
+    default then): equal to the base, they cost no rows, and the adapter serves as PEFT does."""
+    adapter = vocab_adapter(tiny_llama_dir, target_modules=("embed_tokens", "lm_head"), seed=10,
+                            save_embedding_layers=True)
+    copies = {"base_model.model.model.embed_tokens.base_layer.weight", "base_model.model.lm_head.base_layer.weight"}
+    assert copies <= set(load_file(adapter / "adapter_model.safetensors"))
+    llm = LLM(str(tiny_llama_dir), max_loras=1, **ENGINE)
+    ids = llm.get_tokenizer()(PROMPTS[2]).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": ids}], greedy, lora_request=LoRARequest("v", str(adapter)))[0]
+    assert llm.llm_engine.lora_cache is not None
+    loaded = llm.llm_engine.lora_cache.named()["v"]
+    assert loaded.vocab is not None and loaded.vocab.embed_rows is None and loaded.vocab.head_rows is None
+    reference = PeftReference(tiny_llama_dir, {"v": adapter}).generate(ids, "v", MAX_TOKENS)
+    assert_greedy_match(list(output.outputs[0].token_ids), reference, "llama, base_layer copies")
 
 
 def test_prompt_logprobs_of_a_vocabulary_adapter_are_peft_s(tiny_llama_dir: Path, make_adapter: Callable[..., Path],
@@ -198,8 +222,8 @@ def test_a_copy_changed_in_too_many_rows_is_refused_at_load_naming_the_module(
     limit = config.vocab_size // MAX_CHANGED_ROWS_DIVISOR
     adapter = vocab_adapter(tiny_llama_dir, target_modules=("q_proj",), modules_to_save=("lm_head",),
                             changed={"lm_head": range(limit + 1)}, seed=6)
-    message = (rf"lm_head\.weight: {limit + 1} of lm_head's {config.vocab_size} rows differ from the base model's, more "
-               rf"than 1/8 of the vocabulary \({limit} rows\): that is a full copy of the matrix")
+    message = (rf"lm_head\.weight: {limit + 1} of lm_head's {config.vocab_size} rows differ from the base model's, "
+               rf"more than 1/8 of the vocabulary \({limit} rows\): that is a full copy of the matrix")
     with pytest.raises(AdapterError, match=message):
         _load(adapter, config)
     # Through the engine: the request fails with the same reason.
@@ -208,7 +232,8 @@ def test_a_copy_changed_in_too_many_rows_is_refused_at_load_naming_the_module(
         llm.generate(["Hello"], SamplingParams(max_tokens=2), lora_request=LoRARequest("copy", str(adapter)))
 
 
-def test_other_modules_to_save_are_refused_naming_them(tiny_llama_dir: Path, vocab_adapter: Callable[..., Path]) -> None:
+def test_other_modules_to_save_are_refused_naming_them(tiny_llama_dir: Path,
+                                                        vocab_adapter: Callable[..., Path]) -> None:
     adapter = vocab_adapter(tiny_llama_dir, target_modules=("q_proj",), modules_to_save=("lm_head", "norm"), seed=7)
     with pytest.raises(AdapterError, match=r"modules_to_save \(norm\) is not supported: .*whole copies"):
         _load(adapter, AutoConfig.from_pretrained(tiny_llama_dir))

@@ -31,10 +31,12 @@ def save_vocab_adapter(
     row_scale: float = 3.0,
     init_scale: float = 0.5,
     seed: int = 0,
+    save_embedding_layers: bool = False,
 ) -> Path:
     """Save a PEFT adapter on ``base_dir``'s model: LoRA on ``target_modules`` (the vocabulary modules
     among them too), and a copy of each of ``modules_to_save`` whose ``changed[module]`` rows differ
-    from the base's. Saved without PEFT's full base matrices (``save_embedding_layers=False``)."""
+    from the base's. ``save_embedding_layers``: PEFT also saves the base's two matrices whole (its
+    default beside LoRA on them), as ``base_layer`` copies equal to the base."""
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
                         modules_to_save=list(modules_to_save) or None, lora_dropout=0.0, bias="none",
@@ -54,5 +56,5 @@ def save_vocab_adapter(
                 rows = torch.tensor(list((changed or {}).get(module, ())), dtype=torch.int64)
                 noise = torch.randn(len(rows), *param.shape[1:], generator=generator)
                 param[rows] += noise * row_scale * param.std()
-    model.save_pretrained(str(out_dir), safe_serialization=True, save_embedding_layers=False)
+    model.save_pretrained(str(out_dir), safe_serialization=True, save_embedding_layers=save_embedding_layers)
     return Path(out_dir)

@@ -121,7 +121,9 @@ _VOCAB_LORA_KEY = re.compile(
     r"^base_model\.model\.(?:model\.(?P<embed>embed_tokens)\.lora_embedding_(?P<embed_which>[AB])"
     r"|(?P<head>lm_head)\.lora_(?P<head_which>[AB])\.weight)$"
 )
-_VOCAB_COPY_KEY = re.compile(r"^base_model\.model\.(?:model\.)?(?P<module>embed_tokens|lm_head)(?:\.base_layer)?\.weight$")
+_VOCAB_COPY_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.(?P<embed>embed_tokens)|(?P<head>lm_head))(?:\.base_layer)?\.weight$"
+)
 # A full copy may differ from the base in at most vocab // this many rows: beyond, it is a copy of
 # the matrix (1/8 of Llama-3-8B's is 131 MB in bf16, 1.6 rank-16 adapters on all projections).
 MAX_CHANGED_ROWS_DIVISOR = 8
@@ -222,7 +224,8 @@ class VocabDelta:
         """The same with its float tensors in ``dtype`` (pinned on CUDA for the copy into a slot);
         token ids stay int64."""
 
-        def convert(part: tuple[torch.Tensor, torch.Tensor] | None, *, ids: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        def convert(part: tuple[torch.Tensor, torch.Tensor] | None, *,
+                    ids: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
             if part is None:
                 return None
             out = tuple(t if ids and i == 0 else t.to(dtype) for i, t in enumerate(part))
@@ -409,7 +412,11 @@ def _read_vocabulary(found: _Layout, tensors: Mapping[str, torch.Tensor], shapes
                 f"tensor {name} is a full copy of {module}; this engine cannot compare it with the base's matrix, "
                 "so it does not serve it"
             )
-        rows[module] = _changed_rows(name, module, _finite(tensors, name), base_vocab(module), shapes.vocab_size)
+        ids, changed = _changed_rows(name, module, _finite(tensors, name), base_vocab(module), shapes.vocab_size)
+        if ids.numel():  # a copy equal to the base (save_embedding_layers' beside LoRA) costs nothing
+            rows[module] = (ids, changed)
+    if not lora and not rows:
+        return None
     return VocabDelta(embed_lora=lora.get("embed_tokens"), head_lora=lora.get("lm_head"),
                       embed_rows=rows.get("embed_tokens"), head_rows=rows.get("lm_head"))
 
@@ -619,7 +626,7 @@ def _check_layout(
             continue
         copy = _VOCAB_COPY_KEY.match(name)
         if copy is not None:
-            module = copy["module"]
+            module = copy["embed"] or copy["head"]
             if module in vocab_copies:
                 raise AdapterError(f"{WEIGHTS_NAME} holds two copies of {module}: {vocab_copies[module]} and {name}")
             _check_vocab_tensor(name, module, shape, dtype, shapes, (vocab, hidden), 0)
