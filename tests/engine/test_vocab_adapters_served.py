@@ -38,7 +38,9 @@ MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4
 # lm_head rows the modules_to_save adapter changes: its changed logits make these tokens come up.
 HEAD_ROWS = tuple(range(100, 106))
-ENGINE = dict(max_lora_rank=8, device="cpu", dtype="float32", max_model_len=128, block_size=4, num_kv_blocks=96)
+ENGINE = dict(max_lora_rank=8, dtype="float32", max_model_len=128, block_size=4, num_kv_blocks=96)
+# On CUDA (gpu mark) the same runs in fp32 against PEFT on the CPU, with the decode graphs captured.
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,17 +70,21 @@ def _adapters(base: Path, vocab_adapter: Callable[..., Path], make_adapter: Call
     }
 
 
-@pytest.mark.parametrize(("arch", "async_scheduling"),
-                         [("llama", False), ("qwen2", False), ("mistral", False), ("llama", True)],
-                         ids=["llama", "qwen2", "mistral", "llama-async"])
+@pytest.mark.parametrize(("arch", "async_scheduling", "device"), [
+    pytest.param("llama", False, "cpu", id="llama"),
+    pytest.param("qwen2", False, "cpu", id="qwen2"),
+    pytest.param("mistral", False, "cpu", id="mistral"),
+    pytest.param("llama", True, "cpu", id="llama-async"),
+    pytest.param("llama", False, "cuda", marks=_CUDA, id="llama-cuda-graphs"),
+])
 def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
-        arch: str, async_scheduling: bool, tiny_model_factory: Callable[..., Path], make_adapter: Callable[..., Path],
-        vocab_adapter: Callable[..., Path]) -> None:
+        arch: str, async_scheduling: bool, device: str, tiny_model_factory: Callable[..., Path],
+        make_adapter: Callable[..., Path], vocab_adapter: Callable[..., Path]) -> None:
     """("-async": each step is queued while the one before is in flight, its decode rows' token ids
     taken on the device from that step's samples, which the embedding part then reads.)"""
     base = tiny_model_factory(arch)
     adapters = _adapters(base, vocab_adapter, make_adapter)
-    llm = LLM(str(base), max_loras=2, async_scheduling=async_scheduling, **ENGINE)
+    llm = LLM(str(base), max_loras=2, async_scheduling=async_scheduling, device=device, **ENGINE)
     tokenizer = llm.get_tokenizer()
     names: list[str | None] = ["vocab-lora", "saved-rows", "plain", None]
     inputs = [{"prompt_token_ids": tokenizer(p).input_ids} for p in PROMPTS for _ in names]
@@ -108,6 +114,15 @@ def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
     for name in ("vocab-lora", "saved-rows"):
         assert tokens[name] != tokens[None] and tokens[name] != tokens["plain"], f"{name} seems not applied"
     assert any(t in HEAD_ROWS for row in tokens["saved-rows"] for t in row), "the changed lm_head rows never counted"
+    graphs = llm.llm_engine.runner.graphs
+    if graphs is not None:
+        # The graphs hold no vocabulary step: a batch of a vocabulary adapter alone never replays one, a
+        # batch of the plain adapter and the base still does (the vocabulary adapters resident meanwhile).
+        before = graphs.replays
+        again = llm.generate(inputs[:1], greedy, lora_request=loras[:1])[0]
+        assert graphs.replays == before and list(again.outputs[0].token_ids) == tokens["vocab-lora"][0]
+        llm.generate(inputs[2:4], greedy, lora_request=loras[2:4])
+        assert graphs.replays > before
 
 
 def test_peft_s_default_save_of_lora_on_the_vocabulary_keeps_no_rows(tiny_llama_dir: Path,
@@ -118,7 +133,7 @@ def test_peft_s_default_save_of_lora_on_the_vocabulary_keeps_no_rows(tiny_llama_
                             save_embedding_layers=True)
     copies = {"base_model.model.model.embed_tokens.base_layer.weight", "base_model.model.lm_head.base_layer.weight"}
     assert copies <= set(load_file(adapter / "adapter_model.safetensors"))
-    llm = LLM(str(tiny_llama_dir), max_loras=1, **ENGINE)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, device="cpu", **ENGINE)
     ids = llm.get_tokenizer()(PROMPTS[2]).input_ids
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     output = llm.generate([{"prompt_token_ids": ids}], greedy, lora_request=LoRARequest("v", str(adapter)))[0]
@@ -134,7 +149,7 @@ def test_prompt_logprobs_of_a_vocabulary_adapter_are_peft_s(tiny_llama_dir: Path
     """A prompt's own logprobs (computed by the eager path's own call of the head) carry the
     adapter's head part too."""
     adapter = _adapters(tiny_llama_dir, vocab_adapter, make_adapter)["saved-rows"]
-    llm = LLM(str(tiny_llama_dir), max_loras=1, **ENGINE)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, device="cpu", **ENGINE)
     ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     output = llm.generate([{"prompt_token_ids": ids}], params, lora_request=LoRARequest("s", str(adapter)))[0]
@@ -151,7 +166,7 @@ def test_prompt_logprobs_of_a_vocabulary_adapter_are_peft_s(tiny_llama_dir: Path
 def test_a_copy_keeps_only_its_changed_rows_and_every_byte_is_counted(
         tiny_llama_dir: Path, make_adapter: Callable[..., Path], vocab_adapter: Callable[..., Path]) -> None:
     adapters = _adapters(tiny_llama_dir, vocab_adapter, make_adapter)
-    llm = LLM(str(tiny_llama_dir), max_loras=2, **ENGINE)
+    llm = LLM(str(tiny_llama_dir), max_loras=2, device="cpu", **ENGINE)
     engine = llm.llm_engine
     config = AutoConfig.from_pretrained(tiny_llama_dir)
     vocab, hidden, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
@@ -227,7 +242,7 @@ def test_a_copy_changed_in_too_many_rows_is_refused_at_load_naming_the_module(
     with pytest.raises(AdapterError, match=message):
         _load(adapter, config)
     # Through the engine: the request fails with the same reason.
-    llm = LLM(str(tiny_llama_dir), max_loras=1, **ENGINE)
+    llm = LLM(str(tiny_llama_dir), max_loras=1, device="cpu", **ENGINE)
     with pytest.raises(AdapterError, match=message):
         llm.generate(["Hello"], SamplingParams(max_tokens=2), lora_request=LoRARequest("copy", str(adapter)))
 
