@@ -286,12 +286,13 @@ def test_vocabulary_adapters_are_refused_on_tied_bases_with_dora_and_where_the_e
         _load(adapter, config)
 
 
-def test_a_slot_taken_by_an_adapter_without_a_vocabulary_part_drops_the_one_before() -> None:
+def test_a_slot_taken_by_an_adapter_without_a_vocabulary_part_or_freed_drops_the_one_before() -> None:
     vocab_parts = VocabAdapters(torch.device("cpu"))
     rows = (torch.tensor([3, 7]), torch.ones(2, 4))
     with_rows = CachedAdapter(digest="a", path="a", rank=1, lora_alpha=1, scaling=1.0, target_modules=(), weights={},
                               load_seconds=0.0)  # fmt: skip
     with_rows.vocab = VocabDelta(embed_rows=rows)
+    with_rows.slot = 0  # as the slot table places it before the write
     plain = CachedAdapter(digest="b", path="b", rank=1, lora_alpha=1, scaling=1.0, target_modules=(), weights={},
                           load_seconds=0.0)  # fmt: skip
     vocab_parts.write(0, with_rows)
@@ -304,3 +305,7 @@ def test_a_slot_taken_by_an_adapter_without_a_vocabulary_part_drops_the_one_befo
     vocab_parts.write(0, plain)
     assert not vocab_parts.serves([0]) and vocab_parts.nbytes == 0
     assert not vocab_parts.begin_step([0, -1])
+    # An adapter freed from its slot (nothing placed there since) leaves the device at the next step.
+    vocab_parts.write(1, with_rows)
+    with_rows.slot = None
+    assert vocab_parts.nbytes > 0 and not vocab_parts.begin_step([-1]) and vocab_parts.nbytes == 0

@@ -36,6 +36,7 @@ class _SlotVocab:
     gathered by token id), ``embed_Bt [r, hidden]``, ``head_At [hidden, r]``, ``head_Bt [r, vocab]``;
     ``*_ids`` ascending token ids and ``*_rows [k, hidden]`` their rows."""
 
+    adapter: CachedAdapter  # whose part it is: once it has left the slot, the part goes too
     scaling: float
     embed_At: torch.Tensor | None
     embed_Bt: torch.Tensor | None
@@ -81,6 +82,7 @@ class VocabAdapters:
         embed_rows, head_rows = vocab.embed_rows or (None, None), vocab.head_rows or (None, None)
         # A [r, vocab] and B [hidden, r] on the embedding; A [r, hidden] and B [vocab, r] on the head.
         self._slots[slot] = _SlotVocab(
+            adapter=adapter,
             scaling=adapter.scaling,
             embed_At=put(None if embed_lora[0] is None else embed_lora[0].t()),
             embed_Bt=put(None if embed_lora[1] is None else embed_lora[1].t()),
@@ -98,7 +100,10 @@ class VocabAdapters:
 
     def begin_step(self, token_slots: Sequence[int]) -> bool:
         """Take a step's token slots (host-side, in row order) before its forward; whether it has rows
-        that ``embed`` changes. A step that never calls this (a captured graph) changes none."""
+        that ``embed`` changes. A step that never calls this (a captured graph) changes none. Parts
+        whose adapter has left its slot (freed, nothing placed there since) are dropped here."""
+        for slot in [s for s, part in self._slots.items() if part.adapter.slot != s]:
+            del self._slots[slot]
         self._rows = self._rows_of(token_slots)
         return bool(self._rows)
 
