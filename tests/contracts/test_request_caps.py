@@ -70,6 +70,7 @@ def test_brackets_inside_strings_are_text_not_nesting() -> None:
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
                     max_leaves=40))
 @settings(max_examples=300, deadline=None)
+@pytest.mark.slow
 def test_the_measured_depth_is_the_decoded_depth(value: object) -> None:
     def depth(item: object) -> int:
         if isinstance(item, dict):

@@ -385,6 +385,7 @@ def _fill(tenant, rows: range, make_version) -> None:
     ("dashboard:keys", []), ("dashboard:job-new", []), ("dashboard:adapter", ["adapter-0"]),
     ("dashboard:job", None), ("dashboard:usage", []), ("dashboard:playground", []), ("dashboard:members", []),
 ])
+@pytest.mark.slow
 def test_query_counts_do_not_grow_with_rows(as_user, people, tenant_a, make_version, page, args):
     from tenants.models import Tier
 

@@ -48,6 +48,7 @@ def row_bytes(model: Path, **kwargs: object) -> int:
     pytest.param("cpu", True, id="cpu"),
     pytest.param("cuda", False, marks=_CUDA, id="cuda-graphs"),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_more_adapters_than_the_pool_holds_are_served_peft_exact(
     request: pytest.FixtureRequest, device: str, enforce_eager: bool, tiny_llama_dir: Path,
     adapters: dict[str, Path],
@@ -85,6 +86,7 @@ def test_more_adapters_than_the_pool_holds_are_served_peft_exact(
         assert_greedy_match(output.outputs[0].token_ids, reference.generate(ids, name, MAX_TOKENS), f"{name} {prompt!r}")
 
 
+@pytest.mark.slow
 def test_a_rank_costs_its_own_rows(request: pytest.FixtureRequest, tiny_llama_dir: Path,
                                    make_adapter: Callable[..., Path]) -> None:
     """Memory for 2 rank-64 adapters holds 16 rank-8 ones at once."""

@@ -100,6 +100,7 @@ def _moved(base: Path, other: Path, adapter: Path) -> float:
 @pytest.mark.parametrize(("arch", "targets"), [
     ("qwen3", SPLIT), ("llama3", SPLIT), ("phi3", FUSED), ("gemma2", SPLIT), ("gemma3_text", SPLIT),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_greedy_tokens_match_peft(arch: str, targets: tuple[str, ...], device: str,
                                   tiny_model_factory: Callable[..., Path], make_adapter: Callable[..., Path]) -> None:
     base = tiny_model_factory(arch)
@@ -112,6 +113,7 @@ def test_greedy_tokens_match_peft(arch: str, targets: tuple[str, ...], device: s
     # YaRN also scales cos/sin (its attention factor); a 32-token original context, as llama3's above.
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
 ], ids=["linear", "yarn"])  # fmt: skip
+@pytest.mark.slow
 def test_other_fixed_rope_scalings_match_peft(rope: dict[str, Any], tiny_llama_dir: Path, tmp_path: Path,
                                               make_adapter: Callable[..., Path]) -> None:
     base = _edit_config(tiny_llama_dir, tmp_path / rope["rope_type"], rope_parameters=rope)

@@ -152,6 +152,7 @@ def test_duplicate_request_id_is_refused(engine: AsyncEngine) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_add_replace_and_remove(engine: AsyncEngine, offline: LLM, adapters: dict[str, Path]) -> None:
     prompt = "The weather this morning"
     with_a = offline.generate(prompt, GREEDY, LoRARequest("a", str(adapters["a"])))[0].outputs[0].token_ids

@@ -99,6 +99,7 @@ def test_the_engine_holds_the_checkpoint_and_dequantizes_it_exactly(checkpoints:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_mixed_adapters_over_the_int4_base_match_peft_on_the_dequantized_weights(
     device: str, checkpoints: tuple[Path, Path], tiny_llama_dir: Path, make_adapter: Callable[..., Path]
 ) -> None:

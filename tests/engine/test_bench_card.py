@@ -36,6 +36,7 @@ def test_the_8b_floor_is_the_cards_not_the_h200s() -> None:
     assert decode_floor_ms(weights, 64, 512, 4.8e12) == pytest.approx(4.03, abs=0.01)
 
 
+@pytest.mark.slow
 def test_a_copy_is_measured_and_bad_sizes_are_refused() -> None:
     measured = copy_bandwidth(torch.device("cpu"), nbytes=1 << 20, repeats=2)
     assert math.isfinite(measured) and measured > 0

@@ -51,6 +51,7 @@ def _with_random_biases(base: Path, out: Path) -> Path:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 @pytest.mark.parametrize("max_loras", [2, 1], ids=["slots-for-both", "one-slot-shared"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.slow
 def test_dora_and_lora_in_one_batch_match_peft(arch: str, max_loras: int, device: str,
                                                tiny_model_factory: Callable[..., Path],
                                                make_adapter: Callable[..., Path], tmp_path: Path) -> None:

@@ -101,6 +101,7 @@ def test_json_object_regex_choice_and_grammar(llm: LLM) -> None:
     assert isinstance(json.loads(texts[5]), dict)
 
 
+@pytest.mark.slow
 def test_free_neighbours_keep_their_greedy_tokens(llm: LLM, adapter: LoRARequest) -> None:
     """Constrained and free sequences of the base model and an adapter in one batch: the free ones'
     tokens are those of the same requests run without the constrained ones."""

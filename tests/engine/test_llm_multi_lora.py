@@ -40,8 +40,9 @@ MAX_TOKENS = 12
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = [
     pytest.param("cpu", True, False, id="cpu"),
-    pytest.param("cpu-loop", True, False, id="cpu-loop"),
-    pytest.param("cpu", True, True, id="cpu-async"),
+    # The fast tier keeps the plain CPU path; the loop kernels and async scheduling are `slow`.
+    pytest.param("cpu-loop", True, False, marks=pytest.mark.slow, id="cpu-loop"),
+    pytest.param("cpu", True, True, marks=pytest.mark.slow, id="cpu-async"),
     pytest.param("cuda", False, False, marks=_CUDA, id="cuda-graphs"),
     pytest.param("cuda", True, False, marks=_CUDA, id="cuda-eager"),
     pytest.param("cuda", False, True, marks=_CUDA, id="cuda-graphs-async"),

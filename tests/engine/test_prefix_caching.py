@@ -47,6 +47,7 @@ def adapters(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> dict[st
             for name, seed in (("a", 41), ("b", 42))}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_mixed_adapters_sharing_a_system_prompt_match_caching_off_and_peft(
     tiny_llama_dir: Path, adapters: dict[str, Path]
 ) -> None:
@@ -152,6 +153,7 @@ def test_an_adapter_reloaded_with_other_weights_under_its_name_gets_no_stale_hit
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_cached_blocks_are_reclaimed_under_memory_pressure(tiny_llama_dir: Path) -> None:
     """40 blocks hold two requests at a time: most of each batch's prompts evict others' cached
     blocks, and the tokens stay those of an engine without caching."""
@@ -169,6 +171,7 @@ def test_cached_blocks_are_reclaimed_under_memory_pressure(tiny_llama_dir: Path)
     assert tight.llm_engine.block_manager.num_free_blocks == 40
 
 
+@pytest.mark.slow
 def test_preemption_and_n_forks_with_shared_blocks(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
     """Sequences holding cached blocks (n = 3 forks of prompts that hit) are preempted, prefilled
     anew (hitting again) and end with the tokens of an engine without caching; no block leaks."""

@@ -35,6 +35,7 @@ def digests(directory: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
+@pytest.mark.slow
 def test_same_seed_gives_identical_files_and_other_seed_other_weights(arch, tmp_path):
     first = digests(build_tiny_model(tmp_path / "a", arch=arch, seed=7))
     second = digests(build_tiny_model(tmp_path / "b", arch=arch, seed=7))
@@ -162,6 +163,7 @@ def test_chat_template_renders_chatml_and_marks_assistant_tokens(tiny_llama_dir)
     assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "Hello!<|im_end|>"
 
 
+@pytest.mark.slow
 def test_random_peft_adapter_is_seeded_non_zero_and_changes_the_output(
     tiny_model_dir, make_adapter
 ):

@@ -77,6 +77,7 @@ def trained(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Pa
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.slow
 def test_trained_adapter_is_served_with_peft_tokens(device: str, trained: tuple[Path, Path, list[float]]) -> None:
     base_dir, adapter_dir, losses = trained
     assert losses[-1] < losses[0], f"the trainer must learn: losses {losses}"

@@ -19,6 +19,7 @@ def strategy(request, monkeypatch) -> str:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pass_ranks", [False, True])
+@pytest.mark.slow
 def test_reference_matches_exact(strategy: str, dtype: torch.dtype, pass_ranks: bool) -> None:
     case = make_case(num_tokens=70, num_slots=8, rank=64, hidden=96, widths=[64, 16, 16], dtype=dtype,
                      slot_ranks=[8, 16, 64, 0, 8, 16, 64, 16], pass_ranks=pass_ranks, extra_columns=4,

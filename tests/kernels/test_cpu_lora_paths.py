@@ -151,6 +151,7 @@ def named_case(dtype: torch.dtype, slots: list[int], slot_ranks: list[int] | Non
     [(RUN_SLOTS, slice(1, 5), True), (SCATTERED_SLOTS, slice(0, 6), True), (BALANCED_SLOTS, slice(0, 6), False)],
     ids=["run", "scattered", "balanced"],
 )
+@pytest.mark.slow
 def test_grid(grid_only, dtype: torch.dtype, slots: list[int], span: slice, padded: bool, layout: str) -> None:
     case = named_case(dtype, slots, slot_ranks=[16, 8, 16, 4, 16, 8], layout=layout)
     meta = case.meta()
@@ -178,6 +179,7 @@ def test_idle_slots_in_the_span_never_reach_y(grid_only, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slots", [RUN_SLOTS, SCATTERED_SLOTS], ids=["run", "scattered"])
+@pytest.mark.slow
 def test_loop(loop_only, dtype: torch.dtype, slots: list[int], layout: str) -> None:
     """Each group at its own rank: even garbage past a slot's rank (which the contract forbids, and
     the grid would read up to its largest rank) never reaches ``y``."""
@@ -261,6 +263,7 @@ def test_rank_zero_and_unused_slots_add_nothing(monkeypatch, path: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["grid", "loop"])
+@pytest.mark.slow
 def test_strided_y(monkeypatch, path: str, dtype: torch.dtype) -> None:
     monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", 1 << 60 if path == "grid" else 0)
     monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", 1 << 60)
@@ -308,6 +311,7 @@ def cases(draw) -> Case:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases(), loop_group_macs=st.sampled_from([0, 1 << 10, 1 << 18, 1 << 60]), cap=st.sampled_from([0, 1 << 60]))
+@pytest.mark.slow
 def test_drawn_steps_on_every_path(monkeypatch, case: Case, loop_group_macs: int, cap: int) -> None:
     monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", loop_group_macs)
     monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", cap)

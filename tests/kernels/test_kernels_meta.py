@@ -58,6 +58,7 @@ def _check_step(meta: LoRAMeta, slots: list[int]) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(steps())
+@pytest.mark.slow
 def test_prepare_groups_tokens_by_slot(case) -> None:
     max_slots, max_tokens, step_slots = case
     meta = LoRAMeta(max_tokens, max_slots)

@@ -79,6 +79,7 @@ def named_case(name: str, device: str = "cpu", **pool_args: int) -> PoolCase:
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_pool_matches_oracle(name: str, backend: str, device: str) -> None:
     _skip_unless_runs(backend, device)
     case = named_case(name, device)
@@ -89,6 +90,7 @@ def test_pool_matches_oracle(name: str, backend: str, device: str) -> None:
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_slot_tensors_and_their_pool_relayout_agree(backend: str, device: str, dtype: torch.dtype) -> None:
     """The same adapters as slot tensors and as a pool: Triton gives the same bits (one kernel, one
     launch table, masked loads either way); the torch backend agrees up to fp32 summation order (its
@@ -121,6 +123,7 @@ def _plan(case: PoolCase, meta: LoRAMeta) -> cpu_lora._PoolPlan:
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
 @pytest.mark.parametrize("name", ["decode-3-slices-fp32", "decode-2-slices-bf16", "prefill-2-slices-bf16"])
+@pytest.mark.slow
 def test_a_dora_scale_multiplies_each_slots_columns(name: str, backend: str, device: str) -> None:
     """``dora_scale`` (DoRA): a token of slot ``s`` gets ``(y + scaling B A x) * dora_scale[s + 1]`` on
     the slices' columns; row 0, rank-0 slots' rows and columns outside the slices are ones."""
@@ -377,6 +380,7 @@ def pool_cases(draw: st.DrawFn) -> PoolCase:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=pool_cases(), loop_group_macs=st.sampled_from([0, 1 << 10, 1 << 18, 1 << 60]),
        cap=st.sampled_from([0, 1 << 60]))  # fmt: skip
+@pytest.mark.slow
 def test_drawn_pools_on_every_torch_path(monkeypatch, case: PoolCase, loop_group_macs: int, cap: int) -> None:
     monkeypatch.setattr(cpu_lora, "LOOP_GROUP_MACS", loop_group_macs)
     monkeypatch.setattr(cpu_lora, "DENSE_MAX_MACS", cap)
@@ -385,6 +389,7 @@ def test_drawn_pools_on_every_torch_path(monkeypatch, case: PoolCase, loop_group
 
 @settings(max_examples=12, deadline=None)
 @given(case=pool_cases())
+@pytest.mark.slow
 def test_drawn_pools_through_triton(case: PoolCase) -> None:
     triton_device("cpu")
     assert_matches_oracle(case, run(case, "triton"))

@@ -58,6 +58,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_triton_matches_reference(name: str, device: str) -> None:
     triton_device(device)
     _check(make_case(**CASES[name], device=device, seed=list(CASES).index(name)))
@@ -92,6 +93,7 @@ def test_triton_matches_reference_random(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("block_m", "prefetch"), [(16, False), (16, True), (64, True)])
+@pytest.mark.slow
 def test_split_k_and_column_chunks_match_reference(block_m: int, prefetch: bool, device: str) -> None:
     """Small blocks, so that K is split unevenly over 3 programs and each expand program loops over
     a chunk of several column blocks, with and without prefetch; GQA-like slices, mixed ranks."""

@@ -62,6 +62,7 @@ CASES = {
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.slow
 def test_decode_matches_reference(device: str, name: str) -> None:
     _device(device)
     batch, heads, kv_heads, head_dim, page, lens, window, splits, dtype = CASES[name]
@@ -87,6 +88,7 @@ def test_decode_matches_reference(device: str, name: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.slow
 def test_flat_rows_attend_causally(device: str, window: int | None) -> None:
     """A flat step: a prompt chunk's tokens (after a cached prefix), a whole prompt and a decode,
     each token a row naming its sequence's table through ``row_seq`` with ``context_lens`` =
@@ -129,6 +131,7 @@ def test_soft_capped_scores_match_reference(device: str, window: int | None, spl
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_splits_agree(device: str) -> None:
     """Splitting the context changes the order of the sum only."""
     _device(device)

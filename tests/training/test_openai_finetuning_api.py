@@ -190,6 +190,7 @@ def test_a_redelivered_validation_settles_a_waiting_job_once(openai_a):
     assert row.events.filter(message__startswith="Files validated").count() == 1
 
 
+@pytest.mark.slow
 def test_pagination_walks_25_jobs_ten_at_a_time_each_once(openai_a, settings):
     settings.TRAINING_MAX_WAITING_JOBS = 30
     training = upload(openai_a, chat_lines(1))

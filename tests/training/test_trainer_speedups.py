@@ -129,6 +129,7 @@ def test_layers_are_compiled_by_default_only_on_one_cuda_device_without_checkpoi
 
 
 @pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.slow
 def test_dynamo_captures_a_lora_layer_whole_and_breaks_up_a_dora_one(base, use_dora):
     """Why a DoRA job's layers stay eager (training.compiled_layers): Dynamo breaks PEFT's DoRA
     module's graph, so each decoder layer would compile as several graphs; a LoRA layer is one.

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from serving.contracts.artifact import adapter_digest
@@ -32,6 +33,7 @@ def _wait(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> No
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_cpu_only_versions_are_read_after_the_answer_until_a_newer_call(
     tiny_model: Path, make_adapter: Callable[..., Path]
 ) -> None:

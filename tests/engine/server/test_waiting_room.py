@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 
 from serving.engine.server.cli import ServerArgs
 from serving.engine.server.waiting_room import WaitingRoom
@@ -50,6 +51,7 @@ def test_below_the_reserve_no_tenant_is_refused_and_leaving_frees_the_share():
     assert room.refusal("tenant-a") is None
 
 
+@pytest.mark.slow
 def test_the_worker_refuses_a_flooders_request_but_admits_another_tenants(tiny_model):
     # Capacity 1 + 7 = 8, one place reserved: tenant A's 7 streams fill the rest.
     args = ServerArgs(model=str(tiny_model), device="cpu", max_num_seqs=1, max_queued_requests=7, max_loras=0)
