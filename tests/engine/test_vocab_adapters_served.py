@@ -3,8 +3,9 @@ generate what PEFT generates (issue 41, item 4; docs/adapter-kinds.md, "Vocabula
 
 For three families (Llama, Qwen2, Mistral) one batch mixes: an adapter with LoRA on
 ``embed_tokens`` and ``lm_head`` (and ``q_proj``); an adapter whose ``modules_to_save`` copies of
-both matrices differ from the base's in a few rows (and LoRA on ``v_proj``); a plain LoRA adapter;
-and the base. Two GPU slots for three adapters, so they take turns in the slots and a slot's
+both matrices differ from the base's in a few rows (and LoRA on ``v_proj``); an adapter with PEFT's
+trainable tokens on both (``trainable_token_indices``, and LoRA on ``k_proj``); a plain LoRA
+adapter; and the base. Two GPU slots for four adapters, so they take turns in the slots and a slot's
 vocabulary part left from the adapter before would show. Each prompt's greedy tokens and their
 log-probabilities equal PEFT's for that prompt alone with its adapter (one PEFT model per adapter:
 PEFT cannot hold LoRA on an embedding and a modules_to_save copy of it in one model). What is not
@@ -36,8 +37,10 @@ from serving.engine.lora.records import CachedAdapter
 PROMPTS = ["Once upon a time there was a little house at the edge of the forest", "Hello!", "The sky is"]
 MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4
-# lm_head rows the modules_to_save adapter changes: its changed logits make these tokens come up.
+# lm_head rows the modules_to_save adapter changes (and the trainable tokens one): its changed logits
+# make these tokens come up.
 HEAD_ROWS = tuple(range(100, 106))
+TOKEN_HEAD_ROWS = [113, 110, 111]  # in no order: PEFT keeps the config's
 ENGINE = dict(max_lora_rank=8, dtype="float32", max_model_len=128, block_size=4, num_kv_blocks=96)
 # On CUDA (gpu mark) the same runs in fp32 against PEFT on the CPU, with the decode graphs captured.
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -53,10 +56,14 @@ def vocab_adapter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     yield lambda base_dir, **options: save_vocab_adapter(base_dir, root / f"adapter-{next(count)}", **options)
 
 
+def _prompt_tokens(base_dir: Path) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    return sorted({t for prompt in PROMPTS for t in tokenizer(prompt).input_ids})
+
+
 def _embed_rows(base_dir: Path) -> list[int]:
     """Embedding rows the modules_to_save adapter changes: tokens of the prompts (so that they matter)."""
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    return sorted({t for prompt in PROMPTS for t in tokenizer(prompt).input_ids})[:6]
+    return _prompt_tokens(base_dir)[:6]
 
 
 def _adapters(base: Path, vocab_adapter: Callable[..., Path], make_adapter: Callable[..., Path]) -> dict[str, Path]:
@@ -66,6 +73,9 @@ def _adapters(base: Path, vocab_adapter: Callable[..., Path], make_adapter: Call
         "saved-rows": vocab_adapter(base, r=4, lora_alpha=8, target_modules=("v_proj",),
                                     modules_to_save=("embed_tokens", "lm_head"),
                                     changed={"embed_tokens": _embed_rows(base), "lm_head": HEAD_ROWS}, seed=2),
+        "token-rows": vocab_adapter(base, r=4, lora_alpha=8, target_modules=("k_proj",), seed=11,
+                                    trainable_tokens={"embed_tokens": _prompt_tokens(base)[:-7:-1],
+                                                      "lm_head": TOKEN_HEAD_ROWS}),
         "plain": make_adapter(base, r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), seed=3, init_scale=0.5),
     }
 
@@ -86,12 +96,12 @@ def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
     adapters = _adapters(base, vocab_adapter, make_adapter)
     llm = LLM(str(base), max_loras=2, async_scheduling=async_scheduling, device=device, **ENGINE)
     tokenizer = llm.get_tokenizer()
-    names: list[str | None] = ["vocab-lora", "saved-rows", "plain", None]
+    names: list[str | None] = ["vocab-lora", "saved-rows", "token-rows", "plain", None]
     inputs = [{"prompt_token_ids": tokenizer(p).input_ids} for p in PROMPTS for _ in names]
     loras = [LoRARequest(n, str(adapters[n])) if n else None for _ in PROMPTS for n in names]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(inputs, greedy, lora_request=loras)
-    assert llm.llm_engine.stats().slot_evictions > 0, "three adapters over two slots must take turns"
+    assert llm.llm_engine.stats().slot_evictions > 0, "four adapters over two slots must take turns"
 
     references = {name: PeftReference(base, {name: adapters[name]} if name else {}) for name in names}
     tokens: dict[str | None, list[list[int]]] = {}
@@ -111,9 +121,10 @@ def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
                 f"{label}: token {step}'s log-probability {ours_lp} is not PEFT's {expected}")
         tokens.setdefault(name, []).append(list(ours.token_ids))
     # The vocabulary parts matter: without them these adapters would be LoRA on one projection.
-    for name in ("vocab-lora", "saved-rows"):
+    for name in ("vocab-lora", "saved-rows", "token-rows"):
         assert tokens[name] != tokens[None] and tokens[name] != tokens["plain"], f"{name} seems not applied"
     assert any(t in HEAD_ROWS for row in tokens["saved-rows"] for t in row), "the changed lm_head rows never counted"
+    assert any(t in TOKEN_HEAD_ROWS for row in tokens["token-rows"] for t in row), "the trained lm_head rows never counted"
     graphs = llm.llm_engine.runner.graphs
     if graphs is not None:
         # The graphs hold no vocabulary step: a batch of a vocabulary adapter alone never replays one, a
@@ -121,7 +132,7 @@ def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
         before = graphs.replays
         again = llm.generate(inputs[:1], greedy, lora_request=loras[:1])[0]
         assert graphs.replays == before and list(again.outputs[0].token_ids) == tokens["vocab-lora"][0]
-        llm.generate(inputs[2:4], greedy, lora_request=loras[2:4])
+        llm.generate(inputs[3:5], greedy, lora_request=loras[3:5])
         assert graphs.replays > before
 
 
@@ -309,3 +320,34 @@ def test_a_slot_taken_by_an_adapter_without_a_vocabulary_part_or_freed_drops_the
     vocab_parts.write(1, with_rows)
     with_rows.slot = None
     assert vocab_parts.nbytes > 0 and not vocab_parts.begin_step([-1]) and vocab_parts.nbytes == 0
+
+
+@pytest.mark.parametrize(("indices", "message"), [
+    ({"embed_tokens": [1, 2, "V"]}, r"has token id V, outside the base model's vocabulary of V: adapters that add "
+                                    r"tokens to the vocabulary are not served"),
+    ({"embed_tokens": [1, 2, 2]}, r"trainable_token_indices for embed_tokens names a token twice"),
+    ({"embed_tokens": [1, 2, 3], "norm": [1]}, r"trainable_token_indices on norm is not supported"),
+    ({"embed_tokens": [1, 2]}, r"trainable_tokens_delta has 3 rows, but trainable_token_indices names 2 tokens"),
+], ids=["new-token", "twice", "other-module", "rows"])
+def test_trainable_tokens_beyond_the_vocabulary_or_not_matching_their_rows_are_refused(
+        tiny_llama_dir: Path, vocab_adapter: Callable[..., Path], indices: dict[str, list[object]],
+        message: str) -> None:
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    adapter = vocab_adapter(tiny_llama_dir, target_modules=("q_proj",), trainable_tokens={"embed_tokens": [1, 2, 3]},
+                            seed=12)
+    vocab = config.vocab_size
+    adapter_config = adapter / "adapter_config.json"
+    edited = {module: [vocab if t == "V" else t for t in ids] for module, ids in indices.items()}
+    adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()), "trainable_token_indices": edited}))
+    with pytest.raises(AdapterError, match=message.replace("V", str(vocab))):
+        _load(adapter, config)
+
+
+def test_too_many_trainable_tokens_are_refused(tiny_llama_dir: Path, vocab_adapter: Callable[..., Path]) -> None:
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    limit = config.vocab_size // MAX_CHANGED_ROWS_DIVISOR
+    adapter = vocab_adapter(tiny_llama_dir, target_modules=("q_proj",),
+                            trainable_tokens={"lm_head": list(range(limit + 1))}, seed=13)
+    with pytest.raises(AdapterError, match=rf"trainable_token_indices for lm_head names {limit + 1} tokens, more than "
+                                           rf"1/8 of the vocabulary \({limit}\)"):
+        _load(adapter, config)

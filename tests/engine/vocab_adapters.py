@@ -32,15 +32,17 @@ def save_vocab_adapter(
     init_scale: float = 0.5,
     seed: int = 0,
     save_embedding_layers: bool = False,
+    trainable_tokens: dict[str, list[int]] | None = None,
 ) -> Path:
     """Save a PEFT adapter on ``base_dir``'s model: LoRA on ``target_modules`` (the vocabulary modules
     among them too), and a copy of each of ``modules_to_save`` whose ``changed[module]`` rows differ
     from the base's. ``save_embedding_layers``: PEFT also saves the base's two matrices whole (its
-    default beside LoRA on them), as ``base_layer`` copies equal to the base."""
+    default beside LoRA on them), as ``base_layer`` copies equal to the base. ``trainable_tokens``:
+    PEFT's ``trainable_token_indices``, their rows the base's plus noise as a copy's changed rows."""
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
-                        modules_to_save=list(modules_to_save) or None, lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM")  # fmt: skip
+                        modules_to_save=list(modules_to_save) or None, trainable_token_indices=trainable_tokens,
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")  # fmt: skip
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -51,6 +53,9 @@ def save_vocab_adapter(
                 param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
             elif ".lora_B." in name or ".lora_embedding_A." in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * init_scale / math.sqrt(r))
+            elif ".trainable_tokens_delta." in name:
+                # PEFT starts it as the listed tokens' base rows.
+                param += torch.randn(param.shape, generator=generator) * row_scale * param.std()
             elif ".modules_to_save." in name:
                 module = name.split(".modules_to_save.")[0].rpartition(".")[2]
                 rows = torch.tensor(list((changed or {}).get(module, ())), dtype=torch.int64)

@@ -2,7 +2,8 @@
 
 The base's two vocabulary matrices exist once. What an adapter changes of them
 (``reader.VocabDelta``) is small beside them: LoRA on either (``r x (vocab + hidden)`` each) and
-the rows of a full copy (``modules_to_save``) that differ from the base's, with their token ids.
+the rows of a full copy (``modules_to_save``) that differ from the base's, or its trainable tokens'
+rows (``trainable_token_indices``), with their token ids.
 When the adapter enters a slot (``write``), those tensors are copied to the device for that slot;
 a step then applies, for the rows of each slot that has some (docs/adapter-kinds.md):
 

@@ -23,7 +23,9 @@ embedding, a plain `lora_A` / `lora_B` pair on the head) is read as it is. A ful
 `save_embedding_layers`) is never kept whole: `load_adapter` compares it with the base's matrix
 (`base_vocab`) and keeps only the rows that differ, with their token ids (`VocabDelta`), and refuses
 the adapter when more than 1/`MAX_CHANGED_ROWS_DIVISOR` of the vocabulary's rows differ (then it
-is a full copy, which the engine does not hold per adapter). Refused too, naming why: a copy or
+is a full copy, which the engine does not hold per adapter). PEFT's trainable tokens
+(`trainable_token_indices`: the listed tokens' rows, `trainable_tokens_delta`) are such rows as
+saved, under the same bound. Refused too, naming why: a copy or
 LoRA of another vocabulary size (resized embeddings, new tokens), any of them on a base that ties
 `lm_head` to `embed_tokens`, and `vocab_refusal` (why an engine serves none, e.g. under tensor
 parallelism). `validate_adapter_dir` (no weights, no base matrices) checks their names and shapes
@@ -31,7 +33,7 @@ only; the changed-row bound is `load_adapter`'s.
 
 Refused, each naming what it is: trained biases, `modules_to_save` of any other module (a
 classifier, a norm: whole copies of base modules), `rank_pattern`/`alpha_pattern`,
-`fan_in_fan_out`, trainable tokens.
+`fan_in_fan_out`, trainable tokens beyond the base's vocabulary (new tokens).
 
 Base model check: when `base_model_name` is given, the config's `base_model_name_or_path` must
 name the same model, compared by last path component, case-insensitively
@@ -46,7 +48,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import unquote, urlparse
@@ -124,6 +126,10 @@ _VOCAB_LORA_KEY = re.compile(
 _VOCAB_COPY_KEY = re.compile(
     r"^base_model\.model\.(?:model\.(?P<embed>embed_tokens)|(?P<head>lm_head))(?:\.base_layer)?\.weight$"
 )
+# PEFT's trainable tokens (trainable_token_indices): the rows of the listed token ids, in the config's order.
+_VOCAB_TOKENS_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.(?P<embed>embed_tokens)|(?P<head>lm_head))\.token_adapter\.trainable_tokens_delta$"
+)
 # A full copy may differ from the base in at most vocab // this many rows: beyond, it is a copy of
 # the matrix (1/8 of Llama-3-8B's is 131 MB in bf16, 1.6 rank-16 adapters on all projections).
 MAX_CHANGED_ROWS_DIVISOR = 8
@@ -189,6 +195,8 @@ class AdapterSpec:
     # Vocabulary modules the adapter keeps a full copy of (modules_to_save, or save_embedding_layers'):
     # served as the rows that differ from the base's.
     vocab_copies: frozenset[str] = frozenset()
+    # trainable_token_indices by module: the token ids whose rows the adapter replaces.
+    trainable_tokens: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -204,7 +212,7 @@ class VocabDelta:
     ``scaling * B @ A[:, t]`` (PEFT's ``lora_embedding_A`` / ``_B``). ``head_lora`` ``(A [r, hidden],
     B [vocab, r])``: the logits gain ``scaling * B @ A @ h``. ``embed_rows`` / ``head_rows``
     ``(token ids [k] int64 ascending, rows [k, hidden])``: the rows of a full copy that differ from
-    the base's, which replace the base's rows for this adapter's tokens (the embedding of those
+    the base's, or the trainable tokens' rows, which replace the base's rows for this adapter's tokens (the embedding of those
     tokens; those logits, ``rows @ h``)."""
 
     embed_lora: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -300,6 +308,7 @@ def validate_adapter_dir(
     except Exception as exc:  # safetensors raises its own error types for every malformed file
         raise AdapterError(f"{WEIGHTS_NAME} is not a valid safetensors file: {exc}") from None
     found = _check_layout(layout, rank=rank, shapes=shapes, use_dora=use_dora)
+    tokens = _trainable_tokens(config, found, shapes)
     _check_vocabulary(found, config, shapes, vocab_refusal)
     modules = frozenset(module for _, module in found.pairs) | frozenset(found.vocab_lora)
     if config_modules is not None and not modules <= config_modules:
@@ -318,6 +327,7 @@ def validate_adapter_dir(
         weights_bytes=weights_path.stat().st_size,
         use_dora=use_dora,
         vocab_copies=frozenset(found.vocab_copies),
+        trainable_tokens=tokens,
     )
 
 
@@ -362,7 +372,7 @@ def load_adapter(
     weights: Weights = {}
     for (layer, module), (a_name, b_name) in sorted(found.pairs.items()):
         weights[layer, module] = (_finite(tensors, a_name), _finite(tensors, b_name))
-    vocab = _read_vocabulary(found, tensors, shapes, base_vocab)
+    vocab = _read_vocabulary(found, tensors, shapes, base_vocab, spec.trainable_tokens)
     magnitudes: Magnitudes | None = None
     if spec.use_dora:
         magnitudes = {}
@@ -398,10 +408,13 @@ def _finite(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _read_vocabulary(found: _Layout, tensors: Mapping[str, torch.Tensor], shapes: BaseShapes,
-                     base_vocab: Callable[[str], torch.Tensor] | None) -> VocabDelta | None:
-    """The adapter's ``VocabDelta``: its LoRA on the vocabulary modules as read, and of each full copy
-    the rows that differ from the base's (refused past the bound)."""
-    if not found.vocab_lora and not found.vocab_copies:
+                     base_vocab: Callable[[str], torch.Tensor] | None,
+                     tokens: Mapping[str, tuple[int, ...]]) -> VocabDelta | None:
+    """The adapter's ``VocabDelta``: its LoRA on the vocabulary modules as read, of each full copy the
+    rows that differ from the base's (refused past the bound), and its trainable tokens' rows."""
+    import torch
+
+    if not found.vocab_lora and not found.vocab_copies and not found.vocab_tokens:
         return None
     lora = {module: (_finite(tensors, names["A"]), _finite(tensors, names["B"]))
             for module, names in found.vocab_lora.items()}
@@ -415,6 +428,10 @@ def _read_vocabulary(found: _Layout, tensors: Mapping[str, torch.Tensor], shapes
         ids, changed = _changed_rows(name, module, _finite(tensors, name), base_vocab(module), shapes.vocab_size)
         if ids.numel():  # a copy equal to the base (save_embedding_layers' beside LoRA) costs nothing
             rows[module] = (ids, changed)
+    for module, (name, _) in found.vocab_tokens.items():
+        # PEFT's index_copy of the rows into the matrix: the ids sorted, their rows with them.
+        ids, order = torch.sort(torch.tensor(tokens[module], dtype=torch.int64))
+        rows[module] = (ids, _finite(tensors, name).index_select(0, order).contiguous())
     if not lora and not rows:
         return None
     return VocabDelta(embed_lora=lora.get("embed_tokens"), head_lora=lora.get("lm_head"),
@@ -476,8 +493,6 @@ def _check_config(
         "for all modules",
         "fan_in_fan_out": "fan_in_fan_out is not supported (it is for GPT-2-style Conv1D layers)",
         "lora_bias": "lora_bias is not supported: the adapter must not train biases",
-        "trainable_token_indices": "trainable_token_indices is not supported: the adapter would "
-        "change the shared embeddings",
         "target_parameters": "target_parameters is not supported: only target_modules",
     }
     for key, message in refusals.items():
@@ -519,10 +534,57 @@ def _check_config(
     return rank, float(alpha), bool(config.get("use_rslora")), modules
 
 
+def _trainable_tokens(config: Mapping[str, Any], found: _Layout, shapes: BaseShapes) -> dict[str, tuple[int, ...]]:
+    """``trainable_token_indices`` by module (a bare list is embed_tokens', as PEFT takes it), checked
+    against the tensors: one row per id, ids inside the base's vocabulary, none twice, at most
+    1/MAX_CHANGED_ROWS_DIVISOR of it, and no module with a full copy as well."""
+    given = config.get("trainable_token_indices") or {}
+    indices = {"embed_tokens": given} if isinstance(given, list) else given
+    if not isinstance(indices, dict):
+        raise AdapterError(f"{ADAPTER_CONFIG_NAME} has trainable_token_indices={given!r}; it must be a list of token "
+                           "ids or a mapping of module to token ids")
+    others = sorted(set(map(str, indices)) - set(VOCABULARY_MODULES))
+    if others:
+        raise AdapterError(f"{ADAPTER_CONFIG_NAME}: trainable_token_indices on {', '.join(others)} is not supported; "
+                           f"only {' and '.join(VOCABULARY_MODULES)}")
+    tokens: dict[str, tuple[int, ...]] = {}
+    for module, ids in indices.items():
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise AdapterError(f"{ADAPTER_CONFIG_NAME}'s trainable_token_indices for {module} must be token ids")
+        if module not in found.vocab_tokens:
+            raise AdapterError(f"{ADAPTER_CONFIG_NAME}'s trainable_token_indices names {module}, but {WEIGHTS_NAME} "
+                               "holds no trainable_tokens_delta for it")
+        if module in found.vocab_copies:
+            raise AdapterError(f"{module} has both a full copy and trainable tokens; PEFT trains one or the other")
+        name, rows = found.vocab_tokens[module]
+        outside = sorted(t for t in ids if not 0 <= t < shapes.vocab_size)
+        if outside:
+            raise AdapterError(
+                f"trainable_token_indices for {module} has token id {outside[0]}, outside the base model's vocabulary "
+                f"of {shapes.vocab_size}: adapters that add tokens to the vocabulary are not served"
+            )
+        if len(set(ids)) != len(ids):
+            raise AdapterError(f"trainable_token_indices for {module} names a token twice")
+        if rows != len(ids):
+            raise AdapterError(f"tensor {name} has {rows} rows, but trainable_token_indices names {len(ids)} tokens")
+        bound = shapes.vocab_size // MAX_CHANGED_ROWS_DIVISOR
+        if len(ids) > bound:
+            raise AdapterError(
+                f"trainable_token_indices for {module} names {len(ids)} tokens, more than 1/{MAX_CHANGED_ROWS_DIVISOR} "
+                f"of the vocabulary ({bound}): the engine does not hold that many rows per adapter"
+            )
+        tokens[module] = tuple(ids)
+    for module, (name, _) in found.vocab_tokens.items():
+        if module not in tokens:
+            raise AdapterError(f"tensor {name} holds trainable tokens, but {ADAPTER_CONFIG_NAME}'s "
+                               f"trainable_token_indices does not name {module}")
+    return tokens
+
+
 def _check_vocabulary(found: _Layout, config: Mapping[str, Any], shapes: BaseShapes, refusal: str | None) -> None:
     """An adapter with tensors on embed_tokens / lm_head is served only where the engine serves such
     adapters and the base keeps the two matrices apart; modules_to_save must name what it copies."""
-    modules = sorted(set(found.vocab_lora) | set(found.vocab_copies))
+    modules = sorted(set(found.vocab_lora) | set(found.vocab_copies) | set(found.vocab_tokens))
     for module in config.get("modules_to_save") or []:
         if module not in found.vocab_copies:
             raise AdapterError(f"{ADAPTER_CONFIG_NAME}'s modules_to_save names {module}, but {WEIGHTS_NAME} holds "
@@ -578,12 +640,13 @@ def _dtype_code(dtype: torch.dtype) -> str:
 class _Layout:
     """An adapter file's tensors by role: ``pairs`` (layer, module) → (A name, B name); ``magnitudes``
     (layer, module) → DoRA magnitude name; ``vocab_lora`` module → {"A": name, "B": name};
-    ``vocab_copies`` module → the name of its full copy."""
+    ``vocab_copies`` module → the name of its full copy; ``vocab_tokens``: of its trainable tokens' rows."""
 
     pairs: dict[tuple[int, str], tuple[str, str]]
     magnitudes: dict[tuple[int, str], str]
     vocab_lora: dict[str, dict[str, str]]
     vocab_copies: dict[str, str]
+    vocab_tokens: dict[str, tuple[str, int]]  # module -> (its trainable_tokens_delta's name, rows)
 
 
 def _check_vocab_tensor(name: str, module: str, shape: tuple[int, ...], dtype: str, shapes: BaseShapes,
@@ -612,6 +675,7 @@ def _check_layout(
     magnitudes: dict[tuple[int, str], str] = {}
     vocab_lora: dict[str, dict[str, str]] = {}
     vocab_copies: dict[str, str] = {}
+    vocab_tokens: dict[str, tuple[str, int]] = {}
     vocab, hidden = shapes.vocab_size, shapes.hidden_size
     for name, (shape, dtype) in sorted(layout.items()):
         lora = _VOCAB_LORA_KEY.match(name)
@@ -623,6 +687,13 @@ def _check_layout(
                           ("lm_head", "A"): ((rank, hidden), None), ("lm_head", "B"): ((vocab, rank), 0)}[module, which]
             _check_vocab_tensor(name, module, shape, dtype, shapes, want, axis)
             vocab_lora.setdefault(module, {})[which] = name
+            continue
+        trained = _VOCAB_TOKENS_KEY.match(name)
+        if trained is not None:
+            module = trained["embed"] or trained["head"]
+            rows = shape[0] if len(shape) == 2 else 0
+            _check_vocab_tensor(name, module, shape, dtype, shapes, (rows, hidden), None)
+            vocab_tokens[module] = (name, rows)
             continue
         copy = _VOCAB_COPY_KEY.match(name)
         if copy is not None:
@@ -658,7 +729,7 @@ def _check_layout(
         _check_tensor(name, (layer, module), shape, dtype, shapes,
                       expected=lambda in_, out: (rank, in_) if which == "A" else (out, rank), rank=rank)
         found.setdefault((layer, module), {})[which] = name
-    if not found and not vocab_lora and not vocab_copies:
+    if not found and not vocab_lora and not vocab_copies and not vocab_tokens:
         raise AdapterError(f"{WEIGHTS_NAME} holds no LoRA weights")
     for (layer, module), pair in found.items():
         if set(pair) != {"A", "B"}:
@@ -677,7 +748,8 @@ def _check_layout(
             )
         for layer, module in sorted(set(magnitudes) - set(found)):
             raise AdapterError(f"layer {layer} {module} has a lora_magnitude_vector but no LoRA weights")
-    return _Layout({key: (pair["A"], pair["B"]) for key, pair in found.items()}, magnitudes, vocab_lora, vocab_copies)
+    return _Layout({key: (pair["A"], pair["B"]) for key, pair in found.items()}, magnitudes, vocab_lora, vocab_copies,
+                   vocab_tokens)
 
 
 def _check_tensor(
