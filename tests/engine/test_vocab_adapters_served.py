@@ -124,7 +124,7 @@ def test_vocabulary_adapters_plain_lora_and_the_base_in_one_batch_match_peft(
     for name in ("vocab-lora", "saved-rows", "token-rows"):
         assert tokens[name] != tokens[None] and tokens[name] != tokens["plain"], f"{name} seems not applied"
     assert any(t in HEAD_ROWS for row in tokens["saved-rows"] for t in row), "the changed lm_head rows never counted"
-    assert any(t in TOKEN_HEAD_ROWS for row in tokens["token-rows"] for t in row), "the trained lm_head rows never counted"
+    assert any(t in TOKEN_HEAD_ROWS for row in tokens["token-rows"] for t in row), "the trained lm_head rows never came"
     graphs = llm.llm_engine.runner.graphs
     if graphs is not None:
         # The graphs hold no vocabulary step: a batch of a vocabulary adapter alone never replays one, a
