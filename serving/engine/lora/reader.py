@@ -25,11 +25,11 @@ embedding, a plain `lora_A` / `lora_B` pair on the head) is read as it is. A ful
 the adapter when more than 1/`MAX_CHANGED_ROWS_DIVISOR` of the vocabulary's rows differ (then it
 is a full copy, which the engine does not hold per adapter). PEFT's trainable tokens
 (`trainable_token_indices`: the listed tokens' rows, `trainable_tokens_delta`) are such rows as
-saved, under the same bound. Refused too, naming why: a copy or
-LoRA of another vocabulary size (resized embeddings, new tokens), any of them on a base that ties
-`lm_head` to `embed_tokens`, and `vocab_refusal` (why an engine serves none, e.g. under tensor
-parallelism). `validate_adapter_dir` (no weights, no base matrices) checks their names and shapes
-only; the changed-row bound is `load_adapter`'s.
+saved, under the same bound. Refused too, naming why: a copy or LoRA of another vocabulary size
+(resized embeddings, new tokens), any of them on a base that ties `lm_head` to `embed_tokens`, DoRA
+on them, and `vocab_refusal` (why an engine serves none, e.g. under tensor parallelism).
+`validate_adapter_dir` (no weights, no base matrices) checks their names and shapes only (the
+trainable tokens' bound too); the changed-row bound of a copy is `load_adapter`'s.
 
 Refused, each naming what it is: trained biases, `modules_to_save` of any other module (a
 classifier, a norm: whole copies of base modules), `rank_pattern`/`alpha_pattern`,
