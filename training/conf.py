@@ -95,13 +95,27 @@ def scratch_dir() -> Path:
     return training_settings().scratch_dir or Path(tempfile.gettempdir()) / "loraplex-training"
 
 
-def _base_max_positions() -> int | None:
+def _base_config() -> dict[str, Any]:
+    """The base model's config.json ({} when it cannot be read: the trainer then says what is wrong)."""
     try:
         config = json.loads((Path(settings.BASE_MODEL_PATH) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _base_max_positions() -> int | None:
+    positions = _base_config().get("max_position_embeddings")
     return positions if isinstance(positions, int) else None
+
+
+def base_vocabulary_problem() -> str | None:
+    """Why LoRA on the base's embed_tokens / lm_head would not be served (serving.engine.lora.reader
+    refuses it where the two matrices are one); None where it would."""
+    if _base_config().get("tie_word_embeddings"):
+        return ("the base model ties lm_head to embed_tokens (tie_word_embeddings), and adapters on the "
+                "vocabulary modules are served only on bases that keep them apart")
+    return None
 
 
 def _weight_files(model_dir: Path) -> tuple[tuple[str, float], ...]:
@@ -163,7 +177,8 @@ def limits() -> Limits:
     cap = training_settings().max_seq_length
     positions = _base_max_positions()
     return Limits(max_rank=settings.MAX_LORA_RANK, max_seq_length=min(cap, positions) if positions else cap,
-                  target_modules=base_target_modules(), int4_problem=base_int4_problem())
+                  target_modules=base_target_modules(), int4_problem=base_int4_problem(),
+                  vocabulary_problem=base_vocabulary_problem())
 
 
 def max_seq_length_default() -> int:

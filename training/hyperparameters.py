@@ -24,6 +24,10 @@ ALL_LINEAR = "all-linear"
 # checkpoints have no q_proj ... up_proj); "all-linear" takes those a base has.
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                             "gate_up_proj")
+# The vocabulary modules LoRA may also adapt, named in a list (never part of "all-linear", which
+# leaves them out as PEFT's does): the engine serves them per row of a batch (docs/adapter-kinds.md,
+# "Vocabulary modules") on bases that keep lm_head apart from embed_tokens.
+VOCABULARY_MODULES = ("embed_tokens", "lm_head")
 SUPERVISED = "supervised"
 DPO = "dpo"
 METHODS = (SUPERVISED, DPO)
@@ -48,6 +52,8 @@ class Limits:
     target_modules: tuple[str, ...] = SUPPORTED_TARGET_MODULES
     # Why the base's projections cannot be held in INT4 (training.int4_layout); None: they can.
     int4_problem: str | None = None
+    # Why adapters on the base's VOCABULARY_MODULES would not be served (training.conf); None: they would.
+    vocabulary_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,25 +119,35 @@ def _number(name: str, value: Any, *, integer: bool, low: float, high: float, lo
     return value
 
 
-def _target_modules(value: Any, present: tuple[str, ...]) -> str | list[str]:
-    """"all-linear", or the named modules, each one the serving engine supports and the base has (`present`)."""
+def _target_modules(value: Any, limits: Limits, *, use_dora: bool) -> str | list[str]:
+    """"all-linear", or the named modules: each a projection the serving engine supports and the base
+    has (`limits.target_modules`), or a vocabulary module where the engine would serve it."""
     if value == ALL_LINEAR:
         return ALL_LINEAR
-    supported = ", ".join(present)
+    supported = ", ".join(limits.target_modules)
     if not isinstance(value, list) or not value or not all(isinstance(item, str) for item in value):
         raise InvalidInput(f"Hyperparameter 'target_modules' must be \"{ALL_LINEAR}\" or a non-empty list of "
-                           f"module names ({supported}).", code="invalid_hyperparameter",
-                           param="hyperparameters.target_modules")
-    unknown = sorted(set(value) - set(SUPPORTED_TARGET_MODULES))
+                           f"module names ({supported}, {', '.join(VOCABULARY_MODULES)}).",
+                           code="invalid_hyperparameter", param="hyperparameters.target_modules")
+    known = SUPPORTED_TARGET_MODULES + VOCABULARY_MODULES
+    unknown = sorted(set(value) - set(known))
     if unknown:
         raise InvalidInput(f"Unsupported target module(s) {', '.join(unknown)}; the serving engine applies LoRA to "
-                           f"{', '.join(SUPPORTED_TARGET_MODULES)}.", code="unsupported_target_module",
+                           f"{', '.join(known)}.", code="unsupported_target_module",
                            param="hyperparameters.target_modules")
-    absent = sorted(set(value) - set(present))
+    vocabulary = [module for module in VOCABULARY_MODULES if module in value]
+    refusal = limits.vocabulary_problem if vocabulary else None
+    if vocabulary and use_dora:
+        # PEFT's DoRA on an embedding is not what the engine's DoRA epilogue computes.
+        refusal = "use_dora (DoRA adapters are served on the projections only)"
+    if refusal is not None:
+        raise InvalidInput(f"LoRA on {', '.join(vocabulary)} cannot be trained here: {refusal}.",
+                           code="unsupported_target_module", param="hyperparameters.target_modules")
+    absent = sorted(set(value) - set(limits.target_modules) - set(VOCABULARY_MODULES))
     if absent:
         raise InvalidInput(f"The base model has no {', '.join(absent)}; its projections are {supported}.",
                            code="unsupported_target_module", param="hyperparameters.target_modules")
-    return sorted(set(value), key=SUPPORTED_TARGET_MODULES.index)
+    return sorted(set(value), key=known.index)
 
 
 # OpenAI's names for what a fine-tuning job takes; its `learning_rate_multiplier` scales our default rate.
@@ -271,7 +287,7 @@ def resolve_hyperparameters(raw: dict[str, Any] | None, limits: Limits) -> Hyper
         r=_number("r", values["r"], integer=True, low=1, high=limits.max_rank),
         lora_alpha=_number("lora_alpha", values["lora_alpha"], integer=False, low=0, high=4096, low_open=True),
         lora_dropout=_number("lora_dropout", values["lora_dropout"], integer=False, low=0, high=0.5),
-        target_modules=_target_modules(values["target_modules"], limits.target_modules),
+        target_modules=_target_modules(values["target_modules"], limits, use_dora=use_dora),
         warmup_ratio=_number("warmup_ratio", values["warmup_ratio"], integer=False, low=0, high=0.5),
         lr_scheduler_type=_choice("lr_scheduler_type", values["lr_scheduler_type"], SCHEDULES),
         weight_decay=_number("weight_decay", values["weight_decay"], integer=False, low=0, high=1),

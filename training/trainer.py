@@ -184,8 +184,10 @@ class RunPlan:
 
 
 def resolve_target_modules(model: torch.nn.Module, requested: str | Sequence[str]) -> list[str]:
-    """The module names to adapt: "all-linear" is every supported projection the model has."""
-    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    """The module names to adapt: "all-linear" is every supported projection the model has; a list may
+    also name the vocabulary modules (embed_tokens, an Embedding; lm_head)."""
+    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+               if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))}
     wanted = SUPPORTED_TARGET_MODULES if requested == ALL_LINEAR else tuple(requested)
     resolved = [name for name in wanted if name in present]
     missing = sorted(set(wanted) - present) if requested != ALL_LINEAR else []

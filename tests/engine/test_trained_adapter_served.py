@@ -8,7 +8,9 @@ CPU, or on CUDA with graphs, DoRA's too: gpu mark) in a batch with the base mode
 is the module fixture's: run alone (``-m gpu``), the CUDA test pays for it.
 Every prompt's greedy tokens must equal PEFT's on the CPU for that adapter, and the adapter must
 change what the base model says (so the comparison is not of two base models). "llama+dora" trains
-a DoRA adapter (``use_dora``, docs/adapter-kinds.md) and serves it the same way.
+a DoRA adapter (``use_dora``, docs/adapter-kinds.md) and serves it the same way; "llama+vocab" adapts
+the vocabulary modules too (``embed_tokens`` and ``lm_head`` beside two projections: issue 41, item
+4), which the engine serves per row (docs/adapter-kinds.md, "Vocabulary modules").
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft_reference import PeftReference, assert_greedy_match
+from safetensors import safe_open
 
 from serving.engine import LLM, LoRARequest, SamplingParams
 from training.examples import Example, encode_example
@@ -55,7 +58,11 @@ class _Hooks:
         pass
 
 
-@pytest.fixture(scope="module", params=["llama", "phi3", "gemma2", "gemma3_text", "llama+dora"])
+# The "vocab" kind's modules: two projections and both vocabulary modules.
+VOCAB_TARGETS = ["q_proj", "v_proj", "embed_tokens", "lm_head"]
+
+
+@pytest.fixture(scope="module", params=["llama", "phi3", "gemma2", "gemma3_text", "llama+dora", "llama+vocab"])
 def trained(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
             tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[float]]:
     """``(base, adapter, losses)``: "all-linear" adapts every projection the base has."""
@@ -67,7 +74,8 @@ def trained(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Pa
         for prompt, completion in PAIRS
     ]
     hp = Hyperparameters(n_epochs=6, batch_size=2, learning_rate=2e-2, max_seq_length=64, r=8, lora_alpha=16,
-                         lora_dropout=0.0, warmup_ratio=0.0, use_dora=kind == "dora")  # fmt: skip
+                         lora_dropout=0.0, warmup_ratio=0.0, use_dora=kind == "dora",
+                         target_modules=VOCAB_TARGETS if kind == "vocab" else "all-linear")  # fmt: skip
     hooks = _Hooks()
     result = LoraTrainer(
         base, hp, seed=3, train=examples, valid=[], hooks=hooks, work_dir=tmp_path_factory.mktemp("job"),
@@ -81,10 +89,19 @@ def trained(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Pa
 def test_trained_adapter_is_served_with_peft_tokens(device: str, trained: tuple[Path, Path, list[float]]) -> None:
     base_dir, adapter_dir, losses = trained
     assert losses[-1] < losses[0], f"the trainer must learn: losses {losses}"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
     fused = json.loads((base_dir / "config.json").read_text())["model_type"] == "phi3"
     projections = {"o_proj", "down_proj"} | ({"qkv_proj", "gate_up_proj"} if fused else
                                              {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
-    assert set(json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"]) == projections
+    if "embed_tokens" in config["target_modules"]:
+        projections = set(VOCAB_TARGETS)
+        # PEFT's LoRA on the embedding and on the head, and no copy of either matrix in the artifact.
+        with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as weights:
+            names = list(weights.keys())
+        assert any("embed_tokens.lora_embedding_A" in name for name in names), names
+        assert any("lm_head.lora_A" in name for name in names), names
+        assert not any(name.endswith(("embed_tokens.weight", "lm_head.weight")) for name in names), names
+    assert set(config["target_modules"]) == projections
     llm = LLM(str(base_dir), max_loras=1, max_lora_rank=8, max_num_seqs=4, max_model_len=64, device=device,
               dtype="float32")  # fmt: skip
     prompts = [prompt for prompt, _ in PAIRS] * 2

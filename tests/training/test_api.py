@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -128,7 +129,9 @@ def test_the_streaming_limit_holds_when_the_declared_size_lies(platform, setting
     ({"lora_dropout": 0.9}, "hyperparameters.lora_dropout", "hyperparameter_out_of_range"),
     ({"max_seq_length": 100_000}, "hyperparameters.max_seq_length", "hyperparameter_out_of_range"),
     ({"batch_size": 2.5}, "hyperparameters.batch_size", "invalid_hyperparameter"),
-    ({"target_modules": ["lm_head"]}, "hyperparameters.target_modules", "unsupported_target_module"),
+    ({"target_modules": ["score"]}, "hyperparameters.target_modules", "unsupported_target_module"),
+    ({"target_modules": ["q_proj", "lm_head"], "use_dora": True}, "hyperparameters.target_modules",
+     "unsupported_target_module"),
     ({"lr": 0.1}, "hyperparameters.lr", "unknown_hyperparameter"),
 ])
 def test_hyperparameters_out_of_range_are_refused(platform, client_a, hyperparameters, param, code):
@@ -137,6 +140,28 @@ def test_hyperparameters_out_of_range_are_refused(platform, client_a, hyperparam
     assert response.status_code == 400, response.json()
     assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, code)
     assert not TrainingJob.objects.exists()
+
+
+def test_lora_on_the_vocabulary_modules_is_taken_where_the_engine_serves_it(platform, settings, client_a, tmp_path):
+    """Issue 41, item 4: embed_tokens and lm_head may be named beside the projections (never by
+    "all-linear"), but not on a base whose lm_head is its embed_tokens, which the engine refuses to
+    serve such adapters on: refused before the job exists, the reason named."""
+    dataset_id = ready_dataset(client_a)
+    response = create_job(client_a, dataset_id, hyperparameters={"target_modules": ["lm_head", "q_proj", "embed_tokens"]})
+    assert response.status_code == 201, response.json()
+    assert response.json()["hyperparameters"]["target_modules"] == ["q_proj", "embed_tokens", "lm_head"]
+
+    tied = tmp_path / "tied"
+    shutil.copytree(settings.BASE_MODEL_PATH, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    settings.BASE_MODEL_PATH = tied
+    response = create_job(client_a, dataset_id, hyperparameters={"target_modules": ["q_proj", "embed_tokens"]})
+    assert response.status_code == 400, response.json()
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_target_module", "hyperparameters.target_modules")
+    assert "embed_tokens" in error["message"] and "tie_word_embeddings" in error["message"]
+    assert TrainingJob.objects.count() == 1
 
 
 def test_rank_limit_comes_from_the_platform_setting(platform, settings, client_a):
