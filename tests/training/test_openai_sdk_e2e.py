@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from serving.registry.models import AdapterVersion
 from serving.registry.storage import get_storage
 from tests.gateway.conftest import WebProcess
 from tests.engine.server.conftest import WorkerProcess
@@ -143,3 +144,33 @@ def cancel_a_running_job(client: openai.OpenAI, file_id: str) -> None:
     assert list(client.fine_tuning.jobs.checkpoints.list(job.id)) == []
     assert [key for key in get_storage().list("adapters") if key.endswith("manifest.json")] == [
         "adapters/alice-co/support-bot/1.0.0/manifest.json"]
+
+
+# Issue 41: each adapter kind beyond plain LoRA, as a Loraplex extension among the method's
+# hyperparameters (docs/adapter-kinds.md, docs/quantized-bases.md), with the adapter kind the registry records.
+KINDS = {
+    "dora-bot": ({"use_dora": True}, "dora"),
+    "qlora-bot": ({"base_quantization": "int4"}, "lora"),
+    "vocab-bot": ({"target_modules": ["q_proj", "v_proj", "embed_tokens", "lm_head"]}, "lora"),
+}
+
+
+def test_each_adapter_kind_trains_through_the_sdk_and_answers_chat(processes, tenant_a):
+    client = processes(tenant_a.key)
+    training = client.files.create(file=("train.jsonl", jsonl(chat_lines())), purpose="fine-tune")
+    jobs = {suffix: client.fine_tuning.jobs.create(
+        model=BASE_MODEL_NAME, training_file=training.id, suffix=suffix, seed=3,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, **extra}}})
+        for suffix, (extra, _) in KINDS.items()}
+    question, _ = QA[0]
+    for suffix, created in jobs.items():
+        seen, job = wait_final(client, created.id)
+        assert job.status == "succeeded", (suffix, seen, job.error)
+        assert job.fine_tuned_model == f"{suffix}@1.0.0"
+        version = AdapterVersion.objects.get(adapter__tenant=tenant_a.tenant, adapter__name=suffix)
+        assert version.kind == KINDS[suffix][1]
+        reply = client.chat.completions.with_raw_response.create(
+            model=job.fine_tuned_model, temperature=0, max_tokens=4,
+            messages=[{"role": "user", "content": question}])
+        assert reply.headers["x-loraplex-adapter-version"] == "1.0.0", suffix
+        assert reply.parse().model == job.fine_tuned_model and reply.parse().usage.completion_tokens == 4
