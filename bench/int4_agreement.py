@@ -20,7 +20,7 @@ are compared with the unquantized base's, with and without the demo adapter.
    the engine's INT4 layer multiplies), the adapter loaded on both with PEFT, over the same token
    sequences: each held-out question with the unquantized engine's greedy answer, and every training
    line. Agreement is the fraction of positions whose argmax is the same, over the answers' positions
-   and over all positions.
+   and over all distinct positions (the system prompt every chat template writes counted once).
 4. **End to end** (serving.engine's offline ``LLM`` on the CPU): greedy answers (24 tokens) to the six
    held-out questions from the unquantized directory and from the INT4 checkpoint, with the adapter:
    the facts each gives (scripts/demo_finetune_check.py's ``fact_learned``) and how many answers are
@@ -72,6 +72,10 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "generation_config.json")  # fmt: skip
 ANSWER_TOKENS = 24  # as scripts/demo_finetune_check.py's answers
 AUTO = {"n_epochs": "auto", "batch_size": "auto", "learning_rate": "auto"}  # the dashboard's form left empty
+
+
+def _progress(stage: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {stage}", file=sys.stderr, flush=True)
 
 
 def checkpoint_group_size(in_features: Iterable[int]) -> int:
@@ -126,7 +130,8 @@ def dequantize_projections(model: torch.nn.Module, group_size: int) -> None:
 
 @dataclass(frozen=True)
 class Agreement:
-    """Positions whose argmax agree, of how many."""
+    """Positions whose argmax agree, of how many: over the answers, and over every distinct position
+    (a prefix shared by several sequences, the chat template's system prompt, counted once)."""
 
     answer_agree: int
     answer_positions: int
@@ -144,15 +149,20 @@ class Agreement:
 def top1_agreement(reference: torch.nn.Module, quantized: torch.nn.Module,
                    sequences: Sequence[tuple[list[int], int]]) -> Agreement:  # fmt: skip
     """Teacher-forced agreement over ``(token ids, answer start)`` sequences: at each position the two
-    models' argmax of the next token, the answer's positions (those predicting ``ids[start:]``) and all."""
+    models' argmax of the next token, over the answer's positions (those predicting ``ids[start:]``)
+    and over every position whose prefix no earlier sequence had."""
     answer_agree = answer_positions = all_agree = all_positions = 0
+    seen: set[tuple[int, ...]] = set()
     for ids, start in sequences:
         batch = torch.tensor([ids])
-        same = reference(batch).logits[0, :-1].argmax(-1) == quantized(batch).logits[0, :-1].argmax(-1)
-        answer_agree += int(same[start - 1 :].sum())
+        same = (reference(batch).logits[0, :-1].argmax(-1) == quantized(batch).logits[0, :-1].argmax(-1)).tolist()
+        answer_agree += sum(same[start - 1 :])
         answer_positions += len(ids) - start
-        all_agree += int(same.sum())
-        all_positions += len(ids) - 1
+        for position, agree in enumerate(same):
+            if (prefix := tuple(ids[: position + 1])) not in seen:
+                seen.add(prefix)
+                all_agree += agree
+                all_positions += 1
     return Agreement(answer_agree, answer_positions, all_agree, all_positions)
 
 
@@ -222,6 +232,7 @@ def demo_adapter(model_dir: Path, work: Path) -> Path:
     adapter = work / "train" / "adapter"
     if not (adapter / "adapter_config.json").is_file():
         shutil.rmtree(work / "train", ignore_errors=True)
+        _progress(f"training the demo adapter into {adapter}")
         demo_trainer(load_base(str(model_dir)), demo_hyperparameters(AUTO), _Quiet(), work / "train").run()
     return adapter
 
@@ -241,16 +252,20 @@ def measure(model_dir: Path, work: Path, adapter: Path | None, dtype: str) -> di
     awq_dir = work / "awq"
     if not (awq_dir / "config.json").is_file():
         shutil.rmtree(awq_dir, ignore_errors=True)
+        _progress(f"writing the INT4 checkpoint {awq_dir}")
         write_rtn_awq(model_dir, awq_dir)
     group = json.loads((awq_dir / "config.json").read_text())["quantization_config"]["group_size"]
     adapter = adapter or demo_adapter(model_dir, work)
     rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
+    _progress("the engine on the unquantized base")
     reference_base, reference_tuned = engine_answers(model_dir, adapter, dtype, rank)
+    _progress("the engine on the INT4 checkpoint")
     int4_base, int4_tuned = engine_answers(awq_dir, adapter, dtype, rank)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     rows = {}
     for label, lora, reference, quantized in (("base", None, reference_base, int4_base),
                                                ("adapter", adapter, reference_tuned, int4_tuned)):  # fmt: skip
+        _progress(f"teacher-forced top-1, {label}")
         agreement = top1_agreement(_model(model_dir, getattr(torch, dtype), None, lora),
                                    _model(model_dir, getattr(torch, dtype), group, lora),
                                    sequences(tokenizer, reference.token_ids))  # fmt: skip

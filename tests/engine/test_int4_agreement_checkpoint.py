@@ -9,6 +9,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,14 @@ from peft_reference import PeftReference, assert_greedy_match
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from bench.int4_agreement import checkpoint_group_size, dequantize_projections, rtn_weight, write_rtn_awq
+from bench.int4_agreement import (
+    Agreement,
+    checkpoint_group_size,
+    dequantize_projections,
+    rtn_weight,
+    top1_agreement,
+    write_rtn_awq,
+)
 from kernels import int4
 from serving.engine import LLM, LoRARequest, SamplingParams
 from serving.engine.layers.int4_linear import AWQSpec
@@ -99,3 +107,27 @@ def test_the_engine_serves_the_checkpoint_as_the_dequantized_twin(tiny_llama_dir
         rounded += output.outputs[0].token_ids != original.generate(ids, name, NEW_TOKENS).token_ids
     # The match above tells the rounded weights from the original ones only where they differ in tokens.
     assert rounded, "the unrounded model gives the same tokens: the test cannot tell a loader that skips the rounding"
+
+
+class _NextToken(torch.nn.Module):
+    """A model whose top token after ``t`` is ``next_of(t)``."""
+
+    def __init__(self, next_of: Callable[[int], int]) -> None:
+        super().__init__()
+        self.next_of = next_of
+
+    def forward(self, batch: torch.Tensor) -> SimpleNamespace:
+        logits = torch.zeros(*batch.shape, 16)
+        for position, token in enumerate(batch[0].tolist()):
+            logits[0, position, self.next_of(token)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_agreement_counts_answer_positions_and_each_distinct_prefix_once() -> None:
+    reference = _NextToken(lambda t: t + 1)
+    quantized = _NextToken(lambda t: 0 if t == 3 else t + 1)  # disagrees after token 3 alone
+    # The second sequence shares the prefix (1, 2) with the first: its first two positions are not new.
+    agreement = top1_agreement(reference, quantized, [([1, 2, 3, 4], 2), ([1, 2, 5, 3, 6], 3)])
+    # Answers: after 2 and 3 in the first (3 disagrees), after 5 and 3 in the second (3 disagrees).
+    # Distinct positions: 1, 1-2, 1-2-3 of the first; 1-2-5, 1-2-5-3 of the second.
+    assert agreement == Agreement(answer_agree=2, answer_positions=4, all_agree=3, all_positions=5)
