@@ -47,14 +47,13 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.card import card  # noqa: E402
-from bench.trainer import BIG_SHAPES, StepTimer, build_on_device, peak_memory_gib, steady_tokens_per_s  # noqa: E402
+from bench.trainer import BIG_SHAPES, StepTimer, bench_base, peak_memory_gib, steady_tokens_per_s  # noqa: E402
 from bench.trainer_hf import run_hf_trainer  # noqa: E402
-from serving.engine.tiny import build_tiny_model  # noqa: E402
 from training.examples import EncodedExample  # noqa: E402
 from training.hyperparameters import Hyperparameters  # noqa: E402
 from training.int4_base import quantize_projections  # noqa: E402
 from training.memory_model import GIB, PROJECTIONS, Setup, Shape, estimate  # noqa: E402
-from training.trainer import LoadedBase, LoraTrainer, load_tokenizer, pick_device  # noqa: E402
+from training.trainer import LoadedBase, LoraTrainer, pick_device  # noqa: E402
 
 
 def reset_peak(device: torch.device) -> None:
@@ -172,17 +171,7 @@ def main() -> int:
         return 0
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = build_tiny_model(Path(tmp) / "tiny", arch="llama", size="tiny")
-        tokenizer = load_tokenizer(str(tiny))
-        if args.shape in BIG_SHAPES:
-            if device.type != "cuda":
-                parser.error(f"--shape {args.shape} needs a CUDA device")
-            model = build_on_device(BIG_SHAPES[args.shape], args.num_layers, device)
-        else:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            overrides = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
-            model = AutoModelForCausalLM.from_pretrained(tiny, dtype=dtype, **overrides).to(device)
-            model.eval().requires_grad_(False)
+        model, tokenizer, tiny = bench_base(args.shape, args.num_layers, device, Path(tmp), parser.error)
         config = model.config.to_dict()
         rng = random.Random(0)
         examples = []

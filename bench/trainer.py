@@ -29,6 +29,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,23 @@ def build_on_device(config: dict[str, Any], num_layers: int | None, device: torc
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**dict(config, num_hidden_layers=layers)), dtype=dtype)
     return model.eval().requires_grad_(False)
+
+
+def bench_base(shape: str, num_layers: int | None, device: torch.device, directory: Path,
+               error: Callable[[str], Any]) -> tuple[Any, Any, Path]:
+    """`(model, tokenizer, tiny)`: the frozen model of `shape` (the 8B/70B shapes with random weights on
+    CUDA, cut to `num_layers`; "tiny": the suite's tiny Llama written under `directory`) and the tiny
+    model's tokenizer (benchmarks feed token ids), which `error` refuses a big shape without CUDA."""
+    tiny = build_tiny_model(directory / "tiny", arch="llama", size="tiny")
+    tokenizer = load_tokenizer(str(tiny))
+    if shape in BIG_SHAPES:
+        if device.type != "cuda":
+            error(f"--shape {shape} needs a CUDA device")
+        return build_on_device(BIG_SHAPES[shape], num_layers, device), tokenizer, tiny
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    overrides = {} if num_layers is None else {"num_hidden_layers": num_layers}
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=dtype, **overrides).to(device)
+    return model.eval().requires_grad_(False), tokenizer, tiny
 
 
 class StepTimer:
@@ -109,17 +127,7 @@ def main() -> int:
     args = parser.parse_args()
     device = pick_device()
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = build_tiny_model(Path(tmp) / "tiny", arch="llama", size="tiny")
-        tokenizer = load_tokenizer(str(tiny))
-        if args.shape in BIG_SHAPES:
-            if device.type != "cuda":
-                parser.error(f"--shape {args.shape} needs a CUDA device")
-            model = build_on_device(BIG_SHAPES[args.shape], args.num_layers, device)
-        else:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            overrides = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
-            model = AutoModelForCausalLM.from_pretrained(tiny, dtype=dtype, **overrides).to(device)
-        model.eval().requires_grad_(False)
+        model, tokenizer, tiny = bench_base(args.shape, args.num_layers, device, Path(tmp), parser.error)
         base = LoadedBase(model=model, tokenizer=tokenizer, path=str(tiny), device=device)
         vocab = model.config.vocab_size
         rng = random.Random(0)
