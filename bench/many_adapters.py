@@ -177,8 +177,9 @@ def run_cell(args: argparse.Namespace, cell: Cell, cache: Path, out: Path, secon
     ]  # fmt: skip
     if args.lora_memory_bytes is not None:
         command += ["--lora-memory-bytes", str(args.lora_memory_bytes)]
-    if args.worker_args:
-        command.append(f"--worker-args={args.worker_args}")
+    worker_args = f"{args.worker_args} --borrow-kv-memory".strip() if args.borrow_kv_memory else args.worker_args
+    if worker_args:
+        command.append(f"--worker-args={worker_args}")
     started = time.monotonic()
     process = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
     # serve.py's stop: its runs' connections close (the worker aborts their requests), then the worker's.
@@ -448,6 +449,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--lora-memory-bytes", type=int, default=None, help="passed to every worker when given")
     p.add_argument("--worker-args", default="", help="more flags for every worker (e.g. \"--async-scheduling\")")
+    p.add_argument("--borrow-kv-memory", action="store_true",
+                   help="every worker's adapter rows borrow idle KV blocks (docs/adapter-memory.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-time-limit", type=float, default=None,
                    help="seconds a run may take (default: twice its arrivals at the lowest rate, plus 20)")

@@ -23,10 +23,17 @@ scheduler once the step's preemptions are over), so a request admitted in the sa
 already: every layer writes the whole step's keys and values into the cache before any token
 attends, so its KV is there when read. A block freed before its step ran (a preemption inside
 ``schedule``) never carries a key.
+
+The manager may hand out fewer blocks than the cache holds (``set_capacity``): blocks from the
+capacity up are lent to the adapter row pool (serving.engine.lora.borrow, behind
+``EngineConfig.borrow_kv_memory``). It never shrinks under a block a sequence holds, and once a
+capacity has been set free blocks are handed out lowest first, so the top of the cache stays free
+to lend. An engine that never sets one hands blocks out in the order they were freed, as before.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 
 from serving.engine.prefix_hash import BASE_SEED, adapter_seed, block_hashes, salted
@@ -37,10 +44,12 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # physical: what the cache holds
+        self.capacity = num_blocks  # what may be handed out: blocks 0 .. capacity - 1
         self.block_size = block_size
         self.prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))  # free and unregistered
+        # Free and unregistered: in the order freed, or (once a capacity is set) a heap, lowest first.
+        self._free: deque[int] | list[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._copies: list[tuple[int, int]] = []
         self._by_key: dict[bytes, int] = {}
@@ -59,7 +68,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.capacity - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -68,8 +77,35 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the KV cache in use, 0..1 (cached blocks no sequence holds are free)."""
-        return self.num_used_blocks / self.num_blocks
+        """Fraction of the KV cache's capacity in use, 0..1 (cached blocks no sequence holds are free)."""
+        return self.num_used_blocks / self.capacity
+
+    def set_capacity(self, blocks: int) -> None:
+        """Hand out only blocks ``0 .. blocks - 1``. Growing frees the blocks given back; shrinking
+        drops the free and cached-but-unheld blocks above ``blocks`` (their prefix keys go) and is
+        refused (ValueError, nothing changed) while a sequence holds one of them."""
+        if not 1 <= blocks <= self.num_blocks:
+            raise ValueError(f"capacity must be in 1 .. {self.num_blocks} blocks, got {blocks}")
+        if isinstance(self._free, deque):
+            self._free = sorted(self._free)  # a sorted list is a heap
+        if blocks < self.capacity:
+            held = [block for block in range(blocks, self.capacity) if self._refs[block]]
+            if held:
+                raise ValueError(f"cannot shrink the KV cache to {blocks} blocks: block {held[0]} is in use")
+            for block in range(blocks, self.capacity):
+                if block in self._evictable:
+                    self._unregister(block)
+            kept = [block for block in self._free if block < blocks]
+            heapq.heapify(kept)
+            self._free = kept
+        else:
+            self._release(list(range(self.capacity, blocks)))
+        self.capacity = blocks
+
+    @property
+    def highest_held_block(self) -> int:
+        """The highest block a sequence holds, -1 for none (the capacity cannot go below it + 1)."""
+        return next((block for block in range(self.capacity - 1, -1, -1) if self._refs[block]), -1)
 
     def _copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``seq``'s next tokens land in a last block it shares."""
@@ -110,7 +146,7 @@ class BlockManager:
     def _take(self) -> int:
         """A free block: an unregistered one, else the least recently freed cached one (evicted)."""
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free) if isinstance(self._free, list) else self._free.popleft()
         else:
             block, _ = self._evictable.popitem(last=False)
             key, _ = self._key_of.pop(block)
@@ -141,7 +177,7 @@ class BlockManager:
             # A copy into a block freed in the same step (its sequence preempted) is not wanted.
             gone = set(released)
             self._copies = [(src, dst) for src, dst in self._copies if dst not in gone]
-        self._free.extend(released)
+        self._release(released)
         seq.block_table = []
         seq.num_registered_blocks = 0
 
@@ -247,4 +283,12 @@ class BlockManager:
         del self._by_key[key]
         if block in self._evictable:
             del self._evictable[block]
-            self._free.append(block)
+            self._release([block])
+
+    def _release(self, blocks: list[int]) -> None:
+        """Return unregistered ``blocks`` to the free list, keeping its order (a heap once lowest first)."""
+        if isinstance(self._free, list):
+            for block in blocks:
+                heapq.heappush(self._free, block)
+        else:
+            self._free.extend(blocks)

@@ -100,6 +100,12 @@ class EngineConfig:
     serve DoRA and plain adapters alike; off, the table and its multiply are gone and DoRA adapters
     are refused at load, saying so. ``dora_refusal`` says why an engine refuses them.
 
+    ``borrow_kv_memory`` (off by default): the adapter row pool lives in a flex region at the end of
+    the KV cache's tensor and the boundary between KV blocks and rank rows moves at run time: rows
+    borrow idle KV blocks while adapters wait for room and give them back under KV pressure
+    (serving.engine.lora.borrow; docs/adapter-memory.md, "Adapters that borrow idle KV memory").
+    Not under tensor parallelism.
+
     ``grammar``: structured output's compile budget, pool and cache (serving.engine.grammar_pool's
     ``GrammarBudget``: time, nesting and size per constraint, compiling processes, a tenant's share
     of them, the per-tenant cache's bounds).
@@ -138,6 +144,7 @@ class EngineConfig:
     async_scheduling: bool = False
     quantization: str | None = None
     enable_dora: bool = True
+    borrow_kv_memory: bool = False
     grammar: GrammarBudget = field(default_factory=GrammarBudget)
 
     def __post_init__(self) -> None:
@@ -203,6 +210,13 @@ class EngineConfig:
                  f"distributed_executor_backend must be None, 'uni' or 'mp', got {self.distributed_executor_backend!r}")
         _require(not (self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1),
                  "distributed_executor_backend='uni' runs one process: it cannot serve tensor_parallel_size > 1")
+        _require(not (self.borrow_kv_memory and self.tensor_parallel_size > 1),
+                 "borrow_kv_memory is not supported with tensor_parallel_size > 1 (each rank's KV cache and "
+                 "row pool would have to move their boundary alike)")
+        _require(not (self.borrow_kv_memory and self.distributed_executor_backend == "mp"),
+                 "borrow_kv_memory is not supported under the tensor-parallel driver (distributed_executor_backend='mp')")
+        _require(not (self.borrow_kv_memory and not self.lora_enabled),
+                 "borrow_kv_memory needs LoRA on (max_loras=0 turns it off): there is no pool to lend to")
         _require(not (self.async_scheduling and self.tensor_parallel_size > 1),
                  "async_scheduling is not supported with tensor_parallel_size > 1 (the ranks take the step's "
                  "token ids from rank 0's host, which async scheduling does not wait for)")

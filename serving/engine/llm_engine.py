@@ -39,6 +39,7 @@ from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from serving.engine.distributed.driver import DriverRunner
 from serving.engine.layers.lora_linear import write_dora_scales
 from serving.engine.guided import GrammarCompiler, Guide, grammar_tenant
+from serving.engine.lora.borrow import Borrower
 from serving.engine.lora.cache import LoRACache, Placement
 from serving.engine.lora.integrity import SlotChecksums, SlotCorruptedError
 from serving.engine.lora.reader import AdapterError
@@ -104,7 +105,13 @@ class LLMEngine:
                 vocab_refusal=runner.vocab_refusal,
                 base_vocab=runner.base_vocab,
             )
-        self.scheduler = Scheduler(config, self.block_manager, self.lora_cache, max_model_len=self.max_model_len)
+        # With borrow_kv_memory the row pools are views into the KV cache and this moves their boundary.
+        borrow = None
+        if self.runner.flex is not None and self.lora_cache is not None and memory.kv_blocks_at_start is not None:
+            borrow = Borrower(self.runner.flex, self.block_manager, self.lora_cache,
+                              start_kv_blocks=memory.kv_blocks_at_start)
+        self.scheduler = Scheduler(config, self.block_manager, self.lora_cache, max_model_len=self.max_model_len,
+                                   borrow=borrow)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.hf_config.vocab_size,
                                         stop_token_ids=self.eos_token_ids, budget=config.grammar,
                                         on_done=on_load_done)

@@ -23,6 +23,13 @@ The policy (docs/adapter-memory.md), in the order it is applied:
    rows and the tables come on top (on CUDA the KV cache gives them up); what the KV cache leaves
    on CUDA by default is shared, each slot's rows paying for its table row.
 
+6. With ``borrow_kv_memory`` (off by default) the pool lives inside the KV cache's tensor, in a flex
+   region at the end of every (K or V, layer) range (serving.engine.lora.flex, ``borrow_plan``):
+   the region holds the pool the points above size plus up to half of their KV blocks (the KV
+   cache keeps the other half and at least one ``max_model_len`` sequence), and the boundary
+   between the two moves at run time (serving.engine.lora.borrow). It starts where the fixed split
+   is, so the total memory is the same.
+
 The CPU cache defaults to twice the GPU pool's bytes (``max_cpu_loras`` entries instead, when the
 operator counts them), at most a quarter of the host's memory; ``cpu_lora_cache_bytes`` fixes it.
 """
@@ -30,9 +37,10 @@ operator counts them), at most a quarter of the host's memory; ``cpu_lora_cache_
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serving.engine.config import EngineConfig
+from serving.engine.lora.flex import FlexRegion
 
 # Adapters of max_lora_rank a default pool holds at least: a few tenants' adapters of the largest rank
 # stay resident together (a pool of one would reload on every switch between two of them).
@@ -45,6 +53,39 @@ class MemoryPlan:
     lora_rows: int  # rows of the adapter pool (0: LoRA off)
     lora_slots: int  # entries of the slot table: adapters resident at once, at most
     cpu_cache_bytes: int
+    # With borrow_kv_memory: the flex region (num_kv_blocks then counts its blocks, lora_rows its rows).
+    flex: FlexRegion | None = None
+    kv_blocks_at_start: int | None = None  # the KV cache's capacity to start with (the fixed split's)
+
+
+def borrow_plan(plan: MemoryPlan, config: EngineConfig, *, block_elements: int, a_elements: int,
+                b_elements: int, max_model_len: int, kv_block_bytes: int, dora_row_bytes: int = 0,
+                on_cuda: bool = False) -> MemoryPlan:
+    """``plan`` (the fixed split) with its adapter pool moved into a flex region of the KV cache
+    (policy point 6); ``block_elements``: one block of one (K or V, layer) range; ``a_elements``,
+    ``b_elements``: one rank row's A and Bt sides of one layer; ``kv_block_bytes``: one block of
+    every layer. The slot table grows with the region's rows (unless ``max_loras`` fixes it); on
+    CUDA the DoRA scale tables of the slots added are paid for by KV blocks the region does not lend."""
+    kv_blocks = plan.num_kv_blocks
+    pool_blocks = FlexRegion.blocks_for_rows(plan.lora_rows, block_elements, a_elements, b_elements)
+    lend = max(0, min(kv_blocks // 2, kv_blocks - -(-max_model_len // config.block_size)))
+
+    def region_of(lent: int) -> FlexRegion:
+        return FlexRegion(base=kv_blocks - lent, blocks=pool_blocks + lent, block_elements=block_elements,
+                          a_elements=a_elements, b_elements=b_elements)
+
+    def slots_of(region: FlexRegion) -> int:
+        return config.max_loras if config.max_loras is not None else max(1, region.rows // _rows_per_slot(config))
+
+    slots = slots_of(region_of(lend))
+    if on_cuda and dora_row_bytes and slots > plan.lora_slots:
+        tables_blocks = -(-(slots - plan.lora_slots) * dora_row_bytes // kv_block_bytes)
+        kv_blocks -= min(lend, tables_blocks)
+        lend -= min(lend, tables_blocks)
+    region = region_of(lend)
+    return replace(plan, num_kv_blocks=kv_blocks + pool_blocks, lora_rows=region.rows,
+                   lora_slots=slots_of(region),
+                   flex=region, kv_blocks_at_start=kv_blocks)
 
 
 def plan_memory(

@@ -40,9 +40,10 @@ from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.lora_linear import MultiLoRALinear, quantize_fp8
 from serving.engine.layers.parallel_linear import VocabParallelEmbedding
 from serving.engine.layers.vocab_lora import VocabAdapters
+from serving.engine.lora.flex import pool_views, row_elements
 from serving.engine.lora.integrity import raw_sum
 from serving.engine.lora.records import CachedAdapter, CopyDone
-from serving.engine.memory_plan import plan_memory
+from serving.engine.memory_plan import borrow_plan, plan_memory
 from serving.engine.models import build_model
 from serving.engine.outputs import Logprob
 from serving.engine.sampler import DeviceSamples, SampleResult, Sampler
@@ -149,15 +150,27 @@ class ModelRunner:
             budget = tp.all_reduce_min(int(total * config.gpu_memory_utilization - (total - free)))
         self.memory = plan_memory(config, kv_block_bytes=kv_block_bytes, lora_row_bytes=self.lora_row_bytes,
                                   max_model_len=max_model_len, budget=budget, dora_row_bytes=dora_row_bytes)
+        if config.borrow_kv_memory:
+            a_elements, b_elements = row_elements(self.model.lora_layers())
+            self.memory = borrow_plan(self.memory, config, a_elements=a_elements, b_elements=b_elements,
+                                      block_elements=self.block_size * attn[0].num_kv_heads * attn[0].head_dim,
+                                      max_model_len=max_model_len, kv_block_bytes=kv_block_bytes,
+                                      dora_row_bytes=dora_row_bytes, on_cuda=budget is not None)
+        # Where the adapter pools are views into the KV cache (borrow_kv_memory): the region they share.
+        self.flex = self.memory.flex
         self.lora_modules: dict[tuple[int, str], MultiLoRALinear] = {}
         self.lora_meta: LoRAMeta | None = None
         # Adapter copies run here, so the batch keeps decoding while they land (CUDA only).
         self._copy_stream = (
             torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]
         )
+        # The flex region's pools are views into the KV cache, so it is allocated first there.
+        if self.flex is not None:
+            self.num_kv_blocks = self._allocate_kv_cache(self.memory.num_kv_blocks)
         if self.memory.lora_rows > 0:
             self._init_lora(config)
-        self.num_kv_blocks = self._allocate_kv_cache(self.memory.num_kv_blocks)
+        if self.flex is None:
+            self.num_kv_blocks = self._allocate_kv_cache(self.memory.num_kv_blocks)
         self.sampler = Sampler(self.device, eos_token_ids)
         # Read at each step, so a benchmark can compare backends and eager/graphs in one process.
         self.attention = config.attention
@@ -206,9 +219,10 @@ class ModelRunner:
         self.lora_scaling = torch.zeros(slots, device=self.device, dtype=torch.float32)
         self.lora_ranks = torch.zeros(slots, device=self.device, dtype=torch.int32)
         self.lora_rows = torch.zeros(slots, device=self.device, dtype=torch.int32)
+        views = pool_views(self.kv_cache, self.flex, self.model.lora_layers()) if self.flex is not None else {}
         for layer in self.model.lora_layers():
             layer.allocate_rows(rows, scaling=self.lora_scaling, ranks=self.lora_ranks, rows=self.lora_rows,
-                                max_rank=config.max_lora_rank, dora=config.serves_dora)
+                                max_rank=config.max_lora_rank, dora=config.serves_dora, pools=views.get(layer))
             for name in layer.slice_names:
                 self.lora_modules[(layer.layer_idx, name)] = layer
         self.lora_meta = LoRAMeta(config.max_num_batched_tokens, slots, self.device)

@@ -37,6 +37,11 @@ lands). One whose adapter finds no room (running sequences pin the rows it would
 once it has waited longer than an aging period, admissions stop until running sequences finish and
 free room, so no adapter waits longer than that plus the longest running sequence's remaining
 tokens.
+
+With ``borrow_kv_memory`` (serving.engine.lora.borrow) each step first lets the borrower move the
+boundary between KV blocks and adapter rows: it is told the rank of the largest adapter that found
+no room in the step before, and the free blocks this step would take (every running sequence's
+next chunk and the waiting prompts' first chunks, within the token budget).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from dataclasses import dataclass, field
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.fairness import Client, VirtualTokenCounter
+from serving.engine.lora.borrow import Borrower
 from serving.engine.lora.cache import LoRACache
 from serving.engine.sequence import Sequence, SequenceStatus
 
@@ -80,8 +86,11 @@ class _Waiting:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora_cache: LoRACache | None, *,
-                 max_model_len: int | None = None) -> None:
-        """``max_model_len``: the engine's context (the config's when None; unbounded if both are)."""
+                 max_model_len: int | None = None, borrow: Borrower | None = None) -> None:
+        """``max_model_len``: the engine's context (the config's when None; unbounded if both are);
+        ``borrow``: the owner of the KV / adapter boundary, where the engine borrows KV memory."""
+        self.borrow = borrow
+        self._rows_wanted = 0  # the largest rank that found no room in the step before (borrow)
         self.max_model_len = max_model_len or config.max_model_len or sys.maxsize
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -168,6 +177,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
+        if self.borrow is not None:
+            self.borrow.step(rows_wanted=self._rows_wanted, kv_blocks_wanted=self._kv_demand())
+            self._rows_wanted = 0
 
         for decoding in (True, False):
             for seq in list(self.running):
@@ -231,6 +243,8 @@ class Scheduler:
                     continue
                 if acquired is None:
                     self.stats.slot_waits += 1
+                    if handle.adapter is not None:
+                        self._rows_wanted = max(self._rows_wanted, handle.adapter.rank)
                     if now - seq.arrival_step > self.aging:
                         break  # let the pinned slots drain so this long-waiting request gets one
                     blocked.add(group)
@@ -256,6 +270,28 @@ class Scheduler:
             budget -= num
             reserved += seq.num_forks
         return budget
+
+    def _kv_demand(self) -> int:
+        """Free blocks the step about to be scheduled would take: each running sequence's next chunk,
+        then waiting prompts' first chunks while the token budget and the free sequence places last
+        (any waiting ones: the step's admission order is not worked out twice). O(running + admitted)."""
+        budget = self.max_num_batched_tokens
+        places = self.max_num_seqs - len(self.running)
+        need = 0
+        for seq in self.running:
+            num = min(max(1, seq.num_uncomputed_tokens), budget)
+            need += self.blocks.blocks_needed(seq, num)
+            budget = max(0, budget - num)
+        for queue in self._waiting.values():
+            for waiting in queue:
+                if budget == 0 or places == 0:
+                    return need
+                if not waiting.seq.is_finished:
+                    num = min(waiting.seq.num_uncomputed_tokens, budget)
+                    need += -(-num // self.blocks.block_size)
+                    budget -= num
+                    places -= 1
+        return need
 
     def _best_head(self, now: int, blocked: set[str | None]) -> _Waiting | None:
         """The waiting request to admit next: the tier (raw priority) of the best aged level, then,

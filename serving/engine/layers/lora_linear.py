@@ -178,14 +178,20 @@ class MultiLoRALinear(nn.Module):
         return (A, Bt) if self.split is None else self.split.adapter(slice_name, A, Bt)
 
     def allocate_rows(self, num_rows: int, *, scaling: torch.Tensor, ranks: torch.Tensor, rows: torch.Tensor,
-                      max_rank: int, dora: bool = False) -> None:
+                      max_rank: int, dora: bool = False,
+                      pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
         """Allocate ``num_rows`` zeroed rows per slice and bind the slot table the model's layers
         share (``scaling``, ``ranks``, ``rows``: one entry per slot); the kernels check them once.
         ``dora``: also DoRA's scale table, ``[slots + 1, out]`` of ones, which the kernels then
-        apply at every step with an adapter (module docstring)."""
+        apply at every step with an adapter (module docstring). ``pools``: the A and Bt pools given
+        instead (views into the KV cache's flex region: serving.engine.lora.flex)."""
         device, dtype = self.device, self.dtype
-        self.lora_A = [torch.zeros(num_rows, self.in_features, device=device, dtype=dtype) for _ in self.slice_widths]
-        self.lora_B = [torch.zeros(num_rows, width, device=device, dtype=dtype) for width in self.slice_widths]
+        if pools is not None:
+            self.lora_A, self.lora_B = pools
+        else:
+            self.lora_A = [torch.zeros(num_rows, self.in_features, device=device, dtype=dtype)
+                           for _ in self.slice_widths]
+            self.lora_B = [torch.zeros(num_rows, width, device=device, dtype=dtype) for width in self.slice_widths]
         self.dora_scale = (
             torch.ones(scaling.shape[0] + 1, self.dora_row_elements, device=device, dtype=dtype) if dora else None
         )

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from serving.engine.lora.cpu_cache import CPUCache
-from serving.engine.lora.gpu_slots import Grant, SlotTable, WriteRows
+from serving.engine.lora.gpu_slots import Grant, RowPool, SlotTable, WriteRows
 from serving.engine.lora.loader import AdapterLoader
 from serving.engine.lora.reader import MAX_CHANGED_ROWS_DIVISOR, AdapterError, BaseShapes, LoadedAdapter
 from serving.engine.lora.records import AdapterHandle, CachedAdapter, LoadResult, PendingLoad
@@ -233,6 +233,16 @@ class LoRACache:
         if grant is not None and placing:
             self._cpu.demote(adapter)
         return grant
+
+    @property
+    def row_pool(self) -> RowPool:
+        """The GPU pool's rows (serving.engine.lora.borrow moves their floor)."""
+        return self._slots.rows
+
+    def evict_below(self, row: int) -> int:
+        """Evict idle adapters (nothing running on them, copy landed) whose rows start below ``row``;
+        their CPU copies stay where the CPU cache holds them. Returns the lowest row still allocated."""
+        return self._slots.evict_below(row)
 
     def release_slot(self, handle: AdapterHandle) -> None:
         """A running sequence stopped running (finished or preempted). It still holds its handle,

@@ -37,12 +37,47 @@ WriteRows = Callable[[int, int, CachedAdapter], CopyDone | None]
 
 
 class RowPool:
-    """Free rows as sorted, disjoint runs ``(start, length)``; best fit, neighbours merged on free."""
+    """Free rows as sorted, disjoint runs ``(start, length)``; best fit, neighbours merged on free.
+
+    Rows below ``floor`` are not the pool's (lent to the KV cache: serving.engine.lora.borrow); the
+    floor is 0 unless ``set_floor`` moves it."""
 
     def __init__(self, num_rows: int) -> None:
         self.num_rows = num_rows
+        self.floor = 0
         self._runs: list[tuple[int, int]] = [(0, num_rows)] if num_rows else []
         self.free_rows = num_rows
+
+    @property
+    def size(self) -> int:
+        """Rows the pool holds now: ``floor .. num_rows - 1``."""
+        return self.num_rows - self.floor
+
+    @property
+    def lowest_allocated(self) -> int:
+        """The first row of the lowest allocated run; ``num_rows`` when none is (the floor may rise to it)."""
+        if not self._runs or self._runs[0][0] != self.floor:
+            return self.floor if self.free_rows < self.size else self.num_rows
+        return self.num_rows if self.free_rows == self.size else sum(self._runs[0])
+
+    def set_floor(self, row: int) -> None:
+        """Make rows ``row ..`` the pool's. Lowering frees the rows taken in; raising gives away free
+        rows and is refused (ValueError, nothing changed) over an allocated run."""
+        if not 0 <= row <= self.num_rows:
+            raise ValueError(f"the floor must be in 0 .. {self.num_rows}, got {row}")
+        if row < self.floor:
+            old, self.floor = self.floor, row
+            self.free(row, old - row)
+        elif row > self.floor:
+            if row > self.lowest_allocated:
+                raise ValueError(f"cannot raise the row floor to {row}: row {self.lowest_allocated} is allocated")
+            start, length = self._runs[0]
+            if start + length == row:
+                del self._runs[0]
+            else:
+                self._runs[0] = (row, start + length - row)
+            self.free_rows -= row - self.floor
+            self.floor = row
 
     def alloc(self, length: int) -> int | None:
         """The first row of ``length`` contiguous free rows, taken from the smallest run that fits."""
@@ -91,7 +126,7 @@ class SlotTable:
 
     @property
     def rows_used(self) -> int:
-        return self.rows.num_rows - self.rows.free_rows
+        return self.rows.size - self.rows.free_rows
 
     def pin(self, adapter: CachedAdapter) -> Grant:
         """Pin ``adapter``'s slot for one running sequence, placing it first if it is not resident
@@ -134,6 +169,18 @@ class SlotTable:
         if adapter.slot is None:
             return
         self._release(adapter)
+
+    def evict_below(self, row: int) -> int:
+        """Evict the resident adapters whose rows start below ``row`` that no running sequence pins
+        and whose copy has landed (a give-back of rows to the KV cache: serving.engine.lora.borrow);
+        returns the lowest row still allocated (``num_rows`` for none). Only those below the lowest
+        adapter that must stay go: evicting one above it would free no run at the floor."""
+        kept = [a.row for a in self._lru if a.row is not None and (a.running or not self._filled(a))]
+        row = min([row, *kept])
+        for adapter in [a for a in self._lru if a.row is not None and a.row < row]:
+            self._release(adapter)
+            self.evictions += 1
+        return self.rows.lowest_allocated
 
     def slots(self) -> list[CachedAdapter | None]:
         return list(self._slots)

@@ -150,6 +150,10 @@ class ServerArgs:
         default=_ENGINE["enable_dora"], description=(
             "serve DoRA adapters: every LoRA layer holds a per-slot scale table, charged to the adapter memory "
             "(2.75 MB a slot on Llama-3-8B); off, DoRA adapters are refused at load (docs/adapter-kinds.md)"))
+    borrow_kv_memory: Annotated[bool, Flag(ENGINE)] = Field(default=_ENGINE["borrow_kv_memory"], description=(
+        "put the adapter row pool inside the KV cache and move the boundary at run time: adapters waiting "
+        "for rows borrow idle KV blocks, KV pressure takes them back (off by default; not with "
+        "--tensor-parallel-size > 1; docs/adapter-memory.md)"))
     # None: on for one CUDA device (engine_config decides).
     async_scheduling: Annotated[bool | None, Flag(ENGINE, negatable=True)] = Field(default=None, description=(
         "schedule and launch each step while the one before still runs on the GPU (vLLM's flag; by "

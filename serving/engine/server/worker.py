@@ -66,6 +66,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_dora=args.enable_dora,
+        borrow_kv_memory=args.borrow_kv_memory,
         async_scheduling=bool(args.async_scheduling),
         quantization=args.quantization,
         grammar=GrammarBudget(timeout=args.grammar_compile_timeout, workers=args.grammar_compile_workers,

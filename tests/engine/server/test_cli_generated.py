@@ -19,7 +19,7 @@ FLAGS = """--model --host --port --served-model-name --api-key --max-loras --max
 --lora-memory-bytes --lora-memory-fraction --cpu-lora-cache-bytes --lora-modules --allowed-adapter-path
 --max-num-seqs --max-num-batched-tokens --max-model-len --block-size --num-gpu-blocks-override
 --gpu-memory-utilization --dtype --device --load-format --seed --enforce-eager --tensor-parallel-size -tp
---enable-prefix-caching --no-enable-prefix-caching --enable-dora --no-enable-dora --async-scheduling --no-async-scheduling --quantization
+--enable-prefix-caching --no-enable-prefix-caching --enable-dora --no-enable-dora --borrow-kv-memory --async-scheduling --no-async-scheduling --quantization
 --engine-process --no-engine-process --warmup --no-warmup --grammar-compile-timeout --grammar-compile-workers
 --grammar-tenant-share
 --max-grammar-schema-depth --max-queued-requests --timeout-graceful-shutdown --header-timeout --body-timeout
@@ -48,7 +48,8 @@ def test_the_engine_defaults_are_the_engine_configs_written_once() -> None:
     assert args.max_lora_rank == platform_settings().max_lora_rank, "MAX_LORA_RANK's default, the registry's bound"
     for name in ("max_loras", "max_cpu_loras", "lora_memory_fraction", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "dtype", "device", "load_format",
-                 "seed", "enforce_eager", "tensor_parallel_size", "enable_prefix_caching", "quantization"):
+                 "seed", "enforce_eager", "tensor_parallel_size", "enable_prefix_caching", "quantization",
+                 "borrow_kv_memory"):
         assert getattr(args, name) == engine[name], name
     grammar = GrammarBudget()
     assert (args.grammar_compile_timeout, args.grammar_compile_workers, args.max_grammar_schema_depth) == \
