@@ -19,7 +19,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.lora.flex import FlexRegion
 from serving.engine.lora.gpu_slots import RowPool, SlotTable
-from serving.engine.lora.records import CachedAdapter
+from serving.engine.lora.records import AdapterHandle, CachedAdapter
 from serving.engine.memory_plan import MemoryPlan, borrow_plan
 from serving.engine.sequence import Sequence, SequenceStatus
 from serving.engine.server.cli import parse_args
@@ -157,16 +157,23 @@ def _adapter(digest: str, rank: int) -> CachedAdapter:
                          weights={}, load_seconds=0.0, nbytes=0, checksum=0)
 
 
-def test_a_give_back_evicts_idle_adapters_below_the_lowest_pinned_one() -> None:
+def test_a_give_back_evicts_idle_adapters_below_the_lowest_one_in_use() -> None:
     table = SlotTable(4, 32, lambda slot, row, adapter: None)
-    idle, pinned, above = _adapter("idle", 8), _adapter("pinned", 8), _adapter("above", 8)
-    for adapter in (idle, pinned, above):
+    idle, wanted, pinned, above = (_adapter(name, 8) for name in ("idle", "wanted", "pinned", "above"))
+    for adapter in (idle, wanted, pinned, above):
         assert table.place(adapter) is not None
-    assert (idle.row, pinned.row, above.row) == (0, 8, 16)
+    assert (idle.row, wanted.row, pinned.row, above.row) == (0, 8, 16, 24)
+    wanted.handles.add(AdapterHandle("wanted", adapter=wanted))  # a waiting request's
+    pinned.handles.add(AdapterHandle("pinned", adapter=pinned))
     assert table.pin(pinned) == pinned.slot
-    assert table.evict_below(24) == 8  # the idle one below the pinned one goes; the one above it stays
-    assert idle.slot is None and above.slot is not None and pinned.row == 8
-    assert table.evictions == 1
+    # The idle one below the first adapter in use goes; those in use, and the idle one above them, stay.
+    assert table.evict_below(32) == 8
+    assert idle.slot is None and (wanted.row, pinned.row, above.row) == (8, 16, 24)
+    assert table.evictions == 1 and table.placement_evictions == 0
+    wanted.handles.clear()
+    table.unpin(pinned)
+    pinned.handles.clear()
+    assert table.evict_below(20) == 24  # the run from the floor up to row 24 is free now
 
 
 # ---- the engine -------------------------------------------------------------------------------
@@ -178,12 +185,12 @@ def adapters(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> dict[st
             for i in range(6)}  # fmt: skip
 
 
-def _engine(model: Path, *, borrow: bool, max_num_seqs: int = 8) -> LLM:
+def _engine(model: Path, *, borrow: bool, max_num_seqs: int = 8, async_scheduling: bool = False) -> LLM:
     """A pool of two rank-8 adapters (16 rows of 8,192 bytes: the tiny Llama's rank row in float32)
     beside 128 KV blocks of 4 tokens; with ``borrow`` the boundary may move."""
     llm = LLM(str(model), max_lora_rank=8, lora_memory_bytes=16 * 8192, device="cpu",
               dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
-              block_size=4, num_kv_blocks=128, borrow_kv_memory=borrow)
+              block_size=4, num_kv_blocks=128, borrow_kv_memory=borrow, async_scheduling=async_scheduling)
     assert llm.llm_engine.runner.lora_row_bytes == 8192
     borrower = llm.llm_engine.scheduler.borrow
     if borrower is not None:
@@ -236,13 +243,14 @@ def test_the_pools_are_views_into_the_kv_tensor(tiny_llama_dir: Path) -> None:
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_greedy_tokens_equal_the_fixed_split_with_more_adapters_than_it_holds(
-    tiny_llama_dir: Path, adapters: dict[str, Path]
+    tiny_llama_dir: Path, adapters: dict[str, Path], async_scheduling: bool
 ) -> None:
     prompts, loras = _requests(adapters, 12)
     outputs = {}
     for borrow in (False, True):
-        llm = _engine(tiny_llama_dir, borrow=borrow)
+        llm = _engine(tiny_llama_dir, borrow=borrow, async_scheduling=async_scheduling)
         try:
             outputs[borrow] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=loras)]
             stats = llm.llm_engine.stats()

@@ -6,16 +6,19 @@ The region (serving.engine.lora.flex) holds KV blocks from its low end and rank 
 end; the block manager's capacity and the row pool's floor say where one ends and the other begins,
 and only this class moves them, once a step, before the scheduler admits anything:
 
-- **Grow** the adapter side when admissions wait for rows (an adapter found no room last step) and
-  the KV cache has stayed under ``low_watermark`` of its capacity for ``patience`` steps: the floor
-  goes down by the waiting adapter's rank, as far as leaves the KV cache under the watermark, with
-  the free blocks the step needs, and above every block a sequence holds.
+- **Grow** the adapter side when admissions wait for rows (an adapter found no room last step, or
+  was placed only by evicting another: its requests waited for a copy that a larger pool would have
+  spared) and the KV cache has stayed under ``low_watermark`` of its capacity for ``patience``
+  steps: the floor goes down by the waiting adapter's rank (``max_lora_rank`` for an eviction), as
+  far as leaves the KV cache under the watermark, with the free blocks the step needs, and above
+  every block a sequence holds.
 - **Give back** when the free KV blocks are fewer than the step needs (the running batch's next
   tokens and the waiting prompts the step's token budget could admit): first the rows no adapter
-  owns, then the rows of idle adapters nearest the boundary (evicted; their CPU copies stay where
-  the CPU cache holds them, so they come back without a read). An adapter a running sequence pins,
-  or whose copy is in flight, is never evicted: a give-back stops below it and the KV cache waits
-  for finishes, as a request waits for its slot today.
+  owns, then the rows of idle adapters (no running sequence, no waiting request) nearest the
+  boundary (evicted; their CPU copies stay where the CPU cache holds them, so they come back
+  without a read). An adapter a running sequence pins or a waiting request wants, or whose copy is
+  in flight, is never evicted: a give-back stops below it and the KV cache waits for finishes, as a
+  request waits for its slot today.
 
 Nothing is taken from a running sequence: the capacity never drops under a block one holds, and
 the floor never rises over a row a resident adapter owns. Compaction (moving resident adapters up
@@ -25,7 +28,6 @@ to free a run at the boundary) is not built: eviction of idle adapters is the gi
 from __future__ import annotations
 
 import math
-
 from typing import Protocol
 
 from serving.engine.lora.cache import LoRACache
@@ -71,6 +73,7 @@ class Borrower:
         blocks.set_capacity(region.base + self.kv_blocks)
         cache.row_pool.set_floor(region.floor_for(self.kv_blocks))
         self._quiet_steps = 0  # consecutive steps with KV use under the watermark
+        self._evictions_seen = cache.placement_evictions
         self.blocks_lent = 0  # totals since start: region blocks moved to rows, and back
         self.blocks_returned = 0
 
@@ -78,6 +81,9 @@ class Borrower:
         """Move the boundary for the step about to be scheduled. ``rows_wanted``: the rank of the
         largest adapter that found no room last step (0: none did); ``kv_blocks_wanted``: the free
         blocks this step's running sequences and admissions would take."""
+        if self.cache.placement_evictions > self._evictions_seen:
+            self._evictions_seen = self.cache.placement_evictions
+            rows_wanted = max(rows_wanted, self.cache.max_lora_rank)
         free = self.blocks.num_free_blocks
         if free < kv_blocks_wanted:
             self._quiet_steps = 0

@@ -239,9 +239,15 @@ class LoRACache:
         """The GPU pool's rows (serving.engine.lora.borrow moves their floor)."""
         return self._slots.rows
 
+    @property
+    def placement_evictions(self) -> int:
+        """Adapters evicted to make room for another since start: the pool was short of rows."""
+        return self._slots.placement_evictions
+
     def evict_below(self, row: int) -> int:
-        """Evict idle adapters (nothing running on them, copy landed) whose rows start below ``row``;
-        their CPU copies stay where the CPU cache holds them. Returns the lowest row still allocated."""
+        """Evict idle adapters (no running sequence, no waiting request, copy landed) whose rows start
+        below ``row``; their CPU copies stay where the CPU cache holds them. Returns the lowest row
+        still allocated."""
         return self._slots.evict_below(row)
 
     def release_slot(self, handle: AdapterHandle) -> None:

@@ -120,6 +120,7 @@ class SlotTable:
         self._lru: OrderedDict[CachedAdapter, None] = OrderedDict()  # resident adapters, oldest first
         self.loads = 0  # copies into the pool, whatever the reason
         self.evictions = 0
+        self.placement_evictions = 0  # those that made room for another adapter (not a give-back's)
         self.hits = 0  # admissions that found their adapter resident
         self.misses = 0  # admissions that had to copy it in first
         self.bytes_loaded = 0  # host-to-device bytes of those copies
@@ -171,11 +172,11 @@ class SlotTable:
         self._release(adapter)
 
     def evict_below(self, row: int) -> int:
-        """Evict the resident adapters whose rows start below ``row`` that no running sequence pins
-        and whose copy has landed (a give-back of rows to the KV cache: serving.engine.lora.borrow);
+        """Evict the idle adapters (no running sequence, no waiting request, copy landed) whose rows
+        start below ``row`` (a give-back of rows to the KV cache: serving.engine.lora.borrow);
         returns the lowest row still allocated (``num_rows`` for none). Only those below the lowest
         adapter that must stay go: evicting one above it would free no run at the floor."""
-        kept = [a.row for a in self._lru if a.row is not None and (a.running or not self._filled(a))]
+        kept = [a.row for a in self._lru if a.row is not None and (a.refs or a.running or not self._filled(a))]
         row = min([row, *kept])
         for adapter in [a for a in self._lru if a.row is not None and a.row < row]:
             self._release(adapter)
@@ -215,6 +216,7 @@ class SlotTable:
                 return None  # enough rows in total, but no run long enough: fragmented
             self._release(victims.pop(0))
             self.evictions += 1
+            self.placement_evictions += 1
         slot = self._free_slots.pop()
         assert adapter.weights is not None, "rows are filled from the adapter's CPU copy"
         adapter.slot, adapter.row = slot, row
