@@ -102,10 +102,10 @@ class BlockManager:
             self._release(list(range(self.capacity, blocks)))
         self.capacity = blocks
 
-    @property
-    def highest_held_block(self) -> int:
-        """The highest block a sequence holds, -1 for none (the capacity cannot go below it + 1)."""
-        return next((block for block in range(self.capacity - 1, -1, -1) if self._refs[block]), -1)
+    def highest_held_from(self, start: int) -> int:
+        """The highest block from ``start`` up to the capacity that a sequence holds, ``start - 1``
+        for none (the capacity cannot go below it + 1). O(capacity - start)."""
+        return next((block for block in range(self.capacity - 1, start - 1, -1) if self._refs[block]), start - 1)
 
     def _copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``seq``'s next tokens land in a last block it shares."""

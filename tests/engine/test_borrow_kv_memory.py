@@ -58,7 +58,7 @@ def test_capacity_hands_out_only_blocks_below_it_and_never_shrinks_under_a_held_
     blocks.allocate(other, 16)
     assert other.block_table == [3, 4, 5, 6]
     blocks.free(held)
-    assert blocks.highest_held_block == 6
+    assert blocks.highest_held_from(0) == 6 and blocks.highest_held_from(7) == 6
     blocks.set_capacity(7)
     assert blocks.num_free_blocks == 3 and blocks.num_used_blocks == 4
 
@@ -333,3 +333,37 @@ def test_the_worker_flag_sets_the_option_and_tensor_parallelism_refuses_it(tiny_
         EngineConfig(model=str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, borrow_kv_memory=True)
     with pytest.raises(ValueError, match="borrow_kv_memory needs LoRA on"):
         EngineConfig(model=str(tiny_llama_dir), device="cpu", max_loras=0, borrow_kv_memory=True)
+
+
+def test_the_borrower_grows_after_quiet_steps_within_the_watermark_and_gives_back_unowned_rows_first(
+    tiny_llama_dir: Path,
+) -> None:
+    llm = _engine(tiny_llama_dir, borrow=True)
+    try:
+        engine = llm.llm_engine
+        borrower, blocks, cache = engine.scheduler.borrow, engine.block_manager, engine.lora_cache
+        assert borrower is not None and cache is not None and engine.runner.flex is not None
+        region = engine.runner.flex
+        borrower.patience = 3
+        held = _seq(0, 40 * 4)  # 40 blocks in use: under half of 128
+        blocks.allocate(held, 40 * 4)
+        table = list(held.block_table)
+        # Rows wanted (a rank-8 adapter found no room): nothing moves before three quiet steps.
+        for _ in range(2):
+            borrower.step(rows_wanted=8, kv_blocks_wanted=0)
+            assert blocks.capacity == 128
+        borrower.step(rows_wanted=8, kv_blocks_wanted=0)
+        # 24 rows wanted (96 blocks of this layout), but the KV cache keeps twice what is in use (the
+        # 50 % watermark) and its own half of the planned blocks.
+        assert blocks.capacity == 80 and borrower.blocks_lent == 48
+        assert blocks.capacity == region.base + region.kv_blocks_below(cache.row_pool.floor)
+        assert cache.row_pool.size > 16 and held.block_table == table
+        # The step wants more than is free: the unowned rows just above the floor go back, and no
+        # resident adapter moves.
+        resident = [(a.slot, a.row) for a in cache.slots() if a is not None]
+        borrower.step(rows_wanted=0, kv_blocks_wanted=blocks.num_free_blocks + 10)
+        assert blocks.capacity == 90 and borrower.blocks_returned == 10
+        assert cache.row_pool.floor >= region.floor_for(26)
+        assert [(a.slot, a.row) for a in cache.slots() if a is not None] == resident and held.block_table == table
+    finally:
+        llm.llm_engine.shutdown()

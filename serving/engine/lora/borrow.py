@@ -6,12 +6,12 @@ The region (serving.engine.lora.flex) holds KV blocks from its low end and rank 
 end; the block manager's capacity and the row pool's floor say where one ends and the other begins,
 and only this class moves them, once a step, before the scheduler admits anything:
 
-- **Grow** the adapter side when admissions wait for rows (an adapter found no room last step, or
-  was placed only by evicting another: its requests waited for a copy that a larger pool would have
-  spared) and the KV cache has stayed under ``low_watermark`` of its capacity for ``patience``
-  steps: the floor goes down by the waiting adapter's rank (``max_lora_rank`` for an eviction), as
-  far as leaves the KV cache under the watermark, with the free blocks the step needs, and above
-  every block a sequence holds.
+- **Grow** the adapter side when admissions wait for rows (an adapter found no room, or was placed
+  only by evicting another: its requests waited for a copy that a larger pool would have spared)
+  and the KV cache has stayed under ``low_watermark`` of its capacity for ``patience`` steps: the
+  floor goes down by the rows wanted since the last growth (each waiting adapter's rank,
+  ``max_lora_rank`` for an eviction), as far as leaves the KV cache under the watermark, with the
+  free blocks the step needs, and above every block a sequence holds.
 - **Give back** when the free KV blocks are fewer than the step needs (the running batch's next
   tokens and the waiting prompts the step's token budget could admit): first the rows no adapter
   owns, then the rows of idle adapters (no running sequence, no waiting request) nearest the
@@ -50,8 +50,7 @@ class KVBlocks(Protocol):
     @property
     def usage(self) -> float: ...
 
-    @property
-    def highest_held_block(self) -> int: ...
+    def highest_held_from(self, start: int) -> int: ...
 
     def set_capacity(self, blocks: int) -> None: ...
 
@@ -72,7 +71,8 @@ class Borrower:
         self.kv_blocks = start_kv_blocks - region.base  # region blocks the KV cache has now
         blocks.set_capacity(region.base + self.kv_blocks)
         cache.row_pool.set_floor(region.floor_for(self.kv_blocks))
-        self._quiet_steps = 0  # consecutive steps with KV use under the watermark
+        self._quiet_steps = 0  # consecutive steps with KV use under the watermark, since the last growth
+        self._rows_wanted = 0  # rank rows admissions waited for since the last growth
         self._evictions_seen = cache.placement_evictions
         self.blocks_lent = 0  # totals since start: region blocks moved to rows, and back
         self.blocks_returned = 0
@@ -80,27 +80,34 @@ class Borrower:
     def step(self, *, rows_wanted: int, kv_blocks_wanted: int) -> None:
         """Move the boundary for the step about to be scheduled. ``rows_wanted``: the rank of the
         largest adapter that found no room last step (0: none did); ``kv_blocks_wanted``: the free
-        blocks this step's running sequences and admissions would take."""
-        if self.cache.placement_evictions > self._evictions_seen:
-            self._evictions_seen = self.cache.placement_evictions
-            rows_wanted = max(rows_wanted, self.cache.max_lora_rank)
+        blocks this step's running sequences and admissions would take.
+
+        Rows are wanted for each adapter that found no room and each that was placed by evicting
+        another (``max_lora_rank`` rows: its rank is not told); a growth takes all the rows wanted
+        since the last one, at most once per ``patience`` steps (a growth scans the free blocks)."""
+        evictions = self.cache.placement_evictions - self._evictions_seen
+        self._evictions_seen += evictions
+        self._rows_wanted += rows_wanted + evictions * self.cache.max_lora_rank
         free = self.blocks.num_free_blocks
         if free < kv_blocks_wanted:
-            self._quiet_steps = 0
+            self._quiet_steps = self._rows_wanted = 0
             self._give_back(kv_blocks_wanted - free)
             return
         self._quiet_steps = self._quiet_steps + 1 if self.blocks.usage < self.low_watermark else 0
-        if rows_wanted and self._quiet_steps >= self.patience:
-            self._grow(rows_wanted, kv_blocks_wanted)
+        if self._rows_wanted and self._quiet_steps >= self.patience:
+            self._grow(self._rows_wanted, kv_blocks_wanted)
+            self._quiet_steps = self._rows_wanted = 0
 
     def _grow(self, rows: int, kv_blocks_wanted: int) -> None:
         region, pool = self.region, self.cache.row_pool
         target = region.kv_blocks_below(max(0, pool.floor - rows))
         used = self.blocks.num_used_blocks
         # Keep the KV cache under the watermark, with the step's blocks free and every held block.
-        least = max(math.ceil(used / self.low_watermark), used + kv_blocks_wanted,
-                    self.blocks.highest_held_block + 1, 1) - region.base
+        least = max(math.ceil(used / self.low_watermark), used + kv_blocks_wanted, 1) - region.base
         target = max(target, least, 0)
+        if target >= self.kv_blocks:
+            return
+        target = max(target, self.blocks.highest_held_from(region.base + target) + 1 - region.base)
         if target >= self.kv_blocks:
             return
         self.blocks.set_capacity(region.base + target)
