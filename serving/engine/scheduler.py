@@ -41,7 +41,7 @@ tokens.
 With ``borrow_kv_memory`` (serving.engine.lora.borrow) each step first lets the borrower move the
 boundary between KV blocks and adapter rows: it is told the rank of the largest adapter that found
 no room in the step before, and the free blocks this step would take (every running sequence's
-next chunk and the waiting prompts' first chunks, within the token budget).
+next chunk and the waiting prompts' first chunks, within the token budget and the free places).
 """
 
 from __future__ import annotations

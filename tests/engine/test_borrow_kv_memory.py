@@ -367,3 +367,35 @@ def test_the_borrower_grows_after_quiet_steps_within_the_watermark_and_gives_bac
         assert [(a.slot, a.row) for a in cache.slots() if a is not None] == resident and held.block_table == table
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_adapters_of_mixed_ranks_under_kv_pressure_keep_the_fixed_splits_tokens(
+    tiny_llama_dir: Path, make_adapter: Callable[..., Path]
+) -> None:
+    """Ranks 4 to 16 over a pool of 16 rows, and prompts long enough that the KV cache takes blocks
+    back while adapters are resident: rows freed and taken at the floor in runs of every size."""
+    specs = [(4, ("q_proj", "v_proj")), (16, ALL), (12, ("v_proj", "up_proj")), (8, ("k_proj", "o_proj")),
+             (16, ("gate_proj", "down_proj")), (4, ALL), (12, ALL)]  # fmt: skip
+    mixed = {f"m{i}": make_adapter(tiny_llama_dir, r=r, lora_alpha=2 * r, target_modules=mods, seed=120 + i,
+                                   init_scale=0.5)
+             for i, (r, mods) in enumerate(specs)}  # fmt: skip
+    names = list(mixed)
+    prompts = [" ".join((WORDS * 2)[i % 5 : i % 5 + 6 + (i * 7) % 17]) for i in range(24)]
+    loras = [LoRARequest(names[(i * 3) % len(names)], str(mixed[names[(i * 3) % len(names)]])) for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for borrow in (False, True):
+        llm = LLM(str(tiny_llama_dir), max_lora_rank=16, lora_memory_bytes=16 * 8192, device="cpu", dtype="float32",
+                  enforce_eager=True, max_num_seqs=12, max_num_batched_tokens=64, max_model_len=64, block_size=4,
+                  num_kv_blocks=96, borrow_kv_memory=borrow)
+        try:
+            borrower = llm.llm_engine.scheduler.borrow
+            if borrower is not None:
+                borrower.patience = 2
+            outputs[borrow] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+            if borrower is not None:
+                assert borrower.blocks_lent > 0 and borrower.blocks_returned > 0
+                assert llm.llm_engine.verify_slots() == []
+        finally:
+            llm.llm_engine.shutdown()
+    assert outputs[True] == outputs[False]

@@ -39,9 +39,6 @@ class KVBlocks(Protocol):
     (serving.engine.block_manager.BlockManager; the adapter side never imports the engine's core)."""
 
     @property
-    def capacity(self) -> int: ...
-
-    @property
     def num_free_blocks(self) -> int: ...
 
     @property
@@ -53,6 +50,7 @@ class KVBlocks(Protocol):
     def highest_held_from(self, start: int) -> int: ...
 
     def set_capacity(self, blocks: int) -> None: ...
+
 
 # KV use under which rows may borrow blocks, as a fraction of the KV capacity, and for how many steps.
 LOW_WATERMARK = 0.5
