@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft_reference import PeftReference, assert_greedy_match
+from transformers import AutoTokenizer
 
 from serving.engine import LLM, LoRARequest, SamplingParams
 from serving.engine.block_manager import BlockManager
@@ -27,7 +29,9 @@ from serving.engine.server.worker import engine_config
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WORDS = "The quick brown fox jumps over the lazy dog and then it runs away into the forest".split()
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,11 +189,13 @@ def adapters(tiny_llama_dir: Path, make_adapter: Callable[..., Path]) -> dict[st
             for i in range(6)}  # fmt: skip
 
 
-def _engine(model: Path, *, borrow: bool, max_num_seqs: int = 8, async_scheduling: bool = False) -> LLM:
+def _engine(model: Path, *, borrow: bool, max_num_seqs: int = 8, async_scheduling: bool = False,
+            device: str = "cpu") -> LLM:
     """A pool of two rank-8 adapters (16 rows of 8,192 bytes: the tiny Llama's rank row in float32)
-    beside 128 KV blocks of 4 tokens; with ``borrow`` the boundary may move."""
-    llm = LLM(str(model), max_lora_rank=8, lora_memory_bytes=16 * 8192, device="cpu",
-              dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
+    beside 128 KV blocks of 4 tokens; with ``borrow`` the boundary may move. On CUDA the flat steps
+    replay CUDA graphs, which captured the pools' views."""
+    llm = LLM(str(model), max_lora_rank=8, lora_memory_bytes=16 * 8192, device=device, dtype="float32",
+              enforce_eager=device == "cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
               block_size=4, num_kv_blocks=128, borrow_kv_memory=borrow, async_scheduling=async_scheduling)
     assert llm.llm_engine.runner.lora_row_bytes == 8192
     borrower = llm.llm_engine.scheduler.borrow
@@ -243,14 +249,18 @@ def test_the_pools_are_views_into_the_kv_tensor(tiny_llama_dir: Path) -> None:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("device", "async_scheduling"), [
+    pytest.param("cpu", False, id="cpu"),
+    pytest.param("cpu", True, id="cpu-async"),
+    pytest.param("cuda", True, marks=_CUDA, id="cuda-graphs-async"),
+])  # fmt: skip
 def test_greedy_tokens_equal_the_fixed_split_with_more_adapters_than_it_holds(
-    tiny_llama_dir: Path, adapters: dict[str, Path], async_scheduling: bool
+    tiny_llama_dir: Path, adapters: dict[str, Path], device: str, async_scheduling: bool
 ) -> None:
     prompts, loras = _requests(adapters, 12)
     outputs = {}
     for borrow in (False, True):
-        llm = _engine(tiny_llama_dir, borrow=borrow, async_scheduling=async_scheduling)
+        llm = _engine(tiny_llama_dir, borrow=borrow, async_scheduling=async_scheduling, device=device)
         try:
             outputs[borrow] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=loras)]
             stats = llm.llm_engine.stats()
@@ -261,10 +271,21 @@ def test_greedy_tokens_equal_the_fixed_split_with_more_adapters_than_it_holds(
                 cache = llm.llm_engine.lora_cache
                 assert cache is not None and cache.row_pool.size > 16
                 assert llm.llm_engine.verify_slots() == []
+            if device == "cuda":
+                graphs = llm.llm_engine.runner.graphs
+                assert graphs is not None and graphs.replays > 0, "the graphs captured the pools' views"
         finally:
             llm.llm_engine.shutdown()
-    assert outputs[True] == outputs[False]
     assert len({tuple(tokens) for tokens in outputs[True]}) > 6, "the adapters must change the tokens"
+    if device == "cpu":
+        assert outputs[True] == outputs[False]
+    # Both are PEFT's tokens (on CUDA, where the batches differ between the two, up to a near-tie).
+    reference = PeftReference(tiny_llama_dir, adapters)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for prompt, lora, *ours in zip(prompts, loras, outputs[False], outputs[True]):
+        want = reference.generate(tokenizer(prompt).input_ids, lora.lora_name, MAX_TOKENS)
+        for tokens in ours:
+            assert_greedy_match(tokens, want, f"{lora.lora_name} {prompt!r}")
 
 
 def _step_until(llm: LLM, done: Callable[[], bool], limit: int = 400) -> None:
