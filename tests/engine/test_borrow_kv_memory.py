@@ -16,6 +16,7 @@ import torch
 from peft_reference import PeftReference, assert_greedy_match
 from transformers import AutoTokenizer
 
+from kernels import use_backend
 from serving.engine import LLM, LoRARequest, SamplingParams
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
@@ -286,6 +287,31 @@ def test_greedy_tokens_equal_the_fixed_split_with_more_adapters_than_it_holds(
         want = reference.generate(tokenizer(prompt).input_ids, lora.lora_name, MAX_TOKENS)
         for tokens in ours:
             assert_greedy_match(tokens, want, f"{lora.lora_name} {prompt!r}")
+
+
+@pytest.mark.slow  # Triton's interpreter
+def test_the_triton_kernels_read_the_views_as_they_read_a_pool_of_its_own(
+    tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """The kernels the GPU runs (here in Triton's interpreter), LoRA and paged attention, over pools
+    that are strided views into the KV tensor: the tokens of the same engine with the option off."""
+    import kernels.triton_lora
+
+    if not kernels.triton_lora.INTERPRETED:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
+    prompts, loras = _requests(dict(list(adapters.items())[:3]), 3)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outputs = {}
+    with use_backend("triton"):
+        for borrow in (False, True):
+            llm = LLM(str(tiny_llama_dir), max_lora_rank=8, lora_memory_bytes=32 * 8192, device="cpu", dtype="float32",
+                      attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                      block_size=4, num_kv_blocks=64, borrow_kv_memory=borrow)
+            try:
+                outputs[borrow] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+            finally:
+                llm.llm_engine.shutdown()
+    assert outputs[True] == outputs[False]
 
 
 def _step_until(llm: LLM, done: Callable[[], bool], limit: int = 400) -> None:
