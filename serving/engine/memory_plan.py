@@ -28,7 +28,7 @@ The policy (docs/adapter-memory.md), in the order it is applied:
    the region holds the pool the points above size plus up to half of their KV blocks (the KV
    cache keeps the other half and at least one ``max_model_len`` sequence), and the boundary
    between the two moves at run time (serving.engine.lora.borrow). It starts where the fixed split
-   is, so the total memory is the same.
+   is; on CUDA the total memory is the fixed split's.
 
 The CPU cache defaults to twice the GPU pool's bytes (``max_cpu_loras`` entries instead, when the
 operator counts them), at most a quarter of the host's memory; ``cpu_lora_cache_bytes`` fixes it.
@@ -59,15 +59,21 @@ class MemoryPlan:
 
 
 def borrow_plan(plan: MemoryPlan, config: EngineConfig, *, block_elements: int, a_elements: int,
-                b_elements: int, max_model_len: int, kv_block_bytes: int, dora_row_bytes: int = 0,
-                on_cuda: bool = False) -> MemoryPlan:
+                b_elements: int, max_model_len: int, kv_block_bytes: int, lora_row_bytes: int = 0,
+                dora_row_bytes: int = 0, on_cuda: bool = False) -> MemoryPlan:
     """``plan`` (the fixed split) with its adapter pool moved into a flex region of the KV cache
     (policy point 6); ``block_elements``: one block of one (K or V, layer) range; ``a_elements``,
     ``b_elements``: one rank row's A and Bt sides of one layer; ``kv_block_bytes``: one block of
-    every layer. The slot table grows with the region's rows (unless ``max_loras`` fixes it); on
-    CUDA the DoRA scale tables of the slots added are paid for by KV blocks the region does not lend."""
+    every layer; ``lora_row_bytes``: one rank row of every layer. The slot table grows with the
+    region's rows (unless ``max_loras`` fixes it). On CUDA the memory stays the fixed split's: the
+    pool's bytes become blocks (a row's two sides differ in width, so they hold a few rows fewer
+    than the pool, at least ``max_lora_rank``), and the DoRA scale tables of the slots added are
+    paid for by KV blocks the region does not lend. On CPU the blocks hold all the pool's rows."""
     kv_blocks = plan.num_kv_blocks
     pool_blocks = FlexRegion.blocks_for_rows(plan.lora_rows, block_elements, a_elements, b_elements)
+    if on_cuda:
+        least = FlexRegion.blocks_for_rows(config.max_lora_rank, block_elements, a_elements, b_elements)
+        pool_blocks = min(pool_blocks, max(least, plan.lora_rows * lora_row_bytes // kv_block_bytes))
     lend = max(0, min(kv_blocks // 2, kv_blocks - -(-max_model_len // config.block_size)))
 
     def region_of(lent: int) -> FlexRegion:

@@ -155,7 +155,8 @@ class ModelRunner:
             self.memory = borrow_plan(self.memory, config, a_elements=a_elements, b_elements=b_elements,
                                       block_elements=self.block_size * attn[0].num_kv_heads * attn[0].head_dim,
                                       max_model_len=max_model_len, kv_block_bytes=kv_block_bytes,
-                                      dora_row_bytes=dora_row_bytes, on_cuda=budget is not None)
+                                      lora_row_bytes=self.lora_row_bytes, dora_row_bytes=dora_row_bytes,
+                                      on_cuda=budget is not None)
         # Where the adapter pools are views into the KV cache (borrow_kv_memory): the region they share.
         self.flex = self.memory.flex
         self.lora_modules: dict[tuple[int, str], MultiLoRALinear] = {}

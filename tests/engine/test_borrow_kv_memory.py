@@ -134,10 +134,12 @@ def test_the_plan_moves_the_pool_into_the_kv_tensor_at_the_same_memory(tmp_path:
     fixed = MemoryPlan(num_kv_blocks=1000, lora_rows=200, lora_slots=25, cpu_cache_bytes=1 << 20)
     block_bytes = 4 * 2048 * 2
 
-    def moved(max_model_len: int, dora_row_bytes: int = 0) -> MemoryPlan:
+    row_bytes = 4 * (2000 + 2300) * 2  # four layers of bf16
+
+    def moved(max_model_len: int, dora_row_bytes: int = 0, on_cuda: bool = False) -> MemoryPlan:
         return borrow_plan(fixed, config, block_elements=1024, a_elements=2000, b_elements=2300,
-                           max_model_len=max_model_len, kv_block_bytes=block_bytes, dora_row_bytes=dora_row_bytes,
-                           on_cuda=dora_row_bytes > 0)
+                           max_model_len=max_model_len, kv_block_bytes=block_bytes, lora_row_bytes=row_bytes,
+                           dora_row_bytes=dora_row_bytes, on_cuda=on_cuda)
 
     plan = moved(4096)
     region = plan.flex
@@ -150,11 +152,15 @@ def test_the_plan_moves_the_pool_into_the_kv_tensor_at_the_same_memory(tmp_path:
     # A long context keeps one whole sequence's blocks out of the region.
     long_context = moved(16 * 900).flex
     assert long_context is not None and long_context.base == 900
-    # On CUDA the DoRA tables of the slots added are paid for with KV blocks the region does not lend.
-    with_dora = moved(4096, dora_row_bytes=4096)
+    # On CUDA the pool's bytes become blocks (the rows' sides differ in width: a few rows fewer), and
+    # the DoRA tables of the slots added are paid for with KV blocks the region does not lend.
+    on_cuda = moved(4096, on_cuda=True)
+    assert on_cuda.flex is not None and on_cuda.num_kv_blocks == 1000 + 200 * row_bytes // block_bytes
+    assert 180 <= on_cuda.flex.rows - on_cuda.flex.floor_for(500) < 200
+    with_dora = moved(4096, dora_row_bytes=4096, on_cuda=True)
     assert with_dora.flex is not None and with_dora.flex.base == region.base
-    paid = -(-(plan.lora_slots - fixed.lora_slots) * 4096 // block_bytes)
-    assert with_dora.kv_blocks_at_start == 1000 - paid and with_dora.flex.blocks == region.blocks - paid
+    paid = -(-(on_cuda.lora_slots - fixed.lora_slots) * 4096 // block_bytes)
+    assert with_dora.kv_blocks_at_start == 1000 - paid and with_dora.flex.blocks == on_cuda.flex.blocks - paid
 
 
 def _adapter(digest: str, rank: int) -> CachedAdapter:
