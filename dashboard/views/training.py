@@ -24,9 +24,11 @@ from training import conf, jobs, selectors
 from training.hyperparameters import (
     ALL_LINEAR,
     AUTO_NAMES,
+    BASE_QUANTIZATIONS,
     DPO,
     METHODS,
     SCHEDULES,
+    VOCABULARY_MODULES,
     Hyperparameters,
     fit_to_dataset,
 )
@@ -53,7 +55,7 @@ AUTO_HELP = "Empty: auto, picked from the number of training examples."
 _METHOD_ONLY = {"beta": DPO}
 _INTEGER_FIELDS = {"n_epochs", "batch_size", "max_seq_length", "r", "gradient_accumulation_steps"}
 # The form's choices and switches beside the numbers (training.hyperparameters).
-_CHOICE_FIELDS = ("method", "lr_scheduler_type")
+_CHOICE_FIELDS = ("method", "lr_scheduler_type", "base_quantization")
 _SWITCHES = ("packing", "gradient_checkpointing", "use_dora")
 
 
@@ -84,6 +86,9 @@ def _job_form_context(request: DashboardRequest, values: dict[str, Any], error: 
         "datasets": ready, "training_choices": training_choices, "hyperparameters": hyperparameters,
         "values": values, "error": error, "auto_help": AUTO_HELP,
         "target_modules": conf.base_target_modules(), "chosen_targets": values.get("targets", []),
+        # Offered only where the engine would serve them (not on a base that ties the two).
+        "vocabulary_modules": VOCABULARY_MODULES if conf.base_vocabulary_problem() is None else (),
+        "quantizations": BASE_QUANTIZATIONS,
         "base_model": settings.BASE_MODEL_NAME, "nav": "training",
         "methods": METHODS, "schedules": SCHEDULES,
         "tokens_per_second": selectors.recent_tokens_per_second(tenant=request.dashboard.tenant),
@@ -113,6 +118,16 @@ def _form_id(name: str, raw: str) -> int | None:
     return None if number is None else int(number)
 
 
+def _targets(checked: list[str]) -> str | list[str]:
+    """The form's ticked targets as the job's target_modules: "all-linear" ticked (or nothing) is
+    every projection; with a vocabulary module beside it, the base's projections named one by one
+    (a list cannot hold "all-linear")."""
+    vocabulary = [name for name in VOCABULARY_MODULES if name in checked]
+    if ALL_LINEAR in checked or not checked:
+        return [*conf.base_target_modules(), *vocabulary] if vocabulary else ALL_LINEAR
+    return checked
+
+
 @require_POST
 @dashboard_view(Role.MEMBER)
 def job_create_view(request: DashboardRequest) -> HttpResponse:
@@ -126,8 +141,7 @@ def job_create_view(request: DashboardRequest) -> HttpResponse:
         hyperparameters: dict[str, Any] = {name: _form_number(name, values[name], name in _INTEGER_FIELDS)
                                            for name in HYPERPARAMETER_HELP}
         hyperparameters.update({name: "auto" for name in AUTO_NAMES if hyperparameters[name] is None})
-        targets = values["targets"]
-        hyperparameters["target_modules"] = ALL_LINEAR if not targets or ALL_LINEAR in targets else targets
+        hyperparameters["target_modules"] = _targets(values["targets"])
         hyperparameters.update({name: values[name] or None for name in _CHOICE_FIELDS})
         hyperparameters.update({name: values[name] for name in _SWITCHES})
         # A field of another method, typed before the method was changed, was hidden: not sent on.

@@ -57,3 +57,27 @@ def test_the_form_sends_dpo_and_the_trainers_options(as_user, people, tenant_a):
         True, True, 2, 0.01)
     assert hp["use_dora"] is True  # the adapter kind (docs/adapter-kinds.md)
     assert b"<dt>Method</dt><dd>DPO, \xce\xb2 0.3</dd>" in client.get(created["Location"]).content
+
+
+def test_the_form_sends_qlora_and_the_vocabulary_modules(as_user, people, tenant_a, settings, tmp_path):
+    """Issue 41: the base's precision (QLoRA's int4) and LoRA on embed_tokens / lm_head from the form;
+    "all-linear" ticked beside a vocabulary module names the base's projections one by one. On a base
+    that ties lm_head to embed_tokens the vocabulary modules are not offered (the engine would refuse)."""
+    chat = ready(tenant_a.tenant, CHAT)
+    client = as_user(people.member)
+    page = client.get(reverse("dashboard:job-new")).content
+    assert b'<option value="int4"' in page and b'value="lm_head"' in page and b'value="embed_tokens"' in page
+    client.post(reverse("dashboard:job-create"), {
+        "training_file": str(chat.pk), "adapter": "vocab", "base_quantization": "int4",
+        "target_modules": ["all-linear", "lm_head"]})
+    job = TrainingJob.objects.get()
+    assert job.hyperparameters["base_quantization"] == "int4"
+    assert job.hyperparameters["target_modules"][-1] == "lm_head" and "q_proj" in job.hyperparameters["target_modules"]
+    assert b"over the INT4 base (QLoRA)" in client.get(reverse("dashboard:job", args=[job.pk])).content
+
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    (tied / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    settings.BASE_MODEL_PATH = tied
+    page = client.get(reverse("dashboard:job-new")).content
+    assert b'value="lm_head"' not in page and b'value="embed_tokens"' not in page

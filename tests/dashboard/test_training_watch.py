@@ -55,10 +55,11 @@ def test_the_form_offers_the_base_models_own_projections(as_user, people, tenant
     client = as_user(people.member)
     settings.BASE_MODEL_PATH = bases["phi3"]
     assert offered_targets(client.get(reverse("dashboard:job-new")).content.decode()) == [
-        "all-linear", "o_proj", "down_proj", "qkv_proj", "gate_up_proj"]
+        "all-linear", "o_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head"]
     settings.BASE_MODEL_PATH = bases["llama"]
     assert offered_targets(client.get(reverse("dashboard:job-new")).content.decode()) == [
-        "all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        "all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+        "lm_head"]
 
 
 def test_a_module_the_base_lacks_is_refused_with_the_ones_it_has(as_user, people, tenant_a, settings, bases):
