@@ -159,7 +159,8 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
     return EngineStats(
         num_waiting=scheduler.num_waiting,
         num_running=scheduler.num_running,
-        kv_blocks_total=blocks.num_blocks,
+        # What the cache may hand out: with borrow_kv_memory, blocks lent to adapter rows are not KV's.
+        kv_blocks_total=blocks.capacity,
         kv_blocks_used=blocks.num_used_blocks,
         kv_usage=blocks.usage,
         num_preemptions=scheduler.stats.num_preemptions,

@@ -275,6 +275,9 @@ def test_greedy_tokens_equal_the_fixed_split_with_more_adapters_than_it_holds(
             if borrow:
                 borrower = llm.llm_engine.scheduler.borrow
                 assert borrower is not None and borrower.blocks_lent > 0, "waiting adapters borrow idle KV blocks"
+                # The KV figures count the blocks the cache may hand out, not those lent to rows.
+                blocks = llm.llm_engine.scheduler.blocks
+                assert stats.kv_blocks_total == blocks.capacity < blocks.num_blocks
                 cache = llm.llm_engine.lora_cache
                 assert cache is not None and cache.row_pool.size > 16
                 assert llm.llm_engine.verify_slots() == []

@@ -116,7 +116,7 @@ class _EngineCollector(_StatsCollector[EngineStats]):
             "loraplex_kv_cache_blocks_used", "KV-cache blocks in use.", value=stats.kv_blocks_used
         )
         yield GaugeMetricFamily(
-            "loraplex_kv_cache_blocks_total", "KV-cache blocks in the cache.", value=stats.kv_blocks_total
+            "loraplex_kv_cache_blocks_total", "KV-cache blocks the cache may hand out (without those lent to adapters: --borrow-kv-memory).", value=stats.kv_blocks_total
         )
         if stats.cold_step_shapes is not None:
             yield GaugeMetricFamily(
