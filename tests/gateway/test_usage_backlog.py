@@ -17,6 +17,7 @@ from serving.gateway.key_budget import KeyBudgets, Month, counter_key
 from serving.gateway.usage_backlog import UsageBacklog
 from serving.contracts.usage_log import QUEUE_KEY, UsageEvent
 from runtime.redis_guard import RedisGuard, RedisGuardConfig
+from tests.worker_isolation import worker_redis_url
 
 
 def _event() -> UsageEvent:
@@ -37,7 +38,12 @@ def _queued_ids(url: str) -> set[str]:
 def test_records_kept_during_an_outage_are_pushed_once_redis_is_back_without_a_request() -> None:
     from django.conf import settings
 
-    with redis_relay(settings.REDIS_URL) as relay:
+    # A database of this test's own, 8 above the xdist worker's: the web process an earlier file of
+    # this worker left running (tests/gateway/conftest.py's session `web`) flushes the worker's
+    # database's usage queue into PostgreSQL, and took these records from it once (CI, 15:35 UTC).
+    url = worker_redis_url(settings.REDIS_URL, 8)
+    redis.Redis.from_url(url).delete(QUEUE_KEY)
+    with redis_relay(url) as relay:
 
         async def main() -> None:
             client = aioredis.Redis.from_url(relay.url, socket_connect_timeout=0.5, socket_timeout=0.5)
@@ -56,7 +62,7 @@ def test_records_kept_during_an_outage_are_pushed_once_redis_is_back_without_a_r
                 relay.restore()
                 await asyncio.wait_for(pusher, timeout=10)
                 assert backlog.events == []
-                assert {e.record_id for e in kept} <= _queued_ids(settings.REDIS_URL)
+                assert {e.record_id for e in kept} <= _queued_ids(url)
             finally:
                 await client.aclose()
 
