@@ -9,6 +9,7 @@ tokens are those of the same engine with the option off.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,24 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _InLine(Executor):
+    """Runs each adapter read at submit: the engine's steps then see every load finish at the same
+    step on any machine, so when the boundary moves does not hang on thread timing."""
+
+    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001  # the engine reads the failure from the future
+            future.set_exception(exc)
+        return future
+
+
+def _reads_in_line(llm: LLM) -> None:
+    loader = llm.llm_engine.lora_cache._loader  # noqa: SLF001  # the test's one reach inside: its threads
+    loader._executor = loader._background = _InLine()  # noqa: SLF001
 
 
 # ---- the primitives ---------------------------------------------------------------------------
@@ -205,6 +224,7 @@ def _engine(model: Path, *, borrow: bool, max_num_seqs: int = 8, async_schedulin
               enforce_eager=device == "cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
               block_size=4, num_kv_blocks=128, borrow_kv_memory=borrow, async_scheduling=async_scheduling)
     assert llm.llm_engine.runner.lora_row_bytes == 8192
+    _reads_in_line(llm)
     borrower = llm.llm_engine.scheduler.borrow
     if borrower is not None:
         borrower.patience = 2  # a few quiet steps, not 64: the tiny workload is over in a few dozen
@@ -445,6 +465,7 @@ def test_adapters_of_mixed_ranks_under_kv_pressure_keep_the_fixed_splits_tokens(
                   enforce_eager=True, max_num_seqs=12, max_num_batched_tokens=64, max_model_len=64, block_size=4,
                   num_kv_blocks=96, borrow_kv_memory=borrow)
         try:
+            _reads_in_line(llm)
             borrower = llm.llm_engine.scheduler.borrow
             if borrower is not None:
                 borrower.patience = 2
