@@ -7,12 +7,17 @@ before compiling); the pool is warmed first by an unrelated schema, as a serving
 at an older commit (PYTHONPATH pointing at its tree) it measures the single grammar thread that
 came before (copy this script into that tree's bench/): there B waits for A's compile.
 
-    python bench/grammar_pool.py [--depth 400] [--repeat 3]
+Then, on the pool alone (`--kill-timeout` seconds a compile): A's next compile after its last one
+was killed past its time, which waits for the killed process's replacement (A's share holds it):
+the start of a compiling process, as a tenant whose compiles keep timing out pays it each time.
+
+    python bench/grammar_pool.py [--depth 400] [--repeat 3] [--kill-timeout 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -23,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving.engine import LLM, SamplingParams  # noqa: E402
+from serving.engine.grammar_pool import GrammarBudget, GrammarPool  # noqa: E402
 from serving.engine.guided import GuidedDecodingParams  # noqa: E402
 from serving.engine.tiny import build_tiny_model  # noqa: E402
 
@@ -62,14 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depth", type=int, default=400)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--kill-timeout", type=float, default=0.5)
     args = parser.parse_args()
-    kwargs: dict[str, Any] = {}
-    try:
-        from serving.engine.grammar_pool import GrammarBudget
-
-        kwargs["grammar"] = GrammarBudget(timeout=600.0, max_schema_depth=10_000)
-    except ImportError:  # before the pool: one grammar thread, no budget
-        pass
+    kwargs: dict[str, Any] = {"grammar": GrammarBudget(timeout=600.0, max_schema_depth=10_000)}
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(str(build_tiny_model(Path(tmp) / "tiny")), device="cpu", max_loras=0, max_model_len=256,
                   num_kv_blocks=64, **kwargs)
@@ -88,7 +89,29 @@ def main() -> None:
         print(f"B while A's {args.depth}-level schema compiles: {', '.join(f'{s:.3f}' for s in beside)} s "
               f"(A had been compiling {a_running:.1f} s when B's last ended)")
         engine.abort_request("a")
+        tokenizer = engine.tokenizer
         engine.shutdown()
+        print(f"A's next compile after its last was killed past {args.kill_timeout:g} s: "
+              f"{', '.join(f'{s:.3f}' for s in after_kill(tokenizer, args))} s")
+
+
+def after_kill(tokenizer: Any, args: argparse.Namespace) -> list[float]:
+    """Seconds from A's killed compile's answer to A's next (small) compile's."""
+    import xgrammar as xgr
+
+    pool = GrammarPool(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer),
+                       GrammarBudget(timeout=args.kill_timeout, max_schema_depth=10_000))
+    try:
+        pool.submit("B", "json", json.dumps({"type": "object"}), "JSON schema").result()  # the pool started
+        times = []
+        for i in range(args.repeat):
+            pool.submit("A", "json", json.dumps(nested(args.depth)), "JSON schema").exception()  # killed
+            start = time.perf_counter()
+            pool.submit("A", "json", str(small(f"k{i}").json), "JSON schema").result()
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        pool.close()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ tenants, each compile held to a time budget.
   running, its process is killed.
 - **A killed process's replacement is its tenant's**: a process killed while it compiled a tenant's
   task (past its time, cancelled, crashed) is replaced at once, and the replacement counts in that
-  tenant's share until it is ready (its start imports the library: seconds). Freed at the kill,
+  tenant's share until it is ready (a fork of the pool's forker: milliseconds). Freed at the kill,
   the share would let the same tenant's next compile take the one ready process while the
   replacement still starts, and another tenant's new small schema would wait for that start; so a
   tenant whose compiles keep running past their time waits for its own restarts, and the pool's
@@ -43,6 +43,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from serving.engine import forker
 from serving.engine.grammar_worker import CompileLimits
 
 if TYPE_CHECKING:
@@ -181,8 +182,8 @@ class _Task:
 
 @dataclass(eq=False)
 class _Process:
-    popen: subprocess.Popen[bytes]
     conn: Connection
+    pid: int | None = None  # told in its ready message
     ready: bool = False
     task: _Task | None = None
     retired: bool = False  # killed on purpose (deadline, cancel, close): its end is not a crash
@@ -194,7 +195,8 @@ class GrammarPool:
     """``budget.workers`` compiling processes, a FairQueue of ``budget.share`` per tenant,
     ``budget.timeout`` seconds a compile. ``tokenizer_info`` builds the library's tokenizer table (once, on the pool's thread).
     ``on_done`` is called after each future settles (to wake the engine's loop). ``command`` starts
-    a process given its socket's descriptor (tests start another program)."""
+    the process that forks the compiling ones (serving.engine.forker), given its socket's
+    descriptor (tests start another program)."""
 
     def __init__(self, tokenizer_info: Callable[[], xgrammar.TokenizerInfo], budget: GrammarBudget, *,
                  on_done: Callable[[], None] = lambda: None,
@@ -209,6 +211,9 @@ class GrammarPool:
         self._queue: FairQueue[_Task] = FairQueue(budget.share)
         self._tasks: dict[Future[Any], _Task] = {}
         self._processes: list[_Process] = []
+        # The process the compiling ones are forked from, and its control socket (the pool's thread's).
+        self._forker: subprocess.Popen[bytes] | None = None
+        self._control: Connection | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._thread: threading.Thread | None = None
@@ -257,7 +262,7 @@ class GrammarPool:
     def running_pids(self) -> list[int]:
         """The processes compiling now (for tests and /metrics-like probes)."""
         with self._lock:
-            return [p.popen.pid for p in self._processes if p.task is not None]
+            return [p.pid for p in self._processes if p.task is not None and p.pid is not None]
 
     def close(self) -> None:
         with self._lock:
@@ -304,6 +309,7 @@ class GrammarPool:
             with self._lock:
                 self._reap_and_spawn()
                 self._info_file.unlink(missing_ok=True)
+            self._stop_forker()
 
     def _serve(self) -> None:
         while True:
@@ -313,11 +319,15 @@ class GrammarPool:
                 self._reap_and_spawn()
                 self._dispatch()
                 conns: list[Any] = [p.conn for p in self._processes if not p.retired]
+                if self._control is not None:
+                    conns.append(self._control)
                 deadlines = [p.task.deadline for p in self._processes if p.task is not None and p.task.deadline]
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             for ready in wait([*conns, self._wake_r], timeout):
                 if ready is self._wake_r:
                     self._wake_r.recv(4096)
+                elif ready is self._control:  # it never writes: readable, its end has closed
+                    self._forker_ended()
                 else:
                     self._receive(ready)
             self._expire()
@@ -331,9 +341,9 @@ class GrammarPool:
             _settle(task.future, error=error)
 
     def _reap_and_spawn(self) -> None:
-        """Forget retired processes that ended; start processes up to the pool's size."""
+        """Forget retired processes (the forker has been told to kill those that were compiling; one
+        not yet ready ends when its socket closes); start processes up to the pool's size."""
         for process in [p for p in self._processes if p.retired]:
-            process.popen.wait()  # killed (SIGKILL): gone within milliseconds
             process.conn.close()
             self._processes.remove(process)
         alive = [p for p in self._processes if not p.retired]
@@ -341,16 +351,53 @@ class GrammarPool:
             alive.append(self._spawn())
 
     def _spawn(self) -> _Process:
+        """Ask the forker for a compiling process (starting the forker if there is none): ready when
+        it says so on its socket. If the forker is dying, the socket closes unread: a failed start."""
+        if self._control is None:
+            self._start_forker()
+        assert self._control is not None and self._forker is not None
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SOURCE_ROOT, os.environ.get("PYTHONPATH")]))}
-        popen = subprocess.Popen([*self._command, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
-                                 stdin=subprocess.DEVNULL)
+        try:
+            forker.spawn(self._control, theirs.fileno(), self._forker.pid)
+        except OSError:  # it died: its control socket reads as closed, and this process's as a failed start
+            pass
         theirs.close()
-        conn = Connection(ours.detach())
-        conn.send(("init", str(self._info_file), self._limits))
-        process = _Process(popen, conn, charged=self._owed.popleft() if self._owed else None)
+        process = _Process(Connection(ours.detach()), charged=self._owed.popleft() if self._owed else None)
         self._processes.append(process)
         return process
+
+    def _start_forker(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SOURCE_ROOT, os.environ.get("PYTHONPATH")]))}
+        self._forker = subprocess.Popen([*self._command, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
+                                        stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._control = Connection(ours.detach())
+        self._control.send(("init", str(self._info_file), self._limits))
+
+    def _forker_ended(self) -> None:
+        """The forker's control socket closed: it died, and its processes with it (their sockets close
+        too, read as crashes or failed starts); the next spawn starts another."""
+        with self._lock:
+            if self._control is None or self._forker is None:
+                return
+            logger.error("the grammar pool's forking process ended unexpectedly (exit code %s)", self._forker.wait())
+            self._control.close()
+            self._control = self._forker = None
+
+    def _stop_forker(self) -> None:
+        """Close the forker's control socket: it leaves its loop and exits, its processes with it."""
+        with self._lock:
+            control, process = self._control, self._forker
+            self._control = self._forker = None
+        if control is not None:
+            control.close()
+        if process is not None:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
     def _dispatch(self) -> None:
         for process in self._processes:
@@ -380,6 +427,7 @@ class GrammarPool:
         if message[0] == "ready":
             with self._lock:
                 process.ready = True
+                process.pid = message[1]
                 self._failed_starts = 0
                 if process.charged is not None:
                     self._queue.finished(process.charged)
@@ -417,7 +465,8 @@ class GrammarPool:
             task = process.task
             if not process.retired:
                 self._retire(process)  # a crash on its task: the replacement is the task's tenant's
-                logger.error("a grammar compiling process ended unexpectedly (exit code %s)", process.popen.poll())
+                logger.error("a grammar compiling process (pid %s) ended unexpectedly; the forker's line on stderr "
+                             "says how", process.pid)
                 self._failed_starts = 0 if process.ready else self._failed_starts + 1
             if process.charged is not None:  # a replacement that never got ready: the next one is
                 self._owed.append(process.charged)
@@ -455,7 +504,11 @@ class GrammarPool:
             self._owed.append(process.task.tenant)
             process.task = None
         process.retired = True
-        process.popen.kill()
+        if process.pid is not None and self._control is not None:
+            try:
+                self._control.send(("kill", process.pid))
+            except OSError:  # the forker is gone, and its processes with it
+                pass
 
 
 def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:

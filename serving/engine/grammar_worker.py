@@ -9,19 +9,23 @@ bytes; and the memory a compile may take, by the process's data limit (RLIMIT_DA
 library and the tokenizer's table are in: a compile past it fails with the library's bad_alloc). A grammar whose language is empty (``root ::= root root``) is refused as well: its first
 token mask allows nothing, and a row of -inf logits cannot be sampled.
 
-Started by the pool as ``python -m serving.engine.grammar_worker FD``; ``FD`` is its end of a socket
-pair. Messages (pickled, multiprocessing.connection's framing):
+Started by the pool as ``python -m serving.engine.grammar_worker FD``, ``FD`` its end of a socket
+pair, this process imports the library, reads the tokenizer's table once, then forks a compiling
+process per request (serving.engine.forker): each is ready in milliseconds, where a cold start
+took seconds (the library's import, then the table). Messages (pickled, multiprocessing.connection's
+framing):
 
-    pool -> process: ("init", tokenizer_info_path, limits) once, then ("compile", task_id, kind, text)
-    process -> pool: ("ready",) once, then per task ("ok", task_id, compiled_json, memory_bytes)
-                     or ("error", task_id, too_complex, message)
+    pool -> this process: ("init", tokenizer_info_path, limits) once, then the forker's requests
+    pool -> a compiling process: ("compile", task_id, kind, text)
+    a compiling process -> pool: ("ready", pid) once, then per task ("ok", task_id, compiled_json,
+                                 memory_bytes) or ("error", task_id, too_complex, message)
 
 It imports xgrammar only (not the engine), so it starts in the library's own import time.
 """
 
 from __future__ import annotations
 
-import ctypes
+import os
 import re
 import resource
 import signal
@@ -32,6 +36,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 # A JSON schema's grammar, bounded (issue 39, item 4); it imports only the grammar library.
+from serving.engine.forker import die_with_parent, serve_forks
 from serving.engine.json_grammar import json_schema_grammar
 
 if TYPE_CHECKING:
@@ -39,9 +44,6 @@ if TYPE_CHECKING:
 
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the caller needs the rest.
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
-
-# Linux's prctl option: the kernel sends this process a signal when its parent dies.
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -106,21 +108,14 @@ def _limit_memory(extra: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def _die_with_parent() -> None:
-    """Killed when the engine's process dies, even mid-compile (when no message can be read)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, info: xgrammar.TokenizerInfo, limits: CompileLimits) -> None:
+    """A compiling process's life (forked): its compiler, its memory limit, then compiles until the
+    pool closes its socket."""
     import xgrammar as xgr
 
-    message: Any = conn.recv()
-    _, tokenizer_info_path, limits = message
-    info = xgr.TokenizerInfo.deserialize_json(Path(tokenizer_info_path).read_text())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     _limit_memory(limits.max_compile_memory_bytes)
-    conn.send(("ready",))
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             _, task_id, kind, text = conn.recv()
@@ -141,10 +136,16 @@ def serve(conn: Connection) -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     # SIGINT goes to the whole foreground group on Ctrl-C; the engine stops its pool itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(Connection(int(sys.argv[1])))
+    control = Connection(int(sys.argv[1]))
+    message: Any = control.recv()
+    _, tokenizer_info_path, limits = message
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(Path(tokenizer_info_path).read_text())
+    serve_forks(control, lambda conn: serve(conn, info, limits))
 
 
 if __name__ == "__main__":

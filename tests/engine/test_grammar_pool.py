@@ -347,6 +347,11 @@ def _ready(gate: Path) -> int:
     return len(list(gate.glob("ready-*")))
 
 
+def _forkers() -> list[psutil.Process]:
+    """This test process's stub forkers (it may have other children: an xdist worker's zygote)."""
+    return [child for child in psutil.Process().children() if str(STUB) in child.cmdline()]
+
+
 def test_a_killed_compiles_replacement_is_its_own_tenants_wait(tmp_path: Path) -> None:
     """A's compile runs past its time and is killed; while its replacement starts, A's next compile
     waits for it, and B's takes the one ready process (were A's share freed at the kill, A's next
@@ -376,5 +381,43 @@ def test_a_tenant_whose_compile_crashed_its_process_compiles_again(tmp_path: Pat
         # The crash gave A's place in its share to the replacement, which gives it back once ready.
         after = pool.submit("A", "json", "small", "JSON schema").exception(timeout=GUARD_S)
         assert type(after) is GrammarError and "stub compiled small" in str(after)
+    finally:
+        pool.close()
+
+
+def test_compiling_processes_are_forked_from_one_process_that_kills_only_its_own(tmp_path: Path) -> None:
+    """Every compiling process is a child of the pool's one forker (its table and library loaded
+    once), and a kill the forker is asked for reaches only a process it forked."""
+    pool = _stub_pool(tmp_path, GrammarBudget(timeout=60.0, workers=2))
+    try:
+        pool.submit("A", "json", "warm", "JSON schema").exception(timeout=GUARD_S)
+        wait_for(lambda: _ready(tmp_path) == 2, "both processes to be ready")
+        [forker] = _forkers()
+        compiling = {int(path.name.removeprefix("ready-")) for path in tmp_path.glob("ready-*")}
+        assert {child.pid for child in forker.children()} == compiling
+        assert pool._control is not None  # noqa: SLF001  # the forker's own socket: asked directly
+        pool._control.send(("kill", forker.pid))  # noqa: SLF001  # not its child: ignored
+        pool._control.send(("kill", psutil.Process().pid))  # noqa: SLF001  # nor is this test's process
+        answer = pool.submit("B", "json", "after", "JSON schema").exception(timeout=GUARD_S)
+        assert "stub compiled after" in str(answer) and forker.is_running()
+        assert {child.pid for child in forker.children()} == compiling
+    finally:
+        pool.close()
+    wait_for(lambda: all(gone(pid) for pid in [forker.pid, *compiling]), "the forker and its processes to end")
+
+
+def test_a_dead_forker_takes_its_processes_with_it_and_the_pool_starts_another(tmp_path: Path) -> None:
+    pool = _stub_pool(tmp_path, GrammarBudget(timeout=60.0, workers=2))
+    try:
+        pool.submit("A", "json", "warm", "JSON schema").exception(timeout=GUARD_S)
+        wait_for(lambda: _ready(tmp_path) == 2, "both processes to be ready")
+        [forker] = _forkers()
+        before = {child.pid for child in forker.children()}
+        forker.kill()
+        wait_for(lambda: all(gone(pid) for pid in before), "the forker's processes to die with it")
+        answer = pool.submit("A", "json", "again", "JSON schema").exception(timeout=GUARD_S)
+        assert type(answer) is GrammarError and "stub compiled again" in str(answer)
+        [second] = _forkers()
+        assert second.pid != forker.pid and not before & {child.pid for child in second.children()}
     finally:
         pool.close()
