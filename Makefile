@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # Re-installs only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-durations test-fast up migrate lint-imports typecheck vendor-static screenshots
+.PHONY: install test test-fast up migrate lint-imports typecheck vendor-static screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,13 +56,6 @@ PYTEST_WORKERS ?= 4
 # --durations=30: every run (CI's included) prints its slowest set-ups and tests, where the time goes.
 test: lint-imports typecheck
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
-
-# Rewrites tests/file_durations.json from a whole run's JUnit report: the seconds each file took, by
-# which tests/file_order.py hands xdist's workers the longest files first. Worth rerunning when files
-# have been added or have grown: a stale table costs balance, never a result.
-test-durations: lint-imports typecheck
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --junitxml=.pytest-durations.xml $(PYTEST_ARGS)
-	$(PY) -m tests.file_order .pytest-durations.xml
 
 # The fast tier: every test but those marked e2e (they start real processes: web processes, serving
 # and Celery workers, Redis servers) or slow (in-process, but seconds of compute each: training an
