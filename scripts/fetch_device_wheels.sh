@@ -2,12 +2,14 @@
 # The wheels the GPU machine lacks, for its Python 3.12, fetched here (it reaches no registry):
 # .whl/ for the engine, the benches and the gpu-marked tests; .whl-gw/ for the gateway-curve stage's
 # web process (Django and what its settings import), kept apart because with Django importable the
-# tests stage's conftest asks for a database. Both folders are git-ignored (.git/info/exclude) and
+# tests stage's conftest asks for a database; .whl-bnb/ for bench/qlora.py's bitsandbytes row
+# (docs/quantized-bases.md), alone for its size. The folders are git-ignored (.git/info/exclude) and
 # travel with a device call's `carry`; docs/benchmarks.md says how each stage installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 grep -qx '/.whl-gw/' .git/info/exclude 2>/dev/null || echo '/.whl-gw/' >> .git/info/exclude
+grep -qx '/.whl-bnb/' .git/info/exclude 2>/dev/null || echo '/.whl-bnb/' >> .git/info/exclude
 platforms=()
 for tag in manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35 manylinux2014 manylinux1; do
     platforms+=(--platform "${tag}_x86_64")
@@ -18,4 +20,5 @@ fetch() {  # fetch FOLDER REQUIREMENTS
 }
 fetch .whl scripts/device-wheels.txt
 fetch .whl-gw scripts/device-wheels-gateway.txt
-du -sh .whl .whl-gw
+fetch .whl-bnb scripts/device-wheels-bnb.txt
+du -sh .whl .whl-gw .whl-bnb
