@@ -394,16 +394,26 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
         up = time.monotonic()
         api = httpx.Client(base_url=f"http://127.0.0.1:{second.port}/api/v1",
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        events = lambda: [event["message"] for event in api.get(f"/training-jobs/{job_id}/events",
-                                                                 params={"limit": 100}).json()["data"]]
-        stopped = wait_for(lambda: [m for m in events() if m.startswith("The worker stopped at step")], 10, "event")
+        def messages() -> list[dict[str, str]]:
+            """Every message event, newest first, from every page: the resumed job logs a metric
+            event each step, so within seconds the newest page holds nothing else."""
+            found: list[dict[str, str]] = []
+            params: dict[str, object] = {"limit": 100}
+            while True:
+                page = api.get(f"/training-jobs/{job_id}/events", params=params).json()
+                found += [event for event in page["data"] if event["type"] == "message"]
+                if not page["has_more"]:
+                    return found
+                params["after"] = page["last_id"]
+
+        stopped = wait_for(lambda: [e["message"] for e in messages()
+                                    if e["message"].startswith("The worker stopped at step")], 10, "event")
         step = int(re.search(r"step (\d+)", stopped[0]).group(1))
-        wait_for(lambda: f"Resuming from the checkpoint of step {step}." in events(), RESUME_WAIT_S, "the resumption")
+        wait_for(lambda: f"Resuming from the checkpoint of step {step}." in [e["message"] for e in messages()],
+                 RESUME_WAIT_S, "the resumption")
         print(f"resumed {time.monotonic() - started:.1f} s after the second start began "
               f"({time.monotonic() - up:.1f} s after its banner)")
-        timeline = {event["message"][:40]: event["created_at"] for event in api.get(
-            f"/training-jobs/{job_id}/events", params={"limit": 100}).json()["data"]
-            if event["type"] == "message"}
+        timeline = {event["message"][:40]: event["created_at"] for event in messages()}
         print("events:", json.dumps(timeline, indent=1))
         body = wait_for(lambda: (lambda b: b if b["progress"]["step"] > step else None)(
             api.get(f"/training-jobs/{job_id}").json()), 60, "a step after the checkpoint")
