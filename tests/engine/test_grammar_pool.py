@@ -347,9 +347,18 @@ def _ready(gate: Path) -> int:
     return len(list(gate.glob("ready-*")))
 
 
-def _forkers() -> list[psutil.Process]:
-    """This test process's stub forkers (it may have other children: an xdist worker's zygote)."""
-    return [child for child in psutil.Process().children() if str(STUB) in child.cmdline()]
+def _forkers(gate: Path) -> list[psutil.Process]:
+    """The stub forkers of the pool whose gate is ``gate`` (this test process has other children: an
+    xdist worker's zygote, an earlier test's forker still ending, ones not reaped yet, whose command
+    line cannot be read)."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if child.cmdline()[1:3] == [str(STUB), str(gate)]:
+                found.append(child)
+        except psutil.Error:  # a zombie, or gone meanwhile: not a live forker
+            continue
+    return found
 
 
 def test_a_killed_compiles_replacement_is_its_own_tenants_wait(tmp_path: Path) -> None:
@@ -392,7 +401,7 @@ def test_compiling_processes_are_forked_from_one_process_that_kills_only_its_own
     try:
         pool.submit("A", "json", "warm", "JSON schema").exception(timeout=GUARD_S)
         wait_for(lambda: _ready(tmp_path) == 2, "both processes to be ready")
-        [forker] = _forkers()
+        [forker] = _forkers(tmp_path)
         compiling = {int(path.name.removeprefix("ready-")) for path in tmp_path.glob("ready-*")}
         assert {child.pid for child in forker.children()} == compiling
         assert pool._control is not None  # noqa: SLF001  # the forker's own socket: asked directly
@@ -411,13 +420,13 @@ def test_a_dead_forker_takes_its_processes_with_it_and_the_pool_starts_another(t
     try:
         pool.submit("A", "json", "warm", "JSON schema").exception(timeout=GUARD_S)
         wait_for(lambda: _ready(tmp_path) == 2, "both processes to be ready")
-        [forker] = _forkers()
+        [forker] = _forkers(tmp_path)
         before = {child.pid for child in forker.children()}
         forker.kill()
         wait_for(lambda: all(gone(pid) for pid in before), "the forker's processes to die with it")
         answer = pool.submit("A", "json", "again", "JSON schema").exception(timeout=GUARD_S)
         assert type(answer) is GrammarError and "stub compiled again" in str(answer)
-        [second] = _forkers()
+        [second] = _forkers(tmp_path)
         assert second.pid != forker.pid and not before & {child.pid for child in second.children()}
     finally:
         pool.close()
