@@ -115,12 +115,28 @@ def lease_fresh(job: TrainingJob) -> bool:
 
 
 def checkpoints_delete(job_id: int) -> None:
-    """Deletes the job's checkpoints, files and rows (a cancelled job, or one that starts over)."""
+    """Deletes the job's checkpoints, files and rows (a run that starts over)."""
     storage = get_storage()
     for checkpoint in Checkpoint.objects.filter(job_id=job_id):
         for prefix in checkpoint.storage_prefixes:  # the state and its servable artifact
             storage.delete_prefix(prefix)
         checkpoint.delete()
+
+
+def checkpoints_discard(job_id: int) -> None:
+    """Deletes a cancelled job's checkpoint rows in the caller's transaction and their files once it
+    commits: the cancellation and the empty list are seen together (no reader finds a cancelled job
+    still listing checkpoints), and a rolled-back cancellation keeps both rows and files."""
+    checkpoints = list(Checkpoint.objects.filter(job_id=job_id))
+    prefixes = [prefix for checkpoint in checkpoints for prefix in checkpoint.storage_prefixes]
+    Checkpoint.objects.filter(pk__in=[checkpoint.pk for checkpoint in checkpoints]).delete()
+
+    def delete_files() -> None:
+        storage = get_storage()
+        for prefix in prefixes:  # the states and their servable artifacts
+            storage.delete_prefix(prefix)
+
+    after_commit(delete_files)
 
 
 def held_out(num_examples: int, fraction: float) -> int:

@@ -26,7 +26,7 @@ from serving.registry.versions import version_parse
 from tenants.models import Tenant
 from training import conf
 from training.base import (PENDING_DATASET_STATUSES, VERSION_RELEASED_STATUSES, Status, after_commit,
-                           checkpoints_delete, event, finish, held_out, lease_fresh, pause)
+                           checkpoints_discard, event, finish, held_out, lease_fresh, pause)
 from training.hyperparameters import Hyperparameters, fit_to_dataset, resolve_hyperparameters
 from training.methods import dataset_problem
 from training.models import Dataset, TrainingEvent, TrainingJob
@@ -299,7 +299,7 @@ def training_job_cancel(*, job: TrainingJob) -> TrainingJob:
         if not lease_fresh(job):
             # Queued, or its worker is gone: no run will see the request, so it ends here.
             finish(job, Status.CANCELLED, "Job cancelled.")
-            after_commit(partial(checkpoints_delete, job.pk))
+            checkpoints_discard(job.pk)
             after_commit(training_jobs_dispatch)
         else:
             event(job, "Cancellation requested; the job stops before its next step.")

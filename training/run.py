@@ -43,8 +43,8 @@ from serving.contracts.errors import NotFound
 from serving.registry.storage import get_storage
 from serving.contracts.artifact import base_config_sha256
 from training import conf
-from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, event, finish, held_out,
-                           lease_age, lease_seconds, pause)
+from training.base import (JobFailure, LeaseLost, Status, after_commit, checkpoints_delete, checkpoints_discard, event,
+                           finish, held_out, lease_age, lease_seconds, pause)
 from training.examples import EncodingError
 from training.hyperparameters import Hyperparameters
 from training.methods import encode_lines
@@ -89,7 +89,7 @@ def training_job_claim(*, job_id: int) -> Claim:
             return Claim(None, retry_in=max(1.0, lease_seconds() - age), reason="another run holds the job")
         if job.cancel_requested_at is not None:
             finish(job, Status.CANCELLED, "Job cancelled.")
-            after_commit(partial(checkpoints_delete, job.pk))
+            checkpoints_discard(job.pk)
             after_commit(training_jobs_dispatch)
             return Claim(None, reason="the job was cancelled")
         if job.pause_requested_at is not None:
@@ -398,7 +398,7 @@ def _end_cancelled(job: TrainingJob, token: str) -> None:
         locked = TrainingJob.objects.select_for_update().get(pk=job.pk)
         if locked.lease_token == token and not locked.is_final:
             finish(locked, Status.CANCELLED, f"Job cancelled at step {locked.step}; nothing was published.")
-            after_commit(partial(checkpoints_delete, job.pk))
+            checkpoints_discard(job.pk)
 
 
 def _end_failed(job: TrainingJob, token: str, code: str, message: str) -> None:

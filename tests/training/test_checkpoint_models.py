@@ -90,6 +90,36 @@ def test_a_cancelled_jobs_checkpoint_artifacts_are_deleted(tenant_a, dataset, on
     assert get_storage().list(f"checkpoints/alice-co/{job.pk}") == []
 
 
+def test_a_cancellation_discards_the_rows_with_it_and_the_files_once_it_commits(
+        tenant_a, dataset, one_thread, django_capture_on_commit_callbacks):
+    from django.db import transaction
+
+    from training.base import checkpoints_discard
+
+    job = trained(tenant_a, dataset)
+    prefix = f"checkpoints/alice-co/{job.pk}"
+    stored = get_storage().list(prefix)
+    assert stored and Checkpoint.objects.filter(job=job).count() == 2
+    # Rolled back: rows and files both stay, and no deletion is left to run.
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        try:
+            with transaction.atomic():
+                checkpoints_discard(job.pk)
+                assert not Checkpoint.objects.filter(job=job).exists()
+                raise RuntimeError("the cancellation fails")
+        except RuntimeError:
+            pass
+    assert callbacks == [] and Checkpoint.objects.filter(job=job).count() == 2
+    assert get_storage().list(prefix) == stored
+    # Committed: the rows are gone in the transaction, the files only after it.
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        with transaction.atomic():
+            checkpoints_discard(job.pk)
+            assert not Checkpoint.objects.filter(job=job).exists()
+        assert get_storage().list(prefix) == stored
+    assert len(callbacks) == 1 and get_storage().list(prefix) == []
+
+
 def test_a_version_made_from_a_checkpoint_holds_its_weights_and_names_its_step(
         tenant_a, dataset, one_thread, tmp_path):
     job = trained(tenant_a, dataset)

@@ -135,10 +135,9 @@ def cancel_while_running(client, dataset_id: int) -> None:
     body = wait_job_final(client, job_id)
     job = TrainingJob.objects.get(pk=job_id)
     assert body["status"] == "cancelled" and job.step < job.total_steps and job.version == ""
-    # Deleted once the cancellation has committed (training.run's _end_cancelled), each row after its
-    # files: a job that ran past its first checkpoint step keeps them for that moment.
-    wait_for(lambda: not Checkpoint.objects.filter(job=job).exists(), 30, "the checkpoints to go")
-    assert get_storage().list(f"checkpoints/{job.tenant.slug}/{job.pk}") == []
+    # The rows go with the cancellation's commit, their files right after it (checkpoints_discard).
+    assert not Checkpoint.objects.filter(job=job).exists()
+    wait_for(lambda: get_storage().list(f"checkpoints/{job.tenant.slug}/{job.pk}") == [], 30, "the files to go")
     assert [key for key in get_storage().list("adapters") if key.endswith("manifest.json")] == [
         "adapters/alice-co/support-bot/1.0.0/manifest.json"]
 
