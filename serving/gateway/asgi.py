@@ -116,9 +116,10 @@ async def _send_reply(reply: Reply, send: Any) -> None:
                     "headers": _headers(reply.headers, "application/json")})
         await send({"type": "http.response.body", "body": reply.body})
         return
-    await send({"type": "http.response.start", "status": reply.status,
-                "headers": _headers(reply.headers, "text/event-stream")})
+    # Closed from here on, however it ends: a client gone before the first event still settles.
     async with aclosing(reply.stream) as events:
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": _headers(reply.headers, "text/event-stream")})
         async for event in events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b""})

@@ -30,7 +30,7 @@ from serving.gateway import metrics
 from serving.gateway.accounting import charged_tokens, check_fits, most_tokens, release_after
 from serving.gateway.errors import GatewayError, invalid_request
 from serving.gateway.failover import retryable, with_failover
-from serving.gateway.proxy import UpstreamResult, relay_stream, rename_model
+from serving.gateway.proxy import Relay, UpstreamResult, rename_model
 from serving.gateway.key_budget import Reservation, budget_exceeded, budget_unavailable
 from serving.gateway.quotas import Admission
 from serving.gateway.records import Call, Caller, Reply, Target
@@ -414,8 +414,8 @@ async def _attempt(call: Call, worker: WorkerView, res: Resources) -> Attempt:
                 if response.status_code == 200:
                     wants_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
                     # Settled as the relay ends (its `finally`), however it ends.
-                    relay = relay_stream(response, result=result, rename=rename, client_wants_usage=wants_usage,
-                                         on_end=lambda: settle(call, worker, result, res))
+                    relay = Relay(response, result=result, rename=rename, client_wants_usage=wants_usage,
+                                  on_end=lambda: settle(call, worker, result, res))
                     return Attempt(result, Reply(status=200, stream=relay, headers={
                         **headers, "cache-control": "no-cache", "x-accel-buffering": "no"}), relayed=True)
                 status, content = response.status_code, result.refused_body

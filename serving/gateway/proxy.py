@@ -189,11 +189,48 @@ class Upstream:
         return response
 
 
+class Relay:
+    """relay_stream's events, ended however the reply ends: also when the client leaves before the
+    first event is read. An async generator closed before it starts runs none of its body, so its
+    `finally` would neither close the upstream nor settle the call (the key budget's reservation
+    would lapse only after its hour)."""
+
+    def __init__(self, response: StreamBody, *, result: UpstreamResult, rename: tuple[bytes, bytes],
+                 client_wants_usage: bool, on_end: Callable[[], None] | None = None) -> None:
+        self._response, self._result, self._on_end = response, result, on_end
+        self._events = relay_stream(response, result=result, rename=rename, client_wants_usage=client_wants_usage,
+                                    on_end=on_end)
+        self._started = False
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self._started = True
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        if not self._started:
+            self._started = True  # ended once
+            self._result.status = "aborted"
+            await _relay_end(self._response, self._result, self._on_end)
+
+
+async def _relay_end(response: StreamBody, result: UpstreamResult, on_end: Callable[[], None] | None) -> None:
+    result.end()
+    try:
+        await response.aclose()
+    finally:
+        if on_end is not None:
+            on_end()
+
+
 async def relay_stream(response: StreamBody, *, result: UpstreamResult, rename: tuple[bytes, bytes],
                        client_wants_usage: bool, on_end: Callable[[], None] | None = None,
                        ) -> AsyncGenerator[bytes, None]:
     """The client's SSE events from the worker's, those of one upstream read together; closes the
-    upstream however it ends, then calls `on_end` (the pipeline's settle)."""
+    upstream however it ends, then calls `on_end` (the pipeline's settle). Sent as a `Relay`."""
     old, new = rename
     buffer = b""
     done = failed = False
@@ -239,12 +276,7 @@ async def relay_stream(response: StreamBody, *, result: UpstreamResult, rename: 
             result.status = "aborted"
         raise
     finally:
-        result.end()
-        try:
-            await response.aclose()
-        finally:
-            if on_end is not None:
-                on_end()
+        await _relay_end(response, result, on_end)
 
 
 def _sort_events(events: bytes, out: list[bytes], result: UpstreamResult, client_wants_usage: bool,

@@ -10,9 +10,9 @@ its caller back.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from serving.gateway.key_budget import Reservation
 from serving.gateway.quotas import Admission
@@ -99,6 +99,14 @@ class Call:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+class EventStream(Protocol):
+    """A streamed reply's events (serving.gateway.proxy.Relay), closed by whoever sends them."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
 @dataclass
 class Reply:
     """What the edge sends: a whole body, or a stream of SSE events."""
@@ -106,4 +114,4 @@ class Reply:
     status: int
     headers: dict[str, str]
     body: bytes = b""
-    stream: AsyncGenerator[bytes, None] | None = None  # closed (aclose) by whoever sends it
+    stream: EventStream | None = None  # closed (aclose) by whoever sends it

@@ -8,9 +8,10 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from runtime.breakers import Outcome
-from serving.gateway.proxy import DONE, UpstreamResult, relay_stream, rename_model
+from serving.gateway.proxy import DONE, Relay, UpstreamResult, rename_model
 from serving.gateway.resilience import breaker_outcome
 
 INTERNAL = "alice-co/support-bot@1.0.0"
@@ -63,13 +64,37 @@ def relay_sends(parts: list[bytes], *, wants_usage: bool, fail: bool = False) ->
     async def scenario() -> tuple[list[bytes], UpstreamResult]:
         body, ended = Parts(parts, fail), []
         result = UpstreamResult(worker_id="w")
-        out = [item async for item in relay_stream(body, result=result, rename=rename_model(INTERNAL, "support-bot"),
-                                                   client_wants_usage=wants_usage,
-                                                   on_end=lambda: ended.append(body.closed))]
+        out = [item async for item in Relay(body, result=result, rename=rename_model(INTERNAL, "support-bot"),
+                                            client_wants_usage=wants_usage, on_end=lambda: ended.append(body.closed))]
         assert ended == [True], "the upstream is closed, then on_end called, once"
         return out, result
 
     return asyncio.run(scenario())
+
+
+def test_a_client_gone_before_the_first_event_still_closes_the_upstream_and_settles_once():
+    """The edge sends the head, then reads the relay: a client gone at the head (its send raises, or
+    the response task is cancelled there) never reads an event, and the reply is settled all the same."""
+    from serving.gateway.asgi import _send_reply
+    from serving.gateway.records import Reply
+
+    async def scenario() -> tuple[list[bool], UpstreamResult, Parts]:
+        body, ended = Parts([chunk("never read") + DONE], False), []
+        result = UpstreamResult(worker_id="w")
+        relay = Relay(body, result=result, rename=rename_model(INTERNAL, "support-bot"), client_wants_usage=False,
+                      on_end=lambda: ended.append(body.closed))
+
+        async def send(message: dict) -> None:
+            raise OSError("the client is gone")
+
+        with pytest.raises(OSError):
+            await _send_reply(Reply(status=200, headers={}, stream=relay), send)
+        await relay.aclose()  # a second close ends nothing twice
+        return ended, result, body
+
+    ended, result, body = asyncio.run(scenario())
+    assert ended == [True] and body.parts, "the upstream closed unread, then settled once"
+    assert result.status == "aborted" and result.ended_s is not None
 
 
 def test_events_pass_through_renamed_and_usage_is_read_but_not_shown_unless_asked():
