@@ -146,6 +146,22 @@ def zygote_pids() -> set[int]:
     return {zygote.process.pid for zygote in list(_zygotes.values()) if zygote.process.poll() is None}
 
 
+def _zygote_for(env: Mapping[str, str]) -> _Zygote:
+    """The zygote of `env`'s import-time values, started at the first call for them."""
+    key = frozenset(_import_time_env(env).items())
+    with _zygotes_lock:
+        zygote = _zygotes.get(key)
+        if zygote is None or zygote.process.poll() is not None:
+            zygote = _zygotes[key] = _Zygote(dict(env))
+    return zygote
+
+
+def zygote_pid(env: Mapping[str, str]) -> int:
+    """The pid of the zygote that forks a child asked for with `env`, the child's parent (a test whose
+    child checks its parent's pid, as a training rank does, hands it this one)."""
+    return _zygote_for(env).process.pid
+
+
 def _stream_fd(stream: int | IO[Any] | None, own: int) -> int | None:
     """The descriptor a Popen-style stream argument names; None for a pipe (not supported here)."""
     if stream is None:
@@ -171,13 +187,8 @@ def popen(args: Sequence[str], *, cwd: str | Path | None = None, env: Mapping[st
     if (os.environ.get(ENABLED_VAR) == "0" or len(args) < 3 or args[0] != sys.executable or args[1] != "-m"
             or None in fds):
         return subprocess.Popen(args, **cold)
-    key = frozenset(_import_time_env(env).items())
-    with _zygotes_lock:
-        zygote = _zygotes.get(key)
-        if zygote is None or zygote.process.poll() is not None:
-            zygote = _zygotes[key] = _Zygote(env)
-    return zygote.start(args, cwd=str(cwd or os.getcwd()), env=env, fds=[fd for fd in fds if fd is not None],
-                        start_new_session=start_new_session)
+    return _zygote_for(env).start(args, cwd=str(cwd or os.getcwd()), env=env,
+                                  fds=[fd for fd in fds if fd is not None], start_new_session=start_new_session)
 
 
 # ---- the zygote's side ---------------------------------------------------------------------------

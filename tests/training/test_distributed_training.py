@@ -16,17 +16,21 @@ Dropout is off in the comparisons with one process: its masks are drawn per rank
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tenants.models import Tier
-from training import concurrency, datasets, jobs, run
+from tests import zygote
+from training import concurrency, datasets, distributed, jobs, run
 from training.examples import Example, encode_example
 from training.hyperparameters import DPO, Hyperparameters
 from training.preference import encode, iter_valid_pairs
@@ -48,6 +52,25 @@ HP = Hyperparameters(n_epochs=2, batch_size=3, gradient_accumulation_steps=3, le
 def one_thread_ranks(monkeypatch, one_thread) -> None:
     # Rank 1 inherits the environment; one OpenMP thread each on the shared 2-core machine.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _rank_popen(args, *, env, **options):
+    """training.distributed's `subprocess.Popen` for the ranks this test process launches: forked
+    from the zygote (tests/zygote.py) instead of started cold, 4 s of CPU a rank spent importing
+    torch, transformers and peft. The rest is as launched: `python -m training.ranks`, its
+    environment, working directory and session. Its parent is the zygote, so that is the process
+    it checks it was started by and dies with (the zygote leaves with this test process); the
+    Celery worker's ranks (the killed-worker test) are still started cold, by the worker itself."""
+    if os.environ.get(zygote.ENABLED_VAR) == "0":
+        return subprocess.Popen(args, env=env, **options)
+    return zygote.popen(args, env={**env, distributed.ENV_PARENT: str(zygote.zygote_pid(env))}, **options)
+
+
+@pytest.fixture(autouse=True)
+def ranks_forked(monkeypatch) -> None:
+    # A namespace of its own: patching the subprocess module itself would reach every caller's Popen.
+    monkeypatch.setattr(distributed, "subprocess",
+                        SimpleNamespace(Popen=_rank_popen, TimeoutExpired=subprocess.TimeoutExpired))
 
 
 @pytest.fixture(scope="module")
