@@ -110,7 +110,15 @@ def _limit_memory(extra: int) -> None:
 
 def serve(conn: Connection, info: xgrammar.TokenizerInfo, limits: CompileLimits) -> None:
     """A compiling process's life (forked): its compiler, its memory limit, then compiles until the
-    pool closes its socket."""
+    pool closes its socket. A pool that closed it first (it was shut down while this process
+    started, or left mid-compile) ends the process quietly: nobody is left to answer."""
+    try:
+        _compile_until_closed(conn, info, limits)
+    except (BrokenPipeError, ConnectionResetError):
+        return
+
+
+def _compile_until_closed(conn: Connection, info: xgrammar.TokenizerInfo, limits: CompileLimits) -> None:
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -430,3 +430,34 @@ def test_a_dead_forker_takes_its_processes_with_it_and_the_pool_starts_another(t
         assert second.pid != forker.pid and not before & {child.pid for child in second.children()}
     finally:
         pool.close()
+
+
+def _serve_on_a_closed_socket(info_json: str) -> None:
+    """A compiling process whose pool closed its end before the process said it was ready."""
+    import multiprocessing.connection as mpc
+    import socket
+
+    import xgrammar as xgr
+
+    from serving.engine.grammar_worker import CompileLimits, serve
+
+    mine, pools = socket.socketpair()
+    pools.close()
+    serve(mpc.Connection(mine.detach()), xgr.TokenizerInfo.deserialize_json(info_json),
+          CompileLimits(max_grammar_bytes=1 << 20, max_compiled_bytes=1 << 24, max_compile_memory_bytes=1 << 30))
+
+
+def test_a_compiling_process_whose_pool_closed_first_ends_quietly(tokenizer: PreTrainedTokenizerBase) -> None:
+    """A pool shut down while one of its processes starts: the process ends with status 0 and no
+    traceback (a BrokenPipeError on its "ready" used to be printed on the engine's stderr)."""
+    import multiprocessing
+
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    # Forked: the limit on its data segment that serve sets must not land on the test's own process.
+    process = multiprocessing.get_context("fork").Process(target=_serve_on_a_closed_socket,
+                                                          args=(info.serialize_json(),))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
