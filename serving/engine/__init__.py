@@ -4,8 +4,8 @@ Public API (vLLM's shapes; stable)::
 
     from serving.engine import LLM, SamplingParams, LoRARequest
 
-    llm = LLM(model=PATH, max_loras=4, max_cpu_loras=None, max_lora_rank=16, max_num_seqs=256,
-              max_num_batched_tokens=2048, dtype="auto", device="auto", **engine_config_fields)
+    llm = LLM(model=PATH, **engine_config_fields)   # EngineConfig's fields, defaults there: max_loras,
+                                                     # lora_memory_bytes, max_lora_rank, max_num_seqs, ...
     llm.generate(prompts, SamplingParams(...), lora_request=LoRARequest(name, path) | [...] | None,
                  *, priority=None) -> list[RequestOutput]
     llm.chat(messages | [messages, ...], SamplingParams(...), lora_request=None) -> list[RequestOutput]
