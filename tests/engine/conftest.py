@@ -7,13 +7,19 @@ cost one PEFT save each.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from serving.engine.distributed import driver
 from serving.engine.tiny import ARCHS, build_tiny_model, save_random_peft_adapter
+from tests import zygote
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +30,36 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _rank_popen(args: Sequence[str], *, stdin: Any = None, **options: Any) -> Any:
+    """The tensor-parallel driver's `subprocess.Popen` for the ranks an engine in this test process
+    spawns: the same `python -m serving.engine.distributed.rank_worker`, environment and pickled
+    arguments on its standard input (a pipe), forked from the zygote (tests/zygote.py) instead of
+    started cold, 4 s of CPU a rank spent importing torch and transformers."""
+    if stdin != subprocess.PIPE:
+        return zygote.popen(args, stdin=stdin, **options)
+    read, write = os.pipe()
+    try:
+        process = zygote.popen(args, stdin=read, **options)
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    process.stdin = os.fdopen(write, "wb")  # what the driver writes the rank's arguments to, then closes
+    return process
+
+
+@pytest.fixture
+def tp_ranks_forked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor-parallel ranks of in-process engines forked from the zygote (opt in with
+    `pytest.mark.usefixtures("tp_ranks_forked")`). The ranks' own code, its wire with rank 0 and their
+    deaths are as when started cold; the serving worker's and the process engine's ranks, spawned by
+    processes of their own, still start cold."""
+    # A namespace of its own: patching the subprocess module itself would reach every caller's Popen.
+    monkeypatch.setattr(driver, "subprocess", SimpleNamespace(Popen=_rank_popen, PIPE=subprocess.PIPE,
+                                                              TimeoutExpired=subprocess.TimeoutExpired))
 
 
 @pytest.fixture(scope="session")

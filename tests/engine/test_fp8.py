@@ -251,6 +251,7 @@ def score(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None],
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("tp_ranks_forked")
 @pytest.mark.parametrize(("device", "tp"), [
     pytest.param("cpu", 1, id="cpu"),
     # Each rank quantizes its shard: the row-parallel layers' scales span its input columns only.

@@ -272,6 +272,7 @@ def test_eviction_takes_unregistered_blocks_first_then_the_least_recently_freed(
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("tp_ranks_forked")
 def test_tensor_parallel_with_caching_equals_one_process(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
     """Two ranks over gloo: the step rank 0 broadcasts carries each sequence's block table and
     computed count, so a prefill that starts after cached blocks reads the same KV on both."""

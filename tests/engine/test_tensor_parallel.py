@@ -48,7 +48,7 @@ MAX_TOKENS = 6
 ENGINE = dict(max_loras=2, max_lora_rank=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96,
               block_size=4, num_kv_blocks=64, device="cpu", dtype="float32", tensor_parallel_size=2)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread", "tp_ranks_forked")]
 
 
 @pytest.fixture(scope="module")
