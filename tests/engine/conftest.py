@@ -7,6 +7,7 @@ cost one PEFT save each.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from serving.engine import process_engine
 from serving.engine.distributed import driver
 from serving.engine.tiny import ARCHS, build_tiny_model, save_random_peft_adapter
 from tests import zygote
@@ -60,6 +62,33 @@ def tp_ranks_forked(monkeypatch: pytest.MonkeyPatch) -> None:
     # A namespace of its own: patching the subprocess module itself would reach every caller's Popen.
     monkeypatch.setattr(driver, "subprocess", SimpleNamespace(Popen=_rank_popen, PIPE=subprocess.PIPE,
                                                               TimeoutExpired=subprocess.TimeoutExpired))
+
+
+# What the engine-core child imports before a line of the engine's: preloaded once in the fork server.
+_FORKSERVER_PRELOAD = ["torch", "transformers", "transformers.models.auto.modeling_auto", "safetensors", "numpy"]
+
+
+@pytest.fixture(scope="module")
+def engine_core_forked() -> Iterator[None]:
+    """ProcessEngine's engine-core child started by multiprocessing's fork server, which has torch and
+    transformers imported, instead of its spawn context, where each child spent about 4 s of CPU
+    importing them (opt in with `pytest.mark.usefixtures("engine_core_forked")`). On the CPU the two
+    are alike to the child: a fresh `multiprocessing` child of the same process object, pickled
+    arguments and pipe, default signal handlers and main module prepared as spawn prepares it; its
+    exit code, sentinel and kill are the parent's as before. The fork server's environment is the
+    test process's when it started (no ProcessEngine test changes it). The serving worker's engine
+    process (test_engine_process_flag.py) still spawns."""
+    forkserver = multiprocessing.get_context("forkserver")
+    forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
+
+    def get_context(method: str) -> Any:
+        assert method == "spawn", f"ProcessEngine asks for {method!r} now: is the fork server still alike?"
+        return forkserver
+
+    # Module-scoped, for the modules' shared engines; a namespace of its own, not the module's attribute.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(process_engine, "multiprocessing", SimpleNamespace(get_context=get_context))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ from tests.engine.test_async_engine import ENGINE_ARGS, GREEDY
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread", "engine_core_forked")]
 
 
 @pytest.fixture(scope="module")
