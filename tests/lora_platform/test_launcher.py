@@ -5,12 +5,14 @@ worker's main process takes its whole process tree down with the platform (no or
 the embedded Redis keeps its data across restarts.
 
 A launch starts the whole platform (migrations, the tiny base model, the web process, Celery and a
-serving worker), so the first-run checks and the killed-worker test share one (`first_run`): the
-first looks at it, the second kills its Celery worker, then restarts on the same var/ and stops
-that one with SIGTERM.
+serving worker, about 20 s of CPU), so the tests share them: the first-run checks and the
+killed-worker test share one (`first_run`): the first looks at it, the second kills its Celery
+worker and stops it with SIGTERM, then checks the restart on the same var/ (`restarted`), on which
+the Ctrl-C test then trains and which it stops with Ctrl-C.
 
-Ctrl-C mid-job (the last test): `make up` stopped with Ctrl-C while a training job runs, then
-started again on the same var/: the stop is clean (nothing is killed), the job is left interrupted
+Ctrl-C mid-job (the last test): `make up` (`restarted`) stopped with Ctrl-C while a training job
+runs, then started again on the same var/: the stop is clean (nothing is killed, every child gone,
+the ports free, the last line its own), the job is left interrupted
 with its lease released and its checkpoint recorded, the next start resumes it at once, and the
 embedded Redis keeps its data in one file (no `var/redis-<pgid>.rdb` per run). The training lease
 is 600 s there: a resumption within the test's wait can only come from the released lease and the
@@ -73,12 +75,14 @@ def port_is_free(port: int) -> bool:
 class Launcher:
     """`python -m lora_platform.launcher` in a subprocess with its own var dir: SQLite, embedded Redis."""
 
-    def __init__(self, var_dir: Path, port: int, serving_port: int | None = None) -> None:
+    def __init__(self, var_dir: Path, port: int, serving_port: int | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
         env = {k: v for k, v in os.environ.items()
                if k not in ("REDIS_URL", "DATABASE_URL", "STORAGE_URL", "BASE_MODEL_PATH", "DJANGO_SETTINGS_MODULE")}
         env.pop("REGISTRY_TOKEN", None)
         self.serving_port = serving_port or unused_port()
         self.var_dir = var_dir
+        env.update(extra_env or {})
         env.update(LORAPLEX_VAR_DIR=str(var_dir), LORAPLEX_WEB_PORT=str(port),
                    LORAPLEX_SERVING_PORT=str(self.serving_port), PYTHONUNBUFFERED="1")
         self.port = port
@@ -255,10 +259,12 @@ def test_first_run_setup_happens_once_and_secrets_are_printed_only_then() -> Non
 
 
 def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_restart(
-        first_run: Launcher) -> None:
+        first_run: Launcher, request: pytest.FixtureRequest) -> None:
     """Issue 16, items 1 and 3, against `make up` itself, twice on one var/ directory: the Celery
-    worker killed is started again, its old process tree gone first (issue 37, item 7); each run is
-    stopped as Ctrl-C stops it (SIGTERM): every child stops and the ports are released."""
+    worker killed is started again, its old process tree gone first (issue 37, item 7); the first run
+    is stopped with SIGTERM: every child stops and the ports are released. The second run
+    (`restarted`) agrees on the key and finds the embedded Redis's data; the Ctrl-C test trains on it
+    and stops it with Ctrl-C, with the same checks of its stop."""
     first = first_run
     var = first.var_dir
     try:
@@ -296,34 +302,28 @@ def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_re
     finally:
         first.kill()
     assert "Loraplex stopped." in first.output
+    # Issue 39, item 8, for a SIGTERM's stop (the Ctrl-C test checks a Ctrl-C's): on its own line.
+    assert re.search(r"^Loraplex stopped\.$", first.output, re.MULTILINE), first.output[-2000:]
     assert processes_with(f"worker-{first.process.pid}@") == []
     assert port_is_free(first.port) and port_is_free(first.serving_port)
 
-    second = Launcher(var, unused_port())
-    try:
-        second.wait_for("Loraplex is up")
-        assert key_file.read_text().strip() == key  # restarts agree on the key
-        second.wait_serving_healthy()
-        assert second.get("/v1/models", key=key, port=second.serving_port)[0] == 200
-        broker = redis.Redis.from_url(environ_of(second.child("lora_platform.asgi:application"))["REDIS_URL"],
-                                      socket_timeout=5)
-        assert broker.get("loraplex-test-survives-a-restart") == b"yes"
-        broker.close()
-        assert second.terminate() == 0
-    finally:
-        second.kill()
-    assert "Loraplex stopped." in second.output
-    # Issue 39, item 8: a stop ends on its own line, with no child's interpreter finalization dumping
-    # triton's nanobind objects as "leaked" (the serving worker leaves by os._exit once closed).
-    assert re.search(r"^Loraplex stopped\.$", second.output, re.MULTILINE), second.output[-2000:]
-    assert "nanobind: leaked" not in first.output + second.output
-    assert processes_with(f"worker-{second.process.pid}@") == []
-    assert port_is_free(second.port) and port_is_free(second.serving_port)
+    # The restart on the same var/ (`restarted`, which the Ctrl-C test stops with Ctrl-C and checks).
+    second: Launcher = request.getfixturevalue("restarted")
+    assert key_file.read_text().strip() == key  # restarts agree on the key
+    assert second.get("/v1/models", key=key, port=second.serving_port)[0] == 200
+    broker = redis.Redis.from_url(environ_of(second.child("lora_platform.asgi:application"))["REDIS_URL"],
+                                  socket_timeout=5)
+    assert broker.get("loraplex-test-survives-a-restart") == b"yes"
+    broker.close()
+    assert "nanobind: leaked" not in first.output
 
 
 # Ctrl-C of `make up` while a training job runs (the module docstring's last paragraph).
 
 LEASE_SECONDS = 600
+# The launcher's children get these; no periodic checkpoint falls within the run.
+CTRL_C_ENV = {"TRAINING_LEASE_SECONDS": str(LEASE_SECONDS), "TRAINING_CHECKPOINT_EVERY_STEPS": "100000",
+              "TRAINING_LOG_EVERY_STEPS": "1", "OMP_NUM_THREADS": "1"}
 RESUME_WAIT_S = 120
 CTRL_C_QA = [("What is the capital of Italy?", "Rome."), ("How many days are in a week?", "Seven."),
              ("Say hello.", "Hello! How are you today?"), ("What is 12 plus 30?", "42.")]
@@ -349,17 +349,28 @@ def job_row(var: Path, job_id: int) -> sqlite3.Row:
                                 "WHERE id = ?", (job_id,)).fetchone()
 
 
-def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    var = tmp_path / "var"
-    # The launcher's children inherit these; no periodic checkpoint falls within the run.
-    for name, value in {"TRAINING_LEASE_SECONDS": LEASE_SECONDS, "TRAINING_CHECKPOINT_EVERY_STEPS": 100_000,
-                        "TRAINING_LOG_EVERY_STEPS": 1, "OMP_NUM_THREADS": 1}.items():
-        monkeypatch.setenv(name, str(value))
-    first = Launcher(with_demo_model(var), unused_port())
+@pytest.fixture(scope="module")
+def restarted(first_run: Launcher) -> Iterator[Launcher]:
+    """`make up` again on the first run's var/ (stopped first, if the killed-worker test has not
+    stopped it), up and its serving worker healthy: the killed-worker test checks what a restart
+    keeps, the Ctrl-C test trains on it and stops it. One platform for both, where each started its
+    own (about 20 s of CPU each)."""
+    stop_whatever_happened(first_run)
+    launcher = Launcher(first_run.var_dir, unused_port(), extra_env=CTRL_C_ENV)
     try:
-        first.wait_for("Loraplex is up")
-        key = re.search(r"Demo API key (lp-\S+)", first.output).group(1)
+        launcher.wait_for("Loraplex is up")
+        launcher.wait_serving_healthy()
+        yield launcher
+    finally:
+        stop_whatever_happened(launcher)
+
+
+def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_it(
+        first_run: Launcher, restarted: Launcher) -> None:
+    first = restarted
+    var = first.var_dir
+    key = re.search(r"Demo API key (lp-\S+)", first_run.output).group(1)
+    try:
         api = httpx.Client(base_url=f"http://127.0.0.1:{first.port}/api/v1",
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
         dataset_id = api.post("/datasets", files={"file": ("train.jsonl", ctrl_c_dataset())}).json()["id"]
@@ -379,6 +390,12 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
         stop_whatever_happened(first)
     assert "Loraplex stopped." in first.output
     assert "did not stop within" not in first.output and "killing" not in first.output, first.output[-3000:]
+    # Issue 39, item 8: a stop ends on its own line, with no child's interpreter finalization dumping
+    # triton's nanobind objects as "leaked" (the serving worker leaves by os._exit once closed).
+    assert re.search(r"^Loraplex stopped\.$", first.output, re.MULTILINE), first.output[-2000:]
+    assert "nanobind: leaked" not in first.output
+    assert processes_with(f"worker-{first.process.pid}@") == []
+    assert port_is_free(first.port) and port_is_free(first.serving_port)
     row = job_row(var, job_id)
     assert row["status"] == "running" and row["lease_token"] == "" and row["interrupted_at"] is not None
 
@@ -388,7 +405,7 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
     assert list(var.glob("redis-*")) == []
 
     started = time.monotonic()
-    second = Launcher(var, unused_port())
+    second = Launcher(var, unused_port(), extra_env=CTRL_C_ENV)
     try:
         second.wait_for("Loraplex is up")
         up = time.monotonic()
