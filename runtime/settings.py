@@ -71,6 +71,9 @@ class PlatformSettings(BaseSettings):
     # --- Django
     django_debug: bool = False
     django_secret_key: str = Field(DEFAULT_SECRET_KEY, repr=False)
+    # A file holding the key (Docker's `_FILE` convention; compose points it at the secret its setup
+    # generated), read when DJANGO_SECRET_KEY is unset.
+    django_secret_key_file: Path | None = None
     django_allowed_hosts: CommaList = ["localhost", "127.0.0.1", "[::1]", "testserver"]
     django_csrf_trusted_origins: CommaList = []
     serve_static: bool = True
@@ -124,6 +127,7 @@ class PlatformSettings(BaseSettings):
     base_model_aliases: CommaList = []
     max_lora_rank: int = Field(64, ge=1)
     registry_token: str = Field("", repr=False)
+    registry_token_file: Path | None = None  # read when REGISTRY_TOKEN is unset, as DJANGO_SECRET_KEY_FILE
     serving_worker_api_key: str = Field("", repr=False)
     # --- make up (lora_platform.launcher)
     loraplex_web_host: str = "127.0.0.1"
@@ -155,6 +159,26 @@ class PlatformSettings(BaseSettings):
         if value is not None:
             hub.parse_model_spec(value)  # its syntax now; resolving waits for base_model_source
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_from_files(cls, data: Any) -> Any:
+        """DJANGO_SECRET_KEY and REGISTRY_TOKEN from their `_FILE` where they are unset; a file named
+        but unreadable or empty stops the process (never the development default in its place)."""
+        if not isinstance(data, dict):
+            return data
+        for name in ("django_secret_key", "registry_token"):
+            path = data.get(f"{name}_file")
+            if not path or data.get(name):
+                continue
+            try:
+                value = Path(path).read_text().strip()
+            except OSError as error:
+                raise ValueError(f"{name.upper()}_FILE names {path}, which cannot be read ({error.strerror})") from None
+            if not value:
+                raise ValueError(f"{name.upper()}_FILE names {path}, which is empty")
+            data = {**data, name: value}
+        return data
 
     @model_validator(mode="after")
     def _one_base_model(self) -> PlatformSettings:

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 
 KEY_PREFIX = "lp-"
-_PREFIX_BYTES = 6  # 8 url-safe characters
+_PREFIX_BYTES = 6  # 12 hex characters (token_hex)
 _SECRET_BYTES = 32
 
 

@@ -35,17 +35,26 @@ def test_no_serving_worker_port_is_published_and_only_the_web_app_is_reachable()
     assert "web" in published
 
 
-def test_setup_generates_the_key_once_with_owner_only_access(tmp_path: Path) -> None:
+def test_setup_generates_the_keys_once_with_owner_only_access(tmp_path: Path) -> None:
     command = SERVICES["setup"]["command"][-1]
-    generate = re.search(r"\(test -s /secrets/serving-worker-api-key \|\| .*?> /secrets/serving-worker-api-key\)\)",
-                         command).group(0)
-    generate = generate.replace("/secrets/", f"{tmp_path}/")
-    subprocess.run(["sh", "-c", generate.replace("python ", "python3 ")], check=True, timeout=30)
-    key_file = tmp_path / "serving-worker-api-key"
-    key = key_file.read_text().strip()
-    assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
-    subprocess.run(["sh", "-c", generate.replace("python ", "python3 ")], check=True, timeout=30)
-    assert key_file.read_text().strip() == key  # a second `up` keeps it
+    generate = unescape(re.search(r"\(umask 077 && for secret in .*?; done\)", command).group(0))
+    generate = generate.replace("/secrets/", f"{tmp_path}/").replace("python ", "python3 ")
+    subprocess.run(["sh", "-c", generate], check=True, timeout=30)
+    files = [tmp_path / name for name in ("serving-worker-api-key", "django-secret-key", "registry-token")]
+    keys = [file.read_text().strip() for file in files]
+    assert all(len(key) >= 50 for key in keys) and len(set(keys)) == 3
+    assert all(file.stat().st_mode & 0o777 == 0o600 for file in files)
+    subprocess.run(["sh", "-c", generate], check=True, timeout=30)
+    assert [file.read_text().strip() for file in files] == keys  # a second `up` keeps them
+
+
+def test_no_secret_has_a_publicly_known_fallback() -> None:
+    """The Django key and the registry token are the environment's or the files setup generated
+    (runtime.settings reads `<NAME>_FILE` where `<NAME>` is unset), never a default written here."""
+    environment = COMPOSE["x-app"]["environment"]
+    for name, file in (("DJANGO_SECRET_KEY", "django-secret-key"), ("REGISTRY_TOKEN", "registry-token")):
+        assert environment[name] == f"${{{name}:-}}"
+        assert environment[f"{name}_FILE"] == f"/secrets/{file}" and file in SERVICES["setup"]["command"][-1]
 
 
 def test_web_and_serving_worker_share_the_generated_key_or_the_operators(tmp_path: Path) -> None:

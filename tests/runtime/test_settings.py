@@ -134,3 +134,30 @@ def test_the_project_directory_is_the_checkouts_root() -> None:
     """var/, .env and the templates are found from it: a module moved one level up or down must move it too."""
     assert PROJECT_DIR == Path(__file__).resolve().parents[2]
     assert (PROJECT_DIR / "manage.py").is_file()
+
+
+def test_secrets_are_read_from_their_files_where_the_variables_are_unset(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Compose's setup generates the key and the token into a volume (docker-compose.yml) and
+    points DJANGO_SECRET_KEY_FILE and REGISTRY_TOKEN_FILE at them: every process reads them there,
+    one under `docker compose exec` too; the variables themselves win where set."""
+    (tmp_path / "key").write_text("generated-key-0123456789\n")
+    (tmp_path / "token").write_text("generated-token\n")
+    monkeypatch.setenv("DJANGO_SECRET_KEY_FILE", str(tmp_path / "key"))
+    monkeypatch.setenv("REGISTRY_TOKEN_FILE", str(tmp_path / "token"))
+    read = settings_read(None)
+    assert (read.django_secret_key, read.registry_token) == ("generated-key-0123456789", "generated-token")
+    assert read.unsafe_for_deployment() == []
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "the-operators-own")
+    assert settings_read(None).django_secret_key == "the-operators-own"
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_secret_file_named_but_missing_or_empty_stops_the_process(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str | None) -> None:
+    """Never the development default in its place: a deployment whose setup did not run refuses to start."""
+    if content is not None:
+        (tmp_path / "key").write_text(content)
+    monkeypatch.setenv("DJANGO_SECRET_KEY_FILE", str(tmp_path / "key"))
+    with pytest.raises(SettingsError, match="DJANGO_SECRET_KEY_FILE names .*key, which "):
+        settings_read(None)
