@@ -89,10 +89,11 @@ def test_the_kernel_matches_torch_on_the_dequantized_weight(device: str, rows: i
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_kernel_at_an_8b_projection_shape() -> None:
-    """Decode and prefill row counts at Llama-3-8B's gate/up shape (4096 -> 2 x 14336), group 128, bf16."""
+    """Decode and prefill row counts at Llama-3-8B's gate/up shape (4096 -> 2 x 14336), group 128, bf16,
+    each at its default launch (decode's and 64 rows' split-K, 200's 64-row tiles, 2048's 128-row ones)."""
     generator = torch.Generator().manual_seed(0)
     qweight, qzeros, scales = (t.cuda() for t in int4.quantize(torch.randn(2 * 14336, 4096, generator=generator), 128))
-    for rows in (1, 16, 200):
+    for rows in (1, 16, 64, 200, 2048):
         x = torch.randn(rows, 4096, generator=generator).to("cuda", torch.bfloat16)
         actual = int4.matmul_triton(x, qweight, qzeros, scales, 128).float()
         expected = x.float() @ int4.dequantize(qweight, qzeros, scales, 128, torch.bfloat16).float()
@@ -110,3 +111,75 @@ def test_the_kernel_refuses_bad_shapes() -> None:
         int4.check_layout(qweight, qzeros, scales[:1], 32)
     with pytest.raises(ValueError, match="float16"):
         int4.check_layout(qweight, qzeros, scales.float(), 32)
+
+
+# Split-K and the launch configuration (kernels.int4.GemmConfig): forced configurations against the torch reference.
+SPLIT_CASES = [
+    # rows, in (K), out (N), group, config: the comment says what the case covers
+    (1, 160, 72, 32, int4.GemmConfig(16, 64, 32, split_k=2)),  # 5 groups in 2 splits: 3 + 2 (K not a multiple)
+    (5, 320, 40, 64, int4.GemmConfig(16, 32, 16, split_k=3)),  # 5 groups in 3 splits: 2 + 2 + 1; 4 K tiles a group
+    (37, 112, 24, 16, int4.GemmConfig(16, 16, 16, split_k=3)),  # 37 rows: 3 M tiles, the last partial; 3 + 3 + 1
+    (20, 192, 136, 48, int4.GemmConfig(32, 64, 16, split_k=100)),  # more splits asked than groups: one each
+    (3, 160, 72, 32, int4.GemmConfig(16, 32, 32, split_k=2, interleave=True)),  # each word loaded once, widened
+    (17, 256, 200, 64, int4.GemmConfig(16, 64, 64, split_k=3, interleave=True)),  # partial N tile, interleaved
+    (37, 128, 72, 64, int4.GemmConfig(32, 64, 32, split_k=1, interleave=True)),  # interleaved, no split
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "in_features", "out_features", "group", "config"), SPLIT_CASES)
+def test_split_k_and_forced_configs_match_torch(device: str, rows: int, in_features: int, out_features: int,
+                                                 group: int, config: int4.GemmConfig) -> None:  # fmt: skip
+    _device(device)
+    generator = torch.Generator().manual_seed(rows + in_features)
+    qweight, qzeros, scales = int4.quantize(torch.randn(out_features, in_features, generator=generator), group)
+    x = torch.randn(rows, in_features, generator=generator)
+    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+    for dtype in dtypes:
+        xs, qw, qz, sc = (t.to(device) for t in (x.to(dtype), qweight, qzeros, scales))
+        actual = int4.matmul_triton(xs, qw, qz, sc, group, config)
+        expected = xs.float() @ int4.dequantize(qw, qz, sc, group, dtype).float()
+        assert actual.dtype == dtype and actual.shape == (rows, out_features)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(actual.float(), expected, rtol=tolerance, atol=tolerance * 10)
+        # The partials are added in a fixed order: the same launch gives the same bits.
+        assert torch.equal(int4.matmul_triton(xs, qw, qz, sc, group, config), actual)
+
+
+def test_split_plan_cuts_k_into_runs_of_whole_groups() -> None:
+    # (K, group, asked) -> (K rows a split, splits): every split but the last of one length, none empty.
+    assert int4.split_plan(4096, 128, 1) == (4096, 1)
+    assert int4.split_plan(4096, 128, 6) == (768, 6)  # 32 groups: 6 + 6 + 6 + 6 + 6 + 2
+    assert int4.split_plan(160, 32, 2) == (96, 2)
+    assert int4.split_plan(320, 64, 3) == (128, 3)
+    assert int4.split_plan(256, 64, 3) == (128, 2)  # 4 groups asked into 3 runs: 2 + 2 is as even
+    assert int4.split_plan(192, 48, 100) == (48, 4)  # never more splits than groups
+    for K, group, asked in [(14336, 128, 9), (112, 16, 3), (4096, 128, 11)]:
+        k_split, splits = int4.split_plan(K, group, asked)
+        assert k_split % group == 0 and splits <= asked
+        assert (splits - 1) * k_split < K <= splits * k_split, "the last split holds at least one group"
+
+
+def test_the_default_configs_split_decode_and_not_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An H100's 132 SMs: decode at the 8B shape's q/k/v (4096 -> 6144, group 128) splits K to fill them.
+    monkeypatch.setattr(int4, "sm_count", lambda device: 132)
+    decode = int4.gemm_config(1, 6144, 4096, 128, torch.device("cuda"))
+    assert (decode.block_m, decode.block_k) == (16, 128) and decode.split_k > 1
+    tiles = 6144 // decode.block_n * int4.split_plan(4096, 128, decode.split_k)[1]
+    assert tiles >= int4.PROGRAMS_PER_SM * 132
+    prefill = int4.gemm_config(2048, 6144, 4096, 128, torch.device("cuda"))
+    assert prefill.split_k == 1 and prefill.block_m == 128 and prefill.num_warps == 8
+    for rows in (1, 16, 17, 64, 200, 4096):
+        for group in (16, 48, 64, 96, 128, 256):
+            int4.check_config(int4.gemm_config(rows, 1024, group * 8, group, torch.device("cuda")), group)
+
+
+def test_the_kernel_refuses_configs_it_cannot_run() -> None:
+    qweight, qzeros, scales = int4.quantize(torch.randn(16, 96), 48)
+    x = torch.randn(2, 96)
+    with pytest.raises(ValueError, match="block_k must divide the group size 48.*16 would do"):
+        int4.matmul_triton(x, qweight, qzeros, scales, 48, int4.GemmConfig(16, 16, 32))
+    with pytest.raises(ValueError, match="powers of two"):
+        int4.matmul_triton(x, qweight, qzeros, scales, 48, int4.GemmConfig(16, 24, 16))
+    with pytest.raises(ValueError, match="must be positive"):
+        int4.matmul_triton(x, qweight, qzeros, scales, 48, int4.GemmConfig(16, 16, 16, split_k=0))
