@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # rest_framework.views imports this module through its settin
 # made it, so whoever may mint one may hand the tenant's access (and quota) to anyone. The dashboard's
 # key views require this role too; reading the list (names, prefixes, never secrets) is every member's.
 KEY_MANAGER_ROLE = Membership.Role.OWNER
+INSUFFICIENT_SCOPE = "insufficient_scope"
 
 
 def api_key_management_refusal(auth: TenantAuth) -> str | None:
@@ -44,6 +45,9 @@ class HasTenant(BasePermission):
     """
 
     message = "Authentication credentials were not provided."
+    # DRF's refusal code (PermissionDenied's): `insufficient_scope` for a key without the scope, as
+    # the gateway's /v1 routes answer it, so a client tells "wrong key" from "wrong role" alike on both.
+    code: str | None = None
 
     def has_permission(self, request: Request, view: "APIView") -> bool:
         auth = request.auth
@@ -51,6 +55,7 @@ class HasTenant(BasePermission):
             return False
         if auth.api_key is not None and not auth.has_scope(ApiKey.Scope.MANAGE):
             self.message = "This API key lacks the 'manage' scope needed for the management API."
+            self.code = INSUFFICIENT_SCOPE
             return False
         if request.method not in SAFE_METHODS and not auth.can_write():
             self.message = "Your role in this tenant is read-only."
@@ -70,5 +75,7 @@ class CanManageApiKeys(HasTenant):
         refusal = api_key_management_refusal(request.auth)
         if refusal is not None:
             self.message = refusal
+            if request.auth.api_key is not None:  # a key's refusal is its scope's; a session's, its role's
+                self.code = INSUFFICIENT_SCOPE
             return False
         return True

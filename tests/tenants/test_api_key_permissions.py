@@ -57,6 +57,7 @@ def test_a_members_session_with_csrf_cannot_create_or_revoke_keys(tenant_a) -> N
                           format="json", **csrf)
     assert created.status_code == 403, created.content
     assert "owner" in message_of(created) and "CSRF" not in message_of(created)
+    assert created.json()["error"]["code"] == "permission_denied"  # a role's refusal, not a key's scope
     revoked = member.delete(f"/api/v1/api-keys/{default_key.id}", **csrf)
     assert revoked.status_code == 403 and "owner" in message_of(revoked)
     default_key.refresh_from_db()

@@ -118,8 +118,11 @@ def test_inference_only_key_cannot_use_the_management_api(tenant_a) -> None:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
     for response in (client.get("/api/v1/tenant"), client.get("/api/v1/api-keys"),
-                     client.post("/api/v1/api-keys", {"name": "escalate"}, format="json")):
+                     client.post("/api/v1/api-keys", {"name": "escalate"}, format="json"),
+                     client.get("/v1/files"), client.get("/v1/fine_tuning/jobs")):
         assert response.status_code == 403 and "'manage' scope" in error_of(response)["message"]
+        # The code the gateway's /v1 completion routes give a key without the scope, on every surface.
+        assert error_of(response)["code"] == "insufficient_scope"
     assert not ApiKey.objects.filter(name="escalate").exists()
 
 
