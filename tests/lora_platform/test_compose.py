@@ -70,3 +70,12 @@ def test_web_and_serving_worker_share_the_generated_key_or_the_operators(tmp_pat
 def test_without_a_key_the_serving_worker_does_not_start_open(tmp_path: Path) -> None:
     refused = run_with_worker_key("serving-worker", {}, tmp_path)  # no key file, none in the environment
     assert refused.returncode != 0 and refused.stdout == ""
+
+
+def test_the_hosts_origins_and_proxies_are_the_operators_to_set() -> None:
+    """A deployment behind its own host name and TLS proxy sets these in its shell or .env, not in
+    this file: the web container gets each (the defaults keep a local `docker compose up` working)."""
+    environment = COMPOSE["x-app"]["environment"]
+    assert environment["DJANGO_ALLOWED_HOSTS"] == "${DJANGO_ALLOWED_HOSTS:-localhost,127.0.0.1,web}"
+    assert environment["DJANGO_CSRF_TRUSTED_ORIGINS"] == "${DJANGO_CSRF_TRUSTED_ORIGINS:-}"
+    assert SERVICES["web"]["environment"]["TRUSTED_PROXIES"] == "${TRUSTED_PROXIES:-}"
