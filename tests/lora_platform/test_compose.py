@@ -79,3 +79,14 @@ def test_the_hosts_origins_and_proxies_are_the_operators_to_set() -> None:
     assert environment["DJANGO_ALLOWED_HOSTS"] == "${DJANGO_ALLOWED_HOSTS:-localhost,127.0.0.1,web}"
     assert environment["DJANGO_CSRF_TRUSTED_ORIGINS"] == "${DJANGO_CSRF_TRUSTED_ORIGINS:-}"
     assert SERVICES["web"]["environment"]["TRUSTED_PROXIES"] == "${TRUSTED_PROXIES:-}"
+
+
+@pytest.mark.parametrize(("base_model", "prepared"), [("/models/base", True), ("Qwen/Qwen2.5-7B-Instruct", False)])
+def test_setup_prepares_the_demo_model_only_for_the_default_directory(tmp_path: Path, base_model: str,
+                                                                      prepared: bool) -> None:
+    command = unescape(SERVICES["setup"]["command"][-1])
+    step = re.search(r'\(test "\$BASE_MODEL" != /models/base .*\)$', command).group(0)
+    step = re.sub(r"python -m lora_platform\.demo_model .*\)$", f"touch {tmp_path}/prepared)", step)
+    step = step.replace("/models/base/config.json", f"{tmp_path}/config.json")
+    subprocess.run(["sh", "-c", step], env={"PATH": "/usr/bin:/bin", "BASE_MODEL": base_model}, check=True, timeout=30)
+    assert (tmp_path / "prepared").exists() == prepared
