@@ -40,6 +40,9 @@ for stage in "$@"; do
             tests/engine/test_adapter_memory.py tests/engine/test_architectures.py tests/engine/test_n_completions.py \
             tests/engine/test_penalties.py tests/engine/test_prefix_caching.py tests/engine/lora/test_loader.py \
             tests/engine/test_async_scheduling.py tests/engine/test_fp8.py tests/kernels/test_fp8_quant.py \
+            tests/engine/test_dora_served.py tests/kernels/test_int4.py tests/engine/test_awq_base.py \
+            tests/engine/test_vocab_adapters_served.py tests/engine/test_borrow_kv_memory.py \
+            tests/training/test_qlora_cuda.py \
             2>&1 | tee "$out/gpu_tests.log" || status=1
         # No gpu mark here, but its dispatch test asks for the Triton backend on a CUDA device.
         timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \

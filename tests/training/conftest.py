@@ -11,14 +11,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from serving.engine.tiny import build_tiny_model
 from tests import zygote
-from tests.gateway.conftest import WebProcess
 from training_support import BASE_MODEL_NAME, ROOT, process_env, sdk
+
+if TYPE_CHECKING:  # imported where used: it needs Django, which the GPU machine's test runs lack
+    from tests.gateway.conftest import WebProcess
 
 
 @pytest.fixture(scope="session")
@@ -220,6 +223,8 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 def start_web(transactional_db, tmp_path: Path, settings) -> Iterator[Callable[..., WebProcess]]:
     """`start_web(**env)` → a ready web process (the gateway suite's) on the test database with this
     test's settings."""
+    from tests.gateway.conftest import WebProcess
+
     processes: list[WebProcess] = []
 
     def start(**extra: str) -> WebProcess:

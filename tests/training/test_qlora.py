@@ -1,7 +1,7 @@
 """QLoRA (issue 41, item 3): LoRA trained over the base's projections in INT4 (training.int4_base).
 
 The quantized projection computes the dequantized weight's product and its input gradient (the torch
-path here, the Triton kernels interpreted and, gpu mark, on CUDA); the quantized base holds no float
+path here and the Triton kernels interpreted; on CUDA in test_qlora_cuda.py); the quantized base holds no float
 copy of a projection and nothing of it requires grad; a short job on the tiny model lowers the loss
 and writes a PEFT adapter that loads on the unquantized base and lowers its loss too; what an INT4
 base cannot train is refused before a job is queued, with the combination named.
@@ -31,19 +31,10 @@ from training.memory_model import Setup, Shape, estimate
 from training.ranks import shared_base
 from training.trainer import LoraTrainer, TrainingSetupError, load_base, token_nll
 from training_support import QA
+from test_qlora_cuda import reference_weight, seeded_linear
 from test_trainer import Hooks
 
 LIMITS = Limits(max_rank=64, max_seq_length=4096)
-
-
-def _reference(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's weight [in, out] by kernels.int4's reference dequantization."""
-    return int4.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.group_size, dtype)
-
-
-def _linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(in_features, out_features, bias=bias)
 
 
 def test_the_layouts_numbers_are_the_kernels():
@@ -58,11 +49,11 @@ def test_group_is_128_or_the_largest_multiple_of_16_dividing_the_inputs(in_featu
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_forward_and_input_gradient_equal_the_dequantized_weights(bias):
-    layer = Int4Linear.quantized(_linear(96, 40, bias), torch.device("cpu"))
+    layer = Int4Linear.quantized(seeded_linear(96, 40, bias), torch.device("cpu"))
     assert layer.group_size == 96 and layer.weight is None
     x = torch.randn(3, 5, 96, requires_grad=True)
     y = layer(x)
-    weight = _reference(layer, torch.float32)
+    weight = reference_weight(layer, torch.float32)
     expected = x.detach() @ weight + (layer.bias if bias else 0)
     torch.testing.assert_close(y, expected, rtol=0, atol=1e-6)
     dy = torch.randn_like(y)
@@ -99,32 +90,6 @@ def test_the_triton_dequantizer_is_the_reference_bit_for_bit(in_features, out_fe
     packed = int4.quantize(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(5)), group)
     assert torch.equal(int4.dequantize_triton(*packed, group, torch.float32),
                        int4.dequantize(*packed, group, torch.float32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_dequantizer_on_cuda_is_the_reference_bit_for_bit(dtype):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    packed = int4.quantize(torch.randn(14336, 4096, device="cuda"), 128)
-    assert torch.equal(int4.dequantize_triton(*packed, 128, dtype), int4.dequantize(*packed, 128, dtype))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_layer_on_cuda_matches_the_reference(dtype):
-    """The Triton forward and the dequantized backward, the 8B gate projection's shape at 200 rows."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    layer = Int4Linear.quantized(_linear(4096, 14336, False), torch.device("cuda"))
-    x = torch.randn(200, 4096, device="cuda", dtype=dtype, requires_grad=True)
-    y = layer(x)
-    weight = _reference(layer, dtype)
-    tolerance = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
-    torch.testing.assert_close(y, x.detach() @ weight, **tolerance)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    torch.testing.assert_close(x.grad, dy @ weight.t(), **tolerance)
 
 
 def test_quantizing_keeps_no_float_copy_of_a_projection(base_model_dir):
@@ -202,7 +167,7 @@ def test_a_qlora_job_lowers_the_loss_and_its_adapter_loads_on_the_unquantized_ba
 def test_the_run_fails_naming_a_projection_int4_cannot_hold():
     model = torch.nn.Module()
     layer = torch.nn.Module()
-    layer.proj = _linear(100, 16, False)
+    layer.proj = seeded_linear(100, 16, False)
     model.layers = torch.nn.ModuleList([layer])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("training.int4_base.decoder_layers", lambda _: list(model.layers))
