@@ -4,8 +4,10 @@ CUDA GPU, at the Llama-3-8B projections' shapes (group 128) and decode-to-prefil
 Per shape and token count: the bf16 ``x @ W^T`` (cuBLAS), the INT4 kernel at the launch
 configuration ``kernels.int4.gemm_config`` picks (printed: tile M x N x K, split-K as launched,
 warps, stages, ``interleave`` where each packed word is loaded once and widened in registers),
-their ratio, and the INT4 kernel's achieved bandwidth over the bytes it must read at least (packed
-weight, scales, zeros, x) and write (y). Times are ``triton.testing.do_bench`` medians (ms);
+their ratio, the INT4 kernel's achieved bandwidth over the bytes it must read at least (packed
+weight, scales, zeros, x) and write (y), and the other path: the weight dequantized whole by
+``kernels.int4.dequantize_triton`` and multiplied by cuBLAS (``dequant+cuBLAS``), with the path
+``kernels.int4.matmul`` takes at that row count (``DEQUANT_MIN_ROWS``: the crossover to set it from). Times are ``triton.testing.do_bench`` medians (ms);
 nothing is asserted.
 
 ``--configs`` also times a short list of candidate configurations per row (:func:`candidates`: the
@@ -100,8 +102,9 @@ def main() -> None:
     device = torch.device("cuda")
     sms = int4.sm_count(device)
     print(f"{torch.cuda.get_device_name()} ({sms} SMs); AWQ group {args.group_size}; bf16 activations")
-    print("| projection | tokens | bf16 ms | INT4 ms | INT4 / bf16 | INT4 GB/s | config |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("| projection | tokens | bf16 ms | INT4 ms | INT4 / bf16 | INT4 GB/s | config | dequant+cuBLAS ms "
+          "| dequant+cuBLAS / bf16 | matmul takes |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---|")
     sweeps: list[str] = []
     generator = torch.Generator().manual_seed(0)
     for name, k, n in SHAPES:
@@ -117,9 +120,12 @@ def main() -> None:
             chosen = int4.gemm_config(tokens, n, k, args.group_size, device)
             bf16_ms = do_bench(lambda: F.linear(x, w_bf16))
             int4_ms = do_bench(lambda: int4.matmul_triton(x, qweight, qzeros, scales, args.group_size, chosen))
+            dequant_ms = do_bench(lambda: x @ int4.dequantize_triton(qweight, qzeros, scales, args.group_size, x.dtype))
+            takes = "dequant+cuBLAS" if tokens >= int4.DEQUANT_MIN_ROWS else "fused"
             moved = packed_bytes + 2 * tokens * (k + n)
             print(f"| {name} {k}x{n} | {tokens} | {bf16_ms:.4f} | {int4_ms:.4f} | {int4_ms / bf16_ms:.2f} "
-                  f"| {moved / int4_ms / 1e6:.0f} | {describe(chosen, k, args.group_size)} |", flush=True)  # fmt: skip
+                  f"| {moved / int4_ms / 1e6:.0f} | {describe(chosen, k, args.group_size)} | {dequant_ms:.4f} "
+                  f"| {dequant_ms / bf16_ms:.2f} | {takes} |", flush=True)  # fmt: skip
             if w_ref is not None:
                 sweeps.extend(sweep(name, k, n, tokens, x, (qweight, qzeros, scales), args.group_size, sms, w_ref,
                                     bf16_ms, moved))  # fmt: skip

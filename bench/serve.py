@@ -341,6 +341,9 @@ def main() -> int:
                         help="the worker's GPU adapter bound (default: --num-adapters; 0: the worker's own default)")
     launch.add_argument("--lora-memory-bytes", type=int, default=None,
                         help="the worker's GPU adapter memory budget (passed only when given)")
+    launch.add_argument("--awq-base", action="store_true",
+                        help="serve the shape as a random AWQ INT4 checkpoint (bench/awq_checkpoint.py), not dummy "
+                             "bf16 weights (--worker-args=\"--quantization fp8\" gives the FP8 base)")
     launch.add_argument("--max-num-seqs", type=int, default=256)
     # The worker's own default: a larger budget lets a burst of prompts make steps over the
     # captured ladder (max_flat_tokens, 2048), which run eagerly and stall every decode meanwhile.

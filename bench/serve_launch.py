@@ -1,5 +1,6 @@
 """Starting a serving worker for bench/serve.py's --launch: a tiny model on CPU or the Llama-3-8B
-shape with random weights (--load-format dummy), adapters written for it, the worker ready."""
+shape with random weights (--load-format dummy; with --awq-base a random AWQ INT4 checkpoint written
+by bench/awq_checkpoint.py), adapters written for it, the worker ready."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import httpx
 from bench.random_adapters import MODULE_SETS, adapter_bytes, adapter_set, scratch_root, shape_config
 
 ROOT = Path(__file__).resolve().parent.parent
+_AWQ_8B_BYTES = 6 * 10**9  # bench/awq_checkpoint.py's 8B shape: 5.7 GB
 
 
 def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, list[Path], list[str], int, dict[str, Any]]:
@@ -37,6 +39,11 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, list[Path], lis
         model = build_tiny_model(work / f"{args.launch}-llama", arch="llama", size=args.launch)
         extra: list[str] = []
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    elif getattr(args, "awq_base", False):
+        from bench.awq_checkpoint import write_random_awq
+
+        model = write_random_awq(work / f"{args.launch}-awq", args.launch, group_size=128, seed=0)
+        extra, vocab = [], config["vocab_size"]
     else:
         model = work / "llama3-8b-shape"
         model.mkdir()
@@ -76,6 +83,8 @@ def launched_worker(args: argparse.Namespace, *, worker_flags: Sequence[str] = (
     # The adapters go in the work directory unless cached elsewhere: it is on /dev/shm if they fit.
     one = adapter_bytes(shape_config(args.launch), args.rank, MODULE_SETS[args.adapter_modules])
     need = 0 if args.adapter_cache else args.num_adapters * one
+    if getattr(args, "awq_base", False):
+        need += _AWQ_8B_BYTES  # the checkpoint goes in the same directory
     with tempfile.TemporaryDirectory(prefix="bench-serve-", dir=scratch_root(need)) as tmp:
         work = Path(tmp)
         started = time.perf_counter()

@@ -343,6 +343,25 @@ def matmul_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, 
     return y
 
 
+# From this many rows on, :func:`matmul` dequantizes the whole weight once (one bandwidth-bound launch
+# writing it in x's dtype) and lets cuBLAS multiply: the GEMM is compute-bound there, and the fused
+# kernel's tl.dot tiles reach a fraction of cuBLAS's tensor-core rate, while the copy costs about what
+# reading x at this many rows does. vLLM's AWQ path switches at 256 rows too (its awq_dequantize +
+# torch.matmul); bench/int4_gemm.py prints both paths per row count, the figures this comes from.
+DEQUANT_MIN_ROWS = 256
+
+
+def matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+           group_size: int) -> torch.Tensor:  # fmt: skip
+    """``x [M, in] @ dequant(W)`` on CUDA by the faster path for ``M``: the fused dequant-GEMM
+    (:func:`matmul_triton`, reading only the packed weight) below :data:`DEQUANT_MIN_ROWS` rows, the
+    weight dequantized by :func:`dequantize_triton` (bit for bit the reference's) and multiplied by
+    cuBLAS from there on. The dequantized copy lives for this call only."""
+    if x.shape[0] >= DEQUANT_MIN_ROWS:
+        return x @ dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
+    return matmul_triton(x.contiguous(), qweight, qzeros, scales, group_size)
+
+
 # The input gradient of ``y = x @ W`` through a frozen INT4 weight (QLoRA training, training.int4_base):
 # ``dx = dy @ W^T``. No weight gradient is ever taken (the base is frozen), so this is all a backward needs.
 

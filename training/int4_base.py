@@ -12,10 +12,10 @@ An `Int4Linear` is an `nn.Linear` without a `weight`, so PEFT wraps it as it wra
 (its LoRA path reads the same input and adds its product, in the compute dtype) and the trainer
 needs no other change. It computes `x @ dequant(W)` through `Int4Matmul`, an autograd function
 whose backward gives the input's gradient only, `dy @ dequant(W)^T`: the base is frozen, so no
-weight gradient exists to compute. On CUDA the forward is kernels.int4's Triton dequant-GEMM (the
-weight dequantized tile by tile in registers, never whole); the backward dequantizes the layer's
-weight with kernels.int4's Triton dequantizer and lets cuBLAS multiply, the bf16 weight living for
-that one product (training's row counts are where cuBLAS beats a fused tile loop; bench/qlora.py's
+weight gradient exists to compute. On CUDA both directions dequantize the layer's weight with
+kernels.int4's Triton dequantizer and let cuBLAS multiply, the bf16 weight living for that one
+product (`kernels.int4.matmul` does so from `DEQUANT_MIN_ROWS` rows on, which a training batch
+always passes: training's row counts are where cuBLAS beats a fused tile loop; bench/qlora.py's
 `--kernels` times both, and `kernels.int4.matmul_t_triton`, the fused backward, against it). On the
 CPU both are the torch reference, which dequantizes the layer's weight for the one product. They
 run as two torch custom ops, so torch.compile captures a decoder layer whole around them
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels.int4 import PACK, dequantize_triton, matmul_t_torch, matmul_torch, matmul_triton, quantize
+from kernels.int4 import PACK, dequantize_triton, matmul, matmul_t_torch, matmul_torch, quantize
 from training.compiled_layers import decoder_layers
 from training.int4_layout import group_size_for, projection_problem
 from training.trainer import LoadedBase, TrainingSetupError, load_tokenizer, pick_device
@@ -42,9 +42,10 @@ from training.trainer import LoadedBase, TrainingSetupError, load_tokenizer, pic
 @torch.library.custom_op("loraplex_training::int4_matmul", mutates_args=())
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 group_size: int) -> torch.Tensor:  # fmt: skip
-    """``x [M, in] @ dequant(W)``: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """``x [M, in] @ dequant(W)``: on CUDA ``kernels.int4.matmul`` (at training's row counts the layer's
+    weight dequantized by Triton and multiplied by cuBLAS), the torch reference elsewhere."""
     if x.is_cuda:
-        return matmul_triton(x.contiguous(), qweight, qzeros, scales, group_size)
+        return matmul(x, qweight, qzeros, scales, group_size)
     return matmul_torch(x, qweight, qzeros, scales, group_size)
 
 

@@ -101,6 +101,23 @@ def test_the_kernel_at_an_8b_projection_shape() -> None:
         assert relative < 1e-2, f"{rows} rows: relative error {relative:.2e}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_takes_the_fused_kernel_below_the_crossover_and_cublas_on_the_dequantized_weight_from_it(
+        device: str) -> None:  # fmt: skip
+    """kernels.int4.matmul: below DEQUANT_MIN_ROWS the fused kernel's result exactly; from there on the
+    product of x and the dequantized weight exactly (the dequantizer is the reference bit for bit, so
+    this is what torch's matmul gives on the reference's weight)."""
+    _device(device)
+    generator = torch.Generator().manual_seed(3)
+    qweight, qzeros, scales = (t.to(device) for t in int4.quantize(torch.randn(40, 64, generator=generator), 32))
+    below = torch.randn(int4.DEQUANT_MIN_ROWS - 1, 64, generator=generator).to(device)
+    assert torch.equal(int4.matmul(below, qweight, qzeros, scales, 32),
+                       int4.matmul_triton(below, qweight, qzeros, scales, 32))
+    at = torch.randn(int4.DEQUANT_MIN_ROWS, 64, generator=generator).to(device)
+    assert torch.equal(int4.matmul(at, qweight, qzeros, scales, 32),
+                       at @ int4.dequantize(qweight, qzeros, scales, 32, torch.float32))
+
+
 def test_the_kernel_refuses_bad_shapes() -> None:
     qweight, qzeros, scales = int4.quantize(torch.randn(16, 64), 32)
     with pytest.raises(ValueError, match="32 columns, the INT4 weight 64 rows"):

@@ -4,7 +4,9 @@ keeps the checkpoint's ``qweight``, ``qzeros`` and ``scales`` as they are (kerne
 layout), a quarter of bf16's bytes plus one fp16 scale and one 4-bit zero per group, and computes
 ``x @ dequant(W)`` per call:
 
-- **Triton** (CUDA): ``kernels.int4.matmul_triton``, the dequantization fused into the GEMM's tiles;
+- **Triton** (CUDA): ``kernels.int4.matmul``: below ``DEQUANT_MIN_ROWS`` rows (decode) the dequant-GEMM
+  that fuses the dequantization into its tiles and reads only the packed weight; from there on
+  (prefill) the weight dequantized by one Triton launch and multiplied by cuBLAS;
 - **torch** (CPU, or a kernel-less run): the reference, which dequantizes the whole weight and
   multiplies (``kernels.int4.matmul_torch``); it is there to test, not to serve.
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int4 import MIN_GROUP, matmul_torch, matmul_triton
+from kernels.int4 import MIN_GROUP, matmul, matmul_torch
 
 # Modules AWQ checkpoints commonly leave unquantized that the engine never quantizes anyway.
 _UNQUANTIZED_OK = ("lm_head", "embed_tokens")
@@ -74,7 +76,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                 group_size: int, bias: torch.Tensor | None, *, triton: bool) -> torch.Tensor:  # fmt: skip
     """``x [T, in] @ dequant(W) (+ bias)`` in ``x``'s dtype, by the Triton kernel or the torch reference."""
     if triton:
-        y = matmul_triton(x.contiguous(), qweight, qzeros, scales, group_size)
+        y = matmul(x, qweight, qzeros, scales, group_size)
     else:
         y = matmul_torch(x, qweight, qzeros, scales, group_size)
     if bias is not None:
