@@ -448,7 +448,13 @@ def _awq_dequantize_kernel(qw_ptr: tl.tensor, qz_ptr: tl.tensor, s_ptr: tl.tenso
     j = offs_n % 8
     shift = ((j // 2) + (j % 2) * 4) * 4  # column j's nibble, AWQ_REVERSE_ORDER[j]
     group = (pid_k * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: the tile's rows lie in one group
-    q = tl.load(qw_ptr + kk[:, None] * stride_qw + word[None, :], mask=mask_n[None, :], other=0)
+    # Each packed word loaded once and repeated eight times in a row (column c of the tile holds word
+    # c // 8), as the GEMM's interleaved unpacking does: a pure copy, so the load is all it costs.
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    q = tl.load(qw_ptr + kk[:, None] * stride_qw + offs_w[None, :], mask=(offs_w < N // 8)[None, :], other=0)
+    q = tl.interleave(q, q)
+    q = tl.interleave(q, q)
+    q = tl.interleave(q, q)
     q = (q >> shift[None, :]) & 0xF
     z = (tl.load(qz_ptr + group * stride_qz + word, mask=mask_n, other=0) >> shift) & 0xF
     s = tl.load(s_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -466,8 +472,8 @@ def dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
         raise ValueError(f"the INT4 kernel needs a group size that is a multiple of {MIN_GROUP}, got {group_size}")
     K, N = qweight.shape[0], qweight.shape[1] * PACK
     w = torch.empty((K, N), dtype=dtype, device=qweight.device)
-    block_n = 64
-    block_k = min(64, group_size & -group_size)  # a power of two dividing the group, so K's tiles are whole
+    block_n = 128
+    block_k = min(32, group_size & -group_size)  # a power of two dividing the group, so K's tiles are whole
     grid = (K // block_k, triton.cdiv(N, block_n))
     _awq_dequantize_kernel[grid](
         qweight, qzeros, scales, w, N, qweight.stride(0), qzeros.stride(0), scales.stride(0), w.stride(0),
