@@ -9,7 +9,11 @@ rank-16 adapters, on CPU, no weights made (the model is built on the meta device
   counts it), so a rank-16 adapter costs the same whatever modules it targets;
 - the KV cache per token (bf16), for what the rest of a device holds.
 
-    python bench/quantized_memory.py [--group-size 128] [--adapters 32] [--rank 16]
+With ``--cuda`` it also builds each base's model on the CUDA device and prints what the allocator
+holds for it (``torch.cuda.memory_allocated`` before and after the build): the table's weights
+column as the GPU has them, allocator rounding included.
+
+    python bench/quantized_memory.py [--group-size 128] [--adapters 32] [--rank 16] [--cuda]
 """
 
 from __future__ import annotations
@@ -45,12 +49,27 @@ def model_bytes(config: LlamaConfig) -> tuple[int, int]:
     return total, part
 
 
+def cuda_model_bytes(config: LlamaConfig) -> int:
+    """Bytes the CUDA allocator holds for the engine's model of ``config`` built on the device."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = build_model(config, max_positions=64, device=torch.device("cuda"), dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    del model
+    torch.cuda.empty_cache()
+    return held
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--adapters", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--cuda", action="store_true", help="also measure each base's weights on the CUDA device")
     args = parser.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        raise SystemExit("--cuda: no CUDA device")
     awq = {"quant_method": "awq", "bits": 4, "group_size": args.group_size, "zero_point": True, "version": "gemm"}
     bf16_total, bf16_proj = model_bytes(LlamaConfig(**LLAMA3_8B))
     int4_total, int4_proj = model_bytes(LlamaConfig(**LLAMA3_8B, quantization_config=awq))
@@ -72,6 +91,10 @@ def main() -> None:
     for name, total, proj in (("bf16", bf16_total, bf16_proj), (f"AWQ INT4 (g{args.group_size})", int4_total, int4_proj)):
         print(f"| {name} | {proj / GB:.2f} GB | {(total - proj) / GB:.2f} GB | {total / GB:.2f} GB | {pool / GB:.2f} GB "
               f"| {pool / args.adapters / 2**20:.0f} MiB | {(total + pool) / GB:.2f} GB |")  # fmt: skip
+    if args.cuda:
+        for name, config in (("bf16", LlamaConfig(**LLAMA3_8B)),
+                             (f"AWQ INT4 (g{args.group_size})", LlamaConfig(**LLAMA3_8B, quantization_config=awq))):
+            print(f"{name}: weights on {torch.cuda.get_device_name()}: {cuda_model_bytes(config) / GB:.2f} GB allocated")
     print(f"KV cache: {kv_token_bytes / 2**10:.0f} KiB a token (bf16); the INT4 base leaves "
           f"{(bf16_total - int4_total) / GB:.2f} GB more for it, {(bf16_total - int4_total) / kv_token_bytes:,.0f} tokens")
 
