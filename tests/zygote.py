@@ -44,12 +44,24 @@ ROOT = Path(__file__).resolve().parents[1]
 ENABLED_VAR = "LORAPLEX_TEST_ZYGOTE"
 # The libraries every started process imports first; what follows them is the project's own code,
 # which reads its settings when imported and so is imported in each child.
+# The second line: the third-party modules the web process, the serving worker and Celery import
+# next (0.5-1 s of CPU a start, most of what a forked child imported before its first line of
+# ours), none of which reads Django's settings or an environment variable outside
+# _IMPORT_TIME_PREFIXES / _IMPORT_TIME_NAMES when imported (Django's modules here import with an
+# unimportable DJANGO_SETTINGS_MODULE). Not DRF's views (they read the settings) nor prometheus_client
+# (PROMETHEUS_MULTIPROC_DIR, which a test sets per web process).
 PRELOAD = ("torch", "transformers", "peft", "safetensors", "numpy", "httpx", "uvicorn", "celery", "kombu",
-           "redis", "django", "boto3")
+           "redis", "django", "boto3",
+           "pydantic_settings", "fastapi", "psycopg", "requests", "jsonschema", "sqlparse", "markdown",
+           "celery.bin.celery", "django.db.models", "django.db.backends.postgresql.base", "django.http",
+           "django.urls", "django.forms", "django.template", "django.core.handlers.asgi")
 # Variables read when the preloaded libraries are imported (or by the interpreter at start): a
 # child asking for other values than the zygote's is started cold.
 _IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "TRITON", "CUDA", "OMP_",
-                         "MKL_", "OPENBLAS", "TOKENIZERS", "PYTHON", "LD_", "SAFETENSORS", "PEFT")
+                         "MKL_", "OPENBLAS", "TOKENIZERS", "PYTHON", "LD_", "SAFETENSORS", "PEFT", "PSYCOPG")
+# Celery's modules read these when imported.
+_IMPORT_TIME_NAMES = frozenset({"C_FAKEFORK", "C_BENCH", "CELERY_BENCH", "C_REMDEBUG", "MP_LOG", "USE_FAST_LOCALS",
+                                "TIMER_DEBUG", "FORKED_BY_MULTIPROCESSING"})
 # Applied in the child, so they need not match.
 _APPLIED_IN_CHILD = {"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
 _MAX_MESSAGE = 1 << 20
@@ -57,7 +69,7 @@ _MAX_MESSAGE = 1 << 20
 
 def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items()
-            if key.startswith(_IMPORT_TIME_PREFIXES) and key not in _APPLIED_IN_CHILD}
+            if (key.startswith(_IMPORT_TIME_PREFIXES) or key in _IMPORT_TIME_NAMES) and key not in _APPLIED_IN_CHILD}
 
 
 # ---- the test process's side -------------------------------------------------------------------
