@@ -10,7 +10,7 @@ zero points of 8 and scales that give the weights a standard deviation of about 
 The 8B shape writes 5.7 GB. Serve it as any model directory (``LLM(OUT)``, the worker's ``--model``).
 
 :func:`awq_quantization_config`, :func:`awq_layer` and :func:`save_awq_checkpoint` are the writer's
-pieces, shared with bench/int4_agreement.py, which writes a real model's weights (rounded to nearest)
+pieces, shared with bench/quantized_agreement.py, which writes a real model's weights (rounded to nearest)
 in the same layout.
 """
 

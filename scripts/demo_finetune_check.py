@@ -14,7 +14,7 @@ gives. Minutes on a CPU, so not in the suite. Figures: docs/training.md, "The de
 
 The same path is importable (run from the repository root): `demo_hyperparameters`, `demo_trainer`
 (the trainer whose run() leaves the adapter in `work_dir/adapter`), `held_out` and `fact_learned`;
-bench/int4_agreement.py trains its adapter with them.
+bench/quantized_agreement.py trains its adapter with them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""bench/int4_agreement.py's checkpoint writer: a real model directory rounded to INT4 is what the
-engine loads as an AWQ checkpoint, and it serves the same greedy tokens as the unquantized model whose
-projection weights are ``dequantize(quantize(W))`` (the bench's ``dequantize_projections``, the twin
-its teacher-forced agreement runs on), so the bench measures quantization, not a loader's slip."""
+"""bench/quantized_agreement.py: its INT4 checkpoint writer (a real model directory rounded to INT4 is
+what the engine loads as an AWQ checkpoint, and it serves the same greedy tokens as the unquantized
+model whose projection weights are ``dequantize(quantize(W))``, the bench's ``dequantize_projections``,
+the twin its teacher-forced agreement runs on, so the bench measures quantization, not a loader's
+slip); its counting of agreeing positions; and the engine's teacher-forced most likely tokens the FP8
+measurement compares (read from ``prompt_logprobs``, one a position, none shifted by one)."""
 
 from __future__ import annotations
 
@@ -17,16 +19,19 @@ from peft_reference import PeftReference, assert_greedy_match
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from bench.int4_agreement import (
+from bench.quantized_agreement import (
     Agreement,
     checkpoint_group_size,
+    count_agreement,
     dequantize_projections,
+    engine_top1,
     rtn_weight,
     top1_agreement,
+    top_token,
     write_rtn_awq,
 )
 from kernels import int4
-from serving.engine import LLM, LoRARequest, SamplingParams
+from serving.engine import LLM, Logprob, LoRARequest, SamplingParams
 from serving.engine.layers.int4_linear import AWQSpec
 
 NEW_TOKENS = 10
@@ -131,3 +136,42 @@ def test_agreement_counts_answer_positions_and_each_distinct_prefix_once() -> No
     # Answers: after 2 and 3 in the first (3 disagrees), after 5 and 3 in the second (3 disagrees).
     # Distinct positions: 1, 1-2, 1-2-3 of the first; 1-2-5, 1-2-5-3 of the second.
     assert agreement == Agreement(answer_agree=2, answer_positions=4, all_agree=3, all_positions=5)
+
+
+def test_counting_takes_each_models_predictions_as_given() -> None:
+    """The FP8 measurement's path: the predictions come from the engines, not from models here."""
+    sequences = [([1, 2, 3, 4], 2), ([1, 2, 5, 3, 6], 3)]
+    reference = [[2, 3, 4], [2, 5, 3, 6]]
+    quantized = [[2, 3, 0], [2, 5, 3, 0]]  # the last position of each disagrees
+    assert count_agreement(sequences, reference, quantized) == Agreement(answer_agree=2, answer_positions=4,
+                                                                         all_agree=3, all_positions=5)  # fmt: skip
+    with pytest.raises(ValueError, match="4 tokens need 3 predictions"):
+        count_agreement(sequences[:1], [[2, 3]], [[2, 3]])
+
+
+def test_the_top_token_is_the_texts_where_it_ranks_first() -> None:
+    assert top_token({7: Logprob(-0.1, 1)}, 7) == 7
+    assert top_token({7: Logprob(-2.0, 3), 9: Logprob(-0.2, 1)}, 7) == 9
+    # A tie for the first place: the text's token, which the engine ranks 1 too.
+    assert top_token({7: Logprob(-0.5, 1), 9: Logprob(-0.5, 1)}, 7) == 7
+
+
+def test_the_engine_ranks_its_greedy_tokens_first_at_their_positions(tiny_llama_dir: Path,
+                                                                      make_adapter: Callable[..., Path]) -> None:  # fmt: skip
+    """fp32 on the CPU: teacher-forced, the engine's most likely token after each prefix of a prompt
+    and its greedy continuation is the continuation's next token, with an adapter and without."""
+    adapter = make_adapter(tiny_llama_dir, r=8, lora_alpha=16, seed=4, init_scale=0.5,
+                           target_modules=("q_proj", "v_proj"))  # fmt: skip
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=1, max_lora_rank=8, max_num_seqs=4,
+              max_model_len=64)  # fmt: skip
+    prompts = [[5, 17, 33, 2, 91], [5, 17, 33, 40]]  # a shared prefix, as the bench's system prompt
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for lora in (None, LoRARequest("a", str(adapter))):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora)
+        sequences = [(p + list(o.outputs[0].token_ids), len(p)) for p, o in zip(prompts, outputs)]
+        tops = engine_top1(llm, sequences, lora)
+        assert [len(t) for t in tops] == [len(ids) - 1 for ids, _ in sequences]
+        for (ids, start), top in zip(sequences, tops):
+            assert top[start - 1 :] == ids[start:], lora
+        agreement = count_agreement(sequences, tops, [ids[1:] for ids, _ in sequences])
+        assert agreement.answer_agree == agreement.answer_positions == 2 * NEW_TOKENS
