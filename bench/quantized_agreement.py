@@ -28,10 +28,11 @@ compared with the unquantized base's, with and without the demo adapter.
      layer multiplies), the adapter loaded on both with PEFT (:func:`top1_agreement`);
    - FP8: the engine itself, unquantized and with ``quantization="fp8"`` (whose layers quantize each
      call's activations per token, which a transformers copy with rounded weights would not do), each
-     scoring the sequences through ``prompt_logprobs`` (:func:`engine_top1`). Also counted, as
+     scoring the sequences through ``prompt_logprobs`` (:func:`engine_scores`). Also counted, as
      tests/engine/test_fp8.py measures it: the answers' positions where the FP8 engine's most likely
      token is the unquantized engine's greedy token, and, as the measure's own check, those where the
-     unquantized engine scoring its own answer teacher-forced ranks its greedy token first.
+     unquantized engine scoring its own answer teacher-forced ranks its greedy token first; and the
+     unquantized engine's margin (top-1 minus top-2 log-probability) where the two part ways.
 4. **End to end** (serving.engine's offline ``LLM`` on the CPU): greedy answers (24 tokens) to the six
    held-out questions from the unquantized base and from the quantized one, with the adapter: the
    facts each gives (scripts/demo_finetune_check.py's ``fact_learned``) and how many answers are
@@ -49,6 +50,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -200,40 +202,43 @@ def top_token(entry: dict[int, Logprob], token: int) -> int:
     return next(tid for tid, logprob in entry.items() if logprob.rank == 1)
 
 
-def engine_top1(llm: LLM, sequences: Sequence[tuple[list[int], int]], lora: LoRARequest | None) -> list[list[int]]:
-    """The engine's most likely next token at every position of each sequence, teacher-forced: one
-    prefill a sequence with ``prompt_logprobs`` (which no prefix cache shortens)."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+@dataclass(frozen=True)
+class Scores:
+    """An engine's teacher-forced view of each sequence, one entry a position (``len(ids) - 1``)."""
+
+    top: list[list[int]]  # the most likely next token
+    gap: list[list[float]]  # its log-probability minus the second most likely one's
+
+
+def engine_scores(llm: LLM, sequences: Sequence[tuple[list[int], int]], lora: LoRARequest | None) -> Scores:
+    """The engine's most likely next token, and its margin, at every position of each sequence,
+    teacher-forced: one prefill a sequence with ``prompt_logprobs`` (which no prefix cache shortens)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids, _ in sequences], params, lora_request=lora)
-    tops = []
+    tops, gaps = [], []
     for output, (ids, _) in zip(outputs, sequences, strict=True):
         entries = output.prompt_logprobs
-        if entries is None or len(entries) != len(ids):
+        if entries is None or len(entries) != len(ids) or any(entry is None for entry in entries[1:]):
             raise RuntimeError(f"the engine scored {len(entries or [])} of {len(ids)} prompt tokens")
-        tops.append([top_token(entry, token) for entry, token in zip(entries[1:], ids[1:]) if entry is not None])
-    return tops
+        scored = [(entry, token) for entry, token in zip(entries[1:], ids[1:]) if entry is not None]
+        tops.append([top_token(entry, token) for entry, token in scored])
+        # The entry holds the two most likely tokens (and the text's, which is less likely or one of them).
+        gaps.append([first - second for first, second, *_ in
+                     (sorted((lp.logprob for lp in entry.values()), reverse=True) for entry, _ in scored)])  # fmt: skip
+    return Scores(tops, gaps)
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
-    return tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]  # fmt: skip
-
-
-def sequences(tokenizer: PreTrainedTokenizerBase, answers: Sequence[list[int]]) -> list[tuple[list[int], int]]:
-    """The texts scored: each held-out question followed by ``answers`` (token ids, in order), then
-    every training line as its chat template writes it (the answer from the assistant's turn)."""
-    out = []
-    for messages, answer in zip(held_out(), answers):
-        prompt = _prompt_ids(tokenizer, messages)
-        out.append((prompt + answer, len(prompt)))
-    for line in training_lines():
-        messages = json.loads(line)["messages"]
-        prompt = _prompt_ids(tokenizer, messages)
-        full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-        if full[: len(prompt)] != prompt:
-            raise ValueError(f"the chat template writes {messages[0]['content']!r} unlike its generation prompt")
-        out.append((full, len(prompt)))
-    return out
+def answer_gaps(sequences: Sequence[tuple[list[int], int]], reference: Scores,
+                quantized: Sequence[Sequence[int]]) -> tuple[list[float], list[float]]:  # fmt: skip
+    """``(the reference's gap at every answer position, at those where the quantized model's most
+    likely token differs)``."""
+    every, parted = [], []
+    for (ids, start), top, gap, theirs in zip(sequences, reference.top, reference.gap, quantized, strict=True):
+        for position in range(start - 1, len(ids) - 1):
+            every.append(gap[position])
+            if top[position] != theirs[position]:
+                parted.append(gap[position])
+    return every, parted
 
 
 @dataclass(frozen=True)
@@ -341,7 +346,7 @@ def measure_fp8(model_dir: Path, adapter: Path, dtype: str) -> dict[str, object]
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     loras = {"base": None, "adapter": LoRARequest("demo", str(adapter))}
     answers: dict[str, dict[str, Answers]] = {}
-    tops: dict[str, dict[str, list[list[int]]]] = {}
+    scores: dict[str, dict[str, Scores]] = {}
     scored: dict[str, list[tuple[list[int], int]]] = {}
     for side, quantization in (("reference", None), ("fp8", "fp8")):
         _progress(f"the engine on the {'FP8' if quantization else 'unquantized'} base")
@@ -350,19 +355,23 @@ def measure_fp8(model_dir: Path, adapter: Path, dtype: str) -> dict[str, object]
         if not scored:  # the unquantized engine's answers are the texts both score
             scored = {label: sequences(tokenizer, answers[side][label].token_ids) for label in loras}
         _progress("teacher-forced scoring")
-        tops[side] = {label: engine_top1(llm, scored[label], lora) for label, lora in loras.items()}
+        scores[side] = {label: engine_scores(llm, scored[label], lora) for label, lora in loras.items()}
         llm.llm_engine.shutdown()
         del llm
     rows = {}
     for label in loras:
+        reference, fp8 = scores["reference"][label], scores["fp8"][label]
         held = scored[label][: len(held_out())]
         text = [ids[1:] for ids, _ in held]  # the held-out answers are the unquantized engine's greedy tokens
-        greedy = count_agreement(held, text, tops["fp8"][label][: len(held)])
-        own = count_agreement(held, text, tops["reference"][label][: len(held)])
-        rows[label] = _row(count_agreement(scored[label], tops["reference"][label], tops["fp8"][label]), "fp8",
+        greedy = count_agreement(held, text, fp8.top[: len(held)])
+        own = count_agreement(held, text, reference.top[: len(held)])
+        every, parted = answer_gaps(scored[label], reference, fp8.top)
+        rows[label] = _row(count_agreement(scored[label], reference.top, fp8.top), "fp8",
                            answers["reference"][label], answers["fp8"][label]) | {
             "greedy_top1_fp8": [greedy.answer_agree, greedy.answer_positions],
             "greedy_top1_reference": [own.answer_agree, own.answer_positions],
+            "answer_gap_median": statistics.median(every),
+            "parted_gaps": sorted(parted),
         }  # fmt: skip
     return {"rows": rows}
 
@@ -411,6 +420,11 @@ def main() -> None:
             (fp8_agree, fp8_of), (own_agree, own_of) = row["greedy_top1_fp8"], row["greedy_top1_reference"]
             print(f"{label}: the unquantized greedy token is FP8's most likely at {fp8_agree}/{fp8_of} answer "
                   f"positions (the unquantized engine's own most likely at {own_agree}/{own_of})")  # fmt: skip
+            parted = row["parted_gaps"]
+            parted_median = statistics.median(parted) if parted else 0.0
+            print(f"{label}: the unquantized engine's top-2 gap over the answers, median "
+                  f"{row['answer_gap_median']:.3f} nats; where FP8's top token differs, largest "
+                  f"{max(parted, default=0.0):.3f}, median {parted_median:.3f}")  # fmt: skip
     for label, row in figures["rows"].items():  # type: ignore[attr-defined]
         for before, after in zip(row["answers_reference"], row[f"answers_{args.quantization}"]):
             if before != after:

@@ -21,10 +21,12 @@ from transformers import AutoModelForCausalLM
 
 from bench.quantized_agreement import (
     Agreement,
+    Scores,
+    answer_gaps,
     checkpoint_group_size,
     count_agreement,
     dequantize_projections,
-    engine_top1,
+    engine_scores,
     rtn_weight,
     top1_agreement,
     top_token,
@@ -169,9 +171,18 @@ def test_the_engine_ranks_its_greedy_tokens_first_at_their_positions(tiny_llama_
     for lora in (None, LoRARequest("a", str(adapter))):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora)
         sequences = [(p + list(o.outputs[0].token_ids), len(p)) for p, o in zip(prompts, outputs)]
-        tops = engine_top1(llm, sequences, lora)
-        assert [len(t) for t in tops] == [len(ids) - 1 for ids, _ in sequences]
+        scores = engine_scores(llm, sequences, lora)
+        tops = scores.top
+        assert [len(t) for t in tops] == [len(g) for g in scores.gap] == [len(ids) - 1 for ids, _ in sequences]
+        assert all(gap >= 0 for gaps in scores.gap for gap in gaps)
         for (ids, start), top in zip(sequences, tops):
             assert top[start - 1 :] == ids[start:], lora
         agreement = count_agreement(sequences, tops, [ids[1:] for ids, _ in sequences])
         assert agreement.answer_agree == agreement.answer_positions == 2 * NEW_TOKENS
+
+
+def test_the_gaps_are_the_references_at_the_answers_positions() -> None:
+    sequences = [([1, 2, 3, 4], 2), ([1, 2, 5], 2)]
+    reference = Scores(top=[[2, 3, 4], [2, 5]], gap=[[0.9, 0.5, 0.25], [0.9, 2.0]])
+    every, parted = answer_gaps(sequences, reference, [[2, 3, 0], [0, 5]])  # the prompt's disagreement not counted
+    assert every == [0.5, 0.25, 2.0] and parted == [0.25]
