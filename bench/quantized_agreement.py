@@ -241,6 +241,28 @@ def answer_gaps(sequences: Sequence[tuple[list[int], int]], reference: Scores,
     return every, parted
 
 
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]  # fmt: skip
+
+
+def sequences(tokenizer: PreTrainedTokenizerBase, answers: Sequence[list[int]]) -> list[tuple[list[int], int]]:
+    """The texts scored: each held-out question followed by ``answers`` (token ids, in order), then
+    every training line as its chat template writes it (the answer from the assistant's turn)."""
+    out = []
+    for messages, answer in zip(held_out(), answers):
+        prompt = _prompt_ids(tokenizer, messages)
+        out.append((prompt + answer, len(prompt)))
+    for line in training_lines():
+        messages = json.loads(line)["messages"]
+        prompt = _prompt_ids(tokenizer, messages)
+        full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        if full[: len(prompt)] != prompt:
+            raise ValueError(f"the chat template writes {messages[0]['content']!r} unlike its generation prompt")
+        out.append((full, len(prompt)))
+    return out
+
+
 @dataclass(frozen=True)
 class Answers:
     """One engine's greedy answers to the held-out questions."""
