@@ -117,6 +117,30 @@ def test_import_time_variables_get_a_zygote_of_their_own(tmp_path: Path) -> None
     assert len(zygote.zygote_pids()) >= 2
 
 
+def test_a_pythonpath_without_preloaded_packages_shares_the_zygote_and_comes_first_on_sys_path(tmp_path: Path) -> None:
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    write_module(extra, "helper_on_the_path", "VALUE = 'found'\n")
+    write_module(tmp_path, "paths", (
+        "import json, os, sys\n"
+        "try:\n    import helper_on_the_path\n    value = helper_on_the_path.VALUE\nexcept ImportError:\n    value = None\n"
+        "print(json.dumps({'parent': os.getppid(), 'second': sys.path[1], 'value': value,\n"
+        "                  'env': os.environ.get('PYTHONPATH')}))\n"))
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    plain, plain_log = start(tmp_path, "paths", log_name="plain")
+    pathed, pathed_log = start(tmp_path, "paths", env={"PYTHONPATH": str(extra)}, log_name="pathed")
+
+    assert isinstance(plain, zygote.ZygoteProcess) and isinstance(pathed, zygote.ZygoteProcess)
+    assert (plain.wait(60), pathed.wait(60)) == (0, 0)
+    plain_report, pathed_report = json.loads(plain_log.read_text()), json.loads(pathed_log.read_text())
+    assert plain_report["parent"] == pathed_report["parent"]  # one zygote forked both
+    # As a cold interpreter: the entries right after the first, and in the environment.
+    assert pathed_report["second"] == str(extra) and pathed_report["value"] == "found"
+    assert pathed_report["env"] == str(extra)
+    if "PYTHONPATH" not in os.environ:
+        assert plain_report["value"] is None and plain_report["env"] is None and env == dict(os.environ)
+
+
 def test_what_it_cannot_fork_is_started_cold(tmp_path: Path) -> None:
     piped = zygote.popen([sys.executable, "-m", "json.tool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert isinstance(piped, subprocess.Popen)

@@ -27,6 +27,7 @@ multiprocessing's fork server, and its children as the test's.
 from __future__ import annotations
 
 import array
+import functools
 import json
 import os
 import selectors
@@ -69,7 +70,21 @@ _MAX_MESSAGE = 1 << 20
 
 def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items()
-            if (key.startswith(_IMPORT_TIME_PREFIXES) or key in _IMPORT_TIME_NAMES) and key not in _APPLIED_IN_CHILD}
+            if (key.startswith(_IMPORT_TIME_PREFIXES) or key in _IMPORT_TIME_NAMES) and key not in _APPLIED_IN_CHILD
+            and not (key == "PYTHONPATH" and not _provides_preloaded(value))}
+
+
+@functools.lru_cache(maxsize=None)
+def _provides_preloaded(pythonpath: str) -> bool:
+    """Whether a PYTHONPATH has an entry holding one of the preloaded packages: only then does it
+    change what the zygote imports. One that does not (the repository's root, which the distributed
+    ranks' drivers put first) is applied in the child, as the interpreter applies it at start
+    (`_run_child`), so the ranks share their test process's zygote instead of starting one more."""
+    from importlib.machinery import PathFinder
+
+    tops = {module.split(".")[0] for module in PRELOAD}
+    entries = [entry for entry in pythonpath.split(os.pathsep) if entry]
+    return any(PathFinder.find_spec(top, [entry]) is not None for entry in entries for top in tops)
 
 
 # ---- the test process's side -------------------------------------------------------------------
@@ -164,7 +179,9 @@ def _zygote_for(env: Mapping[str, str]) -> _Zygote:
     with _zygotes_lock:
         zygote = _zygotes.get(key)
         if zygote is None or zygote.process.poll() is not None:
-            zygote = _zygotes[key] = _Zygote(dict(env))
+            # A PYTHONPATH applied in the child is left out of the zygote's own environment.
+            own = {k: v for k, v in env.items() if k != "PYTHONPATH" or ("PYTHONPATH", v) in key}
+            zygote = _zygotes[key] = _Zygote(own)
     return zygote
 
 
@@ -225,6 +242,10 @@ def _run_child(request: dict[str, Any]) -> None:
             for stream in (sys.stdout, sys.stderr):
                 stream.reconfigure(write_through=True)
         sys.path[0] = request["cwd"]
+        if not _OWN_PYTHONPATH:
+            # A PYTHONPATH the zygote was not keyed on (`_provides_preloaded`): its entries go where
+            # the interpreter puts them at start, right after the first entry.
+            sys.path[1:1] = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
         sys.argv = [request["module"], *request["argv"]]
         import runpy
 
@@ -288,6 +309,10 @@ def _fork(connection: socket.socket, own: list[int]) -> int | None:
         os.close(fd)
     connection.send(json.dumps({"pid": pid}).encode())
     return pid
+
+
+# The zygote's own PYTHONPATH (set where the zygote was keyed on one, `_zygote_for`).
+_OWN_PYTHONPATH = os.environ.get("PYTHONPATH", "")
 
 
 def serve(name: str) -> None:
