@@ -142,12 +142,17 @@ def test_read_registry_returns_live_documents_from_redis(redis_client):
 
     async def scenario() -> list[dict]:
         client = aioredis.Redis.from_url(settings.REDIS_URL)
-        now = time.time()
+        # An hour ahead: a serving worker of an earlier test on this xdist worker (same Redis database)
+        # may still write its heartbeat, scored at the real time, after the fixture emptied the
+        # database; read at this `now`, it is older than any member counts, so only these are read.
+        now = time.time() + 3600
         for name in ("w1", "w2"):
             await client.set(worker_key(name), json.dumps(document(name, heartbeat=now)), ex=5)
             await client.zadd(WORKERS_KEY, {name: now})
         await client.zadd(WORKERS_KEY, {"expired": now})  # its document is gone
-        documents = await read_registry(client)
+        await client.set(worker_key("stale"), json.dumps(document("stale", heartbeat=now - 3600)), ex=5)
+        await client.zadd(WORKERS_KEY, {"stale": now - 3600})  # its document is there, its member too old
+        documents = await read_registry(client, now=now)
         await client.aclose()
         return documents
 
