@@ -11,9 +11,13 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from runtime.breakers import Snapshot
 
 # Triton reads TRITON_INTERPRET when it is first imported, and transformers and peft import it, so
 # this must happen before any test module loads: without CUDA, Triton kernels run in its
@@ -289,3 +293,32 @@ def s3_bucket(moto_s3_endpoint: str) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=moto_s3_endpoint).create_bucket(Bucket=name)
     return name
+
+
+def shared_breaker(name: str, timeout: float = 60.0) -> Snapshot:
+    """The version's breaker as Redis holds it (what every gateway process reads), with the web
+    process's default thresholds. A read that times out on a loaded machine falls back, by design,
+    to a process-local breaker (``Snapshot.shared`` false, all counts zero); a test wants Redis's
+    answer, so such a read is retried until Redis gives one."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+    from django.conf import settings
+
+    from runtime.breakers import BreakerConfig, CircuitBreakers
+    from runtime.redis_guard import RedisGuard
+
+    async def peek() -> Snapshot:
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        try:
+            return await CircuitBreakers(client, BreakerConfig(), guard=RedisGuard()).snapshot(name)
+        finally:
+            await client.aclose()
+
+    deadline = time.monotonic() + timeout
+    while True:
+        snapshot = asyncio.run(peek())
+        if snapshot.shared:
+            return snapshot
+        assert time.monotonic() < deadline, f"Redis gave no answer for breaker {name} in {timeout:.0f} s"
+        time.sleep(0.2)

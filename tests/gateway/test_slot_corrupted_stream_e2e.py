@@ -11,7 +11,6 @@ this module, which only this module's web process shares, so that process routes
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -19,18 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 import torch
 
 from serving.registry import services
 from serving.engine.server.cli import ServerArgs
 from serving.engine.server.worker import Worker
-from runtime.breakers import BreakerConfig, CircuitBreakers, Snapshot
-from runtime.redis_guard import RedisGuard
+from runtime.breakers import Snapshot
 from serving.registry.models import UsageRecord
 from serving.registry.usage import usage_records_flush
 from tests.gateway.conftest import WebProcess, upload_version, wait_for_worker
-from tests.conftest import TenantFixture, _make_tenant
+from tests.conftest import TenantFixture, _make_tenant, shared_breaker
 from tests.engine.server.conftest import serve_in_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -69,17 +66,8 @@ def slot_worker(redis_client, tiny_model: Path, tmp_path_factory: pytest.TempPat
 
 def breaker(name: str) -> Snapshot:
     """The version's shared breaker as every gateway process reads it (thresholds: the defaults the
-    web process runs with)."""
-    from django.conf import settings
-
-    async def peek() -> Snapshot:
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
-        try:
-            return await CircuitBreakers(client, BreakerConfig(), guard=RedisGuard()).snapshot(name)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(peek())
+    web process runs with), as Redis holds it."""
+    return shared_breaker(name)
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:

@@ -8,22 +8,19 @@ test can write into a slot tensor as a stray kernel would.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 from django.conf import settings
 from fastapi.testclient import TestClient
 
 from serving.engine.server.app import build_app
 from serving.engine.server.cli import LoRAModule, ServerArgs
 from serving.engine.server.worker import Worker
-from runtime.breakers import BreakerConfig, CircuitBreakers
-from runtime.redis_guard import RedisGuard
+from tests.conftest import shared_breaker
 
 KEY = "operator-key"
 VERSION = "acme/support-bot@1.0.0"
@@ -52,15 +49,7 @@ def _completion(client: TestClient) -> str:
 
 
 def _breaker_failures() -> int:
-    async def read() -> int:
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
-        try:
-            snapshot = await CircuitBreakers(client, BreakerConfig(), guard=RedisGuard()).snapshot(VERSION)
-            return snapshot.failures
-        finally:
-            await client.aclose()
-
-    return asyncio.run(read())
+    return shared_breaker(VERSION).failures
 
 
 def test_a_corrupted_slot_is_detected_repaired_and_counted_on_the_breaker(
