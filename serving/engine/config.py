@@ -8,6 +8,7 @@ Names and defaults follow vLLM's engine arguments where vLLM has them (``max_lor
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +107,17 @@ class EngineConfig:
     (serving.engine.lora.borrow; docs/adapter-memory.md, "Adapters that borrow idle KV memory").
     Not under tensor parallelism.
 
+    ``decode_stall_target`` (None: off, by default): the adaptive token budget. A step that carries
+    decodes holds at most as many tokens as a step-time model measured online
+    (serving.engine.step_cost) says it may for its time to stay within this many times that of a
+    decode-only step of the same batch (2.0: prompts streaming in at most double the running
+    sequences' time per output token, Sarathi-Serve's stall-free batching);
+    ``max_num_batched_tokens`` stays the ceiling, and a step with no decodes, or one taken before the
+    model has enough distinct step sizes, gets all of it. ``decode_stall_max_wait_steps``: the TTFT
+    guard; once the oldest prompt still without its first token (waiting, or in its prefill) has
+    waited this many steps, the step gets the full budget, so prompts never queue without bound
+    behind short steps (docs/serving-worker.md, "The token budget").
+
     ``grammar``: structured output's compile budget, pool and cache (serving.engine.grammar_pool's
     ``GrammarBudget``: time, nesting and size per constraint, compiling processes, a tenant's share
     of them, the per-tenant cache's bounds).
@@ -145,6 +157,8 @@ class EngineConfig:
     quantization: str | None = None
     enable_dora: bool = True
     borrow_kv_memory: bool = False
+    decode_stall_target: float | None = None
+    decode_stall_max_wait_steps: int = 16
     grammar: GrammarBudget = field(default_factory=GrammarBudget)
 
     def __post_init__(self) -> None:
@@ -175,6 +189,14 @@ class EngineConfig:
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(
+            self.decode_stall_target is None
+            or (math.isfinite(self.decode_stall_target) and self.decode_stall_target > 1.0),
+            f"decode_stall_target must be None (off) or a number > 1 (how many times a decode-only step's time "
+            f"a step carrying decodes may take), got {self.decode_stall_target}",
+        )
+        _require(self.decode_stall_max_wait_steps >= 1,
+                 f"decode_stall_max_wait_steps must be >= 1, got {self.decode_stall_max_wait_steps}")
         _require(
             self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}",

@@ -17,6 +17,12 @@ takes them at admission, and registers the full prompt blocks each step computes
 With ``EngineConfig.async_scheduling`` a step launches the next step on the device before it reads
 the tokens of the one in flight (``_step_overlapped``; serving.engine.async_scheduling says how,
 and what still waits for the tokens): its outputs are those of the step before.
+
+Under ``EngineConfig.decode_stall_target`` each ``step()`` call's wall time feeds the scheduler's
+step-time model (serving.engine.step_cost) with the tokens of the step it waited for: the step it
+ran, or under async scheduling the step it read (launched by the call before; in a steady stream
+the call lasts from one step's end on the device to the next's, so that step's time), one step
+late, which a model fitted over many steps does not notice.
 """
 
 from __future__ import annotations
@@ -129,6 +135,9 @@ class LLMEngine:
         self.last_step_tokens = 0
         # Async scheduling: the step launched and not yet read, with its token count.
         self._inflight: tuple[PendingStep, int] | None = None
+        # Tokens of the step whose end the current ``step()`` call waited for (0: none), timed for
+        # the step-time model under decode_stall_target.
+        self._timed_tokens = 0
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -263,8 +272,11 @@ class LLMEngine:
         async scheduling: in the step read here, launched by the call before). After the warm-up,
         a call slower than ``SLOW_STEP_S`` is counted (the first ones logged at WARNING)."""
         started = time.perf_counter()
+        self._timed_tokens = 0
         outputs = self._step()
         elapsed = time.perf_counter() - started
+        if self.scheduler.step_cost is not None and self._timed_tokens:
+            self.scheduler.step_cost.observe(self._timed_tokens, elapsed)
         if elapsed > SLOW_STEP_S and self.runner.warm_kernels is not None:
             self.runner.slow_steps += 1
             if self.runner.slow_steps <= _SLOW_STEPS_LOGGED:
@@ -282,7 +294,7 @@ class LLMEngine:
         if self.config.async_scheduling:
             return outputs + self._step_overlapped()
         plan = self.scheduler.schedule()
-        self.last_step_tokens = sum(num for _, num in plan.scheduled)
+        self.last_step_tokens = self._timed_tokens = sum(num for _, num in plan.scheduled)
         if not plan.scheduled:
             return outputs
         self._prepare(plan)
@@ -317,6 +329,7 @@ class LLMEngine:
                 self._inflight = previous  # still to read
                 raise
         self.last_step_tokens = launched or (previous[1] if previous is not None else 0)
+        self._timed_tokens = previous[1] if previous is not None else 0
         outputs = self._process(previous[0].result()) if previous is not None else []
         if logits is not None:
             try:

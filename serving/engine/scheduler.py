@@ -38,6 +38,15 @@ once it has waited longer than an aging period, admissions stop until running se
 free room, so no adapter waits longer than that plus the longest running sequence's remaining
 tokens.
 
+With ``decode_stall_target`` (the adaptive token budget, off by default) a step that decodes gives
+prompts only what keeps it within that many times the decode-only step's time, by the step-time
+model the engine feeds (serving.engine.step_cost): the budget becomes
+``stall_budget(fit, decode tokens, target, max_num_batched_tokens)`` once the decodes are scheduled.
+A step with no decodes, one taken before the model has a fit, and one whose oldest prompt without
+a first token (waiting or in its prefill) has waited ``decode_stall_max_wait_steps`` steps (the TTFT
+guard, so prompts never queue without bound behind short steps) keep the full budget. The model is
+the scheduler's only input about time; the scheduler reads no clock.
+
 With ``borrow_kv_memory`` (serving.engine.lora.borrow) each step first lets the borrower move the
 boundary between KV blocks and adapter rows: it is told the rank of the largest adapter that found
 no room in the step before, and the free blocks this step would take (every running sequence's
@@ -58,6 +67,7 @@ from serving.engine.fairness import Client, VirtualTokenCounter
 from serving.engine.lora.borrow import Borrower
 from serving.engine.lora.cache import LoRACache
 from serving.engine.sequence import Sequence, SequenceStatus
+from serving.engine.step_cost import StepCostModel, stall_budget
 
 
 @dataclass
@@ -75,6 +85,10 @@ class SchedulerStats:
     slot_waits: int = 0
     load_waits: int = 0
     fill_waits: int = 0
+    # decode_stall_target: steps whose budget the step-time model lowered, and steps the TTFT guard
+    # gave the full budget although the model had a fit.
+    budget_limited_steps: int = 0
+    wait_guard_steps: int = 0
 
 
 @dataclass(order=True)
@@ -86,10 +100,16 @@ class _Waiting:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora_cache: LoRACache | None, *,
-                 max_model_len: int | None = None, borrow: Borrower | None = None) -> None:
+                 max_model_len: int | None = None, borrow: Borrower | None = None,
+                 step_cost: StepCostModel | None = None) -> None:
         """``max_model_len``: the engine's context (the config's when None; unbounded if both are);
-        ``borrow``: the owner of the KV / adapter boundary, where the engine borrows KV memory."""
+        ``borrow``: the owner of the KV / adapter boundary, where the engine borrows KV memory;
+        ``step_cost``: the step-time model under ``decode_stall_target`` (a fresh one when None),
+        which the engine feeds; None when the target is off."""
         self.borrow = borrow
+        self.stall_target = config.decode_stall_target
+        self.max_prompt_wait = config.decode_stall_max_wait_steps
+        self.step_cost = None if self.stall_target is None else step_cost or StepCostModel()
         self._rows_wanted = 0  # the largest rank that found no room in the step before (borrow)
         self.max_model_len = max_model_len or config.max_model_len or sys.maxsize
         self.max_num_seqs = config.max_num_seqs
@@ -182,6 +202,8 @@ class Scheduler:
             self._rows_wanted = 0
 
         for decoding in (True, False):
+            if not decoding:  # the decodes are scheduled: what is left for prompts
+                budget = self._prompt_budget(now, budget, sum(scheduled.values()))
             for seq in list(self.running):
                 if budget == 0:
                     break
@@ -214,6 +236,38 @@ class Scheduler:
         if not preempted:
             budget = self._admit(now, budget, scheduled)
         return SchedulerOutput(list(scheduled.items()), preempted)
+
+    def _prompt_budget(self, now: int, budget: int, decodes: int) -> int:
+        """The tokens prompts may take in this step, ``budget`` being what the ``decodes`` left of
+        the full one: under ``decode_stall_target``, what keeps the step within the target by the
+        step-time model (module docstring), unless the TTFT guard holds."""
+        if self.step_cost is None or self.stall_target is None or decodes == 0:
+            return budget
+        fit = self.step_cost.fit()
+        if fit is None:
+            return budget
+        if now - self._oldest_prompt_arrival(now) >= self.max_prompt_wait:
+            self.stats.wait_guard_steps += 1
+            return budget
+        limit = stall_budget(fit, decodes, self.stall_target, self.max_num_batched_tokens)
+        if limit < self.max_num_batched_tokens:
+            self.stats.budget_limited_steps += 1
+        return max(0, min(budget, limit - decodes))
+
+    def _oldest_prompt_arrival(self, now: int) -> int:
+        """The arrival step of the oldest sequence with a prompt still to compute, waiting or running
+        (``now`` if none). Each waiting queue's head is its oldest (one tenant, adapter and priority
+        per queue, ordered by arrival). O(running + waiting queues)."""
+        oldest = now
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1:
+                oldest = min(oldest, seq.arrival_step)
+        for queue in self._waiting.values():
+            while queue and queue[0].seq.is_finished:
+                heapq.heappop(queue)  # finished while waiting: already uncounted (finish)
+            if queue:
+                oldest = min(oldest, queue[0].seq.arrival_step)
+        return oldest
 
     def _admit(self, now: int, budget: int, scheduled: dict[Sequence, int]) -> int:
         blocked: set[str | None] = set()

@@ -154,6 +154,16 @@ class ServerArgs:
         "put the adapter row pool inside the KV cache and move the boundary at run time: adapters waiting "
         "for rows borrow idle KV blocks, KV pressure takes them back (off by default; not with "
         "--tensor-parallel-size > 1; docs/adapter-memory.md)"))
+    decode_stall_target: Annotated[float | None, Flag(ENGINE)] = Field(
+        default=_ENGINE["decode_stall_target"], description=(
+        "the adaptive token budget: a step that carries decodes takes at most as many prompt tokens as keep it "
+        "within this many times a decode-only step's time, by step times measured as it runs (2.0: prompts "
+        "streaming in at most double the time per output token); --max-num-batched-tokens stays the ceiling. "
+        "Unset: off, every step may take the full budget (docs/serving-worker.md, \"The token budget\")"))
+    decode_stall_max_wait_steps: Annotated[int, Flag(ENGINE)] = Field(
+        default=_ENGINE["decode_stall_max_wait_steps"], gt=0, description=(
+        "with --decode-stall-target: once the oldest prompt without its first token has waited this many "
+        "steps, the step takes the full budget, so prompts never queue without bound behind short steps"))
     # None: on for one CUDA device (engine_config decides).
     async_scheduling: Annotated[bool | None, Flag(ENGINE, negatable=True)] = Field(default=None, description=(
         "schedule and launch each step while the one before still runs on the GPU (vLLM's flag; by "

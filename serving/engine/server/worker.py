@@ -67,6 +67,8 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_dora=args.enable_dora,
         borrow_kv_memory=args.borrow_kv_memory,
+        decode_stall_target=args.decode_stall_target,
+        decode_stall_max_wait_steps=args.decode_stall_max_wait_steps,
         async_scheduling=bool(args.async_scheduling),
         quantization=args.quantization,
         grammar=GrammarBudget(timeout=args.grammar_compile_timeout, workers=args.grammar_compile_workers,

@@ -20,6 +20,7 @@ FLAGS = """--model --host --port --served-model-name --api-key --max-loras --max
 --max-num-seqs --max-num-batched-tokens --max-model-len --block-size --num-gpu-blocks-override
 --gpu-memory-utilization --dtype --device --load-format --seed --enforce-eager --tensor-parallel-size -tp
 --enable-prefix-caching --no-enable-prefix-caching --enable-dora --no-enable-dora --borrow-kv-memory --async-scheduling --no-async-scheduling --quantization
+--decode-stall-target --decode-stall-max-wait-steps
 --engine-process --no-engine-process --warmup --no-warmup --grammar-compile-timeout --grammar-compile-workers
 --grammar-tenant-share
 --max-grammar-schema-depth --max-queued-requests --timeout-graceful-shutdown --header-timeout --body-timeout
@@ -49,7 +50,7 @@ def test_the_engine_defaults_are_the_engine_configs_written_once() -> None:
     for name in ("max_loras", "max_cpu_loras", "lora_memory_fraction", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "dtype", "device", "load_format",
                  "seed", "enforce_eager", "tensor_parallel_size", "enable_prefix_caching", "quantization",
-                 "borrow_kv_memory"):
+                 "borrow_kv_memory", "decode_stall_target", "decode_stall_max_wait_steps"):
         assert getattr(args, name) == engine[name], name
     grammar = GrammarBudget()
     assert (args.grammar_compile_timeout, args.grammar_compile_workers, args.max_grammar_schema_depth) == \
