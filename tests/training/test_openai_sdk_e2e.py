@@ -136,7 +136,9 @@ def cancel_a_running_job(client: openai.OpenAI, file_id: str) -> None:
     running = client.fine_tuning.jobs.retrieve(job.id)
     assert running.status == "running" and running.estimated_finish >= running.created_at
     assert running.trained_tokens is None  # OpenAI's: known once the job ended
-    assert client.fine_tuning.jobs.cancel(job.id).status == "running"  # it stops before its next step
+    # It stops before its next step: the answer, read back after the cancel is written, says running, or
+    # cancelled where the worker's next step came first (a step of the tiny model takes milliseconds).
+    assert client.fine_tuning.jobs.cancel(job.id).status in ("running", "cancelled")
     seen, job = wait_final(client, job.id)
     assert job.status == "cancelled" and job.fine_tuned_model is None
     row = TrainingJob.objects.get(pk=pk)
