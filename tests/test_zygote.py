@@ -82,6 +82,33 @@ def test_threads_are_joined_and_atexit_runs_before_the_exit(tmp_path: Path) -> N
     assert log.read_text().splitlines() == ["thread finished", "atexit ran"]
 
 
+def test_pass_fds_reach_the_child_at_their_numbers_and_no_other_descriptor_does(tmp_path: Path) -> None:
+    """As Popen's pass_fds (the grammar pool hands its forker a socket this way): each descriptor at
+    its own number, inheritable; the zygote's own listener and connections are not the child's."""
+    write_module(tmp_path, "descriptors", (
+        "import json, os, sys\n"
+        "fds = [int(fd) for fd in sys.argv[1:]]\n"
+        "for fd in fds:\n    os.write(fd, str(fd).encode())\n"
+        "print(json.dumps({'open': sorted(int(fd) for fd in os.listdir('/proc/self/fd')),\n"
+        "                  'inheritable': [os.get_inheritable(fd) for fd in fds]}))\n"))
+    pipes = [os.pipe() for _ in range(3)]
+    # Numbers out of order and far apart, so one placed must not overwrite another still to be placed.
+    wanted = [pipes[2][1], pipes[0][1], os.dup2(pipes[1][1], 60)]
+    try:
+        process, log = start(tmp_path, "descriptors", *map(str, wanted), pass_fds=wanted)
+        assert isinstance(process, zygote.ZygoteProcess)
+        assert process.wait(60) == 0, log.read_text()
+        written = [os.read(read, 16) for read, _ in pipes]
+    finally:
+        for fd in {*wanted, *(end for pipe in pipes for end in pipe)}:
+            os.close(fd)
+    assert written == [str(pipes[0][1]).encode(), b"60", str(pipes[2][1]).encode()]
+    report = json.loads(log.read_text())
+    assert report["inheritable"] == [True, True, True]
+    # Its standard streams, what it was handed, and the listing's own descriptor (/proc/self/fd read).
+    assert set(wanted) | {0, 1, 2} <= set(report["open"]) and len(report["open"]) == len(wanted) + 4
+
+
 def test_signals_and_sessions_work_as_with_popen(tmp_path: Path) -> None:
     write_module(tmp_path, "waits", "import os, time\nprint(os.getpgid(0), os.getsid(0), flush=True)\ntime.sleep(120)\n")
     process, log = start(tmp_path, "waits", start_new_session=True)

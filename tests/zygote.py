@@ -10,11 +10,11 @@ milliseconds, and the pages stay shared.
 `popen(argv, ...)` takes what `subprocess.Popen` takes for `[sys.executable, "-m", module, ...]`
 and returns a handle with the part of Popen the suite uses (pid, returncode, poll, wait,
 send_signal, terminate, kill). The child runs the module as `python -m` would: as `__main__`,
-with the argv, working directory, environment and standard streams asked for, in a session of
-its own if asked, with the default signal handlers, and ends as a cold interpreter ends
-(non-daemon threads joined, atexit handlers run, exit status or signal). Anything else falls back
-to a real Popen: another program or `-c`, a pipe or /dev/null asked for. `LORAPLEX_TEST_ZYGOTE=0`
-turns it off.
+with the argv, working directory, environment, standard streams and `pass_fds` (at the same
+numbers) asked for, in a session of its own if asked, with the default signal handlers, and ends
+as a cold interpreter ends (non-daemon threads joined, atexit handlers run, exit status or
+signal). Anything else falls back to a real Popen: another program or `-c`, a pipe or /dev/null
+asked for. `LORAPLEX_TEST_ZYGOTE=0` turns it off.
 
 A zygote is started by the test process (each xdist worker) at the first `popen` of each set of
 values it is asked for in the variables read at import time (HF_*, TRITON_*, OMP_*, PYTHONPATH,
@@ -27,6 +27,7 @@ multiprocessing's fork server, and its children as the test's.
 from __future__ import annotations
 
 import array
+import fcntl
 import functools
 import json
 import os
@@ -66,6 +67,8 @@ _IMPORT_TIME_NAMES = frozenset({"C_FAKEFORK", "C_BENCH", "CELERY_BENCH", "C_REMD
 # Applied in the child, so they need not match.
 _APPLIED_IN_CHILD = {"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
 _MAX_MESSAGE = 1 << 20
+# The most descriptors a child may be handed besides its standard streams (`pass_fds`).
+_MAX_PASS_FDS = 8
 
 
 def _import_time_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -143,7 +146,7 @@ class _Zygote:
                                         stdin=subprocess.PIPE, env=env)
 
     def start(self, args: Sequence[str], *, cwd: str, env: Mapping[str, str], fds: Sequence[int],
-              start_new_session: bool) -> ZygoteProcess:
+              pass_fds: Sequence[int], start_new_session: bool) -> ZygoteProcess:
         deadline = time.monotonic() + 120
         while True:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -156,8 +159,8 @@ class _Zygote:
                     raise RuntimeError(f"the zygote did not start (exit {self.process.returncode})") from None
                 time.sleep(0.05)
         request = {"module": args[2], "argv": list(args[3:]), "cwd": cwd, "env": dict(env),
-                   "start_new_session": start_new_session}
-        socket.send_fds(connection, [json.dumps(request).encode()], list(fds))
+                   "start_new_session": start_new_session, "pass_fds": list(pass_fds)}
+        socket.send_fds(connection, [json.dumps(request).encode()], [*fds, *pass_fds])
         pid = json.loads(connection.recv(_MAX_MESSAGE))["pid"]
         return ZygoteProcess(connection, pid, args)
 
@@ -204,20 +207,23 @@ def _stream_fd(stream: int | IO[Any] | None, own: int) -> int | None:
 
 def popen(args: Sequence[str], *, cwd: str | Path | None = None, env: Mapping[str, str] | None = None,
           stdin: int | IO[Any] | None = None, stdout: int | IO[Any] | None = None,
-          stderr: int | IO[Any] | None = None, start_new_session: bool = False) -> subprocess.Popen | ZygoteProcess:
+          stderr: int | IO[Any] | None = None, start_new_session: bool = False,
+          pass_fds: Sequence[int] = ()) -> subprocess.Popen | ZygoteProcess:
     """`subprocess.Popen(args, ...)`, forked from the zygote when it can be (the module docstring)."""
     env = dict(os.environ if env is None else env)
-    cold = dict(cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=start_new_session)
+    cold = dict(cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=start_new_session,
+                pass_fds=tuple(pass_fds))
     fds = [_stream_fd(stdin, 0), _stream_fd(stdout, 1), _stream_fd(stderr, 2)]
     if stderr == subprocess.STDOUT:
         fds[2] = fds[1]
     if stdin == subprocess.DEVNULL or stdout == subprocess.DEVNULL or stderr == subprocess.DEVNULL:
         return subprocess.Popen(args, **cold)
     if (os.environ.get(ENABLED_VAR) == "0" or len(args) < 3 or args[0] != sys.executable or args[1] != "-m"
-            or None in fds):
+            or None in fds or len(pass_fds) > _MAX_PASS_FDS or any(fd <= 2 for fd in pass_fds)):
         return subprocess.Popen(args, **cold)
     return _zygote_for(env).start(args, cwd=str(cwd or os.getcwd()), env=env,
-                                  fds=[fd for fd in fds if fd is not None], start_new_session=start_new_session)
+                                  fds=[fd for fd in fds if fd is not None], pass_fds=pass_fds,
+                                  start_new_session=start_new_session)
 
 
 # ---- the zygote's side ---------------------------------------------------------------------------
@@ -291,19 +297,25 @@ def _finish() -> None:
 
 def _fork(connection: socket.socket, own: list[int]) -> int | None:
     """Read one request from `connection` and fork its child; its pid, or None for a bad request."""
-    message, fds, _, _ = socket.recv_fds(connection, _MAX_MESSAGE, 3)
-    if not message or len(fds) != 3:
+    message, fds, _, _ = socket.recv_fds(connection, _MAX_MESSAGE, 3 + _MAX_PASS_FDS)
+    request = json.loads(message) if message else None
+    if request is None or len(fds) != 3 + len(request["pass_fds"]):
         for fd in fds:
             os.close(fd)
         return None
-    request = json.loads(message)
     pid = os.fork()
     if pid == 0:
-        for index, fd in enumerate(fds):
+        for index, fd in enumerate(fds[:3]):
             os.dup2(fd, index)
+        # Above every number asked for, so placing one never overwrites another still to be placed.
+        floor = max([2, *request["pass_fds"]]) + 1
+        passed = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds[3:]]
         for fd in {*fds, *own, connection.fileno()}:
             if fd > 2:
                 os.close(fd)
+        for fd, number in zip(passed, request["pass_fds"]):
+            os.dup2(fd, number)  # inheritable, as Popen's pass_fds leaves them
+            os.close(fd)
         _run_child(request)
     for fd in fds:
         os.close(fd)

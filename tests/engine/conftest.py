@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from serving.engine import process_engine
+from serving.engine import grammar_pool, process_engine
 from serving.engine.distributed import driver
 from serving.engine.tiny import ARCHS, build_tiny_model, save_random_peft_adapter
 from tests import zygote
@@ -88,6 +88,37 @@ def engine_core_forked() -> Iterator[None]:
     # Module-scoped, for the modules' shared engines; a namespace of its own, not the module's attribute.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(process_engine, "multiprocessing", SimpleNamespace(get_context=get_context))
+        yield
+
+
+def _grammar_forker_popen(args: Sequence[str], *, stdin: Any = None, **options: Any) -> Any:
+    """The grammar pool's `subprocess.Popen` for the forker of an engine in this test process: the same
+    `python -m serving.engine.grammar_worker FD`, environment and socket at the same descriptor,
+    forked from the zygote (tests/zygote.py) instead of started cold, 2.2 s of CPU a forker spent
+    importing xgrammar (and with it torch and transformers). Its /dev/null is opened here, as the zygote
+    takes descriptors (it starts cold what asks for DEVNULL). A stub's command, not `-m`, still starts
+    cold (zygote.popen)."""
+    if stdin != subprocess.DEVNULL:
+        return zygote.popen(args, stdin=stdin, **options)
+    with open(os.devnull, "rb") as devnull:  # the child has its own copy once started
+        return zygote.popen(args, stdin=devnull.fileno(), **options)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def grammar_forker_forked() -> Iterator[None]:
+    """Every in-process engine's grammar forker forked from the zygote (`_grammar_forker_popen`). It runs
+    the forker's own code, which forks the compiling processes, kills them, limits their memory and
+    ends when its pool's socket closes, as when started cold; what differs is its parent, the zygote
+    (it dies with it, not with the test process, and leaves with its socket anyway). Module-scoped
+    and automatic: module-scoped engines start theirs in a module's set-up, and nothing of an in-process
+    pool's tests reads its forker's parent. The pool's lifecycle with a cold forker stays tested by the
+    stub pools (their command is no `-m`) and by ProcessEngine's engine-core child, whose pool is its
+    own (test_grammar_pool.py); a serving worker's pool, in a process of its own, starts cold too."""
+    with pytest.MonkeyPatch.context() as patch:
+        # A namespace of its own: patching the subprocess module itself would reach every caller's Popen.
+        patch.setattr(grammar_pool, "subprocess", SimpleNamespace(Popen=_grammar_forker_popen,
+                                                                  DEVNULL=subprocess.DEVNULL,
+                                                                  TimeoutExpired=subprocess.TimeoutExpired))
         yield
 
 
