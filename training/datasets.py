@@ -208,8 +208,9 @@ class _HashingStream:
 def _base_tokenizer() -> Any | None:
     if not (Path(settings.BASE_MODEL_PATH) / "config.json").is_file():
         return None
-    # Imported here: it loads torch and transformers, which the web process does not need.
-    from training.trainer import load_tokenizer
+    # Imported here: it loads torch and transformers, which the web process does not need (nor the
+    # `quick` worker until its pool process checks its first file).
+    from training.tokenizer import load_tokenizer
 
     return load_tokenizer(str(settings.BASE_MODEL_PATH))
 

@@ -4,12 +4,16 @@
 `training_job_run` to the `training` queue (settings.CELERY_TASK_ROUTES), each with a worker of its
 own, so long jobs never hold up quick work. Late acks and reject-on-worker-lost (settings) put a job's task back on the queue when its
 worker dies; the service makes any redelivery safe.
+
+Nothing here imports the trainer at a worker's start: the pool process whose task needs torch,
+transformers and PEFT imports them then, so a worker that runs no such task never pays their
+seconds of CPU (docs/training.md, "Running workers").
 """
 
 from __future__ import annotations
 
 from celery import Task, shared_task
-from celery.signals import worker_init, worker_ready
+from celery.signals import worker_ready
 
 from training import conf, datasets, run, scratch, sweep, uploads
 
@@ -46,14 +50,6 @@ def training_jobs_sweep() -> None:
 @shared_task(name="training.tasks.uploads_expire", ignore_result=True)
 def uploads_expire() -> None:
     uploads.uploads_expire()
-
-
-@worker_init.connect
-def trainer_preload(**_: object) -> None:
-    """The trainer's imports (torch, transformers, PEFT: seconds, more on a loaded machine) in the
-    worker's main process before its pool forks, so a job's run, a resumed one above all, starts
-    without paying them. Imports only: CUDA must not be initialised before the fork."""
-    import training.trainer  # noqa: F401
 
 
 @worker_ready.connect

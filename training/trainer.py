@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from training.checkpointing import disable_checkpointing, enable_checkpointing
 from training.compiled_layers import compile_wanted, compiled_layers
@@ -56,6 +56,7 @@ from training.packed_attention import use_packed_attention
 from training.schedules import lr_lambda
 from training.preference import TrainItem
 from training.steps import StepOutcome, evaluation_loss, train_step
+from training.tokenizer import load_tokenizer
 
 # The directory of a checkpoint: PEFT's two adapter files, then these (the state file is written
 # last and marks the checkpoint complete).
@@ -94,11 +95,6 @@ def load_base(path: str) -> LoadedBase:
     for param in model.parameters():
         param.requires_grad_(False)
     return LoadedBase(model=model, tokenizer=load_tokenizer(path), path=path, device=device)
-
-
-@lru_cache(maxsize=2)
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path)
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,11 @@ def test_launcher_comes_up_and_prints_where_to_go(first_run: Launcher) -> None:
     assert re.search(r"user 'admin', password \S+ +\(shown this once\)", launcher.output)
     assert (launcher.var_dir / "models" / "tiny-llama" / "config.json").is_file()
     assert processes_with(f"worker-{launcher.process.pid}@"), "the Celery worker is not running"
+    # A worker's start leaves torch to the pool process whose task needs it (docs/training.md,
+    # "Running workers"): imported by the main process, it cost every start 4-5 s of CPU.
+    for marker in (f"worker-{launcher.process.pid}@", f"training-{launcher.process.pid}@"):
+        maps = (Path("/proc") / str(launcher.child(marker)) / "maps").read_text()
+        assert "libtorch" not in maps, f"the Celery worker {marker} imported torch at its start"
     assert f"http://127.0.0.1:{launcher.serving_port}/v1/" in launcher.output
     key_file = launcher.var_dir / "serving-worker-api-key"
     assert f"key in {key_file}" in launcher.output
