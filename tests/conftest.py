@@ -6,12 +6,14 @@ side by side with their own keys.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -37,8 +39,13 @@ _DEADLOCK_DETECTED = "40P01"
 _FLUSH_ATTEMPTS = 5
 
 
+# The attribute of a schemathesis test's stand-in that builds the real test (_defer_schemathesis_builds).
+_SCHEMATHESIS_BUILD = "_loraplex_schemathesis_build"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "postgresql: takes row locks; skipped, and announced, on SQLite")
+    _defer_schemathesis_builds()
     try:
         from django.db.models.signals import post_migrate
     except ImportError:  # the accelerator machine has no Django
@@ -93,6 +100,51 @@ def _flush_postgresql_by_delete() -> None:
                 time.sleep(0.1 * (attempt + 1))
 
     DatabaseOperations.execute_sql_flush = execute_sql_flush
+
+
+def _defer_schemathesis_builds() -> None:
+    """A test of `schema.parametrize()` is built for each operation when it runs, not when collected.
+
+    schemathesis's pytest plugin builds each operation's Hypothesis test (its explicit examples and
+    coverage cases drawn from the schema) while collecting, one test item per operation: 2.6 s of
+    CPU for tests/lora_platform/test_api_schemathesis.py's 53 operations, and every xdist worker
+    collects every file though one runs it. The items stay as they were (one per operation, same
+    ids, same fixtures); each holds a stand-in of the same signature, replaced by the test
+    schemathesis builds, from the same arguments, when the item is set up (pytest_runtest_setup
+    below), so its plugin and Hypothesis's see the real test at call time. schemathesis's builder
+    is reached through its module (the plugin imports it when it collects), hence the patch.
+    """
+    try:
+        from schemathesis.pytest import _test_builder
+    except ImportError:  # the accelerator machine has no schemathesis
+        return
+    build = _test_builder.build_operation_test
+
+    def deferred(*, test_func: Callable[..., object], given_kwargs: dict[str, object],
+                 **arguments: Any) -> Callable[..., object]:
+        def stand_in(*args: object, **kwargs: object) -> None:
+            raise AssertionError("a schemathesis test ran before it was built (pytest_runtest_setup builds it)")
+
+        # What pytest reads while collecting: the marks and attributes (as Hypothesis's wrapper
+        # copies them), and the signature less the arguments Hypothesis draws (`case`, given_kwargs).
+        stand_in.__dict__.update(test_func.__dict__)
+        signature = inspect.signature(test_func)
+        stand_in.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[parameter for name, parameter in signature.parameters.items()
+                        if name != "case" and name not in given_kwargs])
+        stand_in.is_hypothesis_test = True  # type: ignore[attr-defined]
+        setattr(stand_in, _SCHEMATHESIS_BUILD,
+                functools.partial(build, test_func=test_func, given_kwargs=given_kwargs, **arguments))
+        return stand_in
+
+    _test_builder.build_operation_test = deferred
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    build = getattr(getattr(item, "obj", None), _SCHEMATHESIS_BUILD, None)
+    if build is not None:
+        item._obj = build()  # type: ignore[attr-defined]
 
 
 def _tiers_reseed(sender: object, using: str, **kwargs: object) -> None:
