@@ -132,7 +132,7 @@ def relay() -> Iterator[RedisRelay]:
 @pytest.fixture(scope="module")
 def web_via_relay(start_web, relay: RedisRelay):
     """A web process that reaches Redis only through the relay (workers register directly)."""
-    return start_web(REDIS_URL=relay.url, GATEWAY_REDIS_RETRY_SECONDS="0.5")
+    return start_web(REDIS_URL=relay.url, GATEWAY_REDIS_RETRY_SECONDS="0.5", GATEWAY_REDIS_TIMEOUT="0.25")
 
 
 def metric(web, name: str) -> float:
