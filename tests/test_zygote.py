@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -93,7 +94,10 @@ def test_pass_fds_reach_the_child_at_their_numbers_and_no_other_descriptor_does(
         "                  'inheritable': [os.get_inheritable(fd) for fd in fds]}))\n"))
     pipes = [os.pipe() for _ in range(3)]
     # Numbers out of order and far apart, so one placed must not overwrite another still to be placed.
-    wanted = [pipes[2][1], pipes[0][1], os.dup2(pipes[1][1], 60)]
+    # The far one is a free number (F_DUPFD: the lowest free at or above its floor): a dup2 onto a fixed
+    # number would close whatever the test process holds there, a pipe end above included.
+    far = fcntl.fcntl(pipes[1][1], fcntl.F_DUPFD, max(end for pipe in pipes for end in pipe) + 20)
+    wanted = [pipes[2][1], pipes[0][1], far]
     try:
         process, log = start(tmp_path, "descriptors", *map(str, wanted), pass_fds=wanted)
         assert isinstance(process, zygote.ZygoteProcess)
@@ -102,7 +106,7 @@ def test_pass_fds_reach_the_child_at_their_numbers_and_no_other_descriptor_does(
     finally:
         for fd in {*wanted, *(end for pipe in pipes for end in pipe)}:
             os.close(fd)
-    assert written == [str(pipes[0][1]).encode(), b"60", str(pipes[2][1]).encode()]
+    assert written == [str(pipes[0][1]).encode(), str(far).encode(), str(pipes[2][1]).encode()]
     report = json.loads(log.read_text())
     assert report["inheritable"] == [True, True, True]
     # Its standard streams, what it was handed, and the listing's own descriptor (/proc/self/fd read).
