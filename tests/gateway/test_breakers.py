@@ -24,6 +24,7 @@ from resilience_support import Clock, dead_redis_url, redis_relay
 
 from runtime.breakers import BreakerConfig, CircuitBreakers, Outcome, State
 from runtime.redis_guard import RedisGuard
+from tests.conftest import SLOW_REDIS_S
 
 REPO = Path(__file__).resolve().parents[2]
 S, F, I = Outcome.SUCCESS, Outcome.FAILURE, Outcome.IGNORED
@@ -51,7 +52,8 @@ def run(redis_url: str, body: Callable[[CircuitBreakers, Clock, str], Awaitable[
         # refused at once, so the local backend does not wait for them.)
         client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
         clock = Clock()
-        breakers = CircuitBreakers(client, config or BreakerConfig(), guard=RedisGuard(), clock=clock)
+        breakers = CircuitBreakers(client, config or BreakerConfig(), guard=RedisGuard(timeout_s=SLOW_REDIS_S),
+                                   clock=clock)
         try:
             await body(breakers, clock, f"t/adapter-{uuid.uuid4().hex[:8]}@1.0.0")
         finally:

@@ -20,6 +20,7 @@ from serving.gateway.errors import GatewayError
 from serving.gateway.key_budget import RESERVATION_HOLD_S, KeyBudgets, Month, Reservation, counter_key, spend_add
 from serving.gateway.records import Call, Caller, KeyControls, Target, TierLimits
 from runtime.redis_guard import RedisGuard
+from tests.conftest import SLOW_REDIS_S
 
 TIER = TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=51_200, max_tokens_per_request=256,
                   priority=1, degradation_allowed=True)
@@ -142,7 +143,7 @@ def test_a_reservation_never_released_lapses_and_a_late_release_takes_nothing_tw
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url())
-        budgets, guard = KeyBudgets(client), RedisGuard()
+        budgets, guard = KeyBudgets(client), RedisGuard(timeout_s=SLOW_REDIS_S)
         try:
             first = await budgets.reserve(prefix, 100, 150, now=NOW, guard=guard, recorded=nothing_recorded)
             assert first is not None and first.reservation is not None

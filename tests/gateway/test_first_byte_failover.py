@@ -27,6 +27,7 @@ from serving.gateway.routing import WorkerView
 from serving.gateway.stream_http import FirstByteTimeout, StreamPool
 from serving.gateway.worker_watch import unless_worker_gone
 from runtime.redis_guard import RedisGuard
+from tests.conftest import SLOW_REDIS_S
 from serving.contracts.registry import worker_key
 
 TIER = TierLimits(name="standard", requests_per_minute=200, tokens_per_minute=51_200, max_tokens_per_request=256,
@@ -166,7 +167,7 @@ def test_a_whole_replys_silent_worker_is_failed_over_once_it_left_the_registry(r
 def test_a_whole_reply_waits_while_its_worker_heartbeats_and_not_for_another_instance(redis_client) -> None:
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url())
-        guard, view = RedisGuard(), replace(worker("w1", "http://127.0.0.1:1"), started_at=5.0)
+        guard, view = RedisGuard(timeout_s=SLOW_REDIS_S), replace(worker("w1", "http://127.0.0.1:1"), started_at=5.0)
         await client.set(worker_key("w1"), json.dumps({"worker_id": "w1", "started_at": 5.0}), ex=60)
         reads = 0
         real_get = client.get

@@ -17,6 +17,7 @@ from serving.gateway.quotas import TokenBuckets
 from serving.gateway.records import Caller, KeyControls, TierLimits
 from serving.gateway.request_buckets import RequestBuckets
 from runtime.redis_guard import RedisGuard
+from tests.conftest import SLOW_REDIS_S
 
 # Counters expire a week after their month, so the Redis tests use this month and the next.
 THIS_MONTH = Month.of(time.time())
@@ -52,7 +53,7 @@ def test_records_add_up_in_their_own_months_counter_and_the_seed_is_added_once(r
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url())
-        budgets, guard = KeyBudgets(client), RedisGuard()
+        budgets, guard = KeyBudgets(client), RedisGuard(timeout_s=SLOW_REDIS_S)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 spend_add(pipe, prefix, 30, MID_NEXT)
@@ -91,8 +92,8 @@ def test_a_key_with_no_counter_yet_is_seeded_from_all_of_the_months_records_up_t
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url())
         try:
-            verdict = await KeyBudgets(client).reserve(prefix, 100, 5, now=MID_NEXT, guard=RedisGuard(),
-                                                       recorded=recorded)
+            verdict = await KeyBudgets(client).reserve(prefix, 100, 5, now=MID_NEXT,
+                                                       guard=RedisGuard(timeout_s=SLOW_REDIS_S), recorded=recorded)
         finally:
             await client.aclose()
         assert verdict is not None and verdict.spend.tokens == 7 and verdict.reservation is not None
