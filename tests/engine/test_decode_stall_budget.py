@@ -20,6 +20,7 @@ from serving.engine.sequence import Sequence
 from serving.engine.server.cli import parse_args
 from serving.engine.server.worker import engine_config
 from serving.engine.step_cost import MIN_PREFILL_CHUNK, StepCostFit, StepCostModel, stall_budget
+from tests.engine.test_scheduler import _step  # schedule, then count and sample as the engine does
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,16 +91,6 @@ def _scheduler(tmp_path: Path, model: StepCostModel | None, **kwargs: float) -> 
 def _seq(name: str, prompt_len: int) -> Sequence:
     return Sequence(request_id=name, prompt=None, prompt_token_ids=list(range(1, prompt_len + 1)),
                     sampling_params=SamplingParams(), detokenizer=None)  # type: ignore[arg-type]
-
-
-def _step(scheduler: Scheduler) -> SchedulerOutput:
-    """Schedule, then do what the engine does: count computed tokens, append a sampled token."""
-    out = scheduler.schedule()
-    for seq, num in out.scheduled:
-        seq.num_computed_tokens += num
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-    return out
 
 
 def _decoders(scheduler: Scheduler, count: int) -> None:
