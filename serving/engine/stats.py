@@ -121,6 +121,10 @@ class EngineStats:
     cold_steps: tuple[ColdStep, ...] = ()
     # Engine steps since the warm-up slower than llm_engine.SLOW_STEP_S.
     slow_steps: int = 0
+    # The adaptive token budget (EngineConfig.decode_stall_target): steps whose token budget the
+    # step-time model lowered, and steps the TTFT guard gave the full budget though the model had a fit.
+    budget_limited_steps: int = 0
+    wait_guard_steps: int = 0
 
 
 def lora_infos(cache: LoRACache, names: Collection[str] | None = None) -> list[LoRAInfo]:
@@ -183,6 +187,8 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
         slot_evictions=lora.slot_evictions if lora else 0,
         cpu_evictions=lora.cpu_evictions if lora else 0,
         slot_waits=scheduler.stats.slot_waits,
+        budget_limited_steps=scheduler.stats.budget_limited_steps,
+        wait_guard_steps=scheduler.stats.wait_guard_steps,
         slot_hits=lora.slot_hits if lora else 0,
         slot_misses=lora.slot_misses if lora else 0,
         lora_rows_total=runner.memory.lora_rows,

@@ -269,3 +269,33 @@ def test_greedy_tokens_are_the_same_with_the_budget_limited(engines: dict[str, L
             del scheduler.schedule
         assert got == expected, name
         assert MIN_PREFILL_CHUNK in chunks and max(chunks) <= MIN_PREFILL_CHUNK, f"{name}: limited chunks {chunks}"
+
+
+def test_the_budgets_decisions_are_counted_on_the_workers_metrics(engines: dict[str, LLM]) -> None:
+    """What tunes the target and the guard on a live worker: /metrics counts the steps the model
+    limited and those the guard overrode, as the scheduler counted them (zero with the option off)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.engine.server.metrics import ServerMetrics
+
+    def counters(engine_name: str) -> dict[str, float]:
+        text = ServerMetrics().render(engines[engine_name].llm_engine.stats(), None).decode()
+        return {sample.name: sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name.startswith("loraplex_engine_")}  # fmt: skip
+
+    scheduler = engines["on"].llm_engine.scheduler
+    scheduler.step_cost = Fixed()
+    guard, scheduler.max_prompt_wait = scheduler.max_prompt_wait, 2  # the long prompt waits longer: it fires
+    try:
+        engines["on"].generate(PROMPTS, GREEDY)
+    finally:
+        scheduler.max_prompt_wait = guard
+    stats = scheduler.stats
+    assert stats.budget_limited_steps > 0 and stats.wait_guard_steps > 0
+    on = counters("on")
+    assert on["loraplex_engine_budget_limited_steps_total"] == stats.budget_limited_steps
+    assert on["loraplex_engine_wait_guard_steps_total"] == stats.wait_guard_steps
+    engines["off"].generate(PROMPTS, GREEDY)
+    off = counters("off")
+    assert off["loraplex_engine_budget_limited_steps_total"] == 0
+    assert off["loraplex_engine_wait_guard_steps_total"] == 0

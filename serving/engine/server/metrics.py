@@ -131,6 +131,19 @@ class _EngineCollector(_StatsCollector[EngineStats]):
                 "Engine steps since the warm-up that took over 250 ms (the first 20 are logged at WARNING).",
                 value=stats.slow_steps,
             )
+        # The adaptive token budget's decisions (--decode-stall-target; zero while it is off): how often
+        # the step-time model held prompts back for the decodes' sake, and how often the TTFT guard
+        # overrode it. Their ratio is what tunes the target and the guard (docs/serving-worker.md).
+        yield CounterMetricFamily(
+            "loraplex_engine_budget_limited_steps",
+            "Steps whose token budget the adaptive budget (--decode-stall-target) lowered to keep decodes fast.",
+            value=stats.budget_limited_steps,
+        )
+        yield CounterMetricFamily(
+            "loraplex_engine_wait_guard_steps",
+            "Steps given the full token budget because a prompt had waited --decode-stall-max-wait-steps steps.",
+            value=stats.wait_guard_steps,
+        )
         if stats.cold_steps:
             # One series per cold key, so that one GPU run names the shapes the warm-up missed and
             # what each cost the step that met it first (the worker logs each once, at WARNING).
