@@ -180,3 +180,34 @@ def test_what_it_cannot_fork_is_started_cold(tmp_path: Path) -> None:
     inline = zygote.popen([sys.executable, "-c", "pass"], stdout=subprocess.DEVNULL)
     assert isinstance(inline, subprocess.Popen)
     assert inline.wait(60) == 0
+
+
+def test_a_childs_grammar_forker_comes_from_its_own_zygote_when_the_import_time_values_match(tmp_path: Path) -> None:
+    """A serving worker forked from the zygote has its grammar pool's forker forked from the same zygote
+    (its parent then), with /dev/null for stdin, its descriptor passed and its exit status waited for
+    as with Popen; asked for other import-time values, the forker starts cold, the worker's child."""
+    write_module(tmp_path, "grandchild", (
+        "import json, os, sys\n"
+        "os.write(int(sys.argv[1]), json.dumps({'parent': os.getppid(),\n"
+        "                                       'stdin': os.readlink('/proc/self/fd/0')}).encode())\n"
+        "sys.exit(5)\n"))
+    write_module(tmp_path, "pool_user", (
+        "import json, os, subprocess, sys\n"
+        "from serving.engine import grammar_pool\n"
+        "def run(env):\n"
+        "    read, write = os.pipe()\n"
+        "    process = grammar_pool.subprocess.Popen([sys.executable, '-m', 'grandchild', str(write)],\n"
+        "                                            pass_fds=(write,), env=env, stdin=subprocess.DEVNULL)\n"
+        "    os.close(write)\n"
+        "    code = process.wait(60)\n"
+        "    return code, json.loads(os.read(read, 4096))\n"
+        "same = run(dict(os.environ))\n"
+        "other = run({**os.environ, 'OMP_NUM_THREADS': str(int(os.environ.get('OMP_NUM_THREADS', '1')) + 2)})\n"
+        "print(json.dumps({'me': os.getpid(), 'parent': os.getppid(), 'same': same, 'other': other}))\n"))
+    process, log = start(tmp_path, "pool_user")
+
+    assert isinstance(process, zygote.ZygoteProcess)
+    assert process.wait(120) == 0, log.read_text()
+    report = json.loads(log.read_text().splitlines()[-1])
+    assert report["same"] == [5, {"parent": report["parent"], "stdin": os.devnull}]
+    assert report["other"] == [5, {"parent": report["me"], "stdin": os.devnull}]

@@ -29,6 +29,9 @@ from __future__ import annotations
 import array
 import fcntl
 import functools
+import importlib
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import selectors
@@ -38,8 +41,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,12 +142,16 @@ class ZygoteProcess:
 
 
 class _Zygote:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], name: str | None = None) -> None:
+        """A zygote started with `env`; or, with `name`, the running one of that name (a zygote's child
+        asking its own parent, `_zygote_for`): no process of ours to watch then."""
         # An abstract socket (the leading NUL): nothing on disk to clean up.
-        self.name = f"loraplex-test-zygote-{os.getpid()}-{time.monotonic_ns()}"
+        self.name = name or f"loraplex-test-zygote-{os.getpid()}-{time.monotonic_ns()}"
         self.address = "\0" + self.name
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.name], cwd=ROOT,
-                                        stdin=subprocess.PIPE, env=env)
+        self.process: subprocess.Popen[bytes] | None = None
+        if name is None:
+            self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.name], cwd=ROOT,
+                                            stdin=subprocess.PIPE, env=env)
 
     def start(self, args: Sequence[str], *, cwd: str, env: Mapping[str, str], fds: Sequence[int],
               pass_fds: Sequence[int], start_new_session: bool) -> ZygoteProcess:
@@ -155,8 +163,9 @@ class _Zygote:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 connection.close()
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the zygote did not start (exit {self.process.returncode})") from None
+                if self.process is None or self.process.poll() is not None or time.monotonic() > deadline:
+                    ended = "gone" if self.process is None else f"exit {self.process.returncode}"
+                    raise RuntimeError(f"the zygote did not start ({ended})") from None
                 time.sleep(0.05)
         request = {"module": args[2], "argv": list(args[3:]), "cwd": cwd, "env": dict(env),
                    "start_new_session": start_new_session, "pass_fds": list(pass_fds)}
@@ -173,12 +182,22 @@ _zygotes_lock = threading.Lock()
 
 def zygote_pids() -> set[int]:
     """This process's live zygotes (tests.process_guard does not count them as left over)."""
-    return {zygote.process.pid for zygote in list(_zygotes.values()) if zygote.process.poll() is None}
+    return {zygote.process.pid for zygote in list(_zygotes.values())
+            if zygote.process is not None and zygote.process.poll() is None}
 
 
-def _zygote_for(env: Mapping[str, str]) -> _Zygote:
-    """The zygote of `env`'s import-time values, started at the first call for them."""
+# In a zygote's child: the zygote's own (its name and import-time values, set by `serve` before it
+# forks), which the child's `popen` asks for what it may fork (`_zygote_for`).
+_parent: tuple[_Zygote, frozenset[tuple[str, str]]] | None = None
+
+
+def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
+    """The zygote of `env`'s import-time values, started at the first call for them. In a zygote's
+    child, its parent when the values are the parent's, else None (started cold: a child never starts
+    a zygote of its own, seconds of CPU for the one process it would fork)."""
     key = frozenset(_import_time_env(env).items())
+    if _parent is not None:
+        return _parent[0] if key == _parent[1] else None
     with _zygotes_lock:
         zygote = _zygotes.get(key)
         if zygote is None or zygote.process.poll() is not None:
@@ -191,7 +210,9 @@ def _zygote_for(env: Mapping[str, str]) -> _Zygote:
 def zygote_pid(env: Mapping[str, str]) -> int:
     """The pid of the zygote that forks a child asked for with `env`, the child's parent (a test whose
     child checks its parent's pid, as a training rank does, hands it this one)."""
-    return _zygote_for(env).process.pid
+    zygote = _zygote_for(env)
+    assert zygote is not None and zygote.process is not None, "only a test process starts zygotes"
+    return zygote.process.pid
 
 
 def _stream_fd(stream: int | IO[Any] | None, own: int) -> int | None:
@@ -221,9 +242,58 @@ def popen(args: Sequence[str], *, cwd: str | Path | None = None, env: Mapping[st
     if (os.environ.get(ENABLED_VAR) == "0" or len(args) < 3 or args[0] != sys.executable or args[1] != "-m"
             or None in fds or len(pass_fds) > _MAX_PASS_FDS or any(fd <= 2 for fd in pass_fds)):
         return subprocess.Popen(args, **cold)
-    return _zygote_for(env).start(args, cwd=str(cwd or os.getcwd()), env=env,
-                                  fds=[fd for fd in fds if fd is not None], pass_fds=pass_fds,
-                                  start_new_session=start_new_session)
+    zygote = _zygote_for(env)
+    if zygote is None:
+        return subprocess.Popen(args, **cold)
+    return zygote.start(args, cwd=str(cwd or os.getcwd()), env=env, fds=[fd for fd in fds if fd is not None],
+                        pass_fds=pass_fds, start_new_session=start_new_session)
+
+
+def devnull_popen(args: Sequence[str], *, stdin: Any = None, **options: Any) -> subprocess.Popen | ZygoteProcess:
+    """`popen` for a caller that asks for `stdin=DEVNULL` (the grammar pool, for its forker): /dev/null
+    opened here and handed over as a descriptor, which the zygote takes (it starts cold what asks for
+    DEVNULL)."""
+    if stdin != subprocess.DEVNULL:
+        return popen(args, stdin=stdin, **options)
+    with open(os.devnull, "rb") as devnull:  # the child has its own copy once started
+        return popen(args, stdin=devnull.fileno(), **options)
+
+
+def grammar_forker_forked(grammar_pool: Any) -> None:
+    """The grammar pool's forker (`python -m serving.engine.grammar_worker FD`, 2.2 s of CPU cold, most
+    of it importing xgrammar, torch and transformers) forked from the zygote, for the pools of
+    `grammar_pool`'s module (serving.engine.grammar_pool, passed in: this module imports none of the
+    project's). Its name `subprocess` becomes a namespace of its own, never the library's attribute,
+    which every other caller in the process shares. The forker's own code runs as when cold; its
+    parent is the zygote, and it leaves when its pool's socket closes, as it does anyway."""
+    grammar_pool.subprocess = SimpleNamespace(Popen=devnull_popen, DEVNULL=subprocess.DEVNULL,
+                                              TimeoutExpired=subprocess.TimeoutExpired)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` right after module `name` is first imported (and leaves `sys.meta_path`)."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            self.then(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's loader alone
+        return spec
 
 
 # ---- the zygote's side ---------------------------------------------------------------------------
@@ -253,6 +323,11 @@ def _run_child(request: dict[str, Any]) -> None:
             # the interpreter puts them at start, right after the first entry.
             sys.path[1:1] = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
         sys.argv = [request["module"], *request["argv"]]
+        # A serving worker's grammar pool forks its forker from this zygote, as an in-process engine's
+        # does from its test process's (tests/engine/conftest.py): 0.2 s of CPU to its first compiling
+        # process against 1.7 s cold, a dozen a run. Patched when the pool's module is imported, so a
+        # child that never imports it (a web process, a Celery worker) is untouched.
+        sys.meta_path.insert(0, _AfterImport("serving.engine.grammar_pool", grammar_forker_forked))
         import runpy
 
         try:
@@ -329,8 +404,9 @@ _OWN_PYTHONPATH = os.environ.get("PYTHONPATH", "")
 
 def serve(name: str) -> None:
     """The zygote: preload, then fork a child per connection until standard input closes."""
-    import importlib
-
+    global _parent
+    # The values it was started for, read before the imports (torch sets TORCHINDUCTOR_CACHE_DIR).
+    _parent = (_Zygote({}, name), frozenset(_import_time_env(os.environ).items()))
     for module in PRELOAD:
         importlib.import_module(module)
     # Touched here, so transformers' lazy import structure is built once (0.9 s a process).

@@ -91,34 +91,20 @@ def engine_core_forked() -> Iterator[None]:
         yield
 
 
-def _grammar_forker_popen(args: Sequence[str], *, stdin: Any = None, **options: Any) -> Any:
-    """The grammar pool's `subprocess.Popen` for the forker of an engine in this test process: the same
-    `python -m serving.engine.grammar_worker FD`, environment and socket at the same descriptor,
-    forked from the zygote (tests/zygote.py) instead of started cold, 2.2 s of CPU a forker spent
-    importing xgrammar (and with it torch and transformers). Its /dev/null is opened here, as the zygote
-    takes descriptors (it starts cold what asks for DEVNULL). A stub's command, not `-m`, still starts
-    cold (zygote.popen)."""
-    if stdin != subprocess.DEVNULL:
-        return zygote.popen(args, stdin=stdin, **options)
-    with open(os.devnull, "rb") as devnull:  # the child has its own copy once started
-        return zygote.popen(args, stdin=devnull.fileno(), **options)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def grammar_forker_forked() -> Iterator[None]:
-    """Every in-process engine's grammar forker forked from the zygote (`_grammar_forker_popen`). It runs
+    """Every in-process engine's grammar forker forked from the zygote (`zygote.grammar_forker_forked`;
+    a serving worker forked from the zygote does the same for its own pool, tests/zygote.py). It runs
     the forker's own code, which forks the compiling processes, kills them, limits their memory and
     ends when its pool's socket closes, as when started cold; what differs is its parent, the zygote
     (it dies with it, not with the test process, and leaves with its socket anyway). Module-scoped
     and automatic: module-scoped engines start theirs in a module's set-up, and nothing of an in-process
     pool's tests reads its forker's parent. The pool's lifecycle with a cold forker stays tested by the
     stub pools (their command is no `-m`) and by ProcessEngine's engine-core child, whose pool is its
-    own (test_grammar_pool.py); a serving worker's pool, in a process of its own, starts cold too."""
+    own (test_grammar_pool.py)."""
     with pytest.MonkeyPatch.context() as patch:
-        # A namespace of its own: patching the subprocess module itself would reach every caller's Popen.
-        patch.setattr(grammar_pool, "subprocess", SimpleNamespace(Popen=_grammar_forker_popen,
-                                                                  DEVNULL=subprocess.DEVNULL,
-                                                                  TimeoutExpired=subprocess.TimeoutExpired))
+        patch.setattr(grammar_pool, "subprocess", grammar_pool.subprocess)  # put back on leaving
+        zygote.grammar_forker_forked(grammar_pool)
         yield
 
 
