@@ -1,23 +1,25 @@
 """`make up`'s launcher: run for real on the embedded defaults, it comes up, prints where to go, and
-on SIGTERM stops every child and releases its port; its first-run set-up happens only once. The
-serving worker requires the key kept in var/, which the web process holds too; killing the Celery
-worker's main process takes its whole process tree down with the platform (no orphaned beat), and
-the embedded Redis keeps its data across restarts.
+on Ctrl-C or SIGTERM stops every child and releases its port; its first-run set-up happens only
+once. The serving worker requires the key kept in var/, which the web process holds too; killing
+the Celery worker's main process takes its whole process tree down with the platform (no orphaned
+beat), and the embedded Redis keeps its data across restarts.
 
 A launch starts the whole platform (migrations, the tiny base model, the web process, Celery and a
-serving worker, about 20 s of CPU), so the tests share them: the first-run checks and the
-killed-worker test share one (`first_run`): the first looks at it, the second kills its Celery
-worker and stops it with SIGTERM, then checks the restart on the same var/ (`restarted`), on which
-the Ctrl-C test then trains and which it stops with Ctrl-C.
+serving worker, about 10 s of CPU), so the tests share the two that what they test needs: the first
+run (`first_run`), which the first test looks at, the killed-worker test kills the Celery worker
+of, and the Ctrl-C test trains on and stops with Ctrl-C; and the start after it on the same var/,
+which the Ctrl-C test checks (the key, Redis's data, the job's resumption) and stops with SIGTERM.
+(Three platforms once: the first run stopped idle with SIGTERM, a second to train on and Ctrl-C, a
+third to resume; the idle stop taught nothing the other two stops do not.)
 
-Ctrl-C mid-job (the last test): `make up` (`restarted`) stopped with Ctrl-C while a training job
-runs, then started again on the same var/: the stop is clean (nothing is killed, every child gone,
-the ports free, the last line its own), the job is left interrupted
-with its lease released and its checkpoint recorded, the next start resumes it at once, and the
-embedded Redis keeps its data in one file (no `var/redis-<pgid>.rdb` per run). The training lease
-is 600 s there: a resumption within the test's wait can only come from the released lease and the
-task the stop sent again, never from the lease's expiry. The seconds from the second start's
-banner to the resumption are printed.
+Ctrl-C mid-job: `make up` stopped with Ctrl-C while a training job runs, then started again on the
+same var/: the stop is clean (nothing is killed, every child gone, the ports free, the last line
+its own), the job is left interrupted with its lease released and its checkpoint recorded, the next
+start resumes it at once, agrees on the serving worker's key, finds what was put in the embedded
+Redis, which keeps its data in one file (no `var/redis-<pgid>.rdb` per run), and stops as cleanly
+on SIGTERM mid-job. The training lease is 600 s there: a resumption within the test's wait can
+only come from the released lease and the task the stop sent again, never from the lease's expiry.
+The seconds from the second start's banner to the resumption are printed.
 
 It lives in this file, not one of its own, for the suite's balance under xdist: `--dist loadfile`
 hands files out most tests first, so a file of one test goes last, and the suite's longest test
@@ -194,15 +196,16 @@ def processes_with(marker: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
-    """`make up` on a fresh var/ directory, up and its serving worker healthy. The killed-worker
-    test, the last of the file to use it, ends it; whatever is left is killed with the file."""
-    launcher = Launcher(tmp_path_factory.mktemp("first-run") / "var", unused_port())
+    """`make up` on a fresh var/ directory, up and its serving worker healthy, its children given the
+    Ctrl-C test's training settings (CTRL_C_ENV, which nothing before that test reads). The Ctrl-C
+    test, the last of the file to use it, stops it; whatever is left is stopped with the file."""
+    launcher = Launcher(tmp_path_factory.mktemp("first-run") / "var", unused_port(), extra_env=CTRL_C_ENV)
     try:
         launcher.wait_for("Loraplex is up")
         launcher.wait_serving_healthy()
         yield launcher
     finally:
-        launcher.kill()
+        stop_whatever_happened(launcher)
 
 
 def test_launcher_comes_up_and_prints_where_to_go(first_run: Launcher) -> None:
@@ -263,64 +266,43 @@ def test_first_run_setup_happens_once_and_secrets_are_printed_only_then() -> Non
     assert "shown this once" not in later and "tenants create-key demo" in later
 
 
-def test_worker_key_redis_data_and_process_trees_across_a_killed_worker_and_a_restart(
-        first_run: Launcher, request: pytest.FixtureRequest) -> None:
-    """Issue 16, items 1 and 3, against `make up` itself, twice on one var/ directory: the Celery
-    worker killed is started again, its old process tree gone first (issue 37, item 7); the first run
-    is stopped with SIGTERM: every child stops and the ports are released. The second run
-    (`restarted`) agrees on the key and finds the embedded Redis's data; the Ctrl-C test trains on it
-    and stops it with Ctrl-C, with the same checks of its stop."""
+def test_the_worker_key_and_a_killed_celery_worker_started_again_without_its_old_process_tree(
+        first_run: Launcher) -> None:
+    """Issue 16 and issue 37, item 7, against `make up` itself: the serving worker answers only with
+    the key kept in var/ (mode 0600), which the web process holds too; the Celery worker killed is
+    started again, its old process tree gone first, and the platform stays up. The Ctrl-C test then
+    trains on this platform and stops it (the stop ends the restarted worker's tree too), and checks
+    on the next start that restarts agree on the key and find the embedded Redis's data (issue 16,
+    item 3)."""
     first = first_run
     var = first.var_dir
-    try:
-        key_file = var / "serving-worker-api-key"
-        key = key_file.read_text().strip()
-        assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
-        # The serving worker is no side door: nothing on /v1 without the key.
-        for path in ("/v1/models", "/v1/chat/completions"):
-            assert first.get(path, port=first.serving_port)[0] == 401
-            assert first.get(path, key="not-the-key", port=first.serving_port)[0] == 401
-        assert first.get("/v1/models", key=key, port=first.serving_port)[0] == 200
-        # The web process holds the same key, to call the worker with it.
-        web_env = environ_of(first.child("lora_platform.asgi:application"))
-        assert web_env["SERVING_WORKER_API_KEY"] == key
-        broker = redis.Redis.from_url(web_env["REDIS_URL"], socket_timeout=5)
-        broker.set("loraplex-test-survives-a-restart", "yes")
-        broker.close()
+    key_file = var / "serving-worker-api-key"
+    key = key_file.read_text().strip()
+    assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
+    # The serving worker is no side door: nothing on /v1 without the key.
+    for path in ("/v1/models", "/v1/chat/completions"):
+        assert first.get(path, port=first.serving_port)[0] == 401
+        assert first.get(path, key="not-the-key", port=first.serving_port)[0] == 401
+    assert first.get("/v1/models", key=key, port=first.serving_port)[0] == 200
+    # The web process holds the same key, to call the worker with it.
+    web_env = environ_of(first.child("lora_platform.asgi:application"))
+    assert web_env["SERVING_WORKER_API_KEY"] == key
 
-        celery_main = first.child(f"worker-{first.process.pid}@")
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        # Its pool and its embedded beat: children in its process group.
-        while len(group_members(celery_main)) < 3:
-            assert time.monotonic() < deadline, f"no beat/pool children of the worker:\n{first.output[-3000:]}"
-            time.sleep(0.2)
-        helpers = [pid for pid in group_members(celery_main) if pid != celery_main]
-        os.kill(celery_main, signal.SIGKILL)
-        # Issue 37, item 7: the platform stays up; the worker's leftovers are ended and a new one starts.
-        first.wait_for("worker restarted (pid")
-        assert "worker exited with status -9 (SIGKILL)" in first.output
-        assert helpers and group_members(celery_main) == []  # the beat and pool children went with it
-        restarted = first.child(f"worker-{first.process.pid}@")
-        assert restarted != celery_main and f"worker restarted (pid {restarted})" in first.output
-        assert first.get("/healthz")[0] == 200 and first.process.poll() is None
-        assert first.terminate() == 0  # Ctrl-C still stops everything cleanly
-    finally:
-        first.kill()
-    assert "Loraplex stopped." in first.output
-    # Issue 39, item 8, for a SIGTERM's stop (the Ctrl-C test checks a Ctrl-C's): on its own line.
-    assert re.search(r"^Loraplex stopped\.$", first.output, re.MULTILINE), first.output[-2000:]
-    assert processes_with(f"worker-{first.process.pid}@") == []
-    assert port_is_free(first.port) and port_is_free(first.serving_port)
-
-    # The restart on the same var/ (`restarted`, which the Ctrl-C test stops with Ctrl-C and checks).
-    second: Launcher = request.getfixturevalue("restarted")
-    assert key_file.read_text().strip() == key  # restarts agree on the key
-    assert second.get("/v1/models", key=key, port=second.serving_port)[0] == 200
-    broker = redis.Redis.from_url(environ_of(second.child("lora_platform.asgi:application"))["REDIS_URL"],
-                                  socket_timeout=5)
-    assert broker.get("loraplex-test-survives-a-restart") == b"yes"
-    broker.close()
-    assert "nanobind: leaked" not in first.output
+    celery_main = first.child(f"worker-{first.process.pid}@")
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    # Its pool and its embedded beat: children in its process group.
+    while len(group_members(celery_main)) < 3:
+        assert time.monotonic() < deadline, f"no beat/pool children of the worker:\n{first.output[-3000:]}"
+        time.sleep(0.2)
+    helpers = [pid for pid in group_members(celery_main) if pid != celery_main]
+    os.kill(celery_main, signal.SIGKILL)
+    # Issue 37, item 7: the platform stays up; the worker's leftovers are ended and a new one starts.
+    first.wait_for("worker restarted (pid")
+    assert "worker exited with status -9 (SIGKILL)" in first.output
+    assert helpers and group_members(celery_main) == []  # the beat and pool children went with it
+    restarted = first.child(f"worker-{first.process.pid}@")
+    assert restarted != celery_main and f"worker restarted (pid {restarted})" in first.output
+    assert first.get("/healthz")[0] == 200 and first.process.poll() is None
 
 
 # Ctrl-C of `make up` while a training job runs (the module docstring's last paragraph).
@@ -354,28 +336,18 @@ def job_row(var: Path, job_id: int) -> sqlite3.Row:
                                 "WHERE id = ?", (job_id,)).fetchone()
 
 
-@pytest.fixture(scope="module")
-def restarted(first_run: Launcher) -> Iterator[Launcher]:
-    """`make up` again on the first run's var/ (stopped first, if the killed-worker test has not
-    stopped it), up and its serving worker healthy: the killed-worker test checks what a restart
-    keeps, the Ctrl-C test trains on it and stops it. One platform for both, where each started its
-    own (about 20 s of CPU each)."""
-    stop_whatever_happened(first_run)
-    launcher = Launcher(first_run.var_dir, unused_port(), extra_env=CTRL_C_ENV)
-    try:
-        launcher.wait_for("Loraplex is up")
-        launcher.wait_serving_healthy()
-        yield launcher
-    finally:
-        stop_whatever_happened(launcher)
-
-
-def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_it(
-        first_run: Launcher, restarted: Launcher) -> None:
-    first = restarted
+def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_it(first_run: Launcher) -> None:
+    """The module docstring's paragraph "Ctrl-C mid-job", on the first run (its Celery worker killed
+    and started again by the test before) and the start after it."""
+    first = first_run
     var = first.var_dir
-    key = re.search(r"Demo API key (lp-\S+)", first_run.output).group(1)
+    key = re.search(r"Demo API key (lp-\S+)", first.output).group(1)
+    serving_key = (var / "serving-worker-api-key").read_text().strip()
     try:
+        broker = redis.Redis.from_url(environ_of(first.child("lora_platform.asgi:application"))["REDIS_URL"],
+                                      socket_timeout=5)
+        broker.set("loraplex-test-survives-a-restart", "yes")
+        broker.close()
         api = httpx.Client(base_url=f"http://127.0.0.1:{first.port}/api/v1",
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
         dataset_id = api.post("/datasets", files={"file": ("train.jsonl", ctrl_c_dataset())}).json()["id"]
@@ -393,27 +365,22 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
         first._reader.join(timeout=10)
     finally:
         stop_whatever_happened(first)
-    assert "Loraplex stopped." in first.output
-    assert "did not stop within" not in first.output and "killing" not in first.output, first.output[-3000:]
-    # Issue 39, item 8: a stop ends on its own line, with no child's interpreter finalization dumping
-    # triton's nanobind objects as "leaked" (the serving worker leaves by os._exit once closed).
-    assert re.search(r"^Loraplex stopped\.$", first.output, re.MULTILINE), first.output[-2000:]
-    assert "nanobind: leaked" not in first.output
-    assert processes_with(f"worker-{first.process.pid}@") == []
-    assert port_is_free(first.port) and port_is_free(first.serving_port)
+    assert_stopped_cleanly(first)
     row = job_row(var, job_id)
     assert row["status"] == "running" and row["lease_token"] == "" and row["interrupted_at"] is not None
-
-    # One data file for the embedded Redis, and none per run beside it.
-    assert sorted(path.name for path in (var / "redis").iterdir() if not path.name.endswith(".settings")) == [
-        "appendonly.aof"]
-    assert list(var.glob("redis-*")) == []
 
     started = time.monotonic()
     second = Launcher(var, unused_port(), extra_env=CTRL_C_ENV)
     try:
-        second.wait_for("Loraplex is up")
+        second.wait_for("Loraplex is up")  # every child ready, the serving worker's model loaded
         up = time.monotonic()
+        # Restarts agree on the serving worker's key, and the embedded Redis kept its data.
+        assert (var / "serving-worker-api-key").read_text().strip() == serving_key
+        assert second.get("/v1/models", key=serving_key, port=second.serving_port)[0] == 200
+        broker = redis.Redis.from_url(environ_of(second.child("lora_platform.asgi:application"))["REDIS_URL"],
+                                      socket_timeout=5)
+        assert broker.get("loraplex-test-survives-a-restart") == b"yes"
+        broker.close()
         api = httpx.Client(base_url=f"http://127.0.0.1:{second.port}/api/v1",
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
         def messages() -> list[dict[str, str]]:
@@ -441,10 +408,26 @@ def test_ctrl_c_interrupts_the_training_job_cleanly_and_the_next_start_resumes_i
             api.get(f"/training-jobs/{job_id}").json()), 60, "a step after the checkpoint")
         assert body["status"] == "running" and body["interrupted"] is None and body["attempts"] == 2
         api.close()
-        assert second.terminate() == 0
+        assert second.terminate() == 0  # SIGTERM, mid-job again
     finally:
         stop_whatever_happened(second)
-    assert "did not stop within" not in second.output and "killing" not in second.output
+    assert_stopped_cleanly(second)
+    # One data file for the embedded Redis after two runs, and none per run beside it.
+    assert sorted(path.name for path in (var / "redis").iterdir() if not path.name.endswith(".settings")) == [
+        "appendonly.aof"]
+    assert list(var.glob("redis-*")) == []
+
+
+def assert_stopped_cleanly(launcher: Launcher) -> None:
+    """A stop of `make up` (Ctrl-C or SIGTERM) that killed nothing, left no Celery worker and freed its ports."""
+    assert "Loraplex stopped." in launcher.output
+    assert "did not stop within" not in launcher.output and "killing" not in launcher.output, launcher.output[-3000:]
+    # Issue 39, item 8: a stop ends on its own line, with no child's interpreter finalization dumping
+    # triton's nanobind objects as "leaked" (the serving worker leaves by os._exit once closed).
+    assert re.search(r"^Loraplex stopped\.$", launcher.output, re.MULTILINE), launcher.output[-2000:]
+    assert "nanobind: leaked" not in launcher.output
+    assert processes_with(f"worker-{launcher.process.pid}@") == []
+    assert port_is_free(launcher.port) and port_is_free(launcher.serving_port)
 
 
 # The supervisor's restarts on its own (issue 37, item 7), on small children and short pauses.
