@@ -49,6 +49,7 @@ from django.contrib.auth import get_user_model
 from lora_platform import launcher as launcher_module
 from serving.engine.tiny import build_tiny_model
 from tenants.models import Membership, Tenant
+from tests import zygote
 from tests.training.training_support import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -75,7 +76,13 @@ def port_is_free(port: int) -> bool:
 
 
 class Launcher:
-    """`python -m lora_platform.launcher` in a subprocess with its own var dir: SQLite, embedded Redis."""
+    """`python -m lora_platform.launcher` in a process of its own with its own var dir: SQLite, embedded
+    Redis. The launcher is forked from the suite's zygote (tests/zygote.py), so it starts with torch,
+    transformers and Django imported: the first run builds the tiny demo model without the 4-5 s of
+    CPU its cold imports cost, a later one sets Django up in less. What these tests test is make up's
+    own process tree, and that stays cold: the launcher starts its children as it always does
+    (`subprocess.Popen` of `sys.executable`, an exec), the Celery workers' main processes still
+    without torch (test_launcher_comes_up_and_prints_where_to_go looks)."""
 
     def __init__(self, var_dir: Path, port: int, serving_port: int | None = None,
                  extra_env: dict[str, str] | None = None) -> None:
@@ -89,15 +96,23 @@ class Launcher:
                    LORAPLEX_SERVING_PORT=str(self.serving_port), PYTHONUNBUFFERED="1")
         self.port = port
         self.lines: list[str] = []
-        self.process = subprocess.Popen([sys.executable, "-m", "lora_platform.launcher"], cwd=ROOT, env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # A pipe of our own, not subprocess.PIPE, which the zygote does not take: its write end goes
+        # to the launcher (and on to its children) and is closed here, so the reader sees the end.
+        read_end, write_end = os.pipe()
+        try:
+            self.process = zygote.popen([sys.executable, "-m", "lora_platform.launcher"], cwd=ROOT, env=env,
+                                        stdout=write_end, stderr=subprocess.STDOUT)
+        finally:
+            os.close(write_end)
+        self._stream = open(read_end, encoding="utf-8", errors="replace")
         # Drained all along, so the children's logs never fill the pipe and block them.
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
+        with self._stream:
+            for line in self._stream:
+                self.lines.append(line.rstrip("\n"))
 
     @property
     def output(self) -> str:
