@@ -72,16 +72,16 @@ def test_a_dpo_job_trains_through_the_sdk_and_its_adapter_serves(processes, tena
 
 
 def test_a_killed_dpo_job_resumes_to_the_adapter_of_an_uninterrupted_one(platform, wsgi_app, tenant_a, start_worker):
-    # 16 pairs in batches of 2: 8 steps an epoch, 24 in all. Killed after its step-5 checkpoint, the job
-    # still has 19 steps to go, and the resumed run crosses two epochs' reshuffles.
-    env = {"CELERY_VISIBILITY_TIMEOUT": 3, "TRAINING_LEASE_SECONDS": 2, "TRAINING_CHECKPOINT_EVERY_STEPS": 5,
+    # 16 pairs in batches of 2: 8 steps an epoch, 16 in all. Killed after its step-3 checkpoint, the job
+    # still has 13 steps to go, and the resumed run crosses an epoch's reshuffle.
+    env = {"CELERY_VISIBILITY_TIMEOUT": 3, "TRAINING_LEASE_SECONDS": 2, "TRAINING_CHECKPOINT_EVERY_STEPS": 3,
            "TRAINING_LOG_EVERY_STEPS": 1}
     first = start_worker(**env)
     client = sdk(wsgi_app, tenant_a.key)
     file = client.files.create(file=("prefs.jsonl", jsonl(preference_lines(2))), purpose="fine-tune")
     wait_for(lambda: client.files.retrieve(file.id).status == "processed", 120, "validation")
     assert Dataset.objects.get(pk=int(file.id.removeprefix("file-"))).format == Dataset.Format.PREFERENCE
-    method = {"type": "dpo", "dpo": {"hyperparameters": {**DPO["dpo"]["hyperparameters"], "n_epochs": 3,
+    method = {"type": "dpo", "dpo": {"hyperparameters": {**DPO["dpo"]["hyperparameters"], "n_epochs": 2,
                                                          "batch_size": 2, "lora_dropout": 0.1,
                                                          "gradient_accumulation_steps": 2, "packing": True}}}
     killed = client.fine_tuning.jobs.create(model=BASE_MODEL_NAME, training_file=file.id, suffix="killed-bot",

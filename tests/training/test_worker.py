@@ -147,11 +147,13 @@ def test_killed_worker_is_resumed_from_its_checkpoint(platform, client_a, tenant
     # Redis hands an unacknowledged task to another worker after the visibility timeout.
     env = {"CELERY_VISIBILITY_TIMEOUT": 3, "TRAINING_LEASE_SECONDS": 2, "TRAINING_CHECKPOINT_EVERY_STEPS": 10,
            "TRAINING_LOG_EVERY_STEPS": 1}
+    # 16 examples in batches of 2: 8 steps an epoch, 40 in all, enough for the adapter to learn (the
+    # artifact's check); killed after its step-10 checkpoint, 30 steps are still to go.
     first = start_worker(**env)
     dataset_id = upload_ready_dataset(client_a, chat_lines(repeat=2))
     response = client_a.post("/api/v1/training-jobs", {
         "training_file": dataset_id, "adapter": "resilient", "seed": 3,
-        "hyperparameters": {"n_epochs": 15, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
+        "hyperparameters": {"n_epochs": 5, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
     }, format="json")
     job_id = response.json()["id"]
     wait_for(lambda: Checkpoint.objects.filter(job_id=job_id).exists(), 120, "the first checkpoint", poll=0.05)
@@ -173,7 +175,7 @@ def test_killed_worker_is_resumed_from_its_checkpoint(platform, client_a, tenant
     assert step >= 10
     after = [event.data["step"] for event in job.events.filter(type=TrainingEvent.Type.METRICS, id__gt=resumed.id)
              .order_by("id")]
-    assert after[0] == step + 1 and after[-1] == job.total_steps == 120
+    assert after[0] == step + 1 and after[-1] == job.total_steps == 40
     check_artifact(job, base_model_dir, tmp_path)
 
 
@@ -184,13 +186,15 @@ def test_a_killed_workers_job_is_resent_by_the_sweep_and_its_scratch_folder_swep
     the killed run left."""
     scratch = tmp_path / "scratch"
     settings.TRAINING_LEASE_SECONDS = 2
-    env = {"TRAINING_LEASE_SECONDS": 2, "TRAINING_CHECKPOINT_EVERY_STEPS": 10, "TRAINING_SCRATCH_DIR": scratch}
+    env = {"TRAINING_LEASE_SECONDS": 2, "TRAINING_CHECKPOINT_EVERY_STEPS": 5, "TRAINING_SCRATCH_DIR": scratch}
     assert "CELERY_VISIBILITY_TIMEOUT" not in os.environ
     first = start_worker(**env)
     dataset_id = upload_ready_dataset(client_a, chat_lines(repeat=2))
+    # 16 examples in batches of 2: 8 steps an epoch, 32 in all; killed after its step-5 checkpoint, 27
+    # steps are still to go.
     response = client_a.post("/api/v1/training-jobs", {
         "training_file": dataset_id, "adapter": "swept", "seed": 3,
-        "hyperparameters": {"n_epochs": 10, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
+        "hyperparameters": {"n_epochs": 4, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
     }, format="json")
     job_id = response.json()["id"]
     wait_for(lambda: Checkpoint.objects.filter(job_id=job_id).exists(), 120, "the first checkpoint", poll=0.05)
