@@ -273,6 +273,8 @@ def grammar_forker_forked(grammar_pool: Any) -> None:
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls `then(module)` right after module `name` is first imported (and leaves `sys.meta_path`)."""
 
+    zygote_hook = True  # a child that must run without it drops it by this (tests/engine/spawn_child.py)
+
     def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
         self.name = name
         self.then = then

@@ -23,6 +23,7 @@ from serving.engine import grammar_pool, process_engine
 from serving.engine.distributed import driver
 from serving.engine.tiny import ARCHS, build_tiny_model, save_random_peft_adapter
 from tests import zygote
+from tests.engine import spawn_child
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +66,25 @@ def tp_ranks_forked(monkeypatch: pytest.MonkeyPatch) -> None:
                                                               TimeoutExpired=subprocess.TimeoutExpired))
 
 
-# What the engine-core child imports before a line of the engine's: preloaded once in the fork server.
-_FORKSERVER_PRELOAD = ["torch", "transformers", "transformers.models.auto.modeling_auto", "safetensors", "numpy"]
-
-
 @pytest.fixture(scope="module")
 def engine_core_forked() -> Iterator[None]:
-    """ProcessEngine's engine-core child started by multiprocessing's fork server, which has torch and
-    transformers imported, instead of its spawn context, where each child spent about 4 s of CPU
-    importing them (opt in with `pytest.mark.usefixtures("engine_core_forked")`). On the CPU the two
-    are alike to the child: a fresh `multiprocessing` child of the same process object, pickled
-    arguments and pipe, default signal handlers and main module prepared as spawn prepares it; its
-    exit code, sentinel and kill are the parent's as before. The fork server's environment is the
-    test process's when it started (no ProcessEngine test changes it). The serving worker's engine
-    process (test_engine_process_flag.py) still spawns."""
-    forkserver = multiprocessing.get_context("forkserver")
-    forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    """ProcessEngine's engine-core child forked from the zygote (tests/engine/spawn_child.py), which
+    has torch, transformers and the rest imported, instead of started cold by its spawn context, where each
+    child spent about 4 s of CPU importing them (opt in with `pytest.mark.usefixtures(
+    "engine_core_forked")`). To the child the two are alike: a fresh `multiprocessing` child that
+    reads the same pickled process object and pipe from spawn's own `spawn_main`, its main module
+    prepared as spawn prepares it, with default signal handlers and, as a cold child, its pool's
+    grammar forker started cold (tests/engine/spawn_child.py); its pid, exit code, sentinel and
+    kill are the parent's as before. It used to come from multiprocessing's fork server (2.2 s of
+    CPU to start it, in each test process that ran a ProcessEngine test, and 0.45 s more of imports
+    a child than the zygote's). The serving worker's engine process (test_engine_process_flag.py)
+    still spawns."""
+    context = SimpleNamespace(Process=spawn_child.ZygoteSpawnProcess,
+                              Pipe=multiprocessing.get_context("spawn").Pipe)
 
     def get_context(method: str) -> Any:
-        assert method == "spawn", f"ProcessEngine asks for {method!r} now: is the fork server still alike?"
-        return forkserver
+        assert method == "spawn", f"ProcessEngine asks for {method!r} now: is the zygote's fork still alike?"
+        return context
 
     # Module-scoped, for the modules' shared engines; a namespace of its own, not the module's attribute.
     with pytest.MonkeyPatch.context() as patch:

@@ -258,7 +258,7 @@ def test_a_tools_schema_past_the_budget_is_refused_before_its_conversion() -> No
     assert tool_call_grammar(family, [{"name": "f", "parameters": nested(3)}], parallel=False, budget=GrammarBudget())
 
 
-# The engine-core child from the preloaded fork server (tests/engine/conftest.py), as
+# The engine-core child forked from the zygote (tests/engine/conftest.py), as
 # test_process_engine.py starts it: the pool's processes are still the child's own.
 @pytest.mark.usefixtures("engine_core_forked")
 def test_the_process_engine_compiles_in_its_pool_and_leaves_no_process(tiny_llama_dir: Path) -> None:

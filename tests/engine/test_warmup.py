@@ -183,7 +183,7 @@ def test_a_step_shapes_kernels_are_its_graph_size_or_its_triton_specialisation()
 
 
 @pytest.mark.e2e
-@pytest.mark.usefixtures("engine_core_forked")  # the child from the preloaded fork server, as in test_process_engine.py
+@pytest.mark.usefixtures("engine_core_forked")  # the child forked from the zygote, as in test_process_engine.py
 def test_the_engine_core_process_warms_up_and_answers_with_the_report(tiny_llama_dir: Path,
                                                                      make_adapter: Callable[..., Path]) -> None:
     """The WarmUp command crosses the pipe to the engine-core process (the worker's default on a
