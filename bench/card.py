@@ -72,6 +72,28 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
     return 2 * nbytes / best
 
 
+def gemm_tflops(device: torch.device, m: int = 4096, k: int = 4096, n: int = 14336, repeats: int = 10) -> float:
+    """TFLOP/s of one bf16 GEMM ``[m, k] @ [k, n]`` on ``device`` (the 8B shape's gate projection for
+    a 4,096-token step), best of ``repeats``: the roof a prefill step's projections can reach on this
+    card, measured like the copy bandwidth rather than taken from a datasheet (whose dense bf16
+    figure, 989 TFLOP/s on the H100 SXM, no GEMM of these sizes reaches)."""
+    if device.type != "cuda":
+        raise ValueError(f"gemm_tflops measures a CUDA device, got {device}")
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    torch.matmul(a, b)  # cuBLAS picks and loads its kernel
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * m * k * n / best / 1e12
+
+
 def card(index: int = 0) -> dict[str, Any]:
     """What a bench JSON records of the card it ran on (GPU ``index``), or of the host where there
     is none. Read from nvidia-smi where it is installed, so a process that runs nothing on the
@@ -126,8 +148,11 @@ def _nvidia_smi(index: int) -> dict[str, Any] | None:
 
 def bandwidth_figures(device: torch.device) -> dict[str, float]:
     """The bandwidths a bench's floor may divide by: measured (``copy_bandwidth_tb_s``) and, for a
-    card in the table, the datasheet's (``spec_bandwidth_tb_s``)."""
+    card in the table, the datasheet's (``spec_bandwidth_tb_s``); on CUDA also the measured bf16
+    GEMM roof (``gemm_tflops``) a prefill step is held against."""
     figures = {"copy_bandwidth_tb_s": copy_bandwidth(device) / 1e12}
-    if device.type == "cuda" and (spec := spec_bandwidth(torch.cuda.get_device_name(device))) is not None:
-        figures["spec_bandwidth_tb_s"] = spec / 1e12
+    if device.type == "cuda":
+        figures["gemm_tflops"] = gemm_tflops(device)
+        if (spec := spec_bandwidth(torch.cuda.get_device_name(device))) is not None:
+            figures["spec_bandwidth_tb_s"] = spec / 1e12
     return figures

@@ -24,7 +24,12 @@ adapters, one token per sequence, no KV cache: targets.md's reference measuremen
     python bench/engine.py [--batch 32] [--adapters 8] [--threads 1] [--json OUT]
     python bench/engine.py --shape llama3-8b [--batch 64] [--context 512] [--adapters 32] [--json OUT]
                            [--modes graph,eager,eager-torch] [--profile-dir DIR] [--compare-transformers]
-                           [--compare-peft] [--mixed-chunk 256]
+                           [--compare-peft] [--mixed-chunk 256] [--prefill-tokens 2048]
+
+``--prefill-tokens`` (default 2048, the worker's default token budget) also times, for each mode, a
+step that only prefills (prompts of ``--context`` tokens, nothing decoding, nothing cached), base and
+with a different adapter per prompt, and prints it as prompt tok/s and as a share of the bf16 GEMM
+roof measured at start (``bench/card.py``, ``gemm_tflops``): issue 38's item 1.
 
 Tensor parallelism (issue 28): ``--tensor-parallel-size 2`` runs every engine of the run sharded
 over two processes (gloo on CPU, NCCL on CUDA; CUDA graphs are not captured then, so ``--modes
@@ -75,7 +80,7 @@ from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # no
 
 from bench.card import bandwidth_figures, card  # noqa: E402
 from bench.engine_peers import hf_decode_step_ms, peft_forward_ms, transformers_forward_ms  # noqa: E402
-from bench.engine_steps import engine_step_ms, mixed_step_ms, random_prompts  # noqa: E402
+from bench.engine_steps import engine_step_ms, mixed_step_ms, prefill_step_ms, random_prompts  # noqa: E402
 from bench.random_adapters import (  # noqa: E402
     LLAMA3_8B, MODULE_SETS, adapter_bytes, adapter_set, temporary_root,
 )
@@ -249,6 +254,8 @@ def _bench_llama3_8b_engine(args: argparse.Namespace, model_dir: Path, adapters:
             results[f"{mode}_mixed_lora_step_ms"] = mixed_step_ms(
                 engine, prompts, spread, args.steps, args.mixed_chunk, profile / f"profile_{tag}{mode}_mixed.txt" if profile else None
             )
+        if args.prefill_tokens:
+            results.update(_prefill_figures(engine, args, mode, spread, profile, tag))
         print(f"{quantization or 'bf16'} {mode}: base {results[f'{mode}_base_step_ms']:.2f} ms, {args.adapters} adapters "
               f"{results[f'{mode}_lora_step_ms']:.2f} ms, mixed {results.get(f'{mode}_mixed_lora_step_ms', 0):.2f} ms",
               flush=True)  # fmt: skip
@@ -275,6 +282,40 @@ def _bench_llama3_8b_engine(args: argparse.Namespace, model_dir: Path, adapters:
     del engine, runner
     torch.cuda.empty_cache()
     return results
+
+
+def _prefill_figures(engine: LLMEngine, args: argparse.Namespace, mode: str, spread: list[LoRARequest],
+                     profile: Path | None, tag: str) -> dict[str, float]:  # fmt: skip
+    """A prefill-only step of ``--prefill-tokens`` (prompts of ``--context`` tokens), base and with
+    adapters (a different one per prompt), as prompt tok/s and as a share of the card's measured
+    GEMM roof (issue 38, item 1: base >= 65 %, adapters <= 1.1 x base)."""
+    per_step = max(1, args.prefill_tokens // args.context)
+    tokens = per_step * args.context
+    figures: dict[str, float] = {}
+    for kind, loras in (("base", [None]), ("lora", list(spread))):
+        ms = prefill_step_ms(engine, loras, args.steps, args.context, per_step,
+                             profile / f"profile_{tag}{mode}_prefill_{kind}.txt" if profile else None)  # fmt: skip
+        figures[f"{mode}_prefill_{kind}_step_ms"] = ms
+        figures[f"{mode}_prefill_{kind}_tok_s"] = tokens / ms * 1e3
+    # The work of a prompt token: two FLOPs a weight of every projection (the LM head runs for the
+    # last token only) and causal attention's QK^T and PV over half the prompt on average.
+    layers, hidden = LLAMA3_8B["num_hidden_layers"], LLAMA3_8B["hidden_size"]
+    weights = sum(layer.weight.numel() for layer in engine.runner.model.lora_layers())
+    flops_per_token = 2 * weights + 2 * layers * hidden * args.context
+    roof = args.bandwidth.get("gemm_tflops")
+    for kind in ("base", "lora"):
+        tflops = figures[f"{mode}_prefill_{kind}_tok_s"] * flops_per_token / 1e12
+        figures[f"{mode}_prefill_{kind}_tflops"] = tflops
+        if roof:
+            figures[f"{mode}_prefill_{kind}_of_roof"] = tflops / roof
+    figures[f"{mode}_prefill_lora_over_base"] = figures[f"{mode}_prefill_lora_step_ms"] / figures[f"{mode}_prefill_base_step_ms"]
+    print(f"{mode} prefill step of {tokens} tokens ({per_step} x {args.context}): base "
+          f"{figures[f'{mode}_prefill_base_step_ms']:.2f} ms = {figures[f'{mode}_prefill_base_tok_s']:,.0f} tok/s "
+          f"({figures[f'{mode}_prefill_base_tflops']:.0f} TFLOP/s"
+          + (f", {figures[f'{mode}_prefill_base_of_roof']:.0%} of the measured {roof:.0f}" if roof else "")
+          + f"); {args.adapters} adapters {figures[f'{mode}_prefill_lora_step_ms']:.2f} ms "
+          f"({figures[f'{mode}_prefill_lora_over_base']:.2f} x base)", flush=True)
+    return figures
 
 
 def decode_floor_ms(weight_bytes: int, batch: int, context: int, bandwidth: float) -> float:
@@ -441,6 +482,10 @@ def main() -> int:
     parser.add_argument(
         "--mixed-chunk", type=int, default=256,
         help="llama3-8b: also time mixed steps, batch - 1 decoding and one prompt of this many tokens (0: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=2048,
+        help="llama3-8b: also time prefill-only steps of this many prompt tokens, prompts of --context tokens (0: off)",
     )  # fmt: skip
     parser.add_argument(
         "--modes", default="graph,eager,eager-torch", help="llama3-8b: comma-separated graph, eager, eager-torch"

@@ -102,6 +102,39 @@ def mixed_step_ms(
     return statistics.median(times[3:]) * 1e3
 
 
+def prefill_step_ms(
+    engine: LLMEngine, loras: list[LoRARequest | None], steps: int, prompt_len: int, per_step: int,
+    profile_to: Path | None = None, vocab: int = LLAMA3_8B["vocab_size"],
+) -> float:
+    """Median wall time of a step that only prefills: ``per_step`` new prompts of ``prompt_len``
+    tokens (one-token requests, so each leaves in the step that prefilled it; the i-th prompt with
+    ``loras[i % len(loras)]``), nothing decoding beside them and nothing from the prefix cache (every
+    prompt drawn anew). ``profile_to``: as in ``engine_step_ms``."""
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    added = itertools.count()
+
+    def add_step() -> None:
+        for _ in range(per_step):
+            i = next(added)
+            engine.add_request(f"p{i}", random_prompts(1, prompt_len, vocab, seed=10_000 + i)[0], one,
+                               loras[i % len(loras)])  # fmt: skip
+
+    device = engine.runner.device
+    times = []
+    for _ in range(steps + 3):
+        add_step()
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        assert engine.last_step_tokens == per_step * prompt_len, "each timed step prefills its prompts whole"
+        assert not engine.has_unfinished_requests(), "each prompt's one token ends it in its own step"
+    if profile_to is not None:
+        _profile_steps(engine, profile_to, before_step=add_step)
+    return statistics.median(times[3:]) * 1e3
+
+
 def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3, before_step: Callable[[], None] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
