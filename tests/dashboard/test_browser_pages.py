@@ -25,7 +25,6 @@ from tests.dashboard.browser_support import LAPTOP, PHONE, Shots, confirm_action
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
-PASSWORD = "correct-horse-battery"
 BASE = "tiny-llama"
 WAIT_MS = 30_000
 
@@ -69,26 +68,36 @@ def owner(transactional_db, settings):
     settings.BASE_MODEL_ALIASES = []
     tiers_seed()
     tenant, _ = tenant_create(slug="pages", tier_name="standard", name="Pages Co")
-    user = get_user_model().objects.create_user(username="pat", email="pat@example.com", password=PASSWORD)
+    # No password: the page signs in with a session (below), and hashing one with the default
+    # hasher (a million PBKDF2 iterations, which e2e tests keep) cost a second of CPU a test.
+    user = get_user_model().objects.create_user(username="pat", email="pat@example.com")
     Membership.objects.create(user=user, tenant=tenant, role="owner")
     return tenant
 
 
 @pytest.fixture
 def page(browser, web, owner) -> Iterator[object]:
-    """A logged-in laptop page; JavaScript errors fail the test."""
+    """A logged-in laptop page; JavaScript errors fail the test.
+
+    Signed in as Django's test client's `force_login` does: a session row in the test database,
+    which the web process reads, and its cookie in the browser. The sign-in form is not what these
+    tests are about (test_browser.py's journey signs in through it, tests/tenants the form itself),
+    and through it each test paid a password check (a second of PBKDF2) in the web process."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
     from playwright.sync_api import expect
 
+    signed_in = Client()
+    signed_in.force_login(get_user_model().objects.get(username="pat"))
     expect.set_options(timeout=WAIT_MS)
     context = browser.new_context(viewport=LAPTOP)
+    context.add_cookies([{"name": name, "value": cookie.value, "url": web.url}
+                         for name, cookie in signed_in.cookies.items()])
     context.set_default_timeout(WAIT_MS)
     opened = context.new_page()
     errors: list[str] = []
     opened.on("pageerror", lambda error: errors.append(str(error)))
-    opened.goto(f"{web.url}/login/")
-    opened.fill("#id_username", "pat")
-    opened.fill("#id_password", PASSWORD)
-    opened.click("button:has-text('Log in')")
+    opened.goto(f"{web.url}/")
     expect(opened.locator("h1")).to_have_text("Overview")
     yield opened
     context.close()
@@ -256,7 +265,7 @@ def test_a_newcomer_watches_a_short_job_step_by_step(browser, web, owner, page):
     expect(page.locator("#job-preparing")).to_be_visible()
     expect(page.locator("#loss-chart")).to_contain_text("after the first step")
     chart = page.locator("#loss-chart")
-    for step in range(1, 6):
+    for step in range(1, 4):  # the first without a pace, then two with one: a point per poll each
         TrainingEvent.objects.create(job=job, type=TrainingEvent.Type.METRICS, message=f"Step {step}/36", data={
             "step": step, "train_loss": 2.5 - 0.3 * step, **({"tokens_per_second": 96.0} if step > 1 else {})})
         TrainingJob.objects.filter(pk=job.pk).update(

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from resilience_support import RedisRelay, redis_relay
 
+from serving.contracts.registry import worker_key
 from serving.registry.models import UsageRecord
 from serving.registry.usage import usage_records_flush
 from tests.gateway.conftest import wait_for_worker
@@ -97,10 +98,24 @@ def test_a_sigkilled_worker_fails_over_and_its_restart_gets_traffic_again(
         return base_request(web, tenant_a.key, stream=n % 2 == 1, max_tokens=24)
 
     with Load(send) as load:
-        time.sleep(3)
+        # Killed once both workers serve the load (requests then under way on the one killed), rather
+        # than after a fixed time: the load's requests are most of this test's CPU.
+        deadline = time.monotonic() + 60
+        while requests_served(first) < 2 or requests_served(second) < 2:
+            assert time.monotonic() < deadline, "the load never reached both workers"
+            time.sleep(0.1)
         killed_at = time.monotonic()
         first.signal(signal.SIGKILL)
-        time.sleep(4)
+        # The gateway may route to the dead worker until its registration expires (three
+        # heartbeats): the load goes on until then, and until each client has sent two requests
+        # after it, so requests routed before and after the expiry are both among the results.
+        while redis_client.get(worker_key("rs-kill-a")) is not None:
+            assert time.monotonic() < deadline, "the killed worker's registration never expired"
+            time.sleep(0.1)
+        expired_at = time.monotonic()
+        while sum(at > expired_at for at, *_ in list(load.results)) < 8:
+            assert time.monotonic() < deadline, "no load after the killed worker's registration expired"
+            time.sleep(0.1)
     assert len(load.results) > 8
     for at, status, text, seconds in load.results:
         assert seconds < REQUEST_BOUND_S, f"a request took {seconds:.1f}s"
@@ -149,13 +164,16 @@ def test_redis_cut_off_for_ten_seconds_under_load(registry, web_via_relay, relay
 
     def send(n: int) -> tuple[int, str, float]:
         result = base_request(web, tenant_a.key, stream=n % 2 == 1, max_tokens=2)
-        # Paced to 2 requests a second a thread (90 in the test's 15 s): the tier's 200 rpm would
+        # Paced to 2 requests a second a thread (about 70 in the test's 12 s): the tier's 200 rpm would
         # otherwise refuse some on a quiet machine, where back-to-back requests take 20 ms.
         time.sleep(max(0.0, 0.5 - result[2]))
         return result
 
     with Load(send, threads=3) as load:
-        time.sleep(2)
+        deadline = time.monotonic() + 60
+        while len(load.results) < 3:  # the load under way (a few answered) before the cut
+            assert time.monotonic() < deadline, "no load before the cut"
+            time.sleep(0.1)
         relay.cut()
         cut_at = time.monotonic()
         # The gauge falls once a request's Redis call fails (its timeout, then the guard's verdict):
@@ -168,7 +186,11 @@ def test_redis_cut_off_for_ten_seconds_under_load(registry, web_via_relay, relay
         time.sleep(max(0.0, cut_at + 10 - time.monotonic()))
         relay.restore()
         restored_at = time.monotonic()
-        time.sleep(3)
+        # The load goes on after the restore until each client has had two requests answered.
+        deadline = restored_at + 60
+        while sum(at > restored_at for at, *_ in list(load.results)) < 6:
+            assert time.monotonic() < deadline, "no load after the restore"
+            time.sleep(0.1)
     outage = [result for result in load.results if cut_at < result[0] < restored_at]
     assert len(outage) >= 5, "no load during the outage"
     # Nothing the outage rules do not name: every request answered, none hung.
