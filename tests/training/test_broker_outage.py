@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import httpx
 import pytest
 from django.utils import timezone
 
 from serving.registry.storage import get_storage
+from tests import zygote
 from training.models import Dataset, TrainingJob
 from training_support import ROOT, chat_lines, jsonl, process_env, wait_for
 
@@ -36,11 +38,15 @@ def dataset_status(dataset_id: int) -> str:
     return Dataset.objects.get(pk=dataset_id).status
 
 
-def send_sweep(settings, redis_url: str) -> None:
-    """What beat sends every minute, sent now through the test's Redis with Celery's own CLI."""
-    subprocess.run([sys.executable, "-m", "celery", "-A", "lora_platform", "call", "training.tasks.training_jobs_sweep"],
-                   cwd=ROOT, env=process_env(settings, {"REDIS_URL": redis_url}), check=True, timeout=120,
-                   capture_output=True)
+def send_sweep(settings, redis_url: str, log: Path) -> None:
+    """What beat sends every minute, sent now through the test's Redis with Celery's own CLI (forked from
+    the zygote, as the worker is, instead of a cold interpreter importing Django and Celery)."""
+    with log.open("ab") as output:
+        process = zygote.popen([sys.executable, "-m", "celery", "-A", "lora_platform", "call",
+                                "training.tasks.training_jobs_sweep"],
+                               cwd=ROOT, env=process_env(settings, {"REDIS_URL": redis_url}), stdout=output,
+                               stderr=subprocess.STDOUT)
+    assert process.wait(timeout=120) == 0, log.read_text(errors="replace")
 
 
 def assert_every_row_has_its_file_and_no_file_lacks_a_row() -> None:
@@ -49,7 +55,7 @@ def assert_every_row_has_its_file_and_no_file_lacks_a_row() -> None:
 
 
 def test_uploads_and_jobs_survive_a_stopped_then_frozen_redis_and_run_once_it_is_back(
-        platform, tenant_a, own_redis, start_web, start_worker, settings):
+        platform, tenant_a, own_redis, start_web, start_worker, settings, tmp_path):
     web = start_web(REDIS_URL=own_redis.url)
     start_worker(REDIS_URL=own_redis.url)
     response = upload(web, tenant_a.key, "ready.jsonl")
@@ -92,13 +98,13 @@ def test_uploads_and_jobs_survive_a_stopped_then_frozen_redis_and_run_once_it_is
 
     # The sweep (beat's minute, sent by hand here) finds what was not sent.
     Dataset.objects.filter(pk=unsent.pk).update(created_at=timezone.now() - timedelta(minutes=2))
-    send_sweep(settings, own_redis.url)
+    send_sweep(settings, own_redis.url, tmp_path / "sweep.log")
     wait_for(lambda: dataset_status(unsent.pk) == "ready", 120, "the unsent dataset's validation")
     wait_for(lambda: TrainingJob.objects.get(pk=job.pk).status == "succeeded", 240, "the job sent by the sweep")
     # The frozen upload's task was either sent after all (Redis answered once thawed) or is swept.
     if dataset_status(frozen.pk) == "uploaded":
         Dataset.objects.filter(pk=frozen.pk).update(created_at=timezone.now() - timedelta(minutes=2))
-        send_sweep(settings, own_redis.url)
+        send_sweep(settings, own_redis.url, tmp_path / "sweep.log")
     wait_for(lambda: dataset_status(frozen.pk) == "ready", 120, "the frozen upload's validation")
     assert TrainingJob.objects.get(pk=job.pk).attempts == 1
     assert_every_row_has_its_file_and_no_file_lacks_a_row()
