@@ -320,7 +320,7 @@ def test_the_worker_key_and_a_killed_celery_worker_started_again_without_its_old
     assert first.get("/healthz")[0] == 200 and first.process.poll() is None
 
 
-# Ctrl-C of `make up` while a training job runs (the module docstring's last paragraph).
+# Ctrl-C of `make up` while a training job runs (the module docstring's "Ctrl-C mid-job").
 
 LEASE_SECONDS = 600
 # The launcher's children get these; no periodic checkpoint falls within the run.
