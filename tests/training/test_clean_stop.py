@@ -42,9 +42,11 @@ def test_a_clean_stop_checkpoints_the_job_releases_it_and_the_next_worker_resume
            "TRAINING_LOG_EVERY_STEPS": 1}
     first = start_worker(**env)
     dataset_id = upload_ready_dataset(client_a)
+    # 16 examples in batches of 2: 8 steps an epoch, 40 in all; the stop, asked once step 3 is seen,
+    # lands before the next step (training.worker_stop), tens of steps before the end.
     job_id = client_a.post("/api/v1/training-jobs", {
         "training_file": dataset_id, "adapter": "interrupted", "seed": 5,
-        "hyperparameters": {"n_epochs": 10, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
+        "hyperparameters": {"n_epochs": 5, "batch_size": 2, "learning_rate": 1e-2, "lora_dropout": 0.0},
     }, format="json").json()["id"]
     # A metrics event a step (the job's own progress is saved once a second, tens of steps late).
     wait_for(lambda: TrainingEvent.objects.filter(job_id=job_id, type=TrainingEvent.Type.METRICS,
