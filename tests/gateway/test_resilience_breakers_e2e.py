@@ -5,6 +5,11 @@ adapter_load_failed): the worker answers 5xx for that version only. As a canary 
 traffic by its breaker and aborted by the canary guard (one audit event); as the active version its
 breaker answers 503 adapter_unavailable, or the base model where the tier allows degradation.
 Other versions and other tenants are served throughout.
+
+The web process is the file's own, its breakers opening at 10 calls (GATEWAY_BREAKER_MINIMUM_CALLS)
+instead of production's 50: what is tested is that the breaker's opening takes the version out of
+traffic, which 10 calls show as well as 50 (tests/gateway/test_breakers.py holds the counts
+themselves), at a fifth of the failing requests.
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ from tests.gateway.conftest import upload_version, wait_for_worker
 pytestmark = pytest.mark.django_db(transaction=True)
 
 BODY = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+MINIMUM_CALLS = 10
+
+
+@pytest.fixture(scope="module")
+def web(start_web):
+    """A web process whose breakers open after MINIMUM_CALLS calls (all failed)."""
+    return start_web(GATEWAY_BREAKER_MINIMUM_CALLS=str(MINIMUM_CALLS))
 
 
 def corrupt(version: AdapterVersion) -> None:
@@ -81,8 +93,8 @@ def test_a_failing_canary_is_taken_out_of_traffic_and_aborted_once(web, tenant_a
                 break
 
     assert aborted_after is not None, f"the canary was never aborted ({len(canary_calls)} canary calls)"
-    # Out of traffic within 100 of its own calls: the breaker's 50, plus what was in flight.
-    assert 50 <= len(canary_calls) <= 100 and set(canary_calls) == {500}
+    # Out of traffic within 50 more of its own calls than the breaker's minimum: what was in flight.
+    assert MINIMUM_CALLS <= len(canary_calls) <= MINIMUM_CALLS + 50 and set(canary_calls) == {500}
     events = list(DeploymentEvent.objects.filter(actor="system:canary-guard"))
     assert len(events) == 1 and (events[0].kind, events[0].from_version, events[0].to_version) == (
         "abort", "1.1.0", "1.0.0")
@@ -105,14 +117,15 @@ def test_an_open_breaker_on_the_active_version_refuses_or_degrades(web, tenant_a
     time.sleep(0.6)
     with ThreadPoolExecutor(4) as pool:
         statuses = list(pool.map(lambda _: complete(web, tenant_a.key, "faq-bot", allow_degradation=False).status_code,
-                                 range(50)))
-    assert set(statuses) == {500}  # the worker's own answer until the breaker has its 50 calls
+                                 range(MINIMUM_CALLS)))
+    assert set(statuses) == {500}  # the worker's own answer until the breaker has its minimum of calls
     # The gateway counts a call on its breaker after the reply (off the reply's path), so the last
     # calls' counts may land a moment after their 500s: wait for the shared breaker to open.
     breaker = KEY_PREFIX + broken.qualified_name
     deadline = time.monotonic() + 10
     while redis_client.hget(breaker, "state") != State.OPEN.value.encode():
-        assert time.monotonic() < deadline, f"the breaker is {redis_client.hget(breaker, 'state')!r} after 50 failures"
+        assert time.monotonic() < deadline, (
+            f"the breaker is {redis_client.hget(breaker, 'state')!r} after {MINIMUM_CALLS} failures")
         time.sleep(0.05)
 
     refused = complete(web, tenant_a.key, "faq-bot", allow_degradation=False)
