@@ -212,7 +212,9 @@ def test_a_killed_workers_job_is_resent_by_the_sweep_and_its_scratch_folder_swep
     job = TrainingJob.objects.get(pk=job_id)
     assert job.attempts == 2 and job.events.filter(message__startswith="Resuming from the checkpoint").exists()
     assert AdapterVersion.objects.for_tenant(tenant_a.tenant).count() == 1
-    assert list(scratch.iterdir()) == []  # the finished run removed its own
+    # The finished run removes its own, in its `finally` after the job's end has committed (which the
+    # test may read first).
+    wait_for(lambda: list(scratch.iterdir()) == [], 30, "the finished run to remove its scratch folder")
 
 
 def test_lines_that_used_to_crash_the_validation_task_are_line_errors_on_a_real_worker(
