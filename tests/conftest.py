@@ -10,6 +10,7 @@ import functools
 import inspect
 import os
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -380,3 +381,46 @@ def shared_breaker(name: str, timeout: float = 60.0) -> Snapshot:
             return snapshot
         assert time.monotonic() < deadline, f"Redis gave no answer for breaker {name} in {timeout:.0f} s"
         time.sleep(0.2)
+
+
+def _shared_default_ssl_context(create: Callable[..., ssl.SSLContext]) -> Callable[..., ssl.SSLContext]:
+    """`create_ssl_context` of an httpx transport, giving every client with the default verification
+    one context per trust settings instead of a new one each (see `one_ssl_context_per_settings`)."""
+    made: dict[tuple[bool, str | None, str | None], ssl.SSLContext] = {}
+
+    def shared(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in made:
+            made[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return made[key]
+
+    return shared
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_ssl_context_per_settings() -> Iterator[None]:
+    """Every httpx client of the suite's tests (`httpx.get`/`post`/`stream` make one a call,
+    the `openai` SDK its vendored httpx2's) shares one default TLS context, where each built its own:
+    `ssl.create_default_context` loads the CA bundle, 18 ms of CPU a client. The suites' clients poll
+    and call workers on http:// (each property example, each /health poll of a starting worker), so
+    that was seconds of CPU a file (test_request_caps_api.py's two property tests, 150 examples each:
+    3.7 -> 0.45 s of CPU each) for a context no connection uses. One with TLS gets the same context as
+    before, verification alike; httpcore sets its ALPN protocols per connection, and none here is
+    HTTP/2. Module-scoped: the transports' own name patched and put back after each module. Every
+    folder's tests (web processes' /health polls, metric loops, one SDK client a test): the
+    processes the tests start make their own clients unpatched."""
+    import httpx._transports.default as httpx_transport
+
+    modules = [httpx_transport]
+    try:
+        import httpx2._transports.default as httpx2_transport  # the openai SDK's own copy
+
+        modules.append(httpx2_transport)
+    except ImportError:
+        pass
+    with pytest.MonkeyPatch.context() as patch:
+        for module in modules:
+            patch.setattr(module, "create_ssl_context", _shared_default_ssl_context(module.create_ssl_context))
+        yield
