@@ -224,6 +224,7 @@ def _bench_llama3_8b_engine(args: argparse.Namespace, model_dir: Path, adapters:
     engine = _engine(
         model_dir, args, load_format="dummy", max_num_batched_tokens=8192, block_size=16,
         enforce_eager="graph" not in args.modes, quantization=quantization,
+        **({"max_flat_tokens": args.max_flat_tokens} if args.max_flat_tokens else {}),
     )  # fmt: skip
     results["engine_build_s"] = time.perf_counter() - start
     results.update(_memory_gib(engine, args.rank))
@@ -486,6 +487,11 @@ def main() -> int:
     parser.add_argument(
         "--prefill-tokens", type=int, default=2048,
         help="llama3-8b: also time prefill-only steps of this many prompt tokens, prompts of --context tokens (0: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-flat-tokens", type=int, default=0,
+        help="llama3-8b: the engine's max_flat_tokens (0: its default); a step over it attends its prompt chunks "
+        "with SDPA instead of the paged kernel, and runs eagerly",
     )  # fmt: skip
     parser.add_argument(
         "--modes", default="graph,eager,eager-torch", help="llama3-8b: comma-separated graph, eager, eager-torch"
