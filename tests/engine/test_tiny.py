@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from serving.engine.tiny import (
     main,
     save_random_peft_adapter,
 )
+from tests import zygote
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,14 +50,17 @@ def test_same_seed_gives_identical_files_and_other_seed_other_weights(arch, tmp_
 
 @pytest.mark.e2e
 def test_command_line_builds_the_same_model_in_another_process(tmp_path, tiny_model_factory):
+    """`python -m serving.engine.tiny` in a process of its own, forked from the zygote (tests/zygote.py:
+    `python -m` run as a cold interpreter runs it, without paying torch's and transformers' imports
+    again, 5 s of CPU cold); its output goes to files, as the zygote takes descriptors, not pipes."""
     out = tmp_path / "cli-model"
-    result = subprocess.run(
-        [sys.executable, "-m", "serving.engine.tiny", str(out), "--arch", "qwen2", "--seed", "0"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
+    with (tmp_path / "stdout").open("wb") as stdout, (tmp_path / "stderr").open("wb") as stderr:
+        process = zygote.popen([sys.executable, "-m", "serving.engine.tiny", str(out), "--arch", "qwen2", "--seed", "0"],
+                               cwd=REPO_ROOT, stdout=stdout, stderr=stderr)
+        returncode = process.wait(timeout=300)
 
-    assert result.returncode == 0, result.stderr
-    assert "qwen2 tiny" in result.stdout
+    assert returncode == 0, (tmp_path / "stderr").read_text()
+    assert "qwen2 tiny" in (tmp_path / "stdout").read_text()
     assert digests(out) == digests(tiny_model_factory("qwen2"))
 
 
