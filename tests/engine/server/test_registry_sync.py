@@ -21,7 +21,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 TOKEN = "registry-test-token"
 WORKER_ID = "sync-test-worker"
-RECONCILE_S = 3
+# Short, so the waits for a reconcile (a refused snapshot, a lost event healed) are short; the
+# reconciles run one after another whatever the interval, which is all the test relies on.
+RECONCILE_S = 1
 
 
 @pytest.fixture
@@ -73,7 +75,7 @@ def test_deploy_events_and_reconcile_keep_the_worker_in_sync(
 ):
     """Each path alone: while the worker's snapshots are refused (the live server's token changed
     under it), a deploy or rollback reaches it only as an event; while events are lost, only the
-    reconcile. (Both open, the 3 s reconcile may apply a deploy before its event arrives, and the
+    reconcile. (Both open, the periodic reconcile may apply a deploy before its event arrives, and the
     worker then rightly skips the event: waiting for the event would flake.)"""
     subscribed = events_subscribers(redis_client)
     worker = start_worker(
