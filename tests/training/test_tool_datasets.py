@@ -222,9 +222,10 @@ def test_an_adapter_trained_on_tool_calls_writes_calls_the_worker_reads(base_mod
 
         def on_checkpoint(self, *_: object) -> None: ...
 
-    # Batches of one: 240 updates for the CPU of 60 batches of four (150 batches of four took 2.3x the CPU;
-    # 60 epochs of one learn under seeds 1 to 3, 40-50 under some seeds only).
-    hp = Hyperparameters(n_epochs=60, batch_size=1, learning_rate=1e-2, max_seq_length=512, r=8, lora_alpha=16,
+    # Batches of one: 160 updates for the CPU of 40 batches of four (150 batches of four took 2.3x the CPU).
+    # 40 and 45 epochs learn under seeds 1 to 3 (35 under seed 1; 50 under seed 2 missed one city of
+    # four: what is learnt is not monotonic in the epochs, so the count is checked, not extrapolated).
+    hp = Hyperparameters(n_epochs=40, batch_size=1, learning_rate=1e-2, max_seq_length=512, r=8, lora_alpha=16,
                          lora_dropout=0.0)
     result = LoraTrainer(base, hp, seed=1, train=examples, valid=[], hooks=Hooks(), work_dir=tmp_path / "run",
                          fingerprint="tools", base_model_name="tiny-llama", checkpoint_every=1000, log_every=50).run()
