@@ -40,15 +40,10 @@ def engine_step_ms(
     host time) is written there, and the device's busy time per step is returned in the file."""
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, detokenize=False)
     _start_decoding(engine, prompts, loras, params, prefix="r")
-    device = engine.runner.device
-    times = []
-    for _ in range(steps + 3):
-        sync(device)
-        start = time.perf_counter()
-        engine.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    def check() -> None:
         assert engine.last_step_tokens == len(prompts), "every sequence must decode in each timed step"
+
+    times = _time_steps(engine, steps, lambda: None, check)
     if profile_to is not None:
         _profile_steps(engine, profile_to)
     for rid in engine.request_ids():
@@ -77,24 +72,18 @@ def mixed_step_ms(
     as under Poisson arrivals most steps of a server are. ``profile_to``: as in ``engine_step_ms``."""
     params = SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True, detokenize=False)
     _start_decoding(engine, prompts[:-1], loras[:-1], params, prefix="m")
-    device = engine.runner.device
     vocab = LLAMA3_8B["vocab_size"]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
-    times = []
     added = itertools.count()
 
     def add_one() -> None:
         step = next(added)
         engine.add_request(f"new{step}", random_prompts(1, chunk, vocab, seed=100 + step)[0], one, loras[-1])
 
-    for _ in range(steps + 3):
-        add_one()
-        sync(device)
-        start = time.perf_counter()
-        engine.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    def check() -> None:
         assert engine.last_step_tokens == len(prompts) - 1 + chunk, "each timed step decodes all and prefills one"
+
+    times = _time_steps(engine, steps, add_one, check)
     if profile_to is not None:
         _profile_steps(engine, profile_to, before_step=add_one)
     for rid in engine.request_ids():
@@ -119,20 +108,31 @@ def prefill_step_ms(
             engine.add_request(f"p{i}", random_prompts(1, prompt_len, vocab, seed=10_000 + i)[0], one,
                                loras[i % len(loras)])  # fmt: skip
 
+    def check() -> None:
+        assert engine.last_step_tokens == per_step * prompt_len, "each timed step prefills its prompts whole"
+        assert not engine.has_unfinished_requests(), "each prompt's one token ends it in its own step"
+
+    times = _time_steps(engine, steps, add_step, check)
+    if profile_to is not None:
+        _profile_steps(engine, profile_to, before_step=add_step)
+    return statistics.median(times[3:]) * 1e3
+
+
+def _time_steps(engine: LLMEngine, steps: int, before_step: Callable[[], None],
+                check: Callable[[], None]) -> list[float]:  # fmt: skip
+    """Wall seconds of ``steps`` + 3 steps (the median skips the first 3), each after
+    ``before_step`` (not timed) and checked by ``check`` after it."""
     device = engine.runner.device
     times = []
     for _ in range(steps + 3):
-        add_step()
+        before_step()
         sync(device)
         start = time.perf_counter()
         engine.step()
         sync(device)
         times.append(time.perf_counter() - start)
-        assert engine.last_step_tokens == per_step * prompt_len, "each timed step prefills its prompts whole"
-        assert not engine.has_unfinished_requests(), "each prompt's one token ends it in its own step"
-    if profile_to is not None:
-        _profile_steps(engine, profile_to, before_step=add_step)
-    return statistics.median(times[3:]) * 1e3
+        check()
+    return times
 
 
 def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3, before_step: Callable[[], None] | None = None) -> None:
