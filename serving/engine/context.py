@@ -10,7 +10,7 @@ gather and SDPA).
 A step may also be *flat*: every token, a prompt chunk's too, is a decode row at its own position
 (``decode_context_lens`` = position + 1, the chunk's keys already written to the cache), with
 ``decode_row_seq`` naming each row's sequence in the per-sequence ``decode_block_tables``; there
-are no ``prefills`` then, and one attention launch serves decodes and chunks alike (what a CUDA
+are no ``prefills`` then, and one attention call serves decodes and chunks alike (what a CUDA
 graph of a mixed step captures). The context is thread-local: an engine's forward runs on one thread.
 """
 

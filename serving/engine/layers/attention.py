@@ -7,8 +7,9 @@ graph-capturable), then attends:
   paged kernel of ``kernels.paged_attention`` reads each sequence's pages in place through its
   block table; with ``"torch"`` (CPU) every sequence's blocks are gathered into a padded
   ``[B, L]`` context and a mask hides what lies past each sequence's length;
-- in a flat step (``StepContext.decode_row_seq`` set) every token is such a decode row, prompt
-  chunks included, each attending causally up to its own position through its sequence's table;
+- in a flat step (``StepContext.decode_row_seq`` set) every token is such a row, prompt chunks
+  included, each attending causally up to its own position through its sequence's table (the Triton
+  backend serves a chunk's rows as tiles of causal attention, ``kernels.paged_attention``'s runs);
 - otherwise each prefill chunk on its own, in torch SDPA: a first chunk attends to its own keys causally
   (no gather), a later chunk gathers its sequence's cached context and uses an offset causal mask.
 
