@@ -118,6 +118,11 @@ class EngineConfig:
     waited this many steps, the step gets the full budget, so prompts never queue without bound
     behind short steps (docs/serving-worker.md, "The token budget").
 
+    ``lora_prefetch_groups`` (2 by default; 0: off): after each step's admissions the scheduler starts
+    bringing up the adapters of the next this many waiting adapter groups that are not resident (the
+    copy into the GPU pool, or the read into the CPU cache), evicting only idle adapters
+    (serving.engine.scheduler; docs/adapter-memory.md, "Admission").
+
     ``grammar``: structured output's compile budget, pool and cache (serving.engine.grammar_pool's
     ``GrammarBudget``: time, nesting and size per constraint, compiling processes, a tenant's share
     of them, the per-tenant cache's bounds).
@@ -131,6 +136,7 @@ class EngineConfig:
     lora_memory_fraction: float = 0.2
     cpu_lora_memory_bytes: int = 64 << 20
     cpu_lora_cache_bytes: int | None = None
+    lora_prefetch_groups: int = 2
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -183,6 +189,8 @@ class EngineConfig:
             self.cpu_lora_cache_bytes is None or self.cpu_lora_cache_bytes >= 1,
             f"cpu_lora_cache_bytes must be >= 1, got {self.cpu_lora_cache_bytes}",
         )
+        _require(self.lora_prefetch_groups >= 0,
+                 f"lora_prefetch_groups must be >= 0 (0: off), got {self.lora_prefetch_groups}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= 1,

@@ -38,6 +38,17 @@ once it has waited longer than an aging period, admissions stop until running se
 free room, so no adapter waits longer than that plus the longest running sequence's remaining
 tokens.
 
+Resident adapters first: in each step, requests whose adapter holds a GPU slot (and base-model
+requests) are admitted, in the order above, before any request whose admission would start a copy
+into the pool, so a burst of resident groups is admitted whole and no copy evicts the adapter of a
+request still waiting behind it. A request that needs a copy is passed over only by resident ones of
+its aged level or better, and only until it has waited an aging period; past either it takes its
+place in the order above, so the bounds above stand. Then, with ``lora_prefetch_groups`` = k, the
+scheduler looks ahead: the next k waiting groups, by aged level (then the adapter with the fewest
+running sequences, then arrival), whose adapter is neither resident nor being read, get their copy
+into the pool started, or their read from storage (``LoRACache.prefetch_queued``: it evicts only idle
+adapters, never one a running sequence or a waiting request uses), so their requests find it landed.
+
 With ``decode_stall_target`` (the adaptive token budget, off by default) a step that decodes gives
 prompts only what keeps it within that many times the decode-only step's time, by the step-time
 model the engine feeds (serving.engine.step_cost): the budget becomes
@@ -66,6 +77,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.fairness import Client, VirtualTokenCounter
 from serving.engine.lora.borrow import Borrower
 from serving.engine.lora.cache import LoRACache
+from serving.engine.lora.records import AdapterHandle
 from serving.engine.sequence import Sequence, SequenceStatus
 from serving.engine.step_cost import StepCostModel, stall_budget
 
@@ -117,6 +129,7 @@ class Scheduler:
         self.aging = config.priority_aging_steps
         self.blocks = block_manager
         self.lora_cache = lora_cache
+        self.prefetch_groups = config.lora_prefetch_groups if lora_cache is not None else 0
         self.running: list[Sequence] = []  # sorted by _key
         # The running sequences of each (tenant, priority), sorted by _key: the preemption candidates.
         self._running_by: dict[tuple[Client, int], list[Sequence]] = {}
@@ -235,6 +248,8 @@ class Scheduler:
             self._charge(seq, num)
         if not preempted:
             budget = self._admit(now, budget, scheduled)
+        if self.prefetch_groups and self._num_waiting:
+            self._prefetch(now)
         return SchedulerOutput(list(scheduled.items()), preempted)
 
     def _prompt_budget(self, now: int, budget: int, decodes: int) -> int:
@@ -273,9 +288,13 @@ class Scheduler:
         blocked: set[str | None] = set()
         # Running sequences' forks still to come (n > 1, prompt not yet prefilled) hold their places.
         reserved = sum(seq.num_forks for seq in self.running)
+        resident_first = self.lora_cache is not None  # the step's first phase (module docstring)
         while budget > 0 and len(self.running) + reserved < self.max_num_seqs:
-            head = self._best_head(now, blocked)
+            head = self._best_head(now, blocked, resident_first=resident_first)
             if head is None:
+                if resident_first:
+                    resident_first = False
+                    continue
                 break
             seq, group = head.seq, head.seq.adapter_key
             # Its prefill would read a token still in flight: a step that preempts admits nothing, and
@@ -347,11 +366,16 @@ class Scheduler:
                     places -= 1
         return need
 
-    def _best_head(self, now: int, blocked: set[str | None]) -> _Waiting | None:
+    def _best_head(self, now: int, blocked: set[str | None], *, resident_first: bool = False) -> _Waiting | None:
         """The waiting request to admit next: the tier (raw priority) of the best aged level, then,
         within it, the least-served tenant, then that tenant's best aged level, adapter fairness
-        and age. One pass over the queues, whose heads are their best (a heap by aged key)."""
+        and age. One pass over the queues, whose heads are their best (a heap by aged key).
+
+        ``resident_first``: pass over heads whose admission would start a copy into the GPU pool;
+        None once no other is left, or one of those has waited an aging period or has a better aged
+        level than every other (then the step goes on in the plain order)."""
         tier, tier_rank = None, None
+        deferred_level: int | None = None  # the best aged level among the heads passed over
         in_tier: dict[int, tuple[tuple[int, int, int, int, int], _Waiting]] = {}  # raw priority -> best
         for (client, group, priority), queue in list(self._waiting.items()):
             while queue and queue[0].seq.is_finished:
@@ -363,6 +387,11 @@ class Scheduler:
                 continue
             head = queue[0]
             level = (head.key - now) // self.aging
+            if resident_first and self._needs_copy(head.seq):
+                if now - head.seq.arrival_step > self.aging:
+                    return None
+                deferred_level = level if deferred_level is None else min(deferred_level, level)
+                continue
             rank = (level, self._running_per_group.get(group, 0), head.key, head.order)
             if tier_rank is None or rank < tier_rank:
                 tier, tier_rank = priority, rank
@@ -370,7 +399,35 @@ class Scheduler:
             best = in_tier.get(priority)
             if best is None or fair < best[0]:
                 in_tier[priority] = (fair, head)
-        return None if tier is None else in_tier[tier][1]
+        if tier is None or tier_rank is None or (deferred_level is not None and deferred_level < tier_rank[0]):
+            return None
+        return in_tier[tier][1]
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        return seq.adapter is not None and self.lora_cache is not None and self.lora_cache.needs_copy(seq.adapter)
+
+    def _prefetch(self, now: int) -> None:
+        """Start bringing up the adapters of the next ``prefetch_groups`` waiting groups whose adapter
+        is neither resident nor being read (module docstring). One pass over the queues' heads."""
+        cache = self.lora_cache
+        assert cache is not None
+        wanted: dict[int, tuple[tuple[int, int, int, int], AdapterHandle]] = {}  # id(adapter) -> best rank
+        for (_, group, _), queue in self._waiting.items():
+            while queue and queue[0].seq.is_finished:
+                heapq.heappop(queue)  # finished while waiting: already uncounted (finish)
+            if not queue:
+                continue
+            head = queue[0]
+            handle = head.seq.adapter
+            if handle is None or handle.adapter is None or not cache.needs_prefetch(handle):
+                continue
+            rank = ((head.key - now) // self.aging, self._running_per_group.get(group, 0), head.key, head.order)
+            best = wanted.get(id(handle.adapter))
+            if best is None or rank < best[0]:
+                wanted[id(handle.adapter)] = (rank, handle)
+        if wanted:
+            nearest = heapq.nsmallest(self.prefetch_groups, wanted.values(), key=lambda item: item[0])
+            cache.prefetch_queued(handle for _, handle in nearest)
 
     def _charge(self, seq: Sequence, num: int) -> None:
         """Charge ``seq``'s tenant for ``num`` tokens computed in this step (sampling one after them

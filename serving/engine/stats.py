@@ -107,6 +107,10 @@ class EngineStats:
     slot_checks: int
     slot_corruptions: int
     slot_repairs: int
+    # The scheduler's look-ahead (EngineConfig.lora_prefetch_groups): copies into the GPU pool and reads
+    # from storage it started for waiting requests, and admissions that found an adapter it had copied in.
+    lora_prefetches: int
+    lora_prefetch_hits: int
     gpu_slots: tuple[str | None, ...]
     cpu_cached: tuple[str, ...]
     adapters: tuple[LoRAInfo, ...]
@@ -202,6 +206,8 @@ def engine_stats(*, scheduler: Scheduler, blocks: BlockManager, runner: ModelRun
         slot_checks=checksums.checks if checksums is not None else 0,
         slot_corruptions=checksums.mismatches if checksums is not None else 0,
         slot_repairs=lora.slot_repairs if lora else 0,
+        lora_prefetches=lora.prefetches if lora else 0,
+        lora_prefetch_hits=lora.prefetch_hits if lora else 0,
         gpu_slots=tuple(_label(a) for a in cache.slots()) if cache is not None else (),
         cpu_cached=tuple(_label(a) or a.digest for a in cache.cpu_resident()) if cache is not None else (),
         adapters=adapters,

@@ -22,7 +22,7 @@ thread; loader threads only read storage and hand back a future.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -76,6 +76,8 @@ class LoRACacheStats:
     cpu_bytes: int  # bytes of the CPU cache's entries
     load_stalls: int  # requests that waited for their adapter to be read from storage
     slot_repairs: int  # slots rewritten from storage after failing their checksum
+    prefetches: int  # copies into the GPU pool and reads from storage the scheduler's look-ahead started
+    prefetch_hits: int  # admissions whose adapter the look-ahead's copy had put in the GPU pool
 
 
 class LoRACache:
@@ -133,6 +135,7 @@ class LoRACache:
         self._last_load_seconds = 0.0
         self._load_stalls = 0
         self._slot_repairs = 0
+        self._prefetches = 0
 
     @property
     def load_fn(self) -> Callable[..., LoadedAdapter]:
@@ -160,6 +163,8 @@ class LoRACache:
             cpu_bytes=self._cpu.nbytes,
             load_stalls=self._load_stalls,
             slot_repairs=self._slot_repairs,
+            prefetches=self._prefetches,
+            prefetch_hits=self._slots.prefetch_hits,
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -214,12 +219,46 @@ class LoRACache:
         if adapter is not None and (adapter.slot is not None or adapter.weights is not None):
             return True
         if adapter is not None and adapter.reload is None:
-            name = next(iter(adapter.names), adapter.digest)
-            adapter.reload = self._start_load(PendingLoad(name, adapter.path, reload_of=adapter))
+            self._reread(adapter)
         if not handle.stalled:
             handle.stalled = True
             self._load_stalls += 1
         return False
+
+    def needs_copy(self, handle: AdapterHandle) -> bool:
+        """Whether admitting a request of ``handle`` would start a copy into the GPU pool: its adapter
+        is in the CPU cache and holds no slot (the scheduler admits resident adapters' requests first)."""
+        adapter = handle.adapter
+        return adapter is not None and adapter.slot is None and adapter.weights is not None
+
+    def needs_prefetch(self, handle: AdapterHandle) -> bool:
+        """Whether ``prefetch_queued`` would start something for ``handle``'s adapter: a copy into the GPU
+        pool (in the CPU cache, no slot) or a read from storage (in neither, no read in flight)."""
+        adapter = handle.adapter
+        return adapter is not None and adapter.slot is None and (adapter.weights is not None or adapter.reload is None)
+
+    def prefetch_queued(self, handles: Iterable[AdapterHandle]) -> int:
+        """Bring the adapters of waiting requests up ahead of their admission (the scheduler's
+        look-ahead, ``EngineConfig.lora_prefetch_groups``); returns how many copies and reads it started.
+
+        An adapter in the CPU cache is put in a slot, unpinned, as ``prefetch(to_gpu=True)`` puts one:
+        only into free rows or those of idle adapters (no running sequence, no waiting request), never
+        those of another adapter of ``handles``, so it never evicts what a running sequence or a waiting
+        request uses; where that does not make room it stays in the CPU cache and its admission places
+        it. One whose CPU copy is gone is read again from storage, as its admission would. The first
+        admission that finds it resident counts as a prefetch hit."""
+        adapters = [h.adapter for h in handles if h.adapter is not None and self.needs_prefetch(h)]
+        started = 0
+        for adapter in adapters:
+            if adapter.weights is None:
+                self._reread(adapter)
+                started += 1
+            elif self._slots.place(adapter, [a for a in adapters if a is not adapter]) is not None:
+                adapter.prefetched = True
+                self._cpu.demote(adapter)  # the slot serves it now, as after an admission's copy
+                started += 1
+        self._prefetches += started
+        return started
 
     # ---- GPU slots ------------------------------------------------------------------------
 
@@ -331,8 +370,7 @@ class LoRACache:
         self._cpu.discard(adapter)
         self._slots.free(adapter)
         if adapter.reload is None:
-            name = next(iter(adapter.names), adapter.digest)
-            adapter.reload = self._start_load(PendingLoad(name, adapter.path, reload_of=adapter))
+            self._reread(adapter)
         return adapter
 
     def remove(self, name: str) -> CachedAdapter:
@@ -385,6 +423,11 @@ class LoRACache:
 
     def shutdown(self) -> None:
         self._loader.shutdown()
+
+    def _reread(self, adapter: CachedAdapter) -> None:
+        """Read ``adapter`` from storage again (its CPU copy is gone, or its slot went bad)."""
+        name = next(iter(adapter.names), adapter.digest)
+        adapter.reload = self._start_load(PendingLoad(name, adapter.path, reload_of=adapter))
 
     def _start_load(self, load: PendingLoad) -> PendingLoad:
         return self._loader.submit(load, start_now=self._cpu_room())

@@ -124,6 +124,7 @@ class SlotTable:
         self.hits = 0  # admissions that found their adapter resident
         self.misses = 0  # admissions that had to copy it in first
         self.bytes_loaded = 0  # host-to-device bytes of those copies
+        self.prefetch_hits = 0  # admissions whose adapter the scheduler's look-ahead had placed
 
     @property
     def rows_used(self) -> int:
@@ -144,6 +145,9 @@ class SlotTable:
             adapter.fresh = False  # the admission that placed it was counted as the miss
         else:
             self.hits += 1
+        if adapter.prefetched:
+            adapter.prefetched = False  # the first admission after the look-ahead's copy is its hit
+            self.prefetch_hits += 1
         adapter.running += 1
         self._lru.move_to_end(adapter)
         assert adapter.slot is not None
@@ -234,4 +238,4 @@ class SlotTable:
         self._free_slots.append(adapter.slot)
         self._lru.pop(adapter, None)
         adapter.slot = adapter.row = None
-        adapter.fresh = False
+        adapter.fresh = adapter.prefetched = False

@@ -60,6 +60,7 @@ class CachedAdapter:
     row: int | None = None  # its first row in the GPU pool, while resident
     filling: CopyDone | None = None  # its copy into the pool, while in flight
     fresh: bool = False  # placed for a waiting request that has not been admitted yet
+    prefetched: bool = False  # placed by the scheduler's look-ahead, not yet pinned by an admission
     handles: set[AdapterHandle] = field(default_factory=set)  # unfinished requests that use it
     running: int = 0  # running sequences: they pin the slot
     reload: PendingLoad | None = None

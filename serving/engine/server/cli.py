@@ -118,6 +118,11 @@ class ServerArgs:
     cpu_lora_cache_bytes: Annotated[int | None, Flag(LORA)] = Field(
         default=_ENGINE["cpu_lora_cache_bytes"], gt=0, description=(
         "host bytes for the CPU adapter cache (default: twice the GPU adapter memory, at most 1/4 of RAM)"))
+    lora_prefetch_groups: Annotated[int, Flag(LORA)] = Field(
+        default=_ENGINE["lora_prefetch_groups"], ge=0, description=(
+        "each step, start copying into the GPU (or reading from storage) the adapters of the next this many "
+        "waiting adapter groups that are not resident, evicting only idle adapters; 0: off "
+        "(docs/adapter-memory.md, \"Admission\")"))
     lora_modules: Annotated[list[LoRAModule], Flag(LORA, metavar="NAME=PATH", parse=_lora_module)] = Field(
         default_factory=list, description="adapters to load at start")
     allowed_adapter_path: Annotated[list[str], Flag(LORA, metavar="ROOT", repeat=True)] = Field(

@@ -253,6 +253,15 @@ class _EngineCollector(_StatsCollector[EngineStats]):
             "loraplex_lora_load_stalls", "Requests that waited for their adapter to be read from storage.",
             value=stats.adapter_load_stalls,
         )
+        yield CounterMetricFamily(
+            "loraplex_lora_prefetches",
+            "Copies into the GPU pool and reads from storage the scheduler started for waiting requests' adapters.",
+            value=stats.lora_prefetches,
+        )
+        yield CounterMetricFamily(
+            "loraplex_lora_prefetch_hits", "Admissions whose adapter the scheduler's prefetch had copied into the GPU.",
+            value=stats.lora_prefetch_hits,
+        )
 
 
 class _SyncCollector(_StatsCollector[SyncStats]):

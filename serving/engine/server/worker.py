@@ -52,6 +52,7 @@ def engine_config(args: ServerArgs) -> EngineConfig:
         lora_memory_bytes=args.lora_memory_bytes,
         lora_memory_fraction=args.lora_memory_fraction,
         cpu_lora_cache_bytes=args.cpu_lora_cache_bytes,
+        lora_prefetch_groups=args.lora_prefetch_groups,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

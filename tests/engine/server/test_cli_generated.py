@@ -16,7 +16,7 @@ from runtime.settings import platform_settings
 
 # The flags operators' command lines and `make up` use: the generated parser must keep every one.
 FLAGS = """--model --host --port --served-model-name --api-key --max-loras --max-cpu-loras --max-lora-rank
---lora-memory-bytes --lora-memory-fraction --cpu-lora-cache-bytes --lora-modules --allowed-adapter-path
+--lora-memory-bytes --lora-memory-fraction --cpu-lora-cache-bytes --lora-prefetch-groups --lora-modules --allowed-adapter-path
 --max-num-seqs --max-num-batched-tokens --max-model-len --block-size --num-gpu-blocks-override
 --gpu-memory-utilization --dtype --device --load-format --seed --enforce-eager --tensor-parallel-size -tp
 --enable-prefix-caching --no-enable-prefix-caching --enable-dora --no-enable-dora --borrow-kv-memory --async-scheduling --no-async-scheduling --quantization
@@ -50,7 +50,7 @@ def test_the_engine_defaults_are_the_engine_configs_written_once() -> None:
     for name in ("max_loras", "max_cpu_loras", "lora_memory_fraction", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization", "dtype", "device", "load_format",
                  "seed", "enforce_eager", "tensor_parallel_size", "enable_prefix_caching", "quantization",
-                 "borrow_kv_memory", "decode_stall_target", "decode_stall_max_wait_steps"):
+                 "borrow_kv_memory", "decode_stall_target", "decode_stall_max_wait_steps", "lora_prefetch_groups"):
         assert getattr(args, name) == engine[name], name
     grammar = GrammarBudget()
     assert (args.grammar_compile_timeout, args.grammar_compile_workers, args.max_grammar_schema_depth) == \
