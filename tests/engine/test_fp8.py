@@ -13,6 +13,14 @@ On the CPU the FP8 layers run the emulation (the same quantized weights and acti
 also at tensor-parallel size 2 (each rank quantizing its shard); the native call (``_scaled_mm``
 with the Triton activation kernel) is checked against the emulation on the CPU too. On CUDA (gpu
 mark) in bf16, natively on Hopper, with decode steps replayed from CUDA graphs.
+
+The activations quantized by their producer (the norm's and SiLU·mul's kernels writing the FP8 rows
+the next projection takes): a layer uses rows it is given, on the native path only; and an engine
+gives the same greedy tokens and log-probabilities, to the bit, with the fusion as without it, and
+quantizes in its layers only o_proj's input. On the CPU the layers are switched to the native path
+(torch's CPU ``_scaled_mm``), where the torch chain stands in for the fused kernels (tests/kernels/
+test_fused_ops.py holds those bit-equal to it); on CUDA (gpu mark) the kernels themselves, under
+the CUDA graphs.
 """
 
 from __future__ import annotations
@@ -26,9 +34,12 @@ import torch
 from peft_reference import PeftReference, assert_greedy_match
 
 import kernels.fp8 as fp8_kernel
+import serving.engine.layers.fp8_linear as fp8_linear_module
+from kernels.fp8 import QuantizedRows, quantize_rows
 from serving.engine import LLM, EngineConfig, LoRARequest, SamplingParams
 from serving.engine.context import StepContext, reset_context, set_context
 from serving.engine.layers.fp8_linear import native_fp8
+from serving.engine.outputs import Logprob
 from serving.engine.layers.lora_linear import MultiLoRALinear, quantize_fp8
 from serving.engine.server.cli import parse_args
 from serving.engine.server.worker import engine_config
@@ -76,12 +87,12 @@ def _layer(device: str, dtype: torch.dtype, in_features: int = 256, widths: tupl
     return layer
 
 
-def _forward(layer: MultiLoRALinear, x: torch.Tensor) -> torch.Tensor:
+def _forward(layer: MultiLoRALinear, x: torch.Tensor, x_fp8: QuantizedRows | None = None) -> torch.Tensor:
     """The layer's output for ``x`` outside an engine step (no adapters)."""
     set_context(StepContext(slot_mapping=torch.empty(0, dtype=torch.long)))
     try:
         with torch.no_grad():
-            return layer(x)
+            return layer(x, x_fp8)
     finally:
         reset_context()
 
@@ -139,6 +150,31 @@ def test_the_native_path_matches_the_emulation(device: str) -> None:
     native = _forward(layer, x)
     assert native.dtype == torch.bfloat16
     assert _relative_error(native, emulated) <= 1e-2
+
+
+def test_the_native_path_takes_the_rows_it_is_given() -> None:
+    """Rows quantized by the producer are used as they are (not quantized again from ``x``), by the
+    native path only: the emulation, and a layer with the fusion switched off, quantize ``x``."""
+    if not fp8_kernel.INTERPRETED:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
+    layer = _layer("cpu", torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    x, other = (torch.randn(9, 256, generator=generator).to(torch.bfloat16) for _ in range(2))
+    assert not layer.takes_fp8_rows, "an unquantized layer takes no rows"
+    quantize_fp8([layer])
+    assert not layer.takes_fp8_rows, "nor does the emulation"
+    emulated = _forward(layer, x)
+    assert torch.equal(_forward(layer, x, quantize_rows(other)), emulated)
+    layer.fp8_native = True
+    assert layer.takes_fp8_rows
+    native = _forward(layer, x)
+    assert torch.equal(_forward(layer, x, quantize_rows(x)), native), "its own rows: the same product"
+    # Another tensor's rows give that tensor's product: the rows are read, x is not quantized.
+    assert torch.equal(_forward(layer, x, quantize_rows(other)), _forward(layer, other))
+    assert not torch.equal(native, _forward(layer, other))
+    layer.fp8_rows_from_producer = False
+    assert not layer.takes_fp8_rows
+    assert torch.equal(_forward(layer, x, quantize_rows(other)), native)
 
 
 def test_widths_not_multiples_of_16_are_refused() -> None:
@@ -307,3 +343,81 @@ def test_fp8_greedy_tokens_agree_with_the_unquantized_engine(
         # A tensor-parallel engine holds this process's torch.distributed group until shut down: the
         # next engine with ranks on this xdist worker (test_tensor_parallel) would be refused.
         fp8.llm_engine.shutdown()
+
+
+# ---- the activations quantized by their producer: same tokens, same log-probabilities ----------
+
+
+FusionRun = tuple[list[list[int]], list[list[dict[int, Logprob] | None]], int]
+
+
+def _fusion_run(model: Path, adapters: list[Path], device: str, *, fused: bool) -> FusionRun:
+    """One FP8 engine's greedy tokens and log-probabilities (of the generated and of the prompt
+    tokens) over mixed adapter and base prompts, with its projections taking their inputs' FP8 rows
+    from the producer kernels (``fused``) or quantizing them themselves, and how many times the
+    layers quantized an input in those steps. On the CPU the layers run natively (``_scaled_mm``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        # On the class, before the engine is built: on CUDA its graphs are captured with the choice.
+        patch.setattr(MultiLoRALinear, "fp8_rows_from_producer", fused)
+        llm = LLM(str(model), device=device, dtype="bfloat16" if device == "cuda" else "float32", quantization="fp8",
+                  max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64,
+                  enable_prefix_caching=False)  # fmt: skip
+        try:
+            layers = list(llm.llm_engine.runner.model.lora_layers())
+            if device == "cpu":
+                for layer in layers:
+                    layer.fp8_native = True
+            assert all(layer.takes_fp8_rows == fused for layer in layers)
+            prompts = _prompts(llm.get_tokenizer().vocab_size)[:4]
+            loras = [None if i % 3 == 2 else LoRARequest(f"a{i % 2}", str(adapters[i % 2])) for i in range(len(prompts))]
+            # Both adapters resident first: loads run on threads, and a prompt waiting for one would
+            # change which rows share a step, and with them the last bit of some log-probabilities.
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=1), lora_request=loras[:2])
+            calls = 0
+            quantize = fp8_linear_module.quantize_rows_triton
+
+            def counted(x: torch.Tensor) -> QuantizedRows:
+                nonlocal calls
+                calls += 1
+                return quantize(x)
+
+            patch.setattr(fp8_linear_module, "quantize_rows_triton", counted)
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+            assert device == "cpu" or (llm.llm_engine.runner.graphs is not None
+                                       and llm.llm_engine.runner.graphs.replays > 0)  # fmt: skip
+        finally:
+            llm.llm_engine.shutdown()
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    logprobs: list[list[dict[int, Logprob] | None]] = []
+    for out in outputs:
+        assert out.outputs[0].logprobs is not None and out.prompt_logprobs is not None
+        logprobs.append([*out.prompt_logprobs, *out.outputs[0].logprobs])
+    return tokens, logprobs, calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_fused_activation_quantization_changes_no_token_or_logprob(
+    device: str, arch: str, tiny_model_factory: Callable[..., Path], make_adapter: Callable[..., Path]
+) -> None:
+    """Llama's wiring (SiLU·mul fused before down) and Gemma's (four norms a layer, GELU: its down
+    projection quantizes its own input on CUDA), with adapters on every projection, so the LoRA path
+    must read the same bf16 activations as before."""
+    if device == "cpu" and not fp8_kernel.INTERPRETED:
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET unset: this machine has CUDA)")
+    if device == "cuda" and not native_fp8(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU (compute capability 9.x): elsewhere nothing is fused")
+    model = tiny_model_factory(arch)
+    adapters = [make_adapter(model, r=8, lora_alpha=16, target_modules=ALL_MODULES, seed=i, init_scale=0.5)
+                for i in range(2)]  # fmt: skip
+    tokens, logprobs, unfused_calls = _fusion_run(model, adapters, device, fused=False)
+    fused_tokens, fused_logprobs, fused_calls = _fusion_run(model, adapters, device, fused=True)
+    assert fused_tokens == tokens
+    assert fused_logprobs == logprobs, "every log-probability to the bit"
+    # Unfused, each of a layer's four projections quantized its input; fused, o_proj alone (and, on
+    # CUDA, Gemma's down_proj: GELU has no kernel of ours). Graph replays run no Python: on CUDA
+    # only the eager steps count, alike in both runs.
+    own = 2 if device == "cuda" and arch == "gemma2" else 1
+    assert unfused_calls * own == fused_calls * 4
+    assert device == "cuda" or fused_calls > 0

@@ -24,13 +24,15 @@ def _device(device: str) -> None:
 
 def _rows() -> torch.Tensor:
     """Rows whose magnitudes span 1e-6 to 1e3, one of zeros, one reaching e4m3's subnormals
-    (values 1e-4 of the row's largest), and one of a single nonzero value."""
+    (values 1e-4 of the row's largest), one of a single nonzero value, and one with values below
+    e4m3's smallest subnormal (1e-6 of the row's largest: the negative ones round to -0, 0x80)."""
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(40, 300, generator=generator) * torch.logspace(-6, 3, 40).unsqueeze(1)
     x[7] = 0.0
     x[11, :150] *= 1e-4
     x[13] = 0.0
     x[13, 5] = -2.5
+    x[19, :100] *= 1e-6
     return x
 
 
@@ -45,6 +47,7 @@ def test_the_kernel_is_bit_equal_to_the_torch_chain(device: str, dtype: torch.dt
     assert scale.dtype == torch.float32 and scale.shape == (40, 1)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert (q_ref[19].view(torch.uint8) == 0x80).any(), "the rows reach -0"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,8 @@ Embeddings, the LM head and the norms stay in the model's dtype; so do the adapt
 reads the same activations and row pools as without FP8 (serving.engine.layers.lora_linear).
 
 The forward, per call: each token's activation row is quantized to e4m3 with its own scale
-(``kernels.fp8``, one Triton launch on CUDA), then
+(``kernels.fp8``, one Triton launch on CUDA), or comes quantized already from the kernel that wrote
+the activations (below), then
 
 - **native** (CUDA, compute capability 9.x: Hopper): ``torch._scaled_mm(x_fp8, w_fp8.t(),
   scale_a=[M, 1], scale_b=[1, N], out_dtype=bf16)``, rowwise scaling, fp32 accumulation, one
@@ -17,6 +18,18 @@ The forward, per call: each token's activation row is quantized to e4m3 with its
   is there to test, not to serve.
 
 The bias (in the compute dtype) is added after the product, as the unquantized layer does.
+
+**Activations quantized by their producer** (``x_fp8``): where the kernel before a projection is
+ours, it writes the FP8 rows and their scales beside its output in the same launch
+(``kernels.fused_ops.rms_norm_fp8`` before q/k/v and gate/up, ``silu_mul_fp8`` before down), and the
+native path takes them instead of quantizing ``x`` again: three of a layer's four quantizing
+launches gone, each with its read of the activations (o_proj's input comes from attention, not ours
+to fuse: it still quantizes its own). The rows are bit-equal to ``quantize_rows(x)`` (the fused
+kernels round their output to the compute dtype first and quantize those values with the same
+code), so the product is exactly what it was. The producer still writes ``x`` in the compute dtype,
+which the LoRA path reads as before. The model wires it (serving.engine.models.common, where a
+projection ``takes_fp8_rows``). The emulation ignores ``x_fp8`` and quantizes ``x`` with the torch
+chain, exactly as before.
 
 Where FP8 is refused (by ``EngineConfig``, and by :func:`quantize_weight` at load): on CUDA any
 dtype but bf16 (the rowwise ``_scaled_mm`` writes bf16 only, and fp16/fp32 on a GPU would not be
@@ -38,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import quantize_rows, quantize_rows_triton
+from kernels.fp8 import QuantizedRows, quantize_rows, quantize_rows_triton
 
 # torch._scaled_mm needs the product's inner and output widths to be multiples of this.
 WIDTH_MULTIPLE = 16
@@ -67,15 +80,16 @@ def quantize_weight(weight: torch.Tensor, name: str = "weight") -> tuple[torch.T
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, *,
-               native: bool) -> torch.Tensor:  # fmt: skip
-    """``x [T, in] @ dequant(w_fp8).T (+ bias)`` in ``x``'s dtype, the activations quantized per token."""
+               native: bool, x_fp8: QuantizedRows | None = None) -> torch.Tensor:  # fmt: skip
+    """``x [T, in] @ dequant(w_fp8).T (+ bias)`` in ``x``'s dtype, the activations quantized per token.
+    ``x_fp8``: ``x`` already quantized (bit-equal to ``quantize_rows(x)``) by the kernel that wrote it;
+    the native path uses it, the emulation quantizes ``x`` itself."""
     if native:
-        x_fp8, x_scale = quantize_rows_triton(x)
-        y = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+        x_q, x_scale = x_fp8 if x_fp8 is not None else quantize_rows_triton(x)
+        y = torch._scaled_mm(x_q, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
     else:
-        x_fp8, x_scale = quantize_rows(x)
-        y = ((x_fp8.float() * x_scale) @ (w_fp8.float() * w_scale.t()).t()).to(x.dtype)
+        x_q, x_scale = quantize_rows(x)
+        y = ((x_q.float() * x_scale) @ (w_fp8.float() * w_scale.t()).t()).to(x.dtype)
     if bias is not None:
         y += bias
     return y
-

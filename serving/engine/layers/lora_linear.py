@@ -16,7 +16,9 @@ layer all-reduces its output (the LoRA part with it) before adding its bias.
 
 ``quantize_fp8`` (``EngineConfig.quantization="fp8"``, once the weights are in) turns the base
 weight into float8_e4m3fn with per-output-channel scales (serving.engine.layers.fp8_linear); the
-bias, the row pools and the LoRA path stay in the compute dtype.
+bias, the row pools and the LoRA path stay in the compute dtype. Where the native FP8 path runs
+(``takes_fp8_rows``), the forward takes ``x_fp8``, its input already quantized by the kernel that
+wrote it, and the LoRA path still reads ``x``.
 
 ``awq`` (an AWQ checkpoint, read from its ``config.json``): the layer holds no ``weight``
 but the checkpoint's ``qweight``, ``qzeros`` and ``scales`` (fused slices side by side along the
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import LoRAWeights, lora_apply_weights
+from kernels.fp8 import QuantizedRows
 from serving.engine.context import get_context
 from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.fp8_linear import fp8_linear, native_fp8, quantize_weight
@@ -53,6 +56,11 @@ from serving.engine.lora.records import CachedAdapter
 
 
 class MultiLoRALinear(nn.Module):
+    # Whether a natively run FP8 layer takes its input quantized by the kernel before it (the norm's or
+    # SiLU·mul's, serving.engine.models.common) rather than quantizing it itself. Off only to measure or
+    # test the unfused path (per layer, or on the class before an engine captures its graphs).
+    fp8_rows_from_producer = True
+
     def __init__(
         self,
         in_features: int,
@@ -135,7 +143,15 @@ class MultiLoRALinear(nn.Module):
         i = self.slice_names.index(name)
         return self.slice_offsets[i], self.slice_widths[i]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether the forward uses ``x_fp8`` (so its producer should write it): native FP8 only; the
+        emulation, the INT4 and the unquantized layers quantize nothing or quantize ``x`` themselves."""
+        return self.fp8_native and self.fp8_rows_from_producer
+
+    def forward(self, x: torch.Tensor, x_fp8: QuantizedRows | None = None) -> torch.Tensor:
+        """The base product plus the step's adapters; ``x_fp8``: ``x`` quantized per row by its
+        producer, bit-equal to ``kernels.fp8.quantize_rows(x)`` (used where ``takes_fp8_rows``)."""
         reduces = self.split is not None and self.split.reduces
         lora = get_context().lora
         dora = lora is not None and self.dora_scale is not None
@@ -148,7 +164,8 @@ class MultiLoRALinear(nn.Module):
             y = int4_linear(x, self.qweight, self.qzeros, self.scales, self.awq.group_size, bias, triton=x.is_cuda)
         elif self.weight_scale is not None:
             assert self.weight is not None
-            y = fp8_linear(x, self.weight, self.weight_scale, bias, native=self.fp8_native)
+            y = fp8_linear(x, self.weight, self.weight_scale, bias, native=self.fp8_native,
+                           x_fp8=x_fp8 if self.takes_fp8_rows else None)  # fmt: skip
         else:
             assert self.weight is not None
             y = F.linear(x, self.weight, bias)

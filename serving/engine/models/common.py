@@ -14,6 +14,11 @@ lands in its columns (eight to a packed word), where a bf16 weight's slice lands
 
 Under tensor parallelism each rank builds its share (serving.engine.layers.parallel_linear): its
 heads, its MLP columns, its vocabulary rows; checkpoint tensors are cut to it as they are loaded.
+
+FP8 (serving.engine.layers.fp8_linear): where a projection ``takes_fp8_rows``, the kernel before it
+quantizes its input in the same launch: the norms before q/k/v and gate/up (:func:`norm_into`,
+which the families' layers call) and SiLU·mul before down (``MLP``). Attention and the MLP take
+those rows beside their bf16 input, which the LoRA path still reads.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 from torch.nn import functional
 from transformers import PretrainedConfig
 
+from kernels.fp8 import QuantizedRows, quantize_rows
 from serving.engine.context import get_context
 from serving.engine.distributed.parallel import TensorParallel
 from serving.engine.layers.attention import PagedAttention
@@ -127,8 +133,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **norm)  # type: ignore[arg-type]
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **norm)  # type: ignore[arg-type]
 
-    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+    def forward(self, rope: Rope, x: torch.Tensor, x_fp8: QuantizedRows | None = None) -> torch.Tensor:
+        """``x_fp8``: ``x`` quantized by the norm before, for an FP8 qkv_proj (:func:`norm_into`)."""
+        q, k, v = self.qkv_proj(x, x_fp8).split(self.split, dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             # Rows of head_dim (a 2-D input, as the fused kernel takes it), contiguous after the split.
             q = self.q_norm(q.reshape(-1, self.head_dim))[0]
@@ -181,16 +188,38 @@ class MLP(nn.Module):
         self.fused_silu = activation == "silu"  # the fused kernel computes SiLU only
         self.size = size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, x_fp8: QuantizedRows | None = None) -> torch.Tensor:
+        """``x_fp8``: ``x`` quantized by the norm before, for an FP8 gate_up_proj (:func:`norm_into`)."""
+        gate_up = self.gate_up_proj(x, x_fp8)
+        fp8 = self.down_proj.takes_fp8_rows
+        act_fp8: QuantizedRows | None = None
         if self.fused_silu and gate_up.is_cuda:
-            from kernels.fused_ops import silu_mul
+            from kernels.fused_ops import silu_mul, silu_mul_fp8
 
-            fused: torch.Tensor = self.down_proj(silu_mul(gate_up))
-            return fused
-        gate, up = gate_up.split(self.size, dim=-1)
-        out: torch.Tensor = self.down_proj(self.act(gate) * up)
+            if fp8:
+                act, act_fp8 = silu_mul_fp8(gate_up)
+            else:
+                act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.size, dim=-1)
+            act = self.act(gate) * up
+            # No kernel of ours writes this product on CUDA (Gemma's GELU): down_proj quantizes it in
+            # its own launch. On CPU (native FP8 there only in tests) the torch chain stands in for the
+            # fused kernel, as RMSNorm.forward_fp8's does.
+            if fp8 and not act.is_cuda:
+                act_fp8 = quantize_rows(act)
+        out: torch.Tensor = self.down_proj(act, act_fp8)
         return out
+
+
+def norm_into(norm: RMSNorm, projection: MultiLoRALinear, x: torch.Tensor,
+              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, QuantizedRows | None]:  # fmt: skip
+    """``norm(x, residual)``'s ``(normed, residual stream)`` and, where ``projection`` (the one the
+    normed rows feed) ``takes_fp8_rows``, those rows quantized by the norm's own kernel; else None."""
+    if projection.takes_fp8_rows:
+        return norm.forward_fp8(x, residual)
+    normed, stream = norm(x, residual)
+    return normed, stream, None
 
 
 class DecoderLayer(Protocol):

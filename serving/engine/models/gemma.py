@@ -26,7 +26,16 @@ from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.layernorm import RMSNorm
 from serving.engine.layers.parallel_linear import VocabParallelEmbedding
 from serving.engine.layers.rotary import RotaryEmbedding
-from serving.engine.models.common import MLP, Attention, AttentionOptions, CausalLM, LoRASlots, Rope, head_dim_of
+from serving.engine.models.common import (
+    MLP,
+    Attention,
+    AttentionOptions,
+    CausalLM,
+    LoRASlots,
+    Rope,
+    head_dim_of,
+    norm_into,
+)
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
@@ -60,10 +69,10 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(post-norm of this layer's MLP output, the residual stream before it)``, as the Llama
         layer returns them: the next layer's input norm (or the final one) adds the two."""
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden))[0]
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden))[0], residual
+        hidden, residual, rows = norm_into(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden, rows))[0]
+        hidden, residual, rows = norm_into(self.pre_feedforward_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden, rows))[0], residual
 
 
 class GemmaBackbone(nn.Module):

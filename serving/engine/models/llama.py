@@ -19,7 +19,16 @@ from serving.engine.distributed.parallel import SINGLE, TensorParallel
 from serving.engine.layers.layernorm import RMSNorm
 from serving.engine.layers.parallel_linear import VocabParallelEmbedding
 from serving.engine.layers.rotary import RotaryEmbedding
-from serving.engine.models.common import MLP, Attention, AttentionOptions, CausalLM, LoRASlots, Rope, head_dim_of
+from serving.engine.models.common import (
+    MLP,
+    Attention,
+    AttentionOptions,
+    CausalLM,
+    LoRASlots,
+    Rope,
+    head_dim_of,
+    norm_into,
+)
 
 LLAMA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
@@ -37,10 +46,10 @@ class DecoderLayer(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(this layer's MLP output, the residual stream before it)``: the next layer's norm adds
         them (``x + attn(norm(x))``, then ``+ mlp(norm(...))``, with one fused add+norm each)."""
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual, rows = norm_into(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(rope, hidden, rows)
+        hidden, residual, rows = norm_into(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp(hidden, rows), residual
 
 
 class Backbone(nn.Module):
