@@ -177,6 +177,24 @@ def test_the_same_mask_without_generation_markers(tokenizer, base_model_dir):
     assert encode_example(example, plain_template) == encode_example(example, tokenizer)
 
 
+def test_a_calls_arguments_reach_the_template_as_an_object(base_model_dir):
+    # The tiny model's template (like Qwen2.5's) writes string arguments verbatim, so arguments
+    # passed on as OpenAI's JSON text render the same there. Templates that write
+    # `arguments | tojson` unconditionally (Llama 3.1's, Mistral's) would double-encode them
+    # ("{\"city\": …}"), and the adapter would learn calls the worker cannot read back.
+    example, errors, _ = parse_example(LINE, "chat")
+    assert example is not None and not errors
+    assert example.messages[2]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]
+    strict = AutoTokenizer.from_pretrained(base_model_dir)
+    lenient = "call['arguments'] if call['arguments'] is string else call['arguments'] | tojson"
+    assert lenient in strict.chat_template
+    strict.chat_template = strict.chat_template.replace(lenient, "call['arguments'] | tojson")
+    encoded = encode_example(example, strict)
+    trained = strict.decode([label for label in encoded.labels if label != IGNORE_INDEX])
+    assert trained.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
 def test_a_template_that_ignores_tools_refuses_tool_examples(base_model_dir):
     chatml = AutoTokenizer.from_pretrained(base_model_dir)
     chatml.chat_template = (
