@@ -41,9 +41,16 @@ from kernels.jit import jit
 # (sequence, KV head) programs below which the context is split: about two programs per SM of an H200.
 _SPLIT_BELOW_PROGRAMS = 264
 MAX_SPLITS = 16
+# The decode kernel's warps and pipeline stages.
+DECODE_WARPS = 4
+DECODE_STAGES = 2
 # Query rows (tokens x the group's heads) a program of _runs_kernel multiplies at once: the M of
 # its dots, 128 as flash attention's forward tiles on Hopper (a quarter under the interpreter).
 RUN_TILE_ROWS = 128
+# _runs_kernel's key block, warps and pipeline stages.
+RUN_BLOCK_N = 64
+RUN_WARPS = 8
+RUN_STAGES = 2
 
 
 @jit
@@ -355,7 +362,7 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, ROW_SEQ=row_seq is not None, PRECISION=precision, UPCAST=upcast,
-        SOFTCAP=softcap is not None, num_warps=4, num_stages=2,
+        SOFTCAP=softcap is not None, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(batch, num_kv_heads)](
@@ -374,7 +381,7 @@ def paged_decode_attention(
             q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=run_g, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
-            BLOCK_N=block_n, PRECISION=precision, UPCAST=upcast, SOFTCAP=softcap is not None,
-            num_warps=8 if block_q * run_g >= 128 else 4, num_stages=2,
+            BLOCK_N=RUN_BLOCK_N, PRECISION=precision, UPCAST=upcast, SOFTCAP=softcap is not None,
+            num_warps=RUN_WARPS, num_stages=RUN_STAGES,
         )  # fmt: skip
     return out
