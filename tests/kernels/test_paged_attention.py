@@ -165,15 +165,20 @@ def test_decode_splits() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("window", "splits", "softcap"), [(None, 1, None), (6, 2, 2.5)])
+@pytest.mark.parametrize(
+    ("window", "splits", "softcap", "heads", "head_dim"), [(None, 1, None, 8, 16), (6, 2, 2.5, 6, 20)]
+)
 @pytest.mark.slow
-def test_runs_in_tiles_attend_causally(device: str, window: int | None, splits: int, softcap: float | None) -> None:
+def test_runs_in_tiles_attend_causally(
+    device: str, window: int | None, splits: int, softcap: float | None, heads: int, head_dim: int
+) -> None:
     """Runs (prompt chunks) that start and end inside tiles and cross a tile's edge, between decode
     rows and padding rows of one scratch sequence, as a flat step's graph lays them out: every row
-    equals its own sequence's causal attention, and no row is written twice wrong or left unwritten."""
+    equals its own sequence's causal attention, and no row is written twice wrong or left unwritten.
+    The second case's group of 3 heads and head_dim of 20 leave padding in both tile dimensions."""
     _device(device)
     generator = torch.Generator().manual_seed(23 + splits)
-    page, kv_heads, heads, head_dim = 4, 2, 8, 16
+    page, kv_heads = 4, 2
     k_cache = torch.randn(60, page, kv_heads, head_dim, generator=generator).to(device)
     v_cache = torch.randn(60, page, kv_heads, head_dim, generator=generator).to(device)
     tables = torch.randperm(60, generator=generator)[:55].view(5, 11).to(device)
