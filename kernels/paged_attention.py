@@ -63,6 +63,19 @@ def _dot(a: tl.tensor, b: tl.tensor, acc: tl.tensor, PRECISION: tl.constexpr, UP
 
 
 @jit
+def _block_slots(table: tl.tensor, offs_n: tl.tensor, n_mask: tl.tensor, PAGE: tl.constexpr) -> tl.tensor:
+    """The cache slots of a sequence's tokens ``offs_n``, each looked up in its page table ``table``."""
+    page = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    return page * PAGE + offs_n % PAGE
+
+
+@jit
+def _cap(scores: tl.tensor, softcap: tl.tensor) -> tl.tensor:
+    """``c * tanh(s / c)``, as ``tanh(x) = 1 - 2 / (exp(2x) + 1)``: exact at both ends (exp → inf or 0)."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+
+
+@jit
 def _in_run(row_seq_ptr: tl.tensor, rows: tl.tensor, num_rows: tl.tensor) -> tl.tensor:
     """1 where row ``rows`` shares its sequence with a neighbouring row (it is in a run: a prompt
     chunk of two or more tokens), else 0; ``rows`` a scalar or a vector of row indices."""
@@ -128,13 +141,12 @@ def _runs_kernel(
         for n0 in range(first, last, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < last
-            page = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-            slot = page * PAGE + offs_n % PAGE
+            slot = _block_slots(table, offs_n, n_mask, PAGE)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + slot[:, None] * stride_kslot + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, UPCAST) * scale
             if SOFTCAP:
-                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+                scores = _cap(scores, softcap)
             seen = mine[:, None] & (offs_n[None, :] < length[:, None]) & (offs_n[None, :] >= low[:, None])
             scores = tl.where(seen, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -201,14 +213,12 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        page = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        slot = page * PAGE + offs_n % PAGE
+        slot = _block_slots(table, offs_n, n_mask, PAGE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_kslot + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32), PRECISION, UPCAST) * scale
         if SOFTCAP:
-            # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp → inf or 0).
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+            scores = _cap(scores, softcap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
