@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The serving engine and the trainer on a CUDA machine, by stage (any of: tests engine decode-table serve
-# gateway-curve noisy adapters structured trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/engine.py (and its
+# The serving engine and the trainer on a CUDA machine, by stage (any of: tests attention engine decode-table serve
+# gateway-curve noisy adapters structured trainer trainer70b, in the order given): the gpu-marked engine and kernel tests, bench/paged_attention.py (one layer's attention, with its launch-parameter sweep), bench/engine.py (and its
 # decode-step table for 32-256 distinct adapters), bench/serve.py, bench/many_adapters.py (issue 21's
 # matrix: adapter count x popularity x GPU adapter budget x rate), bench/structured_output.py (issue 24's
 # structured-output TPOT and step tail; needs the xgrammar and apache-tvm-ffi wheels), bench/trainer.py on
@@ -42,11 +42,15 @@ for stage in "$@"; do
             tests/engine/test_async_scheduling.py tests/engine/test_fp8.py tests/kernels/test_fp8_quant.py \
             tests/engine/test_dora_served.py tests/kernels/test_int4.py tests/engine/test_awq_base.py \
             tests/engine/test_vocab_adapters_served.py tests/engine/test_borrow_kv_memory.py \
+            tests/engine/test_adapter_prefetch.py \
             tests/training/test_qlora_cuda.py \
             2>&1 | tee "$out/gpu_tests.log" || status=1
         # No gpu mark here, but its dispatch test asks for the Triton backend on a CUDA device.
         timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
             tests/kernels/test_kernels_api.py 2>&1 | tee -a "$out/gpu_tests.log" || status=1 ;;
+    attention)
+        timeout "$limit" python3 bench/paged_attention.py --sweep --json "$out/attention.json" 2>&1 \
+            | tee "$out/attention.log" || status=1 ;;
     engine)
         timeout "$limit" python3 bench/engine.py --shape llama3-8b --modes graph,eager ${ENGINE_ARGS:-} --json "$out/bench8b.json" \
             --profile-dir "$out" 2>&1 | tee "$out/bench8b.log" || status=1 ;;
