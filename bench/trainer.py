@@ -18,7 +18,9 @@ and prints both sides' tokens/s and peak memory and their ratio: the measurement
 for to choose between our loop and TRL's (TRL's SFTTrainer is transformers.Trainer underneath).
 ``--ablate`` also runs our loop without its speed-ups, one at a time (compiled decoder layers,
 training.compiled_layers; packed rows attended by their bounds, training.packed_attention), to
-show what each is worth.
+show what each is worth. ``--profile FILE`` runs torch.profiler over three steps of our loop after
+the warm-up and writes its kernel table (by device time, then by CPU time) to FILE: where a step's
+time goes.
 """
 
 from __future__ import annotations
@@ -98,6 +100,44 @@ class StepTimer:
         pass
 
 
+class ProfilingTimer(StepTimer):
+    """A StepTimer that runs torch.profiler over `steps` steps after the first `start` and writes the
+    kernel table to `out` when they are done."""
+
+    def __init__(self, out: Path, start: int, steps: int = 3) -> None:
+        super().__init__()
+        self.out, self.start, self.steps = out, start, steps
+        self._profiler: Any = None
+        self._began = 0.0
+
+    def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
+        super().on_step(step, total_steps, epoch, trained_tokens)
+        done = len(self.stamps)
+        if done == self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.start()
+            self._began = time.perf_counter()
+        elif self._profiler is not None and done == self.start + self.steps:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - self._began) / self.steps * 1e3
+            self._profiler.stop()
+            averages = self._profiler.key_averages()
+            # Kernel rows only: an op row (aten::mm) repeats the time of the kernels it launched.
+            kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+            device_ms = sum(e.self_device_time_total for e in kernels) / self.steps / 1e3
+            self.out.write_text(
+                f"profiled step: {wall_ms:.2f} ms wall (with profiler overhead), device busy {device_ms:.2f} ms per step\n\n"
+                + averages.table(sort_by="self_device_time_total", row_limit=30) + "\n\n"
+                + averages.table(sort_by="self_cpu_time_total", row_limit=20)
+            )  # fmt: skip
+            print(f"profile {self.out}: device busy {device_ms:.2f} ms per step of {wall_ms:.2f} ms")
+            self._profiler = None
+
+
 def steady_tokens_per_s(timer: StepTimer, warmup_steps: int) -> float:
     """Trained tokens a second after the first `warmup_steps` (allocator warm-up, compilation)."""
     (t0, tokens0), (t1, tokens1) = timer.stamps[warmup_steps - 1], timer.stamps[-1]
@@ -124,6 +164,7 @@ def main() -> int:
     parser.add_argument("--ablate", action="store_true", help="also run our loop without each speed-up")
     parser.add_argument("--no-compile", action="store_true", help="our loop with eager decoder layers")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, help="write a torch.profiler table of three steps after the warm-up here")
     args = parser.parse_args()
     device = pick_device()
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,8 +183,9 @@ def main() -> int:
                              gradient_accumulation_steps=args.accumulation, packing=args.packing,
                              gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
 
-        def ours(compile_layers: bool | None, packed_attention: bool, name: str) -> tuple[Any, StepTimer, float]:
-            timer = StepTimer()
+        def ours(compile_layers: bool | None, packed_attention: bool, name: str,
+                 profile: Path | None = None) -> tuple[Any, StepTimer, float]:  # fmt: skip
+            timer = ProfilingTimer(profile, args.warmup_steps) if profile else StepTimer()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -163,7 +205,7 @@ def main() -> int:
                 _, abl_timer, _ = ours(compile_layers, packed_attention, label)
                 ablations[label] = {"tokens_per_s": steady_tokens_per_s(abl_timer, args.warmup_steps),
                                     "peak_memory_gib": peak_memory_gib(device), "last_loss": abl_timer.losses[-1]}
-        result, timer, total_s = ours(False if args.no_compile else None, True, "job")
+        result, timer, total_s = ours(False if args.no_compile else None, True, "job", args.profile)
         peak_gib = peak_memory_gib(device)
         hf = run_hf_trainer(model, examples, batch=per_step, rank=args.rank, learning_rate=1e-4,
                             gradient_checkpointing=args.gradient_checkpointing,

@@ -1,0 +1,42 @@
+"""bench/trainer.py's --profile: the profiler covers the steps after the warm-up, and only those."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bench.trainer import ProfilingTimer
+
+
+def _step(timer: ProfilingTimer, step: int, op: torch.Tensor) -> None:
+    # What a training step would run, then the hook the trainer calls after it.
+    (op @ op).sum()
+    timer.on_step(step, 10, 0.0, step * 64)
+
+
+def test_the_table_covers_the_steps_after_the_warmup(tmp_path: Path) -> None:
+    out = tmp_path / "profile.txt"
+    timer = ProfilingTimer(out, start=2, steps=3)
+    a = torch.ones(8, 8)
+    for step in (1, 2):
+        # aten::sigmoid marks the warm-up steps: the table must not hold it.
+        torch.sigmoid(a)
+        _step(timer, step, a)
+    assert not out.exists()
+    for step in (3, 4):
+        # aten::tanh marks the profiled steps: only they run it.
+        torch.tanh(a)
+        _step(timer, step, a)
+    assert not out.exists()
+    torch.tanh(a)
+    _step(timer, 5, a)
+    text = out.read_text()
+    assert text.startswith("profiled step:")
+    assert "aten::tanh" in text and "aten::mm" in text
+    assert "aten::sigmoid" not in text
+    # Steps after the window are not profiled, and the file is written once.
+    out.unlink()
+    _step(timer, 6, a)
+    assert not out.exists()
+    assert len(timer.stamps) == 6
