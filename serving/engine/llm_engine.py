@@ -53,7 +53,7 @@ from serving.engine.lora.records import AdapterHandle, CachedAdapter, CopyDone
 from serving.engine.lora.request import LoRARequest
 from serving.engine.model_runner import ModelRunner, PendingStep, StepLogits, StepResult
 from serving.engine.output_processor import OutputProcessor
-from serving.engine.outputs import RequestOutput
+from serving.engine.outputs import FirstTokenTimes, RequestOutput
 from serving.engine.prompts import PromptType, encode_prompt, eos_token_ids, validate_prompt
 from serving.engine.sampling_params import SamplingParams, seed_of
 from serving.engine.scheduler import Scheduler, SchedulerOutput
@@ -171,6 +171,8 @@ class LLMEngine:
         adapter: AdapterHandle | None = None
         if lora_request is not None:
             adapter = self._loras().resolve(lora_request)
+        # Where its queue phase starts: the wall clock for the HTTP layer (read first: FirstTokenTimes).
+        added_ns, added = time.time_ns(), time.monotonic()
         seq = Sequence(
             request_id=request_id,
             prompt=text,
@@ -180,11 +182,12 @@ class LLMEngine:
             lora_request=lora_request,
             adapter=adapter,
             priority=priority,
+            arrival_time=added,
             generator=self._generator(sampling_params, 0),
             num_forks=sampling_params.num_sequences - 1,
             cache_salt=cache_salt,
         )
-        state = RequestState(request_id, sampling_params, [seq])
+        state = RequestState(request_id, sampling_params, [seq], added_ns=added_ns)
         guided = sampling_params.guided_decoding
         if guided is not None:
             # Compiled in the tenant's share of the pool and cached in its own cache (guided.py).
@@ -351,8 +354,12 @@ class LLMEngine:
         return self._process(step.result())
 
     def _prepare(self, plan: SchedulerOutput) -> None:
-        """Before the step runs: count its prefill tokens and fork the sequences whose prompt it completes."""
+        """Before the step runs: stamp the sequences it schedules first, count its prefill tokens and
+        fork the sequences whose prompt it completes."""
+        now = time.monotonic()
         for seq, num in plan.scheduled:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
             computed = seq.num_computed_tokens + num
             self.counts.prefill_tokens += max(0, min(computed, seq.num_prompt_tokens) - seq.num_computed_tokens)
             if seq.num_forks and computed == seq.num_tokens:
@@ -374,6 +381,9 @@ class LLMEngine:
         was seen."""
         if result.samples is None:
             return []
+        # The moment the host has the step's tokens, before any is appended (detokenized) or made an
+        # output: the end of a first token's prefill phase. Monotonic first: FirstTokenTimes.
+        read, read_ns = time.monotonic(), time.time_ns()
         progressed: dict[str, RequestState] = {}
         for row, seq in enumerate(result.sampled):
             seq.num_pending -= 1
@@ -386,6 +396,11 @@ class LLMEngine:
             progressed[seq.request_id] = self._requests[seq.request_id]
         outputs: list[RequestOutput] = []
         for state in progressed.values():
+            if state.first_token_times is None:
+                scheduled = state.first.first_scheduled
+                assert scheduled is not None, "a token from a sequence no step scheduled"
+                state.first_token_times = FirstTokenTimes(added_ns=state.added_ns, queue=scheduled - state.first.arrival_time,
+                                                          prefill=read - scheduled, first_token_ns=read_ns)
             outputs += self._progress(state)
         return outputs
 
@@ -406,6 +421,7 @@ class LLMEngine:
                 adapter=self.lora_cache.share(parent.adapter) if parent.adapter and self.lora_cache else None,
                 priority=parent.priority,
                 arrival_time=parent.arrival_time,
+                first_scheduled=parent.first_scheduled,
                 generator=self._generator(params, index),
                 num_computed_tokens=computed,
                 guide=Guide(state.grammar) if state.grammar is not None else None,

@@ -11,7 +11,10 @@ small. The parent rebuilds the cumulative output from the one before, so callers
 Each side keeps the last output of every request it has sent or received, and both forget it at
 the same messages (an output that ends the request, a failure), so their states mirror each other.
 A delta is only ever relative to what the encoder sent; whatever it cannot express as an append
-(a text or token list that is not an extension of the last one, a changed prompt) goes whole.
+(a text or token list that is not an extension of the last one, a changed prompt) goes whole, and
+so does one whose ``first_token_times`` are not the last one's: a delta has no place for them. The
+engine sets them with a request's first token, which its first output carries, and keeps them for
+every later one, so they cross once and the decoder gives every output after the last one's.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class OutputEncoder:
     def _encode(self, output: RequestOutput) -> RequestOutput | OutputDelta:
         last = self._sent.get(output.request_id)
         if (last is None or output.error is not None or output.prompt_token_ids is not last.prompt_token_ids
-                or output.prompt != last.prompt or output.lora_request is not last.lora_request):
+                or output.prompt != last.prompt or output.lora_request is not last.lora_request
+                or output.first_token_times is not last.first_token_times):
             return output
         completions = []
         for position, completion in enumerate(output.outputs):
@@ -137,4 +141,5 @@ class OutputDecoder:
             request_id=request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
             outputs=completions, finished=finished, lora_request=last.lora_request,
             prompt_logprobs=last.prompt_logprobs if prompt_logprobs_same else prompt_logprobs,
-            num_cached_tokens=num_cached_tokens, num_generated_tokens=num_generated_tokens)
+            num_cached_tokens=num_cached_tokens, num_generated_tokens=num_generated_tokens,
+            first_token_times=last.first_token_times)

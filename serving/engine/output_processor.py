@@ -95,6 +95,7 @@ class OutputProcessor:
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             num_cached_tokens=first.num_cached_tokens,
             num_generated_tokens=sum(seq.num_output_tokens for seq in state.seqs),
+            first_token_times=state.first_token_times,
         )
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from serving.engine.lora.request import LoRARequest
-from serving.engine.outputs import Logprob
+from serving.engine.outputs import FirstTokenTimes, Logprob
 from serving.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +47,9 @@ class Sequence:
     priority: int = 0
     arrival_step: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # time.monotonic() of the step that first scheduled it (its first prompt chunk); kept through
+    # a preemption, so its request's queue phase ends there (FirstTokenTimes).
+    first_scheduled: float | None = None
     generator: torch.Generator | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -182,6 +185,8 @@ class RequestState:
     seqs: list[Sequence]
     grammar: Any = None
     error: Exception | None = None
+    added_ns: int = 0  # time.time_ns() when the engine took it (FirstTokenTimes.added_ns)
+    first_token_times: FirstTokenTimes | None = None  # set when its first token is read
 
     @property
     def first(self) -> Sequence:

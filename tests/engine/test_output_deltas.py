@@ -11,7 +11,7 @@ import pickle
 
 from serving.engine.lora.request import LoRARequest
 from serving.engine.output_deltas import OutputDecoder, OutputEncoder
-from serving.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.engine.outputs import CompletionOutput, FirstTokenTimes, Logprob, RequestOutput
 
 
 def _output(rid: str, texts: list[str], tokens: list[list[int]], *, finished: bool = False,
@@ -102,3 +102,26 @@ def test_prompt_logprobs_come_back_on_every_output_sent_once_unless_they_change(
     assert [wire[0][-2:] for wire in sent[1:3]] == [(False, whole), (True, None)]
     assert all(output.prompt_logprobs == (first_half if index == 0 else whole)
                for index, (output,) in enumerate(got))
+
+
+def test_first_token_times_cross_whole_once_and_stay_on_every_later_output() -> None:
+    """A delta has no place for `first_token_times`: the output that first has them goes whole
+    (the engine's first output of a request; here one without them comes first), and the decoder
+    gives every later output the ones it has."""
+    times = FirstTokenTimes(added_ns=10**18, queue=0.25, prefill=0.5, first_token_ns=10**18 + 10**9)
+
+    def step(texts: list[str], tokens: list[list[int]], first_token_times: FirstTokenTimes | None,
+             **kw: bool) -> RequestOutput:
+        output = _output("r", texts, tokens, **kw)
+        output.first_token_times = first_token_times
+        return output
+
+    steps = [
+        [step([""], [[]], None)],
+        [step(["a"], [[1]], times)],
+        [step(["ab"], [[1, 2]], times)],
+        [step(["abc"], [[1, 2, 3]], times, finished=True)],
+    ]
+    got, sent = _roundtrip(steps)
+    assert got == steps
+    assert [type(wire[0]) for wire in sent] == [RequestOutput, RequestOutput, tuple, tuple]

@@ -168,6 +168,7 @@ class Generation:
         self.finished = False
         self._engine: EngineClient | None = None
         self._arrival = time.perf_counter()
+        self._arrival_ns = time.time_ns()  # after the TTFT's start: ServerMetrics.observe_first_token
         self._last_token_at: float | None = None
         self._engine_ids: list[str] = []
         self._running: set[str] = set()  # engine requests not finished
@@ -326,12 +327,14 @@ class Generation:
             if completion.finish_reason is not None:
                 self._ended.add(index)
                 self._aborted |= completion.finish_reason == "abort"
-        now = time.perf_counter()
         # The choices of one request advance together: a step's gap is one inter-token latency each.
         new_tokens = max((len(d.token_ids) for d in deltas), default=0)
+        # Read before the TTFT's end, for its first token only: ServerMetrics.observe_first_token.
+        sent_ns = time.time_ns() if new_tokens and self._last_token_at is None else 0
+        now = time.perf_counter()
         if new_tokens:
             if self._last_token_at is None:
-                metrics.ttft.observe(now - self._arrival)
+                metrics.observe_first_token(now - self._arrival, self._arrival_ns, sent_ns, output.first_token_times)
             else:
                 # Outputs a lagging reader coalesced share the gap evenly.
                 gap = (now - self._last_token_at) / new_tokens

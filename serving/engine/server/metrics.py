@@ -5,6 +5,13 @@ sequences, KV cache, adapter residency, adapter loads) is read from the engine a
 scrape always shows the present and nothing has to be kept in sync. Names carry the `loraplex_`
 prefix; latency histograms have no adapter label (their cardinality would grow with every tenant),
 request and token counters do.
+
+The time to the first token is broken down as vLLM's request-phase histograms do, into phases that
+follow one another (``observe_first_token``): admission (the HTTP layer: an on-request adapter
+load, the prompt, the checks, the worker's admission, the hand-over to the engine), queue and
+prefill (inside the engine, measured there: serving.engine.outputs.FirstTokenTimes), and delivery
+(the output made, across to this process, turned into a delta); they add up to at most the TTFT
+observed beside them (docs/serving-worker.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from serving.engine import EngineStats
+from serving.engine.outputs import FirstTokenTimes
 from serving.engine.server.registry_sync import SyncStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,6 +39,8 @@ UNAVAILABLE = "unavailable"  # 503: loading, draining or over the queue bound
 ERROR = "error"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# The TTFT's phases: admission and delivery take well under a millisecond when nothing is behind them.
+_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, *_LATENCY_BUCKETS)
 
 
 class ServerMetrics:
@@ -54,6 +64,31 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.admission = Histogram(
+            "loraplex_request_admission_seconds",
+            "From request arrival to the engine taking it (an on-request adapter load, the prompt built and checked, "
+            "admission, the hand-over to the engine).",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue = Histogram(
+            "loraplex_request_queue_seconds",
+            "From the engine taking a request to the step that first schedules its prompt (grammar, adapter, queue).",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill = Histogram(
+            "loraplex_request_prefill_seconds",
+            "From the step that first schedules a request's prompt to its first token read from the device.",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.delivery = Histogram(
+            "loraplex_request_first_token_delivery_seconds",
+            "From a request's first token read from the device to its sending (output, engine to server, delta).",
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
         self.itl = Histogram(
             "loraplex_inter_token_latency_seconds",
             "Between consecutive generated tokens of one request.",
@@ -75,6 +110,20 @@ class ServerMetrics:
         self.registry.register(self._engine)
         self._sync = _SyncCollector()
         self.registry.register(self._sync)
+
+    def observe_first_token(self, ttft: float, arrival_ns: int, sent_ns: int, times: FirstTokenTimes | None) -> None:
+        """A request's TTFT and its phases. ``arrival_ns`` and ``sent_ns``: ``time.time_ns()`` read
+        right after the TTFT's start and right before its end on the clock that measures it, so that
+        what runs between the two reads lies outside every phase (FirstTokenTimes says why the
+        phases across the engine's process take the wall clock). ``times`` None (an engine whose
+        outputs have none) leaves the phases out."""
+        self.ttft.observe(ttft)
+        if times is None:
+            return
+        self.admission.observe((times.added_ns - arrival_ns) / 1e9)
+        self.queue.observe(times.queue)
+        self.prefill.observe(times.prefill)
+        self.delivery.observe((sent_ns - times.first_token_ns) / 1e9)
 
     def render(self, stats: EngineStats | None, sync: SyncStats | None) -> bytes:
         """The exposition text, with engine state from `stats` (None while the model loads) and
