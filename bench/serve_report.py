@@ -1,5 +1,5 @@
 """How bench/serve.py prints its figures: a run's summary in vLLM's benchmark_serving layout, with
-the worker's adapter figures, and one line per run for a curve."""
+the worker's adapter figures and its TTFT's phases, and one line per run for a curve."""
 
 from __future__ import annotations
 
@@ -51,7 +51,23 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
                 before = " before" if when == "cold_steps_before" else ""
                 what = f"  {step['layout']} {step['kernel_tokens']}{lora}, {step['step_tokens']} tok{before} (ms)"
                 print(f"{what:<40}{step['ms']:>12.1f}")
+        _print_ttft_phases(window.get("ttft_phases_ms", {}))
     print("=" * 62)
+
+
+# The worker's TTFT and the phases it splits into, in their order (bench/worker_metrics.TTFT_PHASES).
+_PHASE_TITLES = (("ttft", "Mean worker TTFT (ms)"), ("admission", "  admission: HTTP to engine (ms)"),
+                 ("queue", "  queue: engine to first step (ms)"), ("prefill", "  prefill: to first token (ms)"),
+                 ("delivery", "  delivery: token to HTTP (ms)"))
+
+
+def _print_ttft_phases(means: dict[str, float | None]) -> None:
+    """The window's mean TTFT on the worker and its phases' means (nothing from a worker without them)."""
+    if means.get("ttft") is None:
+        return
+    print(f"{'-' * 15}{'TTFT phases (worker /metrics)':^32}{'-' * 15}")
+    for key, title in _PHASE_TITLES:
+        print(f"{title:<40}{_figure(means.get(key), '.2f'):>12}")
 
 
 def print_runs(summaries: list[dict[str, Any]]) -> None:

@@ -1,7 +1,8 @@
 """The serving worker's own adapter figures over a benchmark's window, read from its /metrics.
 
 bench/serve.py scrapes /metrics before and after a run and reports the counter deltas: GPU hit
-rate, adapter loads and bytes moved per second, CPU-cache evictions.
+rate, adapter loads and bytes moved per second, CPU-cache evictions; and where the window's time to
+the first token went, by the worker's phase histograms.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ _COUNTERS = {
     "load_stalls": "loraplex_lora_load_stalls_total",
     "slow_steps": "loraplex_engine_slow_steps_total",
 }
+# The worker's TTFT and its phases, which add up to at most it (serving/engine/server/metrics.py):
+# each one's mean over the window, from its histogram's _sum and _count deltas.
+TTFT_PHASES = {
+    "ttft": "loraplex_time_to_first_token_seconds",
+    "admission": "loraplex_request_admission_seconds",
+    "queue": "loraplex_request_queue_seconds",
+    "prefill": "loraplex_request_prefill_seconds",
+    "delivery": "loraplex_request_first_token_delivery_seconds",
+}
 Samples = list[tuple[str, dict[str, str], float]]
 
 
@@ -45,16 +55,19 @@ def total(samples: Samples, name: str, keep: Callable[[dict[str, str]], bool] = 
     return sum(values) if values else None
 
 
+def delta(before: Samples, after: Samples, name: str) -> float | None:
+    """How much sample ``name`` (summed over its labels) grew over the window; None where it is missing."""
+    first, last = total(before, name), total(after, name)
+    return None if first is None or last is None else last - first
+
+
 def window_metrics(before: Samples | None, after: Samples | None, duration: float) -> dict[str, Any]:
     """The worker's adapter figures over one window: counter deltas, and from them the GPU hit rate
     (slot hits / (hits + misses)), adapter loads per second (slot loads; slot misses where the
     worker does not count loads apart) and bytes moved host -> GPU per second."""
     if before is None or after is None:
         return {"metrics": False}
-    deltas: dict[str, float | None] = {}
-    for key, name in _COUNTERS.items():
-        first, last = total(before, name), total(after, name)
-        deltas[key] = None if first is None or last is None else last - first
+    deltas = {key: delta(before, after, name) for key, name in _COUNTERS.items()}
     not_ok = [total(samples, "loraplex_requests_total", lambda labels: labels.get("status") != "ok") or 0.0
               for samples in (before, after)]
     hits, misses = deltas["slot_hits"], deltas["slot_misses"]
@@ -71,7 +84,18 @@ def window_metrics(before: Samples | None, after: Samples | None, duration: floa
         "gpu_hit_rate": hits / admissions if hits is not None and admissions else None,
         "adapter_loads_per_s": loads / duration if loads is not None else None, "adapter_loads_from": loads_from,
         "bytes_moved_per_s": moved / duration if moved is not None else None,
+        "ttft_phases_ms": ttft_phases(before, after),
     }  # fmt: skip
+
+
+def ttft_phases(before: Samples, after: Samples) -> dict[str, float | None]:
+    """The worker's mean TTFT and mean of each of its phases over the window, in ms (TTFT_PHASES'
+    keys); None for one the worker does not export (an older worker) or no request observed."""
+    means: dict[str, float | None] = {}
+    for key, name in TTFT_PHASES.items():
+        seconds, count = delta(before, after, f"{name}_sum"), delta(before, after, f"{name}_count")
+        means[key] = 1000 * seconds / count if seconds is not None and count else None
+    return means
 
 
 def cold_steps(before: Samples, after: Samples) -> list[dict[str, Any]]:
