@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from bench.profiles import write_profile
 from bench.random_adapters import LLAMA3_8B
 from serving.engine import LLMEngine, LoRARequest, SamplingParams
 
@@ -148,14 +149,5 @@ def _profile_steps(engine: LLMEngine, out: Path, steps: int = 3, before_step: Ca
             engine.step()
         sync(engine.runner.device)
     wall = (time.perf_counter() - start) / steps * 1e3
-    averages = prof.key_averages()
-    # Kernel rows only: an op row (aten::mm) repeats the time of the kernels it launched.
-    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
-    device_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
-    out.write_text(
-        f"profiled step: {wall:.2f} ms wall (with profiler overhead), device busy {device_ms:.2f} ms per step\n\n"
-        + averages.table(sort_by="self_device_time_total", row_limit=20)
-        + "\n\n"
-        + averages.table(sort_by="self_cpu_time_total", row_limit=20)
-    )
+    device_ms = write_profile(prof, out, steps, wall)
     print(f"profile {out.name}: device busy {device_ms:.2f} ms per step")

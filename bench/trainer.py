@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from bench.card import card  # noqa: E402
+from bench.profiles import write_profile  # noqa: E402
 from bench.random_adapters import LLAMA3_8B, LLAMA3_70B  # noqa: E402
 from bench.trainer_hf import run_hf_trainer  # noqa: E402
 from serving.engine.tiny import build_tiny_model  # noqa: E402
@@ -125,15 +126,7 @@ class ProfilingTimer(StepTimer):
                 torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - self._began) / self.steps * 1e3
             self._profiler.stop()
-            averages = self._profiler.key_averages()
-            # Kernel rows only: an op row (aten::mm) repeats the time of the kernels it launched.
-            kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
-            device_ms = sum(e.self_device_time_total for e in kernels) / self.steps / 1e3
-            self.out.write_text(
-                f"profiled step: {wall_ms:.2f} ms wall (with profiler overhead), device busy {device_ms:.2f} ms per step\n\n"
-                + averages.table(sort_by="self_device_time_total", row_limit=30) + "\n\n"
-                + averages.table(sort_by="self_cpu_time_total", row_limit=20)
-            )  # fmt: skip
+            device_ms = write_profile(self._profiler, self.out, self.steps, wall_ms, rows=30)
             print(f"profile {self.out}: device busy {device_ms:.2f} ms per step of {wall_ms:.2f} ms")
             self._profiler = None
 
@@ -164,7 +157,9 @@ def main() -> int:
     parser.add_argument("--ablate", action="store_true", help="also run our loop without each speed-up")
     parser.add_argument("--no-compile", action="store_true", help="our loop with eager decoder layers")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--profile", type=Path, help="write a torch.profiler table of three steps after the warm-up here")
+    parser.add_argument("--profile", type=Path, help="write a torch.profiler table of three steps after the warm-up here "
+                        "(the profiler slows those steps and writes its table inside the timed window: take "
+                        "tokens/s from a run without it)")
     args = parser.parse_args()
     device = pick_device()
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,7 +214,7 @@ def main() -> int:
         "first_loss": timer.losses[0], "last_loss": timer.losses[-1],
         "accumulation": args.accumulation, "packing": args.packing,
         "gradient_checkpointing": args.gradient_checkpointing, "peak_memory_gib": peak_gib,
-        "compiled_layers": not args.no_compile and device.type == "cuda",
+        "compiled_layers": not args.no_compile and device.type == "cuda", "profiled": args.profile is not None,
     }  # fmt: skip
     for label, figures in ablations.items():
         results.update({f"{label}_tokens_per_s": figures["tokens_per_s"],

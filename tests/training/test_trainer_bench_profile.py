@@ -1,4 +1,4 @@
-"""bench/trainer.py's --profile: the profiler covers the steps after the warm-up, and only those."""
+"""The benches' profiles: bench/trainer.py's --profile window, and the device time per step (bench/profiles.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from bench.profiles import device_ms_per_step
 from bench.trainer import ProfilingTimer
 
 
@@ -40,3 +41,15 @@ def test_the_table_covers_the_steps_after_the_warmup(tmp_path: Path) -> None:
     _step(timer, 6, a)
     assert not out.exists()
     assert len(timer.stamps) == 6
+
+
+class _Row:
+    def __init__(self, device_type: torch.autograd.DeviceType, us: float, annotation: bool = False) -> None:
+        self.device_type, self.self_device_time_total, self.is_user_annotation = device_type, us, annotation
+
+
+def test_device_time_counts_kernels_not_annotations_or_ops() -> None:
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    # Two kernels; an annotation's GPU span over them and its gaps; an op row repeating its kernel.
+    rows = [_Row(cuda, 3000.0), _Row(cuda, 1000.0), _Row(cuda, 9000.0, annotation=True), _Row(cpu, 3000.0)]
+    assert device_ms_per_step(rows, steps=2) == 2.0
