@@ -65,14 +65,13 @@ from serving.engine.sequence import Sequence
 def host_bound(seq: Sequence) -> bool:
     """``seq``'s next sampling must see its tokens on the host first (the policy above)."""
     params = seq.sampling_params
+    if seq.guide is not None or params.has_penalties:
+        return True
     # min_tokens bans stop tokens while the host's count of outputs is below it: a count short by
-    # the tokens in flight is still below it, except when those very tokens reach it.
-    planned_outputs = seq.num_planned_tokens - seq.num_prompt_tokens
-    return (
-        seq.guide is not None
-        or params.has_penalties
-        or seq.num_output_tokens < params.min_tokens <= planned_outputs
-    )
+    # the tokens in flight is still below it, except when those very tokens reach it. (No count is
+    # below 0: the usual min_tokens of 0 is settled without counting, for every decode each step.)
+    min_tokens = params.min_tokens
+    return min_tokens > 0 and seq.num_output_tokens < min_tokens <= seq.num_planned_tokens - seq.num_prompt_tokens
 
 
 def device_tensor(values: Seq[Any], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

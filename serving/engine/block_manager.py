@@ -129,19 +129,35 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Extend ``seq``'s block table to cover ``num_new_tokens`` more tokens."""
-        needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > self.num_free_blocks:
+        if not self.try_allocate(seq, num_new_tokens):
+            needed = self.blocks_needed(seq, num_new_tokens)
             raise RuntimeError(f"KV cache has {self.num_free_blocks} free blocks, {needed} needed (check can_allocate first)")
-        if self._copy_on_write(seq, num_new_tokens):
-            position = seq.num_computed_tokens // self.block_size
-            shared = seq.block_table[position]
-            copy = self._take()
+
+    def try_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """``allocate`` when the free blocks suffice (True), else change nothing (False): the check
+        and the allocation in one look at the block table, which every running sequence pays each
+        step (most decodes need no block: their token lands in a last block they hold alone)."""
+        table, computed, size = seq.block_table, seq.num_computed_tokens, self.block_size
+        grow = -(-(computed + num_new_tokens) // size) - len(table)
+        # _copy_on_write, inlined (this runs for every scheduled sequence)
+        copy = (num_new_tokens > 0 and computed % size != 0 and len(table) * size > computed
+                and self._refs[table[computed // size]] > 1)
+        needed = max(0, grow) + copy
+        if needed == 0:
+            return True
+        if needed > len(self._free) + len(self._evictable):
+            return False
+        if copy:
+            position = computed // size
+            shared = table[position]
+            fresh = self._take()
             self._refs[shared] -= 1
-            seq.block_table[position] = copy
-            self._copies.append((shared, copy))
+            table[position] = fresh
+            self._copies.append((shared, fresh))
             needed -= 1
         for _ in range(needed):
-            seq.block_table.append(self._take())
+            table.append(self._take())
+        return True
 
     def _take(self) -> int:
         """A free block: an unregistered one, else the least recently freed cached one (evicted)."""

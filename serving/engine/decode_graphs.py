@@ -60,26 +60,45 @@ def flat_step(scheduled: list[tuple[Sequence, int]], block_size: int, feed: Feed
     """Lay out ``scheduled`` (each sequence with its number of tokens to compute) as a flat step;
     ``feed``: the samples of the step in flight, which its tokens still there come from."""
     fed = FedRows(feed)
-    rows: list[list[int]] = [[] for _ in range(SEQ + 1)]
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    lens: list[int] = []
+    adapters: list[int] = []
+    seq_rows: list[int] = []
     tables: list[list[int]] = []
     sample_rows: list[int] = []
     sampled: list[Sequence] = []
     widest = max(len(seq.block_table) for seq, _ in scheduled)
-    lora = False
     for index, (seq, num) in enumerate(scheduled):
-        start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + num, seq.block_table
-        positions = range(start, end)
-        rows[IDS].extend(fed.ids(seq, start, num, len(rows[IDS])))
-        rows[POS].extend(positions)
-        rows[SLOT].extend(table[p // block_size] * block_size + p % block_size for p in positions)
-        rows[LEN].extend(range(start + 1, end + 1))
-        rows[ADAPTER].extend([seq.lora_slot] * num)
-        rows[SEQ].extend([index] * num)
-        lora |= seq.lora_slot >= 0
+        # Only slices of token_ids are read: a tensor-parallel rank has the step's tokens alone
+        # (serving.engine.distributed.step.TokenTail).
+        start, table, num_tokens = seq.num_computed_tokens, seq.block_table, seq.num_tokens
+        end = start + num
+        if num == 1:  # a decode, most rows of most steps: one value a field, no ranges
+            if start < num_tokens:
+                ids.extend(seq.token_ids[start:end])
+            else:
+                ids.extend(fed.ids(seq, start, 1, len(ids)))
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+            lens.append(end)
+            adapters.append(seq.lora_slot)
+            seq_rows.append(index)
+        else:
+            span = range(start, end)
+            ids.extend(fed.ids(seq, start, num, len(ids)))
+            positions.extend(span)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            lens.extend(range(start + 1, end + 1))
+            adapters.extend([seq.lora_slot] * num)
+            seq_rows.extend([index] * num)
         tables.append(table + [0] * (widest - len(table)))
-        if end >= seq.num_tokens:  # its last known token, or past it the one in flight
-            sample_rows.append(len(rows[IDS]) - 1)
+        if end >= num_tokens:  # its last known token, or past it the one in flight
+            sample_rows.append(len(ids) - 1)
             sampled.append(seq)
+    rows = [ids, positions, slots, lens, adapters, seq_rows]  # IDS, POS, SLOT, LEN, ADAPTER, SEQ
+    lora = max(adapters, default=-1) >= 0
     return FlatStep(rows, tables, sample_rows, sampled, lora, fed)
 
 

@@ -357,13 +357,17 @@ class LLMEngine:
         """Before the step runs: stamp the sequences it schedules first, count its prefill tokens and
         fork the sequences whose prompt it completes."""
         now = time.monotonic()
+        prefilled = 0
         for seq, num in plan.scheduled:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
-            computed = seq.num_computed_tokens + num
-            self.counts.prefill_tokens += max(0, min(computed, seq.num_prompt_tokens) - seq.num_computed_tokens)
-            if seq.num_forks and computed == seq.num_tokens:
-                self._fork(seq, computed)
+            start = seq.num_computed_tokens
+            prompt = len(seq.prompt_token_ids)
+            if start < prompt:  # the step computes prompt tokens (a decode, most rows, computes none)
+                prefilled += min(start + num, prompt) - start
+            if seq.num_forks and start + num == seq.num_tokens:
+                self._fork(seq, start + num)
+        self.counts.prefill_tokens += prefilled
 
     def _launched(self, plan: SchedulerOutput, sampled: list[Sequence]) -> None:
         """The step is queued: its tokens count as computed and each sampled token as pending."""
@@ -385,15 +389,19 @@ class LLMEngine:
         # output: the end of a first token's prefill phase. Monotonic first: FirstTokenTimes.
         read, read_ns = time.monotonic(), time.time_ns()
         progressed: dict[str, RequestState] = {}
+        # Once per sampled sequence each step: the lookups are hoisted and the count added once.
+        append, samples, requests, finished = self.outputs.append, result.samples, self._requests, SequenceStatus.FINISHED
+        appended = 0
         for row, seq in enumerate(result.sampled):
             seq.num_pending -= 1
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
-            self.outputs.append(seq, row, result.samples)
-            self.counts.generation_tokens += 1
+            append(seq, row, samples)
+            appended += 1
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            progressed[seq.request_id] = self._requests[seq.request_id]
+            progressed[seq.request_id] = requests[seq.request_id]
+        self.counts.generation_tokens += appended
         outputs: list[RequestOutput] = []
         for state in progressed.values():
             if state.first_token_times is None:
@@ -437,9 +445,10 @@ class LLMEngine:
 
     def _progress(self, state: RequestState) -> list[RequestOutput]:
         """The output of a request that sampled this step (none for an unfinished ``best_of > n``)."""
-        error = next((seq.error for seq in state.seqs if seq.error is not None), None)
-        if error is not None:
-            self._end(state, "error", error)
+        for seq in state.seqs:  # a loop, not next() over a generator: every request that samples, every step
+            if seq.error is not None:
+                self._end(state, "error", seq.error)
+                break
         if state.error is not None or state.finished:
             self._requests.pop(state.request_id, None)
         elif state.sampling_params.num_sequences > state.sampling_params.n:

@@ -47,7 +47,7 @@ from serving.engine.memory_plan import borrow_plan, plan_memory
 from serving.engine.models import build_model
 from serving.engine.outputs import Logprob
 from serving.engine.sampler import DeviceSamples, SampleResult, Sampler
-from serving.engine.sequence import Sequence
+from serving.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -341,10 +341,11 @@ class ModelRunner:
         """Whether ``execute`` lays ``scheduled`` out flat (serving.engine.decode_graphs) rather than
         eagerly (a step that records a prompt's logprobs runs eagerly)."""
         prefills = [s for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+        if not prefills:  # a pure decode, most steps
+            return True
         if any(_wants_prompt_logprobs(s) for s in prefills):
             return False
-        num_tokens = sum(n for _, n in scheduled)
-        return not prefills or (self.attention == "triton" and num_tokens <= self.max_flat_tokens)
+        return self.attention == "triton" and sum(n for _, n in scheduled) <= self.max_flat_tokens
 
     def execute(self, scheduled: list[tuple[Sequence, int]], *, flat: bool | None = None) -> StepResult:
         """Run one step and read its samples. ``flat``: the layout the caller chose (a
@@ -542,7 +543,8 @@ class ModelRunner:
         if step.logits is None:
             return PendingStep([], None)
         sampled = step.sampled
-        guides = [None if s.is_finished else s.guide for s in sampled]
+        finished = SequenceStatus.FINISHED
+        guides = [None if s.status is finished else s.guide for s in sampled]
         samples = self.sampler.sample(step.logits, [s.sampling_params for s in sampled],
                                       [s.generator for s in sampled], guides, sampled)
         samples.start_copy()

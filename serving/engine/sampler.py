@@ -120,7 +120,7 @@ class Sampler:
         to count, as for a bare logits test)."""
         logits = logits.float()
         chosen_from = logits
-        guided = guides is not None and any(g is not None for g in guides)
+        guided = guides is not None and guides.count(None) < len(guides)
         processed = history is not None and penalties.needs_processing(params, history)
         if guided or processed:
             # A copy: the raw logits stay for the logprobs (and may be a captured graph's output).

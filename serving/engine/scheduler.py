@@ -214,31 +214,30 @@ class Scheduler:
             self.borrow.step(rows_wanted=self._rows_wanted, kv_blocks_wanted=self._kv_demand())
             self._rows_wanted = 0
 
-        for decoding in (True, False):
-            if not decoding:  # the decodes are scheduled: what is left for prompts
-                budget = self._prompt_budget(now, budget, sum(scheduled.values()))
-            for seq in list(self.running):
-                if budget == 0:
-                    break
-                if seq.status is not SequenceStatus.RUNNING or seq in scheduled:
-                    continue
-                if (seq.num_uncomputed_tokens == 1) != decoding:
-                    continue
-                if seq.num_pending and seq.ends_by_length(self.max_model_len):
-                    continue
-                num = min(seq.num_uncomputed_tokens, budget)
-                while not self.blocks.can_allocate(seq, num):
-                    victim = self._victim()
-                    budget += scheduled.pop(victim, 0)
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue
-                self.blocks.allocate(seq, num)
-                scheduled[seq] = num
-                budget -= num
+        # Decodes first, in running order; the running sequences with a prompt chunk to compute (any
+        # count but one) are kept in that order for after them. A sequence of either list may be
+        # preempted (its status no longer RUNNING) by one after it that needs room.
+        chunks: list[Sequence] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.num_uncomputed_tokens != 1:
+                chunks.append(seq)
+                continue
+            if seq.num_pending and seq.ends_by_length(self.max_model_len):
+                continue
+            budget = self._schedule_running(seq, 1, budget, scheduled, preempted)
+        budget = self._prompt_budget(now, budget, sum(scheduled.values()))
+        for seq in chunks:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.num_pending and seq.ends_by_length(self.max_model_len):
+                continue
+            budget = self._schedule_running(seq, min(seq.num_uncomputed_tokens, budget), budget, scheduled, preempted)
 
         # No sequence scheduled so far can be preempted now: the prompt blocks their step completes
         # may be shared from this step on (admissions register theirs as they are made), and the
@@ -251,6 +250,20 @@ class Scheduler:
         if self.prefetch_groups and self._num_waiting:
             self._prefetch(now)
         return SchedulerOutput(list(scheduled.items()), preempted)
+
+    def _schedule_running(self, seq: Sequence, num: int, budget: int, scheduled: dict[Sequence, int],
+                          preempted: list[Sequence]) -> int:
+        """Schedule ``num`` tokens of the running ``seq``, preempting (``_victim``) until its blocks
+        fit or it is the victim itself; returns the budget left (the victims' scheduled tokens back)."""
+        while not self.blocks.try_allocate(seq, num):
+            victim = self._victim()
+            budget += scheduled.pop(victim, 0)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return budget
+        scheduled[seq] = num
+        return budget - num
 
     def _prompt_budget(self, now: int, budget: int, decodes: int) -> int:
         """The tokens prompts may take in this step, ``budget`` being what the ``decodes`` left of

@@ -151,11 +151,11 @@ class Sequence:
     def ends_by_length(self, max_model_len: int) -> bool:
         """Its pending tokens already end it (``max_tokens`` or the context reached), whatever
         their ids: it must not be scheduled again (its next position may lie past the context)."""
+        if self.num_pending == 0:
+            return False
         limit = self.sampling_params.max_tokens
-        return self.num_pending > 0 and (
-            (limit is not None and self.num_output_tokens + self.num_pending >= limit)
-            or self.num_planned_tokens >= max_model_len
-        )
+        planned = len(self.token_ids) + self.num_pending
+        return (limit is not None and planned - len(self.prompt_token_ids) >= limit) or planned >= max_model_len
 
     @property
     def is_finished(self) -> bool:
@@ -195,4 +195,10 @@ class RequestState:
     @property
     def finished(self) -> bool:
         """Every sequence has ended (none is left to fork)."""
-        return self.first.num_forks == 0 and all(s.finish_reason is not None for s in self.seqs)
+        # A loop, not all() over a generator: read for every request that samples, every step.
+        if self.seqs[0].num_forks:
+            return False
+        for seq in self.seqs:
+            if seq.finish_reason is None:
+                return False
+        return True

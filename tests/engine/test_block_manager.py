@@ -45,6 +45,30 @@ def test_over_allocation_is_refused() -> None:
     assert blocks.num_free_blocks == 2
 
 
+def test_try_allocate_allocates_or_changes_nothing() -> None:
+    """The scheduler's one-look check-and-allocate: True and the blocks (a copy of a shared partial
+    last block among them) when the free ones suffice, False and nothing changed when not; a token
+    landing in a last block held alone needs no free block."""
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    parent, child = _seq(6), _seq(6)
+    assert blocks.try_allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    blocks.fork(parent, child)
+    child.num_computed_tokens = 6
+    shared = list(parent.block_table)
+    assert not blocks.try_allocate(child, 7), "its last block copied and two more: 3 blocks, 2 free"
+    assert child.block_table == shared and blocks.num_free_blocks == 2 and blocks.take_copies() == []
+    assert blocks.try_allocate(child, 1)
+    assert child.block_table[0] == shared[0] and child.block_table[1] not in shared
+    assert blocks.take_copies() == [(shared[1], child.block_table[1])] and blocks.num_free_blocks == 1
+    child.num_computed_tokens = 7
+    other = _seq(0)
+    assert blocks.try_allocate(other, 4)  # the last free block goes: none is left
+    assert blocks.num_free_blocks == 0
+    assert blocks.try_allocate(child, 1) and blocks.try_allocate(parent, 1), "each writes a last block it holds alone"
+    assert blocks.take_copies() == [] and not blocks.try_allocate(parent, 3)
+
+
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         BlockManager(num_blocks=0, block_size=16)
