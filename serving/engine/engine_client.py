@@ -2,8 +2,9 @@
 
 Two engines wear this face: ``AsyncEngine`` (the ``LLMEngine`` on a thread of this process) and
 ``ProcessEngine`` (the ``LLMEngine`` in a child process, serving.engine.process_engine). What they
-share lives here, so the two cannot drift apart: each request's stream (an ``asyncio.Queue`` on its
-caller's event loop), the delivery of a step's outputs to those streams in one hop per event loop,
+share lives here, so the two cannot drift apart: each request's stream (a ``Stream`` on its
+caller's event loop), the delivery of a step's outputs to those streams in one hop per event loop
+(each request's first output before the rest),
 ``generate()``, which checks the prompt here, hands the request to the engine, yields its
 cumulative outputs and aborts it when the caller leaves early, and every call, each one command
 (serving.engine.engine_messages) that ``EngineCore`` runs. How a command reaches the engine is each
@@ -52,15 +53,18 @@ class Stream:
     every stream, and without ``asyncio.Queue``'s bookkeeping (putters, unfinished tasks, empty
     checks) a put and its read cost the loop 2.6 µs instead of 3.4 (uvloop, the 2-core dev VM)."""
 
-    __slots__ = ("_items", "_loop", "_waiter")
+    __slots__ = ("_items", "_loop", "_waiter", "fresh")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._items: deque[RequestOutput | Exception] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # Nothing put yet: its first item is the request's first token (or its failure).
+        self.fresh = True
 
     def put(self, item: RequestOutput | Exception) -> None:
         """Add ``item`` and wake the reader; on the stream's loop only."""
+        self.fresh = False
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -301,7 +305,17 @@ class EngineClient(ABC):
 
 
 def _put_all(batch: list[tuple[Stream, RequestOutput]]) -> None:
+    """Put a step's outputs, each request's first output before the others. The loop resumes the
+    readers in the order they are woken, and each then formats and sends its chunk (~30 µs): at a
+    few hundred streams that is milliseconds a step, and a first token behind the rest would add
+    them to its request's time to first token (the worker's first-token delivery phase)."""
+    later: list[tuple[Stream, RequestOutput]] = []
     for stream, output in batch:
+        if stream.fresh:
+            stream.put(output)
+        else:
+            later.append((stream, output))
+    for stream, output in later:
         stream.put(output)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.engine.engine_client import Stream
+from serving.engine.engine_client import Stream, _put_all
 from serving.engine.outputs import RequestOutput
 
 
@@ -59,3 +59,25 @@ def test_a_read_waits_for_the_next_put_even_after_a_cancelled_read() -> None:
         return item.num_generated_tokens
 
     assert asyncio.run(run()) == 7
+
+
+def test_a_steps_first_tokens_wake_their_readers_before_the_other_streams() -> None:
+    async def run() -> list[str]:
+        loop = asyncio.get_running_loop()
+        streams = {name: Stream(loop) for name in ("old-a", "new-a", "old-b", "new-b")}
+        for name in ("old-a", "old-b"):  # these have streamed a token already
+            streams[name].put(output(1))
+            await streams[name].get()
+        resumed: list[str] = []
+
+        async def read(name: str) -> None:
+            await streams[name].get()
+            resumed.append(name)
+
+        readers = [asyncio.create_task(read(name)) for name in streams]
+        await asyncio.sleep(0)  # every reader waits
+        _put_all([(streams[name], output(2)) for name in ("old-a", "new-a", "old-b", "new-b")])
+        await asyncio.gather(*readers)
+        return resumed
+
+    assert asyncio.run(run()) == ["new-a", "new-b", "old-a", "old-b"]
