@@ -59,7 +59,11 @@ Reply = Callable[[bool, object], None]
 
 
 class EngineCore:
-    """``emit_step(outputs)``: a step's outputs, once per step that produced any. ``emit(request_id,
+    """``emit_step(outputs)``: a step's outputs, once per step that produced any, and before them,
+    from inside the step, its first outputs (of the requests whose first token it read) in a call
+    of their own, made before the step's other tokens are processed (``LLMEngine.step``): the
+    process engine sends them in an earlier, small message, so a first token does not wait for the
+    step's other outputs to be made, encoded, sent and decoded. ``emit(request_id,
     item)``: one request's output or failure made between steps (an abort, a failed start).
     ``forget(request_id)``: a request dropped without a last output. ``on_dead(error)``: once, when
     the engine can run no more. All are called on the loop's thread."""
@@ -190,7 +194,7 @@ class EngineCore:
                 self.wake.wait(IDLE_WAIT_S)
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self._emit_step)
             except Exception as exc:
                 logger.exception("engine step failed; failing its requests")
                 if isinstance(exc, RankFailedError):

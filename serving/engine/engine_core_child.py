@@ -15,12 +15,15 @@ steps but put it back on the process of the HTTP loop; it is left for when measu
 
 Parent to child: ``(call_id, command)``, a command of serving.engine.engine_messages; ``call_id``
 is None for a command sent without waiting (add, drop, shutdown), else its one "reply" names it.
-Child to parent, tuples whose first item names them (a step's outputs cross once per step; a tuple
-pickles several times cheaper than a dataclass):
+Child to parent, tuples whose first item names them (a step's outputs cross once per step, its
+first outputs ahead of them; a tuple pickles several times cheaper than a dataclass):
     ("ready", model_name, max_model_len) or ("failed", error)   once, when the engine is built
     ("step", outputs)             a step's outputs in one message (or an abort's one output), each
                                   a request's first output whole, then what changed
-                                  (serving.engine.output_deltas)
+                                  (serving.engine.output_deltas); a step that read first tokens
+                                  sends their outputs first in a message of their own, made before
+                                  the step's other tokens were processed (EngineCore), and the
+                                  step's message has the rest: no request is in both
     ("fail", request_id, error)   a request ended by an error outside a step's outputs
     ("forget", request_id)        a request dropped without a last output: its delta state goes
     ("reply", call_id, ok, value)     ``value`` is the answer, or the exception when not ``ok``

@@ -18,6 +18,12 @@ With ``EngineConfig.async_scheduling`` a step launches the next step on the devi
 the tokens of the one in flight (``_step_overlapped``; serving.engine.async_scheduling says how,
 and what still waits for the tokens): its outputs are those of the step before.
 
+``step(on_first_outputs=...)`` hands out a step's first outputs (of the requests whose first token
+it read) as soon as they are made, before the step's other sequences are appended (detokenized)
+and made outputs: a first token then need not wait for a few hundred other streams' processing and
+their message (serving.engine.engine_core sends them ahead, through the same path). ``step()``
+returns the rest.
+
 Under ``EngineConfig.decode_stall_target`` each ``step()`` call's wall time feeds the scheduler's
 step-time model (serving.engine.step_cost) with the tokens of the step it waited for: the step it
 ran, or under async scheduling the step it read (launched by the call before; in a steady stream
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -55,6 +61,7 @@ from serving.engine.model_runner import ModelRunner, PendingStep, StepLogits, St
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.outputs import FirstTokenTimes, RequestOutput
 from serving.engine.prompts import PromptType, encode_prompt, eos_token_ids, validate_prompt
+from serving.engine.sampler import SampleResult
 from serving.engine.sampling_params import SamplingParams, seed_of
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.sequence import RequestState, Sequence, SequenceStatus
@@ -67,6 +74,9 @@ log = logging.getLogger(__name__)
 # a compile, an allocator's growth or a host stall far longer (issue 38, "the first minute").
 SLOW_STEP_S = 0.25
 _SLOW_STEPS_LOGGED = 20
+
+# A step's first outputs, handed on before the step's other tokens are processed (``step``).
+EmitOutputs = Callable[[list[RequestOutput]], None]
 
 
 class LLMEngine:
@@ -270,13 +280,16 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_first_outputs: EmitOutputs | None = None) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that progressed or ended (under
-        async scheduling: in the step read here, launched by the call before). After the warm-up,
-        a call slower than ``SLOW_STEP_S`` is counted (the first ones logged at WARNING)."""
+        async scheduling: in the step read here, launched by the call before). With
+        ``on_first_outputs``, the outputs of the requests whose first token the step read are
+        handed to it instead, once per step that has any, before the step's other tokens are
+        processed; they are not returned. After the warm-up, a call slower than ``SLOW_STEP_S`` is
+        counted (the first ones logged at WARNING)."""
         started = time.perf_counter()
         self._timed_tokens = 0
-        outputs = self._step()
+        outputs = self._step(on_first_outputs)
         elapsed = time.perf_counter() - started
         if self.scheduler.step_cost is not None and self._timed_tokens:
             self.scheduler.step_cost.observe(self._timed_tokens, elapsed)
@@ -289,13 +302,13 @@ class LLMEngine:
                             "; further slow steps are only counted" if self.runner.slow_steps == _SLOW_STEPS_LOGGED else "")
         return outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, on_first_outputs: EmitOutputs | None) -> list[RequestOutput]:
         outputs, self._ended = self._ended, []
         if self._compiling:
             outputs += self._take_compiled()
         outputs += self._fail_adapter_errors()
         if self.config.async_scheduling:
-            return outputs + self._step_overlapped()
+            return outputs + self._step_overlapped(on_first_outputs)
         plan = self.scheduler.schedule()
         self.last_step_tokens = self._timed_tokens = sum(num for _, num in plan.scheduled)
         if not plan.scheduled:
@@ -308,9 +321,9 @@ class LLMEngine:
             self.block_manager.step_done(written=False)  # the prefix blocks it was to write are not
             raise
         self._launched(plan, result.sampled)
-        return outputs + self._process(result)
+        return outputs + self._process(result, on_first_outputs)
 
-    def _step_overlapped(self) -> list[RequestOutput]:
+    def _step_overlapped(self, on_first_outputs: EmitOutputs | None) -> list[RequestOutput]:
         """Schedule and launch the next step, then read the one in flight while it runs. A step
         that samples a sequence whose sampling reads what its token in flight changes
         (``host_bound``: a grammar, penalties) has its forward launched first, and its sampling once
@@ -333,7 +346,7 @@ class LLMEngine:
                 raise
         self.last_step_tokens = launched or (previous[1] if previous is not None else 0)
         self._timed_tokens = previous[1] if previous is not None else 0
-        outputs = self._process(previous[0].result()) if previous is not None else []
+        outputs = self._process(previous[0].result(), on_first_outputs) if previous is not None else []
         if logits is not None:
             try:
                 if step is None:  # its sampling reads the tokens just processed
@@ -351,7 +364,7 @@ class LLMEngine:
             return []
         step, _ = self._inflight
         self._inflight = None
-        return self._process(step.result())
+        return self._process(step.result(), None)
 
     def _prepare(self, plan: SchedulerOutput) -> None:
         """Before the step runs: stamp the sequences it schedules first, count its prefill tokens and
@@ -378,21 +391,50 @@ class LLMEngine:
         for seq in sampled:
             seq.num_pending += 1
 
-    def _process(self, result: StepResult) -> list[RequestOutput]:
+    def _process(self, result: StepResult, on_first_outputs: EmitOutputs | None) -> list[RequestOutput]:
         """Append a step's sampled tokens to their sequences and make the outputs. A sequence that
         ended since the step was launched (finished by the step before, or aborted) takes no token:
         under async scheduling it was computed only because the step was launched before the end
-        was seen."""
+        was seen. With ``on_first_outputs``, the sequences of requests without a first token yet go
+        first, all of a request's together (its n / best_of siblings sample their first tokens in
+        the same step), and their outputs are handed to it before the others are appended."""
         if result.samples is None:
             return []
         # The moment the host has the step's tokens, before any is appended (detokenized) or made an
         # output: the end of a first token's prefill phase. Monotonic first: FirstTokenTimes.
         read, read_ns = time.monotonic(), time.time_ns()
+        samples = result.samples
+        rows: Iterable[tuple[int, Sequence]] = enumerate(result.sampled)
+        if on_first_outputs is not None:
+            first, rows = self._split_first(result.sampled)
+            if first:
+                early = self._append(first, samples, read, read_ns)
+                if early:  # a best_of > n request shows nothing until it ends
+                    on_first_outputs(early)
+        return self._append(rows, samples, read, read_ns)
+
+    def _split_first(self, sampled: list[Sequence]) -> tuple[list[tuple[int, Sequence]], list[tuple[int, Sequence]]]:
+        """The step's rows of requests without a first token yet, and the others (ended ones too)."""
+        first: list[tuple[int, Sequence]] = []
+        rest: list[tuple[int, Sequence]] = []
+        requests, finished = self._requests, SequenceStatus.FINISHED
+        for row, seq in enumerate(sampled):
+            if seq.status is not finished and requests[seq.request_id].first_token_times is None:
+                first.append((row, seq))
+            else:
+                rest.append((row, seq))
+        return first, rest
+
+    def _append(self, rows: Iterable[tuple[int, Sequence]], samples: SampleResult, read: float,
+                read_ns: int) -> list[RequestOutput]:
+        """Append the tokens of ``rows`` (every sequence of a request the step sampled, with its
+        row in ``samples``) and make their requests' outputs; ``read``/``read_ns``: when the
+        step's tokens were read."""
         progressed: dict[str, RequestState] = {}
         # Once per sampled sequence each step: the lookups are hoisted and the count added once.
-        append, samples, requests, finished = self.outputs.append, result.samples, self._requests, SequenceStatus.FINISHED
+        append, requests, finished = self.outputs.append, self._requests, SequenceStatus.FINISHED
         appended = 0
-        for row, seq in enumerate(result.sampled):
+        for row, seq in rows:
             seq.num_pending -= 1
             if seq.status is finished:
                 continue

@@ -40,9 +40,10 @@ def wall(tick: int) -> int:
     return (WALL_S + tick) * 10**9
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["returned", "first-outputs-early"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_queue_and_prefill_phases_and_their_wall_clock_ends(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            async_scheduling: bool) -> None:
+                                                            async_scheduling: bool, early: bool) -> None:
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, num_kv_blocks=64, max_num_seqs=2,
               max_num_batched_tokens=8, dtype="float32", async_scheduling=async_scheduling)
     engine = llm.llm_engine
@@ -53,7 +54,9 @@ def test_queue_and_prefill_phases_and_their_wall_clock_ends(tiny_llama_dir: Path
         engine.add_request("r", {"prompt_token_ids": list(range(20, 40))}, SamplingParams(max_tokens=3, ignore_eos=True))
         outputs: list[RequestOutput] = []
         while engine.has_unfinished_requests():
-            outputs += engine.step()
+            # Handed on early (LLMEngine.step's on_first_outputs), the first output has the same stamps.
+            returned = engine.step(outputs.extend if early else None)
+            outputs += returned
     finally:
         engine.shutdown()
     # Ticks: 1 the add's wall clock, 2 its monotonic one; 3, 4, 5 the three prompt steps (the first
