@@ -125,3 +125,19 @@ def test_first_token_times_cross_whole_once_and_stay_on_every_later_output() -> 
     got, sent = _roundtrip(steps)
     assert got == steps
     assert [type(wire[0]) for wire in sent] == [RequestOutput, RequestOutput, tuple, tuple]
+
+
+def test_a_steps_first_outputs_in_a_message_ahead_of_the_rest() -> None:
+    """EngineCore sends a step's first outputs in a message of their own, then the step's other
+    outputs: a message need not hold every request under way, and the next one's deltas still apply."""
+    steps = [
+        [_output("r1", ["he"], [[5]])],
+        [_output("r2", ["a", "b"], [[7], [8]])],  # r2's first output, ahead of the step's
+        [_output("r1", ["hello"], [[5, 6]])],  # the same step's rest
+        [_output("r3", ["x"], [[1]], finished=True)],  # a first output that ends its request, alone
+        [_output("r1", ["hello w"], [[5, 6, 9]]), _output("r2", ["ab", "bc"], [[7, 7], [8, 9]])],
+    ]
+    got, sent = _roundtrip(steps)
+    assert got == steps
+    assert [type(item) for wire in sent for item in wire] == [RequestOutput, RequestOutput, tuple, RequestOutput,
+                                                             tuple, tuple]
