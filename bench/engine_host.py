@@ -26,8 +26,16 @@ each. Phases (us per step, then us per sequence per step):
 - ``other``: the rest of ``LLMEngine.step``; ``host``: the step's wall time less the LoRA metadata
   and the stubbed forward.
 
+Then ``first``: in ``--rounds`` steps where ``--first`` new requests (16-token prompts, in place of
+as many aborted ones) get their first token beside the others' decodes, the microseconds from the
+step's tokens read (``_process`` entered) to its first outputs encoded for the engine-core pipe
+(``OutputEncoder`` and pickling, what the child sends; the pipe and the parent's decoding left
+out), median over the rounds, rounds alternating: ``at end``, the step's outputs all encoded when
+``step()`` returns (no ``on_first_outputs``); ``early``, the first outputs handed on by
+``on_first_outputs`` and encoded alone (what ``EngineCore`` does).
+
     python bench/engine_host.py [--batches 64,128,256] [--adapters 32] [--steps 40] [--sync]
-                                [--profile 256]
+                                [--profile 256] [--first 8] [--rounds 20]
 
 ``--sync``: without async scheduling (the same phases, in the other order). ``--profile B``: after
 the timings, cProfile's top functions over the timed steps at batch B.
@@ -38,6 +46,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
+import pickle
 import platform
 import pstats
 import statistics
@@ -57,7 +67,8 @@ sys.path[0] = str(ROOT)
 import torch  # noqa: E402
 
 import serving.engine.model_runner as model_runner  # noqa: E402
-from serving.engine import LLM, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+from serving.engine import LLM, LLMEngine, LoRARequest, RequestOutput, SamplingParams  # noqa: E402
+from serving.engine.output_deltas import OutputEncoder  # noqa: E402
 from serving.engine.tiny import build_tiny_model, save_random_peft_adapter  # noqa: E402
 
 PHASES = ("schedule", "prepare", "layout", "inputs", "sample", "launched", "process", "other", "host")
@@ -137,9 +148,63 @@ def start_decoding(engine: LLMEngine, adapters: list[Path], batch: int, prompt: 
             engine.wait_for_loads(0.05)
 
 
+def time_first_outputs(engine: LLMEngine, adapters: list[Path], first: int, rounds: int) -> tuple[float, float]:
+    """Median microseconds from a step's tokens read to its ``first`` first outputs encoded for the
+    pipe: ``(at end, early)`` (the module's docstring)."""
+    encoder = OutputEncoder()
+    read: list[float] = []
+    process = engine._process
+
+    def entered(*args: Any) -> list[RequestOutput]:
+        read.append(time.perf_counter())
+        return process(*args)
+
+    engine._process = entered  # type: ignore[method-assign]
+    encoded: list[float] = []
+
+    def send(outputs: list[RequestOutput]) -> None:
+        pickle.dumps(encoder.encode(outputs))
+        encoded.append(time.perf_counter())
+
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    loras = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
+    vocab = engine.hf_config.vocab_size
+    names = itertools.count()
+    send(engine.step())  # every request under way goes whole once, as it would have at its first token
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(rounds):
+        early = bool(round_ % 2)
+        for request_id in engine.request_ids()[:first]:
+            engine.abort_request(request_id)
+            encoder.forget(request_id)
+        added = set()
+        for _ in range(first):
+            i = next(names)
+            added.add(f"new{i}")
+            ids = [3 + (i * 31 + t) % (vocab - 3) for t in range(16)]
+            engine.add_request(f"new{i}", {"prompt_token_ids": ids}, params, loras[i % len(loras)])
+        while added:
+            read.clear()
+            encoded.clear()
+            outputs = engine.step(send if early else None)
+            firsts = [out for out in outputs if out.request_id in added]
+            send(outputs)
+            if early and encoded[:-1]:
+                assert not firsts, "a first output handed on early is not returned"
+                timings[True].append(encoded[0] - read[0])
+                added.clear()
+            elif firsts:
+                assert len(firsts) == first, "the new requests' first tokens in one step"
+                timings[False].append(encoded[-1] - read[0])
+                added.clear()
+    engine._process = process  # type: ignore[method-assign]
+    return 1e6 * statistics.median(timings[False]), 1e6 * statistics.median(timings[True])
+
+
 def time_batch(model: Path, adapters: list[Path], batch: int, prompt: int, steps: int, sync: bool,
-               profile: bool) -> dict[str, float]:  # fmt: skip
-    """Microseconds per step of each phase over ``steps`` decode steps of ``batch`` sequences."""
+               profile: bool, first: int, rounds: int) -> dict[str, float]:  # fmt: skip
+    """Microseconds per step of each phase over ``steps`` decode steps of ``batch`` sequences, and
+    the ``first`` timings (``time_first_outputs``)."""
     engine = make_engine(model, adapters, batch, prompt, steps, sync)
     start_decoding(engine, adapters, batch, prompt, steps)
     timer = PhaseTimer()
@@ -161,6 +226,7 @@ def time_batch(model: Path, adapters: list[Path], batch: int, prompt: int, steps
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
         print(f"\ncProfile, batch {batch}, {steps} steps (tottime: the function's own time):")
         print(out.getvalue())
+    first_at_end, first_early = time_first_outputs(engine, adapters, first, rounds)
     engine.shutdown()
     s = timer.seconds
     us = {name: 1e6 * seconds / steps for name, seconds in s.items()}
@@ -169,6 +235,7 @@ def time_batch(model: Path, adapters: list[Path], batch: int, prompt: int, steps
     us["host"] = wall - us["lora_meta"] - us["forward"]
     us["other"] = us["host"] - sum(us[name] for name in PHASES[:-2])
     us["median_host"] = 1e6 * statistics.median(walls) - us["lora_meta"] - us["forward"]
+    us["first_at_end"], us["first_early"] = first_at_end, first_early
     return us
 
 
@@ -180,6 +247,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--sync", action="store_true", help="without async scheduling")
     parser.add_argument("--profile", type=int, default=None, metavar="B", help="cProfile the steps at batch B")
+    parser.add_argument("--first", type=int, default=8, help="new requests a round of the first-output timing")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of the first-output timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batches.split(",")]
@@ -192,13 +261,17 @@ def main() -> None:
         adapters = [save_random_peft_adapter(model, Path(tmp) / f"a{i}", r=8, lora_alpha=16,
                                              target_modules=("q_proj", "v_proj"), seed=i)
                     for i in range(args.adapters)]  # fmt: skip
-        results = {b: time_batch(model, adapters, b, args.prompt, args.steps, args.sync, args.profile == b)
+        results = {b: time_batch(model, adapters, b, args.prompt, args.steps, args.sync, args.profile == b,
+                                 args.first, args.rounds)
                    for b in batches}  # fmt: skip
     header = f"{'phase':<10}" + "".join(f"{f'B={b} us/step':>16}{'us/seq':>9}" for b in batches)
     print(header)
     for name in (*PHASES, "median_host", *EXCLUDED):
         label = f"({name})" if name in EXCLUDED else name
         print(f"{label:<10}" + "".join(f"{results[b][name]:>16.0f}{results[b][name] / b:>9.2f}" for b in batches))
+    print(f"\n{args.first} first outputs, tokens read -> encoded for the pipe (us, median of {args.rounds // 2} steps):")
+    for name, label in (("first_at_end", "at end"), ("first_early", "early")):
+        print(f"{label:<10}" + "".join(f"{results[b][name]:>16.0f}{'':>9}" for b in batches))
 
 
 if __name__ == "__main__":
