@@ -47,7 +47,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from serving.engine.async_scheduling import host_bound
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode
+from serving.engine.detokenizer import IncrementalDetokenizer, fast_decode, token_bytes
 from serving.engine.distributed.driver import DriverRunner
 from serving.engine.layers.lora_linear import write_dora_scales
 from serving.engine.guided import GrammarCompiler, Guide, grammar_tenant
@@ -85,6 +85,7 @@ class LLMEngine:
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
         self._decode = fast_decode(self.tokenizer)
+        self._token_bytes = token_bytes(self.tokenizer)
         context = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or None
         if config.max_model_len is not None and context is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens")
@@ -188,7 +189,8 @@ class LLMEngine:
             prompt=text,
             prompt_token_ids=token_ids,
             sampling_params=sampling_params,
-            detokenizer=IncrementalDetokenizer(self._decode, token_ids, sampling_params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self._decode, token_ids, sampling_params.skip_special_tokens,
+                                              self._token_bytes),
             lora_request=lora_request,
             adapter=adapter,
             priority=priority,
@@ -466,7 +468,8 @@ class LLMEngine:
                 prompt=parent.prompt,
                 prompt_token_ids=parent.prompt_token_ids,
                 sampling_params=params,
-                detokenizer=IncrementalDetokenizer(self._decode, parent.prompt_token_ids, params.skip_special_tokens),
+                detokenizer=IncrementalDetokenizer(self._decode, parent.prompt_token_ids, params.skip_special_tokens,
+                                                  self._token_bytes),
                 lora_request=parent.lora_request,
                 adapter=self.lora_cache.share(parent.adapter) if parent.adapter and self.lora_cache else None,
                 priority=parent.priority,

@@ -42,20 +42,22 @@ class OutputProcessor:
             if params.detokenize:
                 seq.output_text += seq.detokenizer.flush()
             return
+        # Once per sampled sequence every step: Sequence's length properties are read inline.
+        num_output = len(seq.token_ids) - len(seq.prompt_token_ids)
         delta = seq.detokenizer.add(token) if params.detokenize else ""
         if delta:
             seq.output_text += delta
             # Until min_tokens are out a stop string does not end the output either (as vLLM).
             stops = params.stop_matcher
-            if stops is not None and seq.num_output_tokens >= params.min_tokens:
+            if stops is not None and num_output >= params.min_tokens:
                 found = stops.find(seq.output_text, len(delta))
                 if found is not None:
                     index, stop = found
                     seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
                     seq.finish_reason, seq.stop_reason = "stop", stop
                     return
-        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or (
+            len(seq.token_ids) >= self.max_model_len
         ):
             seq.finish_reason = "length"
             if params.detokenize:
@@ -77,29 +79,35 @@ class OutputProcessor:
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's output so far (cumulative); ``best_of > n``: empty until it has ended."""
+        # Once per request that sampled, every step: a single sequence's case reads RequestState's
+        # properties (first, finished) inline and skips the sum over a generator; the outputs are
+        # built with positional arguments (half the cost of keywords; mypy checks their types).
         params = state.sampling_params
-        finished = state.finished or state.error is not None
         seqs = state.seqs
-        if params.num_sequences > params.n:
-            ranked = sorted(seqs, key=lambda s: (-s.cumulative_logprob, s.index)) if finished else []
-            seqs = ranked[: params.n]
-        first = state.first
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=[_completion(seq, index, finished=seq.finish_reason is not None) for index, seq in enumerate(seqs)],
-            finished=finished,
-            lora_request=first.lora_request,
-            error=state.error,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            num_cached_tokens=first.num_cached_tokens,
-            num_generated_tokens=sum(seq.num_output_tokens for seq in state.seqs),
-            first_token_times=state.first_token_times,
-        )
+        first = seqs[0]
+        prompt_length = len(first.prompt_token_ids)
+        if params.best_of == 1:  # n = 1 too: one sequence, never forked, always shown
+            done = first.finish_reason is not None
+            finished = done or state.error is not None
+            outputs = [_completion(first, 0, done)]
+            generated = len(first.token_ids) - prompt_length
+        else:
+            finished = state.finished or state.error is not None
+            if params.num_sequences > params.n:
+                ranked = sorted(seqs, key=lambda s: (-s.cumulative_logprob, s.index)) if finished else []
+                shown = ranked[: params.n]
+            else:
+                shown = seqs
+            outputs = [_completion(seq, index, seq.finish_reason is not None) for index, seq in enumerate(shown)]
+            generated = sum(len(seq.token_ids) - len(seq.prompt_token_ids) for seq in seqs)
+        prompt_logprobs = first.prompt_logprobs
+        return RequestOutput(state.request_id, first.prompt, first.prompt_token_ids, outputs, finished,
+                             first.lora_request, state.error,
+                             list(prompt_logprobs) if prompt_logprobs is not None else None,
+                             first.num_cached_tokens, generated, state.first_token_times)
 
 
-def _completion(seq: Sequence, index: int, *, finished: bool) -> CompletionOutput:
+def _completion(seq: Sequence, index: int, finished: bool) -> CompletionOutput:
     text = seq.output_text
     stops = seq.sampling_params.stop_matcher
     if not finished and stops is not None:
@@ -107,12 +115,9 @@ def _completion(seq: Sequence, index: int, *, finished: bool) -> CompletionOutpu
         # characters the final text cuts: every streamed text is a prefix of the final one.
         hold = stops.max_len - 1
         text = text[: max(0, len(text) - hold)]
-    return CompletionOutput(
-        index=index,
-        text=text,
-        token_ids=seq.output_token_ids,
-        cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-    )
+    logprobs = seq.logprobs
+    if logprobs is None:  # logprobs not asked for: no cumulative log-probability shown either
+        return CompletionOutput(index, text, seq.token_ids[len(seq.prompt_token_ids) :], None, None,
+                                seq.finish_reason, seq.stop_reason)
+    return CompletionOutput(index, text, seq.token_ids[len(seq.prompt_token_ids) :], seq.cumulative_logprob,
+                            list(logprobs), seq.finish_reason, seq.stop_reason)
