@@ -5,8 +5,9 @@ step and per sequence at a batch of decoding sequences over many adapters.
 On the H100 the host's part of a step at ~250 sequences was ~11 ms (TPOT 29.2 ms without async
 scheduling against 17.8 ms with it), as long as the GPU's step: under more load it sets the step
 rate. This measures that part on the CPU, where the forward would drown it: the real engine on the
-tiny model, with the runner's forward replaced by one that returns zero logits of the right shape at
-once (here only: every other object is the engine's own). The adapters' per-token metadata
+tiny model, with the runner's forward replaced by one that returns logits of the right shape at once
+whose argmax is a text token (varied by position and row; here only: every other object is the
+engine's own). The adapters' per-token metadata
 (``LoRAMeta.prepare``, device work inside the CUDA graph on the GPU) is timed apart and left out of
 the host total too.
 
@@ -101,10 +102,18 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     timed step is a pure decode, which always runs flat)."""
     runner = engine.runner
     vocab = engine.hf_config.vocab_size
+    # Text tokens, as a served model samples: zero logits would make every token id 0, a special
+    # token the detokenizer skips, and the output processing would not be what serving pays.
+    special = set(engine.tokenizer.all_special_ids)
+    text = torch.tensor([i for i in range(vocab) if i not in special])
 
     def no_forward(input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
                    row_slots: list[int] | None = None) -> torch.Tensor:
-        return torch.zeros(sample_rows.shape[0], vocab)
+        # Each sampled row's token from its position, so every sequence's text keeps changing.
+        tokens = text[(positions[sample_rows] * 7919 + sample_rows) % len(text)]
+        logits = torch.zeros(sample_rows.shape[0], vocab)
+        logits[torch.arange(len(tokens)), tokens] = 1.0
+        return logits
 
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
     engine._prepare = timer.wrap("prepare", engine._prepare)  # type: ignore[method-assign]
