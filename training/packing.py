@@ -101,10 +101,22 @@ def layout(sequences: Sequence[EncodedExample], *, pad_id: int, device: torch.de
             lengths.append(width - at)
     if packed:
         bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-        return Rows(ids.to(device), labels.to(device), owner.to(device), None, positions.to(device),
-                    bounds.to(device), max(lengths))
+        return Rows(_to(device, ids), _to(device, labels), _to(device, owner), None, _to(device, positions),
+                    _to(device, bounds), max(lengths))
     mask = (owner != PADDING_OWNER).long()
-    return Rows(ids.to(device), labels.to(device), owner.to(device), mask.to(device), None)
+    return Rows(_to(device, ids), _to(device, labels), _to(device, owner), _to(device, mask), None)
+
+
+def _to(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, built on the host, on `device`: to a GPU from pinned memory, without blocking. PyTorch's
+    blocking copy from pageable memory synchronises the stream after it, so each micro-batch's layout
+    would wait for the GPU to finish all the work queued before it (the previous step's backward and
+    optimizer step) before its forward could be queued, and the GPU would idle through that host work.
+    The pinned block is not reused before the copy has read it (PyTorch's pinned-memory allocator
+    records the copy's stream)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def target_logprobs(logits: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,15 @@ its loss times zero.
 
 On CUDA the passes run under bf16 autocast (the base is bf16, the LoRA weights fp32); the loss
 is computed in fp32 either way.
+
+A supervised step's code reads nothing off the GPU: its loss and counts stay on the device
+(StepOutcome) until the trainer needs the numbers (a log, a checkpoint, the end). Reading one
+(`.item()`, `int()`) makes the host wait for the step's backward to finish before it can queue what
+follows (gradient clipping, the optimizer step, the next step's layout and forward), and the GPU
+idles through all of that host work, every step. (transformers still reads one flag off the GPU in
+each forward over packed rows, where it derives their mask, `find_packed_sequence_indices`: the host
+waits there for the work queued before, but only the rest of that forward's launches follow the wait,
+not the step's host work.)
 """
 
 from __future__ import annotations
@@ -38,11 +47,26 @@ Item = TypeVar("Item", EncodedExample, PreferencePair)
 
 @dataclass(frozen=True)
 class StepOutcome:
-    # The step's mean loss (per trained token, or per pair for DPO).
-    loss: float
-    # Supervised: next tokens predicted exactly (argmax) and counted; DPO: pairs ranked right and pairs.
-    correct: int
-    counted: int
+    """A step's summed loss and accuracy counts, where the step left them (module docstring)."""
+
+    # float64 [summed loss, then supervised: next tokens predicted exactly (argmax) and tokens counted;
+    # DPO: pairs ranked right and pairs]: on the step's device, or on the host where the step had read
+    # them already. float64, the host's float, so that they add up to what adding their .item() gave.
+    sums: torch.Tensor
+    # The step's mean loss is the summed loss divided by this (trained tokens, or pairs), on the host:
+    # on CUDA, PyTorch divides by a host number as a multiplication by its reciprocal (a bit off).
+    denominator: int
+
+
+def summed_outcomes(outcomes: Sequence[StepOutcome]) -> tuple[float, int, int]:
+    """The steps' mean losses, correct and counted, each summed over the steps, read off the device in
+    one transfer (one wait for the GPU)."""
+    loss, correct, counted = 0.0, 0, 0
+    read = torch.stack([outcome.sums for outcome in outcomes]).tolist() if outcomes else []
+    for (loss_sum, step_correct, step_counted), outcome in zip(read, outcomes):
+        loss += loss_sum / outcome.denominator
+        correct, counted = correct + round(step_correct), counted + round(step_counted)
+    return loss, correct, counted
 
 
 def targets(item: EncodedExample) -> int:
@@ -83,7 +107,7 @@ def train_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, p
         return _dpo_step(model, items, hp, pad_id=pad_id, device=device, rank=rank, world_size=world_size)
     sequences = [item for item in items if isinstance(item, EncodedExample)]
     denominator = max(1, sum(targets(item) for item in sequences))
-    loss_total, correct, counted = 0.0, 0, 0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     for chunk, counts in _passes(sequences, hp, rank, world_size):
         rows = layout(chunk, pad_id=pad_id, device=device, packed=hp.packing, capacity=hp.max_seq_length)
         with autocast(device):
@@ -93,15 +117,16 @@ def train_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, p
         (loss_sum / denominator).backward()
         if not counts:
             continue
-        loss_total += loss_sum.item()
         with torch.no_grad():
             hits = (logits[:, :-1].argmax(dim=-1) == rows.labels[:, 1:]) & trained
-            correct, counted = correct + int(hits.sum()), counted + int(trained.sum())
-    return StepOutcome(loss_total / denominator, correct, counted)
+            sums += torch.stack([loss_sum.double(), hits.sum(dtype=torch.float64), trained.sum(dtype=torch.float64)])
+    return StepOutcome(sums, denominator)
 
 
 def _dpo_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,
               device: torch.device, rank: int, world_size: int) -> StepOutcome:
+    # Read on the host every micro-batch: training.dpo's pair_loss_sum reads its pairs ranked right
+    # (an int) anyway, so the host waits for the GPU there whatever this step does with its loss.
     pairs = [item for item in items if isinstance(item, PreferencePair)]
     loss_total, preferred = 0.0, 0
     for chunk, counts in _passes(pairs, hp, rank, world_size):
@@ -112,7 +137,8 @@ def _dpo_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pa
         if counts:
             loss_total += outcome.loss_sum.item()
             preferred += outcome.preferred
-    return StepOutcome(loss_total / len(pairs), preferred, len(pairs) if rank == 0 else 0)
+    return StepOutcome(torch.tensor([loss_total, preferred, len(pairs) if rank == 0 else 0], dtype=torch.float64),
+                       len(pairs))
 
 
 def evaluation_loss(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, pad_id: int,

@@ -55,7 +55,7 @@ from training.pace import log_interval
 from training.packed_attention import use_packed_attention
 from training.schedules import lr_lambda
 from training.preference import TrainItem
-from training.steps import StepOutcome, evaluation_loss, train_step
+from training.steps import StepOutcome, evaluation_loss, summed_outcomes, train_step
 from training.tokenizer import load_tokenizer
 
 # The directory of a checkpoint: PEFT's two adapter files, then these (the state file is written
@@ -335,8 +335,9 @@ class LoraTrainer:
         saved_step = step
 
         model.train()
-        window_loss, window_steps = 0.0, 0
-        window_correct, window_counted = 0, 0
+        # The steps since the last log, their loss and counts where the steps left them (on the GPU:
+        # training.steps), read once the loop needs the numbers.
+        window: list[StepOutcome] = []
         last_train_loss: float | None = None
         valid_loss: float | None = None
         orders: dict[int, list[int]] = {}
@@ -361,8 +362,8 @@ class LoraTrainer:
             order = orders.setdefault(epoch, _epoch_order(self.seed, epoch, self.plan.num_examples))
             picked = order[position * self.hp.batch_size:(position + 1) * self.hp.batch_size]
             batch_examples = [self.train_examples[index] for index in picked]
-            outcome = self._step(model, params, batch_examples, step)
-            window_correct, window_counted = window_correct + outcome.correct, window_counted + outcome.counted
+            window.append(self._step(model, params, batch_examples, step))
+            # The total norm it returns stays on the device: reading it would wait for the GPU.
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             optimizer.step()
             scheduler.step()
@@ -370,16 +371,14 @@ class LoraTrainer:
 
             step += 1
             trained_tokens += sum(example.num_trained_tokens for example in batch_examples)
-            window_loss += outcome.loss
-            window_steps += 1
             epoch_progress = step / self.plan.steps_per_epoch
             self.hooks.on_step(step, total, epoch_progress, trained_tokens)
             checkpoint_due = step % self.checkpoint_every == 0 and step < total
             if step % self.log_every == 0 or step == total or checkpoint_due:
-                last_train_loss = window_loss / window_steps
+                window_loss, window_correct, window_counted = summed_outcomes(window)
+                last_train_loss = window_loss / len(window)
                 accuracy = window_correct / window_counted if window_counted else None
-                window_loss, window_steps = 0.0, 0
-                window_correct, window_counted = 0, 0
+                window = []
                 evaluate = self.valid_examples and (checkpoint_due or step == total)
                 valid_loss = self._valid_loss(model) if evaluate else None
                 accuracy_name = "train_reward_accuracy" if self.hp.method == DPO else "train_mean_token_accuracy"
@@ -409,8 +408,11 @@ class LoraTrainer:
         outcome = train_step(model, batch, self.hp, pad_id=self.pad_id, device=self.base.device,
                              rank=self.world.rank, world_size=self.world.size)
         self.world.reduce_gradients(params)
-        loss, correct, counted = self.world.sum([outcome.loss, outcome.correct, outcome.counted])
-        return StepOutcome(loss, round(correct), round(counted))
+        # Read and summed over the ranks every step: the host already waits for the GPU every step
+        # with several ranks (`agree` reads rank 0's broadcast decision before each step).
+        summed = self.world.sum(summed_outcomes([outcome]))
+        # The ranks' mean losses summed are the step's mean loss: divided by one.
+        return StepOutcome(torch.tensor(summed, dtype=torch.float64), 1)
 
     def _save(self, model: Any, directory: Path) -> None:
         """PEFT's adapter files of the model's LoRA weights in `directory`."""
