@@ -5,9 +5,7 @@ and a scale a row out. For each width and M it prints median µs, as CUDA-graph 
 what the engine's captured steps pay) and eagerly (host launch included), of
 
 - ``silu_mul``: the bf16 kernel alone;
-- ``fp8``: ``silu_mul_fp8`` as it dispatches by width (``fused_ops.ROW_PROGRAM_MAX_WIDTH``);
-- ``fp8 row`` and ``fp8 split``: the same forced to one program a row holding it whole, and to the
-  split path (two launches over column chunks): the figures to set that threshold by;
+- ``fp8``: ``silu_mul_fp8`` (one program a row, the row whole);
 - ``unfused``: ``silu_mul`` then ``kernels.fp8.quantize_rows_triton``, what the fusion replaces.
 
 Each FP8 variant is first checked bit-equal to the unfused pair. ``triton.testing.do_bench`` flushes
@@ -19,10 +17,9 @@ the L2 cache before every call, so the input comes from memory each time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 # Run as a script, this file's folder heads sys.path and its name would shadow the kernels package.
@@ -35,47 +32,26 @@ from bench.kernels import graph_ms, median_ms  # noqa: E402
 from kernels import fused_ops  # noqa: E402
 from kernels.fp8 import QuantizedRows, quantize_rows_triton  # noqa: E402
 
-# ROW_PROGRAM_MAX_WIDTH for each FP8 variant: None leaves the module's dispatch as it is.
-THRESHOLDS: dict[str, int | None] = {"fp8": None, "fp8 row": 1 << 30, "fp8 split": 0}
-
-
-@contextlib.contextmanager
-def row_program_max_width(width: int | None) -> Iterator[None]:
-    """``fused_ops.ROW_PROGRAM_MAX_WIDTH`` set to ``width`` inside (a graph captures the path taken then)."""
-    kept = fused_ops.ROW_PROGRAM_MAX_WIDTH
-    if width is not None:
-        fused_ops.ROW_PROGRAM_MAX_WIDTH = width
-    try:
-        yield
-    finally:
-        fused_ops.ROW_PROGRAM_MAX_WIDTH = kept
-
-
 def unfused(gate_up: torch.Tensor) -> tuple[torch.Tensor, QuantizedRows]:
     out = fused_ops.silu_mul(gate_up)
     return out, quantize_rows_triton(out)
 
 
 def time_case(rows: int, width: int) -> dict[str, dict[str, float]]:
-    """``{variant: {"graph_us": ..., "eager_us": ...}}`` at ``[rows, 2 x width]``, FP8 variants checked first."""
+    """``{variant: {"graph_us": ..., "eager_us": ...}}`` at ``[rows, 2 x width]``, the FP8 kernel checked first."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
     gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
     expected_out, expected = unfused(gate_up)
     calls: dict[str, Callable[[], object]] = {
         "silu_mul": lambda: fused_ops.silu_mul(gate_up),
-        **{name: lambda: fused_ops.silu_mul_fp8(gate_up) for name in THRESHOLDS},
+        "fp8": lambda: fused_ops.silu_mul_fp8(gate_up),
         "unfused": lambda: unfused(gate_up),
     }
-    result = {}
-    for name, call in calls.items():
-        with row_program_max_width(THRESHOLDS.get(name)):
-            if name in THRESHOLDS:
-                out, (q, scale) = fused_ops.silu_mul_fp8(gate_up)
-                same = torch.equal(out, expected_out) and torch.equal(scale, expected.scale)
-                if not same or not torch.equal(q.view(torch.uint8), expected.q.view(torch.uint8)):
-                    raise SystemExit(f"{name} at M = {rows}, width {width} is not bit-equal to the unfused pair")
-            result[name] = {"graph_us": graph_ms(call) * 1e3, "eager_us": median_ms(call) * 1e3}
-    return result
+    out, (q, scale) = fused_ops.silu_mul_fp8(gate_up)
+    same = torch.equal(out, expected_out) and torch.equal(scale, expected.scale)
+    if not same or not torch.equal(q.view(torch.uint8), expected.q.view(torch.uint8)):
+        raise SystemExit(f"silu_mul_fp8 at M = {rows}, width {width} is not bit-equal to the unfused pair")
+    return {name: {"graph_us": graph_ms(call) * 1e3, "eager_us": median_ms(call) * 1e3} for name, call in calls.items()}
 
 
 def main() -> None:
@@ -86,9 +62,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/fused_ops.py needs a CUDA device")
-    results: dict[str, object] = {"card": card(), "row_program_max_width": fused_ops.ROW_PROGRAM_MAX_WIDTH}
+    results: dict[str, object] = {"card": card()}
     cases = []
-    names = ["silu_mul", *THRESHOLDS, "unfused"]
+    names = ["silu_mul", "fp8", "unfused"]
     print("| width | M | " + " | ".join(f"{name} µs" for name in names) + " | fp8 / silu_mul |")
     print("| --- " * (len(names) + 3) + "|")
     for width in args.widths:

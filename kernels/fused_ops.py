@@ -13,10 +13,6 @@ kernel, flag on, writes the rows in the input dtype (still the LoRA path's input
 row it holds with ``kernels.fp8.quantize_row`` from those rounded values, so the FP8 rows are
 bit-equal to ``quantize_rows`` of the output, and the projection's own quantizing launch (with its
 read of the activations: three of a layer's four, o_proj's input being attention's) is gone.
-SiLU·mul's rows past ``ROW_PROGRAM_MAX_WIDTH`` (the 8B MLP's 14,336) are split over programs instead:
-a first launch writes the output and each chunk's amax, a second reads the output back and
-quantizes each chunk with the row's scale (the max of its chunks' amax, exact), through the same
-``quantize_row``: still bit-equal, one launch more but many more programs at once.
 """
 
 from __future__ import annotations
@@ -148,34 +144,13 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     )  # fmt: skip
 
 
-# The columns a program of SiLU·mul takes: a plain call's blocks, and each chunk of the split
-# quantizing path's first pass (its second pass's programs have as many lanes; see _AMAX_LANES).
-_BLOCK = 1024
-# Widths up to this quantize with one program a row holding the row whole: one launch, the output
-# quantized from registers. Wider rows take the split path: two launches over chunks of about _BLOCK
-# columns, 4 warps and 27 registers a thread (compiled for sm_90, Triton 3.9), up to 16 programs an
-# SM, M x 14 and M x 15 programs at 14,336; the second launch reads the bf16 output back (from L2 at
-# decode sizes). A whole row of 14,336 is a program of 16,384 lanes, 16 warps (kernels.fp8.row_warps)
-# and 64 registers a thread: two an SM, M in all, each loading, reducing and storing in turn, an
-# eighth of its lanes masked: 15.4 µs at M = 319 on the H100, against 6.7 for the bf16 silu_mul. Up
-# to 4096 a row's program has 8 warps and 32 registers, a row is 28 KB of traffic, and the split's
-# second launch and read-back are expected to cost more than they free. Set by that reasoning, not
-# measured between 4096 and 14,336: bench/fused_ops.py times both paths at any width.
-ROW_PROGRAM_MAX_WIDTH = 4096
-# The split's second pass hands kernels.fp8.quantize_row this many lanes past its chunk's columns,
-# holding the row's amax (16: each chunk starts 16-column aligned, its loads and stores vectorized).
-_AMAX_LANES = 16
-
-
 @jit
-def _silu_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, q_ptr: tl.tensor, scale_ptr: tl.tensor,
-                     amax_ptr: tl.tensor, n: tl.tensor, stride_x: tl.tensor, stride_o: tl.tensor,
-                     stride_q: tl.tensor, stride_a: tl.tensor, QUANTIZE: tl.constexpr, CHUNK_AMAX: tl.constexpr,
+def _silu_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, q_ptr: tl.tensor, scale_ptr: tl.tensor, n: tl.tensor,
+                     stride_x: tl.tensor, stride_o: tl.tensor, stride_q: tl.tensor, QUANTIZE: tl.constexpr,
                      MIN_AMAX_: tl.constexpr, FP8_MAX_: tl.constexpr, ROUND_FIRST: tl.constexpr,
                      BLOCK: tl.constexpr) -> None:  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
@@ -184,39 +159,10 @@ def _silu_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, q_ptr: tl.tensor, sca
     act = (g / (1.0 + tl.exp(-g))).to(dtype)
     y = (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-    # Lanes past n are silu(0) * 0 = 0: they leave an amax alone.
     if QUANTIZE:
-        # One program holds the whole row here (BLOCK >= n).
+        # One program holds the whole row here (BLOCK >= n); lanes past n are silu(0) * 0 = 0.
         q, scale = quantize_row(y.to(tl.float32), MIN_AMAX_, FP8_MAX_, ROUND_FIRST)
         tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
-        tl.store(scale_ptr + row, scale)
-    if CHUNK_AMAX:
-        # The split path's first pass: its chunk's share of the row's amax (a max: exact in any order).
-        tl.store(amax_ptr + row * stride_a + chunk, tl.max(tl.abs(y.to(tl.float32)), axis=0))
-
-
-@jit
-def _quantize_chunks_kernel(y_ptr: tl.tensor, amax_ptr: tl.tensor, q_ptr: tl.tensor, scale_ptr: tl.tensor,
-                            n: tl.tensor, num_amax: tl.tensor, stride_y: tl.tensor, stride_a: tl.tensor,
-                            stride_q: tl.tensor, MIN_AMAX_: tl.constexpr, FP8_MAX_: tl.constexpr,
-                            ROUND_FIRST: tl.constexpr, AMAX_BLOCK: tl.constexpr, COLUMNS: tl.constexpr,
-                            BLOCK: tl.constexpr) -> None:  # fmt: skip
-    """The split path's second pass: ``COLUMNS`` columns of a row of the rounded output ``y``
-    quantized with the row's scale, the row's amax being the max of its chunks' (``num_amax`` of them)."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    parts = tl.arange(0, AMAX_BLOCK)
-    amax = tl.max(tl.load(amax_ptr + row * stride_a + parts, mask=parts < num_amax, other=0.0), axis=0)
-    lanes = tl.arange(0, BLOCK)
-    offs = chunk * COLUMNS + lanes
-    mask = (lanes < COLUMNS) & (offs < n)
-    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
-    # quantize_row scales by the amax of the lanes it gets: with the row's amax in the lanes past the
-    # chunk's columns (never below any of the row's values, so the max of all lanes), the chunk comes
-    # out as quantize_rows gives it, through the very code of the one-program path.
-    q, scale = quantize_row(tl.where(lanes < COLUMNS, y, amax), MIN_AMAX_, FP8_MAX_, ROUND_FIRST)
-    tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
-    if chunk == 0:
         tl.store(scale_ptr + row, scale)
 
 
@@ -226,9 +172,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, QuantizedRows]:
-    """:func:`silu_mul` and its output quantized per row, bit-equal to ``kernels.fp8.quantize_rows``
-    of that output: ``(out, (q, scale))``. One launch up to ``ROW_PROGRAM_MAX_WIDTH`` columns, two
-    past it."""
+    """:func:`silu_mul` and its output quantized per row in the same launch, bit-equal to
+    ``kernels.fp8.quantize_rows`` of that output: ``(out, (q, scale))``."""
     out, rows = _silu_mul(gate_up, quantize=True)
     assert rows is not None
     return out, rows
@@ -241,25 +186,13 @@ def _silu_mul(gate_up: torch.Tensor, *, quantize: bool) -> tuple[torch.Tensor, Q
     rows = _fp8_rows(num_rows, n, gate_up.device) if quantize else None
     if num_rows == 0:
         return out, rows
-    # Without quantize, out stands in for the pointers the kernel never touches then.
+    # Quantizing needs the row's amax: one program a row, holding it whole (as kernels.fp8's kernel);
+    # else blocks of 1024 columns. The values are elementwise, alike under either split.
+    block = triton.next_power_of_2(n) if quantize else 1024
+    warps = row_warps(block) if quantize else 4
     q, scale = rows if rows is not None else (out, out)
-    whole_rows = quantize and n <= ROW_PROGRAM_MAX_WIDTH
-    split = quantize and not whole_rows
-    # The values are elementwise, alike under any split.
-    block = triton.next_power_of_2(n) if whole_rows else _BLOCK
-    chunks = triton.cdiv(n, block)
-    # The split path's amax of each chunk, which its second pass reduces to the row's.
-    amax = torch.empty((num_rows, chunks), dtype=torch.float32, device=gate_up.device) if split else out
-    _silu_mul_kernel[(num_rows, chunks)](
-        gate_up, out, q, scale, amax, n, gate_up.stride(0), out.stride(0), q.stride(0), amax.stride(0),
-        QUANTIZE=whole_rows, CHUNK_AMAX=split, MIN_AMAX_=MIN_AMAX, FP8_MAX_=FP8_MAX, ROUND_FIRST=INTERPRETED,
-        BLOCK=block, num_warps=row_warps(block) if whole_rows else 4,
+    _silu_mul_kernel[(num_rows, triton.cdiv(n, block))](
+        gate_up, out, q, scale, n, gate_up.stride(0), out.stride(0), q.stride(0), QUANTIZE=quantize,
+        MIN_AMAX_=MIN_AMAX, FP8_MAX_=FP8_MAX, ROUND_FIRST=INTERPRETED, BLOCK=block, num_warps=warps,
     )  # fmt: skip
-    if split:
-        columns = _BLOCK - _AMAX_LANES
-        _quantize_chunks_kernel[(num_rows, triton.cdiv(n, columns))](
-            out, amax, q, scale, n, chunks, out.stride(0), amax.stride(0), q.stride(0), MIN_AMAX_=MIN_AMAX,
-            FP8_MAX_=FP8_MAX, ROUND_FIRST=INTERPRETED, AMAX_BLOCK=triton.next_power_of_2(chunks), COLUMNS=columns,
-            BLOCK=_BLOCK, num_warps=4,
-        )  # fmt: skip
     return out, rows

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import fused_ops
 from kernels.fp8 import FP8_MAX, QuantizedRows, quantize_rows
 from kernels.fused_ops import rms_norm, rms_norm_fp8, rotary_, silu_mul, silu_mul_fp8
 
@@ -158,36 +157,15 @@ def test_rms_norm_fp8_is_the_norm_then_quantize_rows(device: str, dtype: torch.d
         assert (back[rows - 1] == 0).all()
 
 
-# (rows, width) of SiLU·mul: one row of 16; a width short of a power of two; on the split path
-# (chunks of 1024 columns, then of 1008 for the quantizing pass) 2 and 2 chunks, each pass's last
-# short, 2 and 2 with the second pass's chunks whole, 2 and 3 with the first's whole, 9 and 9; and
-# one row of the 8B MLP's 14,336 (14 and 15).
-SILU_SHAPES = [(1, 16), (5, 1500), (3, 2016), (4, 2048), (2, 9000), (1, 14336)]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
-@pytest.mark.parametrize("shape", SILU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("path", ["row", "split"])
-def test_silu_mul_fp8_is_silu_mul_then_quantize_rows(device: str, dtype: torch.dtype, shape: tuple[int, int],
-                                                     path: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """Both paths, whatever the width: one program a row holding it whole, or the row split over
-    programs whose chunks' amax make the row's."""
+@pytest.mark.parametrize("shape", [(1, 16), (5, 1500), (2, 9000)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_silu_mul_fp8_is_silu_mul_then_quantize_rows(device: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:
     _fp8_device(device)
-    monkeypatch.setattr(fused_ops, "ROW_PROGRAM_MAX_WIDTH", 1 << 20 if path == "row" else 0)
     rows, n = shape
     generator = torch.Generator().manual_seed(6)
-    # Gates over six decades (SiLU of a tiny negative gate is a tiny negative: e4m3 -0 territory),
-    # the largest products at the row's end: rolled a different way in each row, so that its amax
-    # falls in the last chunk in row 0 and in earlier ones in the others.
+    # Gates over six decades (SiLU of a tiny negative gate is a tiny negative: e4m3 -0 territory).
     gate_up = torch.randn(rows, 2 * n, generator=generator) * torch.logspace(-5, 1, 2 * n)
-    for row in range(1, rows):
-        for half in (slice(0, n), slice(n, 2 * n)):
-            gate_up[row, half] = gate_up[row, half].roll(row * n // rows)
-    if rows > 2:
-        # Zero gates over half the row: at 2048 a whole first-pass chunk (its amax 0), at 2016 a
-        # whole second-pass one.
-        gate_up[0, : n // 2] = 0.0
     if rows > 1:
         gate_up[rows - 1, n:] = 0.0  # up all zeros: a row of zeros
     # A strided view, as a slice of a wider buffer: the kernel reads rows by their stride.
@@ -197,10 +175,8 @@ def test_silu_mul_fp8_is_silu_mul_then_quantize_rows(device: str, dtype: torch.d
     out, quantized = silu_mul_fp8(gate_up)
     assert torch.equal(out, silu_mul(gate_up)), "the product is the unfused kernel's"
     _assert_quantized_rows(quantized, out)
-    back = quantized.q.float()
-    assert (back.abs().amax(dim=1)[: max(rows - 1, 1)] == FP8_MAX).all(), "each nonzero row spans e4m3's range"
     if rows > 1:
-        assert (back[rows - 1] == 0).all()
+        assert (quantized.q[rows - 1].float() == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
