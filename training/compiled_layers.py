@@ -1,4 +1,5 @@
-"""The decoder layers of a training run compiled with torch.compile, one layer's code for all of them.
+"""The decoder layers of a training run compiled with torch.compile, one layer's code for all of them,
+and its loss (training.packing.compiled_loss).
 
 A LoRA step is bound by what eager PyTorch runs between the GEMMs: the RMS norms in fp32, the
 rotary embedding, SiLU × up, the residual adds, PEFT's A → B → scale → add on every projection and
@@ -7,11 +8,11 @@ layer fuses them. Compiling each layer (PyTorch's "regional compilation") rather
 model costs one compilation, not one per layer: the layers are instances of one class, and
 torch.compile treats their parameters as inputs, so they share the compiled code.
 
-The base model is shared by the jobs of a worker process: `compiled_layers` undoes the
-compilation on leaving, so the next job's adapter (other ranks, other target modules) does not
-meet the compiled code's guards, and the recompilation limit is not spent across jobs. The
-trainer compiles on one CUDA device alone (`compile_wanted`): on the CPU the compilation costs more
-than a tiny model's run, a sharded (FSDP) base keeps eager layers, and so does a job with gradient
+The base model is shared by the jobs of a worker process: `compiled_layers` undoes the compilation
+(the loss's too) on leaving, so the next job's adapter (other ranks, other target modules) does not
+meet the compiled code's guards, and the recompilation limit is not spent across jobs. The trainer
+compiles on one CUDA device alone (`compile_wanted`): on the CPU the compilation costs more than a
+tiny model's run, a sharded (FSDP) base keeps eager layers, and so does a job with gradient
 checkpointing (its reentrant recomputation under compiled layers is not what was measured), and a
 DoRA job (`use_dora`): PEFT's DoRA module (peft 0.21.2, `DoraLinearLayer`) breaks Dynamo's graph in
 `dequantize_module_weight` (`str.startswith` on the weight's class module, its torchao check) and its
@@ -29,6 +30,8 @@ from collections.abc import Iterator
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from training.packing import compiled_loss
+
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks (transformers marks them as checkpointable layers)."""
@@ -44,12 +47,13 @@ def compile_wanted(device: torch.device, distributed: bool, checkpointing: bool,
 
 @contextlib.contextmanager
 def compiled_layers(model: torch.nn.Module, *, backend: str = "inductor") -> Iterator[int]:
-    """Compiles every decoder layer of `model` while inside; yields how many."""
+    """Compiles every decoder layer of `model`, and the loss, while inside; yields how many layers."""
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(backend=backend)
     try:
-        yield len(layers)
+        with compiled_loss(backend):
+            yield len(layers)
     finally:
         for layer in layers:
             # nn.Module.compile() keeps the compiled callable here; None restores the plain call.

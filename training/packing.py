@@ -16,14 +16,18 @@ of the micro-batch it belongs to (-1 for padding), which DPO needs to sum log-pr
 sequence. Packed rows also carry their sequences' bounds over the rows laid end to end
 (`cu_seq_lens_q`, each row's padding tail a sequence of its own), which training.packed_attention
 attends by instead of the mask; attention implementations that do not read them ignore them.
+
+The loss's part is here too: the log-probability of each next token from the rows' logits
+(`target_logprobs`), which a run with compiled layers compiles (`compiled_loss`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -121,13 +125,86 @@ def _to(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
 
 def target_logprobs(logits: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of each next token, whether it is trained), both (rows, width − 1): the
-    logits at position i predict the label at i + 1. Computed in fp32 whatever the model's dtype."""
-    targets = rows.labels[:, 1:]
-    trained = targets != IGNORE_INDEX
-    logprobs = -torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-        reduction="none").view_as(targets)
-    return logprobs, trained
+    logits at position i predict the label at i + 1. Computed in fp32 whatever the model's dtype;
+    compiled inside `compiled_loss`."""
+    return _LOSS.logprobs(logits, rows.labels)
+
+
+def target_logprobs_and_hits(logits: torch.Tensor,
+                             rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """target_logprobs' two, and whether each trained next token is the logits' argmax (the token
+    accuracy's hits): compiled, one pass over the logits gives both."""
+    return _LOSS.logprobs_and_hits(logits, rows.labels)
+
+
+def _logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Every position's log-probability of the label after it (the last position has none: IGNORE_INDEX,
+    # zero), the last one dropped after. Compiled with dynamic widths, the cross-entropy of the slice
+    # logits[:, :-1] flattened had the fp32 copy of the logits saved for the backward, and log_softmax
+    # with gather had the backward scatter into fp32 zeros of the logits' size; over the whole logits
+    # (contiguous) only the bf16 logits and numbers per token are saved, and the backward is elementwise.
+    following = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    logprobs = -torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), following.flatten(),
+                                                  ignore_index=IGNORE_INDEX, reduction="none")
+    return logprobs.view_as(following)[:, :-1], following[:, :-1] != IGNORE_INDEX
+
+
+def _logprobs_and_hits(logits: torch.Tensor,
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logprobs, trained = _logprobs(logits, labels)
+    return logprobs, trained, (logits[:, :-1].argmax(dim=-1) == labels[:, 1:]) & trained
+
+
+@dataclass
+class _LossFunctions:
+    """What target_logprobs and target_logprobs_and_hits run: the functions above, or compiled ones."""
+
+    logprobs: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = _logprobs
+    logprobs_and_hits: Callable[[torch.Tensor, torch.Tensor],
+                                tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = _logprobs_and_hits
+
+
+_LOSS = _LossFunctions()
+
+Scores = TypeVar("Scores")
+
+
+def _dynamic(compiled: Callable[[torch.Tensor, torch.Tensor], Scores],
+             ) -> Callable[[torch.Tensor, torch.Tensor], Scores]:
+    """`compiled` with its inputs' rows and widths dynamic from the first call, so that a new width is
+    not a new compilation (a row count of 1 still is one of its own: Dynamo specialises sizes 0 and 1)."""
+
+    def call(logits: torch.Tensor, labels: torch.Tensor) -> Scores:
+        for tensor in (logits, labels):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return compiled(logits, labels)
+
+    return call
+
+
+@contextlib.contextmanager
+def compiled_loss(backend: str = "inductor") -> Iterator[None]:
+    """target_logprobs and target_logprobs_and_hits compiled with torch.compile while inside.
+
+    Eager, the loss copies the logits to fp32 (tokens × vocabulary: 1 GB for 2,048 tokens of Llama
+    3's 128,256), log-softmaxes the copy into another one kept for the backward, and the backward
+    writes an fp32 gradient of that size before casting it to bf16 (log-softmax forward and backward
+    took 2.8 ms of the 8B shape's step on an H100, docs/benchmarks.md). Compiled, inductor reads the
+    bf16 logits for the log-softmax's sums, the target's logit and the argmax without writing an fp32
+    copy (on the CPU all in one kernel), keeps the logits and numbers per token for the backward, and
+    the backward writes the bf16 gradient alone. Micro-batches' widths and row counts vary: both are
+    dynamic (`_dynamic`); the vocabulary stays static, the reduction's size inductor's kernels are
+    made for. The compiled code stays in Dynamo's cache until torch._dynamo.reset()
+    (training.compiled_layers, which enters this, does it on leaving).
+    """
+    eager = _LOSS.logprobs, _LOSS.logprobs_and_hits
+    _LOSS.logprobs = _dynamic(torch.compile(_logprobs, backend=backend))
+    _LOSS.logprobs_and_hits = _dynamic(torch.compile(_logprobs_and_hits, backend=backend))
+    try:
+        yield
+    finally:
+        _LOSS.logprobs, _LOSS.logprobs_and_hits = eager
 
 
 def sequence_sums(values: torch.Tensor, rows: Rows, count: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 from training.dpo import pair_loss_sum, pair_rows
 from training.examples import IGNORE_INDEX, EncodedExample
 from training.hyperparameters import DPO, Hyperparameters
-from training.packing import layout, target_logprobs
+from training.packing import layout, target_logprobs, target_logprobs_and_hits
 from training.preference import PreferencePair, TrainItem
 
 Item = TypeVar("Item", EncodedExample, PreferencePair)
@@ -112,13 +112,12 @@ def train_step(model: Any, items: Sequence[TrainItem], hp: Hyperparameters, *, p
         rows = layout(chunk, pad_id=pad_id, device=device, packed=hp.packing, capacity=hp.max_seq_length)
         with autocast(device):
             logits = model(**rows.model_inputs()).logits
-        logprobs, trained = target_logprobs(logits, rows)
+        logprobs, trained, hits = target_logprobs_and_hits(logits, rows)
         loss_sum = -(logprobs * trained).sum() * (1 if counts else 0)
         (loss_sum / denominator).backward()
         if not counts:
             continue
         with torch.no_grad():
-            hits = (logits[:, :-1].argmax(dim=-1) == rows.labels[:, 1:]) & trained
             sums += torch.stack([loss_sum.double(), hits.sum(dtype=torch.float64), trained.sum(dtype=torch.float64)])
     return StepOutcome(sums, denominator)
 

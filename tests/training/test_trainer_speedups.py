@@ -1,6 +1,7 @@
 """The trainer's speed-ups change the speed, not what is computed: packed rows attended sequence by
-sequence (training.packed_attention) give the loss and gradients of the mask they replace, and
-compiled decoder layers (training.compiled_layers) train the adapter eager layers train."""
+sequence (training.packed_attention) give the loss and gradients of the mask they replace,
+compiled decoder layers (training.compiled_layers) train the adapter eager layers train, and the
+compiled loss (training.packing.compiled_loss) gives the eager one's values without its fp32 copies."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from torch._dynamo.utils import counters
+
 from training.compiled_layers import compile_wanted, compiled_layers, decoder_layers
+from training.examples import IGNORE_INDEX
 from training.hyperparameters import Hyperparameters
 from training.packed_attention import PACKED_ATTENTION, use_packed_attention
-from training.packing import layout, target_logprobs
+from training.packing import Rows, compiled_loss, layout, target_logprobs, target_logprobs_and_hits
 from training.trainer import LoraTrainer
 from test_trainer import Hooks, weights
 # The tiny base and its chat and text examples, the options' tests' own (module-scoped fixtures).
@@ -114,8 +118,6 @@ def test_compiled_layers_train_the_eager_layers_adapter_and_are_undone(base, exa
                                    base_model_name="tiny-llama", checkpoint_every=100, log_every=1,
                                    compile_layers=compile_layers, compile_backend="eager").run())
 
-    from torch._dynamo.utils import counters
-
     eager = run(False)
     counters.clear()
     compiled = run(True)
@@ -143,8 +145,6 @@ def test_dynamo_captures_a_lora_layer_whole_and_breaks_up_a_dora_one(base, use_d
     module's graph, so each decoder layer would compile as several graphs; a LoRA layer is one.
     Captured with the eager backend (no code generation): the breaks are Dynamo's, whatever the backend.
     Should PEFT's DoRA ever trace whole, this fails, and compile_wanted can compile DoRA jobs too."""
-    from torch._dynamo.utils import counters
-
     model = get_peft_model(base.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                                                   task_type="CAUSAL_LM", use_dora=use_dora))
     torch._dynamo.reset()
@@ -162,11 +162,96 @@ def test_dynamo_captures_a_lora_layer_whole_and_breaks_up_a_dora_one(base, use_d
     assert (breaks > 0) == use_dora, f"{breaks} graph breaks: {dict(counters['graph_break'])}"
 
 
-def test_compiled_layers_compile_each_decoder_layer(base):
+def test_compiled_layers_compile_each_decoder_layer_and_the_loss(base):
+    logits, rows = loss_inputs(rows=1, width=6)
+    torch._dynamo.reset()
+    counters.clear()
     with compiled_layers(base.model, backend="aot_eager") as count:
         assert count == base.model.config.num_hidden_layers
         assert all(layer._compiled_call_impl is not None for layer in decoder_layers(base.model))
+        target_logprobs(logits, rows)
+        assert counters["stats"]["unique_graphs"] == 1
     assert all(layer._compiled_call_impl is None for layer in decoder_layers(base.model))
+    # Eager again: through the compiled loss, Dynamo (its cache reset on leaving) would capture it anew.
+    target_logprobs(logits, rows)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def loss_inputs(rows: int, width: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, Rows]:
+    """Logits of a 48-token vocabulary, requiring grad, and the labels of their rows: the first two
+    tokens of every row are prompt (not trained), and so is the last row's tail; every other position
+    predicts its next label (an argmax hit)."""
+    generator = torch.Generator().manual_seed(rows * 1000 + width)
+    labels = torch.randint(0, 48, (rows, width), generator=generator)
+    logits = 3 * torch.randn(rows, width, 48, generator=generator)
+    logits[:, :-1:2].scatter_add_(-1, labels[:, 1::2].unsqueeze(-1), torch.full((rows, width // 2, 1), 20.0))
+    logits = logits.to(dtype).requires_grad_()
+    labels[:, :2] = IGNORE_INDEX
+    labels[-1, -3:] = IGNORE_INDEX
+    return logits, Rows(labels.clamp(min=0), labels, torch.zeros_like(labels), None, None)
+
+
+def saved_for_backward(call):
+    """What `call`'s autograd graph keeps for the backward, and `call`'s result."""
+    saved: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        result = call()
+    return saved, result
+
+
+# inductor compiles its C++ kernels with gcc: processes of their own (e2e).
+@pytest.mark.parametrize("backend", ["aot_eager_decomp_partition", pytest.param("inductor", marks=pytest.mark.e2e)])
+def test_the_compiled_loss_gives_the_eager_values_and_keeps_no_fp32_logits(backend):
+    """bf16 logits, as on CUDA. aot_eager_decomp_partition splits forward and backward as inductor does
+    (the same decompositions and partitioner) without generating code; inductor then runs them."""
+    logits, rows = loss_inputs(rows=3, width=21, dtype=torch.bfloat16)
+    logits_size = logits[:, :-1].numel()
+    eager_saved, expected = saved_for_backward(lambda: target_logprobs_and_hits(logits, rows))
+    # The eager loss keeps an fp32 tensor of the logits' size for the backward (its log-softmax).
+    assert any(t.dtype == torch.float32 and t.numel() >= logits_size for t in eager_saved)
+    (expected_grad,) = torch.autograd.grad((expected[0] * expected[1]).sum(), logits)
+    torch._dynamo.reset()
+    try:
+        with compiled_loss(backend):
+            saved, got = saved_for_backward(lambda: target_logprobs_and_hits(logits, rows))
+            (grad,) = torch.autograd.grad((got[0] * got[1]).sum(), logits)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2]) and got[2].any()
+    # bf16 gradients of fp32 values that differ by rounding: one bf16 step apart at most.
+    torch.testing.assert_close(grad, expected_grad)
+    # Compiled, the only tensor of the logits' size kept is the bf16 logits themselves.
+    large = [t for t in saved if t.numel() >= logits_size]
+    assert large and all(t.dtype == torch.bfloat16 and t.data_ptr() == logits.data_ptr() for t in large), [
+        (t.dtype, tuple(t.shape)) for t in large]
+
+
+def test_the_eager_loss_is_the_log_softmax_of_each_next_token():
+    logits, rows = loss_inputs(rows=2, width=9)
+    logprobs, trained, hits = target_logprobs_and_hits(logits, rows)
+    following = rows.labels[:, 1:]
+    expected = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, following.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(trained, following != IGNORE_INDEX)
+    torch.testing.assert_close(logprobs, expected * trained, rtol=0, atol=0)
+    assert torch.equal(hits, (logits[:, :-1].argmax(dim=-1) == following) & trained) and hits.any()
+
+
+def test_a_new_width_or_row_count_does_not_compile_the_loss_again():
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with compiled_loss("eager"):
+            for rows, width in ((2, 9), (2, 17), (3, 12), (5, 40)):
+                target_logprobs_and_hits(*loss_inputs(rows, width))
+    finally:
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.gpu
