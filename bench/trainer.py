@@ -31,7 +31,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +82,24 @@ def bench_base(shape: str, num_layers: int | None, device: torch.device, directo
 
 
 class StepTimer:
-    """Training hooks that stamp each step, so the first steps (allocator and kernel warm-up) can be left out."""
+    """Training hooks that stamp each step, so the first steps (allocator and kernel warm-up) can be left out.
 
-    def __init__(self) -> None:
+    The trainer's host runs ahead of the GPU (a step reads nothing off it), so a stamp is only the
+    GPU's time where the stream has been waited for: at ``sync_steps``, the steps whose stamps a
+    figure divides by (:func:`steady_tokens_per_s`). Waiting at every step would stall the loop where
+    training does not."""
+
+    def __init__(self, sync_steps: Collection[int] = ()) -> None:
         self.stamps: list[tuple[float, int]] = []
         self.losses: list[float] = []
+        self.sync_steps = frozenset(sync_steps)
 
     def should_stop(self) -> bool:
         return False
 
     def on_step(self, step: int, total_steps: int, epoch: float, trained_tokens: int) -> None:
+        if step in self.sync_steps and torch.cuda.is_available():
+            torch.cuda.synchronize()
         self.stamps.append((time.perf_counter(), trained_tokens))
 
     def on_log(self, metrics: StepMetrics) -> None:
@@ -105,8 +113,8 @@ class ProfilingTimer(StepTimer):
     """A StepTimer that runs torch.profiler over `steps` steps after the first `start` and writes the
     kernel table to `out` when they are done."""
 
-    def __init__(self, out: Path, start: int, steps: int = 3) -> None:
-        super().__init__()
+    def __init__(self, out: Path, start: int, steps: int = 3, sync_steps: Collection[int] = ()) -> None:
+        super().__init__(sync_steps)
         self.out, self.start, self.steps = out, start, steps
         self._profiler: Any = None
         self._began = 0.0
@@ -180,7 +188,9 @@ def main() -> int:
 
         def ours(compile_layers: bool | None, packed_attention: bool, name: str,
                  profile: Path | None = None) -> tuple[Any, StepTimer, float]:  # fmt: skip
-            timer = ProfilingTimer(profile, args.warmup_steps) if profile else StepTimer()
+            # The stamps steady_tokens_per_s divides by: after the warm-up, and the last step's.
+            timed = (args.warmup_steps, args.steps)
+            timer = ProfilingTimer(profile, args.warmup_steps, sync_steps=timed) if profile else StepTimer(timed)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)

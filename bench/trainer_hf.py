@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -36,14 +36,17 @@ class _Examples(torch.utils.data.Dataset):
 
 
 class _Stamps(TrainerCallback):
-    """The time and trained tokens at every step's end, as bench/trainer.py's hooks record ours."""
+    """The time and trained tokens at every step's end, as bench/trainer.py's hooks record ours: the
+    GPU is waited for only at ``sync_steps`` (the stamps a figure divides by), as there, so neither
+    loop is stalled where training does not stall it."""
 
-    def __init__(self, tokens_per_step: int) -> None:
+    def __init__(self, tokens_per_step: int, sync_steps: Collection[int]) -> None:
         self.tokens_per_step = tokens_per_step
         self.stamps: list[tuple[float, int]] = []
+        self.sync_steps = frozenset(sync_steps)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if torch.cuda.is_available():
+        if state.global_step in self.sync_steps and torch.cuda.is_available():
             torch.cuda.synchronize()
         self.stamps.append((time.perf_counter(), state.global_step * self.tokens_per_step))
 
@@ -59,7 +62,8 @@ def run_hf_trainer(model: Any, examples: Sequence[EncodedExample], *, batch: int
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    stamps = _Stamps(sum(example.num_trained_tokens for example in examples[:batch]))
+    stamps = _Stamps(sum(example.num_trained_tokens for example in examples[:batch]),
+                     sync_steps=(warmup_steps, len(examples) // batch))
     try:
         with tempfile.TemporaryDirectory() as output:
             args = TrainingArguments(

@@ -1,13 +1,14 @@
-"""The benches' profiles: bench/trainer.py's --profile window, and the device time per step (bench/profiles.py)."""
+"""The benches' timing: bench/trainer.py's stamps and --profile window, and the device time per step (bench/profiles.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.profiles import device_ms_per_step
-from bench.trainer import ProfilingTimer
+from bench.trainer import ProfilingTimer, StepTimer
 
 
 def _step(timer: ProfilingTimer, step: int, op: torch.Tensor) -> None:
@@ -53,3 +54,16 @@ def test_device_time_counts_kernels_not_annotations_or_ops() -> None:
     # Two kernels; an annotation's GPU span over them and its gaps; an op row repeating its kernel.
     rows = [_Row(cuda, 3000.0), _Row(cuda, 1000.0), _Row(cuda, 9000.0, annotation=True), _Row(cpu, 3000.0)]
     assert device_ms_per_step(rows, steps=2) == 2.0
+
+
+def test_the_stamps_wait_for_the_gpu_only_at_the_steps_a_figure_divides_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The trainer's host runs ahead of the GPU: a stamp the figure uses must wait for the stream,
+    # and no other may (waiting every step would stall the loop where training does not).
+    waited: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: waited.append(len(timer.stamps) + 1))
+    timer = StepTimer(sync_steps=(3, 8))
+    for step in range(1, 9):
+        timer.on_step(step, 8, step / 8, step * 64)
+    assert waited == [3, 8]
+    assert [tokens for _, tokens in timer.stamps] == [step * 64 for step in range(1, 9)]
