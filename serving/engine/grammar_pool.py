@@ -133,6 +133,10 @@ class FairQueue(Generic[T]):
     def push(self, tenant: str, item: T) -> None:
         self._queues.setdefault(tenant, deque()).append(item)
 
+    def push_front(self, tenant: str, item: T) -> None:
+        """Queue `item` ahead of `tenant`'s others (one taken back from a process that died under it)."""
+        self._queues.setdefault(tenant, deque()).appendleft(item)
+
     def remove(self, tenant: str, item: T) -> bool:
         """Take a queued `item` out; False if it is not queued."""
         queue = self._queues.get(tenant)
@@ -189,6 +193,9 @@ class _Process:
     retired: bool = False  # killed on purpose (deadline, cancel, close): its end is not a crash
     # The tenant whose killed compile this process replaces: its share holds this process until ready.
     charged: str | None = None
+    # The process that forked it: where that one has ended, this one's end is its forker's death,
+    # not a crash on its task.
+    forker: subprocess.Popen[bytes] | None = None
 
 
 class GrammarPool:
@@ -362,7 +369,8 @@ class GrammarPool:
         except OSError:  # it died: its control socket reads as closed, and this process's as a failed start
             pass
         theirs.close()
-        process = _Process(Connection(ours.detach()), charged=self._owed.popleft() if self._owed else None)
+        process = _Process(Connection(ours.detach()), charged=self._owed.popleft() if self._owed else None,
+                           forker=self._forker)
         self._processes.append(process)
         return process
 
@@ -460,9 +468,18 @@ class GrammarPool:
             _settle(task.future, error=GrammarError(f"the {task.label} cannot be used for guided decoding: {detail}"))
 
     def _ended(self, process: _Process) -> None:
-        """A process's pipe closed: a retired one was killed; any other crashed on its task."""
+        """A process's pipe closed: a retired one was killed; one whose forker has ended died with it,
+        and its task goes back to the head of its tenant's queue (the task did not cause that: the
+        pool may hand it to a process it has not yet seen die, between the forker's death and the
+        processes' ends being read); any other crashed on its task."""
         with self._lock:
             task = process.task
+            if task is not None and not process.retired and process.forker is not None \
+                    and process.forker.poll() is not None:
+                process.task = None
+                self._queue.finished(task.tenant)
+                self._queue.push_front(task.tenant, task)
+                task = None
             if not process.retired:
                 self._retire(process)  # a crash on its task: the replacement is the task's tenant's
                 logger.error("a grammar compiling process (pid %s) ended unexpectedly; the forker's line on stderr "

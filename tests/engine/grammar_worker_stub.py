@@ -6,8 +6,10 @@ ends: ``python grammar_worker_stub.py DIR FD``. Like the real one it forks its c
 - A forked process is ready at once, unless ``DIR/hold`` exists: then only once it is gone (a
   process's start that takes as long as the test wants); ready, it leaves ``DIR/ready-<pid>``.
 - A compile's text ``hang``: never answers (the pool kills it past its time or on cancel);
-  ``crash``: the process exits (a crash on its task); anything else: an error answer naming it,
-  at once (the pool settles the future without reading a compiled grammar back).
+  ``crash``: the process exits (a crash on its task); ``stall``: answers as below once
+  ``DIR/stall`` is gone (a compile under way while the test does something to its process); anything
+  else: an error answer naming it, at once (the pool settles the future without reading a compiled
+  grammar back).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def compile_loop(gate: Path, conn: Connection) -> None:
             time.sleep(3600)
         if text == "crash":
             os._exit(3)
+        while text == "stall" and (gate / "stall").exists():
+            time.sleep(0.01)
         conn.send(("error", task_id, False, f"stub compiled {text}"))
 
 

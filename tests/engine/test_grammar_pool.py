@@ -418,6 +418,38 @@ def test_compiling_processes_are_forked_from_one_process_that_kills_only_its_own
     wait_for(lambda: all(gone(pid) for pid in [forker.pid, *compiling]), "the forker and its processes to end")
 
 
+def test_a_compile_whose_process_dies_with_its_forker_runs_again_on_the_next(tmp_path: Path) -> None:
+    # The task did not kill its process, its forker's death did: it is not "too complex".
+    pool = _stub_pool(tmp_path, GrammarBudget(timeout=60.0, workers=2))
+    try:
+        pool.submit("A", "json", "warm", "JSON schema").exception(timeout=GUARD_S)
+        (tmp_path / "stall").touch()
+        stalled = pool.submit("A", "json", "stall", "JSON schema")
+        wait_for(lambda: len(pool.running_pids()) == 1, "the stalled compile to be under way")
+        [forker] = _forkers(tmp_path)
+        before = {child.pid for child in forker.children()}
+        forker.kill()
+        wait_for(lambda: all(gone(pid) for pid in before), "the forker's processes to die with it")
+        (tmp_path / "stall").unlink()
+        answer = stalled.exception(timeout=GUARD_S)
+        assert type(answer) is GrammarError and "stub compiled stall" in str(answer)
+    finally:
+        pool.close()
+
+
+def test_a_queue_takes_an_item_back_ahead_of_its_tenants_others() -> None:
+    queue: FairQueue[str] = FairQueue(share=1)
+    queue.push("A", "a0")
+    queue.push("A", "a1")
+    queue.push("B", "b0")
+    assert queue.pop() == ("A", "a0")
+    queue.finished("A")
+    queue.push_front("A", "a0")
+    assert [queue.pop(), queue.pop()] == [("B", "b0"), ("A", "a0")]
+    queue.finished("A")
+    assert queue.pop() == ("A", "a1")
+
+
 def test_a_dead_forker_takes_its_processes_with_it_and_the_pool_starts_another(tmp_path: Path) -> None:
     pool = _stub_pool(tmp_path, GrammarBudget(timeout=60.0, workers=2))
     try:
